@@ -1,0 +1,163 @@
+"""The expression form of a pointwise stage: a small, closed grammar over `x`.
+
+    expr ::= number | "x" | param | "-" expr | "+" expr | expr ("+"|"-"|"*"|"/") expr
+           | expr "**" number | func "(" expr {"," expr} ")" | "(" expr ")"
+
+`param` is any other identifier: a learnable per-channel parameter of that name.
+The text is parsed with Python's `ast` (never evaluated) and every node is checked
+against the grammar; the checked tree is then printed as CUDA C or walked with torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from dataclasses import dataclass
+
+from specgen.literals import c_float
+
+IDENTIFIER = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,62}$")
+MAX_LENGTH = 512
+
+# name -> (arity, CUDA spelling as a format string over {0}, {1}, ..., torch reference)
+FUNCTIONS: dict[str, tuple[int, str, str]] = {
+    "abs": (1, "fabsf({0})", "abs"),
+    "exp": (1, "expf({0})", "exp"),
+    "log": (1, "logf({0})", "log"),
+    "sqrt": (1, "sqrtf({0})", "sqrt"),
+    "tanh": (1, "tanhf({0})", "tanh"),
+    "erf": (1, "erff({0})", "erf"),
+    "sigmoid": (1, "(1.0f / (1.0f + expf(-({0}))))", "sigmoid"),
+    "relu": (1, "fmaxf({0}, 0.0f)", "relu"),
+    "min": (2, "fminf({0}, {1})", "minimum"),
+    "max": (2, "fmaxf({0}, {1})", "maximum"),
+    "clamp": (3, "fminf(fmaxf({0}, {1}), {2})", "clamp"),
+}
+RESERVED = {"x", *FUNCTIONS}
+
+
+class ExprError(ValueError):
+    """An expression outside the grammar; the message says where and what was expected."""
+
+
+@dataclass(frozen=True)
+class Expr:
+    """A checked expression: its canonical text and the per-channel parameters it names."""
+
+    text: str
+    params: tuple[str, ...]
+
+    @property
+    def tree(self) -> ast.expr:
+        return ast.parse(self.text, mode="eval").body
+
+    def to_cuda(self, value: str, param_value: dict[str, str]) -> str:
+        """C expression with `x` spelled `value` and each parameter spelled `param_value[name]`."""
+        return _cuda(self.tree, value, param_value)
+
+    def to_torch(self, x, params: dict):
+        """Evaluate on tensor `x` with torch, `params[name]` broadcastable to `x`."""
+        return _torch_eval(self.tree, x, params)
+
+
+def parse(text: str) -> Expr:
+    if not isinstance(text, str):
+        raise ExprError(f"expected a string expression, got {type(text).__name__}")
+    if len(text) > MAX_LENGTH:
+        raise ExprError(f"expression is {len(text)} characters long; at most {MAX_LENGTH} are allowed")
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except (SyntaxError, RecursionError, ValueError) as err:
+        raise ExprError(f"cannot parse {text!r}: {getattr(err, 'msg', err)}") from None
+    params: list[str] = []
+    _check(tree, params)
+    if "x" not in {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}:
+        raise ExprError(f"expression {text!r} does not use x")
+    return Expr(text=ast.unparse(tree), params=tuple(dict.fromkeys(params)))
+
+
+def _check(node: ast.AST, params: list[str]) -> None:
+    where = f"at column {getattr(node, 'col_offset', 0) + 1}"
+    if isinstance(node, ast.Constant):
+        if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
+            raise ExprError(f"{where}: only numbers are allowed as literals, got {node.value!r}")
+        if not math.isfinite(node.value):
+            raise ExprError(f"{where}: literal {node.value!r} is not finite")
+    elif isinstance(node, ast.Name):
+        if node.id in FUNCTIONS:
+            raise ExprError(f"{where}: {node.id} is a function; call it as {node.id}(...)")
+        if node.id != "x":
+            if not IDENTIFIER.match(node.id):
+                raise ExprError(f"{where}: parameter name {node.id!r} must match {IDENTIFIER.pattern}")
+            params.append(node.id)
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        _check(node.operand, params)
+    elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+        _check(node.left, params)
+        _check(node.right, params)
+    elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+        _check(node.left, params)
+        exponent = node.right
+        if not (isinstance(exponent, ast.Constant) and type(exponent.value) is int and 1 <= exponent.value <= 4):
+            raise ExprError(f"{where}: '**' takes a whole-number exponent from 1 to 4")
+    elif isinstance(node, ast.Call):
+        name = node.func.id if isinstance(node.func, ast.Name) else None
+        if name not in FUNCTIONS:
+            raise ExprError(f"{where}: unknown function {ast.unparse(node.func)!r}; known: {', '.join(sorted(FUNCTIONS))}")
+        arity = FUNCTIONS[name][0]
+        if node.keywords or len(node.args) != arity:
+            raise ExprError(f"{where}: {name} takes {arity} positional argument(s)")
+        for arg in node.args:
+            _check(arg, params)
+    else:
+        raise ExprError(f"{where}: {ast.unparse(node)!r} is outside the expression grammar")
+
+
+_C_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+
+
+def _cuda(node: ast.expr, value: str, param_value: dict[str, str]) -> str:
+    if isinstance(node, ast.Constant):
+        return c_float(node.value)
+    if isinstance(node, ast.Name):
+        return value if node.id == "x" else param_value[node.id]
+    if isinstance(node, ast.UnaryOp):
+        inner = _cuda(node.operand, value, param_value)
+        return f"(-{inner})" if isinstance(node.op, ast.USub) else inner
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+        base = _cuda(node.left, value, param_value)
+        return "(" + " * ".join([base] * node.right.value) + ")"
+    if isinstance(node, ast.BinOp):
+        left = _cuda(node.left, value, param_value)
+        right = _cuda(node.right, value, param_value)
+        return f"({left} {_C_OPS[type(node.op)]} {right})"
+    name = node.func.id
+    return FUNCTIONS[name][1].format(*(_cuda(a, value, param_value) for a in node.args))
+
+
+def _torch_eval(node: ast.expr, x, params: dict):
+    import torch
+
+    if isinstance(node, ast.Constant):
+        return torch.tensor(float(node.value), dtype=x.dtype, device=x.device)
+    if isinstance(node, ast.Name):
+        return x if node.id == "x" else params[node.id]
+    if isinstance(node, ast.UnaryOp):
+        inner = _torch_eval(node.operand, x, params)
+        return -inner if isinstance(node.op, ast.USub) else inner
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+        base = _torch_eval(node.left, x, params)
+        result = base
+        for _ in range(node.right.value - 1):
+            result = result * base
+        return result
+    if isinstance(node, ast.BinOp):
+        left = _torch_eval(node.left, x, params)
+        right = _torch_eval(node.right, x, params)
+        return {ast.Add: torch.add, ast.Sub: torch.sub, ast.Mult: torch.mul, ast.Div: torch.div}[type(node.op)](left, right)
+    args = [_torch_eval(a, x, params) for a in node.args]
+    fn = FUNCTIONS[node.func.id][2]
+    if fn == "clamp":
+        return torch.minimum(torch.maximum(args[0], args[1]), args[2])
+    return getattr(torch, fn)(*args)

@@ -1,0 +1,428 @@
+"""The op vocabulary: one table per stage kind.
+
+Every pointwise op is one row of `POINTWISE`: its parameters (a Pydantic model), its CUDA
+expression and its PyTorch reference. Adding an op means adding a row here, nothing else:
+the spec, the plan, the template and the reference all read this table.
+
+CUDA expressions are built by `cuda(args, x, names)`: `x` is the C expression of the value,
+`names[field]` the C spelling of a folded constant (a named constexpr) and `names[param]` the
+C spelling of a per-channel parameter's value for the current channel. Torch references are
+`torch_ref(x, args, params)` with `params[name]` already broadcastable to `x`; they import
+torch lazily, so this module (and the whole build path) works without it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from specgen import expr as expr_mod
+
+IDENTIFIER_PATTERN = r"^[A-Za-z][A-Za-z0-9_]{0,62}$"
+
+
+class Args(BaseModel):
+    """Base of every op's parameter model: frozen, unknown fields forbidden, finite numbers."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+def _F():
+    import torch.nn.functional as F
+
+    return F
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+# ---------------------------------------------------------------------------------------------
+# Pointwise ops
+# ---------------------------------------------------------------------------------------------
+
+
+class NoArgs(Args):
+    pass
+
+
+class LeakyReluArgs(Args):
+    negative_slope: float = 0.01
+
+
+class GeluArgs(Args):
+    approximate: Literal["none", "tanh"] = "none"
+
+
+class HardtanhArgs(Args):
+    min_val: float = -1.0
+    max_val: float = 1.0
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.min_val > self.max_val:
+            raise ValueError(f"min_val ({self.min_val}) must not exceed max_val ({self.max_val})")
+        return self
+
+
+class ClampArgs(Args):
+    min: Optional[float] = None
+    max: Optional[float] = None
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.min is None and self.max is None:
+            raise ValueError("clamp needs min, max or both")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
+        return self
+
+
+class SoftplusArgs(Args):
+    beta: float = 1.0
+    threshold: float = 20.0
+
+    @field_validator("beta")
+    @classmethod
+    def _nonzero(cls, v):
+        if v == 0:
+            raise ValueError("beta must be non-zero")
+        return v
+
+
+class ScalarArgs(Args):
+    """A scalar operand, for min/max: `min: 0.5` or `min: {value: 0.5}`."""
+
+    value: float
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data):
+        if isinstance(data, dict) and "dims" in data:
+            raise ValueError("min/max with dims is a reduction: write amin/amax: {dims: [...]}")
+        return {"value": data} if isinstance(data, (int, float)) and not isinstance(data, bool) else data
+
+
+class OperandArgs(Args):
+    """The other operand of add/sub/mul/div: a scalar `value` or a per-channel parameter `param`.
+
+    Shorthands: `add: 2.0` means {value: 2.0}; `add: bias2` means {param: bias2}.
+    """
+
+    value: Optional[float] = None
+    param: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data):
+        if isinstance(data, bool):
+            return data
+        if isinstance(data, (int, float)):
+            return {"value": data}
+        if isinstance(data, str):
+            return {"param": data}
+        return data
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if (self.value is None) == (self.param is None):
+            raise ValueError("give exactly one of value (a number) or param (a per-channel parameter name)")
+        return self
+
+
+class ExprArgs(Args):
+    """`expr: "x * clamp((x + 3) / 6, 0, 1)"`: a pointwise DAG in the grammar of specgen.expr."""
+
+    code: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data):
+        return {"code": data} if isinstance(data, str) else data
+
+    @field_validator("code")
+    @classmethod
+    def _parse(cls, v):
+        return expr_mod.parse(v).text  # canonical spelling; raises ExprError (a ValueError)
+
+    @property
+    def parsed(self) -> expr_mod.Expr:
+        return expr_mod.parse(self.code)
+
+
+def _operand(args: OperandArgs, names: dict[str, str]) -> str:
+    return names["value"] if args.param is None else names[args.param]
+
+
+def _operand_ref(args: OperandArgs, x, params: dict):
+    return args.value if args.param is None else params[args.param]
+
+
+@dataclass(frozen=True)
+class Pointwise:
+    name: str
+    args: type[Args]
+    cuda: Callable[[Any, str, dict], str]
+    torch_ref: Callable[[Any, Any, dict], Any]
+    doc: str = ""
+    # Names of the per-channel parameters an instance uses.
+    params: Callable[[Any], tuple[str, ...]] = field(default=lambda a: ())
+
+    def constants(self, args: Args) -> dict[str, float]:
+        """The float fields of `args` that become named constexprs (None means 'not used')."""
+        return {k: v for k, v in args.model_dump().items() if isinstance(v, float)}
+
+
+def _softplus_c(a, x, k):
+    return f"(({x}) * {k['beta']} > {k['threshold']} ? ({x}) : log1pf(expf(({x}) * {k['beta']})) / {k['beta']})"
+
+
+def _clamp_c(a, x, k):
+    out = x
+    if a.min is not None:
+        out = f"fmaxf({out}, {k['min']})"
+    if a.max is not None:
+        out = f"fminf({out}, {k['max']})"
+    return out
+
+
+_POINTWISE_ROWS = [
+    Pointwise("relu", NoArgs, lambda a, x, k: f"fmaxf({x}, 0.0f)", lambda x, a, p: _F().relu(x), "max(x, 0)"),
+    Pointwise(
+        "leaky_relu",
+        LeakyReluArgs,
+        lambda a, x, k: f"(({x}) > 0.0f ? ({x}) : ({x}) * {k['negative_slope']})",
+        lambda x, a, p: _F().leaky_relu(x, a.negative_slope),
+        "x if x > 0 else x * negative_slope",
+    ),
+    Pointwise(
+        "gelu",
+        GeluArgs,
+        lambda a, x, k: (
+            f"(0.5f * ({x}) * (1.0f + erff(({x}) * 0.707106781186547524f)))"
+            if a.approximate == "none"
+            else f"(0.5f * ({x}) * (1.0f + tanhf(0.797884560802865356f * (({x}) + 0.044715f * ({x}) * ({x}) * ({x})))))"
+        ),
+        lambda x, a, p: _F().gelu(x, approximate=a.approximate),
+        "exact (erf) or tanh-approximated GELU",
+    ),
+    Pointwise("sigmoid", NoArgs, lambda a, x, k: f"(1.0f / (1.0f + expf(-({x}))))", lambda x, a, p: _torch().sigmoid(x)),
+    Pointwise("tanh", NoArgs, lambda a, x, k: f"tanhf({x})", lambda x, a, p: _torch().tanh(x)),
+    Pointwise(
+        "mish",
+        NoArgs,
+        lambda a, x, k: f"(({x}) * tanhf(({x}) > 20.0f ? ({x}) : log1pf(expf({x}))))",
+        lambda x, a, p: _F().mish(x),
+        "x * tanh(softplus(x))",
+    ),
+    Pointwise(
+        "hardswish",
+        NoArgs,
+        lambda a, x, k: f"(({x}) * fminf(fmaxf(({x}) + 3.0f, 0.0f), 6.0f) / 6.0f)",
+        lambda x, a, p: _F().hardswish(x),
+        "x * relu6(x + 3) / 6",
+    ),
+    Pointwise(
+        "hardtanh",
+        HardtanhArgs,
+        lambda a, x, k: f"fminf(fmaxf({x}, {k['min_val']}), {k['max_val']})",
+        lambda x, a, p: _F().hardtanh(x, a.min_val, a.max_val),
+    ),
+    Pointwise("clamp", ClampArgs, _clamp_c, lambda x, a, p: _torch().clamp(x, min=a.min, max=a.max)),
+    Pointwise("silu", NoArgs, lambda a, x, k: f"(({x}) / (1.0f + expf(-({x}))))", lambda x, a, p: _F().silu(x)),
+    Pointwise(
+        "softplus",
+        SoftplusArgs,
+        _softplus_c,
+        lambda x, a, p: _F().softplus(x, beta=a.beta, threshold=a.threshold),
+        "log(1 + exp(beta x)) / beta, linear above threshold",
+    ),
+    Pointwise(
+        "add",
+        OperandArgs,
+        lambda a, x, k: f"({x} + {_operand(a, k)})",
+        lambda x, a, p: x + _operand_ref(a, x, p),
+        params=lambda a: () if a.param is None else (a.param,),
+    ),
+    Pointwise(
+        "sub",
+        OperandArgs,
+        lambda a, x, k: f"({x} - {_operand(a, k)})",
+        lambda x, a, p: x - _operand_ref(a, x, p),
+        params=lambda a: () if a.param is None else (a.param,),
+    ),
+    Pointwise(
+        "mul",
+        OperandArgs,
+        lambda a, x, k: f"({x} * {_operand(a, k)})",
+        lambda x, a, p: x * _operand_ref(a, x, p),
+        params=lambda a: () if a.param is None else (a.param,),
+    ),
+    Pointwise(
+        "div",
+        OperandArgs,
+        lambda a, x, k: f"({x} / {_operand(a, k)})",
+        lambda x, a, p: x / _operand_ref(a, x, p),
+        params=lambda a: () if a.param is None else (a.param,),
+    ),
+    Pointwise(
+        "min",
+        ScalarArgs,
+        lambda a, x, k: f"fminf({x}, {k['value']})",
+        lambda x, a, p: _torch().clamp(x, max=a.value),
+        "min(x, value)",
+    ),
+    Pointwise(
+        "max",
+        ScalarArgs,
+        lambda a, x, k: f"fmaxf({x}, {k['value']})",
+        lambda x, a, p: _torch().clamp(x, min=a.value),
+        "max(x, value)",
+    ),
+    Pointwise(
+        "expr",
+        ExprArgs,
+        lambda a, x, k: a.parsed.to_cuda(x, k),
+        lambda x, a, p: a.parsed.to_torch(x, p),
+        "a pointwise expression over x, numbers and per-channel parameters",
+        params=lambda a: a.parsed.params,
+    ),
+]
+POINTWISE: dict[str, Pointwise] = {row.name: row for row in _POINTWISE_ROWS}
+
+
+# ---------------------------------------------------------------------------------------------
+# Pooling
+# ---------------------------------------------------------------------------------------------
+
+IntOrList = int | list[int] | tuple[int, ...]
+
+
+class PoolArgs(Args):
+    """Windowed pooling over every spatial dim, as nn.AvgPoolNd / nn.MaxPoolNd (floor mode)."""
+
+    kernel: IntOrList
+    stride: Optional[IntOrList] = None  # None: the kernel, as in PyTorch
+    padding: IntOrList = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data):
+        return {"kernel": data} if isinstance(data, (int, list, tuple)) and not isinstance(data, bool) else data
+
+
+class AvgPoolArgs(PoolArgs):
+    count_include_pad: bool = True
+
+
+class MaxPoolArgs(PoolArgs):
+    dilation: IntOrList = 1
+
+
+@dataclass(frozen=True)
+class Pool:
+    name: str
+    args: type[Args]
+    reduce: Literal["avg", "max"]
+    windowed: bool  # False: a global pool (output size 1 in every spatial dim)
+    torch_ref: Callable[[Any, Any, int], Any]  # (x, canonical args, ndim) -> tensor
+
+
+def _avg_pool_ref(x, a, nd):
+    fn = getattr(_F(), f"avg_pool{nd}d")
+    return fn(x, a.kernel, a.stride, a.padding, count_include_pad=a.count_include_pad)
+
+
+def _max_pool_ref(x, a, nd):
+    fn = getattr(_F(), f"max_pool{nd}d")
+    return fn(x, a.kernel, a.stride, a.padding, a.dilation)
+
+
+def _global_ref(kind):
+    def ref(x, a, nd):
+        dims = tuple(range(2, 2 + nd))
+        return x.mean(dim=dims, keepdim=True) if kind == "avg" else x.amax(dim=dims, keepdim=True)
+
+    return ref
+
+
+POOLS: dict[str, Pool] = {
+    row.name: row
+    for row in [
+        Pool("avg_pool", AvgPoolArgs, "avg", True, _avg_pool_ref),
+        Pool("max_pool", MaxPoolArgs, "max", True, _max_pool_ref),
+        Pool("global_avg_pool", NoArgs, "avg", False, _global_ref("avg")),
+        Pool("global_max_pool", NoArgs, "max", False, _global_ref("max")),
+    ]
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reductions
+# ---------------------------------------------------------------------------------------------
+
+
+class ReduceArgs(Args):
+    """Reduce over `dims` of the current tensor, numbered as PyTorch numbers them (batch is 0)."""
+
+    dims: list[int] = Field(min_length=1)
+    keepdim: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data):
+        if isinstance(data, int) and not isinstance(data, bool):
+            return {"dims": [data]}
+        if isinstance(data, (list, tuple)):
+            return {"dims": list(data)}
+        if isinstance(data, dict) and isinstance(data.get("dims"), int) and not isinstance(data.get("dims"), bool):
+            return {**data, "dims": [data["dims"]]}
+        return data
+
+
+@dataclass(frozen=True)
+class Reduction:
+    name: str
+    init: str  # CUDA initial value of the accumulator
+    fold: str  # CUDA statement folding %(v)s into %(acc)s (logsumexp, special-cased, keeps two)
+    torch_ref: Callable[[Any, tuple, bool], Any]
+
+
+def _lse_ref(x, dims, keepdim):
+    return _torch().logsumexp(x, dim=dims, keepdim=keepdim)
+
+
+REDUCTIONS: dict[str, Reduction] = {
+    row.name: row
+    for row in [
+        Reduction("sum", "0.0f", "%(acc)s += %(v)s;", lambda x, d, k: _torch().sum(x, dim=d, keepdim=k)),
+        Reduction("mean", "0.0f", "%(acc)s += %(v)s;", lambda x, d, k: _torch().mean(x, dim=d, keepdim=k)),
+        Reduction("amax", "-CUDART_INF_F", "%(acc)s = fmaxf(%(acc)s, %(v)s);", lambda x, d, k: _torch().amax(x, dim=d, keepdim=k)),
+        Reduction("amin", "CUDART_INF_F", "%(acc)s = fminf(%(acc)s, %(v)s);", lambda x, d, k: _torch().amin(x, dim=d, keepdim=k)),
+        Reduction("logsumexp", "-CUDART_INF_F", "", _lse_ref),
+    ]
+}
+
+STAGE_KINDS: dict[str, str] = {
+    **{n: "pointwise" for n in POINTWISE},
+    **{n: "pool" for n in POOLS},
+    **{n: "reduce" for n in REDUCTIONS},
+}
+
+
+def args_model(op: str) -> type[Args]:
+    kind = STAGE_KINDS[op]
+    if kind == "pointwise":
+        return POINTWISE[op].args
+    if kind == "pool":
+        return POOLS[op].args
+    return ReduceArgs
+
+
+def is_finite_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

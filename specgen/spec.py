@@ -1,0 +1,498 @@
+"""The layer spec: what a user writes (YAML or Python), validated, canonical and hashable.
+
+    name: kb90
+    input: {channels: 8, size: [16, 64, 64]}     # the batch is not part of the spec
+    conv: {out_channels: 64, kernel: 3}
+    epilogue:
+      - leaky_relu: {negative_slope: 0.2}
+      - add: {param: sum_tensor}
+      - clamp: {min: -1.0, max: 1.0}
+      - gelu: {approximate: none}
+
+Specs are frozen Pydantic models that forbid unknown fields. Every stage of the epilogue is a
+one-key mapping `{op: args}` (or the bare op name when it takes no arguments); the ops and their
+arguments come from the tables in `specgen.ops`. Validation also walks the tensor shape through
+the conv and every stage, so a spec that validates describes a layer that can be built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    create_model,
+    model_validator,
+)
+
+from specgen import ops
+from specgen.expr import RESERVED as EXPR_RESERVED
+
+IntOrList = Union[int, list[int], tuple[int, ...]]
+PositiveInt = Annotated[int, Field(gt=0)]
+MAX_EXTENT = 1 << 20
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=False)
+
+
+class InputSpec(Model):
+    channels: Annotated[int, Field(gt=0, le=1 << 16)]
+    size: Annotated[list[Annotated[int, Field(gt=0, le=MAX_EXTENT)]], Field(min_length=1, max_length=3)]
+
+
+class ConvSpec(Model):
+    out_channels: Annotated[int, Field(gt=0, le=1 << 16)]
+    kernel: IntOrList
+    stride: IntOrList = 1
+    padding: IntOrList = 0
+    dilation: IntOrList = 1
+    groups: PositiveInt = 1
+    bias: bool = True
+
+
+class TileSpec(Model):
+    """Optional tiling; every field left out is chosen by the planner. See specgen.plan."""
+
+    threads: Optional[Annotated[int, Field(ge=32, le=1024, multiple_of=32)]] = None
+    channels_per_thread: Optional[Annotated[int, Field(ge=1, le=16)]] = None
+    positions_per_thread: Optional[Annotated[int, Field(ge=1, le=8)]] = None
+    box: Optional[list[Annotated[int, Field(gt=0)]]] = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages: one model per op, generated from the op tables, joined in a tagged union.
+# ---------------------------------------------------------------------------------------------
+
+
+class StageBase(Model):
+    """One epilogue stage. Its single field is named after the op and holds the op's arguments."""
+
+    @property
+    def op(self) -> str:
+        return next(iter(type(self).model_fields))
+
+    @property
+    def args(self) -> ops.Args:
+        return getattr(self, self.op)
+
+    @property
+    def kind(self) -> str:
+        return ops.STAGE_KINDS[self.op]
+
+
+def _stage_model(op: str) -> type[StageBase]:
+    args = ops.args_model(op)
+    try:
+        default: Any = args()
+    except ValidationError:
+        default = ...
+
+    def _bare(cls, data):
+        if data == op:
+            return {op: {}}
+        if isinstance(data, dict) and data.get(op, 0) is None:
+            return {op: {}}
+        return data
+
+    return create_model(
+        f"{op}_stage",
+        __base__=StageBase,
+        __validators__={"_bare": model_validator(mode="before")(_bare)},
+        **{op: (args, default)},
+    )
+
+
+STAGE_MODELS: dict[str, type[StageBase]] = {op: _stage_model(op) for op in ops.STAGE_KINDS}
+
+
+def _stage_tag(value) -> Optional[str]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and len(value) == 1:
+        key = next(iter(value))
+        return key if isinstance(key, str) else None
+    if isinstance(value, StageBase):
+        return value.op
+    return None
+
+
+Stage = Annotated[
+    Union[tuple(Annotated[model, Tag(op)] for op, model in STAGE_MODELS.items())],
+    Discriminator(
+        _stage_tag,
+        custom_error_type="stage",
+        custom_error_message=(
+            "a stage is one op, written {op: {args}} or a bare op name; known ops: "
+            + ", ".join(STAGE_MODELS)
+        ),
+    ),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes: the tensor walked through conv and stages (used by validation and by the plan)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One non-batch axis of the tensor between stages."""
+
+    role: str  # "c" or "s0", "s1", "s2" (spatial dims of the conv, in order)
+    extent: int
+    reduced: bool = False  # reduced with keepdim (extent 1, still present)
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """The tensor after a stage: present axes in order (dropped axes are gone)."""
+
+    axes: tuple[Axis, ...]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(a.extent for a in self.axes)
+
+    def axis(self, role: str) -> Optional[Axis]:
+        return next((a for a in self.axes if a.role == role), None)
+
+
+class SpecShapeError(ValueError):
+    pass
+
+
+def expand(value, nd: int, where: str) -> tuple[int, ...]:
+    """`3` -> (3, 3, 3) for nd = 3; a list must already have nd entries."""
+    if isinstance(value, bool):
+        raise SpecShapeError(f"{where}: expected an int or a list of {nd} ints, got {value!r}")
+    if isinstance(value, int):
+        return (value,) * nd
+    values = tuple(value)
+    if len(values) != nd:
+        raise SpecShapeError(
+            f"{where}: expected one value or {nd} (one per spatial dim of input.size), got {len(values)}: {list(values)}"
+        )
+    return values
+
+
+def _window_out(size: int, kernel: int, stride: int, padding: int, dilation: int, where: str) -> int:
+    effective = dilation * (kernel - 1) + 1
+    out = (size + 2 * padding - effective) // stride + 1
+    if size + 2 * padding < effective or out < 1:
+        raise SpecShapeError(
+            f"{where}: the kernel spans {effective} (kernel {kernel}, dilation {dilation}) but the padded input is "
+            f"{size + 2 * padding} (size {size} + 2*{padding} padding): the output would be empty"
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The spec
+# ---------------------------------------------------------------------------------------------
+
+
+class LayerSpec(Model):
+    name: Annotated[str, Field(pattern=ops.IDENTIFIER_PATTERN)]
+    input: InputSpec
+    conv: ConvSpec
+    epilogue: list[Stage] = Field(default_factory=list)
+    precision: Literal["fp32"] = "fp32"
+    tile: Optional[TileSpec] = None
+
+    # -- derived, canonical views --------------------------------------------------------------
+
+    @property
+    def ndim(self) -> int:
+        return len(self.input.size)
+
+    def conv_geometry(self) -> dict[str, tuple[int, ...]]:
+        nd = self.ndim
+        return {f: expand(getattr(self.conv, f), nd, f"conv.{f}") for f in ("kernel", "stride", "padding", "dilation")}
+
+    def pool_geometry(self, stage: StageBase, where: str) -> dict[str, tuple[int, ...]]:
+        nd, a = self.ndim, stage.args
+        if not ops.POOLS[stage.op].windowed:
+            return {}
+        geometry = {
+            "kernel": expand(a.kernel, nd, f"{where}.kernel"),
+            "padding": expand(a.padding, nd, f"{where}.padding"),
+            "dilation": expand(getattr(a, "dilation", 1), nd, f"{where}.dilation"),
+        }
+        geometry["stride"] = geometry["kernel"] if a.stride is None else expand(a.stride, nd, f"{where}.stride")
+        return geometry
+
+    def canonical(self) -> dict:
+        """Defaults filled in, scalars expanded per dim, constants as floats: equal specs, equal dicts."""
+        data = self.model_dump(mode="json")
+        data["conv"].update({k: list(v) for k, v in self.conv_geometry().items()})
+        for i, stage in enumerate(self.epilogue):
+            if stage.kind == "pool" and ops.POOLS[stage.op].windowed:
+                data["epilogue"][i][stage.op].update(
+                    {k: list(v) for k, v in self.pool_geometry(stage, f"epilogue[{i}]").items()}
+                )
+            if stage.kind == "reduce":
+                data["epilogue"][i][stage.op]["dims"] = list(self.reduce_dims(i))
+        return data
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def shape_hash(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+    def reduce_dims(self, index: int) -> tuple[int, ...]:
+        """The stage's dims, normalized against the tensor it sees (batch is dim 0)."""
+        shape = self.shapes()[index]  # the tensor before stage `index`
+        rank = 1 + len(shape.axes)
+        out = []
+        for d in self.epilogue[index].args.dims:
+            n = d + rank if d < 0 else d
+            out.append(n)
+        return tuple(sorted(set(out)))
+
+    # -- shape walk ----------------------------------------------------------------------------
+
+    def conv_output(self) -> StageShape:
+        g = self.conv_geometry()
+        sizes = [
+            _window_out(s, k, st, p, d, f"conv (spatial dim {i})")
+            for i, (s, k, st, p, d) in enumerate(
+                zip(self.input.size, g["kernel"], g["stride"], g["padding"], g["dilation"])
+            )
+        ]
+        return StageShape((Axis("c", self.conv.out_channels), *(Axis(f"s{i}", n) for i, n in enumerate(sizes))))
+
+    def shapes(self) -> list[StageShape]:
+        """shapes()[i] is the tensor entering stage i; shapes()[-1] the layer's output (no batch)."""
+        current = self.conv_output()
+        out = [current]
+        reduced_before = False
+        for i, stage in enumerate(self.epilogue):
+            where = f"epilogue[{i}] ({stage.op})"
+            if stage.kind == "pool":
+                if reduced_before:
+                    raise SpecShapeError(f"{where}: pooling after a reduction is not supported; pool first")
+                if stage.op.startswith("global"):
+                    current = StageShape((current.axes[0], *(Axis(a.role, 1) for a in current.axes[1:])))
+                else:
+                    g = self.pool_geometry(stage, f"epilogue[{i}].{stage.op}")
+                    axes = [current.axes[0]]
+                    for j, ax in enumerate(current.axes[1:]):
+                        k, s, p, d = g["kernel"][j], g["stride"][j], g["padding"][j], g["dilation"][j]
+                        if min(k, s, d) < 1 or p < 0:
+                            raise SpecShapeError(
+                                f"{where}: kernel, stride and dilation must be >= 1 and padding >= 0, "
+                                f"got kernel {k}, stride {s}, dilation {d}, padding {p}"
+                            )
+                        if 2 * p > d * (k - 1) + 1:
+                            raise SpecShapeError(
+                                f"{where}: padding {p} must be at most half the kernel span {d * (k - 1) + 1} (as in PyTorch)"
+                            )
+                        axes.append(Axis(ax.role, _window_out(ax.extent, k, s, p, d, f"{where} (spatial dim {j})")))
+                    current = StageShape(tuple(axes))
+            elif stage.kind == "reduce":
+                reduced_before = True
+                rank = 1 + len(current.axes)
+                dims = []
+                for d in stage.args.dims:
+                    n = d + rank if d < 0 else d
+                    if not 0 <= n < rank:
+                        raise SpecShapeError(f"{where}: dim {d} is out of range for a tensor of rank {rank} (batch included)")
+                    if n == 0:
+                        raise SpecShapeError(f"{where}: dim 0 is the batch, which specgen never reduces")
+                    if n in dims:
+                        raise SpecShapeError(f"{where}: dim {d} is listed twice")
+                    dims.append(n)
+                axes = []
+                for j, ax in enumerate(current.axes):
+                    if j + 1 not in dims:
+                        axes.append(ax)
+                    elif stage.args.keepdim:
+                        axes.append(Axis(ax.role, 1, reduced=True))
+                current = StageShape(tuple(axes))
+            else:  # pointwise
+                for name in ops.POINTWISE[stage.op].params(stage.args):
+                    if current.axis("c") is None:
+                        raise SpecShapeError(
+                            f"{where}: per-channel parameter {name!r} needs the channel dim, which an earlier reduction removed"
+                        )
+            out.append(current)
+        return out
+
+    def params(self) -> dict[str, tuple[int, ...]]:
+        """Learnable per-channel parameters, name -> shape (C, 1, ...), in order of first use."""
+        found: dict[str, tuple[int, ...]] = {}
+        shapes = self.shapes()
+        for i, stage in enumerate(self.epilogue):
+            if stage.kind != "pointwise":
+                continue
+            for name in ops.POINTWISE[stage.op].params(stage.args):
+                shape = (shapes[i].axis("c").extent,) + (1,) * self.ndim
+                if found.setdefault(name, shape) != shape:
+                    raise SpecShapeError(
+                        f"epilogue[{i}] ({stage.op}): parameter {name!r} is used with {shape[0]} channels here "
+                        f"but {found[name][0]} earlier"
+                    )
+        return found
+
+    def output_shape(self, batch: int) -> tuple[int, ...]:
+        return (batch, *self.shapes()[-1].sizes)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        nd = self.ndim
+        g = self.conv_geometry()
+        for f, lo in (("kernel", 1), ("stride", 1), ("dilation", 1), ("padding", 0)):
+            for v in g[f]:
+                if not lo <= v <= MAX_EXTENT:
+                    raise SpecShapeError(f"conv.{f}: every value must be in [{lo}, {MAX_EXTENT}], got {list(g[f])}")
+        cin, cout, groups = self.input.channels, self.conv.out_channels, self.conv.groups
+        if cin % groups or cout % groups:
+            raise SpecShapeError(
+                f"conv.groups: input.channels ({cin}) and conv.out_channels ({cout}) must both be divisible by groups ({groups})"
+            )
+        self.shapes()
+        names = self.params()
+        for name in names:
+            if name in EXPR_RESERVED or name in ("conv", "weight", "bias"):
+                raise SpecShapeError(f"parameter name {name!r} is reserved; choose another")
+        if nd not in (1, 2, 3):  # guarded by InputSpec too
+            raise SpecShapeError(f"input.size: 1, 2 or 3 spatial dims, got {nd}")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors and loading
+# ---------------------------------------------------------------------------------------------
+
+
+class SpecError(ValueError):
+    """Bad input: one line per problem, each naming the field, what was expected and what came."""
+
+    def __init__(self, problems: list[str], source: str = ""):
+        self.problems = problems
+        self.source = source
+        head = f"{source}: " if source else ""
+        super().__init__(head + "invalid spec\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _loc(loc: tuple) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif parts and parts[-1].lstrip(".") == item:  # the stage union repeats the op's name
+            continue
+        elif item.endswith("_stage") or item in ("function-after[_consistent(), LayerSpec]",):
+            continue
+        else:
+            parts.append(("." if parts else "") + item)
+    return "".join(parts)
+
+
+def format_validation_error(err: ValidationError) -> list[str]:
+    problems = []
+    for e in err.errors(include_url=False):
+        where = _loc(tuple(e["loc"]))
+        msg = e["msg"].removeprefix("Value error, ")
+        got = e.get("input")
+        if e["type"] == "stage":
+            got = _stage_tag(got) or got
+        shown = "" if e["type"] == "value_error" or isinstance(got, (dict, BaseModel)) else f" (got {got!r})"
+        problems.append(f"{where}: {msg}{shown}" if where else f"{msg}{shown}")
+    return problems
+
+
+def validate(data: Any, source: str = "") -> LayerSpec:
+    """A LayerSpec from a mapping, or a SpecError that lists every problem."""
+    if isinstance(data, LayerSpec):
+        return data
+    if not isinstance(data, dict):
+        raise SpecError([f"a spec is a mapping with keys name, input, conv, epilogue; got {type(data).__name__}"], source)
+    try:
+        return LayerSpec.model_validate(data)
+    except ValidationError as err:
+        label = data.get("name") if isinstance(data.get("name"), str) else ""
+        raise SpecError(format_validation_error(err), f"{source} spec {label!r}" if label else source) from None
+
+
+def _yaml_loader():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def construct_mapping(loader, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark, f"found duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return loader.construct_mapping(node, deep=deep)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    return Loader
+
+
+def parse_yaml(text: str, source: str = "<string>") -> list[LayerSpec]:
+    import yaml
+
+    try:
+        data = yaml.load(text, Loader=_yaml_loader())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise SpecError([f"{where}malformed YAML: {problem}"], source) from None
+    if data is None:
+        raise SpecError(["the file holds no spec"], source)
+    items = data if isinstance(data, list) else [data]
+    specs, problems = [], []
+    for i, item in enumerate(items):
+        try:
+            specs.append(validate(item, f"{source}[{i}]" if isinstance(data, list) else source))
+        except SpecError as err:
+            problems.extend(f"{err.source}: {p}" if err.source else p for p in err.problems)
+    names = [s.name for s in specs]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        problems.append(f"spec names must be unique in a file; repeated: {', '.join(dupes)}")
+    if problems:
+        raise SpecError(problems, "")
+    return specs
+
+
+def load_specs(path: str | Path) -> list[LayerSpec]:
+    """Every spec in a YAML file (one spec or a list of them)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise SpecError([f"cannot read {path}: {err.strerror or err}"], str(path)) from None
+    return parse_yaml(text, str(path))
+
+
+def load(spec_or_path: Any) -> LayerSpec:
+    """One spec from a LayerSpec, a mapping, or a YAML path holding exactly one spec."""
+    if isinstance(spec_or_path, (str, Path)):
+        specs = load_specs(spec_or_path)
+        if len(specs) != 1:
+            raise SpecError([f"expected one spec, found {len(specs)}: {[s.name for s in specs]}"], str(spec_or_path))
+        return specs[0]
+    return validate(spec_or_path)
