@@ -1,0 +1,374 @@
+"""The plan: plain values derived from a spec, the only thing templates see.
+
+How a generated kernel works (the names below are the plan's and the .cu's):
+
+* Every extent is normalized to 3 spatial dims (D, H, W); a 2D conv has D = 1, a 1D conv D = H = 1.
+* The epilogue splits into a **body** and a **tail**. The body is the conv followed by pointwise
+  ops and pools; it produces the tensor T1 (channels x D x H x W per sample). The tail is every
+  stage from the first reduction on: reductions with pointwise ops between them.
+* Body levels: level 0 is the conv plus the pointwise ops that follow it; level k > 0 is the k-th
+  pool plus the pointwise ops after it. A T1 value is computed by pulling through the levels: a
+  pool window asks the level below for each of its elements, level 0 runs the conv.
+* A block owns a tile of the **kept** axes F (the axes no reduction touches). It computes T1 in
+  boxes: F axes cover the block's tile, the axes of the first reduction R1 are walked chunk by
+  chunk, the axes of later reductions R2.. are walked one coordinate at a time (outer loops).
+  Each thread computes a register tile of CT channels x PT consecutive W positions of a box.
+* Without a tail the box is written straight to the output. With a tail it goes to shared memory
+  and "owner" threads fold it, in a fixed order, into accumulators for their F elements; several
+  lanes share an F element when F is small, and combine through a fixed-shape tree. No atomics:
+  the result is the same on every run.
+* Every loop has a trip count known at compile time; the batch only sizes the grid.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import yaml
+
+from specgen import __version__, ops
+from specgen.literals import c_float
+from specgen.spec import LayerSpec, SpecError, expand
+
+AXES = ("c", "d", "h", "w")
+AXIS_NAMES = {"c": "channels", "d": "depth", "h": "height", "w": "width"}
+MAX_SMEM_BYTES = 227 * 1024  # opt-in dynamic shared memory per block on sm_90
+INT32_MAX = (1 << 31) - 1
+
+
+class PlanError(SpecError):
+    """A spec that validates but cannot be planned (e.g. a tile that does not fit)."""
+
+
+@dataclass(frozen=True)
+class Constant:
+    name: str
+    value: str  # a C literal
+    comment: str
+    ctype: str = "int"
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _balanced(extent: int, limit: int, multiple: int = 1) -> int:
+    """A chunk size <= limit (rounded to `multiple`) that splits `extent` into near-equal chunks."""
+    limit = max(multiple, min(limit, _round_up(extent, multiple)))
+    chunks = _ceil_div(extent, limit)
+    return min(limit, _round_up(_ceil_div(extent, chunks), multiple))
+
+
+def _spatial3(values: tuple[int, ...], fill: int) -> tuple[int, int, int]:
+    return (fill,) * (3 - len(values)) + tuple(values)
+
+
+def spec_yaml(spec: LayerSpec) -> str:
+    """The spec as the user would write it (canonical values), for the banner and `show`."""
+    data = spec.canonical()
+    if data.get("tile") is None:
+        data.pop("tile")
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100).rstrip()
+
+
+def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], channel: str) -> dict:
+    """One pointwise stage: named constants, and the C statement `v = <expr>;`."""
+    stage = spec.epilogue[index]
+    row = ops.POINTWISE[stage.op]
+    names: dict[str, str] = {}
+    for field, value in row.constants(stage.args).items():
+        cname = f"S{index}_{field.upper()}"
+        names[field] = cname
+        constants.append(Constant(cname, c_float(value), f"epilogue[{index}] {stage.op} {field} = {value!r}", "float"))
+    for param in row.params(stage.args):
+        names[param] = f"__ldg(p_{param} + {channel})"
+    detail = ", ".join(f"{k}={v!r}" for k, v in stage.args.model_dump().items() if v is not None)
+    return {
+        "index": index,
+        "op": stage.op,
+        "comment": f"epilogue[{index}] {stage.op}" + (f" ({detail})" if detail else ""),
+        "code": row.cuda(stage.args, "v", names),
+        "params": list(row.params(stage.args)),
+    }
+
+
+def build_plan(spec: LayerSpec) -> dict:
+    """Everything the template needs, as plain Python values."""
+    nd = spec.ndim
+    geo = spec.conv_geometry()
+    consts: list[Constant] = []
+    shapes = spec.shapes()
+
+    cin, cout, groups = spec.input.channels, spec.conv.out_channels, spec.conv.groups
+    in3 = _spatial3(tuple(spec.input.size), 1)
+    k3, s3 = _spatial3(geo["kernel"], 1), _spatial3(geo["stride"], 1)
+    p3, d3 = _spatial3(geo["padding"], 0), _spatial3(geo["dilation"], 1)
+    conv_out = shapes[0].sizes[1:]
+    o3 = _spatial3(conv_out, 1)
+    taps = k3[0] * k3[1] * k3[2]
+
+    # ---- body levels: conv (+pointwise), then one level per pool (+pointwise) ----------------
+    levels = [{"kind": "conv", "level": 0, "pointwise": [], "out": o3}]
+    tail_start = len(spec.epilogue)
+    for i, stage in enumerate(spec.epilogue):
+        if stage.kind == "reduce":
+            tail_start = i
+            break
+        if stage.kind == "pointwise":
+            levels[-1]["pointwise"].append(_pointwise_code(spec, i, consts, "cj"))
+            continue
+        pool = ops.POOLS[stage.op]
+        prev = levels[-1]["out"]
+        if pool.windowed:
+            g = spec.pool_geometry(stage, f"epilogue[{i}]")
+            pk, ps = _spatial3(g["kernel"], 1), _spatial3(g["stride"], 1)
+            pp, pdl = _spatial3(g["padding"], 0), _spatial3(g["dilation"], 1)
+        else:  # global pool: one window covering the whole extent
+            pk, ps, pp, pdl = prev, prev, (0, 0, 0), (1, 1, 1)
+        out = _spatial3(shapes[i + 1].sizes[1:], 1)
+        include_pad = getattr(stage.args, "count_include_pad", True)
+        levels.append(
+            {
+                "kind": "pool",
+                "level": len(levels),
+                "index": i,
+                "op": stage.op,
+                "reduce": pool.reduce,
+                "kernel": pk,
+                "stride": ps,
+                "padding": pp,
+                "dilation": pdl,
+                "in": prev,
+                "out": out,
+                "window": pk[0] * pk[1] * pk[2],
+                "count_valid": pool.reduce == "avg" and not include_pad and any(pp),
+                "pointwise": [],
+            }
+        )
+    t1 = (cout, *levels[-1]["out"])  # T1 extents (c, d, h, w)
+
+    # ---- tail: reductions over T1 axes, in order -------------------------------------------
+    offset = 3 - nd
+    role_to_axis = {"c": "c", **{f"s{j}": AXES[1 + offset + j] for j in range(nd)}}
+    reductions: list[dict] = []
+    reduced: set[str] = set()
+    for i in range(tail_start, len(spec.epilogue)):
+        stage = spec.epilogue[i]
+        if stage.kind == "pointwise":
+            channel = "c_tail"
+            if reductions:
+                reductions[-1]["pointwise"].append(_pointwise_code(spec, i, consts, channel))
+            continue
+        before = shapes[i]
+        dims = spec.reduce_dims(i)
+        axes = [role_to_axis[before.axes[d - 1].role] for d in dims]
+        axes = [a for a in AXES if a in axes and a not in reduced]
+        reduced.update(axes)
+        if not axes:  # reducing axes already reduced with keepdim: the identity
+            continue
+        red = ops.REDUCTIONS[stage.op]
+        count = math.prod(t1[AXES.index(a)] for a in axes)
+        reductions.append(
+            {
+                "index": i,
+                "op": stage.op,
+                "axes": axes,
+                "count": count,
+                "init": red.init,
+                "fold": red.fold,
+                "pointwise": [],
+                "comment": f"epilogue[{i}] {stage.op} over {', '.join(AXIS_NAMES[a] for a in axes)} ({count} values)",
+            }
+        )
+    # the channel coordinate the tail's per-channel parameters see: 0 once channels are reduced
+    reduced_so_far: set[str] = set()
+    for r in reductions:
+        reduced_so_far.update(r["axes"])
+        r["channel_reduced"] = "c" in reduced_so_far
+
+    role = {a: "F" for a in AXES}
+    for j, r in enumerate(reductions):
+        for a in r["axes"]:
+            role[a] = f"R{j + 1}"
+    for j, r in enumerate(reductions):
+        r["level"] = j + 1
+        # the channel coordinate the level's pointwise ops see
+        r["channel"] = "0" if r["channel_reduced"] else ("f_c" if role["c"] == "F" else "o_c")
+        if r["op"] == "mean":
+            consts.append(Constant(f"R{j + 1}_COUNT", c_float(r["count"]), f"values per mean of {r['comment']}", "float"))
+
+    # ---- tiling -------------------------------------------------------------------------------
+    tile = spec.tile
+    cout_g = cout // groups
+    c_in_box = role["c"] in ("F", "R1")
+    w_in_box = role["w"] in ("F", "R1")
+
+    def pick(value, default, field):
+        return default if (tile is None or getattr(tile, field) is None) else value(getattr(tile, field))
+
+    ct_default = next(c for c in (8, 4, 2, 1) if cout_g % c == 0 and c <= cout) if c_in_box else 1
+    ct = pick(lambda v: v, ct_default, "channels_per_thread")
+    if c_in_box and cout_g % ct:
+        raise PlanError([f"tile.channels_per_thread: {ct} must divide the channels per group ({cout_g})"])
+    if not c_in_box and ct != 1:
+        raise PlanError(["tile.channels_per_thread: must be 1 when channels are reduced one at a time"])
+    pt = pick(lambda v: v, min(4, t1[3]) if w_in_box else 1, "positions_per_thread")
+    if not w_in_box and pt != 1:
+        raise PlanError(["tile.positions_per_thread: must be 1 when width is reduced one position at a time"])
+
+    target_threads = 256
+    box = [1, 1, 1, 1]
+    if c_in_box:
+        box[0] = _balanced(t1[0], 64, ct)
+    if w_in_box:
+        box[3] = _balanced(t1[3], 16 * pt, pt)
+    per_row = (box[0] // ct) * _ceil_div(box[3], pt)
+    rows = max(1, target_threads // per_row)
+    if not reductions:
+        rows *= 2  # two register tiles per thread amortize the block's weight load
+    if role["h"] in ("F", "R1"):
+        box[2] = _balanced(t1[2], rows)
+        rows = max(1, rows // box[2])
+    if role["d"] in ("F", "R1"):
+        box[1] = _balanced(t1[1], rows)
+    if tile is not None and tile.box is not None:
+        want = tuple(tile.box)
+        if len(want) != 1 + nd:
+            raise PlanError([f"tile.box: expected {1 + nd} extents (channels and {nd} spatial), got {list(want)}"])
+        box = [want[0], *_spatial3(want[1:], 1)]
+        for a, b in zip(AXES, box):
+            if role[a] not in ("F", "R1") and b != 1:
+                raise PlanError([f"tile.box: the {AXIS_NAMES[a]} extent must be 1 (that axis is reduced one at a time)"])
+        if box[0] % ct:
+            raise PlanError([f"tile.box: the channel extent {box[0]} must be a multiple of channels_per_thread {ct}"])
+    box = [min(b, e) if role[a] in ("F", "R1") else 1 for a, b, e in zip(AXES, box, t1)]
+    box[0] = _round_up(box[0], ct)
+    thread_tiles = (box[0] // ct) * box[1] * box[2] * _ceil_div(box[3], pt)
+    cap = 1024 if reductions else target_threads
+    threads = pick(lambda v: v, min(cap, _round_up(thread_tiles, 32)), "threads")
+    tile_iters = _ceil_div(thread_tiles, threads)
+
+    f_axes = [a for a in AXES if role[a] == "F"]
+    r1_axes = [a for a in AXES if role[a] == "R1"]
+    tiles = {a: _ceil_div(t1[AXES.index(a)], box[AXES.index(a)]) if a in f_axes else 1 for a in AXES}
+    chunks = {a: _ceil_div(t1[AXES.index(a)], box[AXES.index(a)]) if a in r1_axes else 1 for a in AXES}
+    blocks_per_sample = math.prod(tiles.values())
+
+    # ---- the tail's owners: F elements of the box, several lanes each when F is small ---------
+    nf = math.prod(box[AXES.index(a)] for a in f_axes)
+    nr = math.prod(box[AXES.index(a)] for a in r1_axes)
+    lanes = 1
+    if reductions:
+        while lanes * 2 * nf <= threads and lanes * 2 <= nr:
+            lanes *= 2
+    owner_iters = _ceil_div(nf * lanes, threads)
+
+    # ---- shared memory ------------------------------------------------------------------------
+    weight_channels = box[0] if role["c"] == "F" else cout
+    weight_floats = weight_channels * (cin // groups) * taps
+    box_floats = math.prod(box) if reductions else 0
+    red_floats = 2 * nf * lanes if reductions else 0
+    weights_in_smem = 4 * (weight_floats + box_floats + red_floats) <= MAX_SMEM_BYTES and weight_channels % ct == 0
+    smem_floats = (weight_floats if weights_in_smem else 0) + box_floats + red_floats
+    smem_bytes = 4 * smem_floats
+    if smem_bytes > MAX_SMEM_BYTES:
+        raise PlanError(
+            [f"tile: needs {smem_bytes} bytes of shared memory (box {box}, {nf * lanes} reduction slots), "
+             f"more than the {MAX_SMEM_BYTES} a block can have; choose a smaller tile.box"]
+        )
+
+    in_per_sample = cin * math.prod(in3)
+    out_shape = shapes[-1].sizes
+    out_per_sample = math.prod(out_shape) if out_shape else 1
+    for what, n in (("input", in_per_sample), ("output", out_per_sample), ("T1", math.prod(t1))):
+        if n > INT32_MAX:
+            raise PlanError([f"input.size: one sample's {what} has {n} elements, more than 2^31 - 1"])
+    if blocks_per_sample > INT32_MAX:
+        raise PlanError([f"tile: {blocks_per_sample} blocks per sample exceed gridDim.x's limit"])
+
+    # Body step along W: level k's register tile covers positions w0 + i * step[k].
+    step = 1
+    for lvl in reversed(levels):
+        lvl["step"] = step
+        if lvl["kind"] == "pool":
+            step *= lvl["stride"][2]
+    conv_span = (pt - 1) * levels[0]["step"] * s3[2] + (k3[2] - 1) * d3[2] + 1
+    fmas_per_conv_row = (cin // groups) * taps * ct * pt
+    unroll_cin = fmas_per_conv_row <= 2048  # larger bodies: ci stays a loop (compile time, registers)
+
+    params = list(spec.params().items())
+    plan = {
+        "version": __version__,
+        "name": spec.name,
+        "kernel_name": f"specgen_{spec.name}",
+        "spec_hash": spec.shape_hash,
+        "spec_yaml": spec_yaml(spec),
+        "ndim": nd,
+        "cin": cin,
+        "cout": cout,
+        "groups": groups,
+        "cin_g": cin // groups,
+        "cout_g": cout_g,
+        "in": in3,
+        "kernel": k3,
+        "stride": s3,
+        "padding": p3,
+        "dilation": d3,
+        "conv_out": o3,
+        "taps": taps,
+        "has_bias": spec.conv.bias,
+        "levels": levels,
+        "t1": t1,
+        "reductions": reductions,
+        "role": role,
+        "f_axes": f_axes,
+        "r1_axes": r1_axes,
+        "box": box,
+        "tiles": tiles,
+        "chunks": chunks,
+        "ct": ct,
+        "pt": pt,
+        "threads": threads,
+        "thread_tiles": thread_tiles,
+        "tile_iters": tile_iters,
+        "blocks_per_sample": blocks_per_sample,
+        "nf": nf,
+        "nr": nr,
+        "lanes": lanes,
+        "owner_iters": owner_iters,
+        "weights_in_smem": weights_in_smem,
+        "weight_channels": weight_channels,
+        "weight_floats": weight_floats,
+        "box_floats": box_floats,
+        "red_floats": red_floats,
+        "smem_bytes": smem_bytes,
+        "conv_span": conv_span,
+        "unroll_cin": unroll_cin,
+        "in_per_sample": in_per_sample,
+        "out_per_sample": out_per_sample,
+        "out_shape": list(out_shape),
+        "params": [{"name": n, "shape": list(s), "channels": s[0]} for n, s in params],
+        "constants": consts,
+        "flops_per_sample": 2 * math.prod(t1) * (cin // groups) * taps * math.prod(l.get("window", 1) for l in levels),
+    }
+    return plan
+
+
+def describe(plan: dict) -> str:
+    """A short human summary of the plan (used by `specgen show`)."""
+    b = plan["box"]
+    lines = [
+        f"kernel {plan['kernel_name']}: {plan['threads']} threads/block, {plan['blocks_per_sample']} blocks per sample,"
+        f" {plan['smem_bytes']} bytes shared memory",
+        f"box (c, d, h, w) = {tuple(b)}; register tile {plan['ct']} channels x {plan['pt']} positions",
+        "axes: " + ", ".join(f"{AXIS_NAMES[a]}={plan['role'][a]}" for a in AXES),
+    ]
+    return "\n".join(lines)
+
+
+__all__ = ["build_plan", "describe", "PlanError", "expand", "spec_yaml"]

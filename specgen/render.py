@@ -1,0 +1,57 @@
+"""Render a plan into CUDA source with Jinja2 (StrictUndefined: a missing value is an error)."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jinja2
+
+from specgen.paths import templates_dir
+from specgen.plan import build_plan
+from specgen.spec import LayerSpec
+
+
+class TemplateError(RuntimeError):
+    """A template failed to render; the message names the template file and line."""
+
+
+@functools.cache
+def environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def _template_location(err: BaseException) -> str:
+    """'kernel.cu.j2:42' from the traceback of an error raised while rendering."""
+    tb, where = err.__traceback__, ""
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if filename.endswith(".j2"):
+            where = f"{filename.rsplit('/', 1)[-1]}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return where
+
+
+def render_plan(plan: dict, template: str = "kernel.cu.j2") -> str:
+    try:
+        text = environment().get_template(template).render(**plan)
+    except jinja2.TemplateSyntaxError as err:
+        raise TemplateError(f"{err.filename or err.name}:{err.lineno}: {err.message}") from err
+    except (jinja2.UndefinedError, TypeError, ValueError, KeyError, AttributeError) as err:
+        where = _template_location(err) or template
+        raise TemplateError(f"{where}: {type(err).__name__}: {err}") from err
+    # Collapse runs of blank lines left by control blocks; strip trailing spaces.
+    text = re.sub(r"[ \t]+\n", "\n", text)
+    return re.sub(r"\n{3,}", "\n\n", text)
+
+
+def render(spec: LayerSpec) -> str:
+    """The kernel-only .cu for a spec: same spec, byte-identical text."""
+    return render_plan(build_plan(spec))
