@@ -1,0 +1,158 @@
+"""`specgen bench`: time specgen against eager PyTorch and torch.compile in one process (GPU).
+
+CUDA events around each call, warm-up first, the median of `reps` timed runs. The machine's
+copy bandwidth and FFMA rate are measured in the same run; specgen's floor is the larger of
+plan FLOPs / FFMA rate and fewest bytes / bandwidth.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from specgen import reference
+from specgen.module import FusedLayer
+from specgen.spec import LayerSpec
+
+
+def _time(fn, reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def ceilings(reps: int = 20) -> dict:
+    """Copy bandwidth (bytes read + written) and the fp32 (TF32 off) matrix-product rate."""
+    n = 1 << 28  # 1 GiB of float32
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _time(lambda: dst.copy_(src), reps)
+    bandwidth = 2 * 4 * n / (ms * 1e-3)
+    del src, dst
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    m = 8192
+    a, b = torch.randn(m, m, device="cuda"), torch.randn(m, m, device="cuda")
+    ms = _time(lambda: a @ b, max(5, reps // 4))
+    torch.backends.cuda.matmul.allow_tf32 = old
+    return {"copy_bytes_per_s": bandwidth, "fp32_flops_per_s": 2 * m**3 / (ms * 1e-3)}
+
+
+def host_overhead_us(layer: FusedLayer, calls: int = 1000) -> float:
+    """Host time per forward on a tiny input: a graph-free loop of `calls` forwards."""
+    x = torch.randn(1, layer.spec.input.channels, *layer.spec.input.size, device="cuda")
+    for _ in range(10):
+        layer(x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(calls):
+            layer(x)
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, ceil: dict | None = None) -> dict:
+    """One spec: a row per contender, with ms, speedups, rel. L2 error and peak memory."""
+    ceil = ceil or ceilings()
+    torch.manual_seed(0)
+    fused = FusedLayer(spec).cuda()
+    plain = reference.Reference(spec).cuda()
+    plain.load_state_dict(fused.state_dict())
+    x_sets = [torch.randn(batch, spec.input.channels, *spec.input.size, device="cuda") for _ in range(2)]
+    params = fused.spec_params()
+    ref64 = reference.forward64(spec, x_sets[0], fused.conv.weight, fused.conv.bias, params)
+    norm = ref64.norm().item() or 1.0
+
+    def rel_err(out):
+        return ((out.double() - ref64).norm().item()) / norm
+
+    contenders = []
+
+    def eager(tf32):
+        def setup():
+            torch.backends.cudnn.allow_tf32 = tf32
+            return plain
+
+        return setup
+
+    contenders.append(("eager", eager(True)))
+    contenders.append(("eager (TF32 off)", eager(False)))
+    if compile:
+        def compiled():
+            torch.backends.cudnn.allow_tf32 = True
+            return torch.compile(plain)
+
+        contenders.append(("torch.compile", compiled))
+    contenders.append(("specgen", lambda: fused))
+
+    rows = []
+    for name, setup in contenders:
+        model = setup()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model(x_sets[0])
+            torch.cuda.synchronize()
+            first_call_s = time.perf_counter() - t0
+            err = rel_err(out)
+            del out
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            calls = [0]
+
+            def run():
+                calls[0] += 1
+                return model(x_sets[calls[0] % len(x_sets)])
+
+            ms = _time(run, reps)
+            peak = torch.cuda.max_memory_allocated() - base
+        rows.append({"name": name, "ms": ms, "rel_l2": err, "peak_bytes": peak, "first_call_s": first_call_s})
+    torch.backends.cudnn.allow_tf32 = True
+
+    by = {r["name"]: r["ms"] for r in rows}
+    plan = fused.specialize().plan
+    flops = plan["flops_per_sample"] * batch
+    fewest_bytes = 4 * (batch * (plan["in_per_sample"] + plan["out_per_sample"]) + sum(p.numel() for p in fused.parameters()))
+    floor_ms = 1e3 * max(flops / ceil["fp32_flops_per_s"], fewest_bytes / ceil["copy_bytes_per_s"])
+    for r in rows:
+        r["vs_eager"] = by["eager"] / r["ms"]
+        r["vs_compile"] = by["torch.compile"] / r["ms"] if "torch.compile" in by else None
+        if r["name"].startswith("specgen"):
+            r["pct_of_floor"] = 100 * floor_ms / r["ms"]
+    return {
+        "spec": spec.name,
+        "batch": batch,
+        "flops": flops,
+        "fewest_bytes": fewest_bytes,
+        "floor_ms": floor_ms,
+        "ceilings": ceil,
+        "rows": rows,
+    }
+
+
+def format_table(result: dict) -> str:
+    lines = [
+        f"{result['spec']} batch {result['batch']}: {result['flops'] / 1e9:.1f} GFLOP, {result['fewest_bytes'] / 1e9:.2f} GB fewest bytes,"
+        f" floor {result['floor_ms']:.3f} ms",
+        f"{'':18}{'ms':>9}{'x eager':>9}{'x compile':>10}{'rel L2':>10}{'peak MB':>9}{'% floor':>9}",
+    ]
+    for r in result["rows"]:
+        vc = f"{r['vs_compile']:.2f}" if r.get("vs_compile") else "-"
+        pf = f"{r['pct_of_floor']:.0f}" if "pct_of_floor" in r else ""
+        lines.append(
+            f"{r['name']:18}{r['ms']:9.3f}{r['vs_eager']:9.2f}{vc:>10}{r['rel_l2']:10.1e}{r['peak_bytes'] / 1e6:9.0f}{pf:>9}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,62 @@
+"""spec -> plan -> .cu -> cubin, through the cache. No torch: this is what `specgen build` runs."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from specgen import cache
+from specgen.plan import build_plan
+from specgen.render import render_plan
+from specgen.spec import LayerSpec
+
+
+@dataclass(frozen=True)
+class Specialized:
+    """A spec, its plan and its compiled, cached kernel."""
+
+    spec: LayerSpec
+    plan: dict
+    source: str
+    build: cache.BuildResult
+
+    @property
+    def key(self) -> str:
+        return self.build.key
+
+
+_memo: dict[tuple[str, str | None], Specialized] = {}
+_memo_lock = threading.Lock()
+
+
+def request(spec: LayerSpec, arch: str | None = None) -> tuple[dict, str, cache.BuildRequest]:
+    plan = build_plan(spec)
+    source = render_plan(plan)
+    return plan, source, cache.BuildRequest(spec.name, source, spec.canonical_json(), arch)
+
+
+def specialize(spec: LayerSpec, arch: str | None = None) -> Specialized:
+    """The compiled kernel of `spec`; repeated calls in one process cost a dict lookup."""
+    memo_key = (spec.canonical_json(), arch)
+    hit = _memo.get(memo_key)
+    if hit is not None:
+        return hit
+    with _memo_lock:
+        hit = _memo.get(memo_key)
+        if hit is None:
+            plan, source, req = request(spec, arch)
+            hit = Specialized(spec, plan, source, cache.get_or_build(req))
+            _memo[memo_key] = hit
+    return hit
+
+
+def specialize_many(specs: list[LayerSpec], arch: str | None = None) -> list[Specialized]:
+    """Several specs at once; the misses compile in parallel."""
+    prepared = [request(s, arch) for s in specs]
+    builds = cache.build_many([req for _, _, req in prepared])
+    out = []
+    for spec, (plan, source, _), build in zip(specs, prepared, builds):
+        item = Specialized(spec, plan, source, build)
+        _memo.setdefault((spec.canonical_json(), arch), item)
+        out.append(item)
+    return out

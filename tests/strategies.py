@@ -1,0 +1,97 @@
+"""Hypothesis strategies that draw valid specs from the whole vocabulary (and helpers for tests)."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+POINTWISE_ARGS = {
+    "relu": st.just({}),
+    "leaky_relu": st.builds(lambda s: {"negative_slope": s}, st.sampled_from([0.01, 0.2, 0.5])),
+    "gelu": st.builds(lambda a: {"approximate": a}, st.sampled_from(["none", "tanh"])),
+    "sigmoid": st.just({}),
+    "tanh": st.just({}),
+    "mish": st.just({}),
+    "hardswish": st.just({}),
+    "hardtanh": st.builds(lambda lo, w: {"min_val": lo, "max_val": lo + w}, st.sampled_from([-1.0, -0.5]), st.sampled_from([0.75, 2.0])),
+    "clamp": st.sampled_from([{"min": -0.5, "max": 0.75}, {"min": 0.0}, {"max": 0.25}]),
+    "silu": st.just({}),
+    "softplus": st.builds(lambda b, t: {"beta": b, "threshold": t}, st.sampled_from([1.0, 2.0]), st.sampled_from([20.0, 1.0])),
+    "add": st.sampled_from([{"value": 0.5}, {"param": "bias2"}]),
+    "sub": st.sampled_from([{"value": 0.25}, {"param": "shift"}]),
+    "mul": st.sampled_from([{"value": 1.5}, {"param": "scale"}]),
+    "div": st.sampled_from([{"value": 2.0}]),
+    "min": st.just({"value": 0.5}),
+    "max": st.just({"value": -0.5}),
+    "expr": st.sampled_from(["x * clamp((x + 3) / 6, 0, 1)", "x * sigmoid(x) + 0.5 * tanh(x)", "max(x, 0.1 * x) - scale2 * x"]),
+}
+PER_CHANNEL_OPS = {"add", "sub", "mul", "div", "expr"}
+
+
+@st.composite
+def pointwise_stage(draw, allow_params=True):
+    ops = sorted(POINTWISE_ARGS)
+    op = draw(st.sampled_from(ops))
+    args = draw(POINTWISE_ARGS[op])
+    if not allow_params and (isinstance(args, dict) and "param" in args or op == "expr" and "scale2" in args):
+        return {"relu": {}}
+    return {op: args}
+
+
+@st.composite
+def specs(draw, max_size=10):
+    """A valid spec dict: conv (1-3D, stride, padding, dilation, groups), body, optional tail."""
+    nd = draw(st.integers(1, 3))
+    groups = draw(st.sampled_from([1, 1, 2, 3]))
+    cin = groups * draw(st.integers(1, 3))
+    cout = groups * draw(st.integers(1, 4))
+    cap = {1: 24, 2: max_size + 3, 3: 7}[nd]
+    size, kernel, stride, padding, dilation = [], [], [], [], []
+    for _ in range(nd):
+        k = draw(st.integers(1, 3))
+        d = draw(st.integers(1, 2))
+        p = draw(st.integers(0, 1))
+        s = draw(st.integers(1, 2))
+        span = d * (k - 1) + 1
+        n = draw(st.integers(max(1, span - 2 * p), max(span - 2 * p, cap, 1)))
+        size.append(n), kernel.append(k), stride.append(s), padding.append(p), dilation.append(d)
+    spec = {
+        "name": "rnd",
+        "input": {"channels": cin, "size": size},
+        "conv": {
+            "out_channels": cout,
+            "kernel": kernel,
+            "stride": stride,
+            "padding": padding,
+            "dilation": dilation,
+            "groups": groups,
+            "bias": draw(st.booleans()),
+        },
+    }
+    stages = [draw(pointwise_stage()) for _ in range(draw(st.integers(0, 2)))]
+    pool = draw(st.sampled_from([None, None, "avg_pool", "max_pool", "global_avg_pool", "global_max_pool"]))
+    if pool in ("avg_pool", "max_pool"):
+        k = draw(st.integers(1, 3))
+        pool_args = {"kernel": k, "stride": draw(st.integers(1, 3)), "padding": draw(st.integers(0, k // 2))}
+        if pool == "avg_pool":
+            pool_args["count_include_pad"] = draw(st.booleans())
+        stages.append({pool: pool_args})
+        stages += [draw(pointwise_stage()) for _ in range(draw(st.integers(0, 1)))]
+    elif pool:
+        stages.append(pool)
+    n_red = draw(st.sampled_from([0, 0, 1, 1, 2]))
+    rank = 1 + nd
+    for _ in range(n_red):
+        if rank < 2:
+            break
+        dims = draw(st.lists(st.integers(1, rank - 1), min_size=1, max_size=rank - 1, unique=True))
+        keepdim = draw(st.booleans())
+        op = draw(st.sampled_from(["sum", "mean", "amax", "amin", "logsumexp"]))
+        stages.append({op: {"dims": dims, "keepdim": keepdim}})
+        if not keepdim:
+            rank -= len(dims)
+        channel_alive = keepdim or 1 not in dims
+        stages += [draw(pointwise_stage(allow_params=False)) for _ in range(draw(st.integers(0, 1)))]
+        if not channel_alive:
+            break
+    spec["epilogue"] = stages
+    return spec

@@ -1,0 +1,196 @@
+"""Specialized kernels against the PyTorch reference on the GPU (marker `gpu`; skipped without CUDA).
+
+Every check draws fresh random inputs and parameters, poisons the output with NaN first, and
+requires rel. L2 error <= 1e-5 against float64 and allclose(1e-4, 1e-4) against PyTorch fp32
+with TF32 off.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+
+import specgen  # noqa: E402
+from specgen import reference  # noqa: E402
+from specgen.module import FusedLayer  # noqa: E402
+from specgen.spec import load_specs, validate  # noqa: E402
+
+from strategies import specs as random_specs  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SMALL = {"kb90": (8, 10, 12), "kb65": (40, 44)}  # the seeds at test sizes (same code path)
+
+
+@pytest.fixture(autouse=True)
+def _fp32_reference():
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+
+
+def randomize(layer: torch.nn.Module, gen: torch.Generator) -> None:
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * (0.3 if p.dim() > 1 else 1.0))
+
+
+def compare(layer: FusedLayer, batch: int, seed: int) -> dict:
+    spec = layer.spec
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    randomize(layer, gen)
+    x = torch.randn((batch, spec.input.channels, *spec.input.size), generator=gen, device="cuda")
+    out = torch.full(spec.output_shape(batch), float("nan"), device="cuda")
+    layer(x, out=out)
+    torch.cuda.synchronize()
+    params = layer.spec_params()
+    ref64 = reference.forward64(spec, x, layer.conv.weight, layer.conv.bias, params)
+    ref32 = reference.forward(spec, x, layer.conv.weight, layer.conv.bias, params).detach()
+    diff = (out.double() - ref64).norm()
+    scale = ref64.norm().clamp_min(1e-30)
+    result = {
+        "rel_l2": (diff / scale).item(),
+        "max_abs": (out.double() - ref64).abs().max().item() if out.numel() else 0.0,
+        "finite": bool(torch.isfinite(out).all()) if out.numel() else True,
+        "allclose": bool(torch.allclose(out, ref32, atol=1e-4, rtol=1e-4)),
+    }
+    assert result["finite"], f"{spec.name}: unwritten (NaN) or non-finite outputs: {result}"
+    assert result["rel_l2"] <= 1e-5, f"{spec.name}: rel L2 {result['rel_l2']:.3e} > 1e-5 at batch {batch}"
+    assert result["allclose"], f"{spec.name}: not allclose to PyTorch fp32 at batch {batch}: {result}"
+    return result
+
+
+def shrink(spec):
+    """The seeds at small sizes: same ops and code path, a fraction of the work."""
+    size = SMALL.get(spec.name)
+    if size is None:
+        return spec
+    data = spec.model_dump()
+    data["input"]["size"] = list(size)
+    return validate(data)
+
+
+def example_specs():
+    out = []
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        out += [pytest.param(s, id=f"{path.stem}:{s.name}") for s in load_specs(path)]
+    return out
+
+
+@pytest.mark.parametrize("spec", example_specs())
+@pytest.mark.parametrize("batch", [1, 3])
+def test_examples_match_reference(spec, batch):
+    compare(FusedLayer(shrink(spec)).cuda(), batch, seed=batch)
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(random_specs())
+def test_random_specs_match_reference(data):
+    try:
+        spec = validate(data)
+    except specgen.spec.SpecError:
+        return  # the strategy occasionally draws an empty pooled output; validation tests cover that
+    layer = FusedLayer(spec).cuda()
+    compare(layer, 1, seed=1)
+    compare(layer, 5, seed=2)
+
+
+def test_kb90_and_kb65_at_full_size():
+    for name in ("kb90", "kb65"):
+        layer = FusedLayer(load_specs(EXAMPLES / f"{name}.yaml")[0]).cuda()
+        compare(layer, 2, seed=7)
+
+
+def test_launch_checks_name_expected_and_got():
+    layer = FusedLayer(shrink(load_specs(EXAMPLES / "kb65.yaml")[0])).cuda()
+    x = torch.randn(2, 8, 40, 44, device="cuda")
+    with pytest.raises(ValueError, match="float32"):
+        layer(x.double())
+    with pytest.raises(ValueError, match=r"\[batch, 8, 40, 44\].*\[2, 8, 44, 40\]"):
+        layer(x.transpose(2, 3).contiguous())
+    with pytest.raises(ValueError, match="float32-only"):
+        layer.half()(x)
+
+
+def test_batch_zero_and_non_contiguous_input():
+    layer = FusedLayer(shrink(load_specs(EXAMPLES / "kb90.yaml")[0])).cuda()
+    assert layer(torch.empty(0, 8, 8, 10, 12, device="cuda")).shape == (0, 64, 6, 8, 10)
+    x = torch.randn(3, 8, 8, 12, 10, device="cuda").transpose(3, 4)
+    assert not x.is_contiguous()
+    ref = reference.forward(layer.spec, x, layer.conv.weight, layer.conv.bias, layer.spec_params())
+    torch.testing.assert_close(layer(x), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_only_the_output_is_allocated():
+    layer = FusedLayer(shrink(load_specs(EXAMPLES / "kb90.yaml")[0])).cuda()
+    x = torch.randn(16, 8, 8, 10, 12, device="cuda")
+    layer(x)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = layer(x)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra <= out.numel() * 4 + 512, f"forward allocated {extra} bytes; the output alone is {out.numel() * 4}"
+
+
+def test_cuda_graph_capture_and_replay():
+    layer = FusedLayer(shrink(load_specs(EXAMPLES / "kb90.yaml")[0])).cuda()
+    static_x = torch.randn(4, 8, 8, 10, 12, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(static_x)  # warm-up: load the module outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x)
+    for seed in range(3):
+        static_x.copy_(torch.randn(static_x.shape, generator=torch.Generator("cuda").manual_seed(seed), device="cuda"))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.forward(layer.spec, static_x, layer.conv.weight, layer.conv.bias, layer.spec_params())
+        torch.testing.assert_close(static_out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_two_streams_in_flight():
+    layer = FusedLayer(shrink(load_specs(EXAMPLES / "kb65.yaml")[0])).cuda()
+    xs = [torch.randn(64, 8, 40, 44, device="cuda") for _ in range(2)]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    outs = []
+    for x, s in zip(xs, streams):
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            outs.append(layer(x))
+    torch.cuda.synchronize()
+    for x, out in zip(xs, outs):
+        ref = reference.forward(layer.spec, x, layer.conv.weight, layer.conv.bias, layer.spec_params())
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_state_dict_round_trips_with_the_seed_models():
+    import importlib.util
+
+    seeds_file = Path(__file__).resolve().parent / "seed_models.py"
+    spec_ = importlib.util.spec_from_file_location("seed_models", seeds_file)
+    seeds = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(seeds)
+    for name, cls in (("kb90", seeds.KB90), ("kb65", seeds.KB65)):
+        plain = cls().cuda()
+        fused = FusedLayer(EXAMPLES / f"{name}.yaml").cuda()
+        fused.load_state_dict(plain.state_dict())
+        plain.load_state_dict(fused.state_dict())
+        size = SMALL[name]
+        x = torch.randn(2, 8, *size, device="cuda")
+        torch.testing.assert_close(fused(x), plain(x), atol=1e-4, rtol=1e-4)
