@@ -156,3 +156,22 @@ def format_table(result: dict) -> str:
             f"{r['name']:18}{r['ms']:9.3f}{r['vs_eager']:9.2f}{vc:>10}{r['rel_l2']:10.1e}{r['peak_bytes'] / 1e6:9.0f}{pf:>9}"
         )
     return "\n".join(lines)
+
+
+def environment() -> dict:
+    """Date, GPU and versions, recorded with every bench result."""
+    import datetime
+    import platform
+
+    from specgen import __version__
+    from specgen import compile as nvcc
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nvcc": nvcc.toolchain_id(nvcc.find_nvcc()).splitlines()[-1],
+        "specgen": __version__,
+        "python": platform.python_version(),
+    }

@@ -97,6 +97,24 @@ def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], chan
     }
 
 
+def _can_fold_avg_pool(levels: list[dict], conv_stride, conv_dilation) -> bool:
+    """avg_pool(conv(x)) == conv'(x) with kernel K + k - 1 and the pool's stride, when the pool
+    follows the conv directly, the conv has stride and dilation 1 and the pool has no padding.
+    conv' has weights W'(t) = sum over window offsets e of W(t - e) / window: exact in real
+    arithmetic; in float32 it reorders the sums (a few ulps of the largest partial sum)."""
+    conv, pool = levels[0], levels[1]
+    return (
+        not conv["pointwise"]
+        and pool["kind"] == "pool"
+        and pool["reduce"] == "avg"
+        and pool["op"] == "avg_pool"
+        and all(s == 1 for s in conv_stride)
+        and all(d == 1 for d in conv_dilation)
+        and all(p == 0 for p in pool["padding"])
+        and all(d == 1 for d in pool["dilation"])
+    )
+
+
 def build_plan(spec: LayerSpec) -> dict:
     """Everything the template needs, as plain Python values."""
     nd = spec.ndim
@@ -115,8 +133,14 @@ def build_plan(spec: LayerSpec) -> dict:
     # ---- body levels: conv (+pointwise), then one level per pool (+pointwise) ----------------
     levels = [{"kind": "conv", "level": 0, "pointwise": [], "out": o3}]
     tail_start = len(spec.epilogue)
+    later_windowed = [
+        any(s.kind == "pool" and ops.POOLS[s.op].windowed for s in spec.epilogue[i + 1 :]) for i in range(len(spec.epilogue))
+    ]
     for i, stage in enumerate(spec.epilogue):
-        if stage.kind == "reduce":
+        # A global pool with no windowed pool after it is a reduction over the spatial dims
+        # (keepdim): the tail computes it with a whole block instead of one thread per window.
+        as_reduction = stage.kind == "pool" and not ops.POOLS[stage.op].windowed and not later_windowed[i]
+        if stage.kind == "reduce" or as_reduction:
             tail_start = i
             break
         if stage.kind == "pointwise":
@@ -150,6 +174,25 @@ def build_plan(spec: LayerSpec) -> dict:
                 "pointwise": [],
             }
         )
+    # ---- rewrite: an avg-pool right after the conv folds into the conv ----------------------
+    rewrites: list[str] = []
+    fold = None
+    if spec.rewrites and len(levels) > 1 and _can_fold_avg_pool(levels, s3, d3):
+        pool = levels.pop(1)
+        fold = {"orig_kernel": k3, "window": pool["kernel"], "window_size": pool["window"]}
+        new_k = tuple(k + w - 1 for k, w in zip(k3, pool["kernel"]))
+        dims = lambda t: "x".join(map(str, t[3 - nd:]))  # noqa: E731
+        saving = pool["window"] * math.prod(k3) / math.prod(new_k)
+        rewrites.append(
+            f"avg-pool fold: epilogue[{pool['index']}] {pool['op']} {dims(pool['kernel'])} folded into the conv "
+            f"(kernel {dims(k3)} -> {dims(new_k)}, stride {dims(pool['stride'])}): {saving:.2f}x fewer multiply-adds"
+        )
+        k3, s3, o3 = new_k, pool["stride"], pool["out"]
+        levels[0]["out"] = o3
+        levels[0]["pointwise"] = pool["pointwise"]
+        for k, lvl in enumerate(levels):
+            lvl["level"] = k
+        taps = k3[0] * k3[1] * k3[2]
     t1 = (cout, *levels[-1]["out"])  # T1 extents (c, d, h, w)
 
     # ---- tail: reductions over T1 axes, in order -------------------------------------------
@@ -165,24 +208,29 @@ def build_plan(spec: LayerSpec) -> dict:
                 reductions[-1]["pointwise"].append(_pointwise_code(spec, i, consts, channel))
             continue
         before = shapes[i]
-        dims = spec.reduce_dims(i)
-        axes = [role_to_axis[before.axes[d - 1].role] for d in dims]
+        if stage.kind == "pool":  # a global pool: mean / amax over the spatial dims, keepdim
+            op = "mean" if ops.POOLS[stage.op].reduce == "avg" else "amax"
+            axes = [role_to_axis[a.role] for a in before.axes if a.role != "c"]
+        else:
+            op = stage.op
+            axes = [role_to_axis[before.axes[d - 1].role] for d in spec.reduce_dims(i)]
         axes = [a for a in AXES if a in axes and a not in reduced]
         reduced.update(axes)
         if not axes:  # reducing axes already reduced with keepdim: the identity
             continue
-        red = ops.REDUCTIONS[stage.op]
+        red = ops.REDUCTIONS[op]
         count = math.prod(t1[AXES.index(a)] for a in axes)
         reductions.append(
             {
                 "index": i,
-                "op": stage.op,
+                "op": op,
                 "axes": axes,
                 "count": count,
                 "init": red.init,
                 "fold": red.fold,
                 "pointwise": [],
-                "comment": f"epilogue[{i}] {stage.op} over {', '.join(AXIS_NAMES[a] for a in axes)} ({count} values)",
+                "comment": f"epilogue[{i}] {stage.op} over {', '.join(AXIS_NAMES[a] for a in axes)} ({count} values)"
+                + (f", computed as {op}" if op != stage.op else ""),
             }
         )
     # the channel coordinate the tail's per-channel parameters see: 0 once channels are reduced
@@ -236,6 +284,9 @@ def build_plan(spec: LayerSpec) -> dict:
         rows = max(1, rows // box[2])
     if role["d"] in ("F", "R1"):
         box[1] = _balanced(t1[1], rows)
+        rows = max(1, rows // box[1])
+    if w_in_box and rows > 1:  # thin tensors (1D, or H and D small): widen the box along W
+        box[3] = _balanced(t1[3], box[3] * rows, pt)
     if tile is not None and tile.box is not None:
         want = tuple(tile.box)
         if len(want) != 1 + nd:
@@ -257,7 +308,12 @@ def build_plan(spec: LayerSpec) -> dict:
     r1_axes = [a for a in AXES if role[a] == "R1"]
     tiles = {a: _ceil_div(t1[AXES.index(a)], box[AXES.index(a)]) if a in f_axes else 1 for a in AXES}
     chunks = {a: _ceil_div(t1[AXES.index(a)], box[AXES.index(a)]) if a in r1_axes else 1 for a in AXES}
-    blocks_per_sample = math.prod(tiles.values())
+    f_tiles = math.prod(tiles.values())
+    r1_chunks = math.prod(chunks.values())
+    # Few kept tiles per sample (e.g. a full reduction): a cluster of blocks shares each tile's
+    # chunks and joins its partials through distributed shared memory, in rank order.
+    cluster = min(8, r1_chunks) if reductions and f_tiles <= 16 and r1_chunks >= 2 else 1
+    blocks_per_sample = f_tiles * cluster
 
     # ---- the tail's owners: F elements of the box, several lanes each when F is small ---------
     nf = math.prod(box[AXES.index(a)] for a in f_axes)
@@ -271,10 +327,16 @@ def build_plan(spec: LayerSpec) -> dict:
     # ---- shared memory ------------------------------------------------------------------------
     weight_channels = box[0] if role["c"] == "F" else cout
     weight_floats = weight_channels * (cin // groups) * taps
+    # Row stride of the staged weights: padded off multiples of 32 so that the transposing
+    # stores spread over banks, and kept a multiple of 4 for 16-byte loads.
+    w_stride = weight_channels + (4 if weight_channels % 32 == 0 else 0)
+    w_smem_floats = w_stride * (cin // groups) * taps
     box_floats = math.prod(box) if reductions else 0
     red_floats = 2 * nf * lanes if reductions else 0
-    weights_in_smem = 4 * (weight_floats + box_floats + red_floats) <= MAX_SMEM_BYTES and weight_channels % ct == 0
-    smem_floats = (weight_floats if weights_in_smem else 0) + box_floats + red_floats
+    weights_in_smem = 4 * (w_smem_floats + box_floats + red_floats) <= MAX_SMEM_BYTES and weight_channels % ct == 0
+    if fold is not None and not weights_in_smem:  # the fold builds W' while staging: no room, no fold
+        return build_plan(spec.model_copy(update={"rewrites": False}))
+    smem_floats = (w_smem_floats if weights_in_smem else 0) + box_floats + red_floats
     smem_bytes = 4 * smem_floats
     if smem_bytes > MAX_SMEM_BYTES:
         raise PlanError(
@@ -337,6 +399,9 @@ def build_plan(spec: LayerSpec) -> dict:
         "thread_tiles": thread_tiles,
         "tile_iters": tile_iters,
         "blocks_per_sample": blocks_per_sample,
+        "cluster": cluster,
+        "r1_chunks": r1_chunks,
+        "chunk_iters": _ceil_div(r1_chunks, cluster),
         "nf": nf,
         "nr": nr,
         "lanes": lanes,
@@ -344,6 +409,8 @@ def build_plan(spec: LayerSpec) -> dict:
         "weights_in_smem": weights_in_smem,
         "weight_channels": weight_channels,
         "weight_floats": weight_floats,
+        "w_stride": w_stride,
+        "w_smem_floats": w_smem_floats if weights_in_smem else 0,
         "box_floats": box_floats,
         "red_floats": red_floats,
         "smem_bytes": smem_bytes,
@@ -355,6 +422,8 @@ def build_plan(spec: LayerSpec) -> dict:
         "params": [{"name": n, "shape": list(s), "channels": s[0]} for n, s in params],
         "constants": consts,
         "flops_per_sample": 2 * math.prod(t1) * (cin // groups) * taps * math.prod(l.get("window", 1) for l in levels),
+        "rewrites": rewrites,
+        "fold": fold,
     }
     return plan
 
@@ -365,8 +434,10 @@ def describe(plan: dict) -> str:
     lines = [
         f"kernel {plan['kernel_name']}: {plan['threads']} threads/block, {plan['blocks_per_sample']} blocks per sample,"
         f" {plan['smem_bytes']} bytes shared memory",
-        f"box (c, d, h, w) = {tuple(b)}; register tile {plan['ct']} channels x {plan['pt']} positions",
+        f"box (c, d, h, w) = {tuple(b)}; register tile {plan['ct']} channels x {plan['pt']} positions;"
+        f" cluster of {plan['cluster']} block(s) per kept tile",
         "axes: " + ", ".join(f"{AXIS_NAMES[a]}={plan['role'][a]}" for a in AXES),
+        "rewrites: " + ("; ".join(plan["rewrites"]) or "none"),
     ]
     return "\n".join(lines)
 

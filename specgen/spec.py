@@ -210,6 +210,7 @@ class LayerSpec(Model):
     epilogue: list[Stage] = Field(default_factory=list)
     precision: Literal["fp32"] = "fp32"
     tile: Optional[TileSpec] = None
+    rewrites: bool = True  # plan-level rewrites (e.g. folding an avg-pool into the conv)
 
     # -- derived, canonical views --------------------------------------------------------------
 

@@ -1,0 +1,175 @@
+"""The `specgen` command line: build, show, check, bench, cache, import.
+
+Exit codes: 0 ok; 1 a build or check failed (the compiler's log is shown); 2 bad input.
+`build` and `show` never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specgen import __version__
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _load(path: str, name: str | None = None):
+    from specgen.spec import load_specs
+
+    specs = load_specs(path)
+    if name is not None:
+        specs = [s for s in specs if s.name == name]
+        if not specs:
+            from specgen.spec import SpecError
+
+            raise SpecError([f"--name: no spec named {name!r} in {path}"])
+    return specs
+
+
+def _load_all(paths: list[str]):
+    out = []
+    for p in paths:
+        out.extend(_load(p))
+    return out
+
+
+def cmd_build(args) -> int:
+    from specgen import compile as nvcc, pipeline
+
+    if args.arch is not None:
+        nvcc.validate_arch(args.arch)
+    specs = _load_all(args.files)
+    built = pipeline.specialize_many(specs, args.arch)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for item in built:
+        cu = out_dir / f"{item.spec.name}.cu"
+        cu.write_text(item.source)
+        record = item.build.as_json()
+        record.update({"cu": str(cu), "smem_bytes": item.plan["smem_bytes"] + item.build.smem_bytes})
+        if args.json:
+            print(json.dumps(record, sort_keys=True))
+        else:
+            print(
+                f"{item.spec.name}: {record['cache']} {record['key'][:16]}  {record['registers']} registers, "
+                f"{record['spill_bytes']} spill bytes, {record['smem_bytes']} B shared  "
+                f"({record['compile_seconds']:.2f} s)  -> {cu}, {record['cubin']}"
+            )
+    return EXIT_OK
+
+
+def cmd_show(args) -> int:
+    from specgen import pipeline
+    from specgen.plan import describe
+
+    for spec in _load(args.file, args.name):
+        plan, source, req = pipeline.request(spec, args.arch)
+        if args.ptx:
+            from specgen import compile as nvcc
+
+            print(nvcc.compile_ptx(source, req.arch or nvcc.default_arch()))
+        elif args.plan:
+            print(describe(plan))
+        else:
+            sys.stdout.write(source)
+    return EXIT_OK
+
+
+def cmd_check(args) -> int:
+    from specgen import check
+
+    return check.main(_load_all(args.files), batch=args.batch, seed=args.seed)
+
+
+def cmd_bench(args) -> int:
+    from specgen import bench
+
+    specs = _load_all(args.files)
+    ceil = bench.ceilings()
+    results = []
+    for spec in specs:
+        result = bench.bench(spec, args.batch, reps=args.reps, compile=not args.no_compile, ceil=ceil)
+        results.append(result)
+        print(bench.format_table(result), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": bench.environment(), "results": results}, indent=1))
+    return EXIT_OK
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specgen", description="Specialize fused convolution layers into CUDA kernels.")
+    p.add_argument("--version", action="version", version=f"specgen {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="render and compile every spec of YAML files (cached)")
+    b.add_argument("files", nargs="+", metavar="FILE.yaml")
+    b.add_argument("--arch", default=None, help="target, e.g. sm_90 (default: this GPU's, else sm_90)")
+    b.add_argument("--out", default="generated", help="where <name>.cu is written (default: generated/)")
+    b.add_argument("--json", action="store_true", help="one JSON object per spec")
+    b.set_defaults(run=cmd_build)
+
+    s = sub.add_parser("show", help="print the generated .cu (or its PTX, or the plan)")
+    s.add_argument("file", metavar="FILE.yaml")
+    s.add_argument("--name", default=None, help="the spec to show, when the file holds several")
+    s.add_argument("--arch", default=None)
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--ptx", action="store_true", help="print the PTX instead of the .cu")
+    g.add_argument("--plan", action="store_true", help="print the plan's summary: tiling, rewrites")
+    s.set_defaults(run=cmd_show)
+
+    c = sub.add_parser("check", help="compare specgen with the PyTorch reference on the GPU")
+    c.add_argument("files", nargs="+", metavar="FILE.yaml")
+    c.add_argument("--batch", type=int, default=2)
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(run=cmd_check)
+
+    be = sub.add_parser("bench", help="time specgen against eager PyTorch and torch.compile (GPU)")
+    be.add_argument("files", nargs="+", metavar="FILE.yaml")
+    be.add_argument("--batch", type=int, default=128)
+    be.add_argument("--reps", type=int, default=20)
+    be.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    be.add_argument("--json", metavar="PATH", default=None, help="write all numbers as JSON")
+    be.set_defaults(run=cmd_bench)
+
+    from specgen import cachecli
+
+    cachecli.register(sub)
+    try:
+        from specgen import importcli
+    except ImportError:  # the importer needs torch; the rest of the CLI does not
+        importcli = None
+    if importcli is not None:
+        importcli.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specgen.spec import SpecError
+
+    args = parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except SpecError as err:
+        print(f"specgen: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (ValueError, FileNotFoundError) as err:
+        print(f"specgen: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as err:  # a failed build: CompileError carries the log and source lines
+        from specgen.compile import CompileError
+        from specgen.render import TemplateError
+
+        if isinstance(err, TemplateError):
+            print(f"specgen: template error: {err}", file=sys.stderr)
+            return EXIT_FAILED
+        if isinstance(err, CompileError):
+            print(f"specgen: build failed\n{err}", file=sys.stderr)
+            return EXIT_FAILED
+        raise
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
