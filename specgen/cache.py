@@ -37,7 +37,6 @@ staged, not published) or `published` (published, lock still held).
 from __future__ import annotations
 
 import atexit
-import errno
 import hashlib
 import json
 import os
@@ -78,6 +77,9 @@ _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
 _TMP_RE = re.compile(r"tmp\.pid_(\d+)_[0-9a-f]+")
 _CU, _CUBIN, _META = "kernel.cu", "kernel.cubin", "meta.json"
+_MANIFEST_FIELDS = frozenset(
+    ("name", "key", "arch", "registers", "spill_bytes", "smem_bytes", "stack_bytes", "log", "cu_sha256", "cubin_sha256")
+)
 
 
 class CacheDirError(RuntimeError):
@@ -101,11 +103,14 @@ class BuildRequest:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):
             raise ValueError(f"name: expected a C identifier, got {self.name!r}")
+        for field_name in ("source", "canonical_spec"):
+            if not isinstance(getattr(self, field_name), str):
+                raise ValueError(f"{field_name}: expected a string, got {type(getattr(self, field_name)).__name__}")
         if self.arch is not None:
             nvcc.validate_arch(self.arch)
         if self.flags is not None:
-            if isinstance(self.flags, str) or not all(isinstance(f, str) for f in self.flags):
-                raise ValueError(f"flags: expected a sequence of strings, got {self.flags!r}")
+            if not isinstance(self.flags, (tuple, list)) or not all(isinstance(f, str) for f in self.flags):
+                raise ValueError(f"flags: expected a tuple of strings, got {self.flags!r}")
             object.__setattr__(self, "flags", tuple(self.flags))
 
 
@@ -277,6 +282,8 @@ class _Plan:
     arch: str
     flags: tuple[str, ...]
     toolchain: str
+    template_hash: str
+    version: str
     key: str
     build_dir: Path | None = None
     in_cache: bool = False
@@ -286,19 +293,20 @@ def _plan(req: BuildRequest) -> _Plan:
     arch = nvcc.validate_arch(req.arch if req.arch is not None else nvcc.default_arch())
     flags = tuple(req.flags) if req.flags is not None else nvcc.DEFAULT_FLAGS
     toolchain = nvcc.toolchain_id(nvcc.find_nvcc())
+    template_hash, version = paths.template_hash(), specgen.__version__
     material = {
         "schema": _KEY_SCHEMA,
         "name": req.name,
         "canonical_spec": req.canonical_spec,
         "source": req.source,
-        "specgen_version": specgen.__version__,
-        "template_hash": paths.template_hash(),
+        "specgen_version": version,
+        "template_hash": template_hash,
         "toolchain": toolchain,
         "arch": arch,
         "flags": list(flags),
     }
     key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
-    return _Plan(req=req, arch=arch, flags=flags, toolchain=toolchain, key=key)
+    return _Plan(req, arch, flags, toolchain, template_hash, version, key)
 
 
 def compute_key(req: BuildRequest) -> str:
@@ -331,11 +339,13 @@ def _probe(entry: Path, key: str) -> _Probe:
         return _Probe(None, None, "its manifest is missing" if entry.is_dir() else None)
     try:
         meta = json.loads(raw)
-        files = {_CU: meta["cu_sha256"], _CUBIN: meta["cubin_sha256"]}
-        if meta["key"] != key:
-            return _Probe(None, None, "its manifest belongs to another key")
-    except (ValueError, TypeError, KeyError):
+        if not _MANIFEST_FIELDS <= meta.keys():
+            return _Probe(None, None, "its manifest is incomplete")
+    except (ValueError, AttributeError):
         return _Probe(None, None, "its manifest is unreadable")
+    if meta["key"] != key:
+        return _Probe(None, None, "its manifest belongs to another key")
+    files = {_CU: meta["cu_sha256"], _CUBIN: meta["cubin_sha256"]}
     cubin = b""
     for name, digest in files.items():
         try:
@@ -373,8 +383,8 @@ def _manifest(plan: _Plan, report: CompileReport, cu: bytes, cubin: bytes) -> di
         "arch": plan.arch,
         "flags": list(plan.flags),
         "toolchain": plan.toolchain,
-        "specgen_version": specgen.__version__,
-        "template_hash": paths.template_hash(),
+        "specgen_version": plan.version,
+        "template_hash": plan.template_hash,
         "canonical_spec": plan.req.canonical_spec,
         "registers": report.registers,
         "spill_bytes": report.spill_bytes,
@@ -440,12 +450,16 @@ def _holder(lock_path: Path) -> str:
         return "unknown"
 
 
+def _lock_path(root: Path, key: str) -> Path:
+    locks = root / "locks"
+    locks.mkdir(mode=_dir_mode(), exist_ok=True)
+    return locks / f"{key}.lock"
+
+
 @contextmanager
 def _key_lock(root: Path, key: str) -> Iterator[None]:
     """Hold the per-key build lock, logging the holder once the wait exceeds LOCK_WARN_SECONDS."""
-    locks = root / "locks"
-    locks.mkdir(mode=_dir_mode(), exist_ok=True)
-    path = locks / f"{key}.lock"
+    path = _lock_path(root, key)
     lock = FileLock(path)
     try:
         lock.acquire(timeout=LOCK_WARN_SECONDS)
@@ -544,6 +558,60 @@ def _cache_root(plans: list[_Plan]) -> Path | None:
         return None
 
 
+def _hit(root: Path, plan: _Plan, probe: _Probe) -> BuildResult:
+    assert probe.meta is not None
+    entry = _entry_dir(root, plan.key)
+    _touch(entry)
+    _dump(plan, probe.meta["log"])
+    return _result(probe.meta, entry, "hit", 0.0)
+
+
+def _claim(plan: _Plan, root: Path | None, always: bool, held: ExitStack) -> BuildResult | None:
+    """Take the key's lock and look again: a hit if another process built it meanwhile, else None.
+
+    Without a usable cache the plan gets a temporary build dir instead.
+    """
+    if root is None or plan.build_dir is not None:
+        return None
+    try:
+        held.enter_context(_key_lock(root, plan.key))
+    except OSError as error:
+        plan.build_dir = _fallback_dir(plan, root, error)
+        return None
+    if not always:
+        probe = _probe(_entry_dir(root, plan.key), plan.key)
+        if probe.meta is not None:
+            return _hit(root, plan, probe)
+        if probe.problem:
+            get_logger().warning(
+                "cache entry %s for %s is invalid (%s); rebuilding it",
+                _entry_dir(root, plan.key),
+                plan.req.name,
+                probe.problem,
+            )
+    _pause("locked")
+    return None
+
+
+def _compile(building: list[_Plan], root: Path | None) -> dict[str, BuildResult | CompileError]:
+    """Stage, compile (in parallel) and publish; outcomes by key."""
+    log = get_logger()
+    for plan in building:
+        _stage(plan, root if plan.build_dir is None else None)
+        _count_compile(plan)
+        log.info("compiling %s (%s)", plan.req.name, plan.key[:12])
+    jobs = [CompileJob(p.build_dir / _CU, p.build_dir / _CUBIN, p.arch, p.flags) for p in building]
+    outcomes: dict[str, BuildResult | CompileError] = {}
+    for plan, report in zip(building, nvcc.compile_many(jobs)):
+        _dump(plan, report.log)
+        if isinstance(report, CompileError):
+            outcomes[plan.key] = report
+        else:
+            log.info("compiled %s in %.2f s", plan.req.name, report.seconds)
+            outcomes[plan.key] = _finish(plan, root, report)
+    return outcomes
+
+
 def get_or_build(req: BuildRequest) -> BuildResult:
     """The cached kernel for `req`, compiling and publishing it on a miss. Raises CompileError."""
     return build_many([req])[0]
@@ -552,81 +620,44 @@ def get_or_build(req: BuildRequest) -> BuildResult:
 def build_many(reqs: list[BuildRequest]) -> list[BuildResult]:
     """Like get_or_build for each request, compiling the misses in parallel.
 
-    Successes are published before the first CompileError (in request order) is raised.
+    Locks are taken in key order, so overlapping batches cannot deadlock. Successes are published
+    before the first CompileError (in request order) is raised.
     """
-    log = get_logger()
-    plans: dict[str, _Plan] = {}
     keys = []
+    plans: dict[str, _Plan] = {}
     for req in reqs:
         plan = _plan(req)
         plans.setdefault(plan.key, plan)
         keys.append(plan.key)
-    unique = sorted(plans.values(), key=lambda p: p.key)
-    root = _cache_root(unique)
+    ordered = sorted(plans.values(), key=lambda p: p.key)
+    root = _cache_root(ordered)
     always = _env_flag(ENV_ALWAYS_COMPILE)
-    results: dict[str, BuildResult] = {}
-    failures: dict[str, CompileError] = {}
-
-    def hit(plan: _Plan, probe: _Probe) -> None:
-        assert root is not None and probe.meta is not None
-        entry = _entry_dir(root, plan.key)
-        _touch(entry)
-        results[plan.key] = _result(probe.meta, entry, "hit", 0.0)
-        _dump(plan, probe.meta["log"])
-
+    outcomes: dict[str, BuildResult | CompileError] = {}
     if root is not None and not always:
-        for plan in unique:
+        for plan in ordered:
             probe = _probe(_entry_dir(root, plan.key), plan.key)
             if probe.meta is not None:
-                hit(plan, probe)
-    misses = [p for p in unique if p.key not in results]
+                outcomes[plan.key] = _hit(root, plan, probe)
+    building = []
     with ExitStack() as held:
-        building = []
-        for plan in misses:
-            if root is not None and plan.build_dir is None:
-                try:
-                    held.enter_context(_key_lock(root, plan.key))
-                except OSError as error:
-                    plan.build_dir = _fallback_dir(plan, root, error)
+        for plan in ordered:
+            if plan.key not in outcomes:
+                if (found := _claim(plan, root, always, held)) is not None:
+                    outcomes[plan.key] = found
                 else:
-                    if not always:
-                        probe = _probe(_entry_dir(root, plan.key), plan.key)
-                        if probe.meta is not None:
-                            hit(plan, probe)
-                            continue
-                        if probe.problem:
-                            log.warning(
-                                "cache entry %s for %s is invalid (%s); rebuilding it",
-                                _entry_dir(root, plan.key),
-                                plan.req.name,
-                                probe.problem,
-                            )
-                    _pause("locked")
-            building.append(plan)
+                    building.append(plan)
         try:
-            for plan in building:
-                _stage(plan, root if plan.build_dir is None else None)
-                _count_compile(plan)
-                log.info("compiling %s (%s)", plan.req.name, plan.key[:12])
-            jobs = [CompileJob(p.build_dir / _CU, p.build_dir / _CUBIN, p.arch, p.flags) for p in building]
-            for plan, outcome in zip(building, nvcc.compile_many(jobs)):
-                if isinstance(outcome, CompileError):
-                    failures[plan.key] = outcome
-                    _dump(plan, outcome.log)
-                    continue
-                log.info("compiled %s in %.2f s", plan.req.name, outcome.seconds)
-                results[plan.key] = _finish(plan, root, outcome)
-                _dump(plan, outcome.log)
+            outcomes.update(_compile(building, root))
         finally:
             for plan in building:
-                if plan.key not in results and plan.build_dir is not None:
+                if not isinstance(outcomes.get(plan.key), BuildResult) and plan.build_dir is not None:
                     _remove_tree(plan.build_dir)
     if root is not None and building:
         _sweep_tmp(root)
     for key in keys:
-        if key in failures:
-            raise failures[key]
-    return [results[key] for key in keys]
+        if isinstance(outcomes[key], CompileError):
+            raise outcomes[key]
+    return [outcomes[key] for key in keys]
 
 
 # ---------------------------------------------------------------------------- reading and upkeep
@@ -698,8 +729,8 @@ def _unless_building(root: Path, key: str) -> Iterator[bool]:
 
     Holding it, the lock file may be unlinked: filelock retries a lock whose file went away.
     """
-    lock = FileLock(root / "locks" / f"{key}.lock")
     try:
+        lock = FileLock(_lock_path(root, key))
         lock.acquire(timeout=0)
     except (Timeout, OSError):
         yield False
@@ -716,8 +747,10 @@ def _forget(root: Path, key: str, entry: Path | None) -> bool:
         if not free:
             return False
         removed = entry is not None and _discard_dir(root, entry)
-        with suppress(OSError):
-            (root / "locks" / f"{key}.lock").unlink()
+        lock = _lock_path(root, key)
+        for path in (lock.with_suffix(".holder"), lock):
+            with suppress(OSError):
+                path.unlink()
         return removed
 
 

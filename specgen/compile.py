@@ -77,12 +77,18 @@ class CompileJob:
 # ---------------------------------------------------------------------------- toolchain
 
 
+def _which(program: str) -> str | None:
+    """`shutil.which` over the absolute PATH entries only: never a program in the working directory."""
+    absolute = [d for d in os.environ.get("PATH", "").split(os.pathsep) if os.path.isabs(d)]
+    return shutil.which(program, path=os.pathsep.join(absolute))
+
+
 def find_nvcc() -> str:
-    """`$CUDA_HOME/bin/nvcc`, else `nvcc` on PATH, else `/usr/local/cuda/bin/nvcc`."""
+    """`$CUDA_HOME/bin/nvcc`, else `nvcc` on PATH, else `/usr/local/cuda/bin/nvcc` (absolute paths only)."""
     candidates = []
-    if cuda_home := os.environ.get("CUDA_HOME"):
+    if (cuda_home := os.environ.get("CUDA_HOME", "")) and os.path.isabs(cuda_home):
         candidates.append(str(Path(cuda_home) / "bin" / "nvcc"))
-    if on_path := shutil.which("nvcc"):
+    if on_path := _which("nvcc"):
         candidates.append(on_path)
     candidates.append(FALLBACK_NVCC)
     for candidate in candidates:
@@ -280,7 +286,7 @@ def find_ninja() -> str | None:
             return str(bundled)
     except ImportError:
         pass
-    return shutil.which("ninja")
+    return _which("ninja")
 
 
 def compile_many(jobs: list[CompileJob]) -> list[CompileReport | CompileError]:

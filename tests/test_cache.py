@@ -18,10 +18,7 @@ import specgen
 from specgen import cache, log, paths
 from specgen.compile import DEFAULT_FLAGS, CompileError
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-from conftest_cache_helpers import (  # noqa: E402
+from conftest_cache_helpers import (
     TEMPLATE_HASH,
     fake_nvcc,
     isolated_cache,
@@ -103,6 +100,9 @@ def test_build_many_compiles_misses_together(cache_env):
         ({"arch": "compute_90"}, r"^arch: "),
         ({"flags": "-O3"}, r"^flags: "),
         ({"flags": ("-O3", 3)}, r"^flags: "),
+        ({"flags": 3}, r"^flags: "),
+        ({"source": b"bytes"}, r"^source: "),
+        ({"canonical_spec": {"a": 1}}, r"^canonical_spec: "),
     ],
 )
 def test_request_validation(fields, message):
@@ -126,7 +126,7 @@ CHANGES = {
     "flag order": {"flags": ("-std=c++17", "-O3", "-lineinfo")},
     "source": {"source": kernel_source("base").replace("1.0f", "2.0f")},
     "spec": {"canonical_spec": json.dumps({"tag": "base", "k": 3})},
-    "name": {"name": "k2", "source": kernel_source("base").replace("void k", "void k2")},
+    "name": {"name": "k2"},
 }
 
 
@@ -180,6 +180,16 @@ def _garble_manifest(entry: Path) -> None:
     (entry / "meta.json").write_bytes(b'{"name": "k", "key": ')
 
 
+def _incomplete_manifest(entry: Path) -> None:
+    meta = json.loads((entry / "meta.json").read_text())
+    del meta["registers"]
+    (entry / "meta.json").write_text(json.dumps(meta))
+
+
+def _manifest_not_an_object(entry: Path) -> None:
+    (entry / "meta.json").write_text("[1, 2]")
+
+
 def _wrong_checksum(entry: Path) -> None:
     meta = json.loads((entry / "meta.json").read_text())
     meta["cubin_sha256"] = "0" * 64
@@ -195,6 +205,8 @@ CORRUPTIONS = {
     "bit-flipped cubin": (_flip_bit, "kernel.cubin does not match its checksum"),
     "missing manifest": (_drop_manifest, "manifest is missing"),
     "garbled manifest": (_garble_manifest, "manifest is unreadable"),
+    "manifest not an object": (_manifest_not_an_object, "manifest is unreadable"),
+    "incomplete manifest": (_incomplete_manifest, "manifest is incomplete"),
     "checksum mismatch": (_wrong_checksum, "kernel.cubin does not match its checksum"),
     "edited source": (_edit_source, "kernel.cu does not match its checksum"),
 }

@@ -5,18 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from specgen import cache, cachecli
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-from conftest_cache_helpers import isolated_cache, make_request  # noqa: E402
+from conftest_cache_helpers import isolated_cache, make_request
 
 
 @pytest.fixture

@@ -6,18 +6,13 @@ import json
 import os
 import random
 import signal
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from specgen import cache
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-from conftest_cache_helpers import isolated_cache, make_request, spawn_builder, wait_for_line, warnings_of  # noqa: E402
+from conftest_cache_helpers import isolated_cache, make_request, spawn_builder, wait_for_line, warnings_of
 
 N_PROCS = 16
 KILL_TRIALS = 24
@@ -83,12 +78,17 @@ def _kill(proc) -> None:
     proc.stderr.close()
 
 
-def test_killed_builders_never_leave_a_usable_partial_entry(cache_env, monkeypatch, caplog):
-    monkeypatch.setattr(cache, "LOCK_WARN_SECONDS", 5.0)
+def test_killed_builders_leave_no_partial_entry_and_no_wait(cache_env, monkeypatch, caplog):
+    """SIGKILL a builder at a seeded random point; the next build must not wait and must not see a partial entry.
+
+    Waiting on the dead builder's lock for LOCK_WARN_SECONDS would log a warning, which counts as a failure.
+    """
+    monkeypatch.setattr(cache, "LOCK_WARN_SECONDS", 2.0)
     rng = random.Random(20240611)
     failures = []
-    slow = []
+    slowest = 0.0
     seen_points = {}
+    finished_before_kill = 0
     for trial in range(KILL_TRIALS):
         point = KILL_POINTS[trial % len(KILL_POINTS)] if trial < len(KILL_POINTS) else rng.choice(KILL_POINTS)
         seen_points[point] = seen_points.get(point, 0) + 1
@@ -97,31 +97,40 @@ def test_killed_builders_never_leave_a_usable_partial_entry(cache_env, monkeypat
         proc = spawn_builder(cache_env, [tag], SPECGEN_TEST_PAUSE=pause)
         wait_for_line(proc, f"specgen-test-pause {pause.split(':')[0]}")
         if point == "compiling":
-            time.sleep(rng.uniform(0.0, 0.4))
+            time.sleep(rng.uniform(0.0, 0.3))
         _kill(proc)
 
         req = make_request(tag)
-        entry = cache_env.root / cache.compute_key(req)[:2] / cache.compute_key(req)
-        meta = entry / "meta.json"
-        if entry.exists() and not (point == "published" and meta.exists()):
-            failures.append((trial, point, f"entry visible after a kill at {point}: {sorted(os.listdir(entry))}"))
+        key = cache.compute_key(req)
+        entry = cache_env.root / key[:2] / key
+        published = entry.exists()
+        if published:  # visible means complete: it must load and verify
+            try:
+                cache.load_cubin_bytes(key)
+            except cache.CacheEntryError as error:
+                failures.append((trial, point, f"partial entry visible after the kill: {error}"))
+        if published != (point == "published") and point != "compiling":
+            failures.append((trial, point, f"entry {'visible' if published else 'missing'} after a kill at {point}"))
+        finished_before_kill += point == "compiling" and published
         caplog.clear()
         start = time.monotonic()
         result = cache.get_or_build(req)
-        took = time.monotonic() - start
-        expected = "hit" if point == "published" else "miss"
+        slowest = max(slowest, time.monotonic() - start)
+        expected = "hit" if published else "miss"
         if result.cache != expected:
             failures.append((trial, point, f"{result.cache} instead of {expected}"))
-        if took > 4.0:
-            slow.append((trial, point, round(took, 2)))
         if warnings_of(caplog):
             failures.append((trial, point, f"warnings: {warnings_of(caplog)}"))
         if cache.load_cubin_bytes(result)[:4] != b"\x7fELF":
             failures.append((trial, point, "cubin is not an ELF file"))
         if cache_env.tmp_dirs():
             failures.append((trial, point, f"leftovers not swept: {cache_env.tmp_dirs()}"))
-    summary = f"{KILL_TRIALS} kills ({seen_points}): {len(failures)} failed, {len(slow)} slow"
-    assert not failures and not slow, f"{summary}: {failures} {slow}"
+    summary = (
+        f"{KILL_TRIALS} kills ({seen_points}; {finished_before_kill} builds finished before their kill): "
+        f"{len(failures)} failed; slowest rebuild {slowest:.2f} s"
+    )
+    print(summary)
+    assert not failures, f"{summary}: {failures}"
     assert set(seen_points) == set(KILL_POINTS), summary
 
 

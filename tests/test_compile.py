@@ -6,16 +6,12 @@ import os
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
 from specgen import compile as c
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-from conftest_cache_helpers import fake_nvcc  # noqa: E402
+from conftest_cache_helpers import fake_nvcc
 
 GOOD = 'extern "C" __global__ void k(float* y){ y[threadIdx.x] = 1.0f; }\n'
 BAD = 'extern "C" __global__ void k(float* y){\n  float a = 1.0f;\n  y[threadIdx.x] = a\n}\n// tail 1\n// tail 2\n'
@@ -50,6 +46,11 @@ def test_find_nvcc_prefers_cuda_home_then_path_then_fallback(tmp_path, monkeypat
     assert c.find_nvcc() == str(path_nvcc)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert c.find_nvcc() == c.FALLBACK_NVCC
+    fake_nvcc(tmp_path / "bin", "in the working directory")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CUDA_HOME", ".")
+    monkeypatch.setenv("PATH", os.pathsep.join(["bin", ".", ""]))
+    assert c.find_nvcc() == c.FALLBACK_NVCC, "relative CUDA_HOME and PATH entries are ignored"
     monkeypatch.setattr(c, "FALLBACK_NVCC", str(tmp_path / "missing" / "nvcc"))
     with pytest.raises(FileNotFoundError, match="nvcc not found.*CUDA_HOME"):
         c.find_nvcc()
