@@ -2,8 +2,13 @@
 
 Its parameters have the names and shapes of the plain PyTorch model (`conv.weight`,
 `conv.bias`, one parameter per per-channel name), so `load_state_dict` works both ways.
-On CUDA tensors it launches the kernel on torch's current stream; on CPU tensors it runs the
-PyTorch reference, so a model stays portable.
+Every forward is one call of the layer's custom op `torch.ops.specgen.<name>_<key[:12]>` (see
+`specgen.torchop`): on CUDA tensors the specialized kernel on torch's current stream, on CPU
+tensors the PyTorch reference, so a model stays portable. Through the op the layer works with
+autograd (the backward recomputes with PyTorch ops), `torch.compile(fullgraph=True)` and CUDA
+graphs. `forward(x, out=...)` is the raw launch: it fills `out` and records no autograd graph.
+
+specgen kernels are float32-only: `.half()`, `.bfloat16()` (or `.to()` either) raise ValueError.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from specgen import pipeline, reference, runtime
+from specgen import pipeline, reference, torchop
 from specgen.spec import LayerSpec, load
 
 
@@ -23,9 +28,17 @@ class FusedLayer(nn.Module):
         self.conv = reference.make_conv(self.spec)
         for name, shape in self.spec.params().items():
             self.register_parameter(name, nn.Parameter(torch.randn(shape)))
+        # Plain Python values read on every forward, so torch.compile traces it without graph breaks.
+        self._name = self.spec.name
+        self._input_shape = (self.spec.input.channels, *self.spec.input.size)
+        self._param_names = tuple(self.spec.params())
+        self._has_bias = self.spec.conv.bias
         self._specialized: pipeline.Specialized | None = None
+        self._op = None
         if torch.cuda.is_available():
-            self.specialize()
+            self.specialize()  # compile at construction (never during a graph capture)
+        else:
+            self._bind_op()
 
     # -- specialization ------------------------------------------------------------------------
 
@@ -33,7 +46,77 @@ class FusedLayer(nn.Module):
         """Compile the kernel, or load it from the cache (microseconds once done in this process)."""
         if self._specialized is None:
             self._specialized = pipeline.specialize(self.spec, self.arch)
+            self._bind_op()
+            self._load_on_device()
         return self._specialized
+
+    def _bind_op(self) -> None:
+        """Register (once per process) and remember this layer's custom op."""
+        self._op = torchop.register(self.spec, self._specialized, self.arch).overload
+
+    @property
+    def op(self) -> torchop.SpecOp:
+        """The layer's custom op, `torch.ops.specgen.<name>_<key[:12]>`."""
+        return torchop.register(self.spec, self._specialized, self.arch)
+
+    def _op_tensors(self) -> list[torch.Tensor]:
+        tensors = [self.conv.weight]
+        if self._has_bias:
+            tensors.append(self.conv.bias)
+        tensors.extend(getattr(self, name) for name in self._param_names)
+        return tensors
+
+    # -- precision and devices -----------------------------------------------------------------
+
+    def _refuse(self, dtype, how: str) -> None:
+        if dtype in torchop.LOWER_PRECISIONS:
+            raise ValueError(
+                f"{self.spec.name}: specgen kernels are float32-only; {how} would make the layer {dtype}. "
+                f"Keep the layer in float32 (lower precisions are not supported yet)."
+            )
+
+    def half(self):
+        self._refuse(torch.float16, ".half()")
+        return super().half()
+
+    def bfloat16(self):
+        self._refuse(torch.bfloat16, ".bfloat16()")
+        return super().bfloat16()
+
+    def to(self, *args, **kwargs):
+        _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        self._refuse(dtype, f".to({dtype})")
+        return super().to(*args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        # A parent's .half() reaches here without calling ours: probe what fn does to a float32
+        # tensor (on the meta device: no data, no side effects) before converting anything.
+        try:
+            probe = fn(torch.empty((), device="meta")).dtype
+        except Exception:  # noqa: BLE001  (fn moves data, e.g. .cuda(): not a dtype change)
+            probe = None
+        self._refuse(probe, "converting it")
+        result = super()._apply(fn, recurse)
+        self._refuse(self.conv.weight.dtype, "that conversion")  # a conversion the probe could not foresee
+        self._load_on_device()
+        return result
+
+    def _load_on_device(self) -> None:
+        """Load the kernel into the parameters' GPU now, so the first forward (perhaps being
+        captured into a CUDA graph) only launches."""
+        weight = self.conv.weight
+        if self._specialized is not None and weight.is_cuda and weight.dtype == torch.float32:
+            index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
+            torchop.load_kernel(self._specialized, index)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_op"] = None  # an OpOverload; bound again on unpickling
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._bind_op()
 
     @property
     def key(self) -> str | None:
@@ -49,16 +132,54 @@ class FusedLayer(nn.Module):
     # -- forward -------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer on `x`. On CUDA, `out` may be a preallocated contiguous float32 output to fill."""
+        """The layer on `x`, through its custom op (differentiable).
+
+        With `out` (a preallocated contiguous float32 output of the right shape) the kernel fills
+        it directly on CUDA (the raw launch) and no autograd graph is recorded, on any device.
+        """
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{self.spec.name}: expected a torch.Tensor input, got {type(x).__name__}")
-        if not x.is_cuda:
-            return reference.forward(self.spec, x, self.conv.weight, self.conv.bias, self.spec_params())
-        self._check_input(x)
-        return self._launch(x.contiguous(), out)
+            raise TypeError(f"{self._name}: expected a torch.Tensor input, got {type(x).__name__}")
+        if out is not None:
+            return self._forward_into(x, out)
+        if x.is_cuda:
+            self._check_input(x)
+        else:
+            self._check_portable_input(x)
+        return self._op(x, *self._op_tensors())
+
+    def _forward_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            self._check_input(x)
+            return self._launch(x.contiguous(), out)
+        self._check_portable_input(x)
+        with torch.no_grad():
+            y = self._op(x, *self._op_tensors())
+        if tuple(out.shape) != tuple(y.shape) or out.dtype != y.dtype or out.device != y.device:
+            raise ValueError(
+                f"{self._name}: out must be a {y.dtype} tensor of shape {list(y.shape)} on {y.device}, "
+                f"got {out.dtype} {list(out.shape)} on {out.device}"
+            )
+        with torch.no_grad():
+            out.copy_(y)
+        return out
+
+    def _check_portable_input(self, x: torch.Tensor) -> None:
+        """Off the GPU any float dtype runs (the reference), except the lower precisions."""
+        name = self._name
+        weight = self.conv.weight
+        for t in (x, weight):
+            if t.dtype in torchop.LOWER_PRECISIONS:
+                raise ValueError(f"{name}: specgen kernels are float32-only; got a {t.dtype} tensor (use .float())")
+        if weight.device != x.device:
+            raise ValueError(f"{name}: expected the input on the layer's device {weight.device}, got {x.device}")
+        want = self._input_shape
+        if x.dim() != 1 + len(want) or tuple(x.shape[1:]) != want:
+            raise ValueError(
+                f"{name}: expected an input of shape [batch, {', '.join(map(str, want))}], got {list(x.shape)}"
+            )
 
     def _check_input(self, x: torch.Tensor) -> None:
-        name = self.spec.name
+        name = self._name
         if x.dtype != torch.float32:
             raise ValueError(f"{name}: expected a float32 input, got {x.dtype}")
         weight = self.conv.weight
@@ -69,49 +190,18 @@ class FusedLayer(nn.Module):
             )
         if weight.device != x.device:
             raise ValueError(f"{name}: expected the input on the layer's device {weight.device}, got {x.device}")
-        want = (self.spec.input.channels, *self.spec.input.size)
-        if x.dim() != 2 + self.spec.ndim or tuple(x.shape[1:]) != want:
+        want = self._input_shape
+        if x.dim() != 1 + len(want) or tuple(x.shape[1:]) != want:
             raise ValueError(
                 f"{name}: expected an input of shape [batch, {', '.join(map(str, want))}], got {list(x.shape)}"
             )
 
     def _launch(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        sp = self.specialize()
-        plan = sp.plan
-        batch = x.shape[0]
-        shape = (batch, *plan["out_shape"])
-        if out is None:
-            out = torch.empty(shape, device=x.device, dtype=torch.float32)
-        elif tuple(out.shape) != shape or out.dtype != torch.float32 or out.device != x.device or not out.is_contiguous():
-            raise ValueError(
-                f"{self.spec.name}: out must be a contiguous float32 tensor of shape {list(shape)} on {x.device}, "
-                f"got {out.dtype} {list(out.shape)} on {out.device}"
-            )
-        if batch == 0:
-            return out
-        device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        kernel = runtime.load(
-            sp.key, _cubin_bytes(sp), plan["kernel_name"], plan["threads"], plan["smem_bytes"], device_index
-        )
-        tensors = [x, self.conv.weight]
-        if self.spec.conv.bias:
-            tensors.append(self.conv.bias)
-        tensors.extend(getattr(self, p["name"]) for p in plan["params"])
-        tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-        pointers = [t.data_ptr() for t in tensors] + [out.data_ptr()]
-        strides = [4 * plan["in_per_sample"]] + [0] * (len(tensors) - 1) + [4 * plan["out_per_sample"]]
-        stream = torch.cuda.current_stream(x.device).cuda_stream
-        runtime.launch(kernel, plan["blocks_per_sample"], pointers, strides, batch, stream)
-        return out
-
-
-_cubins: dict[str, bytes] = {}
+        """The raw kernel launch on torch's current stream (no checks of x, no autograd)."""
+        bias = self.conv.bias if self._has_bias else None
+        params = {name: getattr(self, name) for name in self._param_names}
+        return torchop.launch(self.specialize(), x, self.conv.weight, bias, params, out)
 
 
 def _cubin_bytes(sp: pipeline.Specialized) -> bytes:
-    data = _cubins.get(sp.key)
-    if data is None:
-        from specgen import cache
-
-        data = _cubins[sp.key] = cache.load_cubin_bytes(sp.build)
-    return data
+    return torchop.cubin_bytes(sp)

@@ -1,0 +1,276 @@
+"""Each specialized layer as a PyTorch custom op: `torch.ops.specgen.<spec name>_<key[:12]>`.
+
+One op per cache key, registered once per process (by `FusedLayer` when it is built or
+specialized). Its schema lists the tensors the layer reads, in a fixed order, and nothing else:
+
+    specgen::kb90_1a2b3c4d5e6f(Tensor x, Tensor weight, Tensor bias, Tensor p_sum_tensor) -> Tensor
+
+(`bias` only when the conv has one; one `p_<name>` per per-channel parameter, in `spec.params()`
+order). The op mutates nothing and returns a fresh contiguous tensor of shape
+`spec.output_shape(batch)`.
+
+- CUDA tensors: the specialized kernel, launched on torch's current stream (float32 only).
+- Other devices: the PyTorch reference (`specgen.reference.forward`), any float dtype, so the op
+  and everything built on it (opcheck, torch.compile, autograd) can be exercised without a GPU.
+- Fake / meta tensors: the output's shape from the spec, x's dtype and device; no data touched.
+- Autograd: the backward recomputes the layer with PyTorch ops (the reference) from the saved
+  inputs and differentiates that; the forward stays one fused kernel. Nothing is saved under
+  `no_grad` or `inference_mode`. Double backward is not supported (the recomputation is detached).
+
+A process that never specializes a spec (no GPU) names the op after a hash of the spec and arch
+instead of the cache key (which needs the CUDA toolchain); such an op specializes on first use
+with CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from specgen import pipeline, reference
+from specgen.spec import LayerSpec
+
+NAMESPACE = "specgen"
+LOWER_PRECISIONS = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True, eq=False)
+class SpecOp:
+    """A registered op and what it needs to know about its spec."""
+
+    name: str  # the op's name inside the namespace: "<spec name>_<12 hex>"
+    spec: LayerSpec
+    arch: str | None
+    has_bias: bool
+    param_names: tuple[str, ...]  # spec.params() order: the schema's order
+    in_shape: tuple[int, ...]  # (channels, *size), batch excluded
+    arg_shapes: tuple[tuple[int, ...], ...]  # the shapes of the arguments after x
+    out_tail: tuple[int, ...]  # the output shape after the batch
+    specialized: pipeline.Specialized | None
+    opdef: object  # torch.library.CustomOpDef
+
+    @property
+    def qualname(self) -> str:
+        return f"{NAMESPACE}::{self.name}"
+
+    @property
+    def overload(self) -> torch._ops.OpOverload:
+        """`torch.ops.specgen.<name>.default`: what FusedLayer calls (traceable by torch.compile)."""
+        return getattr(getattr(torch.ops, NAMESPACE), self.name).default
+
+    def __call__(self, x, weight, bias=None, params: dict | None = None) -> torch.Tensor:
+        return self.overload(*self.arguments(x, weight, bias, params or {}))
+
+    def arguments(self, x, weight, bias, params: dict) -> tuple:
+        """The op's positional arguments from a layer's tensors (params by name)."""
+        if self.has_bias != (bias is not None):
+            raise ValueError(
+                f"{self.spec.name}: the spec {'has' if self.has_bias else 'has no'} conv bias, "
+                f"got bias={'a tensor' if bias is not None else None}"
+            )
+        missing = [n for n in self.param_names if n not in params]
+        if missing:
+            raise ValueError(f"{self.spec.name}: missing per-channel parameters {missing}")
+        return (x, weight, *((bias,) if self.has_bias else ()), *(params[n] for n in self.param_names))
+
+    def split(self, args) -> tuple:
+        """(x, weight, bias or None, {name: tensor}) from the op's positional arguments."""
+        x, weight, *rest = args
+        bias = rest.pop(0) if self.has_bias else None
+        return x, weight, bias, dict(zip(self.param_names, rest))
+
+
+_ops: dict[str, SpecOp] = {}
+_lock = threading.Lock()
+
+
+def op_name(spec: LayerSpec, specialized: pipeline.Specialized | None = None, arch: str | None = None) -> str:
+    if specialized is not None:
+        label = specialized.key
+    else:
+        label = hashlib.sha256(f"{spec.canonical_json()}\n{arch}".encode()).hexdigest()
+    return f"{spec.name}_{label[:12]}"
+
+
+def register(spec: LayerSpec, specialized: pipeline.Specialized | None = None, arch: str | None = None) -> SpecOp:
+    """The op of `spec` (of `specialized`'s cache key when given), registering it on first call."""
+    name = op_name(spec, specialized, arch)
+    hit = _ops.get(name)
+    if hit is not None:
+        return hit
+    with _lock:
+        hit = _ops.get(name)
+        if hit is None:
+            hit = _ops[name] = _define(name, spec, specialized, arch)
+    return hit
+
+
+def registered() -> dict[str, SpecOp]:
+    """Every op this process has registered, by name."""
+    return dict(_ops)
+
+
+# ---------------------------------------------------------------------------------------------
+# Definition
+# ---------------------------------------------------------------------------------------------
+
+
+def _define(name: str, spec: LayerSpec, specialized, arch) -> SpecOp:
+    has_bias = spec.conv.bias
+    param_names = tuple(spec.params())
+    arg_names = ["x", "weight", *(["bias"] if has_bias else []), *(f"p_{n}" for n in param_names)]
+    schema = "(" + ", ".join(f"Tensor {a}" for a in arg_names) + ") -> Tensor"
+    box: dict[str, SpecOp] = {}
+
+    def impl(*args):
+        return _run(box["op"], args)
+
+    impl.__name__ = name
+    opdef = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=(), schema=schema)
+
+    def fake(*args):
+        op = box["op"]
+        x = args[0]
+        _check_args(op, args)
+        return x.new_empty((x.shape[0], *op.out_tail))
+
+    def backward(ctx, grad):
+        return _backward(box["op"], ctx, grad)
+
+    opdef.register_fake(fake)
+    opdef.register_autograd(backward, setup_context=_setup_context)
+    op = SpecOp(
+        name=name,
+        spec=spec,
+        arch=arch,
+        has_bias=has_bias,
+        param_names=param_names,
+        in_shape=(spec.input.channels, *spec.input.size),
+        arg_shapes=_arg_shapes(spec),
+        out_tail=tuple(spec.shapes()[-1].sizes),
+        specialized=specialized,
+        opdef=opdef,
+    )
+    box["op"] = op
+    return op
+
+
+def _arg_shapes(spec: LayerSpec) -> tuple[tuple[int, ...], ...]:
+    cout = spec.conv.out_channels
+    weight = (cout, spec.input.channels // spec.conv.groups, *spec.conv_geometry()["kernel"])
+    return (weight, *([(cout,)] if spec.conv.bias else []), *spec.params().values())
+
+
+def _check_args(op: SpecOp, args) -> None:
+    """What the kernel needs, checked the same way on real and fake tensors."""
+    x = args[0]
+    label = op.spec.name
+    for t in args:
+        if t.dtype in LOWER_PRECISIONS:
+            raise ValueError(f"{label}: specgen kernels are float32-only; got a {t.dtype} tensor")
+        if t.device != x.device:
+            raise ValueError(f"{label}: every tensor must be on {x.device}, got one on {t.device}")
+    if x.device.type == "cuda":
+        for t in args:
+            if t.dtype != torch.float32:
+                raise ValueError(f"{label}: expected float32 tensors on CUDA, got {t.dtype}")
+    if x.dim() != 1 + len(op.in_shape) or tuple(x.shape[1:]) != op.in_shape:
+        raise ValueError(
+            f"{label}: expected an input of shape [batch, {', '.join(map(str, op.in_shape))}], got {list(x.shape)}"
+        )
+    names = ("weight", *(("bias",) if op.has_bias else ()), *op.param_names)
+    for name, t, want in zip(names, args[1:], op.arg_shapes):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{label}: expected {name} of shape {list(want)}, got {list(t.shape)}")
+
+
+def _reference(op: SpecOp, args) -> torch.Tensor:
+    x, weight, bias, params = op.split(args)
+    return reference.forward(op.spec, x, weight, bias, params)
+
+
+def _run(op: SpecOp, args) -> torch.Tensor:
+    _check_args(op, args)
+    x = args[0]
+    if x.device.type == "cuda":
+        x, weight, bias, params = op.split(args)
+        sp = op.specialized if op.specialized is not None else pipeline.specialize(op.spec, op.arch)
+        return launch(sp, x.contiguous(), weight, bias, params, None)
+    return _reference(op, args).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd: recompute with the reference, differentiate that
+# ---------------------------------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(op: SpecOp, ctx, grad):
+    saved = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(bool(n)) for t, n in zip(saved, needs)]
+        y = _reference(op, leaves)
+        wanted = [t for t, n in zip(leaves, needs) if n]
+        got = iter(torch.autograd.grad(y, wanted, grad, allow_unused=True)) if wanted else iter(())
+    return tuple(next(got) if n else None for n in needs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel launch
+# ---------------------------------------------------------------------------------------------
+
+_cubins: dict[str, bytes] = {}
+
+
+def cubin_bytes(sp: pipeline.Specialized) -> bytes:
+    data = _cubins.get(sp.key)
+    if data is None:
+        from specgen import cache
+
+        data = _cubins[sp.key] = cache.load_cubin_bytes(sp.build)
+    return data
+
+
+def load_kernel(sp: pipeline.Specialized, device_index: int):
+    """The kernel loaded into a device (once per process and device; never call it mid-capture first)."""
+    from specgen import runtime
+
+    plan = sp.plan
+    return runtime.load(sp.key, cubin_bytes(sp), plan["kernel_name"], plan["threads"], plan["smem_bytes"], device_index)
+
+
+def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict, out: torch.Tensor | None):
+    """Run the kernel on contiguous float32 CUDA `x` into `out` (allocated when None), on the current stream."""
+    from specgen import runtime
+
+    plan = sp.plan
+    batch = x.shape[0]
+    shape = (batch, *plan["out_shape"])
+    if out is None:
+        out = torch.empty(shape, device=x.device, dtype=torch.float32)
+    elif tuple(out.shape) != shape or out.dtype != torch.float32 or out.device != x.device or not out.is_contiguous():
+        raise ValueError(
+            f"{sp.spec.name}: out must be a contiguous float32 tensor of shape {list(shape)} on {x.device}, "
+            f"got {out.dtype} {list(out.shape)} on {out.device}"
+        )
+    if batch == 0:
+        return out
+    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    kernel = load_kernel(sp, device_index)
+    tensors = [x, weight]
+    if sp.spec.conv.bias:
+        tensors.append(bias)
+    tensors.extend(params[p["name"]] for p in plan["params"])
+    tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    pointers = [t.data_ptr() for t in tensors] + [out.data_ptr()]
+    strides = [4 * plan["in_per_sample"]] + [0] * (len(tensors) - 1) + [4 * plan["out_per_sample"]]
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    runtime.launch(kernel, plan["blocks_per_sample"], pointers, strides, batch, stream)
+    return out

@@ -1,0 +1,101 @@
+"""Autograd with the fused kernel in the forward (marker `gpu`; skipped without CUDA): gradients
+and a short training run against the plain PyTorch model."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from specgen import reference  # noqa: E402
+from specgen.module import FusedLayer  # noqa: E402
+from specgen.spec import validate  # noqa: E402
+
+from test_autograd import GRAD_SPECS, SaveCounter  # noqa: E402
+from test_torchop import example_specs  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _fp32_reference():
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+
+
+def all_specs():
+    return [pytest.param(validate(d), id=d["name"]) for d in GRAD_SPECS] + example_specs(start=16)
+
+
+def pair(spec, seed: int):
+    """A FusedLayer and the plain PyTorch model with the same random parameters, on the GPU."""
+    gen = torch.Generator().manual_seed(seed)
+    fused = FusedLayer(spec)
+    with torch.no_grad():
+        for name, p in fused.named_parameters():
+            value = torch.randn(p.shape, generator=gen)
+            if p.dim() > 1 and not name.startswith("conv."):
+                value = value.sign() * (0.5 + value.abs())  # some parameters divide
+            p.copy_(value * (0.3 if name == "conv.weight" else 1.0))
+    plain = reference.Reference(spec)
+    plain.load_state_dict(fused.state_dict())
+    return fused.cuda(), plain.cuda()
+
+
+def cuda_input(spec, batch: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn((batch, spec.input.channels, *spec.input.size), generator=gen, device="cuda")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("spec", all_specs())
+def test_gradients_match_the_reference(spec):
+    fused, plain = pair(spec, seed=3)
+    x1 = cuda_input(spec, 3, seed=4).requires_grad_()
+    x2 = x1.detach().clone().requires_grad_()
+    g = torch.randn(spec.output_shape(3), generator=torch.Generator(device="cuda").manual_seed(5), device="cuda")
+    # a loss that depends non-linearly on the forward: the kernel's output feeds the backward
+    (torch.tanh(fused(x1)) * g).sum().backward()
+    (torch.tanh(plain(x2)) * g).sum().backward()
+    assert rel(x1.grad, x2.grad) <= 1e-5, f"input gradient: rel {rel(x1.grad, x2.grad):.2e}"
+    fused_params = dict(fused.named_parameters())
+    for name, p in plain.named_parameters():
+        got = fused_params[name].grad
+        assert got is not None, f"no gradient for {name}"
+        assert rel(got, p.grad) <= 1e-5, f"gradient of {name}: rel {rel(got, p.grad):.2e}"
+
+
+@pytest.mark.parametrize("spec", all_specs()[:8])
+def test_training_matches_the_plain_model(spec):
+    fused, plain = pair(spec, seed=7)
+    x = cuda_input(spec, 4, seed=8)
+    target = torch.randn(spec.output_shape(4), generator=torch.Generator(device="cuda").manual_seed(9), device="cuda")
+    losses = {}
+    for label, model in (("fused", fused), ("plain", plain)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses[label] = []
+        for _ in range(5):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), target)
+            loss.backward()
+            opt.step()
+            losses[label].append(loss.item())
+    assert losses["fused"] == pytest.approx(losses["plain"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_nothing_saved_for_backward_in_inference(mode):
+    spec = validate(GRAD_SPECS[0])
+    fused, _ = pair(spec, seed=1)
+    x = cuda_input(spec, 2, seed=2).requires_grad_()
+    context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with SaveCounter() as saved, context:
+        y = fused(x)
+    assert saved.count == 0 and y.grad_fn is None
