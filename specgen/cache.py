@@ -82,8 +82,8 @@ _MANIFEST_FIELDS = frozenset(
 )
 
 
-class CacheDirError(RuntimeError):
-    """The configured cache directory is unsafe or invalid."""
+class CacheDirError(ValueError):
+    """The configured cache directory is unsafe or invalid (a bad setting, hence a ValueError)."""
 
 
 class CacheEntryError(RuntimeError):

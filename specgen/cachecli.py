@@ -1,8 +1,8 @@
 """`specgen cache ls|clear|prune`: look at and trim the kernel cache.
 
 `register(subparsers)` adds the `cache` command to an argparse subparsers object. Each action
-stores its handler as `func`; a handler takes the parsed namespace and returns an exit code
-(0 ok, 2 bad input or an unusable cache dir).
+stores its handler as `run` (the convention of `specgen.cli`); a handler takes the parsed
+namespace and returns an exit code: 0 ok, 2 bad input or an unusable cache dir.
 """
 
 from __future__ import annotations
@@ -98,10 +98,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     actions = parser.add_subparsers(dest="cache_action", metavar="ACTION", required=True)
     ls = actions.add_parser("ls", help="list cached kernels, most recently used first")
     ls.add_argument("--json", action="store_true", help="one JSON object per line")
-    ls.set_defaults(func=_ls)
+    ls.set_defaults(run=_ls)
     clear = actions.add_parser("clear", help="remove every cached kernel")
-    clear.set_defaults(func=_clear)
+    clear.set_defaults(run=_clear)
     prune = actions.add_parser("prune", help="remove least recently used kernels down to a size")
     prune.add_argument("--max-size", required=True, metavar="SIZE", help="e.g. 500M, 2G or 1024 (bytes)")
-    prune.set_defaults(func=_prune)
+    prune.set_defaults(run=_prune)
     return parser

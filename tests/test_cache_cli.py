@@ -33,7 +33,7 @@ def _cli(*argv: str) -> int:
     parser = argparse.ArgumentParser(prog="specgen")
     cachecli.register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(list(argv))
-    return args.func(args)
+    return args.run(args)
 
 
 def _size(result) -> int:
