@@ -270,15 +270,21 @@ def build_plan(spec: LayerSpec) -> dict:
         raise PlanError(["tile.positions_per_thread: must be 1 when width is reduced one position at a time"])
 
     target_threads = 256
+    # A reduction over channels whose kept part is small: the channels are split across a
+    # cluster of blocks, one channel chunk per block, so each block stages only its weights.
+    kept = math.prod(t1[AXES.index(a)] for a in AXES if role[a] == "F")
+    split_channels = bool(reductions) and role["c"] == "R1" and kept <= 64 and cout // ct >= 2
     box = [1, 1, 1, 1]
-    if c_in_box:
+    if split_channels:
+        box[0] = _round_up(_ceil_div(cout, min(8, cout // ct)), ct)
+    elif c_in_box:
         box[0] = _balanced(t1[0], 64, ct)
     if w_in_box:
         box[3] = _balanced(t1[3], 16 * pt, pt)
     per_row = (box[0] // ct) * _ceil_div(box[3], pt)
     rows = max(1, target_threads // per_row)
     if not reductions:
-        rows *= 2  # two register tiles per thread amortize the block's weight load
+        rows *= 4  # four register tiles per thread amortize the block's weight staging
     if role["h"] in ("F", "R1"):
         box[2] = _balanced(t1[2], rows)
         rows = max(1, rows // box[2])
@@ -313,6 +319,7 @@ def build_plan(spec: LayerSpec) -> dict:
     # Few kept tiles per sample (e.g. a full reduction): a cluster of blocks shares each tile's
     # chunks and joins its partials through distributed shared memory, in rank order.
     cluster = min(8, r1_chunks) if reductions and f_tiles <= 16 and r1_chunks >= 2 else 1
+    split_channels = split_channels and chunks["c"] == cluster  # then a block's chunks share one channel range
     blocks_per_sample = f_tiles * cluster
 
     # ---- the tail's owners: F elements of the box, several lanes each when F is small ---------
@@ -325,7 +332,7 @@ def build_plan(spec: LayerSpec) -> dict:
     owner_iters = _ceil_div(nf * lanes, threads)
 
     # ---- shared memory ------------------------------------------------------------------------
-    weight_channels = box[0] if role["c"] == "F" else cout
+    weight_channels = box[0] if (role["c"] == "F" or split_channels) else cout
     weight_floats = weight_channels * (cin // groups) * taps
     # Row stride of the staged weights: padded off multiples of 32 so that the transposing
     # stores spread over banks, and kept a multiple of 4 for 16-byte loads.
@@ -360,9 +367,38 @@ def build_plan(spec: LayerSpec) -> dict:
         if lvl["kind"] == "pool":
             step *= lvl["stride"][2]
     conv_span = (pt - 1) * levels[0]["step"] * s3[2] + (k3[2] - 1) * d3[2] + 1
+
+    def widest(candidates, *strides) -> int:
+        """The widest vector width that divides every stride (so every access is aligned)."""
+        return next(v for v in candidates if all(st % v == 0 for st in strides))
+
+    # Input rows are read in vectors when every thread's first input position is aligned: rows
+    # start at multiples of IN_W, a tile starts pt * step * stride after its neighbour, a box
+    # box_w * step * stride after its neighbour (only when there are several boxes along W).
+    level0_w_stride = levels[0]["step"] * s3[2]
+    in_vec = widest(
+        (4, 2, 1),
+        in3[2],
+        p3[2],
+        pt * level0_w_stride,
+        box[3] * level0_w_stride if (tiles["w"] > 1 or chunks["w"] > 1) else 0,
+    )
+    # (pool windows shift level 0's start by odd offsets: no vectors under a pool)
+    in_vec = min(in_vec, conv_span) if conv_span >= 2 and len(levels) == 1 else 1
+    # Without a tail, a thread stores PT consecutive outputs of a row: vectorized when aligned.
+    out_vec = 1 if reductions else widest((4, 2, 1), t1[3], pt, box[3] if tiles["w"] > 1 else 0)
     fmas_per_conv_row = (cin // groups) * taps * ct * pt
     unroll_cin = fmas_per_conv_row <= 2048  # larger bodies: ci stays a loop (compile time, registers)
 
+    # Occupancy: without a tail, ask the compiler for registers that let up to 3 blocks share
+    # an SM (when shared memory allows): measured faster than fewer blocks with more registers.
+    min_blocks = 1
+    if not reductions and len(levels) == 1:
+        fit = min(MAX_SMEM_BYTES // max(1, smem_bytes), 2048 // threads)
+        # never below 96 registers: below that the fully unrolled conv spills
+        min_blocks = next((mb for mb in (3, 2) if mb <= fit and 65536 // (mb * threads) // 8 * 8 >= 96), 1)
+    if tile is not None and tile.min_blocks:
+        min_blocks = tile.min_blocks
     params = list(spec.params().items())
     plan = {
         "version": __version__,
@@ -415,6 +451,11 @@ def build_plan(spec: LayerSpec) -> dict:
         "red_floats": red_floats,
         "smem_bytes": smem_bytes,
         "conv_span": conv_span,
+        "in_vec": in_vec,
+        "out_vec": out_vec,
+        "channels_fastest": bool(reductions),
+        "split_channels": split_channels,
+        "min_blocks": min_blocks,
         "unroll_cin": unroll_cin,
         "in_per_sample": in_per_sample,
         "out_per_sample": out_per_sample,

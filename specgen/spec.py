@@ -69,6 +69,7 @@ class TileSpec(Model):
     channels_per_thread: Optional[Annotated[int, Field(ge=1, le=16)]] = None
     positions_per_thread: Optional[Annotated[int, Field(ge=1, le=8)]] = None
     box: Optional[list[Annotated[int, Field(gt=0)]]] = None
+    min_blocks: Optional[Annotated[int, Field(ge=1, le=32)]] = None  # __launch_bounds__ occupancy hint
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,6 +298,11 @@ class LayerSpec(Model):
                             raise SpecShapeError(
                                 f"{where}: kernel, stride and dilation must be >= 1 and padding >= 0, "
                                 f"got kernel {k}, stride {s}, dilation {d}, padding {p}"
+                            )
+                        if d * (k - 1) + 1 > ax.extent:
+                            raise SpecShapeError(
+                                f"{where}: the window spans {d * (k - 1) + 1} but spatial dim {j} is only {ax.extent} "
+                                f"(PyTorch refuses a pool window larger than its input)"
                             )
                         if 2 * p > d * (k - 1) + 1:
                             raise SpecShapeError(
