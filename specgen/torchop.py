@@ -268,7 +268,11 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     if sp.spec.conv.bias:
         tensors.append(bias)
     tensors.extend(params[p["name"]] for p in plan["params"])
-    tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    # Contiguous, and 16-byte aligned: the kernel reads input rows and writes outputs in vectors
+    # (a contiguous view with a storage offset, such as x[1:], may start anywhere).
+    tensors = [t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format) for t in tensors]
+    if out.data_ptr() % 16:
+        raise ValueError(f"{sp.spec.name}: out must start at a 16-byte aligned address (got a view with an offset)")
     pointers = [t.data_ptr() for t in tensors] + [out.data_ptr()]
     strides = [4 * plan["in_per_sample"]] + [0] * (len(tensors) - 1) + [4 * plan["out_per_sample"]]
     stream = torch.cuda.current_stream(x.device).cuda_stream
