@@ -15,7 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from specgen.literals import c_float
+from specgen.literals import FLOAT32_MAX, c_float
 
 IDENTIFIER = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,62}$")
 MAX_LENGTH = 512
@@ -82,8 +82,8 @@ def _check(node: ast.AST, params: list[str]) -> None:
     if isinstance(node, ast.Constant):
         if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
             raise ExprError(f"{where}: only numbers are allowed as literals, got {node.value!r}")
-        if not math.isfinite(node.value):
-            raise ExprError(f"{where}: literal {node.value!r} is not finite")
+        if not math.isfinite(node.value) or abs(node.value) > FLOAT32_MAX:
+            raise ExprError(f"{where}: literal {node.value!r} is not a finite float32")
     elif isinstance(node, ast.Name):
         if node.id in FUNCTIONS:
             raise ExprError(f"{where}: {node.id} is a function; call it as {node.id}(...)")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import struct
 
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 def to_float32(value: float) -> float:
     """The float32 nearest `value` (round to nearest even), as a Python float."""
@@ -21,9 +23,9 @@ def c_float(value: float) -> str:
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"cannot print non-finite constant {value!r} as a C literal")
-    target = to_float32(value)
-    if math.isinf(target):
+    if abs(value) > FLOAT32_MAX:
         raise ValueError(f"constant {value!r} overflows float32")
+    target = to_float32(value)
     for digits in range(1, 18):
         text = f"{target:.{digits}g}"
         if to_float32(float(text)) == target:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specgen import expr as expr_mod
+from specgen.literals import FLOAT32_MAX
 
 IDENTIFIER_PATTERN = r"^[A-Za-z][A-Za-z0-9_]{0,62}$"
 
@@ -28,6 +29,13 @@ class Args(BaseModel):
     """Base of every op's parameter model: frozen, unknown fields forbidden, finite numbers."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _float32_range(self):
+        for name, value in self.model_dump().items():
+            if isinstance(value, float) and abs(value) > FLOAT32_MAX:
+                raise ValueError(f"{name} = {value!r} is outside float32's range (|x| <= {FLOAT32_MAX:.7g})")
+        return self
 
 
 def _F():

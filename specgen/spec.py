@@ -241,8 +241,9 @@ class LayerSpec(Model):
         data["conv"].update({k: list(v) for k, v in self.conv_geometry().items()})
         for i, stage in enumerate(self.epilogue):
             if stage.kind == "pool" and ops.POOLS[stage.op].windowed:
+                geometry = self.pool_geometry(stage, f"epilogue[{i}]")
                 data["epilogue"][i][stage.op].update(
-                    {k: list(v) for k, v in self.pool_geometry(stage, f"epilogue[{i}]").items()}
+                    {k: list(v) for k, v in geometry.items() if k in type(stage.args).model_fields}
                 )
             if stage.kind == "reduce":
                 data["epilogue"][i][stage.op]["dims"] = list(self.reduce_dims(i))

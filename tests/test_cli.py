@@ -1,0 +1,115 @@
+"""The CLI end to end with the real nvcc: build (miss, then hit), show, exit codes (no GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def specgen(*args, env=None, cwd=None):
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "specgen", *map(str, args)], capture_output=True, text=True, env=full_env, cwd=cwd or ROOT
+    )
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    path = tmp_path / "cache"
+    monkeypatch.setenv("SPECGEN_CACHE_DIR", str(path))
+    return path
+
+
+def test_build_json_miss_then_hit(cache, tmp_path):
+    out = tmp_path / "gen"
+    first = specgen("build", "examples/kb90.yaml", "--json", "--out", out)
+    assert first.returncode == 0, first.stderr
+    record = json.loads(first.stdout)
+    for field in ("name", "key", "cache", "compile_seconds", "cu", "cubin", "registers", "spill_bytes", "smem_bytes"):
+        assert field in record, field
+    assert record["name"] == "kb90" and record["cache"] == "miss"
+    assert record["spill_bytes"] == 0 and record["registers"] > 0 and record["smem_bytes"] > 48 * 1024
+    assert Path(record["cubin"]).is_file() and Path(record["cu"]) == out / "kb90.cu"
+    assert (out / "kb90.cu").read_text() == (ROOT / "generated" / "kb90.cu").read_text()
+    second = specgen("build", "examples/kb90.yaml", "--json", "--out", out)
+    again = json.loads(second.stdout)
+    assert again["cache"] == "hit" and again["key"] == record["key"] and again["compile_seconds"] == 0.0
+
+
+def test_build_several_specs_in_one_file(cache, tmp_path):
+    result = specgen("build", "examples/zoo.yaml", "--json", "--out", tmp_path / "gen")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(records) >= 12 and len({r["key"] for r in records}) == len(records)
+    assert all(r["spill_bytes"] == 0 for r in records), [(r["name"], r["spill_bytes"]) for r in records]
+
+
+def test_build_path_never_imports_torch(cache, tmp_path):
+    code = (
+        "import sys; from specgen.cli import main; "
+        f"rc = main(['build', 'examples/kb65.yaml', '--out', {str(tmp_path)!r}]); "
+        "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("name: [oops\n", "malformed YAML"),
+        ("name: a\ninput: {channels: 2, size: [4]}\nconv: {out_channels: 2, kernel: 9}\n", "the kernel spans 9"),
+        ("name: a\ninput: {channels: 2, size: [4]}\nconv: {out_channels: 2, kernel: 1}\nepilogue: [frobnicate]\n", "known ops"),
+    ],
+)
+def test_bad_input_exits_2_with_the_reason(cache, tmp_path, text, expected):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(text)
+    result = specgen("build", spec, "--out", tmp_path)
+    assert result.returncode == 2
+    assert expected in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_file_and_bad_arch_exit_2(cache, tmp_path):
+    assert specgen("build", tmp_path / "nope.yaml").returncode == 2
+    result = specgen("build", "examples/kb90.yaml", "--arch", "sm90;rm", "--out", tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_a_failed_compile_exits_1_with_the_log_and_caches_nothing(cache, tmp_path):
+    fake = tmp_path / "cuda" / "bin"
+    fake.mkdir(parents=True)
+    nvcc = fake / "nvcc"
+    nvcc.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "Cuda compilation tools, release 99.0, fake"; exit 0; fi\n'
+        'for a in "$@"; do case "$a" in *.cu) src="$a";; esac; done\n'
+        'echo "$src(3): error: identifier \\"boom\\" is undefined" >&2; exit 1\n'
+    )
+    nvcc.chmod(0o755)
+    result = specgen("build", "examples/kb65.yaml", "--out", tmp_path, env={"CUDA_HOME": str(tmp_path / "cuda")})
+    assert result.returncode == 1, result.stderr
+    assert 'identifier "boom" is undefined' in result.stderr
+    assert not list(cache.rglob("meta.json"))
+
+
+def test_show_prints_source_plan_and_ptx(cache):
+    source = specgen("show", "examples/zoo.yaml", "--name", "depthwise_mish")
+    assert source.returncode == 0 and source.stdout == (ROOT / "generated" / "depthwise_mish.cu").read_text()
+    plan = specgen("show", "examples/kb65.yaml", "--plan")
+    assert "avg-pool fold" in plan.stdout and "cluster" in plan.stdout
+    ptx = specgen("show", "examples/zoo.yaml", "--name", "depthwise_mish", "--ptx")
+    assert ptx.returncode == 0 and ".entry specgen_depthwise_mish" in ptx.stdout
+    assert specgen("show", "examples/zoo.yaml", "--name", "nope").returncode == 2
+
+
+def test_version_and_module_entry_point():
+    result = specgen("--version")
+    assert result.returncode == 0 and result.stdout.startswith("specgen ")

@@ -1,0 +1,207 @@
+"""Spec validation, canonical form and hashing (no GPU, no torch)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specgen.spec import LayerSpec, SpecError, load_specs, parse_yaml, validate
+from strategies import specs as random_specs
+
+KB90 = {
+    "name": "kb90",
+    "input": {"channels": 8, "size": [16, 64, 64]},
+    "conv": {"out_channels": 64, "kernel": 3},
+    "epilogue": [
+        {"leaky_relu": {"negative_slope": 0.2}},
+        {"add": {"param": "sum_tensor"}},
+        {"clamp": {"min": -1.0, "max": 1.0}},
+        {"gelu": {"approximate": "none"}},
+    ],
+}
+
+
+def problems(data) -> str:
+    with pytest.raises(SpecError) as err:
+        validate(data)
+    return str(err.value)
+
+
+def with_(path: str, value, base=KB90):
+    import copy
+
+    data = copy.deepcopy(base)
+    node = data
+    keys = path.split(".")
+    for k in keys[:-1]:
+        node = node[int(k)] if isinstance(node, list) else node[k]
+    last = keys[-1]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return data
+
+
+def test_example_files_load():
+    assert [s.name for s in load_specs("examples/kb90.yaml")] == ["kb90"]
+    assert len(load_specs("examples/zoo.yaml")) >= 12
+
+
+def test_spec_is_frozen_and_hashable():
+    spec = validate(KB90)
+    with pytest.raises(Exception):
+        spec.name = "other"
+    assert hash(spec.shape_hash) and len(spec.shape_hash) == 16
+
+
+def test_equivalent_spellings_hash_equal():
+    a = validate(KB90)
+    spelled = with_("conv", {"kernel": [3, 3, 3], "out_channels": 64, "stride": [1, 1, 1], "padding": 0, "bias": True})
+    spelled["epilogue"][3] = "gelu"
+    spelled = {k: spelled[k] for k in reversed(list(spelled))}  # key order
+    b = validate(spelled)
+    assert a.canonical_json() == b.canonical_json()
+    assert a.shape_hash == b.shape_hash
+
+
+@pytest.mark.parametrize(
+    "path,value",
+    [
+        ("input.size", [16, 64, 62]),
+        ("conv.kernel", [3, 3, 1]),
+        ("conv.stride", 2),
+        ("conv.padding", 1),
+        ("conv.bias", False),
+        ("epilogue.0", {"leaky_relu": {"negative_slope": 0.21}}),
+        ("epilogue.2", {"clamp": {"min": -1.0, "max": 0.5}}),
+        ("epilogue.3", {"gelu": {"approximate": "tanh"}}),
+        ("name", "kb90b"),
+    ],
+)
+def test_any_change_that_changes_code_changes_the_hash(path, value):
+    assert validate(with_(path, value)).shape_hash != validate(KB90).shape_hash
+
+
+def test_shapes_and_params():
+    spec = validate(KB90)
+    assert spec.output_shape(128) == (128, 64, 14, 62, 62)
+    assert spec.params() == {"sum_tensor": (64, 1, 1, 1)}
+    kb65 = load_specs("examples/kb65.yaml")[0]
+    assert kb65.output_shape(4) == (4,)
+
+
+@pytest.mark.parametrize(
+    "data,expected",
+    [
+        (with_("name", "9lives"), "name: String should match pattern"),
+        (with_("input.channels", 0), "input.channels: Input should be greater than 0 (got 0)"),
+        (with_("input.size", [0, 4, 4]), "input.size[0]: Input should be greater than 0"),
+        (with_("input.size", [2, 2, 2, 2]), "input.size: List should have at most 3 items"),
+        (with_("conv.kernel", 5, with_("input.size", [4, 4, 4])), "the kernel spans 5"),
+        (with_("conv.groups", 3), "must both be divisible by groups (3)"),
+        (with_("conv.stride", [1, 1]), "conv.stride: expected one value or 3"),
+        (with_("conv.colour", "red"), "conv.colour: Extra inputs are not permitted"),
+        (with_("epilogue.0", {"leaky_relu": {"negative_slope": float("nan")}}), "negative_slope: Input should be a finite number"),
+        (with_("epilogue.0", {"leaky_relu": {"negative_slope": float("inf")}}), "finite number"),
+        (with_("epilogue.2", {"clamp": {"min": -1e39}}), "outside float32's range"),
+        (with_("epilogue.1", {"expr": "x * 1e39"}), "not a finite float32"),
+        (with_("epilogue.0", "swish"), "epilogue[0]: a stage is one op"),
+        (with_("epilogue.0", {"relu": {}, "tanh": {}}), "epilogue[0]: a stage is one op"),
+        (with_("epilogue.1", {"add": {"value": 1.0, "param": "b"}}), "give exactly one of value"),
+        (with_("epilogue.1", {"add": {"param": "x y"}}), "String should match pattern"),
+        (with_("epilogue.1", {"add": {"param": "conv"}}), "parameter name 'conv' is reserved"),
+        (with_("epilogue.1", {"expr": "x + __import__('os')"}), "unknown function"),
+        (with_("epilogue.1", {"expr": "x.real"}), "outside the expression grammar"),
+        (with_("epilogue.1", {"expr": "x ** 0.5"}), "whole-number exponent"),
+        (with_("epilogue.1", {"expr": "1 + 2"}), "does not use x"),
+        (with_("epilogue.1", {"max": {"dims": [1]}}), "write amin/amax"),
+        (with_("epilogue.1", {"sum": {"dims": [0]}}), "dim 0 is the batch"),
+        (with_("epilogue.1", {"sum": {"dims": [5]}}), "dim 5 is out of range"),
+        (with_("epilogue.1", {"avg_pool": {"kernel": 20}}), "the window spans 20"),
+        (with_("epilogue.1", {"max_pool": {"kernel": 2, "padding": 2}}), "padding 2 must be at most half"),
+        (with_("precision", "fp16"), "precision: Input should be 'fp32'"),
+        (with_("tile", {"threads": 100}), "tile.threads: Input should be a multiple of 32"),
+    ],
+)
+def test_bad_specs_say_where_what_and_why(data, expected):
+    assert expected in problems(data)
+
+
+def test_pool_after_reduction_and_param_after_channel_reduction():
+    data = with_("epilogue", [{"sum": {"dims": [1]}}, {"avg_pool": 2}])
+    assert "pooling after a reduction is not supported" in problems(data)
+    data = with_("epilogue", [{"sum": {"dims": [1]}}, {"mul": {"param": "s"}}])
+    assert "needs the channel dim" in problems(data)
+
+
+def test_yaml_errors_name_line_and_keep_every_problem(tmp_path):
+    with pytest.raises(SpecError, match=r"line 2, column 1: malformed YAML: found duplicate key 'name'"):
+        parse_yaml("name: a\nname: b\n")
+    with pytest.raises(SpecError, match="malformed YAML"):
+        parse_yaml("name: [1, 2\n")
+    with pytest.raises(SpecError, match="the file holds no spec"):
+        parse_yaml("")
+    two = "- {name: a, input: {channels: 0, size: [4]}, conv: {out_channels: 2, kernel: 1}}\n- {name: a}\n"
+    text = str(pytest.raises(SpecError, parse_yaml, two).value)
+    assert "input.channels" in text and "conv: Field required" in text
+    with pytest.raises(SpecError, match="cannot read"):
+        load_specs(tmp_path / "missing.yaml")
+
+
+def test_constants_reach_the_kernel_exactly():
+    from specgen.literals import c_float, to_float32
+
+    for value in (0.2, -1.0, 1e-30, 0.044715, 1 / 3, 6.0, 3.4e38, -0.0):
+        text = c_float(value)
+        assert text.endswith("f") and to_float32(float(text[:-1])) == to_float32(value)
+    with pytest.raises(ValueError):
+        c_float(float("inf"))
+    with pytest.raises(ValueError):
+        c_float(1e39)  # overflows float32
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_specs())
+def test_random_valid_specs_validate_and_round_trip(data):
+    try:
+        spec = validate(data)
+    except SpecError as err:  # the strategy can draw an empty pooled output: a clean rejection
+        assert "spans" in str(err)
+        return
+    again = validate(spec.canonical())
+    assert again.shape_hash == spec.shape_hash
+    assert all(n >= 1 for n in spec.output_shape(1))
+
+
+JUNK = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=True) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "name": JUNK | st.just("ok"),
+            "input": JUNK | st.just({"channels": 2, "size": [4, 4]}),
+            "conv": JUNK | st.just({"out_channels": 2, "kernel": 3}),
+            "epilogue": st.lists(JUNK | st.sampled_from(["relu", {"sum": {"dims": [1]}}, {"avg_pool": 9}]), max_size=3),
+            "precision": JUNK,
+            "tile": JUNK,
+        },
+    )
+)
+def test_bad_input_is_rejected_with_a_message_never_a_crash(data):
+    try:
+        spec = validate(data)
+    except SpecError as err:
+        assert err.problems and all(isinstance(p, str) and p for p in err.problems)
+        return
+    assert isinstance(spec, LayerSpec) and not math.isnan(len(spec.shape_hash))
