@@ -49,19 +49,29 @@ def ceilings(reps: int = 20) -> dict:
     return {"copy_bytes_per_s": bandwidth, "fp32_flops_per_s": 2 * m**3 / (ms * 1e-3)}
 
 
-def host_overhead_us(layer: FusedLayer, calls: int = 1000) -> float:
-    """Host time per forward on a tiny input: a graph-free loop of `calls` forwards."""
-    x = torch.randn(1, layer.spec.input.channels, *layer.spec.input.size, device="cuda")
-    for _ in range(10):
-        layer(x)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
+TINY = {"name": "tiny", "input": {"channels": 1, "size": [8, 8]}, "conv": {"out_channels": 4, "kernel": 3}, "epilogue": ["relu"]}
+
+
+def host_overhead(calls: int = 1000) -> dict:
+    """Host time per call on a tiny layer, in a graph-free loop: the whole forward (custom op,
+    checks, output allocation, launch) and the raw launch into a preallocated output."""
+    from specgen.spec import validate
+
+    layer = FusedLayer(validate(TINY)).cuda()
+    x = torch.randn(1, 1, 8, 8, device="cuda")
+    out = torch.empty(layer.spec.output_shape(1), device="cuda")
+    result = {}
     with torch.no_grad():
-        for _ in range(calls):
-            layer(x)
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+        for name, call in (("forward_us", lambda: layer(x)), ("launch_us", lambda: layer(x, out=out))):
+            for _ in range(20):
+                call()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            result[name] = (time.perf_counter() - start) / calls * 1e6
+            torch.cuda.synchronize()
+    return result
 
 
 def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, ceil: dict | None = None) -> dict:
