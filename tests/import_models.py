@@ -1,0 +1,844 @@
+"""Small PyTorch models written in the many styles `specgen.importer` must recognize.
+
+`CASES` lists models that must fuse completely (no fallback), each with the ops expected in
+each spec; `FALLBACKS` lists models that must (partly) fall back, with a phrase the reason must
+contain. Shapes are tiny so the whole suite runs in seconds on a CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+C_IN, C = 3, 4
+IMG = (2, C_IN, 8, 8)
+VOL = (2, C_IN, 5, 6, 6)
+SEQ = (2, C_IN, 16)
+
+
+def conv2d(**kw) -> nn.Conv2d:
+    return nn.Conv2d(C_IN, C, kw.pop("kernel_size", 3), **kw)
+
+
+# -- pointwise ops, one model per op and its spellings ------------------------------------------
+
+
+class ReluForms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        x = self.act(self.conv(x))
+        x = F.relu(x - 0.1)
+        x = torch.relu(x - 0.1)
+        return (x - 0.1).relu()
+
+
+class ReluInplace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        x = self.act(self.conv(x))
+        x = x.sub_(0.2).relu_()
+        return F.relu(x, inplace=True)
+
+
+class LeakyForms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.default = nn.LeakyReLU()
+        self.custom = nn.LeakyReLU(0.3, inplace=True)
+
+    def forward(self, x):
+        x = self.default(self.conv(x))
+        x = F.leaky_relu(x - 0.5, negative_slope=0.2)
+        return self.custom(x - 0.5)
+
+
+class GeluForms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.gelu = nn.GELU(approximate="tanh")
+
+    def forward(self, x):
+        return F.gelu(self.gelu(self.conv(x)))
+
+
+class SigmoidTanhForms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.sig = nn.Sigmoid()
+        self.tanh = nn.Tanh()
+
+    def forward(self, x):
+        x = self.conv(x)
+        x = torch.sigmoid(self.sig(x) * 4).sigmoid() * 4 - 2
+        x = F.sigmoid(x)
+        return torch.tanh(F.tanh(self.tanh(x)).tanh())
+
+
+class MishSiluHardswish(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.mish, self.silu, self.hs = nn.Mish(), nn.SiLU(), nn.Hardswish()
+
+    def forward(self, x):
+        x = F.mish(self.mish(self.conv(x)))
+        x = F.silu(self.silu(x))
+        return F.hardswish(self.hs(x * 3))
+
+
+class HardswishByHand(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        x = self.conv(x)
+        return x * torch.clamp((x + 3) / 6, 0, 1)
+
+
+class HardtanhForms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.ht = nn.Hardtanh(-2.0, 2.0)
+        self.relu6 = nn.ReLU6()
+
+    def forward(self, x):
+        x = self.ht(self.conv(x) * 3)
+        x = F.hardtanh(x, -1.5, 1.5)
+        x = self.relu6(x * 5)
+        return F.relu6(x - 1)
+
+
+class ClampForms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        x = torch.clamp(self.conv(x), min=-1.0, max=1.0)
+        x = x.clamp(min=-0.5)
+        x = x.clip(max=0.8)
+        x = torch.clamp_min(x, -0.4)
+        return x.clamp_max(0.7)
+
+
+class SoftplusForms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.sp = nn.Softplus(beta=2.0, threshold=3.0)
+
+    def forward(self, x):
+        return F.softplus(self.sp(self.conv(x) * 3))
+
+
+class ConstArith(nn.Module):
+    """Operator, torch.* and method forms of arithmetic with numbers and float attributes."""
+
+    def __init__(self, divisor=2.5, value=0.75):
+        super().__init__()
+        self.conv = conv2d()
+        self.divisor = divisor
+        self.value = value
+
+    def forward(self, x):
+        x = self.conv(x)
+        x = x * 2
+        x = x / self.divisor
+        x = x - self.value
+        x = 0.5 + x
+        x = torch.add(x, 0.25)
+        x = torch.mul(x, 1.5)
+        x = x.div(3.0)
+        x = x.sub(0.1)
+        x = torch.sub(x, 0.1, alpha=2)
+        return 3 * x
+
+
+class ParamArith(nn.Module):
+    """Per-channel parameters shaped (C, 1, 1), (1, C, 1, 1), and (C,) viewed in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.bias = nn.Parameter(torch.randn(C, 1, 1))
+        self.scale = nn.Parameter(torch.randn(1, C, 1, 1))
+        self.shift = nn.Parameter(torch.randn(C))
+        self.register_buffer("denominator", torch.rand(C, 1, 1) + 1.0)
+
+    def forward(self, x):
+        x = self.conv(x)
+        x = x + self.bias
+        x = self.scale * x
+        x = x - self.shift.view(1, -1, 1, 1)
+        return x / self.denominator
+
+
+class ParamMethods(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.a = nn.Parameter(torch.randn(C, 1, 1))
+        self.b = nn.Parameter(torch.randn(C, 1, 1))
+
+    def forward(self, x):
+        x = self.conv(x).add(self.a).mul(self.b)
+        return torch.sub(x, self.a).div(self.b.abs() + 1)
+
+
+class ReverseArith(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        x = 1 - self.conv(x)
+        return 2 / (x * x + 1)
+
+
+class MinMaxScalar(nn.Module):
+    """KernelBench style: torch.min(x, torch.tensor(c)); also torch.minimum/maximum and method forms."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.constant = 0.5
+
+    def forward(self, x):
+        x = torch.min(self.conv(x), torch.tensor(self.constant))
+        x = torch.maximum(x, torch.tensor(-0.5))
+        x = x.minimum(torch.tensor(0.25))
+        return torch.max(x, torch.tensor(-0.25))
+
+
+class ExprFunctions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        x = self.conv(x)
+        y = torch.exp(-x.abs()) * torch.log(x * x + 1) + torch.sqrt(x * x + 1.0)
+        return y - torch.erf(x) + torch.tanh(x) * torch.sigmoid(x) + x ** 2
+
+
+class ParamExpr(nn.Module):
+    """A DAG over x and per-channel parameters: one expr stage naming them."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.beta = nn.Parameter(torch.rand(C, 1, 1) + 0.5)
+        self.gate = nn.Parameter(torch.randn(C, 1, 1))
+
+    def forward(self, x):
+        x = self.conv(x)
+        return x * torch.sigmoid(x * self.beta) + torch.sigmoid(self.gate) * x
+
+
+class PowForms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        x = self.conv(x) ** 2
+        x = x.pow(0.5)
+        x = torch.pow(x + 1, -1)
+        x = torch.square(x)
+        return x.rsqrt() + torch.reciprocal(x)
+
+
+class MoreActivations(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.acts = nn.Sequential(
+            nn.ELU(0.5), nn.SELU(), nn.Identity(), nn.CELU(1.5), nn.Hardsigmoid(), nn.Softsign(), nn.Tanhshrink()
+        )
+
+    def forward(self, x):
+        return self.acts(self.conv(x) * 3)
+
+
+class ResidualExpr(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        x = self.conv(x)
+        return torch.relu(x) + x * 0.5
+
+
+# -- pools ---------------------------------------------------------------------------------------
+
+
+class PoolModules(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d(padding=1)
+        self.avg = nn.AvgPool2d(2)
+        self.max = nn.MaxPool2d(3, stride=1, padding=1)
+
+    def forward(self, x):
+        return self.max(torch.relu(self.avg(self.conv(x))))
+
+
+class PoolFunctional3d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(C_IN, C, 2)
+
+    def forward(self, x):
+        x = F.avg_pool3d(self.conv(x), 2, stride=1, padding=1, count_include_pad=False)
+        return F.max_pool3d(x, kernel_size=2, stride=2, dilation=1)
+
+
+class MaxPool1dFunctional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(C_IN, C, 3)
+
+    def forward(self, x):
+        return F.max_pool1d(F.avg_pool1d(self.conv(x), 2), 3, 1, 1, 2)
+
+
+class GlobalPools3d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(C_IN, C, 3)
+        self.gap = nn.AdaptiveAvgPool3d((1, 1, 1))
+
+    def forward(self, x):
+        return torch.sigmoid(self.gap(self.conv(x)))
+
+
+class GlobalPools2d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.gmp = nn.AdaptiveMaxPool2d(1)
+
+    def forward(self, x):
+        a = F.adaptive_avg_pool2d(self.conv(x), 1)
+        return self.gmp(a * 2)
+
+
+class GlobalMaxPool1d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(C_IN, C, 5, padding="valid", dilation=2)
+        self.gap = nn.AdaptiveAvgPool1d(1)
+
+    def forward(self, x):
+        return self.gap(F.adaptive_max_pool1d(self.conv(x), 1))
+
+
+# -- reductions and shape ops ------------------------------------------------------------------
+
+
+class SumForms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        x = torch.sum(self.conv(x), dim=1, keepdim=True)
+        return x.sum(dim=[2, 3])
+
+
+class MeanAmaxForms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        x = torch.amax(self.conv(x), dim=-1, keepdim=True)
+        x = x.mean([2, 3])
+        return x.amin(dim=1)
+
+
+class LogSumExpForms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(C_IN, C, 3)
+
+    def forward(self, x):
+        x = torch.logsumexp(self.conv(x), dim=1, keepdim=True)
+        return x.logsumexp(dim=(2, 3, 4))
+
+
+class MinMaxReductions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        x = torch.min(self.conv(x), dim=1, keepdim=True)[0]
+        x = x.max(dim=2).values
+        return torch.amin(x, 2)
+
+
+class FlattenAfterPool(nn.Module):
+    """Global pool, flatten to (N, C), then per-channel ops on the flat tensor and a final sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.flatten = nn.Flatten()
+        self.bias = nn.Parameter(torch.randn(C))
+
+    def forward(self, x):
+        x = self.flatten(self.pool(self.conv(x)))
+        x = torch.sigmoid(x + self.bias)
+        return x.sum(dim=1)
+
+
+class ViewAfterMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        x = self.conv(x).contiguous().mean(dim=(2, 3), keepdim=True)
+        x = x.view(x.size(0), -1).float()
+        x = torch.relu(x).unsqueeze(-1)
+        return torch.flatten(x, 1).squeeze()
+
+
+class SqueezeAfterSum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        x = self.conv(x).sum(dim=1, keepdim=True)
+        x = x.reshape(x.shape[0], x.shape[2], x.shape[3])
+        return torch.amax(x, dim=[1, 2])
+
+
+# -- convolutions --------------------------------------------------------------------------------
+
+
+class ConvGeometry(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2, bias=False)
+
+    def forward(self, x):
+        return torch.tanh(self.conv(x))
+
+
+class ConvSamePadding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(C_IN, C, 3, padding="same")
+
+    def forward(self, x):
+        return F.silu(self.conv(x))
+
+
+class Conv1dChain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(C_IN, C, 5, stride=2, padding=2, dilation=1, bias=False)
+
+    def forward(self, x):
+        return F.gelu(self.conv(x)).mean(-1)
+
+
+class FunctionalConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(C, C_IN, 3, 3) * 0.2)
+        self.bias = nn.Parameter(torch.randn(C))
+        self.weight2 = nn.Parameter(torch.randn(C, C, 1, 1) * 0.2)
+
+    def forward(self, x):
+        x = F.conv2d(x, self.weight, self.bias, stride=1, padding=1)
+        x = F.relu(x)
+        x = torch.conv2d(x, self.weight2)  # second chain: no bias
+        return torch.sigmoid(x)
+
+
+class FunctionalConv3d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(C, C_IN, 2, 2, 2) * 0.2)
+
+    def forward(self, x):
+        return F.conv3d(x, self.w, None, 1, 0, 1, 1).clamp(min=0.0)
+
+
+class TwoChains(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = conv2d(padding=1)
+        self.conv2 = nn.Conv2d(C, C, 3)
+
+    def forward(self, x):
+        x = torch.relu(self.conv1(x))
+        return torch.sigmoid(self.conv2(x)).mean(dim=[2, 3])
+
+
+class Block(nn.Module):
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class NestedBlocks(nn.Module):
+    """Submodules inside Sequentials; eval-mode batch norm fuses as an expression."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = Block(C_IN, C)
+        self.stages = nn.Sequential(Block(C, C), nn.Dropout(0.3))
+
+    def forward(self, x):
+        return self.stages(self.stem(x))
+
+
+class FunctionalBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.bn = nn.BatchNorm2d(C, affine=False)
+
+    def forward(self, x):
+        x = self.conv(x)
+        x = F.batch_norm(x, self.bn.running_mean, self.bn.running_var, training=False, eps=1e-3)
+        return F.dropout(x, p=0.5, training=False)
+
+
+def _randomize_bn(model: nn.Module) -> nn.Module:
+    """Non-trivial running statistics and affine parameters, so batch norm is really tested."""
+    g = torch.Generator().manual_seed(1)
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.running_mean.copy_(torch.randn(m.num_features, generator=g))
+            m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+            if m.affine:
+                m.weight.data.copy_(torch.randn(m.num_features, generator=g))
+                m.bias.data.copy_(torch.randn(m.num_features, generator=g))
+    return model.eval()
+
+
+# -- models that must (partly) fall back ---------------------------------------------------------
+
+
+class BatchNormTraining(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.bn = nn.BatchNorm2d(C)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+class TwoBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        y = self.conv(x)
+        return torch.cat([torch.relu(y), torch.sigmoid(y)], dim=1)
+
+
+class IntermediateReturned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        return y, torch.sigmoid(y)
+
+
+class CumsumAfterConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        return torch.cumsum(self.conv(x), dim=1)
+
+
+class SoftmaxAfterRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.softmax = nn.Softmax(dim=1)
+
+    def forward(self, x):
+        return self.softmax(F.relu(self.conv(x)) * 2)
+
+
+class CeilModePool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.pool = nn.MaxPool2d(4, ceil_mode=True)
+
+    def forward(self, x):
+        return self.pool(torch.relu(self.conv(x)))
+
+
+class ReflectPadding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d(padding=1, padding_mode="reflect")
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+
+class DoubleModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+
+class ScalarParam(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.scale = nn.Parameter(torch.tensor([2.0]))
+
+    def forward(self, x):
+        return torch.relu(self.conv(x)) * self.scale
+
+
+class SizeOfIntermediate(nn.Module):
+    """The size of a fused intermediate is read outside the chain (a stand-in tensor provides it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        y = self.conv(x)
+        z = torch.relu(y)
+        return z * y.shape[-1]
+
+
+class AdaptiveToTwo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.pool = nn.AdaptiveAvgPool2d(2)
+
+    def forward(self, x):
+        return self.pool(torch.relu(self.conv(x)))
+
+
+class PoolWithIndices(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.pool = nn.MaxPool2d(2, return_indices=True)
+
+    def forward(self, x):
+        values, indices = self.pool(torch.relu(self.conv(x)))
+        return values
+
+
+class EvenKernelSame(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d(kernel_size=2, padding="same")
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+
+class SoftplusInsideExpr(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        x = self.conv(x)
+        return x * F.softplus(x)
+
+
+class UnpackedMax(nn.Module):
+    """`values, indices = torch.max(...)` with the indices unused fuses; using them does not."""
+
+    def __init__(self, use_indices=False):
+        super().__init__()
+        self.conv = conv2d()
+        self.use_indices = use_indices
+
+    def forward(self, x):
+        values, indices = torch.max(torch.relu(self.conv(x)), dim=1)
+        return values + indices if self.use_indices else values
+
+
+class ResidualBlock(nn.Module):
+    """conv-bn-relu twice with a skip connection: two chains; the residual add runs as PyTorch."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(C, C, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(C)
+        self.conv2 = nn.Conv2d(C, C, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(C)
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return torch.relu(y + x)
+
+
+class ControlFlow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        x = self.conv(x)
+        if x.sum() > 0:
+            return torch.relu(x)
+        return x
+
+
+# -- the suite -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    """A model, the input shape to run it on, and the epilogue ops of each spec it must become."""
+
+    make: Callable[[], nn.Module]
+    shape: tuple
+    ops: list[list[str]]
+    id: str = ""
+    params: dict = field(default_factory=dict)  # spec name suffix -> expected per-channel param names
+
+    def __post_init__(self):
+        self.id = self.id or getattr(self.make, "__name__", "model")
+
+
+def _bn(cls):
+    def make():
+        return _randomize_bn(cls())
+
+    make.__name__ = cls.__name__
+    return make
+
+
+CASES: list[Case] = [
+    Case(ReluForms, IMG, [["relu", "sub", "relu", "sub", "relu", "sub", "relu"]]),
+    Case(ReluInplace, IMG, [["relu", "sub", "relu", "relu"]]),
+    Case(LeakyForms, IMG, [["leaky_relu", "sub", "leaky_relu", "sub", "leaky_relu"]]),
+    Case(GeluForms, IMG, [["gelu", "gelu"]]),
+    Case(SigmoidTanhForms, IMG, [["sigmoid", "mul", "sigmoid", "sigmoid", "mul", "sub", "sigmoid", "tanh", "tanh", "tanh", "tanh"]]),
+    Case(MishSiluHardswish, IMG, [["mish", "mish", "silu", "silu", "mul", "hardswish", "hardswish"]]),
+    Case(HardswishByHand, IMG, [["expr"]]),
+    Case(HardtanhForms, IMG, [["mul", "hardtanh", "hardtanh", "mul", "hardtanh", "sub", "hardtanh"]]),
+    Case(ClampForms, IMG, [["clamp"] * 5]),
+    Case(SoftplusForms, IMG, [["mul", "softplus", "softplus"]]),
+    Case(ConstArith, IMG, [["mul", "div", "sub", "add", "add", "mul", "div", "sub", "sub", "mul"]]),
+    Case(ParamArith, IMG, [["add", "mul", "sub", "div"]]),
+    Case(ParamMethods, IMG, [["add", "mul", "sub", "expr"]]),
+    Case(ReverseArith, IMG, [["expr", "expr", "add", "expr"]]),
+    Case(MinMaxScalar, IMG, [["min", "max", "min", "max"]]),
+    Case(ExprFunctions, IMG, [["expr"]]),
+    Case(ParamExpr, IMG, [["expr"]]),
+    Case(PowForms, IMG, [["expr", "expr", "add", "expr", "expr", "expr"]]),
+    Case(MoreActivations, IMG, [["mul", "expr", "expr", "expr", "expr", "expr", "expr"]]),
+    Case(ResidualExpr, IMG, [["expr"]]),
+    Case(PoolModules, IMG, [["avg_pool", "relu", "max_pool"]]),
+    Case(PoolFunctional3d, VOL, [["avg_pool", "max_pool"]]),
+    Case(MaxPool1dFunctional, SEQ, [["avg_pool", "max_pool"]]),
+    Case(GlobalPools3d, VOL, [["global_avg_pool", "sigmoid"]]),
+    Case(GlobalPools2d, IMG, [["global_avg_pool", "mul", "global_max_pool"]]),
+    Case(GlobalMaxPool1d, SEQ, [["global_max_pool", "global_avg_pool"]]),
+    Case(SumForms, IMG, [["sum", "sum"]]),
+    Case(MeanAmaxForms, IMG, [["amax", "mean", "amin"]]),
+    Case(LogSumExpForms, VOL, [["logsumexp", "logsumexp"]]),
+    Case(MinMaxReductions, IMG, [["amin", "amax", "amin"]]),
+    Case(FlattenAfterPool, IMG, [["global_avg_pool", "add", "sigmoid", "sum"]]),
+    Case(ViewAfterMean, IMG, [["mean", "relu"]]),
+    Case(SqueezeAfterSum, IMG, [["sum", "amax"]]),
+    Case(ConvGeometry, (2, 4, 9, 8), [["tanh"]]),
+    Case(ConvSamePadding, IMG, [["silu"]]),
+    Case(Conv1dChain, SEQ, [["gelu", "mean"]]),
+    Case(FunctionalConv, IMG, [["relu"], ["sigmoid"]]),
+    Case(FunctionalConv3d, VOL, [["clamp"]]),
+    Case(TwoChains, IMG, [["relu"], ["sigmoid", "mean"]]),
+    Case(_bn(NestedBlocks), IMG, [["expr", "relu"], ["expr", "relu"]]),
+    Case(_bn(FunctionalBatchNorm), IMG, [["expr"]]),
+    Case(UnpackedMax, IMG, [["relu", "amax"]]),
+]
+
+
+@dataclass
+class FallbackCase:
+    """A model that falls back: the ops of the specs it still yields, and (node, phrase) pairs
+    that must appear among its fallbacks."""
+
+    make: Callable[[], nn.Module]
+    shape: tuple
+    ops: list[list[str]]
+    expect: list[tuple[str, str]]
+    id: str = ""
+
+    def __post_init__(self):
+        self.id = self.id or getattr(self.make, "__name__", "model")
+
+
+def _double():
+    return DoubleModel().double()
+
+
+FALLBACKS: list[FallbackCase] = [
+    FallbackCase(BatchNormTraining, IMG, [], [("conv", "nothing to fuse"), ("bn", "in training mode batch norm normalizes")]),
+    FallbackCase(TwoBranches, IMG, [], [("conv", "is used by 2 nodes"), ("relu", "used more than once")]),
+    FallbackCase(IntermediateReturned, IMG, [["relu"]], [("sigmoid", "also returned by the model")]),
+    FallbackCase(CumsumAfterConv, IMG, [], [("cumsum", "torch.cumsum is not a supported op"), ("conv", "nothing to fuse")]),
+    FallbackCase(SoftmaxAfterRelu, IMG, [["relu", "mul"]], [("softmax", "nn.Softmax (softmax) is not a supported op")]),
+    FallbackCase(CeilModePool, IMG, [["relu"]], [("pool", "ceil_mode=True is not supported")]),
+    FallbackCase(AdaptiveToTwo, IMG, [["relu"]], [("pool", "output_size=2: only an output of 1 (a global pool) is fused")]),
+    FallbackCase(PoolWithIndices, IMG, [["relu"]], [("pool", "return_indices=True is not supported")]),
+    FallbackCase(EvenKernelSame, IMG, [], [("conv", "padding='same' with an even kernel span pads unevenly")]),
+    FallbackCase(ReflectPadding, IMG, [], [("conv", "padding_mode='reflect'")]),
+    FallbackCase(_double, IMG, [], [("conv", "only float32 layers are fused")], id="DoubleModel"),
+    FallbackCase(ScalarParam, IMG, [["relu"]], [("mul", "scale is a scalar tensor")]),
+    FallbackCase(SizeOfIntermediate, IMG, [["relu"]], [("mul", "operand getitem is computed by the model")]),
+    FallbackCase(
+        SoftplusInsideExpr, IMG, [], [("softplus", "softplus inside a larger pointwise expression has no expr form")]
+    ),
+    FallbackCase(lambda: UnpackedMax(use_indices=True), IMG, [["relu"]], [("max_1", "its indices are used")], id="UsedIndices"),
+    FallbackCase(
+        _bn(ResidualBlock), (2, C, 8, 8), [["expr", "relu"], ["expr"]], [("add", "operand x is computed by the model")]
+    ),
+    FallbackCase(ControlFlow, IMG, [], [("ControlFlow", "torch.fx cannot trace")]),
+]

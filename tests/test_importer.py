@@ -1,0 +1,297 @@
+"""specgen.explain / specgen.from_module on the suite in import_models.py (CPU reference path)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import specgen
+from specgen.importer import Fallback, ImportedLayer, ModelImportError, explain, from_module
+from specgen.module import FusedLayer
+from specgen.spec import load, parse_yaml
+
+import import_models as im
+from seed_models import SEEDS
+
+pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths")
+
+
+def _build(case):
+    torch.manual_seed(0)
+    model = case.make()
+    dtype = next(model.parameters()).dtype
+    return model, torch.randn(case.shape, dtype=dtype)
+
+
+def _ops(report) -> list[list[str]]:
+    return [[stage.op for stage in spec.epilogue] for spec in report.specs]
+
+
+def _fused_layers(module: nn.Module) -> list[FusedLayer]:
+    return [m for m in module.modules() if isinstance(m, FusedLayer)]
+
+
+# -- the suite that must fuse completely ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", im.CASES, ids=lambda c: c.id)
+def test_explain_finds_every_chain(case):
+    model, x = _build(case)
+    report = explain(model, x)
+    assert report.fallbacks == []
+    assert _ops(report) == case.ops
+    names = [spec.name for spec in report.specs]
+    assert len(set(names)) == len(names)
+    assert all(name.startswith(type(model).__name__.lower() + "_") for name in names)
+
+
+@pytest.mark.parametrize("case", im.CASES, ids=lambda c: c.id)
+def test_from_module_matches_and_shares_parameters(case):
+    model, x = _build(case)
+    fused = from_module(model, x)
+    layers = _fused_layers(fused)
+    assert len(layers) == len(case.ops)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x))
+        bigger = torch.randn((x.shape[0] + 3, *x.shape[1:]))  # the batch stays free
+        torch.testing.assert_close(fused(bigger), model(bigger))
+    originals = {id(p) for p in model.parameters()}
+    assert {id(p) for p in fused.parameters()} <= originals
+    for layer in layers:
+        assert id(layer.conv.weight) in originals
+        assert layer.conv.bias is None or id(layer.conv.bias) in originals
+        for tensor in layer.spec_params().values():  # per-channel tensors: views of the originals' storage
+            owners = [t for t in (*model.parameters(), *model.buffers()) if t.data_ptr() == tensor.data_ptr()]
+            assert owners
+
+
+def test_module_and_functional_forms_share_the_very_parameters():
+    torch.manual_seed(0)
+    model = im.ParamArith()
+    fused = from_module(model, torch.randn(im.IMG))
+    (layer,) = _fused_layers(fused)
+    assert layer.conv is model.conv
+    assert layer.bias_param is model.bias
+    assert layer.scale is model.scale
+    assert layer.shift is model.shift
+    assert layer.denominator is model.denominator  # a buffer stays a buffer
+
+    model = im.FunctionalConv()
+    fused = from_module(model, torch.randn(im.IMG))
+    first, second = _fused_layers(fused)
+    assert first.conv.weight is model.weight and first.conv.bias is model.bias
+    assert second.conv.weight is model.weight2 and second.conv.bias is None
+
+
+@pytest.mark.parametrize("make", [im.ParamArith, im.FunctionalConv, im.FlattenAfterPool, im.ParamExpr])
+def test_training_the_fused_module_trains_the_original(make):
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(im.IMG)
+    fused = from_module(model, x)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(fused.parameters(), lr=0.1)
+    loss = fused(x).square().sum()
+    loss.backward()
+    optimizer.step()
+    changed = [name for name, p in model.named_parameters() if not torch.equal(p.detach(), before[name])]
+    assert sorted(changed) == sorted(before)  # every parameter of the original moved
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x))
+
+
+def test_gradients_match_the_original():
+    torch.manual_seed(0)
+    model = im.ParamArith()
+    x = torch.randn(im.IMG)
+    fused = from_module(model, x)
+    model(x).sin().sum().backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    fused(x).sin().sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name])
+
+
+# -- recognition details -------------------------------------------------------------------------
+
+
+def test_module_defaults_and_arguments_are_read():
+    torch.manual_seed(0)
+    (spec,) = explain(im.LeakyForms(), torch.randn(im.IMG)).specs
+    slopes = [stage.args.negative_slope for stage in spec.epilogue if stage.op == "leaky_relu"]
+    assert slopes == [0.01, 0.2, 0.3]
+    (spec,) = explain(im.ClampForms(), torch.randn(im.IMG)).specs
+    bounds = [(s.args.min, s.args.max) for s in spec.epilogue]
+    assert bounds == [(-1.0, 1.0), (-0.5, None), (None, 0.8), (-0.4, None), (None, 0.7)]
+    (spec,) = explain(im.ConstArith(), torch.randn(im.IMG)).specs
+    assert [s.args.value for s in spec.epilogue] == [2.0, 2.5, 0.75, 0.5, 0.25, 1.5, 3.0, 0.1, 0.2, 3.0]
+    (spec,) = explain(im.GeluForms(), torch.randn(im.IMG)).specs
+    assert [s.args.approximate for s in spec.epilogue] == ["tanh", "none"]
+
+
+def test_handwritten_hardswish_becomes_one_expression():
+    (spec,) = explain(im.HardswishByHand(), torch.randn(im.IMG)).specs
+    assert spec.epilogue[0].args.code == "x * clamp((x + 3.0) / 6.0, 0.0, 1.0)"
+
+
+def test_per_channel_parameters_are_named_after_their_attributes():
+    (spec,) = explain(im.ParamArith(), torch.randn(im.IMG)).specs
+    assert list(spec.params()) == ["bias_param", "scale", "shift", "denominator"]  # 'bias' is reserved
+    (spec,) = explain(im.ParamExpr(), torch.randn(im.IMG)).specs
+    assert set(spec.params()) == {"beta", "gate"}
+
+
+def test_pools_and_reductions_keep_their_geometry():
+    (spec,) = explain(im.PoolModules(), torch.randn(im.IMG)).specs
+    canonical = spec.canonical()["epilogue"]
+    assert canonical[0]["avg_pool"]["kernel"] == [2, 2] and canonical[0]["avg_pool"]["stride"] == [2, 2]
+    assert canonical[2]["max_pool"] == {"kernel": [3, 3], "stride": [1, 1], "padding": [1, 1], "dilation": [1, 1]}
+    (spec,) = explain(im.MinMaxReductions(), torch.randn(im.IMG)).specs
+    assert [(s.args.dims, s.args.keepdim) for s in spec.epilogue] == [([1], True), ([2], False), ([2], False)]
+
+
+def test_shape_ops_after_a_reduction_are_absorbed_and_restored():
+    model = im.ViewAfterMean()
+    x = torch.randn(im.IMG)
+    (spec,) = explain(model, x).specs
+    assert spec.output_shape(2) == (2, 4, 1, 1)
+    fused = from_module(model, x)
+    assert fused(x).shape == model(x).shape == (2, 4)
+
+
+def test_conv_geometry_is_read_from_modules_and_functions():
+    (spec,) = explain(im.ConvGeometry(), torch.randn(2, 4, 9, 8)).specs
+    conv = spec.canonical()["conv"]
+    assert conv == {
+        "out_channels": 8,
+        "kernel": [3, 2],
+        "stride": [2, 1],
+        "padding": [1, 2],
+        "dilation": [1, 2],
+        "groups": 2,
+        "bias": False,
+    }
+    (spec,) = explain(im.ConvSamePadding(), torch.randn(im.IMG)).specs
+    assert spec.canonical()["conv"]["padding"] == [1, 1]
+
+
+def test_the_report_round_trips_through_yaml():
+    torch.manual_seed(0)
+    report = explain(im.TwoChains(), torch.randn(im.IMG))
+    again = parse_yaml(report.yaml())
+    assert [s.canonical() for s in again] == [s.canonical() for s in report.specs]
+    assert "twochains_conv1" in str(report)
+
+
+# -- the seed models -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(SEEDS))
+def test_seed_models_become_their_example_specs(name):
+    cls, shape = SEEDS[name]
+    torch.manual_seed(0)
+    model, x = cls(), torch.randn(shape)
+    report = explain(model, x)
+    assert report.fallbacks == []
+    (spec,) = report.specs
+    want = load(f"examples/{name}.yaml").canonical()
+    got = spec.canonical()
+    want.pop("name"), got.pop("name")
+    assert got == want
+    fused = from_module(model, x)
+    assert len(_fused_layers(fused)) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x))
+
+
+# -- fallbacks -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", im.FALLBACKS, ids=lambda c: c.id)
+def test_fallbacks_say_why(case):
+    model, x = _build(case)
+    report = explain(model, x)
+    assert _ops(report) == case.ops
+    assert all(isinstance(fb, Fallback) for fb in report.fallbacks)
+    for node, phrase in case.expect:
+        reasons = [fb.reason for fb in report.fallbacks if fb.node == node]
+        assert reasons, f"no fallback for {node}: {report.fallbacks}"
+        assert phrase in reasons[0]
+    fused = from_module(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x))
+
+
+def test_batchnorm_in_training_mode_falls_back_with_the_reason():
+    model = im.BatchNormTraining()
+    report = explain(model, torch.randn(im.IMG))
+    assert report.specs == []
+    reasons = dict(report.fallbacks)
+    assert "training mode" in reasons["bn"]
+    assert "training mode" in reasons["conv"]
+
+
+def test_explain_leaves_running_statistics_alone():
+    model = im.BatchNormTraining()
+    before = [b.clone() for b in model.buffers()]
+    explain(model, torch.randn(im.IMG))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
+
+
+def test_a_conv_feeding_two_branches_is_not_fused():
+    report = explain(im.TwoBranches(), torch.randn(im.IMG))
+    assert report.specs == []
+    reasons = dict(report.fallbacks)
+    assert "is used by 2 nodes (relu, sigmoid)" in reasons["conv"]
+    assert "used more than once" in reasons["relu"]
+
+
+def test_an_unsupported_op_ends_the_chain_there():
+    report = explain(im.SoftmaxAfterRelu(), torch.randn(im.IMG))
+    assert _ops(report) == [["relu", "mul"]]
+    assert report.fallbacks == [Fallback("softmax", "nn.Softmax (softmax) is not a supported op")]
+
+
+def test_each_fallback_is_logged_once(caplog):
+    with caplog.at_level(logging.INFO, logger="specgen"):
+        from_module(im.CumsumAfterConv(), torch.randn(im.IMG))
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len([line for line in lines if "cumsum runs as PyTorch" in line]) == 1
+    assert any("torch.cumsum is not a supported op" in line for line in lines)
+
+
+def test_untraceable_models_run_unchanged(caplog):
+    model = im.ControlFlow()
+    with caplog.at_level(logging.WARNING, logger="specgen"):
+        assert from_module(model, torch.randn(im.IMG)) is model
+    assert any("torch.fx cannot trace" in r.getMessage() for r in caplog.records)
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+def test_bad_arguments_raise_a_clear_error():
+    with pytest.raises(ModelImportError, match="expected an nn.Module"):
+        explain(lambda x: x, torch.randn(im.IMG))
+    with pytest.raises(ModelImportError, match="at least one example input"):
+        explain(im.ReluForms())
+    with pytest.raises(ModelImportError, match="fails on the example inputs"):
+        explain(im.ReluForms(), torch.randn(2, 5, 8, 8))
+
+
+def test_the_table_lists_every_spelling():
+    from specgen.importer import supported_names
+
+    names = supported_names()
+    assert {"F.relu", "torch.relu", "torch.clamp_min", "F.adaptive_avg_pool2d", "torch.logsumexp"} <= set(names["functions"])
+    assert {"relu", "clamp", "sum", "view"} <= set(names["methods"])
+    assert {"nn.ReLU", "nn.LeakyReLU", "nn.Conv3d", "nn.AdaptiveMaxPool2d", "nn.BatchNorm2d"} <= set(names["modules"])
+
+
+def test_lazy_names_on_the_package():
+    assert specgen.explain is explain and specgen.from_module is from_module
+    assert issubclass(ImportedLayer, FusedLayer)
