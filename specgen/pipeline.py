@@ -29,10 +29,16 @@ _memo: dict[tuple[str, str | None], Specialized] = {}
 _memo_lock = threading.Lock()
 
 
-def request(spec: LayerSpec, arch: str | None = None) -> tuple[dict, str, cache.BuildRequest]:
+def request(spec: LayerSpec, arch: str | None = None, runtime_dims: bool = False) -> tuple[dict, str, cache.BuildRequest]:
     plan = build_plan(spec)
-    source = render_plan(plan)
+    source = render_plan(plan, runtime_dims=runtime_dims)
     return plan, source, cache.BuildRequest(spec.name, source, spec.canonical_json(), arch)
+
+
+def specialize_runtime_dims(spec: LayerSpec, arch: str | None = None) -> Specialized:
+    """The same template rendered with run-time extents: for `specgen bench` only."""
+    plan, source, req = request(spec, arch, runtime_dims=True)
+    return Specialized(spec, plan, source, cache.get_or_build(req))
 
 
 def specialize(spec: LayerSpec, arch: str | None = None) -> Specialized:

@@ -39,9 +39,11 @@ def _template_location(err: BaseException) -> str:
     return where
 
 
-def render_plan(plan: dict, template: str = "kernel.cu.j2") -> str:
+def render_plan(plan: dict, template: str = "kernel.cu.j2", runtime_dims: bool = False) -> str:
+    """The .cu of a plan. `runtime_dims` renders the measurement-only variant whose extents are
+    read at run time (what specializing saves is measured against it)."""
     try:
-        text = environment().get_template(template).render(**plan)
+        text = environment().get_template(template).render(**plan, runtime_dims=runtime_dims)
     except jinja2.TemplateSyntaxError as err:
         raise TemplateError(f"{err.filename or err.name}:{err.lineno}: {err.message}") from err
     except (jinja2.UndefinedError, TypeError, ValueError, KeyError, AttributeError) as err:

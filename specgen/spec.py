@@ -39,6 +39,11 @@ from specgen import ops
 from specgen.expr import RESERVED as EXPR_RESERVED
 
 IntOrList = Union[int, list[int], tuple[int, ...]]
+# Per-channel parameters become attributes of the layer module: names it already uses are taken.
+RESERVED_PARAM_NAMES = frozenset(
+    {"conv", "weight", "bias", "spec", "op", "key", "arch", "forward", "training", "specialize", "spec_params",
+     "cuda", "to", "half", "float", "double", "parameters", "state_dict", "train", "eval", "apply"}
+)
 PositiveInt = Annotated[int, Field(gt=0)]
 MAX_EXTENT = 1 << 20
 
@@ -375,7 +380,7 @@ class LayerSpec(Model):
         self.shapes()
         names = self.params()
         for name in names:
-            if name in EXPR_RESERVED or name in ("conv", "weight", "bias"):
+            if name in EXPR_RESERVED or name in RESERVED_PARAM_NAMES:
                 raise SpecShapeError(f"parameter name {name!r} is reserved; choose another")
         if nd not in (1, 2, 3):  # guarded by InputSpec too
             raise SpecShapeError(f"input.size: 1, 2 or 3 spatial dims, got {nd}")
