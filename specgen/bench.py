@@ -61,8 +61,13 @@ def host_overhead(calls: int = 1000) -> dict:
     x = torch.randn(1, 1, 8, 8, device="cuda")
     out = torch.empty(layer.spec.output_shape(1), device="cuda")
     result = {}
-    with torch.no_grad():
-        for name, call in (("forward_us", lambda: layer(x)), ("launch_us", lambda: layer(x, out=out))):
+    cases = (
+        ("forward_us", torch.no_grad, lambda: layer(x)),  # inference: the direct launch
+        ("launch_us", torch.no_grad, lambda: layer(x, out=out)),  # into a preallocated output
+        ("autograd_op_us", torch.enable_grad, lambda: layer(x)),  # through the custom op, recorded
+    )
+    for name, mode, call in cases:
+        with mode():
             for _ in range(20):
                 call()
             torch.cuda.synchronize()

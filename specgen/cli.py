@@ -95,8 +95,10 @@ def cmd_bench(args) -> int:
         results.append(result)
         print(bench.format_table(result), flush=True)
     host_us = bench.host_overhead()
-    print(f"host time per forward (tiny spec, 1000 calls, no CUDA graph): {host_us['forward_us']:.1f} us;"
-          f" raw launch (out=): {host_us['launch_us']:.1f} us")
+    print(
+        f"host time per call (tiny spec, 1000 calls, no CUDA graph): inference forward {host_us['forward_us']:.1f} us;"
+        f" into out= {host_us['launch_us']:.1f} us; with autograd (custom op) {host_us['autograd_op_us']:.1f} us"
+    )
     if args.json:
         meta = {**bench.environment(), "host_overhead_us": host_us}
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))

@@ -246,6 +246,12 @@ def load_kernel(sp: pipeline.Specialized, device_index: int):
     return runtime.load(sp.key, cubin_bytes(sp), plan["kernel_name"], plan["threads"], plan["smem_bytes"], device_index)
 
 
+def _current_stream(device_index: int) -> int:
+    """The raw handle of torch's current stream on a device (the cheap accessor where it exists)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
+
+
 def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict, out: torch.Tensor | None):
     """Run the kernel on contiguous float32 CUDA `x` into `out` (allocated when None), on the current stream."""
     from specgen import runtime
@@ -275,6 +281,6 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
         raise ValueError(f"{sp.spec.name}: out must start at a 16-byte aligned address (got a view with an offset)")
     pointers = [t.data_ptr() for t in tensors] + [out.data_ptr()]
     strides = [4 * plan["in_per_sample"]] + [0] * (len(tensors) - 1) + [4 * plan["out_per_sample"]]
-    stream = torch.cuda.current_stream(x.device).cuda_stream
+    stream = _current_stream(device_index)
     runtime.launch(kernel, plan["blocks_per_sample"], pointers, strides, batch, stream)
     return out
