@@ -202,9 +202,10 @@ class FusedLayer(nn.Module):
 
     def _launch(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """The raw kernel launch on torch's current stream (no checks of x, no autograd)."""
-        bias = self.conv.bias if self._has_bias else None
-        params = {name: getattr(self, name) for name in self._param_names}
-        return torchop.launch(self.specialize(), x, self.conv.weight, bias, params, out)
+        conv = self.conv
+        bias = conv.bias if self._has_bias else None
+        params = {name: getattr(self, name) for name in self._param_names} if self._param_names else {}
+        return torchop.launch(self._specialized or self.specialize(), x, conv.weight, bias, params, out)
 
 
 def _cubin_bytes(sp: pipeline.Specialized) -> bytes:

@@ -64,6 +64,11 @@ class LoadedKernel:
 _loaded: dict[tuple[str, int], LoadedKernel] = {}
 
 
+def lookup(key: str, device_index: int) -> LoadedKernel | None:
+    """The kernel already loaded for (key, device), else None."""
+    return _loaded.get((key, device_index))
+
+
 def load(key: str, cubin: bytes, kernel_name: str, threads: int, smem_bytes: int, device_index: int) -> LoadedKernel:
     """The kernel of `cubin` in device `device_index`'s primary context (the one torch uses)."""
     memo = _loaded.get((key, device_index))
@@ -144,6 +149,16 @@ def launch(
     if current.value != kernel.context.value:
         _check(lib, lib.cuCtxSetCurrent(kernel.context), "cuCtxSetCurrent")
     values, batch_arg, argv = _args.get(len(pointers))
+    if batch <= GRID_Y_MAX:  # the common case: one launch
+        for i, ptr in enumerate(pointers):
+            values[i] = ptr
+        batch_arg.value = batch
+        result = lib.cuLaunchKernel(
+            kernel.function, blocks_per_sample, batch, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream, argv, None
+        )
+        if result != 0:
+            _check(lib, result, "cuLaunchKernel")
+        return
     for first in range(0, batch, GRID_Y_MAX):
         count = min(GRID_Y_MAX, batch - first)
         for i, (ptr, stride) in enumerate(zip(pointers, strides)):

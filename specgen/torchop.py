@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specgen import pipeline, reference
+from specgen import pipeline, reference, runtime
 from specgen.spec import LayerSpec
 
 NAMESPACE = "specgen"
@@ -252,13 +252,45 @@ def _current_stream(device_index: int) -> int:
     return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
 
 
+@dataclass(frozen=True)
+class _LaunchPlan:
+    """What every launch of one kernel needs, computed once."""
+
+    out_tail: tuple
+    blocks_per_sample: int
+    strides: tuple  # bytes each pointer argument advances per sample
+    param_names: tuple
+    has_bias: bool
+
+
+_launch_plans: dict[str, _LaunchPlan] = {}
+
+
+def _launch_plan(sp: pipeline.Specialized) -> _LaunchPlan:
+    lp = _launch_plans.get(sp.key)
+    if lp is None:
+        plan = sp.plan
+        names = tuple(p["name"] for p in plan["params"])
+        has_bias = sp.spec.conv.bias
+        n_inputs = 2 + has_bias + len(names)
+        strides = (4 * plan["in_per_sample"],) + (0,) * (n_inputs - 1) + (4 * plan["out_per_sample"],)
+        lp = _launch_plans[sp.key] = _LaunchPlan(tuple(plan["out_shape"]), plan["blocks_per_sample"], strides, names, has_bias)
+    return lp
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    # Contiguous, and 16-byte aligned: kernels read input rows and write outputs in vectors
+    # (a contiguous view with a storage offset, such as x[1:], may start anywhere).
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict, out: torch.Tensor | None):
     """Run the kernel on contiguous float32 CUDA `x` into `out` (allocated when None), on the current stream."""
-    from specgen import runtime
-
-    plan = sp.plan
+    lp = _launch_plan(sp)
     batch = x.shape[0]
-    shape = (batch, *plan["out_shape"])
+    shape = (batch, *lp.out_tail)
     if out is None:
         out = torch.empty(shape, device=x.device, dtype=torch.float32)
     elif tuple(out.shape) != shape or out.dtype != torch.float32 or out.device != x.device or not out.is_contiguous():
@@ -268,6 +300,19 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
         )
     if batch == 0:
         return out
+    if out.data_ptr() % 16:
+        raise ValueError(f"{sp.spec.name}: out must start at a 16-byte aligned address (got a view with an offset)")
+    device_index = x.device.index
+    if device_index is None:
+        device_index = torch.cuda.current_device()
+    kernel = runtime.lookup(sp.key, device_index) or load_kernel(sp, device_index)
+    pointers = [_aligned(x).data_ptr(), _aligned(weight).data_ptr()]
+    if lp.has_bias:
+        pointers.append(_aligned(bias).data_ptr())
+    pointers.extend(_aligned(params[name]).data_ptr() for name in lp.param_names)
+    pointers.append(out.data_ptr())
+    runtime.launch(kernel, lp.blocks_per_sample, pointers, lp.strides, batch, _current_stream(device_index))
+    return out
     device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     kernel = load_kernel(sp, device_index)
     tensors = [x, weight]
