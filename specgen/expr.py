@@ -58,7 +58,26 @@ class Expr:
 
     def to_torch(self, x, params: dict):
         """Evaluate on tensor `x` with torch, `params[name]` broadcastable to `x`."""
-        return _torch_eval(self.tree, x, params)
+        return self.torch_function()(x, params)
+
+    def torch_function(self):
+        """The expression as nested closures of torch calls (no tree walk at call time, so
+        torch.compile traces it)."""
+        fn = _compiled.get(self.text)
+        if fn is None:
+            fn = _compiled[self.text] = _closure(self.tree)
+        return fn
+
+
+_parsed: dict[str, Expr] = {}
+
+
+def parse_cached(text: str) -> Expr:
+    """parse(), memoized by text (ops call this on every use)."""
+    hit = _parsed.get(text)
+    if hit is None:
+        hit = _parsed[text] = parse(text)
+    return hit
 
 
 def parse(text: str) -> Expr:
@@ -136,28 +155,40 @@ def _cuda(node: ast.expr, value: str, param_value: dict[str, str]) -> str:
     return FUNCTIONS[name][1].format(*(_cuda(a, value, param_value) for a in node.args))
 
 
-def _torch_eval(node: ast.expr, x, params: dict):
+_compiled: dict[str, object] = {}
+
+
+def _closure(node: ast.expr):
     import torch
 
     if isinstance(node, ast.Constant):
-        return torch.tensor(float(node.value), dtype=x.dtype, device=x.device)
+        value = float(node.value)
+        return lambda x, p: torch.full((), value, dtype=x.dtype, device=x.device)
     if isinstance(node, ast.Name):
-        return x if node.id == "x" else params[node.id]
+        name = node.id
+        return (lambda x, p: x) if name == "x" else (lambda x, p: p[name])
     if isinstance(node, ast.UnaryOp):
-        inner = _torch_eval(node.operand, x, params)
-        return -inner if isinstance(node.op, ast.USub) else inner
+        inner = _closure(node.operand)
+        return (lambda x, p: -inner(x, p)) if isinstance(node.op, ast.USub) else inner
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
-        base = _torch_eval(node.left, x, params)
-        result = base
-        for _ in range(node.right.value - 1):
-            result = result * base
-        return result
+        base, n = _closure(node.left), node.right.value
+
+        def power(x, p):
+            b = base(x, p)
+            result = b
+            for _ in range(n - 1):
+                result = result * b
+            return result
+
+        return power
     if isinstance(node, ast.BinOp):
-        left = _torch_eval(node.left, x, params)
-        right = _torch_eval(node.right, x, params)
-        return {ast.Add: torch.add, ast.Sub: torch.sub, ast.Mult: torch.mul, ast.Div: torch.div}[type(node.op)](left, right)
-    args = [_torch_eval(a, x, params) for a in node.args]
-    fn = FUNCTIONS[node.func.id][2]
-    if fn == "clamp":
-        return torch.minimum(torch.maximum(args[0], args[1]), args[2])
-    return getattr(torch, fn)(*args)
+        left, right = _closure(node.left), _closure(node.right)
+        fn = {ast.Add: torch.add, ast.Sub: torch.sub, ast.Mult: torch.mul, ast.Div: torch.div}[type(node.op)]
+        return lambda x, p: fn(left(x, p), right(x, p))
+    args = [_closure(a) for a in node.args]
+    name = FUNCTIONS[node.func.id][2]
+    if name == "clamp":
+        a, lo, hi = args
+        return lambda x, p: torch.minimum(torch.maximum(a(x, p), lo(x, p)), hi(x, p))
+    fn = getattr(torch, name)
+    return lambda x, p: fn(*(f(x, p) for f in args))

@@ -160,7 +160,7 @@ class ExprArgs(Args):
 
     @property
     def parsed(self) -> expr_mod.Expr:
-        return expr_mod.parse(self.code)
+        return expr_mod.parse_cached(self.code)
 
 
 def _operand(args: OperandArgs, names: dict[str, str]) -> str:

@@ -6,6 +6,7 @@ and the path a FusedLayer takes on the CPU.
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import torch
@@ -34,26 +35,68 @@ def make_conv(spec: LayerSpec) -> nn.Module:
 
 def forward(spec: LayerSpec, x: torch.Tensor, weight, bias, params: dict) -> torch.Tensor:
     """The layer applied to x, stage by stage, with torch ops (any float dtype, any device)."""
+    return stages(spec)(x, weight, bias, params)
+
+
+def _stages(spec: LayerSpec):
+    """The layer as one function of (x, weight, bias, params) built from plain torch calls.
+
+    Everything that reads the spec (geometry, canonical dims, op arguments) happens here, once,
+    so the function itself holds only tensor ops: torch.compile traces it without graph breaks."""
     g = spec.conv_geometry()
     conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[spec.ndim]
-    y = conv(x, weight, bias, g["stride"], g["padding"], g["dilation"], spec.conv.groups)
+    stride, padding, dilation, groups = g["stride"], g["padding"], g["dilation"], spec.conv.groups
+    steps = []
+    param_shapes = spec.params()
     for i, stage in enumerate(spec.epilogue):
         if stage.kind == "pointwise":
-            row = ops.POINTWISE[stage.op]
-            views = {
-                name: params[name].reshape(params[name].shape[0], *([1] * (y.dim() - 2)))
-                for name in row.params(stage.args)
-            }
-            y = row.torch_ref(y, stage.args, views)
+            row, args = ops.POINTWISE[stage.op], stage.args
+            names = tuple(row.params(args))
+            # one call on a dummy tensor warms whatever the op caches (e.g. a parsed expression),
+            # so no parsing happens inside a traced forward
+            channels = {n: s[0] for n, s in param_shapes.items() if n in names}
+            c = next(iter(channels.values()), 1)
+            dummy = torch.zeros((1, c) + (1,) * spec.ndim)
+            row.torch_ref(dummy, args, {n: torch.zeros((c,) + (1,) * spec.ndim) for n in names})
+            steps.append(functools.partial(_pointwise, row.torch_ref, args, names))
         elif stage.kind == "pool":
-            pool = ops.POOLS[stage.op]
             geometry = spec.pool_geometry(stage, f"epilogue[{i}]")
             args = SimpleNamespace(**{**stage.args.model_dump(), **geometry})
-            y = pool.torch_ref(y, args, spec.ndim)
+            steps.append(functools.partial(_pool, ops.POOLS[stage.op].torch_ref, args, spec.ndim))
         else:
-            dims = spec.reduce_dims(i)
-            y = ops.REDUCTIONS[stage.op].torch_ref(y, dims, stage.args.keepdim)
-    return y
+            steps.append(functools.partial(_reduce, ops.REDUCTIONS[stage.op].torch_ref, spec.reduce_dims(i), stage.args.keepdim))
+
+    def run(x, weight, bias, params):
+        y = conv(x, weight, bias, stride, padding, dilation, groups)
+        for step in steps:
+            y = step(y, params)
+        return y
+
+    return run
+
+
+_built: dict[int, tuple] = {}
+
+
+def stages(spec: LayerSpec):
+    """The layer's function for this spec object (built once per object; specs are frozen)."""
+    hit = _built.get(id(spec))
+    if hit is None or hit[0] is not spec:
+        hit = _built[id(spec)] = (spec, _stages(spec))
+    return hit[1]
+
+
+def _pointwise(torch_ref, args, names, y, params):
+    views = {name: params[name].reshape(params[name].shape[0], *([1] * (y.dim() - 2))) for name in names}
+    return torch_ref(y, args, views)
+
+
+def _pool(torch_ref, args, ndim, y, params):
+    return torch_ref(y, args, ndim)
+
+
+def _reduce(torch_ref, dims, keepdim, y, params):
+    return torch_ref(y, dims, keepdim)
 
 
 class Reference(nn.Module):
@@ -63,14 +106,16 @@ class Reference(nn.Module):
         super().__init__()
         self.spec = load(spec_or_path)
         self.conv = make_conv(self.spec)
+        self._run = stages(self.spec)
+        self._param_names = tuple(self.spec.params())
         for name, shape in self.spec.params().items():
             self.register_parameter(name, nn.Parameter(torch.randn(shape)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return forward(self.spec, x, self.conv.weight, self.conv.bias, self.named_spec_params())
+        return self._run(x, self.conv.weight, self.conv.bias, self.named_spec_params())
 
     def named_spec_params(self) -> dict:
-        return {name: getattr(self, name) for name in self.spec.params()}
+        return {name: getattr(self, name) for name in self._param_names}
 
 
 def forward64(spec: LayerSpec, x, weight, bias, params: dict) -> torch.Tensor:

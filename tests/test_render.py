@@ -87,3 +87,17 @@ def test_template_errors_name_the_template_line():
     del plan["box"]
     with pytest.raises(TemplateError, match=r"\.cu\.j2:\d+: UndefinedError: .*box"):
         render_plan(plan)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_the_reference_compiles_without_graph_breaks(spec):
+    """`specgen bench` compares against torch.compile of the reference: it must be one graph."""
+    torch = pytest.importorskip("torch")
+    import torch._dynamo as dynamo
+
+    from specgen.reference import Reference
+
+    model = Reference(spec)
+    x = torch.randn(1, spec.input.channels, *spec.input.size)
+    dynamo.reset()
+    assert dynamo.explain(model)(x).graph_break_count == 0
