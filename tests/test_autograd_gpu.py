@@ -3,6 +3,8 @@ and a short training run against the plain PyTorch model."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -68,12 +70,24 @@ def test_gradients_match_the_reference(spec):
     # a loss that depends non-linearly on the forward: the kernel's output feeds the backward
     (torch.tanh(fused(x1)) * g).sum().backward()
     (torch.tanh(plain(x2)) * g).sum().backward()
-    assert rel(x1.grad, x2.grad) <= 1e-5, f"input gradient: rel {rel(x1.grad, x2.grad):.2e}"
-    fused_params = dict(fused.named_parameters())
+    # The float64 gradients are the truth. tanh' turns forward rounding differences of two fp32
+    # implementations into gradient differences (seen: 1.3e-4 between specgen and PyTorch on
+    # conv2d_lse_channels_relu), so specgen must be within 1e-5 of PyTorch fp32, or at least as
+    # close to float64 as PyTorch fp32 is (with a factor 2 of slack).
+    plain64 = copy.deepcopy(plain).double()
+    x3 = x1.detach().double().requires_grad_()
+    (torch.tanh(plain64(x3)) * g.double()).sum().backward()
+    grads = [("input", x1.grad, x2.grad, x3.grad)]
+    fused_params, params64 = dict(fused.named_parameters()), dict(plain64.named_parameters())
     for name, p in plain.named_parameters():
-        got = fused_params[name].grad
-        assert got is not None, f"no gradient for {name}"
-        assert rel(got, p.grad) <= 1e-5, f"gradient of {name}: rel {rel(got, p.grad):.2e}"
+        assert fused_params[name].grad is not None, f"no gradient for {name}"
+        grads.append((name, fused_params[name].grad, p.grad, params64[name].grad))
+    for name, got, fp32, exact in grads:
+        bar = max(1e-5, 2 * rel(fp32, exact))
+        assert rel(got, fp32) <= 1e-5 or rel(got, exact) <= bar, (
+            f"gradient of {name}: rel {rel(got, fp32):.2e} to PyTorch fp32, {rel(got, exact):.2e} to float64 "
+            f"(PyTorch fp32: {rel(fp32, exact):.2e})"
+        )
 
 
 @pytest.mark.parametrize("spec", all_specs()[:8])

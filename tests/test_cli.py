@@ -43,11 +43,13 @@ def test_build_json_miss_then_hit(cache, tmp_path):
     assert again["cache"] == "hit" and again["key"] == record["key"] and again["compile_seconds"] == 0.0
 
 
-def test_build_several_specs_in_one_file(cache, tmp_path):
-    result = specgen("build", "examples/zoo.yaml", "--json", "--out", tmp_path / "gen")
+def test_every_example_builds_for_sm_90_without_spills(cache, tmp_path):
+    result = specgen("build", "examples/zoo.yaml", "examples/kb90.yaml", "examples/kb65.yaml", "--arch", "sm_90",
+                     "--json", "--out", tmp_path / "gen")
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
-    assert len(records) >= 12 and len({r["key"] for r in records}) == len(records)
+    assert len(records) >= 14 and len({r["key"] for r in records}) == len(records)
+    assert all(r["arch"] == "sm_90" for r in records)
     assert all(r["spill_bytes"] == 0 for r in records), [(r["name"], r["spill_bytes"]) for r in records]
 
 

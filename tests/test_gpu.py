@@ -198,3 +198,25 @@ def test_state_dict_round_trips_with_the_seed_models():
         size = SMALL[name]
         x = torch.randn(2, 8, *size, device="cuda")
         torch.testing.assert_close(fused(x), plain(x), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["kb65", "conv2d_stride2_avgpool_fold"])
+def test_avg_pool_fold_matches_the_unrewritten_kernel(name):
+    spec = shrink(next(s for s in example_specs_flat() if s.name == name))
+    folded = FusedLayer(spec).cuda()
+    unfolded = FusedLayer(validate({**spec.model_dump(), "rewrites": False})).cuda()
+    assert folded.specialize().plan["rewrites"] and not unfolded.specialize().plan["rewrites"]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    randomize(folded, gen)
+    unfolded.load_state_dict(folded.state_dict())
+    x = torch.randn((4, spec.input.channels, *spec.input.size), generator=gen, device="cuda")
+    with torch.no_grad():
+        a, b = folded(x), unfolded(x)
+    ref64 = reference.forward64(spec, x, folded.conv.weight, folded.conv.bias, folded.spec_params())
+    for out in (a, b):
+        assert ((out.double() - ref64).norm() / ref64.norm()).item() <= 1e-5
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def example_specs_flat():
+    return [s for path in sorted(EXAMPLES.glob("*.yaml")) for s in load_specs(path)]
