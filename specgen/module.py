@@ -174,6 +174,10 @@ class FusedLayer(nn.Module):
         for t in (x, weight):
             if t.dtype in torchop.LOWER_PRECISIONS:
                 raise ValueError(f"{name}: specgen kernels are float32-only; got a {t.dtype} tensor (use .float())")
+        self._check_device_and_shape(x, weight)
+
+    def _check_device_and_shape(self, x: torch.Tensor, weight: torch.Tensor) -> None:
+        name = self._name
         if weight.device != x.device:
             raise ValueError(f"{name}: expected the input on the layer's device {weight.device}, got {x.device}")
         want = self._input_shape
@@ -192,13 +196,7 @@ class FusedLayer(nn.Module):
                 f"{name}: specgen kernels are float32-only; the layer's parameters are {weight.dtype} "
                 f"(undo .half()/.bfloat16() with .float())"
             )
-        if weight.device != x.device:
-            raise ValueError(f"{name}: expected the input on the layer's device {weight.device}, got {x.device}")
-        want = self._input_shape
-        if x.dim() != 1 + len(want) or tuple(x.shape[1:]) != want:
-            raise ValueError(
-                f"{name}: expected an input of shape [batch, {', '.join(map(str, want))}], got {list(x.shape)}"
-            )
+        self._check_device_and_shape(x, weight)
 
     def _launch(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """The raw kernel launch on torch's current stream (no checks of x, no autograd)."""
@@ -206,7 +204,3 @@ class FusedLayer(nn.Module):
         bias = conv.bias if self._has_bias else None
         params = {name: getattr(self, name) for name in self._param_names} if self._param_names else {}
         return torchop.launch(self._specialized or self.specialize(), x, conv.weight, bias, params, out)
-
-
-def _cubin_bytes(sp: pipeline.Specialized) -> bytes:
-    return torchop.cubin_bytes(sp)

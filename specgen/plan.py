@@ -29,7 +29,7 @@ import yaml
 
 from specgen import __version__, ops
 from specgen.literals import c_float
-from specgen.spec import LayerSpec, SpecError, expand
+from specgen.spec import LayerSpec, SpecError
 
 AXES = ("c", "d", "h", "w")
 AXIS_NAMES = {"c": "channels", "d": "depth", "h": "height", "w": "width"}
@@ -483,4 +483,4 @@ def describe(plan: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["build_plan", "describe", "PlanError", "expand", "spec_yaml"]
+__all__ = ["build_plan", "describe", "PlanError", "spec_yaml"]

@@ -119,6 +119,6 @@ class Reference(nn.Module):
 
 
 def forward64(spec: LayerSpec, x, weight, bias, params: dict) -> torch.Tensor:
-    """The float64 reference on the CPU... or on x's device: everything upcast to float64."""
+    """The float64 reference, on x's device: every tensor upcast to float64."""
     d = lambda t: None if t is None else t.detach().double()  # noqa: E731
     return forward(spec, d(x), d(weight), d(bias), {k: d(v) for k, v in params.items()})

@@ -149,16 +149,6 @@ def launch(
     if current.value != kernel.context.value:
         _check(lib, lib.cuCtxSetCurrent(kernel.context), "cuCtxSetCurrent")
     values, batch_arg, argv = _args.get(len(pointers))
-    if batch <= GRID_Y_MAX:  # the common case: one launch
-        for i, ptr in enumerate(pointers):
-            values[i] = ptr
-        batch_arg.value = batch
-        result = lib.cuLaunchKernel(
-            kernel.function, blocks_per_sample, batch, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream, argv, None
-        )
-        if result != 0:
-            _check(lib, result, "cuLaunchKernel")
-        return
     for first in range(0, batch, GRID_Y_MAX):
         count = min(GRID_Y_MAX, batch - first)
         for i, (ptr, stride) in enumerate(zip(pointers, strides)):

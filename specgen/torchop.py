@@ -313,19 +313,3 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     pointers.append(out.data_ptr())
     runtime.launch(kernel, lp.blocks_per_sample, pointers, lp.strides, batch, _current_stream(device_index))
     return out
-    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kernel = load_kernel(sp, device_index)
-    tensors = [x, weight]
-    if sp.spec.conv.bias:
-        tensors.append(bias)
-    tensors.extend(params[p["name"]] for p in plan["params"])
-    # Contiguous, and 16-byte aligned: the kernel reads input rows and writes outputs in vectors
-    # (a contiguous view with a storage offset, such as x[1:], may start anywhere).
-    tensors = [t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format) for t in tensors]
-    if out.data_ptr() % 16:
-        raise ValueError(f"{sp.spec.name}: out must start at a 16-byte aligned address (got a view with an offset)")
-    pointers = [t.data_ptr() for t in tensors] + [out.data_ptr()]
-    strides = [4 * plan["in_per_sample"]] + [0] * (len(tensors) - 1) + [4 * plan["out_per_sample"]]
-    stream = _current_stream(device_index)
-    runtime.launch(kernel, plan["blocks_per_sample"], pointers, strides, batch, stream)
-    return out
