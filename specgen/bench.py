@@ -1,8 +1,9 @@
 """`specgen bench`: time specgen against eager PyTorch and torch.compile in one process (GPU).
 
 CUDA events around each call, warm-up first, the median of `reps` timed runs. The machine's
-copy bandwidth and FFMA rate are measured in the same run; specgen's floor is the larger of
-plan FLOPs / FFMA rate and fewest bytes / bandwidth.
+copy bandwidth, FFMA rate (fp32 matrix product, TF32 off) and TF32 rate are measured in the same
+run; specgen's floor is the larger of fewest bytes / bandwidth and the plan's FLOPs at its engine's
+rate: FLOPs / FFMA rate, or 3 x FLOPs / TF32 rate for 3xTF32 tensor cores.
 """
 
 from __future__ import annotations
@@ -45,8 +46,14 @@ def ceilings(reps: int = 20) -> dict:
     m = 8192
     a, b = torch.randn(m, m, device="cuda"), torch.randn(m, m, device="cuda")
     ms = _time(lambda: a @ b, max(5, reps // 4))
+    torch.backends.cuda.matmul.allow_tf32 = True
+    ms_tf32 = _time(lambda: a @ b, max(5, reps // 4))
     torch.backends.cuda.matmul.allow_tf32 = old
-    return {"copy_bytes_per_s": bandwidth, "fp32_flops_per_s": 2 * m**3 / (ms * 1e-3)}
+    return {
+        "copy_bytes_per_s": bandwidth,
+        "fp32_flops_per_s": 2 * m**3 / (ms * 1e-3),
+        "tf32_flops_per_s": 2 * m**3 / (ms_tf32 * 1e-3),
+    }
 
 
 TINY = {"name": "tiny", "input": {"channels": 1, "size": [8, 8]}, "conv": {"out_channels": 4, "kernel": 3}, "epilogue": ["relu"]}
@@ -150,12 +157,17 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
     plan = fused.specialize().plan
     flops = plan["flops_per_sample"] * batch
     fewest_bytes = 4 * (batch * (plan["in_per_sample"] + plan["out_per_sample"]) + sum(p.numel() for p in fused.parameters()))
-    floor_ms = 1e3 * max(flops / ceil["fp32_flops_per_s"], fewest_bytes / ceil["copy_bytes_per_s"])
+    # The floor of the engine the plan uses: FFMA at the fp32 rate, or 3xTF32 (three tensor-core
+    # products per multiply-add) at the measured TF32 rate; and never below moving the fewest bytes.
+    copy_s = fewest_bytes / ceil["copy_bytes_per_s"]
+    floor_ffma_ms = 1e3 * max(flops / ceil["fp32_flops_per_s"], copy_s)
+    floor_ms = 1e3 * max(3 * flops / ceil["tf32_flops_per_s"], copy_s) if plan["mma"] else floor_ffma_ms
     for r in rows:
         r["vs_eager"] = by["eager"] / r["ms"]
         r["vs_compile"] = by["torch.compile"] / r["ms"] if "torch.compile" in by else None
         if r["name"].startswith("specgen"):
             r["pct_of_floor"] = 100 * floor_ms / r["ms"]
+            r["pct_of_ffma_floor"] = 100 * floor_ffma_ms / r["ms"]
     return {
         "spec": spec.name,
         "batch": batch,
@@ -163,7 +175,9 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
         "rewrites": plan["rewrites"],
         "flops": flops,
         "fewest_bytes": fewest_bytes,
+        "engine": "tensor cores (3xTF32)" if plan["mma"] else "fp32 FFMA",
         "floor_ms": floor_ms,
+        "floor_ffma_ms": floor_ffma_ms,
         "ceilings": ceil,
         "rows": rows,
     }
@@ -171,8 +185,8 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
 
 def format_table(result: dict) -> str:
     lines = [
-        f"{result['spec']} batch {result['batch']}: {result['flops'] / 1e9:.1f} GFLOP, {result['fewest_bytes'] / 1e9:.2f} GB fewest bytes,"
-        f" floor {result['floor_ms']:.3f} ms",
+        f"{result['spec']} batch {result['batch']}: {result['flops'] / 1e9:.1f} GFLOP, {result['fewest_bytes'] / 1e9:.2f} GB fewest bytes;"
+        f" {result['engine']}, floor {result['floor_ms']:.3f} ms (FFMA floor {result['floor_ffma_ms']:.3f} ms)",
         f"{'':18}{'ms':>9}{'x eager':>9}{'x compile':>10}{'rel L2':>10}{'peak MB':>9}{'% floor':>9}",
     ]
     for r in result["rows"]:
