@@ -26,16 +26,23 @@
 // How this kernel works
 //   Every extent below is a compile-time constant, so every loop has a constant trip count and the
 //   compiler unrolls the convolution completely. Spatial extents are normalized to (D, H, W).
-//   * Body: conv -> div -> hardtanh. Its result is T1 = [32 x 1 x 64 x 64] per sample.
+//   * Body: conv -> hardtanh. Its result is T1 = [32 x 1 x 64 x 64] per sample.
 //   * Tail: amax over h+w.
 //     A block owns a tile of the kept axes (c, d); it computes T1 box by box
-//     (box = 32 x 1 x 4 x 64 in c x d x h x w), parks each box in shared memory, and owner threads
+//     (box = 32 x 1 x 8 x 64 in c x d x h x w), parks each box in shared memory, and owner threads
 //     fold it into their accumulators in a fixed order (8 lane(s) per kept element, joined by a
 //     fixed tree), so the result does not depend on scheduling.
-//   * Each thread computes register tiles of 8 output channels x 4 consecutive W positions.
+//   * Rewrite: affine fold: epilogue[0] (div) folded into the conv's weights and bias (v -> 0.5 * v + 0.0; one more float32 rounding per weight).
+//   * Tensor cores: the conv is an implicit GEMM, M = output positions, N = output channels,
+//     K = taps x input channels. The block stages its weights (B, [K][N]) once, then walks the box
+//     in slabs of 1 x 8 x 64 positions (d x h x w): the slab's input is copied to shared memory
+//     (cp.async, zeros for padding), and each warp computes a tile of 32 positions x 32 channels with
+//     mma.sync m16n8k8 in 3xTF32: each fp32 operand x is split into a TF32 part hi(x) and the
+//     remainder lo(x) = x - hi(x), and a*b is accumulated as lo(a)hi(b) + hi(a)lo(b) + hi(a)hi(b) in
+//     fp32 (the dropped lo(a)lo(b) is below 2^-21 |a b|): fp32 accuracy at tensor-core speed.
 //   * Weights of the block's channels are staged in shared memory once per block.
 //   Grid: x = 8 blocks per sample, y = sample; 256 threads per block;
-//   52096 bytes of dynamic shared memory.
+//   104704 bytes of dynamic shared memory.
 // =====================================================================================================
 #include <math_constants.h>
 #include <cooperative_groups.h>
@@ -67,110 +74,157 @@ constexpr int OUT_PER_SAMPLE = 32;  // output elements per sample, shape [32]
 
 // ---- tiling -------------------------------------------------------------------------------------------
 constexpr int THREADS = 256;  // threads per block
-constexpr int CT = 8;  // channels per register tile
-constexpr int PT = 4;  // consecutive W positions per register tile
-constexpr int BOX_C = 32, BOX_D = 1, BOX_H = 4, BOX_W = 64;  // T1 box computed per step
-constexpr int BOX_TILES_C = 4;  // register tiles along channels in a box
-constexpr int BOX_TILES_W = 16;  // register tiles along W in a box
-constexpr int THREAD_TILES = 256;  // register tiles per box
-constexpr int TILE_ITERS = 1;  // register tiles per thread per box
+constexpr int BOX_C = 32, BOX_D = 1, BOX_H = 8, BOX_W = 64;  // T1 box computed per step
 constexpr int TILES_C = 1, TILES_D = 1, TILES_H = 1, TILES_W = 1;  // blocks along each kept axis
 constexpr int WEIGHT_C = 32;  // channels whose weights a block needs
 constexpr int W_FLOATS = 3840;  // WEIGHT_C * C_IN_G * TAPS
-constexpr int W_STRIDE = 36;  // shared-memory row stride of the staged weights (WEIGHT_C, padded)
-constexpr int W_SMEM_FLOATS = 4320;  // weights staged in shared memory
-constexpr int CONV_SPAN = 8;  // input W positions one register tile reads per kernel row
-constexpr int IN_VEC = 2;  // floats per input load (rows, tiles and boxes are aligned to it)
-constexpr int OUT_VEC = 1;  // floats per output store
-constexpr int CHUNKS_C = 1, CHUNKS_D = 1, CHUNKS_H = 16, CHUNKS_W = 1;  // boxes along each axis of the first reduction
-constexpr int R1_CHUNKS = 16;  // boxes per kept tile
+constexpr int W_STRIDE = 32;  // shared-memory row stride of the staged weights (WEIGHT_C, padded)
+constexpr int W_SMEM_FLOATS = 3840;  // weights staged in shared memory
+
+// ---- tensor cores -------------------------------------------------------------------------------------
+// K index k = tap * CIP + ci (input channels padded to CIP, a multiple of 4): the K columns t and
+// t + 4 a lane holds in a k-step are one compile-time tap and the lane's own channel offset.
+constexpr int WARPS = 8;  // warps per block
+constexpr int WM = 2;  // m-tiles (16 positions) per warp tile
+constexpr int WN = 4;  // n-tiles (8 channels) per warp tile
+constexpr int CIP = 8;  // input channels, padded to a multiple of 4 (rows of the padding are zero)
+constexpr int K_PAD = 120;  // TAPS * CIP, padded to a multiple of 8 (zero rows)
+constexpr int KSTEPS = 15;  // k-steps of 8
+constexpr int SLAB_D = 1, SLAB_H = 8;  // a slab: the positions whose input is staged at once
+constexpr int SLABS_D = 1, SLABS_H = 1;  // slabs per box
+constexpr int M_SLAB = 512;  // positions per slab (d, h, w flattened, w fastest)
+constexpr int MT = 32;  // m-tiles per slab
+constexpr int N_GROUPS = 1;  // warp tiles along the box's channels
+constexpr int UNITS = 16;  // warp tiles per slab
+constexpr int UNIT_ITERS = 2;  // warp tiles per warp per slab
+constexpr int NT = 4;  // n-tiles per box
+constexpr int XS_D = 1, XS_H = 10, XS_W = 68;  // the staged input of a slab, per channel
+constexpr int XS_WP = 68;  // row stride of the staged input (XS_W)
+constexpr int XS_ROWS = 80;  // CIP * XS_D * XS_H staged rows
+constexpr int CI_STRIDE = 680;  // floats between staged channels (padded to spread A loads over banks)
+constexpr int XS_ITERS = 22;  // staged input elements per thread
+constexpr int CHUNKS_C = 1, CHUNKS_D = 1, CHUNKS_H = 8, CHUNKS_W = 1;  // boxes along each axis of the first reduction
+constexpr int R1_CHUNKS = 8;  // boxes per kept tile
 constexpr int CLUSTER = 8;  // blocks sharing a kept tile's boxes (a thread-block cluster)
-constexpr int CHUNK_ITERS = 2;  // boxes per block: box q * CLUSTER + rank
-constexpr int BOX_FLOATS = 8192;  // BOX_C * BOX_D * BOX_H * BOX_W
+constexpr int CHUNK_ITERS = 1;  // boxes per block: box q * CLUSTER + rank
+constexpr int BOX_FLOATS = 16384;  // BOX_C * BOX_D * BOX_H * BOX_W
 constexpr int NF = 32;  // kept elements per block
-constexpr int NR = 256;  // box elements folded into each kept element per box
+constexpr int NR = 512;  // box elements folded into each kept element per box
 constexpr int LANES = 8;  // owner lanes per kept element
 constexpr int OWNER_ITERS = 1;  // (kept element, lane) pairs per thread
-constexpr int R_ITERS = 32;  // box elements per lane per box
+constexpr int R_ITERS = 64;  // box elements per lane per box
 
 // ---- op constants -------------------------------------------------------------------------------------
-constexpr float S0_VALUE = 2.0f;  // epilogue[0] div value = 2.0
 constexpr float S1_MIN_VAL = -0.5f;  // epilogue[1] hardtanh min_val = -0.5
 constexpr float S1_MAX_VAL = 0.5f;  // epilogue[1] hardtanh max_val = 0.5
+constexpr float AFFINE_SCALE = 0.5f;  // affine fold of epilogue[0]: W' = AFFINE_SCALE * W
+constexpr float AFFINE_SHIFT = 0.0f;  // affine fold of epilogue[0]: b' = AFFINE_SCALE * b + AFFINE_SHIFT
 
-// Level 0: the convolution, then div, hardtanh.
-// out_v[j][i] = value at channel c + j, conv-output position (d, h, w0 + i * STEP).
-__device__ __forceinline__ void level0(
-    const float* __restrict__ x_n, const float* __restrict__ weight, const float* __restrict__ w_s,
-    const float* __restrict__ bias, int c, int c_local, int d, int h, int w0,
-    float (&out_v)[CT][PT])
-{
-  constexpr int STEP = 1;  // conv-output W distance between a tile's positions
-  const int group = c / C_OUT_G;
-  const float* __restrict__ x_g = x_n + group * (C_IN_G * IN_D * IN_H * IN_W);
-  float acc[CT][PT];
-  #pragma unroll
-  for (int j = 0; j < CT; ++j) {
-    const float b = __ldg(bias + c + j);
-    #pragma unroll
-    for (int i = 0; i < PT; ++i) acc[j][i] = b;
+// W(c, r) for r = ci * TAPS + tap, times AFFINE_SCALE (the affine fold); 0 past the last channel.
+__device__ __forceinline__ float conv_weight(const float* __restrict__ weight, int c, int r) {
+  return c < C_OUT ? __ldg(weight + c * (C_IN_G * TAPS) + r) * AFFINE_SCALE : 0.0f;
+}
+
+// 3xTF32: x = hi + lo exactly, hi = x rounded to TF32 (10 mantissa bits, to nearest), lo = x - hi.
+__device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
+  hi = (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u;
+  lo = __float_as_uint(x - __uint_as_float(hi));  // the tensor core reads its top 19 bits
+}
+
+// d += a * b for one 16 x 8 x 8 tile (a: 16 positions x 8 K, b: 8 K x 8 channels).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Offset in x_s of K index k (k = tap * CIP + ci) relative to its position's first tap; a padding
+// tap past the last reads tap 0 (its weights are zero).
+__device__ __forceinline__ int k_offset(int k) {
+  const int tap = k / CIP, ci = k % CIP;
+  const int kd = tap / (K_H * K_W), kh = tap / K_W % K_H, kw = tap % K_W;
+  return (tap < TAPS ? (kd * DIL_D * XS_H + kh * DIL_H) * XS_WP + kw * DIL_W : 0) + ci * CI_STRIDE;
+}
+
+// Offset in x_s of slab position p's first tap (p = (d * SLAB_H + h) * BOX_W + w).
+__device__ __forceinline__ int x_offset(int p) {
+  const int pd = p / (SLAB_H * BOX_W), ph = p / BOX_W % SLAB_H, pw = p % BOX_W;
+  return (pd * S_D * XS_H + ph * S_H) * XS_WP + pw * S_W;
+}
+
+// cp.async groups: commit the copies issued so far; wait until at most N groups are in flight.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// Copy 4 bytes global -> shared without a register round trip; zeros when !ok (padding).
+__device__ __forceinline__ void cp_async_4(float* dst, const float* src, bool ok) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 4 : 0) : "memory");
+}
+
+// Stage the input of the slab whose first output is T1 position (d0, h0, w0) (asynchronously:
+// cp_async_commit and cp_async_wait follow): x_s[ci][zd][zh][zw] = x[ci][d0 * S_D - P_D + zd][...],
+// zero outside the input and for ci >= C_IN_G.
+__device__ __forceinline__ void stage_input(const float* __restrict__ x_n, float* __restrict__ x_s, int d0, int h0, int w0) {
+  const int id0 = d0 * S_D - P_D, ih0 = h0 * S_H - P_H, iw0 = w0 * S_W - P_W;
+  #pragma unroll 4
+  for (int q = 0; q < XS_ITERS; ++q) {
+    const int e = q * THREADS + threadIdx.x;
+    if (e < XS_ROWS * XS_W) {
+      const int row = e / XS_W, zw = e % XS_W, ci = row / (XS_D * XS_H);
+      const int id = id0 + row / XS_H % XS_D, ih = ih0 + row % XS_H, iw = iw0 + zw;
+      const bool ok = ci < C_IN_G && static_cast<unsigned>(id) < IN_D && static_cast<unsigned>(ih) < IN_H && static_cast<unsigned>(iw) < IN_W;
+      cp_async_4(x_s + ci * CI_STRIDE + row % (XS_D * XS_H) * XS_WP + zw, x_n + (ok ? ((ci * IN_D + id) * IN_H + ih) * IN_W + iw : 0), ok);
+    }
   }
-  const int iw0 = w0 * S_W - P_W;  // input W of the first tap of the tile's first position
-  #pragma unroll 1
-  for (int ci = 0; ci < C_IN_G; ++ci) {
+}
+
+// One warp tile: acc[i][j] = conv over all K of m-tile mg * WM + i (16 slab positions) and
+// n-tile j (8 channels) of the warp's channels, which start at column col0 of w_s.
+// Lane (g, t) = (lane / 4, lane % 4) holds A rows g, g + 8 and K columns t, t + 4 of each tile.
+__device__ __forceinline__ void conv_mma(const float* __restrict__ x_s, const float* __restrict__ w_s, int col0, int mg, float (&acc)[WM][WN][4]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const float* __restrict__ w_lane = w_s + t * W_STRIDE + g;  // the lane's B row (K = t) and column
+  int bcol[WN];  // w_s column of each n-tile, XOR-swizzled by the K row: (col / 8 ^ k % 4) * 8
+  #pragma unroll
+  for (int j = 0; j < WN; ++j) bcol[j] = (col0 / 8 + j ^ t) * 8;
+  int xa[WM][2];  // x_s offsets of the lane's two A rows per m-tile, with its channel t
+  #pragma unroll
+  for (int i = 0; i < WM; ++i) {
     #pragma unroll
-    for (int kd = 0; kd < K_D; ++kd) {
-      const int id = d * S_D - P_D + kd * DIL_D;
+    for (int r = 0; r < 2; ++r) xa[i][r] = x_offset(min((mg * WM + i) * 16 + g + 8 * r, M_SLAB - 1)) + t * CI_STRIDE;
+  }
+  #pragma unroll
+  for (int i = 0; i < WM; ++i) {
+    #pragma unroll
+    for (int j = 0; j < WN; ++j) {
       #pragma unroll
-      for (int kh = 0; kh < K_H; ++kh) {
-        const int ih = h * S_H - P_H + kh * DIL_H;
-        const bool row_ok = static_cast<unsigned>(id) < IN_D && static_cast<unsigned>(ih) < IN_H;
-        const float* __restrict__ row = x_g + (row_ok ? ((ci * IN_D + id) * IN_H + ih) * IN_W : 0);
-        // The input row segment the tile reads: position i, tap kw uses xin[i * STEP * S_W + kw * DIL_W].
-        float xin[CONV_SPAN];
-        // IN_VEC-wide loads where the whole vector is inside the row, element loads at its edges.
-        #pragma unroll
-        for (int o = 0; o + IN_VEC <= CONV_SPAN; o += IN_VEC) {
-          if (row_ok && iw0 + o >= 0 && iw0 + o + IN_VEC <= IN_W) {
-            const float2 q = __ldg(reinterpret_cast<const float2*>(row + iw0 + o));
-            xin[o] = q.x; xin[o + 1] = q.y;
-          } else {
-            #pragma unroll
-            for (int e = 0; e < IN_VEC; ++e)
-              xin[o + e] = row_ok && static_cast<unsigned>(iw0 + o + e) < IN_W ? __ldg(row + iw0 + o + e) : 0.0f;
-          }
-        }
-        #pragma unroll
-        for (int o = CONV_SPAN / IN_VEC * IN_VEC; o < CONV_SPAN; ++o)
-          xin[o] = row_ok && static_cast<unsigned>(iw0 + o) < IN_W ? __ldg(row + iw0 + o) : 0.0f;
-        #pragma unroll
-        for (int kw = 0; kw < K_W; ++kw) {
-          const int tap = ((ci * K_D + kd) * K_H + kh) * K_W + kw;
-          float wv[CT];  // this tap's weights for the tile's CT channels
-          #pragma unroll
-          for (int q = 0; q < CT / 4; ++q) {
-            const float4 w4 = *reinterpret_cast<const float4*>(w_s + tap * W_STRIDE + c_local + 4 * q);
-            wv[4 * q] = w4.x; wv[4 * q + 1] = w4.y; wv[4 * q + 2] = w4.z; wv[4 * q + 3] = w4.w;
-          }
-          #pragma unroll
-          for (int i = 0; i < PT; ++i) {
-            #pragma unroll
-            for (int j = 0; j < CT; ++j) acc[j][i] = fmaf(wv[j], xin[i * STEP * S_W + kw * DIL_W], acc[j][i]);
-          }
-        }
-      }
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
     }
   }
   #pragma unroll
-  for (int j = 0; j < CT; ++j) {
-    const int cj = c + j;  // this row's output channel
-    (void)cj;
+  for (int s = 0; s < KSTEPS; ++s) {
+    const int k0 = k_offset(8 * s), k1 = k_offset(8 * s + 4);  // compile-time after unrolling
+    unsigned b_hi[WN][2], b_lo[WN][2];
     #pragma unroll
-    for (int i = 0; i < PT; ++i) {
-      float v = acc[j][i];
-      v = (v / S0_VALUE);  // epilogue[0] div (value=2.0)
-      v = fminf(fmaxf(v, S1_MIN_VAL), S1_MAX_VAL);  // epilogue[1] hardtanh (min_val=-0.5, max_val=0.5)
-      out_v[j][i] = v;
+    for (int j = 0; j < WN; ++j) {
+      split_tf32(w_lane[(8 * s) * W_STRIDE + bcol[j]], b_hi[j][0], b_lo[j][0]);
+      split_tf32(w_lane[(8 * s + 4) * W_STRIDE + bcol[j]], b_hi[j][1], b_lo[j][1]);
+    }
+    #pragma unroll
+    for (int i = 0; i < WM; ++i) {
+      unsigned a_hi[4], a_lo[4];
+      split_tf32(x_s[xa[i][0] + k0], a_hi[0], a_lo[0]);
+      split_tf32(x_s[xa[i][1] + k0], a_hi[1], a_lo[1]);
+      split_tf32(x_s[xa[i][0] + k1], a_hi[2], a_lo[2]);
+      split_tf32(x_s[xa[i][1] + k1], a_hi[3], a_lo[3]);
+      #pragma unroll
+      for (int j = 0; j < WN; ++j) {  // small products first
+        mma_tf32(acc[i][j], a_lo, b_hi[j]);
+        mma_tf32(acc[i][j], a_hi, b_lo[j]);
+        mma_tf32(acc[i][j], a_hi, b_hi[j]);
+      }
     }
   }
 }
@@ -178,7 +232,7 @@ __device__ __forceinline__ void level0(
 }  // namespace
 
 // One block: one sample (blockIdx.y) x one tile of the kept axes (blockIdx.x / CLUSTER).
-extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CLUSTER, 1, 1) specgen_conv2d_div_hardtanh_amax(
+extern "C" __global__ void __launch_bounds__(THREADS, 2) __cluster_dims__(CLUSTER, 1, 1) specgen_conv2d_div_hardtanh_amax(
     const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
     const float* __restrict__ weight,  // [C_OUT, C_IN_G, K_D, K_H, K_W]
     const float* __restrict__ bias,    // [C_OUT]
@@ -187,8 +241,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CLUSTER, 
 {
   extern __shared__ float4 smem_f4[];
   float* const smem = reinterpret_cast<float*>(smem_f4);
-  float* const w_s = smem;  // weights, [C_IN_G * TAPS][W_STRIDE]: a tap's channels are contiguous
-  float* const box_s = smem + W_SMEM_FLOATS;  // one T1 box, [BOX_C][BOX_D][BOX_H][BOX_W]
+  float* const w_s = smem;  // weights, the GEMM's B operand: [K_PAD][W_STRIDE], k = tap * CIP + ci
+  float* const x_s = smem + W_SMEM_FLOATS;  // a slab's input: [CIP][CI_STRIDE], each [XS_D][XS_H][XS_WP]
+  float* const box_s = smem + W_SMEM_FLOATS + CIP * CI_STRIDE;  // one T1 box, [BOX_C][BOX_D][BOX_H][BOX_W]
   float* const red_s = box_s + BOX_FLOATS;    // lane partials, [2][NF * LANES]
   const int n = blockIdx.y;
   if (n >= batch) return;
@@ -206,14 +261,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CLUSTER, 
   const int c_origin = tile_c * BOX_C, d_origin = tile_d * BOX_D, h_origin = tile_h * BOX_H, w_origin = tile_w * BOX_W;
   const int c_weights = c_origin;  // first channel of w_s
 
-  // Stage the weights of channels [c_weights, c_weights + WEIGHT_C) in shared memory, tap-major.
-  #pragma unroll 1
+  // Stage the weights of channels [c_weights, c_weights + WEIGHT_C) as B: w_s[k = tap * CIP + ci][c ^ (k % 4) * 8].
+  #pragma unroll 4
   for (int q = 0; q < (W_FLOATS + THREADS - 1) / THREADS; ++q) {
-    const int e = q * THREADS + threadIdx.x;  // element e of [WEIGHT_C][C_IN_G * TAPS]
+    const int e = q * THREADS + threadIdx.x;  // element e of [WEIGHT_C][C_IN_G * TAPS]: coalesced reads
     if (e < W_FLOATS) {
-      const int cl = e / (C_IN_G * TAPS), r = e % (C_IN_G * TAPS);
-      const int c = c_weights + cl;
-      w_s[r * W_STRIDE + cl] = c < C_OUT ? __ldg(weight + c * (C_IN_G * TAPS) + r) : 0.0f;  // coalesced reads
+      const int cl = e / (C_IN_G * TAPS), r = e % (C_IN_G * TAPS), k = r % TAPS * CIP + r / TAPS;
+      w_s[k * W_STRIDE + (cl ^ k % 4 * 8)] = conv_weight(weight, c_weights + cl, r);
     }
   }
   __syncthreads();
@@ -227,32 +281,53 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CLUSTER, 
   for (int qc = 0; qc < CHUNK_ITERS; ++qc) {
     const int chunk = qc * CLUSTER + rank;  // the box this block computes next
     if (chunk < R1_CHUNKS) {  // the same for the whole block: the barriers inside are uniform
-      int rem_chunk = chunk;
-      const int ch_c = rem_chunk % CHUNKS_C; rem_chunk /= CHUNKS_C;
-      const int ch_w = rem_chunk % CHUNKS_W; rem_chunk /= CHUNKS_W;
-      const int ch_h = rem_chunk % CHUNKS_H; rem_chunk /= CHUNKS_H;
-      const int ch_d = rem_chunk % CHUNKS_D; rem_chunk /= CHUNKS_D;
+      int rem_ch = chunk;
+      const int ch_c = rem_ch % CHUNKS_C; rem_ch /= CHUNKS_C;
+      const int ch_w = rem_ch % CHUNKS_W; rem_ch /= CHUNKS_W;
+      const int ch_h = rem_ch % CHUNKS_H; rem_ch /= CHUNKS_H;
+      const int ch_d = rem_ch % CHUNKS_D; rem_ch /= CHUNKS_D;
       (void)ch_c; (void)ch_d; (void)ch_h; (void)ch_w;
       __syncthreads();  // the owners are done with the previous box
-#pragma unroll 1
-  for (int it = 0; it < TILE_ITERS; ++it) {
-    int tt = it * THREADS + threadIdx.x;  // register tile index
-    if (tt < THREAD_TILES) {
-      // Channel groups vary fastest: neighbouring threads read the same input (one transaction
-      // serves them all) and neighbouring weights.
-      const int tc = tt % BOX_TILES_C; tt /= BOX_TILES_C;
-      const int tw = tt % BOX_TILES_W; tt /= BOX_TILES_W;
-      const int th = tt % BOX_H;
-      const int td = tt / BOX_H;
-      const int c = c_origin + tc * CT, d = d_origin + td, h = ch_h * BOX_H + th, w = ch_w * BOX_W + tw * PT;
-      if (c < T1_C && d < T1_D && h < T1_H && w < T1_W) {
-        float v[CT][PT];
-        level0(x_n, weight, w_s, bias, c, c - c_weights, d, h, w, v);
-        #pragma unroll
-        for (int j = 0; j < CT; ++j) {
+{
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    #pragma unroll 1
+    for (int slab = 0; slab < SLABS_D * SLABS_H; ++slab) {
+      const int sd0 = slab / SLABS_H * SLAB_D, sh0 = slab % SLABS_H * SLAB_H;  // slab origin in the box
+      __syncthreads();  // every warp is done reading the previous slab's input
+      stage_input(x_n, x_s, d_origin + sd0, ch_h * BOX_H + sh0, ch_w * BOX_W);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      #pragma unroll 1
+      for (int ui = 0; ui < UNIT_ITERS; ++ui) {
+        const int unit = ui * WARPS + warp;
+        if (unit < UNITS) {  // the same for the whole warp
+          const int mg = unit / N_GROUPS, ng = unit % N_GROUPS;
+          float acc[WM][WN][4];
+          conv_mma(x_s, w_s, (c_origin - c_weights) + ng * WN * 8, mg, acc);
+          // Epilogue: acc[i][j][2 * r + e] is slab position (mg * WM + i) * 16 + g + 8 * r, channel
+          // (ng * WN + j) * 8 + 2 * t + e of the box.
           #pragma unroll
-          for (int i = 0; i < PT; ++i) {
-            if (tw * PT + i < BOX_W) box_s[(((tc * CT + j) * BOX_D + td) * BOX_H + th) * BOX_W + tw * PT + i] = v[j][i];
+          for (int i = 0; i < WM; ++i) {
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int p = (mg * WM + i) * 16 + g + 8 * r;
+              const int pd = sd0 + p / (SLAB_H * BOX_W), ph = sh0 + p / BOX_W % SLAB_H, pw = p % BOX_W;  // in the box
+              const int d = d_origin + pd, h = ch_h * BOX_H + ph, w = ch_w * BOX_W + pw;
+              const bool p_ok = p < M_SLAB && d < T1_D && h < T1_H && w < T1_W;
+              #pragma unroll
+              for (int j = 0; j < WN; ++j) {
+                #pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const int cl = (ng * WN + j) * 8 + 2 * t + e, cj = c_origin + cl;  // channel in the box, in T1
+                  if (p_ok && cl < BOX_C && cj < T1_C) {
+                    float v = acc[i][j][2 * r + e] + fmaf(__ldg(bias + cj), AFFINE_SCALE, AFFINE_SHIFT);
+                    v = fminf(fmaxf(v, S1_MIN_VAL), S1_MAX_VAL);  // epilogue[1] hardtanh (min_val=-0.5, max_val=0.5)
+                    box_s[((cl * BOX_D + pd) * BOX_H + ph) * BOX_W + pw] = v;
+                  }
+                }
+              }
+            }
           }
         }
       }

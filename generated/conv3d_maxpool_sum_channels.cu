@@ -76,9 +76,9 @@ constexpr int OUT_PER_SAMPLE = 2048;  // output elements per sample, shape [8, 1
 
 // ---- tiling -------------------------------------------------------------------------------------------
 constexpr int THREADS = 256;  // threads per block
+constexpr int BOX_C = 16, BOX_D = 2, BOX_H = 16, BOX_W = 16;  // T1 box computed per step
 constexpr int CT = 8;  // channels per register tile
 constexpr int PT = 4;  // consecutive W positions per register tile
-constexpr int BOX_C = 16, BOX_D = 2, BOX_H = 16, BOX_W = 16;  // T1 box computed per step
 constexpr int BOX_TILES_C = 2;  // register tiles along channels in a box
 constexpr int BOX_TILES_W = 4;  // register tiles along W in a box
 constexpr int THREAD_TILES = 256;  // register tiles per box
@@ -104,6 +104,11 @@ constexpr int R_ITERS = 16;  // box elements per lane per box
 
 // ---- op constants -------------------------------------------------------------------------------------
 // (none)
+
+// W(c, r) for r = ci * TAPS + tap; 0 past the last channel.
+__device__ __forceinline__ float conv_weight(const float* __restrict__ weight, int c, int r) {
+  return c < C_OUT ? __ldg(weight + c * (C_IN_G * TAPS) + r) : 0.0f;
+}
 
 // Level 0: the convolution.
 // out_v[j][i] = value at channel c + j, conv-output position (d, h, w0 + i * STEP).
@@ -251,11 +256,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) specgen_conv3d_maxpool_sum
   // Stage the weights of channels [c_weights, c_weights + WEIGHT_C) in shared memory, tap-major.
   #pragma unroll 1
   for (int q = 0; q < (W_FLOATS + THREADS - 1) / THREADS; ++q) {
-    const int e = q * THREADS + threadIdx.x;  // element e of [WEIGHT_C][C_IN_G * TAPS]
+    const int e = q * THREADS + threadIdx.x;  // element e of [WEIGHT_C][C_IN_G * TAPS]: coalesced reads
     if (e < W_FLOATS) {
       const int cl = e / (C_IN_G * TAPS), r = e % (C_IN_G * TAPS);
-      const int c = c_weights + cl;
-      w_s[r * W_STRIDE + cl] = c < C_OUT ? __ldg(weight + c * (C_IN_G * TAPS) + r) : 0.0f;  // coalesced reads
+      w_s[r * W_STRIDE + cl] = conv_weight(weight, c_weights + cl, r);
     }
   }
   __syncthreads();
@@ -269,14 +273,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) specgen_conv3d_maxpool_sum
   for (int qc = 0; qc < CHUNK_ITERS; ++qc) {
     const int chunk = qc * CLUSTER + rank;  // the box this block computes next
     if (chunk < R1_CHUNKS) {  // the same for the whole block: the barriers inside are uniform
-      int rem_chunk = chunk;
-      const int ch_c = rem_chunk % CHUNKS_C; rem_chunk /= CHUNKS_C;
-      const int ch_w = rem_chunk % CHUNKS_W; rem_chunk /= CHUNKS_W;
-      const int ch_h = rem_chunk % CHUNKS_H; rem_chunk /= CHUNKS_H;
-      const int ch_d = rem_chunk % CHUNKS_D; rem_chunk /= CHUNKS_D;
+      int rem_ch = chunk;
+      const int ch_c = rem_ch % CHUNKS_C; rem_ch /= CHUNKS_C;
+      const int ch_w = rem_ch % CHUNKS_W; rem_ch /= CHUNKS_W;
+      const int ch_h = rem_ch % CHUNKS_H; rem_ch /= CHUNKS_H;
+      const int ch_d = rem_ch % CHUNKS_D; rem_ch /= CHUNKS_D;
       (void)ch_c; (void)ch_d; (void)ch_h; (void)ch_w;
       __syncthreads();  // the owners are done with the previous box
-#pragma unroll 1
+  #pragma unroll 1
   for (int it = 0; it < TILE_ITERS; ++it) {
     int tt = it * THREADS + threadIdx.x;  // register tile index
     if (tt < THREAD_TILES) {
@@ -300,6 +304,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) specgen_conv3d_maxpool_sum
       }
     }
   }
+
       __syncthreads();  // the box is complete
       #pragma unroll
       for (int k = 0; k < OWNER_ITERS; ++k) {

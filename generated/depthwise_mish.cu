@@ -58,9 +58,9 @@ constexpr int OUT_PER_SAMPLE = 294912;  // output elements per sample, shape [32
 
 // ---- tiling -------------------------------------------------------------------------------------------
 constexpr int THREADS = 256;  // threads per block
+constexpr int BOX_C = 32, BOX_D = 1, BOX_H = 4, BOX_W = 48;  // T1 box computed per step
 constexpr int CT = 1;  // channels per register tile
 constexpr int PT = 4;  // consecutive W positions per register tile
-constexpr int BOX_C = 32, BOX_D = 1, BOX_H = 4, BOX_W = 48;  // T1 box computed per step
 constexpr int BOX_TILES_C = 32;  // register tiles along channels in a box
 constexpr int BOX_TILES_W = 12;  // register tiles along W in a box
 constexpr int THREAD_TILES = 1536;  // register tiles per box
@@ -76,6 +76,11 @@ constexpr int OUT_VEC = 4;  // floats per output store
 
 // ---- op constants -------------------------------------------------------------------------------------
 // (none)
+
+// W(c, r) for r = ci * TAPS + tap; 0 past the last channel.
+__device__ __forceinline__ float conv_weight(const float* __restrict__ weight, int c, int r) {
+  return c < C_OUT ? __ldg(weight + c * (C_IN_G * TAPS) + r) : 0.0f;
+}
 
 // Level 0: the convolution, then mish, sub.
 // out_v[j][i] = value at channel c + j, conv-output position (d, h, w0 + i * STEP).
@@ -171,16 +176,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) specgen_depthwise_mish(
   // Stage the weights of channels [c_weights, c_weights + WEIGHT_C) in shared memory, tap-major.
   #pragma unroll 1
   for (int q = 0; q < (W_FLOATS + THREADS - 1) / THREADS; ++q) {
-    const int e = q * THREADS + threadIdx.x;  // element e of [WEIGHT_C][C_IN_G * TAPS]
+    const int e = q * THREADS + threadIdx.x;  // element e of [WEIGHT_C][C_IN_G * TAPS]: coalesced reads
     if (e < W_FLOATS) {
       const int cl = e / (C_IN_G * TAPS), r = e % (C_IN_G * TAPS);
-      const int c = c_weights + cl;
-      w_s[r * W_STRIDE + cl] = c < C_OUT ? __ldg(weight + c * (C_IN_G * TAPS) + r) : 0.0f;  // coalesced reads
+      w_s[r * W_STRIDE + cl] = conv_weight(weight, c_weights + cl, r);
     }
   }
   __syncthreads();
 
-  #pragma unroll 1
+    #pragma unroll 1
   for (int it = 0; it < TILE_ITERS; ++it) {
     int tt = it * THREADS + threadIdx.x;  // register tile index
     if (tt < THREAD_TILES) {
@@ -210,4 +214,5 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) specgen_depthwise_mish(
       }
     }
   }
+
 }

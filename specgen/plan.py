@@ -28,13 +28,14 @@ from dataclasses import dataclass
 import yaml
 
 from specgen import __version__, ops
-from specgen.literals import c_float
+from specgen.literals import FLOAT32_MAX, c_float
 from specgen.spec import LayerSpec, SpecError
 
 AXES = ("c", "d", "h", "w")
 AXIS_NAMES = {"c": "channels", "d": "depth", "h": "height", "w": "width"}
 MAX_SMEM_BYTES = 227 * 1024  # opt-in dynamic shared memory per block on sm_90
 INT32_MAX = (1 << 31) - 1
+MAX_CLUSTER = 8  # blocks of a thread-block cluster (8: the portable maximum)
 
 
 class PlanError(SpecError):
@@ -115,6 +116,197 @@ def _can_fold_avg_pool(levels: list[dict], conv_stride, conv_dilation) -> bool:
     )
 
 
+# ---- tensor-core tiling ----------------------------------------------------------------------
+# The conv as an implicit GEMM: M = output positions of a slab of the box (16 per m-tile), N =
+# output channels (8 per n-tile), K = taps x input channels (8 per k-step; the channels padded to
+# a multiple of 4 so that a lane's K index splits into a compile-time tap and its own channel).
+MMA_WARPS = 8  # warps per block
+MMA_MAX_WM = 4  # m-tiles per warp
+MMA_MAX_WN = 4  # n-tiles per warp
+MMA_WARPS_ONE_BLOCK = 16  # warps per block when only one block fits an SM
+MMA_MAX_TILES = 8  # m-tiles x n-tiles per warp: 32 accumulators, so two blocks of 8 warps fit an SM's registers
+MMA_MIN_K = 64  # taps x input channels, for the planner to pick tensor cores by itself
+MMA_MIN_CHANNELS = 32  # output channels, likewise
+SM_SMEM_BYTES = 228 * 1024  # shared memory per SM (each block also reserves 1 KB)
+
+
+def _warp_tiles(mt: int, nt: int, warps: int = MMA_WARPS) -> tuple[int, int, int] | None:
+    """(wm, wn, units): the warp tile (m-tiles x n-tiles) for a slab of mt x nt tiles; units = warp
+    tiles per slab, at most two per warp. Preferred: no idle warps, then the fewest idle tiles, then
+    the largest warp tile (fewer shared-memory loads per mma)."""
+    best = None
+    for wn in (4, 2, 1):
+        if wn > nt and wn > 1:
+            continue
+        for wm in range(1, MMA_MAX_WM + 1):
+            if wm * wn > MMA_MAX_TILES or wn > MMA_MAX_WN:
+                continue
+            units = _ceil_div(mt, wm) * _ceil_div(nt, wn)
+            if units > 2 * warps:
+                continue
+            idle_warps = _ceil_div(units, warps) * warps - units
+            waste = _ceil_div(mt, wm) * wm * _ceil_div(nt, wn) * wn - mt * nt  # idle (m, n) tiles
+            key = (-idle_warps, -waste, wm * wn, wn)
+            if best is None or key > best[0]:
+                best = (key, (wm, wn, units))
+    return best[1] if best else None
+
+
+def _bank_conflicts(cs: int, s_w: int) -> int:
+    """Worst bank multiplicity of an A-fragment load: 8 positions s_w apart x 4 planes cs apart."""
+    banks = [(g * s_w + t * cs) % 32 for g in range(8) for t in range(4)]
+    return max(banks.count(b) for b in set(banks))
+
+
+def _bank_spread_stride(plane: int, s_w: int, multiple: int) -> int:
+    """The stride between input-channel planes of the staged input: at least `plane`, a multiple of
+    `multiple`, with the fewest A-fragment bank conflicts."""
+    return min(range(_round_up(plane, multiple), plane + 32 * multiple, multiple), key=lambda cs: (_bank_conflicts(cs, s_w), cs))
+
+
+def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, s3, p3, d3, c_kept: bool) -> dict | None:
+    """Box, slab and warp tiling of the tensor-core engine, or None if nothing fits in shared memory.
+    `role` sizes the box (axes "F" and "R1" are in it); c_kept: the channels are kept (a block
+    stages only its box's weights)."""
+    in_box = {a: role[a] in ("F", "R1") for a in AXES}
+    box_c = cout if cout <= 128 else _balanced(t1[0], 64, 8)
+    weight_channels = box_c if c_kept else cout
+    # B-fragment loads read 4 K rows x 8 channels: on 32 distinct banks when the rows are XOR-
+    # swizzled (channel block ^= K row % 4; rows a multiple of 32 channels) or padded.
+    ws = _round_up(weight_channels, 8)
+    swizzle = ws % 32 == 0
+    while not swizzle and ws % 32 not in (8, 24):
+        ws += 8
+    cip = _round_up(cin_g, 4)
+    taps = k3[0] * k3[1] * k3[2]
+    k_pad = _round_up(taps * cip, 8)
+    user_box = tile.box if tile is not None and tile.box is not None else None
+    if user_box is not None:
+        want = [user_box[0], *_spatial3(tuple(user_box[1:]), 1)]
+        for a, b in zip(AXES, want):
+            if not in_box[a] and b != 1:
+                raise PlanError([f"tile.box: the {AXIS_NAMES[a]} extent must be 1 (that axis is reduced one at a time)"])
+        if want[0] % 8 or want[0] > 128:
+            raise PlanError([f"tile.box: with tensor cores the channel extent must be a multiple of 8 up to 128, got {want[0]}"])
+        targets = [None]
+    else:
+        targets = [2 * MMA_WARPS * MMA_MAX_TILES * 16 // _ceil_div(box_c, 8) >> k for k in range(7)]
+    for target in targets:
+        if target is None:
+            box = [min(b, e) for b, e in zip(want, t1)]
+            sd, sh = box[1], box[2]
+        else:
+            bw = _balanced(t1[3], target) if in_box["w"] else 1
+            sh = min(t1[2], max(1, target // bw)) if in_box["h"] else 1
+            sd = min(t1[1], max(1, target // (sh * bw))) if in_box["d"] and (sh == t1[2] or not in_box["h"]) else 1
+            bd, bh = sd, sh
+            if not has_tail:  # a block walks up to 4 slabs, staging its weights once
+                if in_box["h"] and sh < t1[2]:
+                    bh = sh * min(4, _ceil_div(t1[2], sh))
+                elif in_box["d"]:
+                    bd = sd * min(4, _ceil_div(t1[1], sd))
+            box = [box_c, bd, bh, bw]
+        m_slab = sd * sh * box[3]
+        if m_slab < 16 and target is not None:  # under one m-tile of positions: tensor cores would idle
+            break
+        mt = _ceil_div(m_slab, 16)
+        tiles = _warp_tiles(mt, _ceil_div(box[0], 8))
+        if tiles is None:
+            if target is None:
+                raise PlanError([f"tile.box: {m_slab} positions per box are more than {MMA_WARPS} warps x {MMA_MAX_WM} m-tiles"])
+            continue
+        wm, wn, units = tiles
+        # One kept element per box (a full reduction, say): threads fold their fragments
+        # straight into their accumulators, so no box is parked in shared memory.
+        nf = math.prod(b for a, b in zip(AXES, box) if role[a] == "F")
+        nr = math.prod(b for a, b in zip(AXES, box) if role[a] == "R1")
+        direct = has_tail and nf == 1 and nr >= 32 * MMA_WARPS_ONE_BLOCK
+        xs = tuple((o - 1) * st + (k - 1) * dl + 1 for o, st, k, dl in zip((sd, sh, box[3]), s3, k3, d3))
+        # Staging the input: 16-byte chunks when every chunk is inside the input or outside it
+        # (rows, padding and slab origins on multiples of 4), as cp.async straight into shared
+        # memory when the staged rows can be 16-byte aligned without bank conflicts, else as
+        # 16-byte loads and 4-byte stores; otherwise 4-byte cp.async.
+        w_tiles = _ceil_div(t1[3], box[3]) if in_box["w"] else t1[3]
+        chunked = in3[2] % 4 == 0 and p3[2] % 4 == 0 and (w_tiles == 1 or box[3] * s3[2] % 4 == 0)
+        plane4 = xs[0] * xs[1] * _round_up(xs[2], 4)
+        aligned_ok = _bank_conflicts(_bank_spread_stride(plane4, s3[2], 4), s3[2]) == _bank_conflicts(
+            _bank_spread_stride(plane4, s3[2], 1), s3[2])
+        stage = "cp16" if chunked and aligned_ok else ("ldg16" if chunked else "cp4")
+        xs_wp = _round_up(xs[2], 4) if stage != "cp4" else xs[2]  # row stride of the staged input
+        ci_stride = _bank_spread_stride(xs[0] * xs[1] * xs_wp, s3[2], 4 if stage == "cp16" else 1)
+        floats = {"w": k_pad * ws, "x": cip * ci_stride,
+                  "box": math.prod(box) if has_tail and not direct else 0,
+                  "red": 2 * max(32 * MMA_WARPS_ONE_BLOCK, nf) if has_tail else 0}
+        if 4 * sum(floats.values()) > MAX_SMEM_BYTES:
+            if target is None:
+                raise PlanError([f"tile.box: {box} needs {4 * sum(floats.values())} bytes of shared memory, more than {MAX_SMEM_BYTES}"])
+            continue
+        warps = MMA_WARPS
+        if 2 * (4 * sum(floats.values()) + 1024) > SM_SMEM_BYTES:
+            # One block per SM: twice the warps hide its latencies (staging, barriers); measured
+            # 1.5x on a full reduction. The slab stays; the warp tiles are dealt out again.
+            warps = MMA_WARPS_ONE_BLOCK
+            wm, wn, units = _warp_tiles(mt, _ceil_div(box[0], 8), warps) or (wm, wn, units)
+        return {
+            "box": box, "threads": 32 * warps, "warps": warps, "wm": wm, "wn": wn, "units": units,
+            "unit_iters": _ceil_div(units, warps), "n_groups": _ceil_div(_ceil_div(box[0], 8), wn),
+            "slab": (sd, sh), "slabs": (_ceil_div(box[1], sd), _ceil_div(box[2], sh)), "m_slab": m_slab, "mt": mt,
+            "cip": cip, "k_pad": k_pad, "ksteps": k_pad // 8, "ws": ws, "swizzle": swizzle, "xs": xs, "xs_wp": xs_wp,
+            "ci_stride": ci_stride, "stage": stage,
+            "x_floats": floats["x"], "w_floats": floats["w"], "direct_fold": direct,
+        }
+    return None
+
+
+AFFINE_OPS = {"mul", "div", "add", "sub"}
+AFFINE_SCALE_RANGE = (2.0**-64, 2.0**64)  # |scale| outside: no fold (weights could under/overflow)
+
+
+def _affine_fold(spec: LayerSpec, level0: dict, consts: list[Constant]) -> dict | None:
+    """Fold the scalar affine ops (mul/div/add/sub by a constant) that directly follow the conv into
+    its weights and bias: v -> scale * v + shift becomes W' = scale * W, b' = scale * b + shift.
+
+    Exact in real arithmetic. In float32 it moves roundings: scale and shift are computed in double
+    and rounded once, and each weight and the bias are rounded once more after scaling, so the
+    result differs from the unrewritten kernel by at most about 2 * 2^-24 * (sum |scale W x| + |b'|),
+    the size of two more rounding steps of the conv's own accumulation."""
+    scale, shift, taken = 1.0, 0.0, []
+    for st in level0["pointwise"]:
+        stage = spec.epilogue[st["index"]]
+        if stage.op not in AFFINE_OPS or stage.args.param is not None:
+            break
+        value = float(stage.args.value)
+        if stage.op == "mul":
+            scale, shift = scale * value, shift * value
+        elif stage.op == "div":
+            if value == 0.0:
+                break
+            scale, shift = scale / value, shift / value
+        elif stage.op == "add":
+            shift += value
+        else:
+            shift -= value
+        taken.append(st)
+    if not taken or not (AFFINE_SCALE_RANGE[0] <= abs(scale) <= AFFINE_SCALE_RANGE[1]) or not math.isfinite(shift):
+        return None
+    if abs(shift) > FLOAT32_MAX:
+        return None
+    level0["pointwise"] = level0["pointwise"][len(taken):]
+    dropped = {f"S{st['index']}_" for st in taken}
+    consts[:] = [c for c in consts if not any(c.name.startswith(d) for d in dropped)]
+    first, last = taken[0]["index"], taken[-1]["index"]
+    where = f"epilogue[{first}]" if first == last else f"epilogue[{first}..{last}]"
+    consts.append(Constant("AFFINE_SCALE", c_float(scale), f"affine fold of {where}: W' = AFFINE_SCALE * W", "float"))
+    consts.append(Constant("AFFINE_SHIFT", c_float(shift), f"affine fold of {where}: b' = AFFINE_SCALE * b + AFFINE_SHIFT", "float"))
+    ops_text = ", ".join(st["op"] for st in taken)
+    return {
+        "scale": scale,
+        "shift": shift,
+        "summary": f"affine fold: {where} ({ops_text}) folded into the conv's weights and bias "
+        f"(v -> {scale!r} * v + {shift!r}; one more float32 rounding per weight)",
+    }
+
+
 def build_plan(spec: LayerSpec) -> dict:
     """Everything the template needs, as plain Python values."""
     nd = spec.ndim
@@ -193,6 +385,10 @@ def build_plan(spec: LayerSpec) -> dict:
         for k, lvl in enumerate(levels):
             lvl["level"] = k
         taps = k3[0] * k3[1] * k3[2]
+    # ---- rewrite: scalar affine ops right after the conv fold into its weights and bias ------
+    affine = _affine_fold(spec, levels[0], consts) if spec.rewrites else None
+    if affine is not None:
+        rewrites.append(affine["summary"])
     t1 = (cout, *levels[-1]["out"])  # T1 extents (c, d, h, w)
 
     # ---- tail: reductions over T1 axes, in order -------------------------------------------
@@ -243,87 +439,125 @@ def build_plan(spec: LayerSpec) -> dict:
     for j, r in enumerate(reductions):
         for a in r["axes"]:
             role[a] = f"R{j + 1}"
+    # Two reductions leaving one value per sample (e.g. a sum over channels, then a max over
+    # positions): the outer reduction's positions are taken a box at a time, not one by one. Each
+    # owner folds its inner results into one accumulator per thread; a fixed tree joins them.
+    batched = len(reductions) == 2 and math.prod(t1[AXES.index(a)] for a in AXES if role[a] == "F") == 1
+    # the roles that size the box: batched, the outer reduction's axes are in the box like kept ones
+    srole = {a: "F" if batched and r == "R2" else r for a, r in role.items()}
     for j, r in enumerate(reductions):
         r["level"] = j + 1
         # the channel coordinate the level's pointwise ops see
-        r["channel"] = "0" if r["channel_reduced"] else ("f_c" if role["c"] == "F" else "o_c")
+        r["channel"] = "0" if r["channel_reduced"] else ("f_c" if srole["c"] == "F" else "o_c")
         if r["op"] == "mean":
             consts.append(Constant(f"R{j + 1}_COUNT", c_float(r["count"]), f"values per mean of {r['comment']}", "float"))
 
     # ---- tiling -------------------------------------------------------------------------------
     tile = spec.tile
     cout_g = cout // groups
-    c_in_box = role["c"] in ("F", "R1")
-    w_in_box = role["w"] in ("F", "R1")
+    c_in_box = srole["c"] in ("F", "R1")
+    w_in_box = srole["w"] in ("F", "R1")
 
     def pick(value, default, field):
         return default if (tile is None or getattr(tile, field) is None) else value(getattr(tile, field))
 
-    ct_default = next(c for c in (8, 4, 2, 1) if cout_g % c == 0 and c <= cout) if c_in_box else 1
-    ct = pick(lambda v: v, ct_default, "channels_per_thread")
-    if c_in_box and cout_g % ct:
-        raise PlanError([f"tile.channels_per_thread: {ct} must divide the channels per group ({cout_g})"])
-    if not c_in_box and ct != 1:
-        raise PlanError(["tile.channels_per_thread: must be 1 when channels are reduced one at a time"])
-    pt = pick(lambda v: v, min(4, t1[3]) if w_in_box else 1, "positions_per_thread")
-    if not w_in_box and pt != 1:
-        raise PlanError(["tile.positions_per_thread: must be 1 when width is reduced one position at a time"])
+    # The engine: tensor cores (3xTF32 mma.sync) when the conv is a plain GEMM over its taps (no
+    # groups), nothing but pointwise ops sits between the conv and T1, and the box holds several
+    # channels; a tile that pins FFMA register-tile fields keeps FFMA unless it asks otherwise.
+    ffma_pinned = tile is not None and (tile.channels_per_thread is not None or tile.positions_per_thread is not None)
+    # Left to the planner, tensor cores only where the GEMM is deep and wide enough to pay for
+    # staging the input (measured: K = 24..36 or 16 output channels ran faster on FFMA).
+    worth_it = (cin // groups) * taps >= MMA_MIN_K and cout >= MMA_MIN_CHANNELS
+    want_mma = tile.tensor_cores if (tile is not None and tile.tensor_cores is not None) else (worth_it and not ffma_pinned)
+    mma_why_not = [
+        why
+        for why, bad in (
+            ("the conv has groups", groups > 1),
+            ("a pool sits between the conv and the output", len(levels) > 1),
+            ("channels are reduced one at a time", not c_in_box),
+        )
+        if bad
+    ]
+    if tile is not None and tile.tensor_cores and mma_why_not:
+        raise PlanError([f"tile.tensor_cores: cannot use tensor cores here: {'; '.join(mma_why_not)}"])
+    mma = None
+    if want_mma and not mma_why_not:
+        mma = _mma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F")
+        if mma is None and tile is not None and tile.tensor_cores:
+            raise PlanError(["tile.tensor_cores: the staged input and weights do not fit in shared memory"])
+    split_channels = False
+    if mma is not None:
+        box = mma["box"]
+        ct, pt = 8, 16
+        threads = mma["threads"]
+        thread_tiles = tile_iters = 0
+    else:
+        ct_default = next(c for c in (8, 4, 2, 1) if cout_g % c == 0 and c <= cout) if c_in_box else 1
+        ct = pick(lambda v: v, ct_default, "channels_per_thread")
+        if c_in_box and cout_g % ct:
+            raise PlanError([f"tile.channels_per_thread: {ct} must divide the channels per group ({cout_g})"])
+        if not c_in_box and ct != 1:
+            raise PlanError(["tile.channels_per_thread: must be 1 when channels are reduced one at a time"])
+        pt = pick(lambda v: v, min(4, t1[3]) if w_in_box else 1, "positions_per_thread")
+        if not w_in_box and pt != 1:
+            raise PlanError(["tile.positions_per_thread: must be 1 when width is reduced one position at a time"])
 
-    target_threads = 256
-    # A reduction over channels whose kept part is small: the channels are split across a
-    # cluster of blocks, one channel chunk per block, so each block stages only its weights.
-    kept = math.prod(t1[AXES.index(a)] for a in AXES if role[a] == "F")
-    split_channels = bool(reductions) and role["c"] == "R1" and kept <= 64 and cout // ct >= 2
-    box = [1, 1, 1, 1]
-    if split_channels:
-        box[0] = _round_up(_ceil_div(cout, min(8, cout // ct)), ct)
-    elif c_in_box:
-        box[0] = _balanced(t1[0], 64, ct)
-    if w_in_box:
-        box[3] = _balanced(t1[3], 16 * pt, pt)
-    per_row = (box[0] // ct) * _ceil_div(box[3], pt)
-    rows = max(1, target_threads // per_row)
-    if not reductions:
-        rows *= 4  # four register tiles per thread amortize the block's weight staging
-    if role["h"] in ("F", "R1"):
-        box[2] = _balanced(t1[2], rows)
-        rows = max(1, rows // box[2])
-    if role["d"] in ("F", "R1"):
-        box[1] = _balanced(t1[1], rows)
-        rows = max(1, rows // box[1])
-    if w_in_box and rows > 1:  # thin tensors (1D, or H and D small): widen the box along W
-        box[3] = _balanced(t1[3], box[3] * rows, pt)
-    if tile is not None and tile.box is not None:
-        want = tuple(tile.box)
-        if len(want) != 1 + nd:
-            raise PlanError([f"tile.box: expected {1 + nd} extents (channels and {nd} spatial), got {list(want)}"])
-        box = [want[0], *_spatial3(want[1:], 1)]
-        for a, b in zip(AXES, box):
-            if role[a] not in ("F", "R1") and b != 1:
-                raise PlanError([f"tile.box: the {AXIS_NAMES[a]} extent must be 1 (that axis is reduced one at a time)"])
-        if box[0] % ct:
-            raise PlanError([f"tile.box: the channel extent {box[0]} must be a multiple of channels_per_thread {ct}"])
-    box = [min(b, e) if role[a] in ("F", "R1") else 1 for a, b, e in zip(AXES, box, t1)]
-    box[0] = _round_up(box[0], ct)
-    thread_tiles = (box[0] // ct) * box[1] * box[2] * _ceil_div(box[3], pt)
-    cap = 1024 if reductions else target_threads
-    threads = pick(lambda v: v, min(cap, _round_up(thread_tiles, 32)), "threads")
-    tile_iters = _ceil_div(thread_tiles, threads)
+        target_threads = 256
+        # A reduction over channels whose kept part is small: the channels are split across a
+        # cluster of blocks, one channel chunk per block, so each block stages only its weights.
+        kept = math.prod(t1[AXES.index(a)] for a in AXES if srole[a] == "F")
+        split_channels = bool(reductions) and srole["c"] == "R1" and kept <= 64 and cout // ct >= 2
+        box = [1, 1, 1, 1]
+        if split_channels:
+            box[0] = _round_up(_ceil_div(cout, min(8, cout // ct)), ct)
+        elif c_in_box:
+            box[0] = _balanced(t1[0], 64, ct)
+        if w_in_box:
+            box[3] = _balanced(t1[3], 16 * pt, pt)
+        per_row = (box[0] // ct) * _ceil_div(box[3], pt)
+        rows = max(1, target_threads // per_row)
+        if not reductions:
+            rows *= 4  # four register tiles per thread amortize the block's weight staging
+        if srole["h"] in ("F", "R1"):
+            box[2] = _balanced(t1[2], rows)
+            rows = max(1, rows // box[2])
+        if srole["d"] in ("F", "R1"):
+            box[1] = _balanced(t1[1], rows)
+            rows = max(1, rows // box[1])
+        if w_in_box and rows > 1:  # thin tensors (1D, or H and D small): widen the box along W
+            box[3] = _balanced(t1[3], box[3] * rows, pt)
+        if tile is not None and tile.box is not None:
+            want = tuple(tile.box)
+            if len(want) != 1 + nd:
+                raise PlanError([f"tile.box: expected {1 + nd} extents (channels and {nd} spatial), got {list(want)}"])
+            box = [want[0], *_spatial3(want[1:], 1)]
+            for a, b in zip(AXES, box):
+                if srole[a] not in ("F", "R1") and b != 1:
+                    raise PlanError([f"tile.box: the {AXIS_NAMES[a]} extent must be 1 (that axis is reduced one at a time)"])
+            if box[0] % ct:
+                raise PlanError([f"tile.box: the channel extent {box[0]} must be a multiple of channels_per_thread {ct}"])
+        box = [min(b, e) if srole[a] in ("F", "R1") else 1 for a, b, e in zip(AXES, box, t1)]
+        box[0] = _round_up(box[0], ct)
+        thread_tiles = (box[0] // ct) * box[1] * box[2] * _ceil_div(box[3], pt)
+        cap = 1024 if reductions else target_threads
+        threads = pick(lambda v: v, min(cap, _round_up(thread_tiles, 32)), "threads")
+        tile_iters = _ceil_div(thread_tiles, threads)
 
     f_axes = [a for a in AXES if role[a] == "F"]
     r1_axes = [a for a in AXES if role[a] == "R1"]
+    f1_axes = [a for a in AXES if srole[a] == "F"]  # what reduction level 1 keeps (batched: + the outer axes)
     tiles = {a: _ceil_div(t1[AXES.index(a)], box[AXES.index(a)]) if a in f_axes else 1 for a in AXES}
     chunks = {a: _ceil_div(t1[AXES.index(a)], box[AXES.index(a)]) if a in r1_axes else 1 for a in AXES}
     f_tiles = math.prod(tiles.values())
     r1_chunks = math.prod(chunks.values())
     # Few kept tiles per sample (e.g. a full reduction): a cluster of blocks shares each tile's
     # chunks and joins its partials through distributed shared memory, in rank order.
-    cluster = min(8, r1_chunks) if reductions and f_tiles <= 16 and r1_chunks >= 2 else 1
+    cluster = min(MAX_CLUSTER, r1_chunks) if reductions and f_tiles <= 16 and r1_chunks >= 2 else 1
     split_channels = split_channels and chunks["c"] == cluster  # then a block's chunks share one channel range
     blocks_per_sample = f_tiles * cluster
 
     # ---- the tail's owners: F elements of the box, several lanes each when F is small ---------
-    nf = math.prod(box[AXES.index(a)] for a in f_axes)
+    nf = math.prod(box[AXES.index(a)] for a in f1_axes)
     nr = math.prod(box[AXES.index(a)] for a in r1_axes)
     lanes = 1
     if reductions:
@@ -334,16 +568,21 @@ def build_plan(spec: LayerSpec) -> dict:
     # ---- shared memory ------------------------------------------------------------------------
     weight_channels = box[0] if (role["c"] == "F" or split_channels) else cout
     weight_floats = weight_channels * (cin // groups) * taps
-    # Row stride of the staged weights: padded off multiples of 32 so that the transposing
-    # stores spread over banks, and kept a multiple of 4 for 16-byte loads.
-    w_stride = weight_channels + (4 if weight_channels % 32 == 0 else 0)
-    w_smem_floats = w_stride * (cin // groups) * taps
-    box_floats = math.prod(box) if reductions else 0
-    red_floats = 2 * nf * lanes if reductions else 0
-    weights_in_smem = 4 * (w_smem_floats + box_floats + red_floats) <= MAX_SMEM_BYTES and weight_channels % ct == 0
+    direct_fold = bool(mma and mma["direct_fold"] and nf == 1 and lanes == threads)
+    box_floats = math.prod(box) if reductions and not direct_fold else 0
+    red_floats = 2 * max(nf * lanes, threads if batched else 0) if reductions else 0
+    if mma is not None:  # [K_PAD][WS] weights, then the staged input slab
+        w_stride, w_smem_floats, x_floats, weights_in_smem = mma["ws"], mma["w_floats"], mma["x_floats"], True
+    else:
+        # Row stride of the staged weights: padded off multiples of 32 so that the transposing
+        # stores spread over banks, and kept a multiple of 4 for 16-byte loads.
+        w_stride = weight_channels + (4 if weight_channels % 32 == 0 else 0)
+        w_smem_floats = w_stride * (cin // groups) * taps
+        x_floats = 0
+        weights_in_smem = 4 * (w_smem_floats + box_floats + red_floats) <= MAX_SMEM_BYTES and weight_channels % ct == 0
     if fold is not None and not weights_in_smem:  # the fold builds W' while staging: no room, no fold
         return build_plan(spec.model_copy(update={"rewrites": False}))
-    smem_floats = (w_smem_floats if weights_in_smem else 0) + box_floats + red_floats
+    smem_floats = (w_smem_floats if weights_in_smem else 0) + x_floats + box_floats + red_floats
     smem_bytes = 4 * smem_floats
     if smem_bytes > MAX_SMEM_BYTES:
         raise PlanError(
@@ -393,7 +632,10 @@ def build_plan(spec: LayerSpec) -> dict:
     # Occupancy: without a tail, ask the compiler for registers that let up to 3 blocks share
     # an SM (when shared memory allows): measured faster than fewer blocks with more registers.
     min_blocks = 1
-    if not reductions and len(levels) == 1:
+    if mma is not None:  # two blocks per SM when shared memory and registers allow: one stages while the other computes
+        regs = 4 * mma["wm"] * mma["wn"] + 64  # accumulators + fragments, addresses and the epilogue
+        min_blocks = 2 if 2 * (smem_bytes + 1024) <= SM_SMEM_BYTES and 2 * threads * max(regs, 128) <= 65536 else 1
+    elif not reductions and len(levels) == 1:
         fit = min(MAX_SMEM_BYTES // max(1, smem_bytes), 2048 // threads)
         # never below 96 registers: below that the fully unrolled conv spills
         min_blocks = next((mb for mb in (3, 2) if mb <= fit and 65536 // (mb * threads) // 8 * 8 >= 96), 1)
@@ -425,6 +667,9 @@ def build_plan(spec: LayerSpec) -> dict:
         "reductions": reductions,
         "role": role,
         "f_axes": f_axes,
+        "f1_axes": f1_axes,
+        "batched": batched,
+        "tree_top": 1 << max(0, (threads - 1).bit_length() - 1),  # the largest power of two below threads
         "r1_axes": r1_axes,
         "box": box,
         "tiles": tiles,
@@ -465,8 +710,23 @@ def build_plan(spec: LayerSpec) -> dict:
         "flops_per_sample": 2 * math.prod(t1) * (cin // groups) * taps * math.prod(l.get("window", 1) for l in levels),
         "rewrites": rewrites,
         "fold": fold,
+        "mma": mma,
+        "affine": affine,
+        "direct_fold": direct_fold,
+        "x_floats": x_floats,
     }
     return plan
+
+
+def _engine_summary(plan: dict) -> str:
+    mma = plan["mma"]
+    if mma is None:
+        return f"fp32 FFMA, register tile {plan['ct']} channels x {plan['pt']} positions"
+    sd, sh = mma["slab"]
+    return (
+        f"tensor cores (3xTF32 mma.sync m16n8k8): slabs of {sd}x{sh}x{plan['box'][3]} positions, warp tile "
+        f"{16 * mma['wm']} positions x {8 * mma['wn']} channels, {mma['units']} warp tiles per slab"
+    )
 
 
 def describe(plan: dict) -> str:
@@ -475,8 +735,7 @@ def describe(plan: dict) -> str:
     lines = [
         f"kernel {plan['kernel_name']}: {plan['threads']} threads/block, {plan['blocks_per_sample']} blocks per sample,"
         f" {plan['smem_bytes']} bytes shared memory",
-        f"box (c, d, h, w) = {tuple(b)}; register tile {plan['ct']} channels x {plan['pt']} positions;"
-        f" cluster of {plan['cluster']} block(s) per kept tile",
+        f"box (c, d, h, w) = {tuple(b)}; " + _engine_summary(plan) + f"; cluster of {plan['cluster']} block(s) per kept tile",
         "axes: " + ", ".join(f"{AXIS_NAMES[a]}={plan['role'][a]}" for a in AXES),
         "rewrites: " + ("; ".join(plan["rewrites"]) or "none"),
     ]

@@ -74,6 +74,9 @@ class TileSpec(Model):
     positions_per_thread: Optional[Annotated[int, Field(ge=1, le=8)]] = None
     box: Optional[list[Annotated[int, Field(gt=0)]]] = None
     min_blocks: Optional[Annotated[int, Field(ge=1, le=32)]] = None  # __launch_bounds__ occupancy hint
+    # The conv's arithmetic: true = tensor cores (3xTF32 mma.sync, fp32-accurate), false = fp32
+    # FFMA register tiles; left out, the planner uses tensor cores wherever the layer allows.
+    tensor_cores: Optional[bool] = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -105,6 +105,41 @@ def test_random_specs_match_reference(data):
     compare(layer, 5, seed=2)
 
 
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(random_specs())
+def test_random_specs_on_tensor_cores_match_reference(data):
+    """The same, with tensor cores asked for (the planner alone picks them only for deep layers)."""
+    try:
+        spec = validate({**data, "tile": {"tensor_cores": True}})
+        layer = FusedLayer(spec).cuda()
+        layer.specialize()
+    except specgen.spec.SpecError as err:  # PlanError included: no tensor cores for this layer
+        assert "spans" in str(err) or "tile.tensor_cores" in str(err)
+        return
+    compare(layer, 1, seed=3)
+    compare(layer, 4, seed=4)
+
+
+NESTED = [
+    {"name": "nested_a", "input": {"channels": 4, "size": [20, 23]}, "conv": {"out_channels": 12, "kernel": 3, "padding": 1},
+     "epilogue": [{"sum": {"dims": [2, 3], "keepdim": True}}, "tanh", {"amax": {"dims": [1]}}]},
+    {"name": "nested_b", "input": {"channels": 3, "size": [6, 9, 10]}, "conv": {"out_channels": 8, "kernel": 3},
+     "epilogue": [{"logsumexp": {"dims": [1], "keepdim": True}}, {"mean": {"dims": [2, 3, 4]}}]},
+    {"name": "nested_c", "input": {"channels": 8, "size": [33, 17]}, "conv": {"out_channels": 40, "kernel": [3, 2]},
+     "epilogue": ["relu", {"amax": {"dims": [1]}}, {"sum": {"dims": [1, 2]}}]},
+]
+
+
+@pytest.mark.parametrize("data", NESTED, ids=[d["name"] for d in NESTED])
+def test_nested_reductions_batched_match_reference(data):
+    """Two reductions down to one value per sample: the outer one is taken a box at a time."""
+    layer = FusedLayer(validate(data)).cuda()
+    assert layer.specialize().plan["batched"]
+    compare(layer, 1, seed=8)
+    compare(layer, 3, seed=9)
+
+
 def test_kb90_and_kb65_at_full_size():
     for name in ("kb90", "kb65"):
         layer = FusedLayer(load_specs(EXAMPLES / f"{name}.yaml")[0]).cuda()
@@ -200,8 +235,28 @@ def test_state_dict_round_trips_with_the_seed_models():
         torch.testing.assert_close(fused(x), plain(x), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["kb65", "conv2d_stride2_avgpool_fold"])
-def test_avg_pool_fold_matches_the_unrewritten_kernel(name):
+@pytest.mark.parametrize("engine", [True, False], ids=["tensor_cores", "ffma"])
+@pytest.mark.parametrize("spec", example_specs())
+def test_both_engines_match_reference(spec, engine):
+    """Every example on tensor cores (where the plan allows them) and on FFMA, whatever the
+    planner would pick: small-K layers exercise the padding of channels and taps."""
+    from specgen.plan import PlanError
+    from specgen.spec import TileSpec
+
+    spec = shrink(spec)
+    forced = spec.model_copy(update={"tile": TileSpec(tensor_cores=engine)})
+    try:
+        layer = FusedLayer(forced).cuda()
+        layer.specialize()
+    except PlanError as err:
+        assert engine and "tile.tensor_cores" in str(err)
+        pytest.skip(f"no tensor cores here: {err}")
+    assert (layer.specialize().plan["mma"] is not None) == engine
+    compare(layer, 3, seed=5)
+
+
+@pytest.mark.parametrize("name", ["kb65", "conv2d_stride2_avgpool_fold", "conv2d_div_hardtanh_amax"])
+def test_rewrites_match_the_unrewritten_kernel(name):
     spec = shrink(next(s for s in example_specs_flat() if s.name == name))
     folded = FusedLayer(spec).cuda()
     unfolded = FusedLayer(validate({**spec.model_dump(), "rewrites": False})).cuda()

@@ -1,0 +1,186 @@
+"""The planner's choices: tensor cores or FFMA, the tensor-core tiling, the affine fold (no GPU)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from specgen.literals import to_float32
+from specgen.plan import PlanError, build_plan, describe
+from specgen.render import render_plan
+from specgen.spec import SpecError, load_specs, validate
+from strategies import specs as random_specs
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SPECS = {s.name: s for path in sorted(EXAMPLES.glob("*.yaml")) for s in load_specs(path)}
+
+
+def with_(name: str, **changes) -> dict:
+    data = SPECS[name].model_dump()
+    data.update(changes)
+    return data
+
+
+@pytest.mark.parametrize("name", ["kb90", "kb65"])
+def test_the_seeds_run_on_tensor_cores(name):
+    plan = build_plan(SPECS[name])
+    assert plan["mma"] is not None
+    assert "tensor cores (3xTF32" in describe(plan)
+    text = render_plan(plan)
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in text
+    assert "lo(a)hi(b) + hi(a)lo(b) + hi(a)hi(b)" in text  # the banner explains 3xTF32
+
+
+def test_tensor_cores_can_be_turned_off():
+    plan = build_plan(validate(with_("kb90", tile={"tensor_cores": False})))
+    assert plan["mma"] is None
+    assert "mma.sync" not in render_plan(plan)
+    assert "fp32 FFMA" in describe(plan)
+
+
+def test_pinning_an_ffma_register_tile_keeps_ffma():
+    plan = build_plan(validate(with_("kb90", tile={"channels_per_thread": 4})))
+    assert plan["mma"] is None and plan["ct"] == 4
+
+
+def test_tensor_cores_refused_with_a_reason():
+    data = with_("depthwise_mish", tile={"tensor_cores": True})
+    with pytest.raises(PlanError) as err:
+        build_plan(validate(data))
+    assert "tile.tensor_cores" in str(err.value) and "groups" in str(err.value)
+
+
+def test_shallow_layers_stay_on_ffma_unless_asked():
+    # K = 3 channels x 9 taps: staging the input costs more than tensor cores save
+    assert build_plan(SPECS["conv2d_min_tanh_tanh"])["mma"] is None
+    forced = build_plan(validate(with_("conv2d_min_tanh_tanh", tile={"tensor_cores": True})))
+    assert forced["mma"] is not None and forced["mma"]["cip"] % 4 == 0
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_specs())
+def test_tensor_core_tiling_invariants(spec):  # spec: a mapping
+    """Whatever the layer: the warp tiles cover the slab, K is padded to whole k-steps, the staged
+    input holds every tap of every position, and shared memory fits."""
+    try:
+        valid = validate({**spec, "tile": {"tensor_cores": True}})
+    except SpecError as err:  # the strategy can draw an empty pooled output: a clean rejection
+        assert "spans" in str(err)
+        return
+    try:
+        plan = build_plan(valid)
+    except PlanError as err:
+        assert "tile.tensor_cores" in str(err)
+        return
+    m = plan["mma"]
+    assert m["k_pad"] % 8 == 0 and m["k_pad"] >= plan["taps"] * m["cip"] >= plan["taps"] * plan["cin_g"]
+    assert m["cip"] % 4 == 0
+    n_tiles = math.ceil(plan["box"][0] / 8)
+    assert math.ceil(m["mt"] / m["wm"]) * m["n_groups"] == m["units"] and m["n_groups"] * m["wn"] >= n_tiles
+    assert m["unit_iters"] * m["warps"] >= m["units"] and plan["threads"] == 32 * m["warps"]
+    sd, sh = m["slab"]
+    assert m["m_slab"] == sd * sh * plan["box"][3] and m["mt"] * 16 >= m["m_slab"]
+    assert m["slabs"][0] * sd >= plan["box"][1] and m["slabs"][1] * sh >= plan["box"][2]
+    for extent, stride, kernel, dil, staged in zip((sd, sh, plan["box"][3]), plan["stride"], plan["kernel"], plan["dilation"], m["xs"]):
+        assert staged == (extent - 1) * stride + (kernel - 1) * dil + 1
+    assert m["ci_stride"] >= m["xs"][0] * m["xs"][1] * m["xs_wp"]
+    assert m["ws"] % 32 in (8, 24) and m["ws"] >= plan["box"][0]
+    assert plan["smem_bytes"] <= 227 * 1024
+    assert "mma.sync" in render_plan(plan)
+
+
+# ---- the affine fold --------------------------------------------------------------------------
+
+
+def affine_spec(*stages, rewrites=True, **conv):
+    return validate(
+        {
+            "name": "affine",
+            "input": {"channels": 4, "size": [16, 16]},
+            "conv": {"out_channels": 8, "kernel": 3, **conv},
+            "epilogue": [*stages, "relu"],
+            "rewrites": rewrites,
+        }
+    )
+
+
+def test_affine_ops_after_the_conv_fold_into_weights_and_bias():
+    plan = build_plan(affine_spec({"mul": 3.0}, {"add": 0.5}, {"div": 4.0}, {"sub": 1.0}))
+    assert plan["affine"]["scale"] == 0.75 and plan["affine"]["shift"] == 0.5 / 4 - 1.0
+    assert [st["op"] for st in plan["levels"][0]["pointwise"]] == ["relu"]
+    assert any(r.startswith("affine fold: epilogue[0..3] (mul, add, div, sub)") for r in plan["rewrites"])
+    text = render_plan(plan)
+    assert "constexpr float AFFINE_SCALE = 0.75f;" in text
+    assert "constexpr float AFFINE_SHIFT = -0.875f;" in text
+    assert "fmaf(__ldg(bias + c + j), AFFINE_SCALE, AFFINE_SHIFT)" in text
+    assert "S0_VALUE" not in text  # the folded stages leave no constants behind
+
+
+def test_affine_fold_constants_are_float32_exact_literals():
+    plan = build_plan(affine_spec({"div": 3.0}))
+    text = render_plan(plan)
+    line = next(ln for ln in text.splitlines() if "constexpr float AFFINE_SCALE" in ln)
+    literal = line.split("=")[1].split(";")[0].strip().rstrip("f")
+    assert to_float32(float(literal)) == to_float32(1 / 3)
+
+
+@pytest.mark.parametrize(
+    "stages, why",
+    [
+        (({"add": {"param": "shift"}},), "a learnable parameter is not a constant"),
+        (({"mul": 0.0},), "scale 0 would turn inf/NaN conv outputs into finite ones"),
+        (({"mul": 1e30}, {"mul": 1e30}), "a scale beyond 2^64 could overflow the weights"),
+        (("tanh", {"mul": 2.0}), "only ops directly after the conv fold"),
+    ],
+)
+def test_affine_fold_declines(stages, why):
+    plan = build_plan(affine_spec(*stages))
+    assert plan["affine"] is None, why
+    assert not any("affine" in r for r in plan["rewrites"])
+
+
+def test_affine_fold_off_with_rewrites_false():
+    plan = build_plan(affine_spec({"mul": 2.0}, rewrites=False))
+    assert plan["affine"] is None and plan["levels"][0]["pointwise"][0]["op"] == "mul"
+
+
+def test_affine_and_avg_pool_folds_compose():
+    spec = validate(
+        {
+            "name": "both",
+            "input": {"channels": 4, "size": [32, 32]},
+            "conv": {"out_channels": 8, "kernel": 3},
+            "epilogue": [{"avg_pool": {"kernel": 2}}, {"mul": 2.0}, "sigmoid"],
+        }
+    )
+    plan = build_plan(spec)
+    assert plan["fold"] is not None and plan["affine"]["scale"] == 2.0
+    assert "return sum / FOLD_WINDOW * AFFINE_SCALE;" in render_plan(plan)
+
+
+# ---- nested reductions ------------------------------------------------------------------------
+
+
+def test_nested_reductions_take_the_outer_axes_a_box_at_a_time():
+    plan = build_plan(SPECS["conv2d_nested_reductions"])
+    assert plan["batched"] and plan["role"]["h"] == plan["role"]["w"] == "R2"
+    assert plan["box"][2] > 1 and plan["box"][3] > 1  # a box holds many outer positions
+    assert plan["blocks_per_sample"] == 1
+    text = render_plan(plan)
+    assert "for (int o_h = 0; o_h < T1_H; o_h += BOX_H)" in text
+    assert "Join the threads' accumulators with a fixed tree." in text
+
+
+def test_nested_reductions_with_kept_elements_walk_the_outer_axes():
+    data = {
+        "name": "kept",
+        "input": {"channels": 4, "size": [12, 12]},
+        "conv": {"out_channels": 8, "kernel": 3},
+        "epilogue": [{"sum": {"dims": [1], "keepdim": True}}, {"amax": {"dims": [3]}}],
+    }
+    plan = build_plan(validate(data))  # H is kept: several values per sample, the old walk
+    assert not plan["batched"]
+    assert "for (int o_w = 0; o_w < T1_W; ++o_w)" in render_plan(plan)
