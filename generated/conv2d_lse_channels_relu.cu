@@ -34,7 +34,7 @@
 //   * Tensor cores: the conv is an implicit GEMM, M = output positions, N = output channels,
 //     K = taps x input channels. The block stages its weights (B, [K][N]) once, then walks the box
 //     in slabs of 1 x 4 x 126 positions (d x h x w): the slab's input is copied to shared memory
-//     (cp.async, zeros for padding), and each warp computes a tile of 32 positions x 32 channels with
+//     (16-byte cp.async; zeros for padding), and each warp computes a tile of 32 positions x 32 channels with
 //     mma.sync m16n8k8 in 3xTF32: each fp32 operand x is split into a TF32 part hi(x) and the
 //     remainder lo(x) = x - hi(x), and a*b is accumulated as lo(a)hi(b) + hi(a)lo(b) + hi(a)hi(b) in
 //     fp32 (the dropped lo(a)lo(b) is below 2^-21 |a b|): fp32 accuracy at tensor-core speed.
@@ -160,19 +160,28 @@ __device__ __forceinline__ void cp_async_16(float* dst, const float* src, bool o
 // Stage the input of the slab whose first output is T1 position (d0, h0, w0), in 16-byte chunks:
 // x_s[ci][zd][zh][zw] = x[ci][d0 * S_D - P_D + zd][...], zero outside the input and for ci >= C_IN_G.
 // Rows, padding and the slab's first input W are multiples of 4: a chunk is all inside or all out.
+// Chunk e of the slab: its input row and first W, whether it lies in the input, its source and destination.
+__device__ __forceinline__ bool input_chunk(const float* __restrict__ x_n, float* __restrict__ x_s, int e, int id0, int ih0, int iw0,
+                                            const float*& src, float*& dst, int& zw) {
+  const int row = e / XS_CHUNKS, ci = row / (XS_D * XS_H);
+  zw = e % XS_CHUNKS * 4;
+  const int id = id0 + row / XS_H % XS_D, ih = ih0 + row % XS_H, iw = iw0 + zw;
+  const bool ok = e < XS_ROWS * XS_CHUNKS && ci < C_IN_G && static_cast<unsigned>(id) < IN_D && static_cast<unsigned>(ih) < IN_H && static_cast<unsigned>(iw) < IN_W;
+  src = x_n + (ok ? ((ci * IN_D + id) * IN_H + ih) * IN_W + iw : 0);
+  dst = x_s + ci * CI_STRIDE + row % (XS_D * XS_H) * XS_WP + zw;
+  return ok;
+}
+
 __device__ __forceinline__ void stage_input(const float* __restrict__ x_n, float* __restrict__ x_s, int d0, int h0, int w0) {
   const int id0 = d0 * S_D - P_D, ih0 = h0 * S_H - P_H, iw0 = w0 * S_W - P_W;
   #pragma unroll 4
   for (int q = 0; q < XS_ITERS; ++q) {
     const int e = q * THREADS + threadIdx.x;
-    if (e < XS_ROWS * XS_CHUNKS) {
-      const int row = e / XS_CHUNKS, zw = e % XS_CHUNKS * 4, ci = row / (XS_D * XS_H);
-      const int id = id0 + row / XS_H % XS_D, ih = ih0 + row % XS_H, iw = iw0 + zw;
-      const bool ok = ci < C_IN_G && static_cast<unsigned>(id) < IN_D && static_cast<unsigned>(ih) < IN_H && static_cast<unsigned>(iw) < IN_W;
-      const float* src = x_n + (ok ? ((ci * IN_D + id) * IN_H + ih) * IN_W + iw : 0);
-      float* dst = x_s + ci * CI_STRIDE + row % (XS_D * XS_H) * XS_WP + zw;
-      cp_async_16(dst, src, ok);
-    }
+    const float* src;
+    float* dst;
+    int zw;
+    const bool ok = input_chunk(x_n, x_s, e, id0, ih0, iw0, src, dst, zw);
+    if (e < XS_ROWS * XS_CHUNKS) cp_async_16(dst, src, ok);
   }
 }
 

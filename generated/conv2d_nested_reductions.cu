@@ -34,6 +34,8 @@
 //     (box = 16 x 1 x 8 x 62 in c x d x h x w), parks each box in shared memory, and owner threads
 //     fold it into their accumulators in a fixed order (1 lane(s) per kept element, joined by a
 //     fixed tree), so the result does not depend on scheduling.
+//     The outer reduction's axes (h, w) are taken a box at a time: each owner folds
+//     its inner results into one accumulator per thread, joined at the end by a fixed tree.
 //   * Each thread computes register tiles of 8 output channels x 4 consecutive W positions.
 //   * Weights of the block's channels are staged in shared memory once per block.
 //   Grid: x = 1 blocks per sample, y = sample; 256 threads per block;

@@ -40,7 +40,7 @@
 //   * Tensor cores: the conv is an implicit GEMM, M = output positions, N = output channels,
 //     K = taps x input channels. The block stages its weights (B, [K][N]) once, then walks the box
 //     in slabs of 1 x 4 x 64 positions (d x h x w): the slab's input is copied to shared memory
-//     (cp.async, zeros for padding), and each warp computes a tile of 16 positions x 32 channels with
+//     (4-byte cp.async; zeros for padding), and each warp computes a tile of 16 positions x 32 channels with
 //     mma.sync m16n8k8 in 3xTF32: each fp32 operand x is split into a TF32 part hi(x) and the
 //     remainder lo(x) = x - hi(x), and a*b is accumulated as lo(a)hi(b) + hi(a)lo(b) + hi(a)hi(b) in
 //     fp32 (the dropped lo(a)lo(b) is below 2^-21 |a b|): fp32 accuracy at tensor-core speed.

@@ -33,14 +33,14 @@
 //   * Body: conv -> sigmoid. Its result is T1 = [64 x 1 x 95 x 95] per sample.
 //   * Tail: sum over c+h+w.
 //     A block owns a tile of the kept axes (d); it computes T1 box by box
-//     (box = 64 x 1 x 2 x 95 in c x d x h x w), parks each box in shared memory, and owner threads
-//     fold it into their accumulators in a fixed order (512 lane(s) per kept element, joined by a
-//     fixed tree), so the result does not depend on scheduling.
+//     (box = 64 x 1 x 2 x 95 in c x d x h x w); one value is kept per box, so each thread folds its own
+//     tensor-core fragments into its accumulator in a fixed order, and the block's threads are joined
+//     by a fixed tree, so the result does not depend on scheduling.
 //   * Rewrite: avg-pool fold: epilogue[0] avg_pool 4x4 folded into the conv (kernel 3x3 -> 6x6, stride 4x4): 4.00x fewer multiply-adds.
 //   * Tensor cores: the conv is an implicit GEMM, M = output positions, N = output channels,
 //     K = taps x input channels. The block stages its weights (B, [K][N]) once, then walks the box
 //     in slabs of 1 x 2 x 95 positions (d x h x w): the slab's input is copied to shared memory
-//     (cp.async, zeros for padding), and each warp computes a tile of 48 positions x 16 channels with
+//     (16-byte loads, 4-byte stores; zeros for padding), and each warp computes a tile of 48 positions x 16 channels with
 //     mma.sync m16n8k8 in 3xTF32: each fp32 operand x is split into a TF32 part hi(x) and the
 //     remainder lo(x) = x - hi(x), and a*b is accumulated as lo(a)hi(b) + hi(a)lo(b) + hi(a)hi(b) in
 //     fp32 (the dropped lo(a)lo(b) is below 2^-21 |a b|): fp32 accuracy at tensor-core speed.
@@ -177,23 +177,49 @@ __device__ __forceinline__ int x_offset(int p) {
 // Stage the input of the slab whose first output is T1 position (d0, h0, w0), in 16-byte chunks:
 // x_s[ci][zd][zh][zw] = x[ci][d0 * S_D - P_D + zd][...], zero outside the input and for ci >= C_IN_G.
 // Rows, padding and the slab's first input W are multiples of 4: a chunk is all inside or all out.
+// Chunk e of the slab: its input row and first W, whether it lies in the input, its source and destination.
+__device__ __forceinline__ bool input_chunk(const float* __restrict__ x_n, float* __restrict__ x_s, int e, int id0, int ih0, int iw0,
+                                            const float*& src, float*& dst, int& zw) {
+  const int row = e / XS_CHUNKS, ci = row / (XS_D * XS_H);
+  zw = e % XS_CHUNKS * 4;
+  const int id = id0 + row / XS_H % XS_D, ih = ih0 + row % XS_H, iw = iw0 + zw;
+  const bool ok = e < XS_ROWS * XS_CHUNKS && ci < C_IN_G && static_cast<unsigned>(id) < IN_D && static_cast<unsigned>(ih) < IN_H && static_cast<unsigned>(iw) < IN_W;
+  src = x_n + (ok ? ((ci * IN_D + id) * IN_H + ih) * IN_W + iw : 0);
+  dst = x_s + ci * CI_STRIDE + row % (XS_D * XS_H) * XS_WP + zw;
+  return ok;
+}
+
 __device__ __forceinline__ void stage_input(const float* __restrict__ x_n, float* __restrict__ x_s, int d0, int h0, int w0) {
   const int id0 = d0 * S_D - P_D, ih0 = h0 * S_H - P_H, iw0 = w0 * S_W - P_W;
-  #pragma unroll 4
-  for (int q = 0; q < XS_ITERS; ++q) {
-    const int e = q * THREADS + threadIdx.x;
-    if (e < XS_ROWS * XS_CHUNKS) {
-      const int row = e / XS_CHUNKS, zw = e % XS_CHUNKS * 4, ci = row / (XS_D * XS_H);
-      const int id = id0 + row / XS_H % XS_D, ih = ih0 + row % XS_H, iw = iw0 + zw;
-      const bool ok = ci < C_IN_G && static_cast<unsigned>(id) < IN_D && static_cast<unsigned>(ih) < IN_H && static_cast<unsigned>(iw) < IN_W;
-      const float* src = x_n + (ok ? ((ci * IN_D + id) * IN_H + ih) * IN_W + iw : 0);
-      float* dst = x_s + ci * CI_STRIDE + row % (XS_D * XS_H) * XS_WP + zw;
-      // (the staged rows are not 16-byte aligned, so that A loads spread over banks: 4-byte stores)
-      const float4 v = ok ? __ldg(reinterpret_cast<const float4*>(src)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      dst[0] = v.x;
-      if (zw + 1 < XS_W) dst[1] = v.y;
-      if (zw + 2 < XS_W) dst[2] = v.z;
-      if (zw + 3 < XS_W) dst[3] = v.w;
+  // The staged rows are not 16-byte aligned (so that A loads spread over banks): 16-byte loads,
+  // STAGE_BATCH of them in flight per thread, then 4-byte stores, lanes 8 apart starting at
+  // different elements of their chunks so that a warp's stores hit 32 distinct banks.
+  constexpr int STAGE_BATCH = 8;
+  const int rot = threadIdx.x / 8 % 4;
+  #pragma unroll 1
+  for (int q0 = 0; q0 < XS_ITERS; q0 += STAGE_BATCH) {
+    float4 v[STAGE_BATCH];
+    #pragma unroll
+    for (int b = 0; b < STAGE_BATCH; ++b) {
+      const float* src;
+      float* dst;
+      int zw;
+      const bool ok = input_chunk(x_n, x_s, (q0 + b) * THREADS + threadIdx.x, id0, ih0, iw0, src, dst, zw);
+      v[b] = ok ? __ldg(reinterpret_cast<const float4*>(src)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    #pragma unroll
+    for (int b = 0; b < STAGE_BATCH; ++b) {
+      const int e = (q0 + b) * THREADS + threadIdx.x;
+      const float* src;
+      float* dst;
+      int zw;
+      input_chunk(x_n, x_s, e, id0, ih0, iw0, src, dst, zw);
+      #pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const int k = (s + rot) % 4;
+        const float value = k == 0 ? v[b].x : k == 1 ? v[b].y : k == 2 ? v[b].z : v[b].w;
+        if (e < XS_ROWS * XS_CHUNKS && zw + k < XS_W) dst[k] = value;
+      }
     }
   }
 }

@@ -124,6 +124,7 @@ MMA_WARPS = 8  # warps per block
 MMA_MAX_WM = 4  # m-tiles per warp
 MMA_MAX_WN = 4  # n-tiles per warp
 MMA_WARPS_ONE_BLOCK = 16  # warps per block when only one block fits an SM
+MMA_STAGE_BATCH = 8  # 16-byte input loads in flight per thread while staging through registers
 MMA_MAX_TILES = 8  # m-tiles x n-tiles per warp: 32 accumulators, so two blocks of 8 warps fit an SM's registers
 MMA_MIN_K = 64  # taps x input channels, for the planner to pick tensor cores by itself
 MMA_MIN_CHANNELS = 32  # output channels, likewise
@@ -252,7 +253,7 @@ def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, 
             "unit_iters": _ceil_div(units, warps), "n_groups": _ceil_div(_ceil_div(box[0], 8), wn),
             "slab": (sd, sh), "slabs": (_ceil_div(box[1], sd), _ceil_div(box[2], sh)), "m_slab": m_slab, "mt": mt,
             "cip": cip, "k_pad": k_pad, "ksteps": k_pad // 8, "ws": ws, "swizzle": swizzle, "xs": xs, "xs_wp": xs_wp,
-            "ci_stride": ci_stride, "stage": stage,
+            "ci_stride": ci_stride, "stage": stage, "stage_batch": min(MMA_STAGE_BATCH, _ceil_div(cip * xs[0] * xs[1] * xs_wp // 4, 32 * warps)),
             "x_floats": floats["x"], "w_floats": floats["w"], "direct_fold": direct,
         }
     return None
