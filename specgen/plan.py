@@ -214,7 +214,8 @@ def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, 
         tiles = _warp_tiles(mt, _ceil_div(box[0], 8))
         if tiles is None:
             if target is None:
-                raise PlanError([f"tile.box: {m_slab} positions per box are more than {MMA_WARPS} warps x {MMA_MAX_WM} m-tiles"])
+                raise PlanError([f"tile.box: {m_slab} positions x {box[0]} channels per box are more than {MMA_WARPS} warps take "
+                                 f"at once with tensor cores ({2 * MMA_WARPS * MMA_MAX_TILES} tiles of 16 positions x 8 channels); choose a smaller box"])
             continue
         wm, wn, units = tiles
         # One kept element per box (a full reduction, say): threads fold their fragments

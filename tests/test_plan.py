@@ -184,3 +184,21 @@ def test_nested_reductions_with_kept_elements_walk_the_outer_axes():
     plan = build_plan(validate(data))  # H is kept: several values per sample, the old walk
     assert not plan["batched"]
     assert "for (int o_w = 0; o_w < T1_W; ++o_w)" in render_plan(plan)
+
+
+def test_a_user_box_on_tensor_cores_is_one_slab():
+    plan = build_plan(validate(with_("kb90", tile={"tensor_cores": True, "box": [64, 1, 2, 62]})))
+    assert plan["box"] == [64, 1, 2, 62] and plan["mma"]["slab"] == (1, 2) and plan["mma"]["slabs"] == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "box, expected",
+    [
+        ([60, 1, 2, 62], "multiple of 8"),
+        ([64, 1, 16, 62], "choose a smaller box"),
+    ],
+)
+def test_a_user_box_on_tensor_cores_is_checked(box, expected):
+    with pytest.raises(PlanError) as err:
+        build_plan(validate(with_("kb90", tile={"tensor_cores": True, "box": box})))
+    assert "tile.box" in str(err.value) and expected in str(err.value)
