@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from specgen import cache
 from specgen.plan import build_plan
 from specgen.render import render_plan
-from specgen.spec import LayerSpec
+from specgen.spec import LayerSpec, TileSpec
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,19 @@ def specialize_runtime_dims(spec: LayerSpec, arch: str | None = None) -> Special
     return Specialized(spec, plan, source, cache.get_or_build(req))
 
 
+def _without_spills(item: Specialized, arch: str | None) -> Specialized:
+    """A build that spilled registers under the planner's occupancy hint (two blocks per SM caps a
+    thread's registers) is built again with one block per SM, and kept if it spills less. A
+    `tile.min_blocks` the user wrote is left alone."""
+    spec = item.spec
+    if item.build.spill_bytes == 0 or item.plan["min_blocks"] <= 1 or (spec.tile is not None and spec.tile.min_blocks):
+        return item
+    tile = (spec.tile or TileSpec()).model_copy(update={"min_blocks": 1})
+    plan, source, req = request(spec.model_copy(update={"tile": tile}), arch)
+    build = cache.get_or_build(req)
+    return Specialized(spec, plan, source, build) if build.spill_bytes < item.build.spill_bytes else item
+
+
 def specialize(spec: LayerSpec, arch: str | None = None) -> Specialized:
     """The compiled kernel of `spec`; repeated calls in one process cost a dict lookup."""
     memo_key = (spec.canonical_json(), arch)
@@ -51,7 +64,7 @@ def specialize(spec: LayerSpec, arch: str | None = None) -> Specialized:
         hit = _memo.get(memo_key)
         if hit is None:
             plan, source, req = request(spec, arch)
-            hit = Specialized(spec, plan, source, cache.get_or_build(req))
+            hit = _without_spills(Specialized(spec, plan, source, cache.get_or_build(req)), arch)
             _memo[memo_key] = hit
     return hit
 
@@ -62,7 +75,7 @@ def specialize_many(specs: list[LayerSpec], arch: str | None = None) -> list[Spe
     builds = cache.build_many([req for _, _, req in prepared])
     out = []
     for spec, (plan, source, _), build in zip(specs, prepared, builds):
-        item = Specialized(spec, plan, source, build)
+        item = _without_spills(Specialized(spec, plan, source, build), arch)
         _memo.setdefault((spec.canonical_json(), arch), item)
         out.append(item)
     return out

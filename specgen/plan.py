@@ -198,8 +198,8 @@ def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, 
             sd, sh = box[1], box[2]
         else:
             bw = _balanced(t1[3], target) if in_box["w"] else 1
-            sh = min(t1[2], max(1, target // bw)) if in_box["h"] else 1
-            sd = min(t1[1], max(1, target // (sh * bw))) if in_box["d"] and (sh == t1[2] or not in_box["h"]) else 1
+            sh = _balanced(t1[2], max(1, target // bw)) if in_box["h"] else 1  # near-equal slabs: little waste
+            sd = _balanced(t1[1], max(1, target // (sh * bw))) if in_box["d"] and (sh == t1[2] or not in_box["h"]) else 1
             bd, bh = sd, sh
             if not has_tail:  # a block walks up to 4 slabs, staging its weights once
                 if in_box["h"] and sh < t1[2]:
