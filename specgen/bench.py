@@ -34,7 +34,8 @@ def _time(fn, reps: int, warmup: int = 3) -> float:
 
 
 def ceilings(reps: int = 20) -> dict:
-    """Copy bandwidth (bytes read + written) and the fp32 (TF32 off) matrix-product rate."""
+    """Copy bandwidth (bytes read + written) and the matrix-product rates with TF32 off (the
+    FFMA proxy) and on (the tensor-core rate 3xTF32 plans are judged by)."""
     n = 1 << 28  # 1 GiB of float32
     src = torch.randn(n, device="cuda")
     dst = torch.empty_like(src)

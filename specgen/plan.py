@@ -137,11 +137,9 @@ def _warp_tiles(mt: int, nt: int, warps: int = MMA_WARPS) -> tuple[int, int, int
     the largest warp tile (fewer shared-memory loads per mma)."""
     best = None
     for wn in (4, 2, 1):
-        if wn > nt and wn > 1:
+        if wn > max(nt, 1) or wn > MMA_MAX_WN:
             continue
-        for wm in range(1, MMA_MAX_WM + 1):
-            if wm * wn > MMA_MAX_TILES or wn > MMA_MAX_WN:
-                continue
+        for wm in range(1, min(MMA_MAX_WM, MMA_MAX_TILES // wn) + 1):
             units = _ceil_div(mt, wm) * _ceil_div(nt, wn)
             if units > 2 * warps:
                 continue
@@ -231,11 +229,11 @@ def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, 
         w_tiles = _ceil_div(t1[3], box[3]) if in_box["w"] else t1[3]
         chunked = in3[2] % 4 == 0 and p3[2] % 4 == 0 and (w_tiles == 1 or box[3] * s3[2] % 4 == 0)
         plane4 = xs[0] * xs[1] * _round_up(xs[2], 4)
-        aligned_ok = _bank_conflicts(_bank_spread_stride(plane4, s3[2], 4), s3[2]) == _bank_conflicts(
-            _bank_spread_stride(plane4, s3[2], 1), s3[2])
+        cs_aligned, cs_any = _bank_spread_stride(plane4, s3[2], 4), _bank_spread_stride(plane4, s3[2], 1)
+        aligned_ok = _bank_conflicts(cs_aligned, s3[2]) == _bank_conflicts(cs_any, s3[2])
         stage = "cp16" if chunked and aligned_ok else ("ldg16" if chunked else "cp4")
         xs_wp = _round_up(xs[2], 4) if stage != "cp4" else xs[2]  # row stride of the staged input
-        ci_stride = _bank_spread_stride(xs[0] * xs[1] * xs_wp, s3[2], 4 if stage == "cp16" else 1)
+        ci_stride = {"cp16": cs_aligned, "ldg16": cs_any}.get(stage) or _bank_spread_stride(xs[0] * xs[1] * xs_wp, s3[2], 1)
         floats = {"w": k_pad * ws, "x": cip * ci_stride,
                   "box": math.prod(box) if has_tail and not direct else 0,
                   "red": 2 * max(32 * MMA_WARPS_ONE_BLOCK, nf) if has_tail else 0}
@@ -289,9 +287,7 @@ def _affine_fold(spec: LayerSpec, level0: dict, consts: list[Constant]) -> dict 
         else:
             shift -= value
         taken.append(st)
-    if not taken or not (AFFINE_SCALE_RANGE[0] <= abs(scale) <= AFFINE_SCALE_RANGE[1]) or not math.isfinite(shift):
-        return None
-    if abs(shift) > FLOAT32_MAX:
+    if not taken or not AFFINE_SCALE_RANGE[0] <= abs(scale) <= AFFINE_SCALE_RANGE[1] or not abs(shift) <= FLOAT32_MAX:
         return None
     level0["pointwise"] = level0["pointwise"][len(taken):]
     dropped = {f"S{st['index']}_" for st in taken}
