@@ -114,11 +114,6 @@ constexpr int R_ITERS = 32;  // box elements per lane per box
 // ---- op constants -------------------------------------------------------------------------------------
 // (none)
 
-// W(c, r) for r = ci * TAPS + tap; 0 past the last channel.
-__device__ __forceinline__ float conv_weight(const float* __restrict__ weight, int c, int r) {
-  return c < C_OUT ? __ldg(weight + c * (C_IN_G * TAPS) + r) : 0.0f;
-}
-
 // 3xTF32: x = hi + lo exactly, hi = x rounded to TF32 (10 mantissa bits, to nearest), lo = x - hi.
 __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
   hi = (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u;
@@ -269,6 +264,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) specgen_conv2d_lse_chan
   float* __restrict__ out_n = out + static_cast<size_t>(n) * OUT_PER_SAMPLE;
 
   // Origin of this block's tile along each kept axis (0 along the others).
+  constexpr int cluster_blocks = 1;
   const int rank = 0;
   int tile = blockIdx.x;
   const int tile_w = tile % TILES_W; tile /= TILES_W;
@@ -278,13 +274,48 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) specgen_conv2d_lse_chan
   const int c_origin = tile_c * BOX_C, d_origin = tile_d * BOX_D, h_origin = tile_h * BOX_H, w_origin = tile_w * BOX_W;
   const int c_weights = 0;  // first channel of w_s
 
-  // Stage the weights of channels [c_weights, c_weights + WEIGHT_C) as B: w_s[k = tap * CIP + ci][c ^ (k % 4) * 8].
-  #pragma unroll 4
-  for (int q = 0; q < (W_FLOATS + THREADS - 1) / THREADS; ++q) {
-    const int e = q * THREADS + threadIdx.x;  // element e of [WEIGHT_C][C_IN_G * TAPS]: coalesced reads
-    if (e < W_FLOATS) {
-      const int cl = e / (C_IN_G * TAPS), r = e % (C_IN_G * TAPS), k = r % TAPS * CIP + r / TAPS;
-      w_s[k * W_STRIDE + (cl ^ k % 4 * 8)] = conv_weight(weight, c_weights + cl, r);
+  // Stage the weights of channels [c_weights, c_weights + WEIGHT_C) as B: w_s[k = tap * CIP + ci][c ^ (k % 4) * 8],
+  // 32 channels per pass. A pass copies its channels' weights (contiguous in `weight`) to x_s
+  // with coalesced loads; then one thread per (ci, c) pair, c fastest, writes them out as B:
+  // a warp's stores fill one K row of w_s and its reads stride x_s by RAW_STRIDE (odd), so
+  // neither side has bank conflicts.
+  {
+    constexpr int RAW_PER_C = C_IN_G * TAPS;  // weights of one output channel
+    constexpr int RAW_STRIDE = 73;  // x_s floats per channel: RAW_PER_C, made odd
+    constexpr int RAW_C = 32;  // channels per pass
+    constexpr int RAW_ITERS = (RAW_C * RAW_PER_C + THREADS - 1) / THREADS;  // floats a thread copies per pass
+    constexpr int RAW_BATCH = 5;  // of them in flight at once
+    #pragma unroll 1
+    for (int c0 = 0; c0 < WEIGHT_C; c0 += RAW_C) {
+      const float* __restrict__ w_src = weight + (c_weights + c0) * RAW_PER_C;  // the pass's first channel
+      #pragma unroll 1
+      for (int q0 = 0; q0 < RAW_ITERS; q0 += RAW_BATCH) {  // RAW_BATCH loads in flight, then their stores
+        float v[RAW_BATCH];
+        #pragma unroll
+        for (int b = 0; b < RAW_BATCH; ++b) {
+          const int e = (q0 + b) * THREADS + threadIdx.x, cl = e / RAW_PER_C;
+          v[b] = e < RAW_C * RAW_PER_C && c0 + cl < WEIGHT_C && c_weights + c0 + cl < C_OUT ? __ldg(w_src + e) : 0.0f;
+        }
+        #pragma unroll
+        for (int b = 0; b < RAW_BATCH; ++b) {
+          const int e = (q0 + b) * THREADS + threadIdx.x;
+          if (e < RAW_C * RAW_PER_C) x_s[e / RAW_PER_C * RAW_STRIDE + e % RAW_PER_C] = v[b];
+        }
+      }
+      __syncthreads();
+      #pragma unroll 1
+      for (int q = 0; q < (C_IN_G * RAW_C + THREADS - 1) / THREADS; ++q) {
+        const int u = q * THREADS + threadIdx.x, ci = u / RAW_C, cl = u % RAW_C;  // pair u
+        if (u < C_IN_G * RAW_C && c0 + cl < WEIGHT_C) {
+          const float* __restrict__ w_pair = x_s + cl * RAW_STRIDE + ci * (RAW_PER_C / C_IN_G);  // W(c0 + cl, ci, .)
+          #pragma unroll
+          for (int tap = 0; tap < TAPS; ++tap) {
+            const int k = tap * CIP + ci;
+            w_s[k * W_STRIDE + (c0 + cl ^ k % 4 * 8)] = w_pair[tap];
+          }
+        }
+      }
+      __syncthreads();
     }
   }
   __syncthreads();
@@ -296,7 +327,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) specgen_conv2d_lse_chan
   for (int k = 0; k < OWNER_ITERS; ++k) { a1[k] = -CUDART_INF_F; b1[k] = 0.0f; }
   #pragma unroll 1
   for (int qc = 0; qc < CHUNK_ITERS; ++qc) {
-    const int chunk = qc * CLUSTER + rank;  // the box this block computes next
+    const int chunk = qc * cluster_blocks + rank;  // the box this block computes next
     if (chunk < R1_CHUNKS) {  // the same for the whole block: the barriers inside are uniform
       int rem_ch = chunk;
       const int ch_c = rem_ch % CHUNKS_C; rem_ch /= CHUNKS_C;

@@ -195,6 +195,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) specgen_conv2d_min_tanh_ta
   float* __restrict__ out_n = out + static_cast<size_t>(n) * OUT_PER_SAMPLE;
 
   // Origin of this block's tile along each kept axis (0 along the others).
+  constexpr int cluster_blocks = 1;
   const int rank = 0;
   int tile = blockIdx.x;
   const int tile_w = tile % TILES_W; tile /= TILES_W;
@@ -222,7 +223,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) specgen_conv2d_min_tanh_ta
   for (int k = 0; k < OWNER_ITERS; ++k) { a1[k] = CUDART_INF_F; b1[k] = 0.0f; }
   #pragma unroll 1
   for (int qc = 0; qc < CHUNK_ITERS; ++qc) {
-    const int chunk = qc * CLUSTER + rank;  // the box this block computes next
+    const int chunk = qc * cluster_blocks + rank;  // the box this block computes next
     if (chunk < R1_CHUNKS) {  // the same for the whole block: the barriers inside are uniform
       int rem_ch = chunk;
       const int ch_c = rem_ch % CHUNKS_C; rem_ch /= CHUNKS_C;

@@ -45,7 +45,9 @@
 //     remainder lo(x) = x - hi(x), and a*b is accumulated as lo(a)hi(b) + hi(a)lo(b) + hi(a)hi(b) in
 //     fp32 (the dropped lo(a)lo(b) is below 2^-21 |a b|): fp32 accuracy at tensor-core speed.
 //   * Weights of the block's channels are staged in shared memory once per block.
-//   Grid: x = 8 blocks per sample, y = sample; 512 threads per block;
+//   Grid: x = 1 kept tile(s) x a cluster of 1 to 8 blocks per sample, y = sample; the cluster's
+//   size is chosen at launch from the batch and how many clusters the GPU holds at once;
+//   512 threads per block;
 //   152896 bytes of dynamic shared memory.
 // =====================================================================================================
 #include <math_constants.h>
@@ -114,8 +116,8 @@ constexpr int CI_STRIDE = 1301;  // floats between staged channels (padded to sp
 constexpr int XS_ITERS = 41;  // staged input elements per thread
 constexpr int CHUNKS_C = 1, CHUNKS_D = 1, CHUNKS_H = 16, CHUNKS_W = 1;  // boxes along each axis of the first reduction
 constexpr int R1_CHUNKS = 16;  // boxes per kept tile
-constexpr int CLUSTER = 8;  // blocks sharing a kept tile's boxes (a thread-block cluster)
-constexpr int CHUNK_ITERS = 2;  // boxes per block: box q * CLUSTER + rank
+constexpr int MAX_CLUSTER = 8;  // blocks sharing a kept tile's boxes: a cluster of 1 .. MAX_CLUSTER, sized at launch
+constexpr int CHUNK_ITERS = 16;  // boxes per block, at most (a cluster of 1): box q * cluster_blocks + rank
 constexpr int BOX_FLOATS = 8192;  // BOX_C * BOX_D * BOX_H * BOX_W
 constexpr int NF = 32;  // kept elements per block
 constexpr int NR = 256;  // box elements folded into each kept element per box
@@ -126,11 +128,9 @@ constexpr int R_ITERS = 16;  // box elements per lane per box
 // ---- op constants -------------------------------------------------------------------------------------
 constexpr float R1_COUNT = 4096.0f;  // values per mean of epilogue[2] mean over height, width (4096 values)
 
-// W'(c, r): the folded weight, the sum of the conv's own taps t - e over the pool window's
-// offsets e that land inside its kernel, divided by the window size; 0 past the last channel.
-__device__ __forceinline__ float conv_weight(const float* __restrict__ weight, int c, int r) {
-  if (c >= C_OUT) return 0.0f;
-  const int ci = r / TAPS, t = r % TAPS;
+// W'(c, ci, t) from w0 = the conv's own taps of one (c, ci) pair: the sum of its taps t - e over
+// the pool window's offsets e that land inside its kernel, divided by the window size.
+__device__ __forceinline__ float folded_weight(const float* w0, int t) {
   const int td = t / (K_H * K_W), th = t / K_W % K_H, tw = t % K_W;
   float sum = 0.0f;
   #pragma unroll
@@ -141,7 +141,7 @@ __device__ __forceinline__ float conv_weight(const float* __restrict__ weight, i
       for (int ew = 0; ew < FW_W; ++ew) {
         const int kd = td - ed, kh = th - eh, kw = tw - ew;
         if (static_cast<unsigned>(kd) < K0_D && static_cast<unsigned>(kh) < K0_H && static_cast<unsigned>(kw) < K0_W)
-          sum += __ldg(weight + ((c * C_IN_G + ci) * K0_D + kd) * (K0_H * K0_W) + kh * K0_W + kw);
+          sum += w0[(kd * K0_H + kh) * K0_W + kw];
       }
   return sum / FOLD_WINDOW;
 }
@@ -253,7 +253,7 @@ __device__ __forceinline__ void conv_mma(const float* __restrict__ x_s, const fl
 }  // namespace
 
 // One block: one sample (blockIdx.y) x one tile of the kept axes (blockIdx.x / CLUSTER).
-extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CLUSTER, 1, 1) specgen_conv2d_stride2_avgpool_fold(
+extern "C" __global__ void __launch_bounds__(THREADS) specgen_conv2d_stride2_avgpool_fold(
     const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
     const float* __restrict__ weight,  // [C_OUT, C_IN_G, K0_D, K0_H, K0_W]
     const float* __restrict__ bias,    // [C_OUT]
@@ -272,9 +272,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CLUSTER, 
   float* __restrict__ out_n = out + static_cast<size_t>(n) * OUT_PER_SAMPLE;
 
   // Origin of this block's tile along each kept axis (0 along the others).
+  // The launch picks the cluster's size: large clusters spread a small batch over many blocks,
+  // small ones pack the GPU more fully.
   cg::cluster_group cluster = cg::this_cluster();
-  const int rank = blockIdx.x % CLUSTER;  // this block's place in its cluster
-  int tile = blockIdx.x / CLUSTER;
+  const int cluster_blocks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());  // this block's place in its cluster
+  int tile = blockIdx.x / cluster_blocks;
   const int tile_w = tile % TILES_W; tile /= TILES_W;
   const int tile_h = tile % TILES_H; tile /= TILES_H;
   const int tile_d = tile % TILES_D;
@@ -282,13 +285,51 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CLUSTER, 
   const int c_origin = tile_c * BOX_C, d_origin = tile_d * BOX_D, h_origin = tile_h * BOX_H, w_origin = tile_w * BOX_W;
   const int c_weights = c_origin;  // first channel of w_s
 
-  // Stage the weights of channels [c_weights, c_weights + WEIGHT_C) as B: w_s[k = tap * CIP + ci][c ^ (k % 4) * 8].
-  #pragma unroll 4
-  for (int q = 0; q < (W_FLOATS + THREADS - 1) / THREADS; ++q) {
-    const int e = q * THREADS + threadIdx.x;  // element e of [WEIGHT_C][C_IN_G * TAPS]: coalesced reads
-    if (e < W_FLOATS) {
-      const int cl = e / (C_IN_G * TAPS), r = e % (C_IN_G * TAPS), k = r % TAPS * CIP + r / TAPS;
-      w_s[k * W_STRIDE + (cl ^ k % 4 * 8)] = conv_weight(weight, c_weights + cl, r);
+  // Stage the weights of channels [c_weights, c_weights + WEIGHT_C) as B: w_s[k = tap * CIP + ci][c ^ (k % 4) * 8],
+  // 32 channels per pass. A pass copies its channels' weights (contiguous in `weight`) to x_s
+  // with coalesced loads; then one thread per (ci, c) pair, c fastest, writes them out as B, folded:
+  // a warp's stores fill one K row of w_s and its reads stride x_s by RAW_STRIDE (odd), so
+  // neither side has bank conflicts, and the taps are a compile-time loop, so the fold's window bounds vanish.
+  {
+    constexpr int RAW_PER_C = C_IN_G * K0_D * K0_H * K0_W;  // weights of one output channel
+    constexpr int RAW_STRIDE = 145;  // x_s floats per channel: RAW_PER_C, made odd
+    constexpr int RAW_C = 32;  // channels per pass
+    constexpr int RAW_ITERS = (RAW_C * RAW_PER_C + THREADS - 1) / THREADS;  // floats a thread copies per pass
+    constexpr int RAW_BATCH = 5;  // of them in flight at once
+    #pragma unroll 1
+    for (int c0 = 0; c0 < WEIGHT_C; c0 += RAW_C) {
+      const float* __restrict__ w_src = weight + (c_weights + c0) * RAW_PER_C;  // the pass's first channel
+      #pragma unroll 1
+      for (int q0 = 0; q0 < RAW_ITERS; q0 += RAW_BATCH) {  // RAW_BATCH loads in flight, then their stores
+        float v[RAW_BATCH];
+        #pragma unroll
+        for (int b = 0; b < RAW_BATCH; ++b) {
+          const int e = (q0 + b) * THREADS + threadIdx.x, cl = e / RAW_PER_C;
+          v[b] = e < RAW_C * RAW_PER_C && c0 + cl < WEIGHT_C && c_weights + c0 + cl < C_OUT ? __ldg(w_src + e) : 0.0f;
+        }
+        #pragma unroll
+        for (int b = 0; b < RAW_BATCH; ++b) {
+          const int e = (q0 + b) * THREADS + threadIdx.x;
+          if (e < RAW_C * RAW_PER_C) x_s[e / RAW_PER_C * RAW_STRIDE + e % RAW_PER_C] = v[b];
+        }
+      }
+      __syncthreads();
+      #pragma unroll 1
+      for (int q = 0; q < (C_IN_G * RAW_C + THREADS - 1) / THREADS; ++q) {
+        const int u = q * THREADS + threadIdx.x, ci = u / RAW_C, cl = u % RAW_C;  // pair u
+        if (u < C_IN_G * RAW_C && c0 + cl < WEIGHT_C) {
+          const float* __restrict__ w_pair = x_s + cl * RAW_STRIDE + ci * (RAW_PER_C / C_IN_G);  // W(c0 + cl, ci, .)
+          float w0[K0_D * K0_H * K0_W];
+          #pragma unroll
+          for (int t = 0; t < K0_D * K0_H * K0_W; ++t) w0[t] = w_pair[t];
+          #pragma unroll
+          for (int tap = 0; tap < TAPS; ++tap) {
+            const int k = tap * CIP + ci;
+            w_s[k * W_STRIDE + (c0 + cl ^ k % 4 * 8)] = folded_weight(w0, tap);
+          }
+        }
+      }
+      __syncthreads();
     }
   }
   __syncthreads();
@@ -300,7 +341,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CLUSTER, 
   for (int k = 0; k < OWNER_ITERS; ++k) { a1[k] = 0.0f; b1[k] = 0.0f; }
   #pragma unroll 1
   for (int qc = 0; qc < CHUNK_ITERS; ++qc) {
-    const int chunk = qc * CLUSTER + rank;  // the box this block computes next
+    const int chunk = qc * cluster_blocks + rank;  // the box this block computes next
     if (chunk < R1_CHUNKS) {  // the same for the whole block: the barriers inside are uniform
       int rem_ch = chunk;
       const int ch_c = rem_ch % CHUNKS_C; rem_ch /= CHUNKS_C;
@@ -410,7 +451,7 @@ int rem_f = f;
     }
     __syncthreads();
   }
-  // Join the cluster's blocks: block 0 folds the partials of blocks 1 .. CLUSTER-1, in rank order.
+  // Join the cluster's blocks: block 0 folds the partials of blocks 1 .. cluster_blocks - 1, in rank order.
   #pragma unroll
   for (int k = 0; k < OWNER_ITERS; ++k) {
     const int idx = k * THREADS + threadIdx.x, f = idx / LANES;
@@ -423,9 +464,11 @@ int rem_f = f;
       const int idx = k * THREADS + threadIdx.x, f = idx / LANES;
       if (idx % LANES == 0 && f < NF) {
         #pragma unroll
-        for (int other = 1; other < CLUSTER; ++other) {
-          const float* remote = cluster.map_shared_rank(red_s, other);
-          a1[k] += remote[f];
+        for (int other = 1; other < MAX_CLUSTER; ++other) {
+          if (other < cluster_blocks) {
+            const float* remote = cluster.map_shared_rank(red_s, other);
+            a1[k] += remote[f];
+          }
         }
       }
     }

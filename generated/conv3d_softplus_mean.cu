@@ -188,6 +188,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CLUSTER, 
 
   // Origin of this block's tile along each kept axis (0 along the others).
   cg::cluster_group cluster = cg::this_cluster();
+  constexpr int cluster_blocks = CLUSTER;
   const int rank = blockIdx.x % CLUSTER;  // this block's place in its cluster
   int tile = blockIdx.x / CLUSTER;
   const int tile_w = tile % TILES_W; tile /= TILES_W;
@@ -215,7 +216,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CLUSTER, 
   for (int k = 0; k < OWNER_ITERS; ++k) { a1[k] = 0.0f; b1[k] = 0.0f; }
   #pragma unroll 1
   for (int qc = 0; qc < CHUNK_ITERS; ++qc) {
-    const int chunk = qc * CLUSTER + rank;  // the box this block computes next
+    const int chunk = qc * cluster_blocks + rank;  // the box this block computes next
     if (chunk < R1_CHUNKS) {  // the same for the whole block: the barriers inside are uniform
       int rem_ch = chunk;
       const int ch_c = rem_ch % CHUNKS_C; rem_ch /= CHUNKS_C;
@@ -305,7 +306,7 @@ int rem_f = f;
     }
     __syncthreads();
   }
-  // Join the cluster's blocks: block 0 folds the partials of blocks 1 .. CLUSTER-1, in rank order.
+  // Join the cluster's blocks: block 0 folds the partials of blocks 1 .. cluster_blocks - 1, in rank order.
   #pragma unroll
   for (int k = 0; k < OWNER_ITERS; ++k) {
     const int idx = k * THREADS + threadIdx.x, f = idx / LANES;

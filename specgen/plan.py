@@ -581,6 +581,20 @@ def build_plan(spec: LayerSpec) -> dict:
     if fold is not None and not weights_in_smem:  # the fold builds W' while staging: no room, no fold
         return build_plan(spec.model_copy(update={"rewrites": False}))
     smem_floats = (w_smem_floats if weights_in_smem else 0) + x_floats + box_floats + red_floats
+    # Tensor cores stage their weights through x_s (free until the first slab): channels' weights
+    # copied as they lie in memory, then written out as B a (c, ci) pair per thread. RAW_STRIDE is
+    # odd so that lanes 1 channel apart read distinct banks; passes of a multiple of 32 channels
+    # keep a warp's stores in one K row. Folds with more than 64 taps (not unrolled) stay direct.
+    w_raw = None
+    if mma is not None:
+        raw_per_c = (cin // groups) * (math.prod(fold["orig_kernel"]) if fold is not None else taps)
+        raw_stride = raw_per_c | 1
+        raw_c = min(weight_channels, x_floats // raw_stride)
+        raw_c = raw_c - raw_c % 32 if raw_c >= 32 and raw_c < weight_channels else raw_c
+        if raw_c >= 8 and (fold is None or taps <= 64):
+            iters = _ceil_div(raw_c * raw_per_c, threads)  # copied floats per thread, in near-equal batches of <= 8
+            w_raw = {"c": raw_c, "stride": raw_stride, "batch": _ceil_div(iters, _ceil_div(iters, 8)),
+                     "taps0": raw_per_c // (cin // groups)}
     smem_bytes = 4 * smem_floats
     if smem_bytes > MAX_SMEM_BYTES:
         raise PlanError(
@@ -680,7 +694,12 @@ def build_plan(spec: LayerSpec) -> dict:
         "blocks_per_sample": blocks_per_sample,
         "cluster": cluster,
         "r1_chunks": r1_chunks,
+        # A cluster of blocks that fill an SM each is sized at launch (1 .. cluster blocks): a GPU's
+        # processor clusters hold fewer large clusters of them than their SMs would suggest. One
+        # that splits the weights' channels by rank cannot be resized.
+        "cluster_at_launch": cluster > 1 and not split_channels and 2 * (smem_bytes + 1024) > SM_SMEM_BYTES,
         "chunk_iters": _ceil_div(r1_chunks, cluster),
+        "f_tiles": f_tiles,
         "nf": nf,
         "nr": nr,
         "lanes": lanes,
@@ -712,6 +731,7 @@ def build_plan(spec: LayerSpec) -> dict:
         "affine": affine,
         "direct_fold": direct_fold,
         "x_floats": x_floats,
+        "w_raw": w_raw,
     }
     return plan
 
@@ -730,10 +750,15 @@ def _engine_summary(plan: dict) -> str:
 def describe(plan: dict) -> str:
     """A short human summary of the plan (used by `specgen show`)."""
     b = plan["box"]
+    if plan["cluster_at_launch"]:
+        blocks = f"{plan['f_tiles']} to {plan['blocks_per_sample']} blocks per sample"
+        cluster = f"a cluster of 1 to {plan['cluster']} blocks per kept tile, sized at launch"
+    else:
+        blocks = f"{plan['blocks_per_sample']} blocks per sample"
+        cluster = f"cluster of {plan['cluster']} block(s) per kept tile"
     lines = [
-        f"kernel {plan['kernel_name']}: {plan['threads']} threads/block, {plan['blocks_per_sample']} blocks per sample,"
-        f" {plan['smem_bytes']} bytes shared memory",
-        f"box (c, d, h, w) = {tuple(b)}; " + _engine_summary(plan) + f"; cluster of {plan['cluster']} block(s) per kept tile",
+        f"kernel {plan['kernel_name']}: {plan['threads']} threads/block, {blocks}, {plan['smem_bytes']} bytes shared memory",
+        f"box (c, d, h, w) = {tuple(b)}; " + _engine_summary(plan) + "; " + cluster,
         "axes: " + ", ".join(f"{AXIS_NAMES[a]}={plan['role'][a]}" for a in AXES),
         "rewrites: " + ("; ".join(plan["rewrites"]) or "none"),
     ]

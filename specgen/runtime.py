@@ -3,18 +3,48 @@
 The driver is called through ctypes on libcuda: a launch is two foreign calls (current context,
 cuLaunchKernel) on pre-packed argument buffers, a few microseconds of host time. One module is
 loaded per (cache key, device) and kept for the life of the process.
+
+Kernels whose thread-block cluster only shares a sample's boxes are launched with the cluster
+size that finishes the batch soonest (cuLaunchKernelEx): large clusters give a small batch many
+blocks, small ones pack the GPU's processor clusters fully (on an H200, clusters of 8 one-block-
+per-SM blocks occupy 120 of its 132 SMs). The choice depends on the batch and the device only, so
+a run repeats bit for bit; the order a sample's partial results are joined in follows the
+cluster size, so results for one sample may differ in the last bits between batch sizes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GRID_Y_MAX = 65535  # samples per launch: blockIdx.y indexes the sample
 GRID_X_MAX = (1 << 31) - 1
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _DEFAULT_SMEM_LIMIT = 48 * 1024
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+# A block's fixed work (staging its weights, joining partials), in units of one box, when
+# comparing cluster sizes: breaks ties towards fewer, longer-lived blocks.
+BLOCK_OVERHEAD_BOXES = 0.25
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig."""
+
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
 
 
 class DriverError(RuntimeError):
@@ -38,6 +68,12 @@ def _driver():
                     ctypes.c_void_p, *([ctypes.c_uint] * 7), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
                 ]
                 lib.cuLaunchKernel.restype = ctypes.c_int
+                lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                lib.cuLaunchKernelEx.restype = ctypes.c_int
+                lib.cuOccupancyMaxActiveClusters.argtypes = [
+                    ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)
+                ]
+                lib.cuOccupancyMaxActiveClusters.restype = ctypes.c_int
                 _check(lib, lib.cuInit(0), "cuInit")
                 _libcuda = lib
     return _libcuda
@@ -59,6 +95,27 @@ class LoadedKernel:
     threads: int
     smem_bytes: int
     device_index: int
+    # Clusters sized at launch: (largest cluster, boxes per kept tile); None for a fixed grid.
+    cluster_at_launch: tuple[int, int] | None = None
+    _cluster_for: dict[int, int] = field(default_factory=dict)  # clusters in a launch -> cluster size
+
+    def cluster_size(self, clusters: int) -> int:
+        """The cluster size that finishes `clusters` clusters (kept tiles x samples) soonest:
+        waves of clusters the device holds at once, times each block's boxes."""
+        size = self._cluster_for.get(clusters)
+        if size is None:
+            largest, boxes = self.cluster_at_launch
+            best = None
+            for c in sorted({largest, *(1 << k for k in range(largest.bit_length()) if 1 << k < largest)}):
+                held = _max_active_clusters(self, c)
+                if held <= 0:
+                    continue
+                cost = -(-clusters // held) * (-(-boxes // c) + BLOCK_OVERHEAD_BOXES)
+                if best is None or cost <= best[0]:
+                    best = (cost, c)
+            size = best[1] if best is not None else largest
+            self._cluster_for[clusters] = size
+        return size
 
 
 _loaded: dict[tuple[str, int], LoadedKernel] = {}
@@ -69,8 +126,48 @@ def lookup(key: str, device_index: int) -> LoadedKernel | None:
     return _loaded.get((key, device_index))
 
 
-def load(key: str, cubin: bytes, kernel_name: str, threads: int, smem_bytes: int, device_index: int) -> LoadedKernel:
-    """The kernel of `cubin` in device `device_index`'s primary context (the one torch uses)."""
+def _cluster_config(kernel: LoadedKernel, grid_x: int, grid_y: int, cluster: int, stream: int | None):
+    """A launch configuration with its cluster-dimension attribute (both kept alive by the caller)."""
+    attr = _LaunchAttribute()
+    attr.id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value[0], attr.value[1], attr.value[2] = cluster, 1, 1
+    config = _LaunchConfig()
+    config.grid[:] = (grid_x, grid_y, 1)
+    config.block[:] = (kernel.threads, 1, 1)
+    config.shared_mem_bytes = kernel.smem_bytes
+    config.stream = stream
+    config.attrs = ctypes.pointer(attr)
+    config.num_attrs = 1
+    return config, attr
+
+
+def _max_active_clusters(kernel: LoadedKernel, cluster: int) -> int:
+    """How many clusters of `cluster` blocks of this kernel the device runs at once (0: none)."""
+    lib = _driver()
+    config, _attr = _cluster_config(kernel, cluster, 1, cluster, None)
+    count = ctypes.c_int(0)
+    previous = ctypes.c_void_p()
+    lib.cuCtxGetCurrent(ctypes.byref(previous))
+    lib.cuCtxSetCurrent(kernel.context)
+    try:
+        result = lib.cuOccupancyMaxActiveClusters(ctypes.byref(count), kernel.function, ctypes.byref(config))
+    finally:
+        if previous.value:
+            lib.cuCtxSetCurrent(previous)
+    return count.value if result == 0 else 0
+
+
+def load(
+    key: str,
+    cubin: bytes,
+    kernel_name: str,
+    threads: int,
+    smem_bytes: int,
+    device_index: int,
+    cluster_at_launch: tuple[int, int] | None = None,
+) -> LoadedKernel:
+    """The kernel of `cubin` in device `device_index`'s primary context (the one torch uses).
+    `cluster_at_launch`: (largest cluster, boxes per kept tile) when the cluster is sized at launch."""
     memo = _loaded.get((key, device_index))
     if memo is not None:
         return memo
@@ -103,7 +200,7 @@ def load(key: str, cubin: bytes, kernel_name: str, threads: int, smem_bytes: int
         finally:
             if previous.value:
                 lib.cuCtxSetCurrent(previous)
-        memo = LoadedKernel(function, ctx, threads, smem_bytes, device_index)
+        memo = LoadedKernel(function, ctx, threads, smem_bytes, device_index, cluster_at_launch)
         _loaded[(key, device_index)] = memo
         return memo
 
@@ -140,8 +237,10 @@ def launch(
 ) -> None:
     """Launch over `batch` samples, at most GRID_Y_MAX per launch.
 
-    `pointers` are the kernel's pointer arguments in order; `strides[i]` is how many bytes pointer
-    i advances per sample (0 for weights and parameters), used to offset later launches.
+    `blocks_per_sample`: the grid's x extent; for a cluster sized at launch, the kept tiles per
+    sample (each gets a cluster). `pointers` are the kernel's pointer arguments in order;
+    `strides[i]` is how many bytes pointer i advances per sample (0 for weights and parameters),
+    used to offset later launches.
     """
     lib = _libcuda
     current = ctypes.c_void_p()
@@ -154,8 +253,15 @@ def launch(
         for i, (ptr, stride) in enumerate(zip(pointers, strides)):
             values[i] = ptr + first * stride
         batch_arg.value = count
-        result = lib.cuLaunchKernel(
-            kernel.function, blocks_per_sample, count, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream, argv, None
-        )
-        if result != 0:
-            _check(lib, result, "cuLaunchKernel")
+        if kernel.cluster_at_launch is None:
+            result = lib.cuLaunchKernel(
+                kernel.function, blocks_per_sample, count, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream, argv, None
+            )
+            if result != 0:
+                _check(lib, result, "cuLaunchKernel")
+        else:
+            cluster = kernel.cluster_size(blocks_per_sample * count)
+            config, _attr = _cluster_config(kernel, blocks_per_sample * cluster, count, cluster, stream)
+            result = lib.cuLaunchKernelEx(ctypes.byref(config), kernel.function, argv, None)
+            if result != 0:
+                _check(lib, result, "cuLaunchKernelEx")

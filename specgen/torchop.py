@@ -243,7 +243,10 @@ def load_kernel(sp: pipeline.Specialized, device_index: int):
     from specgen import runtime
 
     plan = sp.plan
-    return runtime.load(sp.key, cubin_bytes(sp), plan["kernel_name"], plan["threads"], plan["smem_bytes"], device_index)
+    cluster = (plan["cluster"], plan["r1_chunks"]) if plan["cluster_at_launch"] else None
+    return runtime.load(
+        sp.key, cubin_bytes(sp), plan["kernel_name"], plan["threads"], plan["smem_bytes"], device_index, cluster
+    )
 
 
 def _current_stream(device_index: int) -> int:
@@ -274,7 +277,8 @@ def _launch_plan(sp: pipeline.Specialized) -> _LaunchPlan:
         has_bias = sp.spec.conv.bias
         n_inputs = 2 + has_bias + len(names)
         strides = (4 * plan["in_per_sample"],) + (0,) * (n_inputs - 1) + (4 * plan["out_per_sample"],)
-        lp = _launch_plans[sp.key] = _LaunchPlan(tuple(plan["out_shape"]), plan["blocks_per_sample"], strides, names, has_bias)
+        blocks = plan["f_tiles"] if plan["cluster_at_launch"] else plan["blocks_per_sample"]  # see runtime.launch
+        lp = _launch_plans[sp.key] = _LaunchPlan(tuple(plan["out_shape"]), blocks, strides, names, has_bias)
     return lp
 
 

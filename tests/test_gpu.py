@@ -275,3 +275,50 @@ def test_rewrites_match_the_unrewritten_kernel(name):
 
 def example_specs_flat():
     return [s for path in sorted(EXAMPLES.glob("*.yaml")) for s in load_specs(path)]
+
+
+def _at_launch_specs():
+    """Layers whose cluster is sized at launch (blocks that fill an SM each): kb65 at 192 x 192 (10
+    boxes per sample, clusters of up to 8), the same conv with the other reductions' joins (max,
+    logsumexp, mean), and a zoo fold."""
+    kb65 = next(s for s in example_specs_flat() if s.name == "kb65").model_dump()
+    kb65["input"]["size"] = [192, 192]
+    out = [validate(kb65)]
+    for i, last in enumerate([{"amax": {"dims": [1, 2, 3]}}, {"logsumexp": {"dims": [1, 2, 3]}}, {"mean": {"dims": [1, 2, 3]}}]):
+        out.append(validate({**kb65, "name": f"kb65_{list(last)[0]}", "epilogue": [*kb65["epilogue"][:-1], last]}))
+    out.append(next(s for s in example_specs_flat() if s.name == "conv2d_stride2_avgpool_fold"))
+    return out
+
+
+def _cluster_kernel(spec):
+    """A layer whose cluster is sized at launch, and its loaded kernel."""
+    from specgen import runtime, torchop
+
+    layer = FusedLayer(spec).cuda()
+    sp = layer.specialize()
+    assert sp.plan["cluster_at_launch"], sp.plan["cluster"]
+    return layer, runtime.lookup(sp.key, 0) or torchop.load_kernel(sp, 0)
+
+
+@pytest.mark.parametrize("spec", _at_launch_specs(), ids=lambda s: s.name)
+@pytest.mark.parametrize("cluster", [1, 2, 3, 4, 8])
+def test_every_cluster_size_matches_reference(spec, cluster, monkeypatch):
+    """The launch may pick any cluster size up to the plan's: each one is correct."""
+    layer, kernel = _cluster_kernel(spec)
+    largest = kernel.cluster_at_launch[0]
+    if cluster > largest:
+        pytest.skip(f"the plan's largest cluster is {largest}")
+    monkeypatch.setattr(kernel, "cluster_size", lambda clusters: cluster)
+    compare(layer, 3, seed=cluster)
+
+
+def test_cluster_launch_repeats_bit_for_bit():
+    layer, kernel = _cluster_kernel(_at_launch_specs()[0])
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    randomize(layer, gen)
+    x = torch.randn((5, 8, 192, 192), generator=gen, device="cuda")
+    with torch.no_grad():
+        first = layer(x)
+        assert all(torch.equal(first, layer(x)) for _ in range(5))
+    # the device holds clusters of each size the plan allows, and the choice is one of them
+    assert kernel.cluster_size(5) in range(1, kernel.cluster_at_launch[0] + 1)
