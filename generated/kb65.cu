@@ -45,7 +45,7 @@
 //     remainder lo(x) = x - hi(x), and a*b is accumulated as lo(a)hi(b) + hi(a)lo(b) + hi(a)hi(b) in
 //     fp32 (the dropped lo(a)lo(b) is below 2^-21 |a b|): fp32 accuracy at tensor-core speed.
 //   * Weights of the block's channels are staged in shared memory once per block.
-//   Grid: x = 1 kept tile(s) x a cluster of 1 to 8 blocks per sample, y = sample; the cluster's
+//   Grid: x = 1 kept tile(s) x a cluster of 1 to 16 blocks per sample, y = sample; the cluster's
 //   size is chosen at launch from the batch and how many clusters the GPU holds at once;
 //   512 threads per block;
 //   200736 bytes of dynamic shared memory.
@@ -117,7 +117,7 @@ constexpr int XS_CHUNKS = 96;  // 16-byte chunks per staged row
 constexpr int XS_ITERS = 15;  // staged chunks per thread
 constexpr int CHUNKS_C = 1, CHUNKS_D = 1, CHUNKS_H = 48, CHUNKS_W = 1;  // boxes along each axis of the first reduction
 constexpr int R1_CHUNKS = 48;  // boxes per kept tile
-constexpr int MAX_CLUSTER = 8;  // blocks sharing a kept tile's boxes: a cluster of 1 .. MAX_CLUSTER, sized at launch
+constexpr int MAX_CLUSTER = 16;  // blocks sharing a kept tile's boxes: a cluster of 1 .. MAX_CLUSTER, sized at launch
 constexpr int CHUNK_ITERS = 48;  // boxes per block, at most (a cluster of 1): box q * cluster_blocks + rank
 constexpr int BOX_FLOATS = 0;  // BOX_C * BOX_D * BOX_H * BOX_W
 constexpr int NF = 1;  // kept elements per block

@@ -36,6 +36,7 @@ AXIS_NAMES = {"c": "channels", "d": "depth", "h": "height", "w": "width"}
 MAX_SMEM_BYTES = 227 * 1024  # opt-in dynamic shared memory per block on sm_90
 INT32_MAX = (1 << 31) - 1
 MAX_CLUSTER = 8  # blocks of a thread-block cluster (8: the portable maximum)
+MAX_CLUSTER_AT_LAUNCH = 16  # ... of one sized at launch: 16 where the device allows it (H100/H200)
 
 
 class PlanError(SpecError):
@@ -602,6 +603,14 @@ def build_plan(spec: LayerSpec) -> dict:
              f"more than the {MAX_SMEM_BYTES} a block can have; choose a smaller tile.box"]
         )
 
+    # A cluster of blocks that fill an SM each is sized at launch (1 .. cluster blocks): a GPU's
+    # processor clusters hold fewer large clusters of them than their SMs would suggest, and a
+    # small batch wants more. One that splits the weights' channels by rank cannot be resized.
+    cluster_at_launch = cluster > 1 and not split_channels and 2 * (smem_bytes + 1024) > SM_SMEM_BYTES
+    if cluster_at_launch:
+        cluster = min(MAX_CLUSTER_AT_LAUNCH, r1_chunks)
+        blocks_per_sample = f_tiles * cluster
+
     in_per_sample = cin * math.prod(in3)
     out_shape = shapes[-1].sizes
     out_per_sample = math.prod(out_shape) if out_shape else 1
@@ -694,10 +703,7 @@ def build_plan(spec: LayerSpec) -> dict:
         "blocks_per_sample": blocks_per_sample,
         "cluster": cluster,
         "r1_chunks": r1_chunks,
-        # A cluster of blocks that fill an SM each is sized at launch (1 .. cluster blocks): a GPU's
-        # processor clusters hold fewer large clusters of them than their SMs would suggest. One
-        # that splits the weights' channels by rank cannot be resized.
-        "cluster_at_launch": cluster > 1 and not split_channels and 2 * (smem_bytes + 1024) > SM_SMEM_BYTES,
+        "cluster_at_launch": cluster_at_launch,
         "chunk_iters": _ceil_div(r1_chunks, cluster),
         "f_tiles": f_tiles,
         "nf": nf,

@@ -4,10 +4,11 @@ The driver is called through ctypes on libcuda: a launch is two foreign calls (c
 cuLaunchKernel) on pre-packed argument buffers, a few microseconds of host time. One module is
 loaded per (cache key, device) and kept for the life of the process.
 
-Kernels whose thread-block cluster only shares a sample's boxes are launched with the cluster
-size that finishes the batch soonest (cuLaunchKernelEx): large clusters give a small batch many
-blocks, small ones pack the GPU's processor clusters fully (on an H200, clusters of 8 one-block-
-per-SM blocks occupy 120 of its 132 SMs). The choice depends on the batch and the device only, so
+Kernels whose blocks fill an SM each and share a sample's boxes through a thread-block cluster
+are launched with the cluster size that finishes the batch soonest (cuLaunchKernelEx): large
+clusters give a small batch many blocks (up to 16 where the device has them), small ones pack
+the GPU's processor clusters fully (on an H200, clusters of 8 such blocks occupy 120 of its 132
+SMs). The choice depends on the batch and the device only, so
 a run repeats bit for bit; the order a sample's partial results are joined in follows the
 cluster size, so results for one sample may differ in the last bits between batch sizes.
 """
@@ -23,6 +24,8 @@ GRID_X_MAX = (1 << 31) - 1
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _DEFAULT_SMEM_LIMIT = 48 * 1024
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+_CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+PORTABLE_CLUSTER = 8  # larger clusters need the kernel's opt-in, and a device that has them
 # A block's fixed work (staging its weights, joining partials), in units of one box, when
 # comparing cluster sizes: breaks ties towards fewer, longer-lived blocks.
 BLOCK_OVERHEAD_BOXES = 0.25
@@ -197,6 +200,9 @@ def load(
                     lib.cuFuncSetAttribute(function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
                     "cuFuncSetAttribute(max dynamic shared memory)",
                 )
+            if cluster_at_launch is not None and cluster_at_launch[0] > PORTABLE_CLUSTER:
+                # Opt in to clusters past 8; where the device has none, occupancy says 0 for them.
+                lib.cuFuncSetAttribute(function, _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
         finally:
             if previous.value:
                 lib.cuCtxSetCurrent(previous)
