@@ -233,6 +233,16 @@ class _ArgBuffers(threading.local):
 _args = _ArgBuffers()
 
 
+class _ClusterConfigs(threading.local):
+    """Per-thread launch configurations of clustered launches, packed once per grid and cluster."""
+
+    def __init__(self):
+        self.by_key: dict[tuple, tuple] = {}
+
+
+_configs = _ClusterConfigs()
+
+
 def launch(
     kernel: LoadedKernel,
     blocks_per_sample: int,
@@ -267,7 +277,12 @@ def launch(
                 _check(lib, result, "cuLaunchKernel")
         else:
             cluster = kernel.cluster_size(blocks_per_sample * count)
-            config, _attr = _cluster_config(kernel, blocks_per_sample * cluster, count, cluster, stream)
+            key = (kernel.function.value, blocks_per_sample * cluster, count, cluster)
+            packed = _configs.by_key.get(key)
+            if packed is None:  # per thread: the stream field differs between threads
+                packed = _configs.by_key[key] = _cluster_config(kernel, blocks_per_sample * cluster, count, cluster, None)
+            config = packed[0]
+            config.stream = stream
             result = lib.cuLaunchKernelEx(ctypes.byref(config), kernel.function, argv, None)
             if result != 0:
                 _check(lib, result, "cuLaunchKernelEx")
