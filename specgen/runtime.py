@@ -116,7 +116,7 @@ class LoadedKernel:
                 cost = -(-clusters // held) * (-(-boxes // c) + BLOCK_OVERHEAD_BOXES)
                 if best is None or cost <= best[0]:
                     best = (cost, c)
-            size = best[1] if best is not None else largest
+            size = best[1] if best is not None else min(largest, PORTABLE_CLUSTER)  # no answer: a size every device runs
             self._cluster_for[clusters] = size
         return size
 

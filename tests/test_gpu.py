@@ -327,3 +327,21 @@ def test_cluster_launch_repeats_bit_for_bit():
         assert all(torch.equal(first, layer(x)) for _ in range(5))
     # the device holds clusters of each size the plan allows, and the choice is one of them
     assert kernel.cluster_size(5) in range(1, kernel.cluster_at_launch[0] + 1)
+
+
+def test_clustered_launch_captured_in_a_cuda_graph_with_a_new_batch():
+    """The first launch at a batch size asks the driver for cluster occupancy: allowed mid-capture."""
+    layer, kernel = _cluster_kernel(_at_launch_specs()[0])
+    layer(torch.randn(1, 8, 192, 192, device="cuda"))  # the module is loaded outside capture
+    torch.cuda.synchronize()
+    static_x = torch.randn(6, 8, 192, 192, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_out = layer(static_x)
+    for seed in range(2):
+        static_x.copy_(torch.randn(static_x.shape, generator=torch.Generator("cuda").manual_seed(seed), device="cuda"))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.forward(layer.spec, static_x, layer.conv.weight, layer.conv.bias, layer.spec_params())
+        torch.testing.assert_close(static_out, ref, atol=1e-4, rtol=1e-4)

@@ -60,3 +60,8 @@ def test_cluster_sizes_tried_include_a_largest_that_is_not_a_power_of_two(h200, 
 def test_sizes_the_device_cannot_hold_are_skipped(monkeypatch):
     monkeypatch.setattr(runtime, "_max_active_clusters", lambda k, c: 0 if c > 8 else H200[c])
     assert kernel(16, 48).cluster_size(1) == 8  # a device without clusters of 16
+
+
+def test_a_device_that_answers_nothing_gets_a_portable_cluster(monkeypatch):
+    monkeypatch.setattr(runtime, "_max_active_clusters", lambda k, c: 0)
+    assert kernel(16, 48).cluster_size(1) == 8
