@@ -252,7 +252,7 @@ __device__ __forceinline__ void conv_mma(const float* __restrict__ x_s, const fl
 
 }  // namespace
 
-// One block: one sample (blockIdx.y) x one tile of the kept axes (blockIdx.x / CLUSTER).
+// One block: one sample (blockIdx.y) x one tile of the kept axes (blockIdx.x / the cluster's size).
 extern "C" __global__ void __launch_bounds__(THREADS) specgen_conv2d_stride2_avgpool_fold(
     const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
     const float* __restrict__ weight,  // [C_OUT, C_IN_G, K0_D, K0_H, K0_W]

@@ -8,9 +8,9 @@ Kernels whose blocks fill an SM each and share a sample's boxes through a thread
 are launched with the cluster size that finishes the batch soonest (cuLaunchKernelEx): large
 clusters give a small batch many blocks (up to 16 where the device has them), small ones pack
 the GPU's processor clusters fully (on an H200, clusters of 8 such blocks occupy 120 of its 132
-SMs). The choice depends on the batch and the device only, so
-a run repeats bit for bit; the order a sample's partial results are joined in follows the
-cluster size, so results for one sample may differ in the last bits between batch sizes.
+SMs). The choice depends on the batch and the device only, so a run repeats bit for bit; the
+order a sample's partial results are joined in follows the cluster size, so results for one
+sample may differ in the last bits between batch sizes.
 """
 
 from __future__ import annotations
@@ -129,8 +129,9 @@ def lookup(key: str, device_index: int) -> LoadedKernel | None:
     return _loaded.get((key, device_index))
 
 
-def _cluster_config(kernel: LoadedKernel, grid_x: int, grid_y: int, cluster: int, stream: int | None):
-    """A launch configuration with its cluster-dimension attribute (both kept alive by the caller)."""
+def _cluster_config(kernel: LoadedKernel, grid_x: int, grid_y: int, cluster: int):
+    """A launch configuration (on the null stream) with its cluster-dimension attribute (both kept
+    alive by the caller)."""
     attr = _LaunchAttribute()
     attr.id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
     attr.value[0], attr.value[1], attr.value[2] = cluster, 1, 1
@@ -138,7 +139,6 @@ def _cluster_config(kernel: LoadedKernel, grid_x: int, grid_y: int, cluster: int
     config.grid[:] = (grid_x, grid_y, 1)
     config.block[:] = (kernel.threads, 1, 1)
     config.shared_mem_bytes = kernel.smem_bytes
-    config.stream = stream
     config.attrs = ctypes.pointer(attr)
     config.num_attrs = 1
     return config, attr
@@ -147,7 +147,7 @@ def _cluster_config(kernel: LoadedKernel, grid_x: int, grid_y: int, cluster: int
 def _max_active_clusters(kernel: LoadedKernel, cluster: int) -> int:
     """How many clusters of `cluster` blocks of this kernel the device runs at once (0: none)."""
     lib = _driver()
-    config, _attr = _cluster_config(kernel, cluster, 1, cluster, None)
+    config, _attr = _cluster_config(kernel, cluster, 1, cluster)
     count = ctypes.c_int(0)
     previous = ctypes.c_void_p()
     lib.cuCtxGetCurrent(ctypes.byref(previous))
@@ -280,7 +280,7 @@ def launch(
             key = (kernel.function.value, blocks_per_sample * cluster, count, cluster)
             packed = _configs.by_key.get(key)
             if packed is None:  # per thread: the stream field differs between threads
-                packed = _configs.by_key[key] = _cluster_config(kernel, blocks_per_sample * cluster, count, cluster, None)
+                packed = _configs.by_key[key] = _cluster_config(kernel, blocks_per_sample * cluster, count, cluster)
             config = packed[0]
             config.stream = stream
             result = lib.cuLaunchKernelEx(ctypes.byref(config), kernel.function, argv, None)
