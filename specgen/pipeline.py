@@ -29,8 +29,8 @@ _memo: dict[tuple[str, str | None], Specialized] = {}
 _memo_lock = threading.Lock()
 
 
-def request(spec: LayerSpec, arch: str | None = None, runtime_dims: bool = False) -> tuple[dict, str, cache.BuildRequest]:
-    plan = build_plan(spec)
+def request(spec: LayerSpec, arch: str | None = None, runtime_dims: bool = False, igemm_config=None) -> tuple[dict, str, cache.BuildRequest]:
+    plan = build_plan(spec, igemm_config)
     source = render_plan(plan, runtime_dims=runtime_dims)
     return plan, source, cache.BuildRequest(spec.name, source, spec.canonical_json(), arch)
 
@@ -41,7 +41,7 @@ def specialize_runtime_dims(spec: LayerSpec, arch: str | None = None) -> Special
     return Specialized(spec, plan, source, cache.get_or_build(req))
 
 
-def _without_spills(item: Specialized, arch: str | None) -> Specialized:
+def _without_spills(item: Specialized, arch: str | None, igemm_config=None) -> Specialized:
     """A build that spilled registers under the planner's occupancy hint (two blocks per SM caps a
     thread's registers) is built again with one block per SM, and kept if it spills less. A
     `tile.min_blocks` the user wrote is left alone."""
@@ -49,22 +49,23 @@ def _without_spills(item: Specialized, arch: str | None) -> Specialized:
     if item.build.spill_bytes == 0 or item.plan["min_blocks"] <= 1 or (spec.tile is not None and spec.tile.min_blocks):
         return item
     tile = (spec.tile or TileSpec()).model_copy(update={"min_blocks": 1})
-    plan, source, req = request(spec.model_copy(update={"tile": tile}), arch)
+    plan, source, req = request(spec.model_copy(update={"tile": tile}), arch, igemm_config=igemm_config)
     build = cache.get_or_build(req)
     return Specialized(spec, plan, source, build) if build.spill_bytes < item.build.spill_bytes else item
 
 
-def specialize(spec: LayerSpec, arch: str | None = None) -> Specialized:
-    """The compiled kernel of `spec`; repeated calls in one process cost a dict lookup."""
-    memo_key = (spec.canonical_json(), arch)
+def specialize(spec: LayerSpec, arch: str | None = None, igemm_config=None) -> Specialized:
+    """The compiled kernel of `spec`; repeated calls in one process cost a dict lookup.
+    `igemm_config` overrides the implicit-GEMM engine's tile (a planner setting, not the spec)."""
+    memo_key = (spec.canonical_json(), arch) if igemm_config is None else (spec.canonical_json(), arch, igemm_config)
     hit = _memo.get(memo_key)
     if hit is not None:
         return hit
     with _memo_lock:
         hit = _memo.get(memo_key)
         if hit is None:
-            plan, source, req = request(spec, arch)
-            hit = _without_spills(Specialized(spec, plan, source, cache.get_or_build(req)), arch)
+            plan, source, req = request(spec, arch, igemm_config=igemm_config)
+            hit = _without_spills(Specialized(spec, plan, source, cache.get_or_build(req)), arch, igemm_config)
             _memo[memo_key] = hit
     return hit
 

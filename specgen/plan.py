@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from specgen import __version__, ops
+from specgen import __version__, igemm as igemm_engine, ops
 from specgen.literals import FLOAT32_MAX, c_float
 from specgen.spec import LayerSpec, SpecError
 
@@ -306,8 +306,9 @@ def _affine_fold(spec: LayerSpec, level0: dict, consts: list[Constant]) -> dict 
     }
 
 
-def build_plan(spec: LayerSpec) -> dict:
-    """Everything the template needs, as plain Python values."""
+def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" = None) -> dict:
+    """Everything the template needs, as plain Python values. `igemm_config`: a planner setting
+    (a tuner's candidate) for the implicit-GEMM engine's tile shape; it makes that engine run."""
     nd = spec.ndim
     geo = spec.conv_geometry()
     consts: list[Constant] = []
@@ -580,7 +581,7 @@ def build_plan(spec: LayerSpec) -> dict:
         x_floats = 0
         weights_in_smem = 4 * (w_smem_floats + box_floats + red_floats) <= MAX_SMEM_BYTES and weight_channels % ct == 0
     if fold is not None and not weights_in_smem:  # the fold builds W' while staging: no room, no fold
-        return build_plan(spec.model_copy(update={"rewrites": False}))
+        return build_plan(spec.model_copy(update={"rewrites": False}), igemm_config)
     smem_floats = (w_smem_floats if weights_in_smem else 0) + x_floats + box_floats + red_floats
     # Tensor cores stage their weights through x_s (free until the first slab): channels' weights
     # copied as they lie in memory, then written out as B a (c, ci) pair per thread. RAW_STRIDE is
@@ -663,6 +664,15 @@ def build_plan(spec: LayerSpec) -> dict:
     if tile is not None and tile.min_blocks:
         min_blocks = tile.min_blocks
     params = list(spec.params().items())
+
+    # ---- engine: the implicit GEMM where it can run and pays -----------------------------------
+    ig = _choose_igemm(spec, levels, reductions, fold, o3, taps, igemm_config)
+    engine = "igemm" if ig is not None else ("slab" if mma is not None else "ffma")
+    if ig is not None:
+        threads, smem_bytes, min_blocks = ig.threads, ig.smem_bytes, ig.min_blocks
+        if tile is not None and tile.min_blocks:
+            min_blocks = tile.min_blocks
+        cluster, cluster_at_launch = 1, False
     plan = {
         "version": __version__,
         "name": spec.name,
@@ -738,11 +748,45 @@ def build_plan(spec: LayerSpec) -> dict:
         "direct_fold": direct_fold,
         "x_floats": x_floats,
         "w_raw": w_raw,
+        "engine": engine,
+        "igemm": ig,
+        "pointwise": levels[0]["pointwise"],
+        "precision": spec.precision,
     }
     return plan
 
 
+def _choose_igemm(spec: LayerSpec, levels: list, reductions: list, fold, conv_out, taps: int, config=None):
+    """The implicit-GEMM plan, or None for the other engines. A tile that names an engine decides;
+    left to the planner, the implicit GEMM takes every layer it can run whose input channels are
+    not too few for its K chunks (the seeds' 8 channels run faster on the slab engine)."""
+    tile = spec.tile
+    asked = "igemm" if config is not None else (tile.engine if tile is not None else None)
+    reasons = igemm_engine.why_not(spec, levels, reductions)
+    if fold is not None:
+        reasons.append("an avg-pool is folded into the conv")
+    if asked == "igemm" and reasons:
+        raise PlanError([f"tile.engine: the implicit-GEMM engine cannot run this layer: {'; '.join(reasons)}"])
+    if asked == "igemm" and tile is not None and tile.tensor_cores is False:
+        raise PlanError(["tile.engine: igemm runs on tensor cores, but tile.tensor_cores is false"])
+    if asked in ("slab", "ffma") or reasons:
+        return None
+    if asked is None:
+        pinned = tile is not None and (
+            tile.tensor_cores is False or tile.channels_per_thread is not None or tile.positions_per_thread is not None
+            or tile.box is not None or tile.threads is not None
+        )
+        if pinned or (spec.input.channels < 16 and spec.precision == "fp32"):
+            return None
+    try:
+        return igemm_engine.plan_igemm(spec, conv_out, taps, config)
+    except ValueError as err:
+        raise PlanError([f"tile: the implicit-GEMM tile does not fit this layer: {err}"]) from None
+
+
 def _engine_summary(plan: dict) -> str:
+    if plan["engine"] == "igemm":
+        return igemm_engine.describe(plan["igemm"])
     mma = plan["mma"]
     if mma is None:
         return f"fp32 FFMA, register tile {plan['ct']} channels x {plan['pt']} positions"
@@ -755,6 +799,14 @@ def _engine_summary(plan: dict) -> str:
 
 def describe(plan: dict) -> str:
     """A short human summary of the plan (used by `specgen show`)."""
+    if plan["engine"] == "igemm":
+        ig = plan["igemm"]
+        return "\n".join([
+            f"kernel {plan['kernel_name']}: {ig.threads} threads/block, one block per {ig.bm} positions x {ig.bn} channels "
+            f"({ig.n_tiles} block(s) along channels), {ig.smem_bytes} bytes shared memory",
+            _engine_summary(plan),
+            "rewrites: " + ("; ".join(plan["rewrites"]) or "none"),
+        ])
     b = plan["box"]
     if plan["cluster_at_launch"]:
         blocks = f"{plan['f_tiles']} to {plan['blocks_per_sample']} blocks per sample"

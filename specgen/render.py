@@ -39,9 +39,13 @@ def _template_location(err: BaseException) -> str:
     return where
 
 
-def render_plan(plan: dict, template: str = "kernel.cu.j2", runtime_dims: bool = False) -> str:
-    """The .cu of a plan. `runtime_dims` renders the measurement-only variant whose extents are
-    read at run time (what specializing saves is measured against it)."""
+def render_plan(plan: dict, template: str | None = None, runtime_dims: bool = False) -> str:
+    """The .cu of a plan, from its engine's template. `runtime_dims` renders the measurement-only
+    variant whose extents are read at run time (what specializing saves is measured against it)."""
+    if template is None:
+        template = "igemm.cu.j2" if plan.get("engine") == "igemm" else "kernel.cu.j2"
+    if runtime_dims and template == "igemm.cu.j2":
+        raise TemplateError("igemm.cu.j2: the implicit-GEMM engine has no run-time-dimensions rendering")
     try:
         text = environment().get_template(template).render(**plan, runtime_dims=runtime_dims)
     except jinja2.TemplateSyntaxError as err:

@@ -77,6 +77,10 @@ class TileSpec(Model):
     # The conv's arithmetic: true = tensor cores (3xTF32 mma.sync, fp32-accurate), false = fp32
     # FFMA register tiles; left out, the planner uses tensor cores wherever the layer allows.
     tensor_cores: Optional[bool] = None
+    # The engine: "igemm" (implicit GEMM, K-tiled and pipelined: any channel count), "slab" (tensor
+    # cores with the block's weights staged once: few input channels) or "ffma"; left out, the
+    # planner chooses.
+    engine: Optional[Literal["igemm", "slab", "ffma"]] = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,7 +220,10 @@ class LayerSpec(Model):
     input: InputSpec
     conv: ConvSpec
     epilogue: list[Stage] = Field(default_factory=list)
-    precision: Literal["fp32"] = "fp32"
+    # fp32: fp32-accurate (3xTF32 on tensor cores); tf32: the conv's operands rounded to TF32, as
+    # PyTorch's default cuDNN convolutions do (only the implicit-GEMM engine rounds; the others
+    # stay fp32-accurate).
+    precision: Literal["fp32", "tf32"] = "fp32"
     tile: Optional[TileSpec] = None
     rewrites: bool = True  # plan-level rewrites (e.g. folding an avg-pool into the conv)
 

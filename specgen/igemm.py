@@ -1,0 +1,194 @@
+"""The implicit-GEMM engine: a K-tiled, multi-stage pipelined tensor-core convolution.
+
+The conv is a GEMM with M = output positions of the whole batch (samples x depth x height x width,
+flattened), N = output channels and K = taps x input channels. A block owns a BM x BN tile of the
+output and walks K in chunks of BK: each chunk's input (A, [BK][BM]) and weights (B, [BN][BK]) are
+copied to shared memory by cp.async into one of STAGES buffers, so the copies of the next
+STAGES - 1 chunks are in flight while the tensor cores work on the current one. Each warp computes
+a (16 WM) x (8 WN) tile with mma.sync m16n8k8 (TF32 inputs, fp32 accumulation); in fp32 mode each
+operand is split into a TF32 part and its remainder (3xTF32), which keeps fp32 accuracy. The
+pointwise epilogue runs on the accumulators, which are written straight to the output.
+
+K is ordered tap-major: k = tap * CIP + ci, with the input channels padded to CIP. When BK divides
+the channels, a chunk lies in one tap, so its validity (padding) and offset are one check per
+thread per chunk; with few channels (CIP < BK) a chunk covers BK / CIP taps. The weights are taken
+in that order too: the launch hands the kernel a copy permuted to [C_OUT][TAPS_PAD][CIP] (zeros in
+the padding), made once per weight version.
+
+Every extent, tile and trip count is a compile-time constant; only the batch is read at run time
+(it sizes the grid and bounds M).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from specgen.spec import LayerSpec
+
+MAX_SMEM_BYTES = 227 * 1024  # opt-in dynamic shared memory per block (sm_90)
+SM_SMEM_BYTES = 228 * 1024  # shared memory of one SM
+INT32_MAX = (1 << 31) - 1
+
+
+@dataclass(frozen=True)
+class IgemmConfig:
+    """The tunable shape of the kernel: warps per block along M and N, m16-tiles and n8-tiles per
+    warp, the K chunk, the pipeline depth and the blocks per SM asked of the compiler (0: as
+    shared memory and an estimate of the registers allow)."""
+
+    warps_m: int
+    warps_n: int
+    wm: int
+    wn: int
+    bk: int
+    stages: int
+    min_blocks: int = 0
+
+    @property
+    def bm(self) -> int:
+        return self.warps_m * self.wm * 16
+
+    @property
+    def bn(self) -> int:
+        return self.warps_n * self.wn * 8
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+
+@dataclass(frozen=True)
+class IgemmPlan:
+    """Everything the igemm template needs beyond the shared plan values."""
+
+    config: IgemmConfig
+    bm: int
+    bn: int
+    bk: int
+    stages: int
+    threads: int
+    cip: int  # input channels padded (a multiple of 8 or a power of two dividing BK)
+    taps_pad: int  # taps padded to a multiple of TPC
+    tpc: int  # taps per K chunk (1 when BK divides CIP)
+    cpt: int  # K chunks per tap (1 when TPC > 1)
+    k_pad: int  # TAPS_PAD * CIP
+    k_tiles: int  # K chunks
+    n_tiles: int  # blocks along N
+    positions: int  # output positions per sample (M per sample)
+    lda: int  # shared-memory row stride of A (BM + 8: lanes of a fragment load hit 32 banks)
+    ldb: int  # ... of B (BK + 4)
+    a_vec: int  # floats per A copy (4: 16-byte copies of 1 x 1 rows, else 1)
+    a_iters: int  # A copies per thread per chunk
+    a_row_step: int  # K rows between a thread's A copies
+    b_iters: int  # 16-byte B copies per thread per chunk
+    smem_bytes: int
+    min_blocks: int
+    split: bool  # 3xTF32 (fp32 mode) rather than plain TF32
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("config")
+        return out
+
+
+def why_not(spec: LayerSpec, levels: list, reductions: list) -> list[str]:
+    """The reasons the engine cannot run this layer (empty: it can)."""
+    reasons = []
+    if spec.conv.groups > 1:
+        reasons.append("the conv has groups")
+    if getattr(spec.conv, "transposed", False):
+        reasons.append("the conv is transposed")
+    if len(levels) > 1:
+        reasons.append("a pool follows the conv")
+    if reductions:
+        reasons.append("the epilogue reduces")
+    return reasons
+
+
+def _cip_and_bk(cin: int) -> tuple[int, int]:
+    for bk in (32, 16, 8):
+        if cin % bk == 0:
+            return cin, bk
+    if cin > 16:  # pad to a multiple of 8; chunks of the largest of 32, 16, 8 that divides it
+        cip = -(-cin // 8) * 8
+        return cip, next(bk for bk in (32, 16, 8) if cip % bk == 0)
+    cip = 1 << max(0, (cin - 1).bit_length())  # 1, 2, 4, 8, 16
+    return cip, max(8, min(32, 4 * cip))
+
+
+def default_config(cout: int, cin: int, taps: int, split: bool) -> IgemmConfig:
+    """The planner's guess, from a sweep of tile shapes on real layers (benchmarks/NOTES.md, v15):
+    up to 64 channels, 128 x 64 blocks of 32 x 32 warp tiles; more channels, 128 x 128 blocks: in
+    TF32 of 64 x 32 warp tiles, K chunks of 16 in 4 stages and two blocks per SM; in 3xTF32 (twice
+    the fragment registers) of 16 warps with 32 x 32 warp tiles."""
+    cip, bk = _cip_and_bk(cin)
+    if cout <= 32:
+        return IgemmConfig(8, 1, 2, 4, bk, 3)  # 256 x 32
+    if cout <= 64:
+        return IgemmConfig(4, 2, 2, 4, bk, 3)  # 128 x 64
+    if split:
+        return IgemmConfig(4, 4, 2, 4, bk, 3)  # 128 x 128, 16 warps
+    return IgemmConfig(2, 4, 4, 4, min(bk, 16), 4, min_blocks=2)  # 128 x 128, two blocks per SM
+
+
+def plan_igemm(spec: LayerSpec, conv_out: tuple[int, int, int], taps: int, config: IgemmConfig | None = None) -> IgemmPlan:
+    cin, cout = spec.input.channels, spec.conv.out_channels
+    cfg = config or default_config(cout, cin, taps, spec.precision == "fp32")
+    cip, _ = _cip_and_bk(cin)
+    bk = cfg.bk
+    if cip >= bk:
+        if cip % bk:
+            raise ValueError(f"K chunk {bk} does not divide the padded channels {cip}")
+        tpc, cpt = 1, cip // bk
+    else:
+        if bk % cip:
+            raise ValueError(f"padded channels {cip} do not divide the K chunk {bk}")
+        tpc, cpt = bk // cip, 1
+    taps_pad = -(-taps // tpc) * tpc
+    k_pad = taps_pad * cip
+    bm, bn, threads = cfg.bm, cfg.bn, cfg.threads
+    geo = spec.conv_geometry()
+    nd = spec.ndim
+    kw = geo["kernel"][-1]
+    sw, pw = geo["stride"][-1], geo["padding"][-1]
+    in_w = spec.input.size[-1]
+    ow = conv_out[2]
+    positions = math.prod(conv_out)
+    # 16-byte A copies: four consecutive positions of one output row read four consecutive inputs
+    # (a 1-wide kernel, stride 1, no padding along W), rows and samples aligned to 4.
+    a_vec = 4 if (kw == 1 and sw == 1 and pw == 0 and in_w % 4 == 0 and ow == in_w and positions % 4 == 0
+                  and (bm // 4) <= threads and threads % (bm // 4) == 0) else 1
+    if a_vec == 1 and threads % bm:
+        raise ValueError(f"{threads} threads cannot split rows of {bm} positions")
+    a_cols = bm // a_vec
+    a_row_step = threads // a_cols
+    if bk % a_row_step:
+        raise ValueError(f"K chunk {bk} is not a multiple of the {a_row_step} rows copied per pass")
+    a_iters = bk // a_row_step
+    b_chunks = bn * bk // 4
+    b_iters = -(-b_chunks // threads)
+    lda, ldb = bm + 8, bk + 4
+    smem_bytes = 4 * cfg.stages * (bk * lda + bn * ldb)
+    if smem_bytes > MAX_SMEM_BYTES:
+        raise ValueError(f"{smem_bytes} bytes of shared memory exceed {MAX_SMEM_BYTES}")
+    regs = 4 * cfg.wm * cfg.wn + (2 if spec.precision == "fp32" else 1) * (4 * cfg.wm + 2 * cfg.wn) + 48
+    min_blocks = cfg.min_blocks or (
+        2 if 2 * (smem_bytes + 1024) <= SM_SMEM_BYTES and 2 * threads * max(regs, 64) <= 65536 else 1
+    )
+    del nd
+    return IgemmPlan(
+        config=cfg, bm=bm, bn=bn, bk=bk, stages=cfg.stages, threads=threads, cip=cip, taps_pad=taps_pad, tpc=tpc,
+        cpt=cpt, k_pad=k_pad, k_tiles=k_pad // bk, n_tiles=-(-cout // bn), positions=positions, lda=lda, ldb=ldb,
+        a_vec=a_vec, a_iters=a_iters, a_row_step=a_row_step, b_iters=b_iters, smem_bytes=smem_bytes,
+        min_blocks=min_blocks, split=spec.precision == "fp32",
+    )
+
+
+def describe(ig: IgemmPlan) -> str:
+    mode = "3xTF32" if ig.split else "TF32"
+    return (
+        f"implicit GEMM on tensor cores ({mode} mma.sync m16n8k8): block tile {ig.bm} positions x {ig.bn} channels, "
+        f"K chunks of {ig.bk} ({ig.k_tiles} chunks, {ig.stages}-stage cp.async pipeline), warp tile "
+        f"{16 * ig.config.wm} x {8 * ig.config.wn}, {ig.threads} threads"
+    )
