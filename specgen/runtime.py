@@ -286,3 +286,34 @@ def launch(
             result = lib.cuLaunchKernelEx(ctypes.byref(config), kernel.function, argv, None)
             if result != 0:
                 _check(lib, result, "cuLaunchKernelEx")
+
+
+def launch_flat(
+    kernel: LoadedKernel,
+    positions: int,
+    block_m: int,
+    n_tiles: int,
+    pointers: list[int],
+    strides: list[int],
+    batch: int,
+    stream: int,
+) -> None:
+    """Launch a kernel whose grid is one flat axis over (batch x `positions`) / `block_m` tiles times
+    `n_tiles` (the implicit-GEMM engine). A launch covers at most 2^31 - 1 positions (its M index
+    is a 32-bit int); larger batches take several launches, with `strides` as in `launch`."""
+    lib = _libcuda
+    current = ctypes.c_void_p()
+    lib.cuCtxGetCurrent(ctypes.byref(current))
+    if current.value != kernel.context.value:
+        _check(lib, lib.cuCtxSetCurrent(kernel.context), "cuCtxSetCurrent")
+    values, batch_arg, argv = _args.get(len(pointers))
+    per_launch = max(1, min(GRID_X_MAX // positions, GRID_X_MAX // n_tiles * block_m // positions))
+    for first in range(0, batch, per_launch):
+        count = min(per_launch, batch - first)
+        for i, (ptr, stride) in enumerate(zip(pointers, strides)):
+            values[i] = ptr + first * stride
+        batch_arg.value = count
+        blocks = -(-count * positions // block_m) * n_tiles
+        result = lib.cuLaunchKernel(kernel.function, blocks, 1, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream, argv, None)
+        if result != 0:
+            _check(lib, result, "cuLaunchKernel")

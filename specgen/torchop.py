@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -264,6 +265,9 @@ class _LaunchPlan:
     strides: tuple  # bytes each pointer argument advances per sample
     param_names: tuple
     has_bias: bool
+    # The implicit-GEMM engine: (positions per sample, block tile BM, blocks along N, the weight
+    # layout (c_in, taps, padded c_in, padded taps)); its grid is one flat axis over batch x positions.
+    igemm: tuple | None = None
 
 
 _launch_plans: dict[str, _LaunchPlan] = {}
@@ -278,8 +282,39 @@ def _launch_plan(sp: pipeline.Specialized) -> _LaunchPlan:
         n_inputs = 2 + has_bias + len(names)
         strides = (4 * plan["in_per_sample"],) + (0,) * (n_inputs - 1) + (4 * plan["out_per_sample"],)
         blocks = plan["f_tiles"] if plan["cluster_at_launch"] else plan["blocks_per_sample"]  # see runtime.launch
-        lp = _launch_plans[sp.key] = _LaunchPlan(tuple(plan["out_shape"]), blocks, strides, names, has_bias)
+        ig = plan.get("igemm")
+        flat = None
+        if ig is not None:
+            flat = (ig.positions, ig.bm, ig.n_tiles, (plan["cin"], plan["taps"], ig.cip, ig.taps_pad))
+        lp = _launch_plans[sp.key] = _LaunchPlan(tuple(plan["out_shape"]), blocks, strides, names, has_bias, flat)
     return lp
+
+
+# The implicit-GEMM engine reads its weights as [C_OUT][TAPS_PAD][CIP] (tap-major K, zero padding).
+# The permuted copy is kept per weight tensor and remade when the tensor changes (its version
+# counter moves on every in-place update, e.g. an optimizer step); under CUDA-graph capture it is
+# always remade, so that a replay recomputes it from the current weights.
+_permuted: dict[int, tuple] = {}
+
+
+def gemm_weight(weight: torch.Tensor, layout: tuple) -> torch.Tensor:
+    """`weight` [C_OUT, C_IN, k...] as the implicit-GEMM kernel reads it: [C_OUT, TAPS_PAD, CIP]."""
+    cin, taps, cip, taps_pad = layout
+    capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        hit = _permuted.get(id(weight))
+        if hit is not None and hit[0]() is weight and hit[1] == weight._version and hit[2] == layout:
+            return hit[3]
+    with torch.no_grad():
+        w = weight.detach().reshape(weight.shape[0], cin, taps).transpose(1, 2)
+        if cip != cin or taps_pad != taps:
+            w = torch.nn.functional.pad(w, (0, cip - cin, 0, taps_pad - taps))
+        w = w.contiguous()
+    if not capturing:
+        for k in [k for k, v in _permuted.items() if v[0]() is None]:  # forget weights that are gone
+            del _permuted[k]
+        _permuted[id(weight)] = (weakref.ref(weight), weight._version, layout, w)
+    return w
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -310,10 +345,16 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     if device_index is None:
         device_index = torch.cuda.current_device()
     kernel = runtime.lookup(sp.key, device_index) or load_kernel(sp, device_index)
+    if lp.igemm is not None:
+        weight = gemm_weight(weight, lp.igemm[3])
     pointers = [_aligned(x).data_ptr(), _aligned(weight).data_ptr()]
     if lp.has_bias:
         pointers.append(_aligned(bias).data_ptr())
     pointers.extend(_aligned(params[name]).data_ptr() for name in lp.param_names)
     pointers.append(out.data_ptr())
-    runtime.launch(kernel, lp.blocks_per_sample, pointers, lp.strides, batch, _current_stream(device_index))
+    if lp.igemm is not None:
+        positions, bm, n_tiles, _ = lp.igemm
+        runtime.launch_flat(kernel, positions, bm, n_tiles, pointers, lp.strides, batch, _current_stream(device_index))
+    else:
+        runtime.launch(kernel, lp.blocks_per_sample, pointers, lp.strides, batch, _current_stream(device_index))
     return out
