@@ -20,87 +20,84 @@
 //   precision: fp32
 //   rewrites: true
 //
-// How this kernel works
-//   Every extent below is a compile-time constant, so every loop has a constant trip count and the
-//   compiler unrolls the convolution completely. Spatial extents are normalized to (D, H, W).
-//   * Body: conv -> gelu -> mul. Its result is T1 = [32 x 1 x 1 x 2046] per sample.
-//   * No reduction: a block computes a box of T1 = 32 x 1 x 1 x 512 (c x d x h x w) and writes it out.
-//   * Tensor cores: the conv is an implicit GEMM, M = output positions, N = output channels,
-//     K = taps x input channels. The block stages its weights (B, [K][N]) once, then walks the box
-//     in slabs of 1 x 1 x 512 positions (d x h x w): the slab's input is copied to shared memory
-//     (4-byte cp.async; zeros for padding), and each warp computes a tile of 32 positions x 32 channels with
-//     mma.sync m16n8k8 in 3xTF32: each fp32 operand x is split into a TF32 part hi(x) and the
-//     remainder lo(x) = x - hi(x), and a*b is accumulated as lo(a)hi(b) + hi(a)lo(b) + hi(a)hi(b) in
-//     fp32 (the dropped lo(a)lo(b) is below 2^-21 |a b|): fp32 accuracy at tensor-core speed.
-//   * Weights of the block's channels are staged in shared memory once per block.
-//   Grid: x = 4 blocks per sample, y = sample; 256 threads per block;
-//   76224 bytes of dynamic shared memory.
+// How this kernel works (the implicit-GEMM engine)
+//   The conv is a GEMM: M = output positions of the whole batch (sample, d, h, w flattened; the
+//   batch is the only run-time value), N = the 32 output channels, K = taps x input channels.
+//   * A block owns a tile of BM = 256 positions x BN = 32 channels and walks K in 5 chunks of BK = 16.
+//     Each chunk's input A[BK][BM] and weights B[BN][BK] are copied to shared memory with cp.async
+//     (4-byte copies for A, zeros where a tap falls in the padding; 16-byte copies for B)
+//     into one of 3 buffers: the copies of the next 2 chunks are in flight while the
+//     tensor cores work on the current one.
+//   * K is ordered tap-major, k = tap * CIP + ci (one tap per chunk: a chunk's padding check is one test per thread).
+//     The weights arrive permuted to that order, [C_OUT][TAPS_PAD][CIP] (the launch prepares them).
+//   * 8 warps, each computing 32 positions x 32 channels with mma.sync m16n8k8
+//     in 3xTF32: each fp32 operand x is split into a TF32 part hi(x) and the remainder
+//     lo(x) = x - hi(x), and a*b is accumulated as lo(a)hi(b) + hi(a)lo(b) + hi(a)hi(b) in fp32
+//     (the dropped lo(a)lo(b) is below 2^-21 |a b|): fp32 accuracy on tensor cores.
+//   * Epilogue on the accumulators: bias, gelu, mul; each value is stored straight to the output.
+//   Grid: one block per (M tile, N tile), N tiles fastest (blocks that read the same input run
+//   together); 256 threads per block; 58368 bytes of dynamic shared memory.
 // =====================================================================================================
-#include <math_constants.h>
 
 namespace {
 
 // ---- input, one sample ------------------------------------------------------------------------------
 constexpr int C_IN = 16;  // input channels
-constexpr int IN_D = 1;  // input depth  (1: the conv is 1D)
-constexpr int IN_H = 1;  // input height  (1: the conv is 1D)
-constexpr int IN_W = 4096;  // input width
+constexpr int IN_D = 1, IN_H = 1, IN_W = 4096;  // input extents (d, h, w; 1 for dims the conv lacks)
 constexpr int IN_PER_SAMPLE = 65536;  // C_IN * IN_D * IN_H * IN_W
 
 // ---- convolution ------------------------------------------------------------------------------------
 constexpr int C_OUT = 32;  // output channels
-constexpr int GROUPS = 1;  // channel groups
-constexpr int C_IN_G = 16;  // input channels per group
-constexpr int C_OUT_G = 32;  // output channels per group
 constexpr int K_D = 1, S_D = 1, P_D = 0, DIL_D = 1;  // depth: kernel, stride, padding, dilation
 constexpr int K_H = 1, S_H = 1, P_H = 0, DIL_H = 1;  // height: kernel, stride, padding, dilation
 constexpr int K_W = 5, S_W = 2, P_W = 2, DIL_W = 2;  // width: kernel, stride, padding, dilation
 constexpr int TAPS = 5;  // K_D * K_H * K_W
-constexpr int CONV_D = 1, CONV_H = 1, CONV_W = 2046;  // conv output extents
+constexpr int OUT_D = 1, OUT_H = 1, OUT_W = 2046;  // output extents
+constexpr int POSITIONS = 2046;  // OUT_D * OUT_H * OUT_W: M per sample
 
-// ---- T1: the body's output, per sample ----------------------------------------------------------------
-constexpr int T1_C = 32, T1_D = 1, T1_H = 1, T1_W = 2046;
-constexpr int OUT_PER_SAMPLE = 65472;  // output elements per sample, shape [32, 2046]
-
-// ---- tiling -------------------------------------------------------------------------------------------
+// ---- the GEMM's tiling --------------------------------------------------------------------------------
+constexpr int CIP = 16;  // input channels
+constexpr int TAPS_PAD = 5;  // taps
+constexpr int K_PAD = 80;  // TAPS_PAD * CIP: K
+constexpr int BM = 256, BN = 32, BK = 16;  // block tile: positions, channels, K chunk
+constexpr int TPC = 1;  // taps per K chunk
+constexpr int CPT = 1;  // K chunks per tap
+constexpr int K_TILES = 5;  // K chunks: the main loop's trip count
+constexpr int N_TILES = 1;  // blocks along N
+constexpr int STAGES = 3;  // shared-memory buffers of the pipeline
 constexpr int THREADS = 256;  // threads per block
-constexpr int BOX_C = 32, BOX_D = 1, BOX_H = 1, BOX_W = 512;  // T1 box computed per step
-constexpr int TILES_C = 1, TILES_D = 1, TILES_H = 1, TILES_W = 4;  // blocks along each kept axis
-constexpr int WEIGHT_C = 32;  // channels whose weights a block needs
-constexpr int W_FLOATS = 2560;  // WEIGHT_C * C_IN_G * TAPS
-constexpr int W_STRIDE = 32;  // shared-memory row stride of the staged weights (WEIGHT_C, padded)
-constexpr int W_SMEM_FLOATS = 2560;  // weights staged in shared memory
-
-// ---- tensor cores -------------------------------------------------------------------------------------
-// K index k = tap * CIP + ci (input channels padded to CIP, a multiple of 4): the K columns t and
-// t + 4 a lane holds in a k-step are one compile-time tap and the lane's own channel offset.
-constexpr int WARPS = 8;  // warps per block
-constexpr int WM = 2;  // m-tiles (16 positions) per warp tile
-constexpr int WN = 4;  // n-tiles (8 channels) per warp tile
-constexpr int CIP = 16;  // input channels, padded to a multiple of 4 (rows of the padding are zero)
-constexpr int K_PAD = 80;  // TAPS * CIP, padded to a multiple of 8 (zero rows)
-constexpr int KSTEPS = 10;  // k-steps of 8
-constexpr int SLAB_D = 1, SLAB_H = 1;  // a slab: the positions whose input is staged at once
-constexpr int SLABS_D = 1, SLABS_H = 1;  // slabs per box
-constexpr int M_SLAB = 512;  // positions per slab (d, h, w flattened, w fastest)
-constexpr int MT = 32;  // m-tiles per slab
-constexpr int N_GROUPS = 1;  // warp tiles along the box's channels
-constexpr int UNITS = 16;  // warp tiles per slab
-constexpr int UNIT_ITERS = 2;  // warp tiles per warp per slab
-constexpr int NT = 4;  // n-tiles per box
-constexpr int XS_D = 1, XS_H = 1, XS_W = 1031;  // the staged input of a slab, per channel
-constexpr int XS_WP = 1031;  // row stride of the staged input (XS_W)
-constexpr int XS_ROWS = 16;  // CIP * XS_D * XS_H staged rows
-constexpr int CI_STRIDE = 1031;  // floats between staged channels (padded to spread A loads over banks)
-constexpr int XS_ITERS = 65;  // staged input elements per thread
+constexpr int WARPS_M = 8, WARPS_N = 1;  // warps along M and N
+constexpr int WM = 2, WN = 4;  // m16-tiles and n8-tiles per warp
+constexpr int LDA = 264;  // row stride of A in shared memory (BM + 8: a fragment's lanes hit 32 banks)
+constexpr int LDB = 20;  // row stride of B (BK + 4: likewise)
+constexpr int A_VEC = 1;  // floats per A copy
+constexpr int A_COLS = BM / A_VEC;  // A copies per K row
+constexpr int A_ROW_STEP = 1;  // K rows between one thread's A copies (THREADS / A_COLS)
+constexpr int A_ITERS = 16;  // A copies per thread per chunk
+constexpr int B_ITERS = 1;  // 16-byte B copies per thread per chunk
+constexpr int A_STAGE = BK * LDA, B_STAGE = BN * LDB;  // floats per pipeline buffer
 
 // ---- op constants -------------------------------------------------------------------------------------
 constexpr float S1_VALUE = 0.5f;  // epilogue[1] mul value = 0.5
 
-// 3xTF32: x = hi + lo exactly, hi = x rounded to TF32 (10 mantissa bits, to nearest), lo = x - hi.
+// cp.async: copy global -> shared without a register round trip; zeros when !ok (padding, past M or N).
+__device__ __forceinline__ void cp_async_4(float* dst, const float* src, bool ok) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 4 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_16(float* dst, const float* src, bool ok) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// 3xTF32: x = hi + lo exactly, hi = x rounded to TF32 (10 mantissa bits, to nearest, ties away
+// from zero); the tensor core reads lo's top 19 bits.
 __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
   hi = (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u;
-  lo = __float_as_uint(x - __uint_as_float(hi));  // the tensor core reads its top 19 bits
+  lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
 // d += a * b for one 16 x 8 x 8 tile (a: 16 positions x 8 K, b: 8 K x 8 channels).
@@ -110,87 +107,62 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Offset in x_s of K index k (k = tap * CIP + ci) relative to its position's first tap; a padding
-// tap past the last reads tap 0 (its weights are zero).
-__device__ __forceinline__ int k_offset(int k) {
-  const int tap = k / CIP, ci = k % CIP;
-  const int kd = tap / (K_H * K_W), kh = tap / K_W % K_H, kw = tap % K_W;
-  return (tap < TAPS ? (kd * DIL_D * XS_H + kh * DIL_H) * XS_WP + kw * DIL_W : 0) + ci * CI_STRIDE;
-}
+// Where this thread's A copies read: its output position(s) (fixed for the whole K loop).
+struct ARow {
+  const float* x_n;  // the sample's input
+  int id0, ih0, iw0;  // input coordinates of tap 0 (may lie in the padding)
+  bool ok;  // the position exists (m < batch * POSITIONS)
+};
 
-// Offset in x_s of slab position p's first tap (p = (d * SLAB_H + h) * BOX_W + w).
-__device__ __forceinline__ int x_offset(int p) {
-  const int pd = p / (SLAB_H * BOX_W), ph = p / BOX_W % SLAB_H, pw = p % BOX_W;
-  return (pd * S_D * XS_H + ph * S_H) * XS_WP + pw * S_W;
-}
-
-// cp.async groups: commit the copies issued so far; wait until at most N groups are in flight.
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-// Copy 4 bytes global -> shared without a register round trip; zeros when !ok (padding).
-__device__ __forceinline__ void cp_async_4(float* dst, const float* src, bool ok) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 4 : 0) : "memory");
-}
-
-// Stage the input of the slab whose first output is T1 position (d0, h0, w0) (asynchronously:
-// cp_async_commit and cp_async_wait follow): x_s[ci][zd][zh][zw] = x[ci][d0 * S_D - P_D + zd][...],
-// zero outside the input and for ci >= C_IN_G.
-__device__ __forceinline__ void stage_input(const float* __restrict__ x_n, float* __restrict__ x_s, int d0, int h0, int w0) {
-  const int id0 = d0 * S_D - P_D, ih0 = h0 * S_H - P_H, iw0 = w0 * S_W - P_W;
-  #pragma unroll 4
-  for (int q = 0; q < XS_ITERS; ++q) {
-    const int e = q * THREADS + threadIdx.x;
-    if (e < XS_ROWS * XS_W) {
-      const int row = e / XS_W, zw = e % XS_W, ci = row / (XS_D * XS_H);
-      const int id = id0 + row / XS_H % XS_D, ih = ih0 + row % XS_H, iw = iw0 + zw;
-      const bool ok = ci < C_IN_G && static_cast<unsigned>(id) < IN_D && static_cast<unsigned>(ih) < IN_H && static_cast<unsigned>(iw) < IN_W;
-      cp_async_4(x_s + ci * CI_STRIDE + row % (XS_D * XS_H) * XS_WP + zw, x_n + (ok ? ((ci * IN_D + id) * IN_H + ih) * IN_W + iw : 0), ok);
-    }
+// Copy K chunk `kt` into pipeline buffer (a_s, b_s): A[r][m] = input of position m at K index
+// kt * BK + r, B[n][r] = permuted weight of channel n0 + n at that K index.
+__device__ __forceinline__ void load_chunk(const ARow& row, const float* __restrict__ wp, int n0, int kt,
+                                           float* __restrict__ a_s, float* __restrict__ b_s) {
+  const int col = threadIdx.x % A_COLS * A_VEC, r0 = threadIdx.x / A_COLS;
+  #pragma unroll
+  for (int i = 0; i < A_ITERS; ++i) {
+    const int r = r0 + i * A_ROW_STEP;  // K row within the chunk
+    const int tap = kt / CPT, ci = kt % CPT * BK + r;  // one tap per chunk
+    const int kd = tap / (K_H * K_W), kh = tap / K_W % K_H, kw = tap % K_W;
+    const int id = row.id0 + kd * DIL_D, ih = row.ih0 + kh * DIL_H, iw = row.iw0 + kw * DIL_W;
+    const bool ok = row.ok && static_cast<unsigned>(id) < IN_D &&
+                    static_cast<unsigned>(ih) < IN_H && static_cast<unsigned>(iw) < IN_W;
+    const float* src = ok ? row.x_n + ((ci * IN_D + id) * IN_H + ih) * IN_W + iw : row.x_n;
+    cp_async_4(a_s + r * LDA + col, src, ok);
+  }
+  #pragma unroll
+  for (int j = 0; j < B_ITERS; ++j) {
+    const int q = j * THREADS + threadIdx.x;  // 16-byte piece q of B: row n, K columns kc .. kc + 3
+    const int n = q / (BK / 4), kc = q % (BK / 4) * 4;
+    const bool ok = n0 + n < C_OUT;
+    if (q < BN * BK / 4)
+    cp_async_16(b_s + n * LDB + kc, ok ? wp + static_cast<size_t>(n0 + n) * K_PAD + kt * BK + kc : wp, ok);
   }
 }
 
-// One warp tile: acc[i][j] = conv over all K of m-tile mg * WM + i (16 slab positions) and
-// n-tile j (8 channels) of the warp's channels, which start at column col0 of w_s.
-// Lane (g, t) = (lane / 4, lane % 4) holds A rows g, g + 8 and K columns t, t + 4 of each tile.
-__device__ __forceinline__ void conv_mma(const float* __restrict__ x_s, const float* __restrict__ w_s, int col0, int mg, float (&acc)[WM][WN][4]) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const float* __restrict__ w_lane = w_s + t * W_STRIDE + g;  // the lane's B row (K = t) and column
-  int bcol[WN];  // w_s column of each n-tile, XOR-swizzled by the K row: (col / 8 ^ k % 4) * 8
+// acc += A x B over one K chunk held in (a_s, b_s), for this warp's tile at (wm0, wn0).
+// Lane (gq, tq) = (lane / 4, lane % 4) holds A rows gq, gq + 8 and K columns tq, tq + 4 of each m-tile,
+// B column gq and K rows tq, tq + 4 of each n-tile.
+__device__ __forceinline__ void compute_chunk(const float* __restrict__ a_s, const float* __restrict__ b_s, int wm0, int wn0,
+                                              float (&acc)[WM][WN][4]) {
+  const int lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
   #pragma unroll
-  for (int j = 0; j < WN; ++j) bcol[j] = (col0 / 8 + j ^ t) * 8;
-  int xa[WM][2];  // x_s offsets of the lane's two A rows per m-tile, with its channel t
-  #pragma unroll
-  for (int i = 0; i < WM; ++i) {
-    #pragma unroll
-    for (int r = 0; r < 2; ++r) xa[i][r] = x_offset(min((mg * WM + i) * 16 + g + 8 * r, M_SLAB - 1)) + t * CI_STRIDE;
-  }
-  #pragma unroll
-  for (int i = 0; i < WM; ++i) {
-    #pragma unroll
-    for (int j = 0; j < WN; ++j) {
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
-    }
-  }
-  #pragma unroll
-  for (int s = 0; s < KSTEPS; ++s) {
-    const int k0 = k_offset(8 * s), k1 = k_offset(8 * s + 4);  // compile-time after unrolling
+  for (int kk = 0; kk < BK; kk += 8) {
+    const float* a_k = a_s + (kk + tq) * LDA + wm0 + gq;
+    const float* b_k = b_s + (wn0 + gq) * LDB + kk + tq;
     unsigned b_hi[WN][2], b_lo[WN][2];
     #pragma unroll
     for (int j = 0; j < WN; ++j) {
-      split_tf32(w_lane[(8 * s) * W_STRIDE + bcol[j]], b_hi[j][0], b_lo[j][0]);
-      split_tf32(w_lane[(8 * s + 4) * W_STRIDE + bcol[j]], b_hi[j][1], b_lo[j][1]);
+      split_tf32(b_k[j * 8 * LDB], b_hi[j][0], b_lo[j][0]);
+      split_tf32(b_k[j * 8 * LDB + 4], b_hi[j][1], b_lo[j][1]);
     }
     #pragma unroll
     for (int i = 0; i < WM; ++i) {
       unsigned a_hi[4], a_lo[4];
-      split_tf32(x_s[xa[i][0] + k0], a_hi[0], a_lo[0]);
-      split_tf32(x_s[xa[i][1] + k0], a_hi[1], a_lo[1]);
-      split_tf32(x_s[xa[i][0] + k1], a_hi[2], a_lo[2]);
-      split_tf32(x_s[xa[i][1] + k1], a_hi[3], a_lo[3]);
+      split_tf32(a_k[i * 16], a_hi[0], a_lo[0]);
+      split_tf32(a_k[i * 16 + 8], a_hi[1], a_lo[1]);
+      split_tf32(a_k[4 * LDA + i * 16], a_hi[2], a_lo[2]);
+      split_tf32(a_k[4 * LDA + i * 16 + 8], a_hi[3], a_lo[3]);
       #pragma unroll
       for (int j = 0; j < WN; ++j) {  // small products first
         mma_tf32(acc[i][j], a_lo, b_hi[j]);
@@ -203,120 +175,94 @@ __device__ __forceinline__ void conv_mma(const float* __restrict__ x_s, const fl
 
 }  // namespace
 
-// One block: one sample (blockIdx.y) x one tile of the kept axes (blockIdx.x).
+// One block: M tile blockIdx.x / N_TILES, N tile blockIdx.x % N_TILES.
 extern "C" __global__ void __launch_bounds__(THREADS, 2) specgen_conv1d_gelu_tanh(
     const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
-    const float* __restrict__ weight,  // [C_OUT, C_IN_G, K_D, K_H, K_W]
+    const float* __restrict__ wp,      // the weights permuted: [C_OUT][TAPS_PAD][CIP], k = tap * CIP + ci
     const float* __restrict__ bias,    // [C_OUT]
-    float* __restrict__ out,           // [batch, 32, 2046]
+    float* __restrict__ out,           // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
     int batch)
 {
   extern __shared__ float4 smem_f4[];
-  float* const smem = reinterpret_cast<float*>(smem_f4);
-  float* const w_s = smem;  // weights, the GEMM's B operand: [K_PAD][W_STRIDE], k = tap * CIP + ci
-  float* const x_s = smem + W_SMEM_FLOATS;  // a slab's input: [CIP][CI_STRIDE], each [XS_D][XS_H][XS_WP]
-  const int n = blockIdx.y;
-  if (n >= batch) return;
-  const float* __restrict__ x_n = x + static_cast<size_t>(n) * IN_PER_SAMPLE;
-  float* __restrict__ out_n = out + static_cast<size_t>(n) * OUT_PER_SAMPLE;
+  float* const a_all = reinterpret_cast<float*>(smem_f4);  // STAGES x A[BK][LDA]
+  float* const b_all = a_all + STAGES * A_STAGE;  // STAGES x B[BN][LDB]
+  const int m_total = batch * POSITIONS;
+  const int m0 = blockIdx.x / N_TILES * BM, n0 = blockIdx.x % N_TILES * BN;
 
-  // Origin of this block's tile along each kept axis (0 along the others).
-  const int rank = 0;
-  int tile = blockIdx.x;
-  const int tile_w = tile % TILES_W; tile /= TILES_W;
-  const int tile_h = tile % TILES_H; tile /= TILES_H;
-  const int tile_d = tile % TILES_D;
-  const int tile_c = tile / TILES_D;
-  const int c_origin = tile_c * BOX_C, d_origin = tile_d * BOX_D, h_origin = tile_h * BOX_H, w_origin = tile_w * BOX_W;
-  const int c_weights = c_origin;  // first channel of w_s
-
-  // Stage the weights of channels [c_weights, c_weights + WEIGHT_C) as B: w_s[k = tap * CIP + ci][c ^ (k % 4) * 8],
-  // 32 channels per pass. A pass copies its channels' weights (contiguous in `weight`) to x_s
-  // with coalesced loads; then one thread per (ci, c) pair, c fastest, writes them out as B:
-  // a warp's stores fill one K row of w_s and its reads stride x_s by RAW_STRIDE (odd), so
-  // neither side has bank conflicts.
+  // This thread's A position: fixed for the whole K loop.
+  ARow row;
   {
-    constexpr int RAW_PER_C = C_IN_G * TAPS;  // weights of one output channel
-    constexpr int RAW_STRIDE = 81;  // x_s floats per channel: RAW_PER_C, made odd
-    constexpr int RAW_C = 32;  // channels per pass
-    constexpr int RAW_ITERS = (RAW_C * RAW_PER_C + THREADS - 1) / THREADS;  // floats a thread copies per pass
-    constexpr int RAW_BATCH = 5;  // of them in flight at once
-    #pragma unroll 1
-    for (int c0 = 0; c0 < WEIGHT_C; c0 += RAW_C) {
-      const float* __restrict__ w_src = weight + (c_weights + c0) * RAW_PER_C;  // the pass's first channel
-      #pragma unroll 1
-      for (int q0 = 0; q0 < RAW_ITERS; q0 += RAW_BATCH) {  // RAW_BATCH loads in flight, then their stores
-        float v[RAW_BATCH];
-        #pragma unroll
-        for (int b = 0; b < RAW_BATCH; ++b) {
-          const int e = (q0 + b) * THREADS + threadIdx.x, cl = e / RAW_PER_C;
-          v[b] = e < RAW_C * RAW_PER_C && c0 + cl < WEIGHT_C && c_weights + c0 + cl < C_OUT ? __ldg(w_src + e) : 0.0f;
-        }
-        #pragma unroll
-        for (int b = 0; b < RAW_BATCH; ++b) {
-          const int e = (q0 + b) * THREADS + threadIdx.x;
-          if (e < RAW_C * RAW_PER_C) x_s[e / RAW_PER_C * RAW_STRIDE + e % RAW_PER_C] = v[b];
-        }
-      }
-      __syncthreads();
-      #pragma unroll 1
-      for (int q = 0; q < (C_IN_G * RAW_C + THREADS - 1) / THREADS; ++q) {
-        const int u = q * THREADS + threadIdx.x, ci = u / RAW_C, cl = u % RAW_C;  // pair u
-        if (u < C_IN_G * RAW_C && c0 + cl < WEIGHT_C) {
-          const float* __restrict__ w_pair = x_s + cl * RAW_STRIDE + ci * (RAW_PER_C / C_IN_G);  // W(c0 + cl, ci, .)
-          #pragma unroll
-          for (int tap = 0; tap < TAPS; ++tap) {
-            const int k = tap * CIP + ci;
-            w_s[k * W_STRIDE + (c0 + cl ^ k % 4 * 8)] = w_pair[tap];
-          }
-        }
-      }
-      __syncthreads();
-    }
+    const int m = m0 + threadIdx.x % A_COLS * A_VEC;
+    row.ok = m < m_total;
+    const int sample = m / POSITIONS, p = m % POSITIONS;
+    const int od = p / (OUT_H * OUT_W), oh = p / OUT_W % OUT_H, ow = p % OUT_W;
+    row.x_n = x + static_cast<size_t>(row.ok ? sample : 0) * IN_PER_SAMPLE;
+    row.id0 = od * S_D - P_D;
+    row.ih0 = oh * S_H - P_H;
+    row.iw0 = ow * S_W - P_W;
   }
-  __syncthreads();
 
-  {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    #pragma unroll 1
-    for (int slab = 0; slab < SLABS_D * SLABS_H; ++slab) {
-      const int sd0 = slab / SLABS_H * SLAB_D, sh0 = slab % SLABS_H * SLAB_H;  // slab origin in the box
-      __syncthreads();  // every warp is done reading the previous slab's input
-      stage_input(x_n, x_s, d_origin + sd0, h_origin + sh0, w_origin);
-      cp_async_commit();
-      cp_async_wait<0>();
-      __syncthreads();
-      #pragma unroll 1
-      for (int ui = 0; ui < UNIT_ITERS; ++ui) {
-        const int unit = ui * WARPS + warp;
-        if (unit < UNITS) {  // the same for the whole warp
-          const int mg = unit / N_GROUPS, ng = unit % N_GROUPS;
-          float acc[WM][WN][4];
-          conv_mma(x_s, w_s, (c_origin - c_weights) + ng * WN * 8, mg, acc);
-          // Epilogue: acc[i][j][2 * r + e] is slab position (mg * WM + i) * 16 + g + 8 * r, channel
-          // (ng * WN + j) * 8 + 2 * t + e of the box.
-          #pragma unroll
-          for (int i = 0; i < WM; ++i) {
-            #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int p = (mg * WM + i) * 16 + g + 8 * r;
-              const int pd = sd0 + p / (SLAB_H * BOX_W), ph = sh0 + p / BOX_W % SLAB_H, pw = p % BOX_W;  // in the box
-              const int d = d_origin + pd, h = h_origin + ph, w = w_origin + pw;
-              const bool p_ok = p < M_SLAB && d < T1_D && h < T1_H && w < T1_W;
-              #pragma unroll
-              for (int j = 0; j < WN; ++j) {
-                #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                  const int cl = (ng * WN + j) * 8 + 2 * t + e, cj = c_origin + cl;  // channel in the box, in T1
-                  if (p_ok && cl < BOX_C && cj < T1_C) {
-                    float v = acc[i][j][2 * r + e] + __ldg(bias + cj);
-                    v = (0.5f * (v) * (1.0f + tanhf(0.797884560802865356f * ((v) + 0.044715f * (v) * (v) * (v)))));  // epilogue[0] gelu (approximate='tanh')
-                    v = (v * S1_VALUE);  // epilogue[1] mul (value=0.5)
-                    out_n[((cj * T1_D + d) * T1_H + h) * T1_W + w] = v;
-                  }
-                }
-              }
-            }
+  // The pipeline: chunks 0 .. STAGES - 2 in flight, then one new chunk per chunk computed.
+  #pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < K_TILES) load_chunk(row, wp, n0, s, a_all + s * A_STAGE, b_all + s * B_STAGE);
+    cp_async_commit();
+  }
+  const int warp = threadIdx.x / 32;
+  const int wm0 = warp % WARPS_M * (16 * WM), wn0 = warp / WARPS_M * (8 * WN);  // this warp's tile in the block's
+  float acc[WM][WN][4];
+  #pragma unroll
+  for (int i = 0; i < WM; ++i)
+    #pragma unroll
+    for (int j = 0; j < WN; ++j)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+  #pragma unroll 1
+  for (int kt = 0; kt < K_TILES; ++kt) {
+    cp_async_wait<STAGES - 2>();  // chunk kt has landed (for this thread's copies) ...
+    __syncthreads();  // ... for every thread's, and every warp is done with the buffer refilled next
+    const int next = kt + STAGES - 1;
+    if (next < K_TILES) load_chunk(row, wp, n0, next, a_all + next % STAGES * A_STAGE, b_all + next % STAGES * B_STAGE);
+    cp_async_commit();
+    // The tensor cores add with truncation, so a long K loop would drift: each chunk is summed on
+    // its own and added to the running sums in fp32 (rounded to nearest).
+    float part[WM][WN][4];
+    #pragma unroll
+    for (int i = 0; i < WM; ++i)
+      #pragma unroll
+      for (int j = 0; j < WN; ++j)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) part[i][j][e] = 0.0f;
+    compute_chunk(a_all + kt % STAGES * A_STAGE, b_all + kt % STAGES * B_STAGE, wm0, wn0, part);
+    #pragma unroll
+    for (int i = 0; i < WM; ++i)
+      #pragma unroll
+      for (int j = 0; j < WN; ++j)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][j][e] += part[i][j][e];
+  }
+
+  // Epilogue: lane (gq, tq) holds, per m-tile i and n-tile j, rows gq and gq + 8 and columns 2 tq, 2 tq + 1.
+  const int lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+  #pragma unroll
+  for (int i = 0; i < WM; ++i) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + wm0 + i * 16 + gq + 8 * h;
+      if (m >= m_total) continue;
+      const int sample = m / POSITIONS, p = m % POSITIONS;
+      float* __restrict__ out_m = out + static_cast<size_t>(sample) * (C_OUT * POSITIONS) + p;
+      #pragma unroll
+      for (int j = 0; j < WN; ++j) {
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int cj = n0 + wn0 + j * 8 + 2 * tq + e;  // the output channel
+          if (cj < C_OUT) {
+            float v = acc[i][j][2 * h + e] + __ldg(bias + cj);  // the conv and its bias
+            v = (0.5f * (v) * (1.0f + tanhf(0.797884560802865356f * ((v) + 0.044715f * (v) * (v) * (v)))));  // epilogue[0] gelu (approximate='tanh')
+            v = (v * S1_VALUE);  // epilogue[1] mul (value=0.5)
+            out_m[static_cast<size_t>(cj) * POSITIONS] = v;
           }
         }
       }

@@ -88,6 +88,10 @@ def cmd_bench(args) -> int:
     from specgen import bench
 
     specs = _load_all(args.files)
+    if args.name:
+        specs = [s for s in specs if s.name in args.name]
+    if args.precision:
+        specs = [s.model_copy(update={"precision": args.precision}) for s in specs]
     ceil = bench.ceilings()
     results = []
     for spec in specs:
@@ -137,6 +141,8 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--batch", type=int, default=128)
     be.add_argument("--reps", type=int, default=20)
     be.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    be.add_argument("--name", action="append", default=None, help="only this spec (repeatable)")
+    be.add_argument("--precision", choices=["fp32", "tf32"], default=None, help="run every spec in this precision")
     be.add_argument("--json", metavar="PATH", default=None, help="write all numbers as JSON")
     be.set_defaults(run=cmd_bench)
 

@@ -126,7 +126,9 @@ def test_op_matches_reference_and_returns_contiguous_fresh_tensor(spec):
         fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
         y2 = layer.op.overload(*op_args(layer, x.contiguous(memory_format=fmt)))
         assert y2.is_contiguous()
-        torch.testing.assert_close(y2, ref, rtol=1e-5, atol=1e-5)
+        # PyTorch picks another conv algorithm for channels-last input: the project's fp32 bar
+        # (deep layers such as 512 channels x 9 taps reorder sums past 1e-5)
+        torch.testing.assert_close(y2, ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("spec", example_specs())
