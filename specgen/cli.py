@@ -41,8 +41,11 @@ def cmd_build(args) -> int:
 
     if args.arch is not None:
         nvcc.validate_arch(args.arch)
+    from specgen import progress
+
     specs = _load_all(args.files)
-    built = pipeline.specialize_many(specs, args.arch)
+    with progress.track("building", total=len(specs)):
+        built = pipeline.specialize_many(specs, args.arch)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     for item in built:
