@@ -12,11 +12,12 @@ like nvcc's, so registers, spills, stack and shared memory are recorded), PTX is
 log comes with the numbered source lines it points at.
 
 Headers: the templates include `<math_constants.h>` and, for thread-block clusters,
-`<cooperative_groups.h>`. NVRTC has neither built in; they are looked up in the `nvidia` wheels'
-`include/` directories first, then `$CUDA_HOME/include` and `/usr/local/cuda/include`. When no
-libcu++ (`cuda/std/type_traits`) is found beside them, cooperative groups is told to use its own
-type traits (`-D_CG_LIMIT_INCLUDED_DEPENDENCIES`). The headers' digest is part of the compiler's
-identity, hence of the cache key.
+`<cooperative_groups.h>`, which includes `<nv/target>` (from CCCL). NVRTC has none of them built
+in; they are looked up in the `nvidia` wheels' `include/` directories (`nvidia-cuda-runtime`,
+`nvidia-cuda-cccl`) first, then `$CUDA_HOME/include` and `/usr/local/cuda/include`, each with its
+`cccl/` subdirectory. When no libcu++ (`cuda/std/type_traits`) is found, cooperative groups is
+told to use its own type traits (`-D_CG_LIMIT_INCLUDED_DEPENDENCIES`). The headers' digest is part
+of the compiler's identity, hence of the cache key.
 
 Nothing here imports torch.
 """
@@ -42,10 +43,11 @@ host-compiler flag NVRTC does not take). No fast-math."""
 
 PTXAS_VERBOSE: tuple[str, ...] = ("--ptxas-options=-v",)
 LIMIT_CG = "-D_CG_LIMIT_INCLUDED_DEPENDENCIES"
-NEEDED_HEADERS = ("math_constants.h", "cooperative_groups.h")
+NEEDED_HEADERS = ("math_constants.h", "cooperative_groups.h", "nv/target")
+LIBCUDACXX = "cuda/std/type_traits"  # optional: cooperative groups uses it where it is found
 FIX = (
-    "Fix: pip install 'specgen[nvrtc]' (cuda-bindings, nvidia-cuda-nvrtc, nvidia-cuda-runtime; a CUDA "
-    "build of PyTorch already brings the last two), or install the CUDA toolkit and use nvcc."
+    "Fix: pip install 'specgen[nvrtc]' (cuda-bindings, nvidia-cuda-nvrtc, nvidia-cuda-runtime, "
+    "nvidia-cuda-cccl), or install the CUDA toolkit and use nvcc."
 )
 
 
@@ -133,20 +135,19 @@ def _toolkit_include_dirs() -> list[Path]:
 
 
 def include_dirs() -> list[Path]:
-    """Where the templates' headers are found: for each needed header the first directory that has
-    it (wheels first, then the toolkit), plus a libcu++ directory (`<dir>/cccl`) beside it if any.
+    """Where the templates' headers are found: for each needed header (and libcu++, if present) the
+    first directory that has it, wheels first, then the toolkit, each with its `cccl/` beside it.
     Empty when none of the headers is found."""
-    candidates = list(dict.fromkeys([*_wheel_include_dirs(), *_toolkit_include_dirs()]))
+    candidates = []
+    for d in dict.fromkeys([*_wheel_include_dirs(), *_toolkit_include_dirs()]):
+        candidates += [d, d / "cccl"]
     chosen: list[Path] = []
-    for header in NEEDED_HEADERS:
+    for header in (*NEEDED_HEADERS, LIBCUDACXX):
         for d in candidates:
             if (d / header).is_file():
                 if d not in chosen:
                     chosen.append(d)
                 break
-    for d in list(chosen):
-        if (d / "cccl" / "cuda" / "std" / "type_traits").is_file() and d / "cccl" not in chosen:
-            chosen.append(d / "cccl")
     return chosen
 
 
@@ -156,7 +157,7 @@ def missing_headers(dirs: list[Path] | None = None) -> list[str]:
 
 
 def _has_libcudacxx(dirs: list[Path]) -> bool:
-    return any((d / "cuda" / "std" / "type_traits").is_file() for d in dirs)
+    return any((d / LIBCUDACXX).is_file() for d in dirs)
 
 
 def header_options() -> list[str]:
@@ -172,7 +173,7 @@ def _headers_digest(dirs: list[Path]) -> str:
     """sha256 over the headers the kernels include (and cooperative groups' own), by relative name."""
     digest = hashlib.sha256()
     for d in dirs:
-        files = [d / h for h in NEEDED_HEADERS] + sorted((d / "cooperative_groups").rglob("*.h"))
+        files = [d / h for h in (*NEEDED_HEADERS, LIBCUDACXX)] + sorted((d / "cooperative_groups").rglob("*.h"))
         for path in files:
             if path.is_file():
                 digest.update(path.relative_to(d).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
@@ -226,10 +227,11 @@ def _error(options: list[str], cwd: Path, name: str, log: str, result) -> _compi
         "compiler output:",
         log.rstrip() or "(none)",
     ]
-    if "cannot open source file" in log and (missing := missing_headers()):
+    if re.search(r"(?:cannot|could not) open source file", log) and (missing := missing_headers()):
         parts.append(
             f"NVRTC found no {', '.join(missing)}: looked in the nvidia wheels' include/ directories, "
-            f"$CUDA_HOME/include and /usr/local/cuda/include. Fix: pip install nvidia-cuda-runtime, or set CUDA_HOME."
+            f"$CUDA_HOME/include and /usr/local/cuda/include. Fix: pip install nvidia-cuda-runtime nvidia-cuda-cccl, "
+            "or set CUDA_HOME to a CUDA toolkit."
         )
     if excerpts := _compile._source_excerpts(log, cwd):
         parts += ["source:", excerpts]
