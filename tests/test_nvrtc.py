@@ -271,3 +271,13 @@ def test_gpu_both_compilers_give_the_same_result(example):
         assert rel <= 1e-5, (compiler, rel)
     assert outs["nvcc"].shape == outs["nvrtc"].shape
     torch.testing.assert_close(outs["nvrtc"], outs["nvcc"], rtol=1e-5, atol=1e-5)
+
+
+@needs_nvrtc
+def test_bench_records_the_compiler_builds_use(monkeypatch, tmp_path):
+    """A bench record names NVRTC when builds use it (and needs no nvcc to be written)."""
+    bench = pytest.importorskip("specgen.bench")
+    monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda *a: "a GPU")
+    _no_nvcc(monkeypatch, tmp_path)
+    env = bench.environment()
+    assert env["nvrtc"].startswith("NVRTC ") and "nvcc" not in env
