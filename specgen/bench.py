@@ -213,12 +213,15 @@ def environment() -> dict:
     from specgen import __version__
     from specgen import compile as nvcc
 
+    compiler = nvcc.resolve_compiler()
+    ident = nvcc.compiler_id(compiler).splitlines()
+
     return {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "nvcc": nvcc.toolchain_id(nvcc.find_nvcc()).splitlines()[-1],
+        compiler: ident[-1] if compiler == "nvcc" else ident[0],  # the compiler builds use (nvcc or NVRTC)
         "specgen": __version__,
         "python": platform.python_version(),
     }

@@ -10,7 +10,8 @@ umask's permissions rather than private ones).
 Layout: `<cache>/<key[:2]>/<key>/` holds `kernel.cu`, `kernel.cubin` and `meta.json`, the manifest
 (name, key, arch, flags, toolchain, versions, canonical spec, ptxas report, compiler log, times and
 the sha256 of both files). The key is a sha256 over the name, canonical spec, rendered source,
-specgen's version, the template hash, the compiler identity, the arch and the flags.
+specgen's version, the template hash, the compiler identity (nvcc's version text, or NVRTC's
+version and headers: see `compile.resolve_compiler`), the arch and the flags.
 
 Protocol: a hit needs a manifest whose key and checksums match the files; the entry's directory
 mtime records its last use. A miss takes the per-key lock `<cache>/locks/<key>.lock` (flock
@@ -57,7 +58,7 @@ from filelock import FileLock, Timeout
 
 import specgen
 from specgen import compile as nvcc
-from specgen import paths
+from specgen import paths, progress
 from specgen.compile import CompileError, CompileJob, CompileReport
 from specgen.log import get_logger
 
@@ -99,6 +100,7 @@ class BuildRequest:
     canonical_spec: str
     arch: str | None = None
     flags: tuple[str, ...] | None = None
+    compiler: str | None = None  # nvcc, nvrtc or auto; None: $SPECGEN_COMPILER, else auto
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):
@@ -112,6 +114,8 @@ class BuildRequest:
             if not isinstance(self.flags, (tuple, list)) or not all(isinstance(f, str) for f in self.flags):
                 raise ValueError(f"flags: expected a tuple of strings, got {self.flags!r}")
             object.__setattr__(self, "flags", tuple(self.flags))
+        if self.compiler is not None:
+            object.__setattr__(self, "compiler", nvcc.validate_compiler(self.compiler))
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,7 @@ class BuildResult:
     stack_bytes: int
     arch: str
     log: str = field(repr=False)
+    compiler: str = "nvcc"
 
     def as_json(self) -> dict:
         """Every field but the compiler log, paths as strings."""
@@ -147,6 +152,7 @@ class BuildResult:
             "smem_bytes": self.smem_bytes,
             "stack_bytes": self.stack_bytes,
             "arch": self.arch,
+            "compiler": self.compiler,
         }
 
 
@@ -287,12 +293,14 @@ class _Plan:
     key: str
     build_dir: Path | None = None
     in_cache: bool = False
+    compiler: str = "nvcc"
 
 
 def _plan(req: BuildRequest) -> _Plan:
     arch = nvcc.validate_arch(req.arch if req.arch is not None else nvcc.default_arch())
-    flags = tuple(req.flags) if req.flags is not None else nvcc.DEFAULT_FLAGS
-    toolchain = nvcc.toolchain_id(nvcc.find_nvcc())
+    compiler = nvcc.resolve_compiler(req.compiler)
+    flags = tuple(req.flags) if req.flags is not None else nvcc.default_flags(compiler)
+    toolchain = nvcc.compiler_id(compiler)
     template_hash, version = paths.template_hash(), specgen.__version__
     material = {
         "schema": _KEY_SCHEMA,
@@ -306,7 +314,7 @@ def _plan(req: BuildRequest) -> _Plan:
         "flags": list(flags),
     }
     key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
-    return _Plan(req, arch, flags, toolchain, template_hash, version, key)
+    return _Plan(req, arch, flags, toolchain, template_hash, version, key, compiler=compiler)
 
 
 def compute_key(req: BuildRequest) -> str:
@@ -373,6 +381,7 @@ def _result(meta: dict, entry: Path, cache: str, seconds: float) -> BuildResult:
         stack_bytes=meta["stack_bytes"],
         arch=meta["arch"],
         log=meta["log"],
+        compiler=meta.get("compiler", "nvcc"),
     )
 
 
@@ -382,6 +391,7 @@ def _manifest(plan: _Plan, report: CompileReport, cu: bytes, cubin: bytes) -> di
         "key": plan.key,
         "arch": plan.arch,
         "flags": list(plan.flags),
+        "compiler": plan.compiler,
         "toolchain": plan.toolchain,
         "specgen_version": plan.version,
         "template_hash": plan.template_hash,
@@ -563,6 +573,7 @@ def _hit(root: Path, plan: _Plan, probe: _Probe) -> BuildResult:
     entry = _entry_dir(root, plan.key)
     _touch(entry)
     _dump(plan, probe.meta["log"])
+    progress.advance()
     return _result(probe.meta, entry, "hit", 0.0)
 
 
@@ -600,9 +611,9 @@ def _compile(building: list[_Plan], root: Path | None) -> dict[str, BuildResult 
         _stage(plan, root if plan.build_dir is None else None)
         _count_compile(plan)
         log.info("compiling %s (%s)", plan.req.name, plan.key[:12])
-    jobs = [CompileJob(p.build_dir / _CU, p.build_dir / _CUBIN, p.arch, p.flags) for p in building]
+    jobs = [CompileJob(p.build_dir / _CU, p.build_dir / _CUBIN, p.arch, p.flags, p.compiler) for p in building]
     outcomes: dict[str, BuildResult | CompileError] = {}
-    for plan, report in zip(building, nvcc.compile_many(jobs)):
+    for plan, report in zip(building, nvcc.compile_many(jobs, on_done=lambda _i: progress.advance())):
         _dump(plan, report.log)
         if isinstance(report, CompileError):
             outcomes[plan.key] = report
@@ -630,6 +641,7 @@ def build_many(reqs: list[BuildRequest]) -> list[BuildResult]:
         plans.setdefault(plan.key, plan)
         keys.append(plan.key)
     ordered = sorted(plans.values(), key=lambda p: p.key)
+    progress.expect(len(ordered))
     root = _cache_root(ordered)
     always = _env_flag(ENV_ALWAYS_COMPILE)
     outcomes: dict[str, BuildResult | CompileError] = {}

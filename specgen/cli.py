@@ -1,4 +1,4 @@
-"""The `specgen` command line: build, show, check, bench, cache, import.
+"""The `specgen` command line: build, show, check, bench, plot, doctor, cache, import.
 
 Exit codes: 0 ok; 1 a build or check failed (the compiler's log is shown); 2 bad input.
 `build` and `show` never import torch.
@@ -41,8 +41,11 @@ def cmd_build(args) -> int:
 
     if args.arch is not None:
         nvcc.validate_arch(args.arch)
+    from specgen import progress
+
     specs = _load_all(args.files)
-    built = pipeline.specialize_many(specs, args.arch)
+    with progress.track("building", total=len(specs)):
+        built = pipeline.specialize_many(specs, args.arch)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     for item in built:
@@ -85,6 +88,10 @@ def cmd_check(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.plot:
+        from specgen import plot
+
+        plot.require_matplotlib()  # before the measurements, not after
     from specgen import bench
 
     specs = _load_all(args.files)
@@ -103,9 +110,11 @@ def cmd_bench(args) -> int:
         f"host time per call (tiny spec, 1000 calls, no CUDA graph): inference forward {host_us['forward_us']:.1f} us;"
         f" into out= {host_us['launch_us']:.1f} us; with autograd (custom op) {host_us['autograd_op_us']:.1f} us"
     )
+    meta = {**bench.environment(), "host_overhead_us": host_us}
     if args.json:
-        meta = {**bench.environment(), "host_overhead_us": host_us}
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    if args.plot:
+        print(f"plot: {plot.plot_record({'meta': meta, 'results': results}, args.plot)}")
     return EXIT_OK
 
 
@@ -144,7 +153,17 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--name", action="append", default=None, help="only this spec (repeatable)")
     be.add_argument("--precision", choices=["fp32", "tf32"], default=None, help="run every spec in this precision")
     be.add_argument("--json", metavar="PATH", default=None, help="write all numbers as JSON")
+    be.add_argument("--plot", metavar="FILE.png", default=None, help="draw a roofline and the speedups (needs matplotlib)")
     be.set_defaults(run=cmd_bench)
+
+    from specgen import doctor, plot
+
+    pl = sub.add_parser("plot", help="draw a roofline and the speedups of a bench --json record (needs matplotlib)")
+    plot.add_arguments(pl)
+    pl.set_defaults(run=plot.run)
+
+    d = sub.add_parser("doctor", help="what works here: GPU, driver, torch, compilers, cache; builds (and runs) a tiny spec")
+    d.set_defaults(run=doctor.run)
 
     from specgen import cachecli
 

@@ -5,6 +5,11 @@ Nothing here imports torch. Every compile adds `-Xptxas -v` so that the resource
 `compile_many` runs independent compiles in parallel through a throwaway `build.ninja`
 (one nvcc edge per job, each with its own log file) and falls back to one compile after
 another when no ninja binary is found.
+
+Backends: nvcc (this module) or NVRTC (`specgen/nvrtc.py`), chosen by `SPECGEN_COMPILER`
+(`nvcc`, `nvrtc`, or `auto`: nvcc when it is found, else NVRTC) or a request's `compiler`.
+`compile_cubin`, `compile_ptx` and `compile_many` dispatch on it; the resolved compiler's
+identity (`compiler_id`) goes into the cache key.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 # -diag-suppress=177: generated kernels declare every extent as a named constant, used or not.
 DEFAULT_FLAGS: tuple[str, ...] = ("-O3", "-std=c++17", "-lineinfo", "-diag-suppress=177")
@@ -30,6 +36,11 @@ FALLBACK_NVCC = "/usr/local/cuda/bin/nvcc"
 _ARCH_RE = re.compile(r"sm_[1-9][0-9]{1,2}a?")
 _ERROR_CONTEXT_LINES = 3
 _MAX_ERRORS_SHOWN = 10
+
+
+ENV_COMPILER = "SPECGEN_COMPILER"
+COMPILERS = ("nvcc", "nvrtc")
+COMPILER_CHOICES = (*COMPILERS, "auto")
 
 
 class CompileError(Exception):
@@ -73,6 +84,7 @@ class CompileJob:
     out_cubin: Path
     arch: str
     flags: tuple[str, ...] = DEFAULT_FLAGS
+    compiler: str = "nvcc"
 
 
 # ---------------------------------------------------------------------------- toolchain
@@ -115,6 +127,58 @@ def toolchain_id(nvcc: str) -> str:
         out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
         _TOOLCHAIN_IDS[memo_key] = "\n".join(line.rstrip() for line in out.strip().splitlines())
     return _TOOLCHAIN_IDS[memo_key]
+
+
+def validate_compiler(value: object, field_name: str = "compiler") -> str:
+    """`nvcc`, `nvrtc` or `auto` (any case, surrounding blanks ignored); ValueError naming the field otherwise."""
+    choice = value.strip().lower() if isinstance(value, str) else value
+    if choice not in COMPILER_CHOICES:
+        raise ValueError(f"{field_name}: expected one of {', '.join(COMPILER_CHOICES)}, got {value!r}")
+    return choice
+
+
+def resolve_compiler(value: str | None = None) -> str:
+    """The backend to use: `value`, else `$SPECGEN_COMPILER`, else auto (nvcc if found, else NVRTC).
+
+    Raises ValueError for an unknown name and FileNotFoundError (saying how to fix it) when auto
+    finds neither compiler.
+    """
+    if value is None:
+        raw = os.environ.get(ENV_COMPILER, "")
+        choice = validate_compiler(raw, ENV_COMPILER) if raw.strip() else "auto"
+    else:
+        choice = validate_compiler(value)
+    if choice != "auto":
+        return choice
+    try:
+        find_nvcc()
+        return "nvcc"
+    except FileNotFoundError as no_nvcc:
+        from specgen import nvrtc
+
+        try:
+            nvrtc.version()
+            return "nvrtc"
+        except nvrtc.NvrtcUnavailable as no_nvrtc:
+            raise FileNotFoundError(f"no CUDA compiler found.\n{no_nvcc}\n{no_nvrtc}") from None
+
+
+def default_flags(compiler: str) -> tuple[str, ...]:
+    """The default flags of a resolved backend."""
+    if compiler == "nvrtc":
+        from specgen import nvrtc
+
+        return nvrtc.DEFAULT_FLAGS
+    return DEFAULT_FLAGS
+
+
+def compiler_id(compiler: str) -> str:
+    """A resolved backend's identity for cache keys (version text, no paths)."""
+    if compiler == "nvrtc":
+        from specgen import nvrtc
+
+        return nvrtc.toolchain_id()
+    return toolchain_id(find_nvcc())
 
 
 @functools.cache
@@ -247,9 +311,17 @@ def _cubin_command(nvcc: str, cu_name: str, out_cubin: Path, arch: str, flags: t
 
 
 def compile_cubin(
-    cu_path: Path, out_cubin: Path, arch: str, flags: tuple[str, ...] = DEFAULT_FLAGS
+    cu_path: Path, out_cubin: Path, arch: str, flags: tuple[str, ...] | None = None, compiler: str | None = None
 ) -> CompileReport:
-    """Compile one `.cu` to a cubin (nvcc runs in the source's directory). Raises CompileError."""
+    """Compile one `.cu` to a cubin (nvcc runs in the source's directory). Raises CompileError.
+
+    `flags` default to the backend's; `compiler` as in resolve_compiler."""
+    compiler = resolve_compiler(compiler)
+    flags = default_flags(compiler) if flags is None else flags
+    if compiler == "nvrtc":
+        from specgen import nvrtc
+
+        return nvrtc.compile_cubin(cu_path, out_cubin, arch, tuple(flags))
     cu_path = Path(cu_path).resolve()
     command = _cubin_command(find_nvcc(), cu_path.name, Path(out_cubin).resolve(), arch, tuple(flags))
     start = time.perf_counter()
@@ -262,8 +334,16 @@ def compile_cubin(
     return _report(seconds, proc.stdout)
 
 
-def compile_ptx(source_text: str, arch: str, flags: tuple[str, ...] = DEFAULT_FLAGS) -> str:
+def compile_ptx(
+    source_text: str, arch: str, flags: tuple[str, ...] | None = None, compiler: str | None = None
+) -> str:
     """PTX for a `.cu` source text, built in a temporary directory. Raises CompileError."""
+    compiler = resolve_compiler(compiler)
+    flags = default_flags(compiler) if flags is None else flags
+    if compiler == "nvrtc":
+        from specgen import nvrtc
+
+        return nvrtc.compile_ptx(source_text, arch, tuple(flags))
     validate_arch(arch)
     with tempfile.TemporaryDirectory(prefix="specgen-ptx-") as tmp:
         cu = Path(tmp) / "kernel.cu"
@@ -290,16 +370,36 @@ def find_ninja() -> str | None:
     return _which("ninja")
 
 
-def compile_many(jobs: list[CompileJob]) -> list[CompileReport | CompileError]:
+def compile_many(
+    jobs: list[CompileJob], on_done: Callable[[int], None] | None = None
+) -> list[CompileReport | CompileError]:
     """Compile independent jobs in parallel with ninja (`-j` cpu count); results in job order.
 
-    A failed job yields its CompileError in place, it does not stop the others.
+    A failed job yields its CompileError in place, it does not stop the others. Jobs whose
+    `compiler` is `nvrtc` compile in process (specgen/nvrtc.py). `on_done(i)`, if given, is
+    called as job i finishes (for progress bars).
     """
     if not jobs:
         return []
+    if any(job.compiler == "nvrtc" for job in jobs):
+        from specgen import nvrtc
+
+        picked = [i for i, job in enumerate(jobs) if job.compiler == "nvrtc"]
+        rest = [i for i, job in enumerate(jobs) if job.compiler != "nvrtc"]
+        results: list = [None] * len(jobs)
+        for indices, run in ((picked, nvrtc.compile_many), (rest, compile_many)):
+            done = None if on_done is None else (lambda k, indices=indices: on_done(indices[k]))
+            for i, outcome in zip(indices, run([jobs[i] for i in indices], done)):
+                results[i] = outcome
+        return results
     ninja = find_ninja()
     if ninja is None:
-        return [_compile_job(job) for job in jobs]
+        outcomes = []
+        for i, job in enumerate(jobs):
+            outcomes.append(_compile_job(job))
+            if on_done is not None:
+                on_done(i)
+        return outcomes
     nvcc = find_nvcc()
     with tempfile.TemporaryDirectory(prefix="specgen-ninja-") as tmp:
         build_dir = Path(tmp)
@@ -317,13 +417,7 @@ def compile_many(jobs: list[CompileJob]) -> list[CompileReport | CompileError]:
                 f"  rc = {_ninja_escape(shlex.quote(str(build_dir / f'job{i}.rc')))}",
             ]
         (build_dir / "build.ninja").write_text("\n".join(lines) + "\n")
-        proc = subprocess.run(
-            [ninja, "-C", str(build_dir), "-j", str(os.cpu_count() or 1), "-k", "0"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-        )
+        proc = _run_ninja([ninja, "-C", str(build_dir), "-j", str(os.cpu_count() or 1), "-k", "0"], build_dir, len(jobs), on_done)
         seconds = _ninja_durations(build_dir / ".ninja_log")
         results: list[CompileReport | CompileError] = []
         for i, (command, cwd) in enumerate(commands):
@@ -340,9 +434,29 @@ def compile_many(jobs: list[CompileJob]) -> list[CompileReport | CompileError]:
         return results
 
 
+def _run_ninja(command: list[str], build_dir: Path, count: int, on_done) -> subprocess.CompletedProcess:
+    """Run ninja; with `on_done`, report each job as its `.rc` file appears."""
+    if on_done is None:
+        return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    with tempfile.TemporaryFile("w+", errors="replace") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True)
+        pending = set(range(count))
+        while True:
+            finished = proc.poll() is not None
+            for i in sorted(pending):
+                if (build_dir / f"job{i}.rc").exists() or finished:
+                    pending.discard(i)
+                    on_done(i)
+            if finished:
+                break
+            time.sleep(0.05)
+        out.seek(0)
+        return subprocess.CompletedProcess(command, proc.returncode, out.read())
+
+
 def _compile_job(job: CompileJob) -> CompileReport | CompileError:
     try:
-        return compile_cubin(job.cu_path, job.out_cubin, job.arch, tuple(job.flags))
+        return compile_cubin(job.cu_path, job.out_cubin, job.arch, tuple(job.flags), "nvcc")
     except CompileError as error:
         return error
 
