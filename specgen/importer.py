@@ -14,7 +14,8 @@ chain that grows while the next node is something a spec can say:
 * pools and reductions map to their spec ops; shape ops (view, reshape, flatten, squeeze,
   unsqueeze) that only drop or insert size-1 dims are absorbed, and the fused layer's output is
   reshaped back to what the model returned;
-* eval-mode batch norm and dropout fuse as what they compute in eval mode (an affine expression
+* convolutions and transposed convolutions (module and functional forms) start chains;
+* eval-mode batch norm and dropout fuse as what they compute in eval mode (a `batch_norm` stage
   over the running statistics, the identity): the fused model keeps that behaviour even if it is
   later switched to training mode.
 
