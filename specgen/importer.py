@@ -14,7 +14,8 @@ chain that grows while the next node is something a spec can say:
 * pools and reductions map to their spec ops; shape ops (view, reshape, flatten, squeeze,
   unsqueeze) that only drop or insert size-1 dims are absorbed, and the fused layer's output is
   reshaped back to what the model returned;
-* eval-mode batch norm and dropout fuse as what they compute in eval mode (an affine expression
+* convolutions and transposed convolutions (module and functional forms) start chains;
+* eval-mode batch norm and dropout fuse as what they compute in eval mode (a `batch_norm` stage
   over the running statistics, the identity): the fused model keeps that behaviour even if it is
   later switched to training mode.
 
@@ -262,6 +263,8 @@ class _Conv:
     dilation: Any
     groups: int
     module: Optional[nn.Module] = None
+    transposed: bool = False  # nn.ConvTranspose / F.conv_transpose: weight [C_in, C_out / groups, k...]
+    output_padding: Any = 0
 
 
 # =============================================================================================
@@ -371,6 +374,22 @@ def _bn_text(t, a):
     return f"({text})"
 
 
+def _bn_stage(terms, attrs):
+    """Eval-mode batch norm whose statistics (and weight, bias) are per-channel tensors of the
+    model: one batch_norm stage naming them (their names follow the module's, e.g. bn_running_mean)."""
+    x, mean, var, weight, bias = terms
+    if x is not X or not all(isinstance(t, _Named) for t in (mean, var)):
+        return None
+    if not all(t is None or isinstance(t, _Named) for t in (weight, bias)) or (weight is None) != (bias is None):
+        return None
+    args = {"eps": attrs["eps"], "running_mean": mean.name, "running_var": var.name}
+    if weight is None:
+        args["affine"] = False
+    else:
+        args.update(weight=weight.name, bias=bias.name)
+    return {"batch_norm": args}
+
+
 _GELU_TEXT = {
     "none": lambda x: f"(0.5 * {x} * (1 + erf({x} * 0.7071067811865476)))",
     "tanh": lambda x: f"(0.5 * {x} * (1 + tanh(0.7978845608028654 * ({x} + 0.044715 * {x} ** 3))))",
@@ -430,7 +449,7 @@ _PW_OPS: dict[str, _PwOp] = {
     "hardsigmoid": _PwOp(lambda t, a: f"clamp({t[0]} / 6 + 0.5, 0, 1)"),
     "softsign": _PwOp(lambda t, a: f"({t[0]} / (1 + abs({t[0]})))"),
     "tanhshrink": _PwOp(lambda t, a: f"({t[0]} - tanh({t[0]}))"),
-    "batch_norm": _PwOp(_bn_text),
+    "batch_norm": _PwOp(_bn_text, _bn_stage),
 }
 
 
@@ -658,7 +677,7 @@ def _shape(b):
     return _Shape(b["input"])
 
 
-def _conv(nd: int) -> Callable:
+def _conv(nd: int, transposed: bool = False) -> Callable:
     def build(b):
         if b.get("padding_mode", "zeros") != "zeros":
             raise _Reject(f"padding_mode={b['padding_mode']!r} (only zero padding is fused)")
@@ -666,7 +685,8 @@ def _conv(nd: int) -> Callable:
         if isinstance(groups, bool) or not isinstance(groups, int):
             raise _Reject(f"groups must be an int, got {groups!r}")
         return _Conv(
-            b["input"], nd, b["weight"], b["bias"], b["stride"], b["padding"], b["dilation"], groups, b.get("module")
+            b["input"], nd, b["weight"], b["bias"], b["stride"], b["padding"], b["dilation"], groups, b.get("module"),
+            transposed, b.get("output_padding", 0),
         )
 
     return build
@@ -674,7 +694,7 @@ def _conv(nd: int) -> Callable:
 
 def _conv_module(m: nn.Module, path: str) -> dict:
     bias = None if m.bias is None else _Tensor(f"{path}.bias", m.bias, tuple(m.bias.shape))
-    return {
+    read = {
         "weight": _Tensor(f"{path}.weight", m.weight, tuple(m.weight.shape)),
         "bias": bias,
         "stride": m.stride,
@@ -684,6 +704,9 @@ def _conv_module(m: nn.Module, path: str) -> dict:
         "padding_mode": m.padding_mode,
         "module": m,
     }
+    if m.transposed:
+        read["output_padding"] = m.output_padding
+    return read
 
 
 def _attrs(*names: str) -> Callable[[nn.Module, str], dict]:
@@ -733,6 +756,15 @@ _ROWS: list[_Row] = [
             "input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1",
             functions=(f"F.conv{nd}d", f"torch.conv{nd}d"),
             modules={f"Conv{nd}d": _conv_module},
+        )
+        for nd in (1, 2, 3)
+    ),
+    *(
+        _Row(
+            _conv(nd, transposed=True),
+            "input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1",
+            functions=(f"F.conv_transpose{nd}d", f"torch.conv_transpose{nd}d"),
+            modules={f"ConvTranspose{nd}d": _conv_module},
         )
         for nd in (1, 2, 3)
     ),
@@ -1284,14 +1316,19 @@ class _Importer:
         try:
             stride = _ints(desc.stride, "stride")
             dilation = _ints(desc.dilation, "dilation")
-            padding = self._padding(desc.padding, kernel, stride, dilation, desc.nd)
+            if desc.transposed:
+                padding = _ints(desc.padding, "padding")
+                output_padding = _ints(desc.output_padding, "output_padding")
+            else:
+                padding = self._padding(desc.padding, kernel, stride, dilation, desc.nd)
         except _Reject as rej:
             raise _Reject(f"{where}: {rej.reason}") from None
         data = {
             "name": "chain",
             "input": {"channels": in_shape[1], "size": list(in_shape[2:])},
             "conv": {
-                "out_channels": weight.shape[0],
+                # a transposed conv's weight is [C_in, C_out / groups, k...]
+                "out_channels": weight.shape[1] * desc.groups if desc.transposed else weight.shape[0],
                 "kernel": kernel,
                 "stride": stride,
                 "padding": padding,
@@ -1301,6 +1338,8 @@ class _Importer:
             },
             "epilogue": [],
         }
+        if desc.transposed:
+            data["conv"].update(transposed=True, output_padding=output_padding)
         try:
             spec = validate(data)
         except SpecError as err:

@@ -26,8 +26,7 @@ class FusedLayer(nn.Module):
         self.spec: LayerSpec = load(spec_or_path)
         self.arch = arch
         self.conv = reference.make_conv(self.spec)
-        for name, shape in self.spec.params().items():
-            self.register_parameter(name, nn.Parameter(torch.randn(shape)))
+        reference.add_spec_params(self, self.spec)
         # Plain Python values read on every forward, so torch.compile traces it without graph breaks.
         self._name = self.spec.name
         self._input_shape = (self.spec.input.channels, *self.spec.input.size)

@@ -14,8 +14,9 @@ torch lazily, so this module (and the whole build path) works without it.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional
+from typing import Annotated, Any, Callable, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -163,6 +164,89 @@ class ExprArgs(Args):
         return expr_mod.parse_cached(self.code)
 
 
+class BatchNormArgs(Args):
+    """Batch norm in eval mode over the channels, with the running statistics of nn.BatchNormNd:
+    y = (x - running_mean) / sqrt(running_var + eps) * weight + bias, per channel.
+
+    The four tensors are per-channel parameters named after PyTorch's: `batch_norm: bn` (or the
+    bare op, which means `bn`) names them bn_weight, bn_bias, bn_running_mean, bn_running_var;
+    `name` sets that prefix and each tensor can also be named on its own. `affine: false`
+    (nn.BatchNormNd(affine=False)) has no weight and bias."""
+
+    eps: Annotated[float, Field(gt=0)] = 1e-5
+    affine: bool = True
+    weight: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
+    bias: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
+    running_mean: str = Field(pattern=IDENTIFIER_PATTERN)
+    running_var: str = Field(pattern=IDENTIFIER_PATTERN)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prefix(cls, data):
+        if isinstance(data, str):
+            data = {"name": data}
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        name = data.pop("name", "bn")
+        if not isinstance(name, str) or not re.fullmatch(IDENTIFIER_PATTERN, name):
+            raise ValueError(f"name must be an identifier (the prefix of the four tensors' names), got {name!r}")
+        affine = data.get("affine", True)
+        for field in ("weight", "bias", "running_mean", "running_var"):
+            if field in ("weight", "bias") and affine is False:
+                if data.get(field) is not None:
+                    raise ValueError(f"affine: false has no {field}, got {field}: {data[field]!r}")
+            elif data.get(field) is None:
+                data[field] = f"{name}_{field}"
+        return data
+
+    @model_validator(mode="after")
+    def _not_eps(self):
+        if "eps" in self.names():
+            raise ValueError("'eps' is the op's constant; name the tensors otherwise")
+        return self
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.running_mean, self.running_var, self.weight, self.bias) if n is not None)
+
+
+def _batch_norm_c(a, x, k):
+    text = f"(({x}) - {k[a.running_mean]}) * __frsqrt_rn({k[a.running_var]} + {k['eps']})"
+    if a.weight is not None:
+        text = f"{text} * {k[a.weight]}"
+    if a.bias is not None:
+        text = f"{text} + {k[a.bias]}"
+    return f"({text})"
+
+
+def _batch_norm_ref(x, a, p):
+    y = (x - p[a.running_mean]) / _torch().sqrt(p[a.running_var] + a.eps)
+    if a.weight is not None:
+        y = y * p[a.weight]
+    if a.bias is not None:
+        y = y + p[a.bias]
+    return y
+
+
+def _batch_norm_init(a) -> dict:
+    """nn.BatchNormNd's initial values; the running statistics are buffers (not trained)."""
+    inits = {a.running_mean: ParamInit(True, 0.0), a.running_var: ParamInit(True, 1.0)}
+    if a.weight is not None:
+        inits[a.weight] = ParamInit(False, 1.0)
+    if a.bias is not None:
+        inits[a.bias] = ParamInit(False, 0.0)
+    return inits
+
+
+@dataclass(frozen=True)
+class ParamInit:
+    """How a layer creates a per-channel tensor: a buffer or a parameter, filled with `fill`
+    (None: standard normal, the default of a per-channel parameter)."""
+
+    buffer: bool = False
+    fill: Optional[float] = None
+
+
 def _operand(args: OperandArgs, names: dict[str, str]) -> str:
     return names["value"] if args.param is None else names[args.param]
 
@@ -180,6 +264,8 @@ class Pointwise:
     doc: str = ""
     # Names of the per-channel parameters an instance uses.
     params: Callable[[Any], tuple[str, ...]] = field(default=lambda a: ())
+    # How a layer creates them, by name (left out: a parameter drawn from a standard normal).
+    param_init: Callable[[Any], dict] = field(default=lambda a: {})
 
     def constants(self, args: Args) -> dict[str, float]:
         """The float fields of `args` that become named constexprs (None means 'not used')."""
@@ -299,6 +385,15 @@ _POINTWISE_ROWS = [
         lambda x, a, p: a.parsed.to_torch(x, p),
         "a pointwise expression over x, numbers and per-channel parameters",
         params=lambda a: a.parsed.params,
+    ),
+    Pointwise(
+        "batch_norm",
+        BatchNormArgs,
+        _batch_norm_c,
+        _batch_norm_ref,
+        "eval-mode batch norm: (x - running_mean) / sqrt(running_var + eps) * weight + bias",
+        params=lambda a: a.names(),
+        param_init=_batch_norm_init,
     ),
 ]
 POINTWISE: dict[str, Pointwise] = {row.name: row for row in _POINTWISE_ROWS}

@@ -259,6 +259,14 @@ def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, 
     return None
 
 
+NESTED_POOL_TILE = 16  # most register-tile values (CT x PT) per level when two or more pools nest
+
+
+def tile_pt_default(t1, w_in_box: bool) -> int:
+    """The FFMA register tile's positions along W, left to the planner."""
+    return min(4, t1[3]) if w_in_box else 1
+
+
 AFFINE_OPS = {"mul", "div", "add", "sub"}
 AFFINE_SCALE_RANGE = (2.0**-64, 2.0**64)  # |scale| outside: no fold (weights could under/overflow)
 
@@ -369,7 +377,8 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     # ---- rewrite: an avg-pool right after the conv folds into the conv ----------------------
     rewrites: list[str] = []
     fold = None
-    if spec.rewrites and len(levels) > 1 and _can_fold_avg_pool(levels, s3, d3):
+    transposed = spec.conv.transposed
+    if spec.rewrites and len(levels) > 1 and not transposed and _can_fold_avg_pool(levels, s3, d3):
         pool = levels.pop(1)
         fold = {"orig_kernel": k3, "window": pool["kernel"], "window_size": pool["window"]}
         new_k = tuple(k + w - 1 for k, w in zip(k3, pool["kernel"]))
@@ -475,6 +484,7 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
             ("the conv has groups", groups > 1),
             ("a pool sits between the conv and the output", len(levels) > 1),
             ("channels are reduced one at a time", not c_in_box),
+            ("the conv is transposed (a gather over taps, on fp32 FFMA only)", spec.conv.transposed),
         )
         if bad
     ]
@@ -493,12 +503,16 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         thread_tiles = tile_iters = 0
     else:
         ct_default = next(c for c in (8, 4, 2, 1) if cout_g % c == 0 and c <= cout) if c_in_box else 1
+        if len(levels) >= 3 and tile_pt_default(t1, w_in_box) * ct_default > NESTED_POOL_TILE:
+            # Two or more pools: every level holds its own CT x PT accumulators and its level
+            # below's results at once; measured, 8 x 3 spills with two pools and 4 x 3 does not.
+            ct_default = next(c for c in (4, 2, 1) if cout_g % c == 0 and c <= cout) if c_in_box else 1
         ct = pick(lambda v: v, ct_default, "channels_per_thread")
         if c_in_box and cout_g % ct:
             raise PlanError([f"tile.channels_per_thread: {ct} must divide the channels per group ({cout_g})"])
         if not c_in_box and ct != 1:
             raise PlanError(["tile.channels_per_thread: must be 1 when channels are reduced one at a time"])
-        pt = pick(lambda v: v, min(4, t1[3]) if w_in_box else 1, "positions_per_thread")
+        pt = pick(lambda v: v, tile_pt_default(t1, w_in_box), "positions_per_thread")
         if not w_in_box and pt != 1:
             raise PlanError(["tile.positions_per_thread: must be 1 when width is reduced one position at a time"])
 
@@ -646,6 +660,12 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     )
     # (pool windows shift level 0's start by odd offsets: no vectors under a pool)
     in_vec = min(in_vec, conv_span) if conv_span >= 2 and len(levels) == 1 else 1
+    if transposed:
+        # A transposed conv gathers: output w reads input (w + P_W - kw * DIL_W) / S_W where that
+        # divides evenly. Level 0 loads the span of numerators w + P_W - kw * DIL_W the tile needs
+        # (CONV_SPAN of them, the stride's multiples valid), one element at a time.
+        conv_span = (pt - 1) * levels[0]["step"] + (k3[2] - 1) * d3[2] + 1
+        in_vec = 1
     # Without a tail, a thread stores PT consecutive outputs of a row: vectorized when aligned.
     out_vec = 1 if reductions else widest((4, 2, 1), t1[3], pt, box[3] if tiles["w"] > 1 else 0)
     fmas_per_conv_row = (cin // groups) * taps * ct * pt
@@ -740,7 +760,11 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         "out_shape": list(out_shape),
         "params": [{"name": n, "shape": list(s), "channels": s[0]} for n, s in params],
         "constants": consts,
-        "flops_per_sample": 2 * math.prod(t1) * (cin // groups) * taps * math.prod(l.get("window", 1) for l in levels),
+        # (a transposed conv: each output meets about taps / stride-volume of its taps)
+        "flops_per_sample": 2 * math.prod(t1) * (cin // groups) * taps * math.prod(l.get("window", 1) for l in levels)
+        // (math.prod(s3) if transposed else 1),
+        "transposed": transposed,
+        "output_padding": _spatial3(geo["output_padding"], 0) if transposed else (0, 0, 0),
         "rewrites": rewrites,
         "fold": fold,
         "mma": mma,

@@ -18,8 +18,22 @@ from specgen.spec import LayerSpec, load
 
 
 def make_conv(spec: LayerSpec) -> nn.Module:
-    """nn.Conv1d/2d/3d with the spec's geometry and PyTorch's default initialization."""
+    """nn.Conv1d/2d/3d (nn.ConvTranspose1d/2d/3d for a transposed conv) with the spec's geometry
+    and PyTorch's default initialization."""
     g = spec.conv_geometry()
+    if spec.conv.transposed:
+        cls = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}[spec.ndim]
+        return cls(
+            spec.input.channels,
+            spec.conv.out_channels,
+            g["kernel"],
+            stride=g["stride"],
+            padding=g["padding"],
+            output_padding=g["output_padding"],
+            groups=spec.conv.groups,
+            bias=spec.conv.bias,
+            dilation=g["dilation"],
+        )
     cls = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[spec.ndim]
     return cls(
         spec.input.channels,
@@ -44,8 +58,16 @@ def _stages(spec: LayerSpec):
     Everything that reads the spec (geometry, canonical dims, op arguments) happens here, once,
     so the function itself holds only tensor ops: torch.compile traces it without graph breaks."""
     g = spec.conv_geometry()
-    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[spec.ndim]
     stride, padding, dilation, groups = g["stride"], g["padding"], g["dilation"], spec.conv.groups
+    if spec.conv.transposed:
+        transposed = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[spec.ndim]
+        output_padding = g["output_padding"]
+
+        def conv(x, weight, bias, stride, padding, dilation, groups):
+            return transposed(x, weight, bias, stride, padding, output_padding, groups, dilation)
+
+    else:
+        conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[spec.ndim]
     steps = []
     param_shapes = spec.params()
     for i, stage in enumerate(spec.epilogue):
@@ -99,6 +121,21 @@ def _reduce(torch_ref, dims, keepdim, y, params):
     return torch_ref(y, dims, keepdim)
 
 
+def add_spec_params(module: nn.Module, spec: LayerSpec) -> None:
+    """Register the spec's per-channel tensors on `module` under their spec names, shaped (C, 1, ...):
+    learnable parameters drawn from a standard normal, except where the op says otherwise (batch
+    norm: weight 1 and bias 0 as parameters, running mean 0 and variance 1 as buffers, as in
+    nn.BatchNormNd)."""
+    inits = spec.param_inits()
+    for name, shape in spec.params().items():
+        init = inits.get(name, ops.ParamInit())
+        value = torch.randn(shape) if init.fill is None else torch.full(shape, init.fill)
+        if init.buffer:
+            module.register_buffer(name, value)
+        else:
+            module.register_parameter(name, nn.Parameter(value))
+
+
 class Reference(nn.Module):
     """The plain PyTorch model of a spec: `conv` plus one nn.Parameter per per-channel parameter."""
 
@@ -108,8 +145,7 @@ class Reference(nn.Module):
         self.conv = make_conv(self.spec)
         self._run = stages(self.spec)
         self._param_names = tuple(self.spec.params())
-        for name, shape in self.spec.params().items():
-            self.register_parameter(name, nn.Parameter(torch.randn(shape)))
+        add_spec_params(self, self.spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, self.conv.weight, self.conv.bias, self.named_spec_params())

@@ -64,6 +64,10 @@ class ConvSpec(Model):
     dilation: IntOrList = 1
     groups: PositiveInt = 1
     bias: bool = True
+    # A transposed convolution, as nn.ConvTranspose1d/2d/3d: weights [C_in, C_out / groups, k...],
+    # output (in - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1.
+    transposed: bool = False
+    output_padding: IntOrList = 0
 
 
 class TileSpec(Model):
@@ -210,6 +214,16 @@ def _window_out(size: int, kernel: int, stride: int, padding: int, dilation: int
     return out
 
 
+def _transposed_out(size: int, kernel: int, stride: int, padding: int, dilation: int, output_padding: int, where: str) -> int:
+    out = (size - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1
+    if out < 1:
+        raise SpecShapeError(
+            f"{where}: a transposed conv of input size {size} (kernel {kernel}, stride {stride}, dilation {dilation}, "
+            f"output_padding {output_padding}) with padding {padding} has output size {out}; it must be at least 1"
+        )
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # The spec
 # ---------------------------------------------------------------------------------------------
@@ -234,8 +248,19 @@ class LayerSpec(Model):
         return len(self.input.size)
 
     def conv_geometry(self) -> dict[str, tuple[int, ...]]:
+        """kernel, stride, padding, dilation per spatial dim (and output_padding for a transposed conv)."""
         nd = self.ndim
-        return {f: expand(getattr(self.conv, f), nd, f"conv.{f}") for f in ("kernel", "stride", "padding", "dilation")}
+        fields = ("kernel", "stride", "padding", "dilation") + (("output_padding",) if self.conv.transposed else ())
+        return {f: expand(getattr(self.conv, f), nd, f"conv.{f}") for f in fields}
+
+    def weight_shape(self) -> tuple[int, ...]:
+        """The conv's weight as PyTorch holds it: [C_out, C_in / groups, k...], or for a transposed
+        conv [C_in, C_out / groups, k...]."""
+        kernel = self.conv_geometry()["kernel"]
+        cin, cout, groups = self.input.channels, self.conv.out_channels, self.conv.groups
+        if self.conv.transposed:
+            return (cin, cout // groups, *kernel)
+        return (cout, cin // groups, *kernel)
 
     def pool_geometry(self, stage: StageBase, where: str) -> dict[str, tuple[int, ...]]:
         nd, a = self.ndim, stage.args
@@ -253,6 +278,9 @@ class LayerSpec(Model):
         """Defaults filled in, scalars expanded per dim, constants as floats: equal specs, equal dicts."""
         data = self.model_dump(mode="json")
         data["conv"].update({k: list(v) for k, v in self.conv_geometry().items()})
+        if not self.conv.transposed:  # a plain conv spells (and hashes) as it did before transposed convs
+            data["conv"].pop("transposed")
+            data["conv"].pop("output_padding")
         for i, stage in enumerate(self.epilogue):
             if stage.kind == "pool" and ops.POOLS[stage.op].windowed:
                 geometry = self.pool_geometry(stage, f"epilogue[{i}]")
@@ -284,6 +312,14 @@ class LayerSpec(Model):
 
     def conv_output(self) -> StageShape:
         g = self.conv_geometry()
+        if self.conv.transposed:
+            sizes = [
+                _transposed_out(s, k, st, p, d, op, f"conv (spatial dim {i})")
+                for i, (s, k, st, p, d, op) in enumerate(
+                    zip(self.input.size, g["kernel"], g["stride"], g["padding"], g["dilation"], g["output_padding"])
+                )
+            ]
+            return StageShape((Axis("c", self.conv.out_channels), *(Axis(f"s{i}", n) for i, n in enumerate(sizes))))
         sizes = [
             _window_out(s, k, st, p, d, f"conv (spatial dim {i})")
             for i, (s, k, st, p, d) in enumerate(
@@ -370,6 +406,24 @@ class LayerSpec(Model):
                     )
         return found
 
+    def param_inits(self) -> dict[str, ops.ParamInit]:
+        """How a layer creates each per-channel tensor of params(): a buffer (batch norm's running
+        statistics) or a parameter, and its initial value."""
+        found: dict[str, ops.ParamInit] = {}
+        for i, stage in enumerate(self.epilogue):
+            if stage.kind != "pointwise":
+                continue
+            row = ops.POINTWISE[stage.op]
+            inits = row.param_init(stage.args)
+            for name in row.params(stage.args):
+                init = inits.get(name, ops.ParamInit())
+                if found.setdefault(name, init).buffer != init.buffer:
+                    raise SpecShapeError(
+                        f"epilogue[{i}] ({stage.op}): {name!r} is a running statistic (a buffer) in one stage "
+                        f"and a learnable parameter in another; give them different names"
+                    )
+        return found
+
     def output_shape(self, batch: int) -> tuple[int, ...]:
         return (batch, *self.shapes()[-1].sizes)
 
@@ -381,6 +435,18 @@ class LayerSpec(Model):
             for v in g[f]:
                 if not lo <= v <= MAX_EXTENT:
                     raise SpecShapeError(f"conv.{f}: every value must be in [{lo}, {MAX_EXTENT}], got {list(g[f])}")
+        if self.conv.transposed:
+            for i, (op, st, d) in enumerate(zip(g["output_padding"], g["stride"], g["dilation"])):
+                if not 0 <= op < max(st, d):
+                    raise SpecShapeError(
+                        f"conv.output_padding: must be >= 0 and smaller than the stride or the dilation (as in "
+                        f"PyTorch); spatial dim {i} has output_padding {op}, stride {st}, dilation {d}"
+                    )
+        elif expand(self.conv.output_padding, nd, "conv.output_padding") != (0,) * nd:
+            raise SpecShapeError(
+                f"conv.output_padding: only a transposed conv (conv.transposed: true) has an output padding, "
+                f"got {self.conv.output_padding!r}"
+            )
         cin, cout, groups = self.input.channels, self.conv.out_channels, self.conv.groups
         if cin % groups or cout % groups:
             raise SpecShapeError(
@@ -388,6 +454,7 @@ class LayerSpec(Model):
             )
         self.shapes()
         names = self.params()
+        self.param_inits()
         for name in names:
             if name in EXPR_RESERVED or name in RESERVED_PARAM_NAMES:
                 raise SpecShapeError(f"parameter name {name!r} is reserved; choose another")

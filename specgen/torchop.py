@@ -161,8 +161,7 @@ def _define(name: str, spec: LayerSpec, specialized, arch) -> SpecOp:
 
 def _arg_shapes(spec: LayerSpec) -> tuple[tuple[int, ...], ...]:
     cout = spec.conv.out_channels
-    weight = (cout, spec.input.channels // spec.conv.groups, *spec.conv_geometry()["kernel"])
-    return (weight, *([(cout,)] if spec.conv.bias else []), *spec.params().values())
+    return (spec.weight_shape(), *([(cout,)] if spec.conv.bias else []), *spec.params().values())
 
 
 def _check_args(op: SpecOp, args) -> None:

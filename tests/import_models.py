@@ -794,8 +794,8 @@ CASES: list[Case] = [
     Case(FunctionalConv, IMG, [["relu"], ["sigmoid"]]),
     Case(FunctionalConv3d, VOL, [["clamp"]]),
     Case(TwoChains, IMG, [["relu"], ["sigmoid", "mean"]]),
-    Case(_bn(NestedBlocks), IMG, [["expr", "relu"], ["expr", "relu"]]),
-    Case(_bn(FunctionalBatchNorm), IMG, [["expr"]]),
+    Case(_bn(NestedBlocks), IMG, [["batch_norm", "relu"], ["batch_norm", "relu"]]),
+    Case(_bn(FunctionalBatchNorm), IMG, [["batch_norm"]]),
     Case(UnpackedMax, IMG, [["relu", "amax"]]),
 ]
 
@@ -838,7 +838,7 @@ FALLBACKS: list[FallbackCase] = [
     ),
     FallbackCase(lambda: UnpackedMax(use_indices=True), IMG, [["relu"]], [("max_1", "its indices are used")], id="UsedIndices"),
     FallbackCase(
-        _bn(ResidualBlock), (2, C, 8, 8), [["expr", "relu"], ["expr"]], [("add", "operand x is computed by the model")]
+        _bn(ResidualBlock), (2, C, 8, 8), [["batch_norm", "relu"], ["batch_norm"]], [("add", "operand x is computed by the model")]
     ),
     FallbackCase(ControlFlow, IMG, [], [("ControlFlow", "torch.fx cannot trace")]),
 ]

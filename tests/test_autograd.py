@@ -54,6 +54,13 @@ GRAD_SPECS = [
         ],
     },
     {
+        "name": "transposed_batch_norm",
+        "input": {"channels": 4, "size": [3, 4]},
+        "conv": {"out_channels": 4, "kernel": 3, "stride": 2, "padding": 1, "output_padding": 1, "groups": 2,
+                 "transposed": True},
+        "epilogue": [{"batch_norm": {"eps": 0.1}}, "tanh", {"max_pool": 2}],
+    },
+    {
         "name": "pools_2d",
         "input": {"channels": 2, "size": [8, 9]},
         "conv": {"out_channels": 4, "kernel": 3, "groups": 2},

@@ -1,0 +1,69 @@
+"""The public KernelBench level-2 problems, for the import tests (CPU) and their GPU checks.
+
+The problems live outside the repository: `SPECGEN_KERNELBENCH_DIR` names their folder, else
+`../shared/kernelbench/level2` beside the checkout is used; tests that need them skip without."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Problems that import into one spec with no fallback in eval mode (a test keeps this true).
+FUSED = {
+    "2_ConvTranspose2d_BiasAdd_Clamp_Scaling_Clamp_Divide",
+    "5_ConvTranspose2d_Subtract_Tanh",
+    "10_ConvTranspose2d_MaxPool_Hardtanh_Mean_Tanh",
+    "16_ConvTranspose2d_Mish_Add_Hardtanh_Scaling",
+    "31_Conv2d_Min_Add_Multiply",
+    "36_ConvTranspose2d_Min_Sum_GELU_Add",
+    "42_ConvTranspose2d_GlobalAvgPool_BiasAdd_LogSumExp_Sum_Multiply",
+    "43_Conv3d_Max_LogSumExp_ReLU",
+    "44_ConvTranspose2d_Multiply_GlobalAvgPool_GlobalAvgPool_Mean",
+    "58_ConvTranspose3d_LogSumExp_HardSwish_Subtract_Clamp",
+    "65_Conv2d_AvgPool_Sigmoid_Sum",
+    "72_ConvTranspose3d_BatchNorm_AvgPool_AvgPool",
+    "73_Conv2d_BatchNorm_Scaling",
+    "74_ConvTranspose3d_LeakyReLU_Multiply_LeakyReLU_Max",
+    "77_ConvTranspose3d_Scale_BatchNorm_GlobalAvgPool",
+    "78_ConvTranspose3d_Max_Max_Sum",
+    "90_Conv3d_LeakyReLU_Sum_Clamp_GELU",
+    "96_ConvTranspose3d_Multiply_Max_GlobalAvgPool_Clamp",
+    "100_ConvTranspose3d_Clamp_Min_Divide",
+}
+# Before transposed convolutions and the batch_norm stage: the count must never drop below this.
+FUSED_BEFORE = {
+    "31_Conv2d_Min_Add_Multiply",
+    "43_Conv3d_Max_LogSumExp_ReLU",
+    "65_Conv2d_AvgPool_Sigmoid_Sum",
+    "73_Conv2d_BatchNorm_Scaling",
+    "90_Conv3d_LeakyReLU_Sum_Clamp_GELU",
+}
+
+
+def folder() -> Path | None:
+    env = os.environ.get("SPECGEN_KERNELBENCH_DIR")
+    path = Path(env) if env else ROOT.parent / "shared" / "kernelbench" / "level2"
+    return path if path.is_dir() else None
+
+
+def problems() -> list[Path]:
+    path = folder()
+    if path is None:
+        return []
+    return sorted(path.glob("*.py"), key=lambda p: int(p.name.split("_")[0]))
+
+
+def load(path: Path):
+    """(model in eval mode, its example inputs cut to a batch of one)."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location(f"kernelbench_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    model = module.Model(*module.get_init_inputs()).eval()
+    inputs = [t[:1] if isinstance(t, torch.Tensor) else t for t in module.get_inputs()]
+    return model, inputs

@@ -1,0 +1,379 @@
+"""Transposed convolutions and the batch_norm stage without a GPU: spec, plan, render, nvcc,
+reference, importer, and how many public KernelBench problems import."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernelbench_problems as kb
+from conv_family_specs import TRANSPOSED
+from specgen import reference
+from specgen.importer import explain, from_module
+from specgen.module import FusedLayer
+from specgen.plan import PlanError, build_plan
+from specgen.render import render, render_plan
+from specgen.spec import SpecError, parse_yaml, validate
+
+T2 = {"name": "t", "input": {"channels": 4, "size": [5, 7]},
+      "conv": {"out_channels": 6, "kernel": 3, "stride": 2, "padding": 1, "output_padding": 1, "transposed": True}}
+
+
+def spec_of(name: str):
+    return validate({"name": name, **TRANSPOSED[name]})
+
+
+def with_conv(**conv) -> dict:
+    return {**T2, "conv": {**T2["conv"], **conv}}
+
+
+# ---- spec ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "conv, expected",
+    [
+        ({"output_padding": 2}, "conv.output_padding: must be >= 0 and smaller than the stride or the dilation"),
+        ({"output_padding": [1, 1], "stride": [2, 1]}, "spatial dim 1 has output_padding 1, stride 1, dilation 1"),
+        ({"output_padding": -1}, "conv.output_padding: must be >= 0"),
+        ({"output_padding": 1, "transposed": False}, "conv.output_padding: only a transposed conv"),
+        ({"padding": 6}, "with padding 6 has output size 0; it must be at least 1"),
+        ({"output_padding": [1, 1, 1]}, "conv.output_padding: expected one value or 2"),
+    ],
+)
+def test_bad_transposed_geometry_names_the_field(conv, expected):
+    with pytest.raises(SpecError) as err:
+        validate(with_conv(**conv))
+    assert expected in str(err.value)
+
+
+def test_output_padding_below_the_dilation_is_allowed():
+    spec = validate(with_conv(stride=1, dilation=3, output_padding=2))  # PyTorch: < stride or < dilation
+    assert spec.shapes()[0].sizes[1:] == (5 - 1 + 3 * 2 + 2 + 1 - 2, 7 - 1 + 3 * 2 + 2 + 1 - 2)
+
+
+CONFIGS = [
+    (1, {"in_channels": 6, "out_channels": 6, "kernel_size": 4, "stride": 3, "padding": 2, "output_padding": 2,
+         "dilation": 2, "groups": 3}, (20,)),
+    (2, {"in_channels": 4, "out_channels": 8, "kernel_size": (3, 2), "stride": (2, 1), "padding": (1, 0),
+         "output_padding": (1, 0)}, (9, 11)),
+    (2, {"in_channels": 4, "out_channels": 6, "kernel_size": 3, "dilation": 2, "groups": 2, "bias": False}, (4, 3)),
+    (3, {"in_channels": 4, "out_channels": 8, "kernel_size": (2, 3, 3), "stride": (1, 2, 3), "padding": (0, 1, 2),
+         "output_padding": (0, 1, 2)}, (4, 5, 6)),
+    (3, {"in_channels": 2, "out_channels": 2, "kernel_size": 1, "stride": 3, "padding": 0}, (2, 2, 2)),
+]
+
+
+def spec_from_module(nd: int, kw: dict, size: tuple):
+    conv = {"out_channels": kw["out_channels"], "kernel": _list(kw["kernel_size"]), "transposed": True}
+    for field, key in (("stride", "stride"), ("padding", "padding"), ("output_padding", "output_padding"),
+                       ("dilation", "dilation"), ("groups", "groups"), ("bias", "bias")):
+        if key in kw:
+            conv[field] = _list(kw[key])
+    return validate({"name": "m", "input": {"channels": kw["in_channels"], "size": list(size)}, "conv": conv,
+                     "epilogue": ["relu"]})
+
+
+def _list(v):
+    return list(v) if isinstance(v, tuple) else v
+
+
+@pytest.mark.parametrize("nd, kw, size", CONFIGS)
+def test_output_and_weight_shapes_match_conv_transpose(nd, kw, size):
+    module = getattr(nn, f"ConvTranspose{nd}d")(**kw)
+    spec = spec_from_module(nd, kw, size)
+    out = module(torch.randn(2, kw["in_channels"], *size))
+    assert spec.output_shape(2) == tuple(out.shape)
+    assert spec.weight_shape() == tuple(module.weight.shape)
+
+
+@pytest.mark.parametrize("nd, kw, size", CONFIGS)
+def test_reference_is_conv_transpose_in_float64(nd, kw, size):
+    torch.manual_seed(0)
+    module = getattr(nn, f"ConvTranspose{nd}d")(**kw).double()
+    spec = spec_from_module(nd, kw, size)
+    ref = reference.Reference(spec).double()
+    assert isinstance(ref.conv, getattr(nn, f"ConvTranspose{nd}d"))
+    ref.conv.load_state_dict(module.state_dict())
+    x = torch.randn(3, kw["in_channels"], *size, dtype=torch.float64)
+    torch.testing.assert_close(ref(x), torch.relu(module(x)), rtol=1e-12, atol=1e-12)
+
+
+def test_a_plain_conv_spells_and_hashes_as_before():
+    plain = validate({**T2, "conv": {"out_channels": 6, "kernel": 3}})
+    assert "transposed" not in plain.canonical()["conv"] and "output_padding" not in plain.canonical()["conv"]
+    assert plain.shape_hash == validate({**T2, "conv": {"out_channels": 6, "kernel": 3, "transposed": False}}).shape_hash
+    transposed = validate({**T2, "conv": {"out_channels": 6, "kernel": 3, "transposed": True}})
+    assert transposed.shape_hash != plain.shape_hash
+    assert validate(transposed.canonical()).shape_hash == transposed.shape_hash
+
+
+def test_transposed_specs_read_from_yaml():
+    (spec,) = parse_yaml(
+        "name: up\ninput: {channels: 4, size: [5, 7]}\n"
+        "conv: {transposed: true, out_channels: 8, kernel: 4, stride: 2, padding: 1, output_padding: 1}\n"
+        "epilogue: [batch_norm, relu]\n"
+    )
+    assert spec.conv.transposed and spec.output_shape(1) == (1, 8, 11, 15)
+
+
+# ---- plan and render -------------------------------------------------------------------------
+
+
+def test_transposed_convs_stay_on_ffma_even_when_deep_and_wide():
+    deep = {"name": "deep", "input": {"channels": 32, "size": [16, 16]}, "conv": {"out_channels": 64, "kernel": 3}}
+    assert build_plan(validate(deep))["mma"] is not None  # K = 32 x 9, 64 channels: tensor cores for a plain conv
+    assert build_plan(validate({**deep, "conv": {**deep["conv"], "transposed": True}}))["mma"] is None
+    plan = build_plan(spec_of("t2d_weights_in_global"))
+    assert plan["mma"] is None and plan["transposed"] and not plan["weights_in_smem"]
+
+
+def test_tensor_cores_are_refused_for_a_transposed_conv():
+    with pytest.raises(PlanError) as err:
+        build_plan(validate({**T2, "epilogue": ["relu"], "tile": {"tensor_cores": True}}))
+    assert "tile.tensor_cores" in str(err.value) and "transposed" in str(err.value)
+
+
+def test_an_avg_pool_after_a_transposed_conv_is_not_folded():
+    spec = validate({**with_conv(stride=1, output_padding=0, padding=0), "epilogue": [{"avg_pool": 2}]})
+    plan = build_plan(spec)
+    assert plan["fold"] is None and len(plan["levels"]) == 2
+    assert build_plan(validate({**spec.model_dump(), "conv": {"out_channels": 6, "kernel": 3}}))["fold"] is not None
+
+
+def test_two_nested_pools_get_a_register_tile_that_does_not_spill():
+    plan = build_plan(spec_of("t3d_s2_bn_avgpool_avgpool"))
+    assert plan["ct"] * plan["pt"] <= 16
+
+
+@pytest.mark.parametrize("name", list(TRANSPOSED))
+def test_transposed_rendering_gathers(name):
+    spec = spec_of(name)
+    text = render(spec)
+    assert "nw % S_W == 0" in text and "(K_W - 1 - kw) * DIL_W" in text
+    assert "const float* __restrict__ weight,  // [C_IN, C_OUT_G, K_D, K_H, K_W]" in text
+    assert "((group * C_IN_G + ci) * C_OUT_G + c % C_OUT_G) * TAPS + tap" in text
+    assert "atomicAdd" not in text and "atom." not in text
+    for var, start, bound in re.findall(r"for \(int (\w+) = ([^;]+); \1 (?:<|<=|>|>=) ([^;]+);", text):
+        assert re.fullmatch(r"[A-Z0-9_ ()*/+\-]+", bound), (var, bound)
+    assert "nw % S_W" not in render(validate({**T2, "conv": {"out_channels": 6, "kernel": 3}}))
+
+
+def test_transposed_specs_build_without_spills(tmp_path, monkeypatch):
+    """Real nvcc (-Xptxas -v), through the pipeline and the cache, all at once."""
+    from specgen import pipeline
+
+    monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path / "cache"))
+    specs = [spec_of(name) for name in TRANSPOSED]
+    for spec, item in zip(specs, pipeline.specialize_many(specs)):
+        assert item.build.registers > 0 and item.build.spill_bytes == 0, (spec.name, item.build.log)
+
+
+def test_transposed_runtime_dims_rendering_compiles(tmp_path):
+    from specgen.compile import compile_cubin
+
+    src = tmp_path / "kernel.cu"
+    src.write_text(render_plan(build_plan(spec_of("t3d_mixed_strides_affine_bn_lse")), runtime_dims=True))
+    assert compile_cubin(src, tmp_path / "kernel.cubin", "sm_90").registers > 0
+
+
+# ---- batch_norm ------------------------------------------------------------------------------
+
+
+BN = {"name": "b", "input": {"channels": 3, "size": [6, 6]}, "conv": {"out_channels": 4, "kernel": 3}}
+
+
+def test_batch_norm_names_its_tensors_after_pytorch():
+    spec = validate({**BN, "epilogue": ["batch_norm", {"batch_norm": "bn2"}, {"batch_norm": {"affine": False, "name": "n"}}]})
+    assert list(spec.params()) == ["bn_running_mean", "bn_running_var", "bn_weight", "bn_bias",
+                                   "bn2_running_mean", "bn2_running_var", "bn2_weight", "bn2_bias",
+                                   "n_running_mean", "n_running_var"]
+    assert validate(spec.canonical()).shape_hash == spec.shape_hash
+    explicit = validate({**BN, "epilogue": [{"batch_norm": {"running_mean": "m", "running_var": "v", "weight": "g",
+                                                             "bias": "b", "eps": 1e-3}}]})
+    assert list(explicit.params()) == ["m", "v", "g", "b"]
+
+
+@pytest.mark.parametrize(
+    "stage, expected",
+    [
+        ({"batch_norm": {"affine": False, "weight": "g"}}, "affine: false has no weight"),
+        ({"batch_norm": {"eps": 0.0}}, "eps"),
+        ({"batch_norm": {"name": "1bn"}}, "name must be an identifier"),
+        ({"batch_norm": {"running_mean": "eps"}}, "'eps' is the op's constant"),
+        ({"batch_norm": {"running_var": "x y"}}, "running_var"),
+    ],
+)
+def test_bad_batch_norm_arguments_are_refused(stage, expected):
+    with pytest.raises(SpecError) as err:
+        validate({**BN, "epilogue": [stage]})
+    assert expected in str(err.value)
+
+
+def test_a_running_statistic_cannot_also_be_a_learnable_parameter():
+    with pytest.raises(SpecError) as err:
+        validate({**BN, "epilogue": ["batch_norm", {"mul": {"param": "bn_running_var"}}]})
+    assert "'bn_running_var' is a running statistic (a buffer)" in str(err.value)
+
+
+def test_layers_create_batch_norm_tensors_as_batch_norm_does():
+    spec = validate({**BN, "epilogue": ["batch_norm", {"add": {"param": "shift"}}]})
+    for layer in (FusedLayer(spec), reference.Reference(spec)):
+        buffers = dict(layer.named_buffers())
+        params = dict(layer.named_parameters())
+        assert set(buffers) == {"bn_running_mean", "bn_running_var"}
+        assert {"bn_weight", "bn_bias", "shift", "conv.weight"} <= set(params)
+        assert torch.equal(buffers["bn_running_var"], torch.ones(4, 1, 1))
+        assert torch.equal(buffers["bn_running_mean"], torch.zeros(4, 1, 1))
+        assert torch.equal(params["bn_weight"], torch.ones(4, 1, 1)) and torch.equal(params["bn_bias"], torch.zeros(4, 1, 1))
+    fused, plain = FusedLayer(spec), reference.Reference(spec)
+    with torch.no_grad():
+        plain.bn_running_var.uniform_(0.5, 2.0)
+    fused.load_state_dict(plain.state_dict())
+    assert torch.equal(fused.bn_running_var, plain.bn_running_var)
+
+
+def test_batch_norm_reference_is_nn_batch_norm_in_eval_mode():
+    torch.manual_seed(0)
+    spec = validate({**T2, "epilogue": [{"batch_norm": {"eps": 1e-3}}]})
+    ref = reference.Reference(spec).double()
+    bn = nn.BatchNorm2d(6, eps=1e-3).double().eval()
+    with torch.no_grad():
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 2.0)
+        bn.weight.normal_()
+        bn.bias.normal_()
+        for name in ("running_mean", "running_var", "weight", "bias"):
+            getattr(ref, f"bn_{name}").copy_(getattr(bn, name).view(6, 1, 1))
+    x = torch.randn(2, 4, 5, 7, dtype=torch.float64)
+    torch.testing.assert_close(ref(x), bn(ref.conv(x)), rtol=1e-12, atol=1e-12)
+
+
+def test_batch_norm_renders_one_expression_per_channel():
+    text = render(validate({**BN, "epilogue": [{"batch_norm": {"eps": 1e-3, "affine": False}}]}))
+    assert "__frsqrt_rn(__ldg(p_bn_running_var + cj) + S0_EPS)" in text
+    assert "p_bn_weight" not in text
+
+
+# ---- importer --------------------------------------------------------------------------------
+
+
+class UpBlock(nn.Module):
+    def __init__(self, nd: int = 2, groups: int = 2):
+        super().__init__()
+        self.up = getattr(nn, f"ConvTranspose{nd}d")(4, 6, 3, stride=2, padding=1, output_padding=1, groups=groups,
+                                                     dilation=1)
+        self.bn = getattr(nn, f"BatchNorm{nd}d")(6)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.up(x)))
+
+
+class FunctionalUp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3, 2, 3) * 0.3)
+        self.bias = nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        x = F.conv_transpose2d(x, self.weight, self.bias, stride=(2, 1), padding=(0, 1), output_padding=(1, 0),
+                               groups=2, dilation=(1, 2))
+        return torch.sigmoid(x).amax(dim=1)
+
+
+def _randomize_bn(model):
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.normal_()
+                m.running_var.uniform_(0.5, 2.0)
+                if m.weight is not None:
+                    m.weight.normal_()
+                    m.bias.normal_()
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_conv_transpose_and_batch_norm_modules_import_as_one_layer(nd):
+    torch.manual_seed(0)
+    model = UpBlock(nd).eval()
+    _randomize_bn(model)
+    x = torch.randn((2, 4) + (5, 6, 7)[:nd])
+    report = explain(model, x)
+    assert report.fallbacks == []
+    (spec,) = report.specs
+    assert spec.conv.transposed and spec.conv_geometry()["output_padding"] == (1,) * nd and spec.conv.groups == 2
+    assert [stage.op for stage in spec.epilogue] == ["batch_norm", "relu"]
+    bn = spec.epilogue[0].args
+    assert (bn.running_mean, bn.running_var, bn.weight, bn.bias) == ("bn_running_mean", "bn_running_var", "bn_weight", "bn_bias")
+    fused = from_module(model, x)
+    layer = next(m for m in fused.modules() if isinstance(m, FusedLayer))
+    assert layer.conv is model.up and layer.bn_running_var is model.bn.running_var
+    assert "bn_running_var" in dict(layer.named_buffers())
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x))
+    assert validate(parse_yaml(report.yaml())[0]).shape_hash == spec.shape_hash
+
+
+def test_functional_conv_transpose_reads_every_argument():
+    torch.manual_seed(0)
+    model = FunctionalUp()
+    x = torch.randn(2, 4, 5, 6)
+    report = explain(model, x)
+    assert report.fallbacks == []
+    (spec,) = report.specs
+    g = spec.conv_geometry()
+    assert (g["stride"], g["padding"], g["output_padding"], g["dilation"]) == ((2, 1), (0, 1), (1, 0), (1, 2))
+    assert spec.conv.out_channels == 6 and spec.weight_shape() == (4, 3, 2, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(from_module(model, x)(x), model(x))
+
+
+def test_affine_free_functional_batch_norm_round_trips():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.bn = nn.BatchNorm2d(4, affine=False, eps=1e-3)
+
+        def forward(self, x):
+            return F.batch_norm(self.conv(x), self.bn.running_mean, self.bn.running_var, training=False, eps=1e-3)
+
+    model = M().eval()
+    _randomize_bn(model)
+    report = explain(model, torch.randn(1, 3, 6, 6))
+    (spec,) = report.specs
+    assert spec.epilogue[0].op == "batch_norm" and spec.epilogue[0].args.weight is None
+    assert parse_yaml(report.yaml())[0].shape_hash == spec.shape_hash
+
+
+def test_batch_norm_in_training_mode_still_falls_back_with_its_reason():
+    model = UpBlock().train()
+    report = explain(model, torch.randn(2, 4, 5, 6))
+    assert report.specs == []
+    assert any("in training mode batch norm normalizes" in fb.reason for fb in report.fallbacks)
+
+
+# ---- the public KernelBench problems -----------------------------------------------------------
+
+
+@pytest.mark.skipif(kb.folder() is None, reason="the KernelBench problems are not beside the checkout")
+def test_kernelbench_problems_that_import_whole():
+    """Counts the problems that import into one spec with no fallback (eval mode): no regression,
+    and every problem listed as fused is."""
+    fused, reasons = set(), {}
+    for path in kb.problems():
+        model, inputs = kb.load(path)
+        report = explain(model, *inputs)
+        if len(report.specs) == 1 and not report.fallbacks:
+            fused.add(path.stem)
+        else:
+            reasons[path.stem] = [fb.reason for fb in report.fallbacks]
+    assert len(kb.problems()) == 46
+    assert kb.FUSED <= fused, {name: reasons.get(name) for name in kb.FUSED - fused}
+    assert len(fused) >= len(kb.FUSED) > len(kb.FUSED_BEFORE) and kb.FUSED_BEFORE <= fused
+    transposed = {name for name in fused if "ConvTranspose" in name}
+    assert len(transposed) >= 13
