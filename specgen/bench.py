@@ -1,6 +1,10 @@
 """`specgen bench`: time specgen against eager PyTorch and torch.compile in one process (GPU).
 
-CUDA events around each call, warm-up first, the median of `reps` timed runs. The machine's
+CUDA events around each call, warm-up first, the median of `reps` timed runs. A row where
+specgen is slower than eager is marked (`<< slower than eager`; `slower_than_eager` in JSON).
+`bench_model` (`specgen bench --model FILE.py:NAME`) times a whole model four ways — eager,
+torch.compile, `from_module` and `torch.compile(from_module(...))` — with a row per chain
+(specgen and PyTorch times from the never-slower measurement, and which one runs). The machine's
 copy bandwidth, FFMA rate (fp32 matrix product, TF32 off) and TF32 rate are measured in the same
 run; specgen's floor is the larger of fewest bytes / bandwidth and the plan's FLOPs at its engine's
 rate: FLOPs / FFMA rate, or 3 x FLOPs / TF32 rate for 3xTF32 tensor cores.
@@ -169,6 +173,7 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
     for r in rows:
         r["vs_eager"] = by["eager"] / r["ms"]
         r["vs_compile"] = by["torch.compile"] / r["ms"] if "torch.compile" in by else None
+        r["slower_than_eager"] = r["name"].startswith("specgen") and r["ms"] > by["eager"]
         if r["name"].startswith("specgen"):
             r["pct_of_floor"] = 100 * floor_ms / r["ms"]
             r["pct_of_ffma_floor"] = 100 * floor_ffma_ms / r["ms"]
@@ -199,10 +204,171 @@ def format_table(result: dict) -> str:
         pf = f"{r['pct_of_floor']:.0f}" if "pct_of_floor" in r else ""
         lines.append(
             f"{r['name']:18}{r['ms']:9.3f}{r['vs_eager']:9.2f}{vc:>10}{r['rel_l2']:10.1e}{r['peak_bytes'] / 1e6:9.0f}{pf:>9}"
+            + (SLOWER_MARK if r.get("slower_than_eager") else "")
         )
     if result["folding_speedup"] is not None:
         lines.append(f"constant folding: specgen is {result['folding_speedup']:.2f}x its runtime-dims rendering")
     return "\n".join(lines)
+
+
+SLOWER_MARK = "  << slower than eager"
+
+
+def bench_model(model, x: torch.Tensor, reps: int = 20, compile: bool = True, label: str | None = None) -> dict:
+    """A whole model on `x` (CUDA): eager, torch.compile, from_module and torch.compile of it.
+
+    Each row: ms per forward (median), x eager, x compile, rel. L2 against the float64 model and
+    the first call's seconds (compilation included). `chains`: one row per fusable chain with the
+    never-slower measurement's times and verdict. `specialize_s`: from_module's wall time."""
+    import copy
+
+    from specgen.importer import from_module
+
+    model = model.cuda()
+    x = x.cuda()
+    inputs = [x, torch.randn_like(x)]
+    with torch.no_grad():
+        ref64 = copy.deepcopy(model).double()(x.double())
+    norm = ref64.double().norm().item() or 1.0
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fused = from_module(model, x)
+    torch.cuda.synchronize()
+    specialize_s = time.perf_counter() - t0
+    report = getattr(fused, "specgen_report", None)
+
+    contenders = [("eager", lambda: model)]
+    if compile:
+        contenders.append(("torch.compile", lambda: torch.compile(model)))
+    contenders.append(("specgen", lambda: fused))
+    if compile:
+        contenders.append(("specgen + torch.compile", lambda: torch.compile(fused)))
+    rows = []
+    for name, setup in contenders:
+        row = {"name": name}
+        try:
+            run = setup()
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                out = run(x)
+                torch.cuda.synchronize()
+                row["first_call_s"] = time.perf_counter() - t0
+                row["rel_l2"] = (out.double() - ref64).norm().item() / norm
+                del out
+                calls = [0]
+
+                def step():
+                    calls[0] += 1
+                    return run(inputs[calls[0] % 2])
+
+                row["ms"] = _time(step, reps)
+        except Exception as err:  # noqa: BLE001  (torch.compile may refuse a model: the row says why)
+            row["error"] = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
+        rows.append(row)
+    by = {r["name"]: r["ms"] for r in rows if "ms" in r}
+    for r in rows:
+        if "ms" not in r:
+            continue
+        r["vs_eager"] = by["eager"] / r["ms"] if "eager" in by else None
+        r["vs_compile"] = by["torch.compile"] / r["ms"] if "torch.compile" in by else None
+        r["slower_than_eager"] = r["name"].startswith("specgen") and "eager" in by and r["ms"] > by["eager"]
+    chains = []
+    if report is not None:
+        specs = {spec.name: spec for spec in report.specs}
+        for c in report.choices:
+            spec = specs[c.layer]
+            chains.append(
+                {
+                    "layer": c.layer,
+                    "conv": f"conv{spec.ndim}d {spec.input.channels}->{spec.conv.out_channels}",
+                    "stages": [stage.op for stage in spec.epilogue],
+                    "runs_as": "specgen" if c.fused else "PyTorch",
+                    "specgen_ms": c.specgen_ms,
+                    "pytorch_ms": c.pytorch_ms,
+                    "how": c.how,
+                }
+            )
+    return {
+        "model": label or type(model).__name__,
+        "input_shape": list(x.shape),
+        "batch": x.shape[0],
+        "specialize_s": specialize_s,
+        "chains_fusable": len(chains),
+        "chains_fused": sum(c["runs_as"] == "specgen" for c in chains),
+        "fallbacks": len(report.fallbacks) if report is not None else None,
+        "rows": rows,
+        "chains": chains,
+    }
+
+
+def format_model_table(result: dict) -> str:
+    shape = "x".join(map(str, result["input_shape"]))
+    kept = result["chains_fusable"] - result["chains_fused"]
+    lines = [
+        f"{result['model']} input {shape}: {result['chains_fused']} of {result['chains_fusable']} chain(s) fused"
+        f" ({kept} kept as PyTorch: not faster fused); from_module took {result['specialize_s']:.2f} s",
+        f"{'':26}{'ms':>9}{'x eager':>9}{'x compile':>10}{'rel L2':>10}{'first s':>9}",
+    ]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"{r['name']:26}  failed: {r['error']}")
+            continue
+        vc = f"{r['vs_compile']:.2f}" if r.get("vs_compile") else "-"
+        lines.append(
+            f"{r['name']:26}{r['ms']:9.3f}{r['vs_eager']:9.2f}{vc:>10}{r['rel_l2']:10.1e}{r['first_call_s']:9.2f}"
+            + (SLOWER_MARK if r.get("slower_than_eager") else "")
+        )
+    if result["chains"]:
+        lines.append(f"  {'chain':28}{'layer':24}{'specgen ms':>11}{'PyTorch ms':>11}{'x':>7}  runs as")
+        for c in result["chains"]:
+            if c["specgen_ms"] is None:
+                times = f"{'-':>11}{'-':>11}{'-':>7}"
+            else:
+                times = f"{c['specgen_ms']:11.4f}{c['pytorch_ms']:11.4f}{c['pytorch_ms'] / c['specgen_ms']:7.2f}"
+            layer = f"{c['conv']} | {', '.join(c['stages'])}"
+            lines.append(f"  {c['layer'][:28]:28}{layer[:24]:24}{times}  {c['runs_as']} ({c['how']})")
+    return "\n".join(lines)
+
+
+def model_main(args) -> int:
+    """`specgen bench --model FILE.py:NAME --input-shape B,C,... [--batch N...]`: exit code."""
+    import argparse
+    import json
+    import sys
+    from pathlib import Path
+
+    from specgen import importcli
+
+    def fail(message: str) -> int:
+        print(f"specgen bench: {message}", file=sys.stderr)
+        return 2
+
+    try:
+        if not args.input_shape:
+            raise importcli._BadInput("--model needs --input-shape (batch first, e.g. --input-shape 8,3,224,224)")
+        shape = importcli._parse_shape(args.input_shape)
+        file, name = importcli._parse_target(args.model)
+        module = importcli._load_module(file)
+        model = importcli._build_model(module, name, argparse.Namespace(args=None, kwargs=None, train=False), file)
+    except importcli._BadInput as err:
+        return fail(str(err))
+    if args.files:
+        return fail("give spec files or --model, not both")
+    batches = args.batch or [shape[0]]
+    if any(b <= 0 for b in batches):
+        return fail(f"--batch: expected positive ints, got {batches}")
+    if not torch.cuda.is_available():
+        return fail("--model times the model on a CUDA GPU; none is available")
+    results = []
+    for batch in batches:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn((batch, *shape[1:]), generator=generator)
+        result = bench_model(model, x, reps=args.reps, compile=not args.no_compile, label=name)
+        results.append(result)
+        print(format_model_table(result), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": environment(), "results": results}, indent=1))
+    return 0
 
 
 def environment() -> dict:

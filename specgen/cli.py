@@ -94,6 +94,10 @@ def cmd_bench(args) -> int:
         plot.require_matplotlib()  # before the measurements, not after
     from specgen import bench
 
+    if args.model:
+        return bench.model_main(args)
+    if not args.files:
+        raise ValueError("bench: give FILE.yaml... or --model FILE.py:NAME --input-shape B,C,...")
     specs = _load_all(args.files)
     if args.name:
         specs = [s for s in specs if s.name in args.name]
@@ -102,9 +106,10 @@ def cmd_bench(args) -> int:
     ceil = bench.ceilings()
     results = []
     for spec in specs:
-        result = bench.bench(spec, args.batch, reps=args.reps, compile=not args.no_compile, ceil=ceil)
-        results.append(result)
-        print(bench.format_table(result), flush=True)
+        for batch in args.batch or [128]:
+            result = bench.bench(spec, batch, reps=args.reps, compile=not args.no_compile, ceil=ceil)
+            results.append(result)
+            print(bench.format_table(result), flush=True)
     host_us = bench.host_overhead()
     print(
         f"host time per call (tiny spec, 1000 calls, no CUDA graph): inference forward {host_us['forward_us']:.1f} us;"
@@ -146,8 +151,10 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(run=cmd_check)
 
     be = sub.add_parser("bench", help="time specgen against eager PyTorch and torch.compile (GPU)")
-    be.add_argument("files", nargs="+", metavar="FILE.yaml")
-    be.add_argument("--batch", type=int, default=128)
+    be.add_argument("files", nargs="*", metavar="FILE.yaml")
+    be.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (default 128; --model: the input's)")
+    be.add_argument("--model", metavar="FILE.py:NAME", default=None, help="time a whole model (eager, compile, from_module)")
+    be.add_argument("--input-shape", default=None, help="with --model: the example input, batch first, e.g. 8,3,224,224")
     be.add_argument("--reps", type=int, default=20)
     be.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     be.add_argument("--name", action="append", default=None, help="only this spec (repeatable)")

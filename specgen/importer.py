@@ -28,6 +28,12 @@ not fused. Every node that runs as PyTorch is a fallback, with its reason.
 (same nn.Parameter objects), so training either trains both. Everything else runs as the
 original PyTorch code. Only float32 chains are fused; shapes are those of the example inputs
 (the batch size is free).
+
+Never slower: on a GPU, `from_module` compiles every chain's kernel in one parallel build, then
+times each chain as the original PyTorch code and as its fused layer (`specgen.measured`), and
+keeps the original code wherever the kernel is not faster. Each decision is cached per kernel,
+GPU and batch bucket, and shown with both times in the report (`report.choices`).
+`keep_slower=True` fuses every chain unmeasured; without a GPU nothing is measured.
 """
 
 from __future__ import annotations
@@ -46,13 +52,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx import Node
 
-from specgen import ops
+from specgen import measured, ops, pipeline
 from specgen.expr import RESERVED as EXPR_RESERVED
 from specgen.log import get_logger
 from specgen.module import FusedLayer
 from specgen.spec import LayerSpec, SpecError, validate
 
-__all__ = ["explain", "from_module", "ImportReport", "Fallback", "ModelImportError", "ImportedLayer", "spec_yaml_text"]
+__all__ = [
+    "explain",
+    "from_module",
+    "ImportReport",
+    "Fallback",
+    "Choice",
+    "ModelImportError",
+    "ImportedLayer",
+    "spec_yaml_text",
+]
 
 # =============================================================================================
 # Public types
@@ -70,19 +85,54 @@ class Fallback(NamedTuple):
     reason: str
 
 
+class Choice(NamedTuple):
+    """Whether one fusable chain runs as its specialized kernel, and the times that decided it.
+
+    `how`: "measured" (timed now), "cached" (timed earlier on this GPU kind and batch bucket) or
+    "not measured (why)"; the times are milliseconds per call, None when not measured."""
+
+    layer: str
+    fused: bool
+    specgen_ms: Optional[float] = None
+    pytorch_ms: Optional[float] = None
+    how: str = "not measured"
+
+    def __str__(self) -> str:
+        if self.specgen_ms is None or self.pytorch_ms is None:
+            return f"fused, {self.how}"
+        verdict = "fused" if self.fused else "kept as PyTorch"
+        return f"{verdict}: specgen {self.specgen_ms:.4f} ms, PyTorch {self.pytorch_ms:.4f} ms ({self.how})"
+
+
 @dataclass
 class ImportReport:
-    """What `explain` found: the specs (in model order) and the nodes that run as PyTorch."""
+    """What `explain` found: the specs (in model order) and the nodes that run as PyTorch.
+
+    `choices` holds one Choice per spec (same order): whether `from_module` runs it as its kernel
+    or kept the PyTorch code because the kernel was not faster, with both times."""
 
     model: str
     specs: list[LayerSpec]
     fallbacks: list[Fallback]
+    choices: list[Choice] = field(default_factory=list)
+
+    @property
+    def fused_specs(self) -> list[LayerSpec]:
+        """The specs that run as specialized kernels (all of them, unless measured slower)."""
+        kept = {c.layer for c in self.choices if not c.fused}
+        return [spec for spec in self.specs if spec.name not in kept]
 
     def __str__(self) -> str:
-        lines = [f"{self.model}: {len(self.specs)} fused layer(s), {len(self.fallbacks)} node(s) run as PyTorch"]
+        kept = len(self.specs) - len(self.fused_specs)
+        also = f" ({kept} more kept as PyTorch: not faster fused)" if kept else ""
+        lines = [f"{self.model}: {len(self.specs) - kept} fused layer(s){also}, {len(self.fallbacks)} node(s) run as PyTorch"]
+        choice = {c.layer: c for c in self.choices}
         for spec in self.specs:
             stages = ", ".join(stage.op for stage in spec.epilogue)
-            lines.append(f"  {spec.name}: conv{spec.ndim}d {spec.input.channels}->{spec.conv.out_channels} | {stages}")
+            line = f"  {spec.name}: conv{spec.ndim}d {spec.input.channels}->{spec.conv.out_channels} | {stages}"
+            if spec.name in choice and choice[spec.name].specgen_ms is not None:
+                line += f"  [{choice[spec.name]}]"
+            lines.append(line)
         for fb in self.fallbacks:
             lines.append(f"  not fused: {fb.node}: {fb.reason}")
         return "\n".join(lines)
@@ -1756,8 +1806,61 @@ class _Importer:
             return f"{self.describe(node)}: it does not follow a convolution (its input {source.name} is a model input)"
         return f"{self.describe(node)}: it does not follow a fused chain (its input {source.name} runs as PyTorch)"
 
-    def report(self) -> ImportReport:
-        return ImportReport(self.name, [c.spec for c in self.chains], self.fallbacks())
+    def report(self, choices: Optional[list[Choice]] = None) -> ImportReport:
+        if choices is None:
+            choices = [Choice(c.spec.name, True) for c in self.chains]
+        return ImportReport(self.name, [c.spec for c in self.chains], self.fallbacks(), choices)
+
+    # -- never slower: each chain timed as PyTorch and as its kernel ----------------------------
+
+    def original(self, chain: _Chain) -> Optional[fx.GraphModule]:
+        """The chain as the model computes it (its nodes and the parameter reads they need), a
+        module of the conv's input; None when it reads any other value of the model."""
+        conv = chain.conv
+        inp = conv.args[0] if conv.args else conv.kwargs["input"]
+        needed: set[Node] = set()
+        todo = [chain.out]
+        while todo:
+            node = todo.pop()
+            if node in needed or node is inp:
+                continue
+            if node.op == "placeholder":
+                return None
+            needed.add(node)
+            todo.extend(node.all_input_nodes)
+        graph = fx.Graph()
+        env = {inp: graph.placeholder("x")}
+        for node in self.nodes:
+            if node in needed:
+                env[node] = graph.node_copy(node, lambda n: env[n])
+        graph.output(env[chain.out])
+        root = {n.target: self._fetch(n.target) for n in needed if n.op in ("call_module", "get_attr")}
+        return fx.GraphModule(root, graph, class_name=f"Original_{chain.spec.name}")
+
+    def measure(self, chain: _Chain) -> Choice:
+        """Time the chain as PyTorch and as its kernel on its GPU (or take the cached decision)."""
+        name = chain.spec.name
+        device = chain.weight.tensor.device
+        if not _is_gpu(device):
+            return Choice(name, True, how=f"not measured (the model is on {device.type})")
+        layer = self._layer(chain)
+        original = self.original(chain)
+        if original is None or layer.key is None:
+            return Choice(name, True, how="not measured (the chain reads another model input)")
+        key = measured.decision_key(
+            layer.key, measured.gpu_identity(device), measured.batch_bucket(chain.batch), measured.torch_context()
+        )
+        record = measured.load(key)
+        if record is not None:
+            ms, pt = record["specgen_ms"], record["pytorch_ms"]
+            return Choice(name, ms < pt, ms, pt, "cached")
+        inp = chain.conv.args[0] if chain.conv.args else chain.conv.kwargs["input"]
+        shape = _shape_of(inp)
+        generator = torch.Generator(device=device).manual_seed(0)
+        inputs = [torch.randn(shape, device=device, generator=generator) for _ in range(2)]
+        ms, pt = measured.compare(layer, original, inputs)
+        measured.store(key, {"layer": name, "batch": chain.batch, "specgen_ms": ms, "pytorch_ms": pt})
+        return Choice(name, ms < pt, ms, pt, "measured")
 
     # -- rewriting -----------------------------------------------------------------------------
 
@@ -1797,6 +1900,15 @@ class _Importer:
         return fused
 
     def _layer(self, chain: _Chain) -> ImportedLayer:
+        """The chain's fused layer (built once: measuring and rewriting share it)."""
+        built = getattr(self, "_layers", None)
+        if built is None:
+            built = self._layers = {}
+        if id(chain) not in built:
+            built[id(chain)] = self._new_layer(chain)
+        return built[id(chain)]
+
+    def _new_layer(self, chain: _Chain) -> ImportedLayer:
         layer = ImportedLayer(chain.spec)
         layer.training = self.model.training
         if chain.desc.module is not None:
@@ -1947,37 +2059,85 @@ def _importer(model, example_inputs) -> _Importer | str:
     return imp
 
 
-def explain(model: nn.Module, *example_inputs) -> ImportReport:
+def _specialize_all(imp: _Importer) -> None:
+    """Compile every chain's kernel in one parallel build (only the misses compile); the fused
+    layers built afterwards find them in the process's memo."""
+    if imp.chains and torch.cuda.is_available():
+        pipeline.specialize_many([chain.spec for chain in imp.chains])
+
+
+def _is_gpu(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _unmeasurable(imp: _Importer) -> Optional[str]:
+    """Why the chains cannot be timed here, or None."""
+    if not torch.cuda.is_available():
+        return "no GPU"
+    first = next((t for t in imp.inputs if isinstance(t, torch.Tensor)), None)
+    if first is None or not first.is_cuda:
+        return f"the example input is on {'cpu' if first is None else first.device.type}"
+    return None
+
+
+def _choices(imp: _Importer, keep_slower: bool) -> list[Choice]:
+    """One Choice per chain: kept as its kernel unless measured not faster than PyTorch."""
+    why = "keep_slower=True" if keep_slower else _unmeasurable(imp)
+    if why is not None:
+        return [Choice(chain.spec.name, True, how=f"not measured ({why})") for chain in imp.chains]
+    log = get_logger()
+    choices = []
+    for chain in imp.chains:
+        choice = imp.measure(chain)
+        if not choice.fused:
+            log.info("%s: %s kept as PyTorch (not faster fused): %s", imp.name, choice.layer, choice)
+        choices.append(choice)
+    return choices
+
+
+def explain(model: nn.Module, *example_inputs, measure: bool = False) -> ImportReport:
     """What specgen can fuse in `model`, run on `example_inputs`: `.specs` and `.fallbacks`.
 
+    With `measure=True` (and the model and inputs on a GPU) every chain is compiled and timed as
+    `from_module` does, and `.choices` says which ones would stay PyTorch, with both times.
     The model is not changed (buffers such as batch norm statistics are restored after the
     shape-recording run). Raises ModelImportError when the model fails on the inputs."""
     imp = _importer(model, example_inputs)
     if isinstance(imp, str):
         return ImportReport(type(model).__name__, [], [Fallback(type(model).__name__, imp)])
-    return imp.report()
+    if not measure:
+        return imp.report()
+    _specialize_all(imp)
+    return imp.report(_choices(imp, keep_slower=False))
 
 
-def from_module(model: nn.Module, *example_inputs) -> nn.Module:
+def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False) -> nn.Module:
     """`model` with every fusable chain run by a FusedLayer sharing the model's parameters.
 
-    Unfused nodes run as the original PyTorch code; each is logged (logger `specgen`) with its
-    reason: as a warning when it concerns a convolution chain, at info level otherwise. The
-    returned module's `specgen_report` is the explain() report. Example-input shapes are baked
-    into the fused layers (the batch size stays free)."""
+    On a GPU, all chains' kernels compile in one parallel build, and a chain whose kernel is not
+    faster than its PyTorch code (timed once, cached per GPU and batch bucket) keeps the PyTorch
+    code; `keep_slower=True` fuses every chain without timing. Unfused nodes run as the original
+    PyTorch code; each is logged (logger `specgen`) with its reason: as a warning when it
+    concerns a convolution chain, at info level otherwise. The returned module's
+    `specgen_report` is the explain() report with `.choices` (both times per chain).
+    Example-input shapes are baked into the fused layers (the batch size stays free)."""
     log = get_logger()
     imp = _importer(model, example_inputs)
     if isinstance(imp, str):
         log.warning("%s runs as PyTorch: %s", type(model).__name__, imp)
         return model
-    report = imp.report()
+    _specialize_all(imp)
+    choices = _choices(imp, keep_slower)
+    report = imp.report(choices)
     by_name = {n.name: n for n in imp.nodes}
     for fb in report.fallbacks:
         level = log.warning if by_name.get(fb.node) in imp.warn else log.info
         level("%s: %s runs as PyTorch: %s", imp.name, fb.node, fb.reason)
-    log.info("%s: %d chain(s) fused: %s", imp.name, len(report.specs), ", ".join(s.name for s in report.specs) or "none")
+    names = ", ".join(s.name for s in report.fused_specs) or "none"
+    log.info("%s: %d chain(s) fused: %s", imp.name, len(report.fused_specs), names)
     if not imp.chains:
         return model
+    imp.chains = [chain for chain, choice in zip(imp.chains, choices) if choice.fused]
     fused = imp.rewrite()
     fused.specgen_report = report
     return fused

@@ -141,11 +141,13 @@ class FusedLayer(nn.Module):
         if out is not None:
             return self._forward_into(x, out)
         if x.is_cuda:
-            self._check_input(x)
+            conv = self._modules["conv"]
+            weight = _tensor(conv, "weight")
+            self._check_input(x, weight)
             if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
                 # Inference in eager mode: nothing for autograd to record, so skip the custom
                 # op's dispatch (tens of microseconds of host time) and launch directly.
-                return self._launch(x.contiguous(), None)
+                return self._launch(x.contiguous(), None, conv, weight)
         else:
             self._check_portable_input(x)
         return self._op(x, *self._op_tensors())
@@ -185,11 +187,20 @@ class FusedLayer(nn.Module):
                 f"{name}: expected an input of shape [batch, {', '.join(map(str, want))}], got {list(x.shape)}"
             )
 
-    def _check_input(self, x: torch.Tensor) -> None:
+    def _check_input(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> None:
+        if weight is None:
+            weight = _tensor(self._modules["conv"], "weight")
+        # The common case in a few cheap comparisons (this runs on every inference forward).
+        if (
+            x.dtype == torch.float32
+            and weight.dtype == torch.float32
+            and x.get_device() == weight.get_device()
+            and x.shape[1:] == self._input_shape  # also refuses a 0-d or wrongly ranked x
+        ):
+            return
         name = self._name
         if x.dtype != torch.float32:
             raise ValueError(f"{name}: expected a float32 input, got {x.dtype}")
-        weight = self.conv.weight
         if weight.dtype != torch.float32:
             raise ValueError(
                 f"{name}: specgen kernels are float32-only; the layer's parameters are {weight.dtype} "
@@ -197,9 +208,23 @@ class FusedLayer(nn.Module):
             )
         self._check_device_and_shape(x, weight)
 
-    def _launch(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    def _launch(self, x: torch.Tensor, out: torch.Tensor | None, conv=None, weight=None) -> torch.Tensor:
         """The raw kernel launch on torch's current stream (no checks of x, no autograd)."""
-        conv = self.conv
-        bias = conv.bias if self._has_bias else None
-        params = {name: getattr(self, name) for name in self._param_names} if self._param_names else {}
-        return torchop.launch(self._specialized or self.specialize(), x, conv.weight, bias, params, out)
+        if conv is None:
+            conv = self._modules["conv"]
+        if weight is None:
+            weight = _tensor(conv, "weight")
+        bias = _tensor(conv, "bias") if self._has_bias else None
+        params = {name: _tensor(self, name) for name in self._param_names} if self._param_names else {}
+        return torchop.launch(self._specialized or self.specialize(), x, weight, bias, params, out)
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """`module.<name>` read from its parameters or buffers directly: nn.Module's attribute
+    lookup costs about a microsecond a name, and the launch path reads several per forward."""
+    tensor = module._parameters.get(name)
+    if tensor is None:
+        tensor = module._buffers.get(name)
+        if tensor is None:
+            tensor = getattr(module, name)
+    return tensor

@@ -216,6 +216,8 @@ class _ArgBuffers(threading.local):
 
     def __init__(self):
         self.by_count: dict[int, tuple] = {}
+        self.context = ctypes.c_void_p()  # cuCtxGetCurrent's answer, reused by every launch
+        self.context_ref = ctypes.byref(self.context)
 
     def get(self, n_pointers: int):
         bufs = self.by_count.get(n_pointers)
@@ -259,11 +261,20 @@ def launch(
     used to offset later launches.
     """
     lib = _libcuda
-    current = ctypes.c_void_p()
-    lib.cuCtxGetCurrent(ctypes.byref(current))
-    if current.value != kernel.context.value:
+    args = _args
+    lib.cuCtxGetCurrent(args.context_ref)
+    if args.context.value != kernel.context.value:
         _check(lib, lib.cuCtxSetCurrent(kernel.context), "cuCtxSetCurrent")
-    values, batch_arg, argv = _args.get(len(pointers))
+    values, batch_arg, argv = args.get(len(pointers))
+    if batch <= GRID_Y_MAX and kernel.cluster_at_launch is None:  # one plain launch: no offsets to apply
+        values[: len(pointers)] = pointers
+        batch_arg.value = batch
+        result = lib.cuLaunchKernel(
+            kernel.function, blocks_per_sample, batch, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream, argv, None
+        )
+        if result != 0:
+            _check(lib, result, "cuLaunchKernel")
+        return
     for first in range(0, batch, GRID_Y_MAX):
         count = min(GRID_Y_MAX, batch - first)
         for i, (ptr, stride) in enumerate(zip(pointers, strides)):

@@ -249,10 +249,14 @@ def load_kernel(sp: pipeline.Specialized, device_index: int):
     )
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _current_stream(device_index: int) -> int:
     """The raw handle of torch's current stream on a device (the cheap accessor where it exists)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
+    if _raw_stream is not None:
+        return _raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 @dataclass(frozen=True)
@@ -340,9 +344,7 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
         return out
     if out.data_ptr() % 16:
         raise ValueError(f"{sp.spec.name}: out must start at a 16-byte aligned address (got a view with an offset)")
-    device_index = x.device.index
-    if device_index is None:
-        device_index = torch.cuda.current_device()
+    device_index = x.get_device()  # a CUDA tensor's device index, without building a torch.device
     kernel = runtime.lookup(sp.key, device_index) or load_kernel(sp, device_index)
     if lp.igemm is not None:
         weight = gemm_weight(weight, lp.igemm[3])

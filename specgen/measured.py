@@ -1,0 +1,142 @@
+"""Measured choices: whether a specialized kernel beats the PyTorch code it would replace.
+
+`from_module` times each fusable chain twice on the GPU at specialization, as the original
+PyTorch code and as the fused layer, and keeps the original where the kernel is not faster.
+The timing (`compare`): CUDA events around a loop of calls, warm-up first, the two contenders
+interleaved rep by rep, the median of the reps, fresh non-zero (normal random) inputs.
+
+Each decision is kept in the specgen cache directory, one small JSON file per decision under
+`measured/`, named by a sha256 over what the times depend on: the kernel's cache key, the GPU
+(name and SM count), the batch bucket (the next power of two at or above the batch), the torch
+version and whether cuDNN may use TF32. A file is written to a temporary name and renamed into
+place (atomic), so concurrent processes never read half a record; an unreadable record counts
+as no record and is measured again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import uuid
+from pathlib import Path
+
+from specgen.log import get_logger
+
+SCHEMA = 1
+SUBDIR = "measured"
+REPS = 9
+WARMUP = 3
+TARGET_REP_MS = 0.5  # each rep loops until it takes about this long (short layers are launch-bound)
+MAX_INNER = 200
+
+
+def batch_bucket(batch: int) -> int:
+    """The next power of two at or above `batch` (batches 5 to 8 share a decision)."""
+    if batch < 1:
+        raise ValueError(f"batch: expected a positive int, got {batch!r}")
+    return 1 << (batch - 1).bit_length()
+
+
+def gpu_identity(device) -> str:
+    """The GPU's name and SM count, e.g. 'NVIDIA H200 (132 SMs)'."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return f"{props.name} ({props.multi_processor_count} SMs)"
+
+
+def decision_key(kernel_key: str, gpu: str, bucket: int, context: dict | None = None) -> str:
+    """sha256 hex over everything a decision depends on."""
+    material = {"schema": SCHEMA, "kernel": kernel_key, "gpu": gpu, "bucket": bucket, "context": context or {}}
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+def torch_context() -> dict:
+    """The torch settings a PyTorch chain's time depends on, beyond the GPU."""
+    import torch
+
+    return {"torch": torch.__version__, "cudnn_tf32": bool(torch.backends.cudnn.allow_tf32)}
+
+
+def _store_dir() -> Path:
+    from specgen import cache
+
+    return cache.cache_dir() / SUBDIR
+
+
+def load(key: str) -> dict | None:
+    """The stored decision for `key`, or None (missing, unreadable, or not a decision)."""
+    try:
+        record = json.loads((_store_dir() / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("key") != key:
+        return None
+    if not all(isinstance(record.get(k), (int, float)) for k in ("specgen_ms", "pytorch_ms")):
+        return None
+    return record
+
+
+def store(key: str, record: dict) -> bool:
+    """Write the decision atomically; False (and a log line) when the cache cannot be written."""
+    from specgen.cache import CacheDirError
+
+    tmp = None
+    try:
+        folder = _store_dir()
+        folder.mkdir(mode=0o700, exist_ok=True)
+        tmp = folder / f"tmp.{os.getpid()}.{uuid.uuid4().hex}"
+        tmp.write_text(json.dumps({**record, "key": key}, sort_keys=True))
+        os.replace(tmp, folder / f"{key}.json")
+        return True
+    except (OSError, CacheDirError) as err:
+        get_logger().info("could not keep a measured decision in the cache: %s", err)
+        if tmp is not None:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+        return False
+
+
+def compare(first, second, inputs: list, reps: int = REPS, warmup: int = WARMUP) -> tuple[float, float]:
+    """Median milliseconds per call of `first(x)` and `second(x)` on the current CUDA stream.
+
+    The inputs are cycled through; each rep times a loop of calls (long enough to measure a
+    launch-bound layer) between two CUDA events, and the two contenders alternate rep by rep so
+    that clock and thermal drift hit both alike. Runs under torch.no_grad()."""
+    import torch
+
+    with torch.no_grad(), torch.cuda.device(inputs[0].device):
+        for fn in (first, second):
+            for i in range(warmup):
+                fn(inputs[i % len(inputs)])
+        torch.cuda.synchronize()
+        inner = [_calls_per_rep(fn, inputs) for fn in (first, second)]
+        times: tuple[list, list] = ([], [])
+        for _ in range(reps):
+            for which, fn in enumerate((first, second)):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                for i in range(inner[which]):
+                    fn(inputs[i % len(inputs)])
+                end.record()
+                end.synchronize()
+                times[which].append(start.elapsed_time(end) / inner[which])
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def _calls_per_rep(fn, inputs: list) -> int:
+    import torch
+
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(inputs[0])
+    end.record()
+    end.synchronize()
+    once = max(start.elapsed_time(end), 1e-3)
+    return max(1, min(MAX_INNER, int(TARGET_REP_MS / once)))

@@ -1,0 +1,151 @@
+"""The inference launch path's host work, checked on CPU with the driver stood in for.
+
+What the path must not do: go through nn.Module's attribute lookup (a microsecond a name) or
+build torch.device objects per call; what it must still do: refuse bad inputs, hand the
+layer's very tensors to the launch, and split batches past the grid's limit."""
+
+from __future__ import annotations
+
+import ctypes
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+from specgen import runtime, torchop
+from specgen.importer import from_module
+from specgen.module import FusedLayer
+from specgen.spec import validate
+
+SPEC = {
+    "name": "hosty",
+    "input": {"channels": 2, "size": [8, 8]},
+    "conv": {"out_channels": 4, "kernel": 3},
+    "epilogue": ["relu", {"add": {"param": "shift"}}],
+}
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    calls = []
+
+    def fake_launch(sp, x, weight, bias, params, out):
+        calls.append((sp, x, weight, bias, params, out))
+        return "launched"
+
+    monkeypatch.setattr(torchop, "launch", fake_launch)
+    return calls
+
+
+@pytest.fixture
+def getattr_count(monkeypatch):
+    count = [0]
+    real = nn.Module.__getattr__
+
+    def counting(self, name):
+        count[0] += 1
+        return real(self, name)
+
+    monkeypatch.setattr(nn.Module, "__getattr__", counting)
+    return count
+
+
+def test_launch_reads_the_layers_tensors_without_module_attribute_lookups(captured, getattr_count):
+    layer = FusedLayer(validate(SPEC))
+    layer._specialized = types.SimpleNamespace(key="0" * 64)
+    x = torch.randn(3, 2, 8, 8)
+    getattr_count[0] = 0
+    layer._check_input(x)
+    assert layer._launch(x, None) == "launched"
+    assert getattr_count[0] == 0
+    (sp, got_x, weight, bias, params, out), = captured
+    assert sp is layer._specialized and got_x is x and out is None
+    assert weight is layer.conv.weight and bias is layer.conv.bias and params == {"shift": layer.shift}
+
+
+def test_launch_finds_buffers_of_an_imported_layer(captured):
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 4, 3, bias=False)
+            self.bn = nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            return torch.relu(self.bn(self.conv(x)))
+
+    model = Model().eval()
+    fused = from_module(model, torch.randn(1, 2, 8, 8))
+    (layer,) = [m for m in fused.modules() if isinstance(m, FusedLayer)]
+    layer._specialized = types.SimpleNamespace(key="1" * 64)
+    layer._launch(torch.randn(1, 2, 8, 8), None)
+    (_, _, weight, bias, params, _), = captured
+    assert weight is model.conv.weight and bias is None
+    tensors = {id(t) for t in params.values()}
+    assert {id(model.bn.running_mean), id(model.bn.running_var)} <= tensors
+
+
+@pytest.mark.parametrize(
+    "x, message",
+    [
+        (torch.randn(3, 2, 8, 8, dtype=torch.float64), "expected a float32 input, got torch.float64"),
+        (torch.randn(3, 2, 8, 9), r"expected an input of shape \[batch, 2, 8, 8\], got \[3, 2, 8, 9\]"),
+        (torch.randn(2, 8, 8), r"expected an input of shape \[batch, 2, 8, 8\], got \[2, 8, 8\]"),
+        (torch.tensor(1.0), r"expected an input of shape \[batch, 2, 8, 8\], got \[\]"),
+        (torch.randn(1, 3, 2, 8, 8), r"expected an input of shape \[batch, 2, 8, 8\], got \[1, 3, 2, 8, 8\]"),
+    ],
+)
+def test_the_cheap_input_check_still_refuses(x, message):
+    layer = FusedLayer(validate(SPEC))
+    with pytest.raises(ValueError, match=message):
+        layer._check_input(x)
+
+
+def test_half_parameters_are_refused_by_the_cheap_check():
+    layer = FusedLayer(validate(SPEC))
+    with torch.no_grad():
+        weight = layer.conv.weight.half()
+    with pytest.raises(ValueError, match="float32-only; the layer's parameters are torch.float16"):
+        layer._check_input(torch.randn(1, 2, 8, 8), weight)
+
+
+class FakeDriver:
+    """Stands in for libcuda: records each launch's grid and the pointer arguments it saw."""
+
+    def __init__(self, n_pointers):
+        self.n = n_pointers
+        self.launches = []
+        self.set_current = 0
+
+    def cuCtxGetCurrent(self, ref):
+        return 0
+
+    def cuCtxSetCurrent(self, ctx):
+        self.set_current += 1
+        return 0
+
+    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
+        values = [ctypes.cast(argv[i], ctypes.POINTER(ctypes.c_uint64))[0] for i in range(self.n)]
+        batch = ctypes.cast(argv[self.n], ctypes.POINTER(ctypes.c_int))[0]
+        self.launches.append({"grid": (gx, gy, gz), "block": bx, "stream": stream, "pointers": values, "batch": batch})
+        return 0
+
+
+@pytest.mark.parametrize("batch", [1, 5, runtime.GRID_Y_MAX])
+def test_a_batch_that_fits_one_grid_is_one_launch(monkeypatch, batch):
+    driver = FakeDriver(3)
+    monkeypatch.setattr(runtime, "_libcuda", driver)
+    kernel = runtime.LoadedKernel(ctypes.c_void_p(7), ctypes.c_void_p(99), 128, 0, 0)
+    runtime.launch(kernel, 6, [4096, 8192, 16384], (64, 0, 32), batch, 5)
+    assert driver.launches == [{"grid": (6, batch, 1), "block": 128, "stream": 5, "pointers": [4096, 8192, 16384], "batch": batch}]
+    assert driver.set_current == 1  # the fake's current context (none) is not the kernel's
+
+
+def test_a_batch_past_the_grid_limit_is_split_with_offsets(monkeypatch):
+    driver = FakeDriver(3)
+    monkeypatch.setattr(runtime, "_libcuda", driver)
+    kernel = runtime.LoadedKernel(ctypes.c_void_p(7), ctypes.c_void_p(99), 128, 0, 0)
+    batch = runtime.GRID_Y_MAX + 3
+    runtime.launch(kernel, 6, [4096, 8192, 16384], (64, 0, 32), batch, 5)
+    assert [(launch["grid"][1], launch["batch"]) for launch in driver.launches] == [(runtime.GRID_Y_MAX, runtime.GRID_Y_MAX), (3, 3)]
+    assert driver.launches[1]["pointers"] == [4096 + 64 * runtime.GRID_Y_MAX, 8192, 16384 + 32 * runtime.GRID_Y_MAX]
