@@ -44,6 +44,10 @@ class IgemmConfig:
     bk: int
     stages: int
     min_blocks: int = 0
+    # Hopper's warpgroup MMA (wgmma, sm_90a): each warpgroup of 4 warps computes 64 positions x BN
+    # channels per instruction, B read straight from (swizzled) shared memory; warps_m = 4 x the
+    # warpgroups, wm = 1, warps_n = 1, wn = BN / 8, bk = 32.
+    wgmma: bool = False
 
     @property
     def bm(self) -> int:
@@ -85,6 +89,7 @@ class IgemmPlan:
     smem_bytes: int
     min_blocks: int
     split: bool  # 3xTF32 (fp32 mode) rather than plain TF32
+    wgmma: bool  # warpgroup MMA with B from 128-byte-swizzled shared memory (sm_90a)
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -169,7 +174,15 @@ def plan_igemm(spec: LayerSpec, conv_out: tuple[int, int, int], taps: int, confi
     b_chunks = bn * bk // 4
     b_iters = -(-b_chunks // threads)
     lda, ldb = bm + 8, bk + 4
+    if cfg.wgmma:
+        if bk != 32 or cfg.wm != 1 or cfg.warps_n != 1 or cfg.warps_m % 4 or bn > 256 or bn % 8:
+            raise ValueError("a wgmma tile needs K chunks of 32, one m16 row per warp, whole warpgroups and <= 256 channels")
+        if spec.precision != "fp32" and cfg.stages < 3:
+            raise ValueError("a TF32 wgmma pipeline needs 3 stages or more (one buffer stays with the tensor cores)")
+        ldb = bk  # rows of 128 bytes, swizzled: no padding
     smem_bytes = 4 * cfg.stages * (bk * lda + bn * ldb)
+    if cfg.wgmma:  # B stages (and 3xTF32's lo parts) 1024-byte aligned: one more KB to align the base
+        smem_bytes += 1024 + (2 * 4 * bn * ldb if spec.precision == "fp32" else 0)
     if smem_bytes > MAX_SMEM_BYTES:
         raise ValueError(f"{smem_bytes} bytes of shared memory exceed {MAX_SMEM_BYTES}")
     regs = 4 * cfg.wm * cfg.wn + (2 if spec.precision == "fp32" else 1) * (4 * cfg.wm + 2 * cfg.wn) + 48
@@ -181,14 +194,15 @@ def plan_igemm(spec: LayerSpec, conv_out: tuple[int, int, int], taps: int, confi
         config=cfg, bm=bm, bn=bn, bk=bk, stages=cfg.stages, threads=threads, cip=cip, taps_pad=taps_pad, tpc=tpc,
         cpt=cpt, k_pad=k_pad, k_tiles=k_pad // bk, n_tiles=-(-cout // bn), positions=positions, lda=lda, ldb=ldb,
         a_vec=a_vec, a_iters=a_iters, a_row_step=a_row_step, b_iters=b_iters, smem_bytes=smem_bytes,
-        min_blocks=min_blocks, split=spec.precision == "fp32",
+        min_blocks=min_blocks, split=spec.precision == "fp32", wgmma=cfg.wgmma,
     )
 
 
 def describe(ig: IgemmPlan) -> str:
     mode = "3xTF32" if ig.split else "TF32"
+    instr = f"wgmma m64n{ig.bn}k8, {ig.threads // 128} warpgroups" if ig.wgmma else "mma.sync m16n8k8"
     return (
-        f"implicit GEMM on tensor cores ({mode} mma.sync m16n8k8): block tile {ig.bm} positions x {ig.bn} channels, "
+        f"implicit GEMM on tensor cores ({mode} {instr}): block tile {ig.bm} positions x {ig.bn} channels, "
         f"K chunks of {ig.bk} ({ig.k_tiles} chunks, {ig.stages}-stage cp.async pipeline), warp tile "
         f"{16 * ig.config.wm} x {8 * ig.config.wn}, {ig.threads} threads"
     )

@@ -6,7 +6,7 @@ import threading
 from dataclasses import dataclass
 
 from specgen import cache
-from specgen.plan import build_plan
+from specgen.plan import PlanError, build_plan
 from specgen.render import render_plan
 from specgen.spec import LayerSpec, TileSpec
 
@@ -31,6 +31,11 @@ _memo_lock = threading.Lock()
 
 def request(spec: LayerSpec, arch: str | None = None, runtime_dims: bool = False, igemm_config=None) -> tuple[dict, str, cache.BuildRequest]:
     plan = build_plan(spec, igemm_config)
+    ig = plan.get("igemm")
+    if ig is not None and ig.wgmma:  # Hopper's warpgroup MMA exists only in the sm_90a instruction set
+        if arch not in (None, "sm_90", "sm_90a"):
+            raise PlanError([f"tile: the wgmma implicit GEMM runs on sm_90a (H100/H200) only, not {arch}"])
+        arch = "sm_90a"
     source = render_plan(plan, runtime_dims=runtime_dims)
     return plan, source, cache.BuildRequest(spec.name, source, spec.canonical_json(), arch)
 

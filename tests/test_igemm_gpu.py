@@ -114,6 +114,34 @@ def test_igemm_configs(bk, stages, tile):
     check(layer, 2, seed=5)
 
 
+def _wgmma_config(cout: int, warpgroups: int = 2, stages: int = 3):
+    from specgen import igemm
+
+    bn = min(256, -(-cout // 8) * 8)
+    return igemm.IgemmConfig(4 * warpgroups, 1, 1, bn // 8, 32, stages, 1, True)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("name", ["c64_3x3_p1", "c128_s2_256", "cin3_7x7_s2", "cin5_odd_cout", "conv1d_gelu",
+                                  "conv3d", "no_bias_affine", "wide_k", "c1x1_vec", "cout_8"])
+def test_igemm_wgmma(name, precision):
+    """Hopper's warpgroup MMA (sm_90a): B from swizzled shared memory, A from registers."""
+    from specgen import pipeline
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs an sm_90 GPU")
+    data = _data(name, precision)
+    spec = validate({**data, "tile": {"engine": "igemm"}})
+    config = _wgmma_config(spec.conv.out_channels)
+    sp = pipeline.specialize(spec, igemm_config=config)
+    assert sp.plan["igemm"].wgmma and sp.build.arch == "sm_90a"
+    layer = FusedLayer(spec).cuda()
+    layer._specialized = sp
+    layer._bind_op()
+    check(layer, 1, seed=1)
+    check(layer, 5, seed=2)
+
+
 def test_igemm_large_batch_tail():
     """M not a multiple of the block tile, and many blocks: the last tile is partly past the end."""
     check(layer_of(_data("c1x1_s2", "fp32")), 37, seed=7)
