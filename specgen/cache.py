@@ -85,6 +85,7 @@ _KEY_SCHEMA = 1
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
 _TMP_RE = re.compile(r"tmp\." + paths.OWNER_PATTERN + r"_[0-9a-f]+")
+_LEGACY_TMP_RE = re.compile(r"tmp\.pid_(\d+)_[0-9a-f]+")  # made by specgen before owner tags: PID alone
 _CU, _CUBIN, _META = "kernel.cu", "kernel.cubin", "meta.json"
 _MANIFEST_TYPES = {
     "name": str,
@@ -337,6 +338,8 @@ def _sweep_tmp(root: Path) -> None:
     for path in root.glob("tmp.*"):
         m = _TMP_RE.fullmatch(path.name)
         gone = paths.owner_gone(m.group(1), int(m.group(2)), int(m.group(3))) if m else None
+        if legacy := _LEGACY_TMP_RE.fullmatch(path.name):
+            gone = paths.owner_gone(paths.host_id(), int(legacy.group(1)), 0)
         if m and int(m.group(2)) == os.getpid() and gone is False:
             continue
         try:
