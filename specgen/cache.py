@@ -12,19 +12,29 @@ Layout: `<cache>/<key[:2]>/<key>/` holds `kernel.cu`, `kernel.cubin` and `meta.j
 the sha256 of both files). The key is a sha256 over the name, canonical spec, rendered source,
 specgen's version, the template hash, the compiler identity, the arch and the flags.
 
-Protocol: a hit needs a manifest whose key and checksums match the files; the entry's directory
-mtime records its last use. A miss takes the per-key lock `<cache>/locks/<key>.lock` (flock
-through `filelock`, so the kernel releases it when the holder dies), checks the cache again, then
-writes `kernel.cu`, the cubin and, last, `meta.json` into a private `<cache>/tmp.pid_<pid>_<hex>/`
-and publishes it with one `os.replace` of the whole directory. The holder writes `pid host time`
-into `<key>.holder`; a process that waits `LOCK_WARN_SECONDS` logs the lock path and that holder,
-then keeps waiting. Leftover `tmp.*` directories whose process is gone (or older than a day) are
-swept after builds and by `prune`/`clear`. An invalid entry is reported with one WARNING and
-rebuilt. When the cache cannot be written (read-only, full) the kernel is built in a private
-temporary directory outside the cache, removed at exit, with a WARNING.
+Protocol: a hit needs a manifest whose key and checksums match the files, a `kernel.cu` equal to
+the source rendered for the request and a cubin that is a whole ELF file; every file is read
+through one descriptor of the entry's directory, opened without following links, regular files
+only (never a FIFO or device), the manifest capped in size and checked field by field. The
+entry's directory mtime records its last use. A miss takes the per-key lock
+`<cache>/locks/<key>.lock` (flock through `filelock`, so the kernel releases it when the holder
+dies), checks the cache again, then writes `kernel.cu`, the cubin and, last, `meta.json` into a
+private `<cache>/tmp.<host>_<pid>_<start>_<hex>/`, flushes them to disk, and publishes it in one
+step: a rename, or an atomic swap (renameat2) with the entry it replaces, so a reader sees the old
+entry or the new one, never none or a mix. The holder writes `pid host time` into a fresh
+`<key>.holder` (never through a link); a process that waits `LOCK_WARN_SECONDS` logs the lock path
+and that holder, and gives up after `SPECGEN_LOCK_TIMEOUT` (LockTimeoutError, naming the holder).
+Leftover `tmp.*` directories whose process is gone (judged by host, PID and start time, so a build
+in another PID namespace or on another host is never mistaken for a dead one) or that are older
+than a day are swept after builds and by `prune`/`clear`, which never follow a linked shard. An
+invalid entry is reported with one WARNING and rebuilt. When the cache cannot be written
+(read-only, full) the kernel is built in a private temporary directory outside the cache, removed
+at exit, with a WARNING.
 
 Environment: `SPECGEN_ALWAYS_COMPILE=1` rebuilds and republishes every request;
-`SPECGEN_DUMP_DIR=<dir>` receives `<name>-<key[:12]>.cu` and `.log` for each request.
+`SPECGEN_DUMP_DIR=<dir>` receives `<name>-<key[:12]>.cu` and `.log` for each request (a private
+dir only; files are replaced, never written through a link); `SPECGEN_LOCK_TIMEOUT` (seconds,
+default 3600) bounds the wait for another builder's lock.
 
 Test hooks (diagnostics only, no effect when unset):
 `SPECGEN_COMPILE_COUNTER=<file>` appends one JSON line `{"pid", "name", "key"}` per nvcc run,
@@ -80,6 +90,7 @@ STALE_TMP_SECONDS = 24 * 3600.0
 MAX_MANIFEST_BYTES = 8 * 1024 * 1024
 MAX_CUBIN_BYTES = 1024 * 1024 * 1024
 _PROBE_TRIES = 8
+_SOURCE_MTIME = 315532800  # 1980-01-01, a fixed time for every staged kernel.cu
 
 _KEY_SCHEMA = 1
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -772,6 +783,7 @@ def _stage(plan: _Plan, root: Path | None) -> None:
         try:
             staging = _new_tmp_dir(root)
             _write_file(staging / _CU, plan.req.source.encode())
+            _pin_mtime(staging / _CU)
             plan.build_dir, plan.in_cache = staging, True
             return
         except OSError as error:
@@ -780,6 +792,12 @@ def _stage(plan: _Plan, root: Path | None) -> None:
             plan.build_dir = _fallback_dir(plan, root, error)
     assert plan.build_dir is not None
     (plan.build_dir / _CU).write_text(plan.req.source)
+    _pin_mtime(plan.build_dir / _CU)
+
+
+def _pin_mtime(cu: Path) -> None:
+    """`-lineinfo` records the source's mtime: a fixed one keeps cubins byte-identical across builds."""
+    os.utime(cu, (_SOURCE_MTIME, _SOURCE_MTIME))
 
 
 _RENAME_EXCHANGE = 2

@@ -350,16 +350,22 @@ _WATCHDOG = (
 cleanup, command = sys.argv[1], sys.argv[2:]
 child = subprocess.Popen(command, stdin=subprocess.DEVNULL)
 
+killing = threading.Event()
+
 def watch():
     while os.read(0, 4096):
         pass
+    killing.set()
     _kill_session(os.getsid(0))
     if cleanup:
         shutil.rmtree(cleanup, ignore_errors=True)
     os._exit(137)
 
 threading.Thread(target=watch, daemon=True).start()
-sys.exit(child.wait())
+returncode = child.wait()
+if killing.is_set():
+    threading.Event().wait()  # the watcher is still killing the rest: it ends this process
+sys.exit(returncode)
 """
 )
 """Runs a command in the caller's new session; when specgen (holding the other end of its stdin)
