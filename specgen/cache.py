@@ -13,19 +13,29 @@ the sha256 of both files). The key is a sha256 over the name, canonical spec, re
 specgen's version, the template hash, the compiler identity (nvcc's version text, or NVRTC's
 version and headers: see `compile.resolve_compiler`), the arch and the flags.
 
-Protocol: a hit needs a manifest whose key and checksums match the files; the entry's directory
-mtime records its last use. A miss takes the per-key lock `<cache>/locks/<key>.lock` (flock
-through `filelock`, so the kernel releases it when the holder dies), checks the cache again, then
-writes `kernel.cu`, the cubin and, last, `meta.json` into a private `<cache>/tmp.pid_<pid>_<hex>/`
-and publishes it with one `os.replace` of the whole directory. The holder writes `pid host time`
-into `<key>.holder`; a process that waits `LOCK_WARN_SECONDS` logs the lock path and that holder,
-then keeps waiting. Leftover `tmp.*` directories whose process is gone (or older than a day) are
-swept after builds and by `prune`/`clear`. An invalid entry is reported with one WARNING and
-rebuilt. When the cache cannot be written (read-only, full) the kernel is built in a private
-temporary directory outside the cache, removed at exit, with a WARNING.
+Protocol: a hit needs a manifest whose key and checksums match the files, a `kernel.cu` equal to
+the source rendered for the request and a cubin that is a whole ELF file; every file is read
+through one descriptor of the entry's directory, opened without following links, regular files
+only (never a FIFO or device), the manifest capped in size and checked field by field. The
+entry's directory mtime records its last use. A miss takes the per-key lock
+`<cache>/locks/<key>.lock` (flock through `filelock`, so the kernel releases it when the holder
+dies), checks the cache again, then writes `kernel.cu`, the cubin and, last, `meta.json` into a
+private `<cache>/tmp.<host>_<pid>_<start>_<hex>/`, flushes them to disk, and publishes it in one
+step: a rename, or an atomic swap (renameat2) with the entry it replaces, so a reader sees the old
+entry or the new one, never none or a mix. The holder writes `pid host time` into a fresh
+`<key>.holder` (never through a link); a process that waits `LOCK_WARN_SECONDS` logs the lock path
+and that holder, and gives up after `SPECGEN_LOCK_TIMEOUT` (LockTimeoutError, naming the holder).
+Leftover `tmp.*` directories whose process is gone (judged by host, PID and start time, so a build
+in another PID namespace or on another host is never mistaken for a dead one) or that are older
+than a day are swept after builds and by `prune`/`clear`, which never follow a linked shard. An
+invalid entry is reported with one WARNING and rebuilt. When the cache cannot be written
+(read-only, full) the kernel is built in a private temporary directory outside the cache, removed
+at exit, with a WARNING.
 
 Environment: `SPECGEN_ALWAYS_COMPILE=1` rebuilds and republishes every request;
-`SPECGEN_DUMP_DIR=<dir>` receives `<name>-<key[:12]>.cu` and `.log` for each request.
+`SPECGEN_DUMP_DIR=<dir>` receives `<name>-<key[:12]>.cu` and `.log` for each request (a private
+dir only; files are replaced, never written through a link); `SPECGEN_LOCK_TIMEOUT` (seconds,
+default 3600) bounds the wait for another builder's lock.
 
 Test hooks (diagnostics only, no effect when unset):
 `SPECGEN_COMPILE_COUNTER=<file>` appends one JSON line `{"pid", "name", "key"}` per nvcc run,
@@ -38,6 +48,8 @@ staged, not published) or `published` (published, lock still held).
 from __future__ import annotations
 
 import atexit
+import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -45,6 +57,7 @@ import re
 import shutil
 import socket
 import stat
+import struct
 import sys
 import tempfile
 import time
@@ -68,19 +81,41 @@ ENV_ALWAYS_COMPILE = "SPECGEN_ALWAYS_COMPILE"
 ENV_DUMP_DIR = "SPECGEN_DUMP_DIR"
 ENV_COMPILE_COUNTER = "SPECGEN_COMPILE_COUNTER"
 ENV_TEST_PAUSE = "SPECGEN_TEST_PAUSE"
+ENV_LOCK_TIMEOUT = "SPECGEN_LOCK_TIMEOUT"
 
 LOCK_WARN_SECONDS = 10.0
 """How long a build waits on another holder's lock before logging who holds it."""
+DEFAULT_LOCK_TIMEOUT = 3600.0
+"""How long a build waits on another holder's lock before giving up (`SPECGEN_LOCK_TIMEOUT`)."""
 STALE_TMP_SECONDS = 24 * 3600.0
+MAX_MANIFEST_BYTES = 8 * 1024 * 1024
+MAX_CUBIN_BYTES = 1024 * 1024 * 1024
+_PROBE_TRIES = 8
+_SOURCE_MTIME = 315532800  # 1980-01-01, a fixed time for every staged kernel.cu
 
 _KEY_SCHEMA = 1
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
-_TMP_RE = re.compile(r"tmp\.pid_(\d+)_[0-9a-f]+")
+_TMP_RE = re.compile(r"tmp\." + paths.OWNER_PATTERN + r"_[0-9a-f]+")
+_LEGACY_TMP_RE = re.compile(r"tmp\.pid_(\d+)_[0-9a-f]+")  # made by specgen before owner tags: PID alone
 _CU, _CUBIN, _META = "kernel.cu", "kernel.cubin", "meta.json"
-_MANIFEST_FIELDS = frozenset(
-    ("name", "key", "arch", "registers", "spill_bytes", "smem_bytes", "stack_bytes", "log", "cu_sha256", "cubin_sha256")
-)
+_MANIFEST_TYPES = {
+    "name": str,
+    "key": str,
+    "arch": str,
+    "log": str,
+    "cu_sha256": str,
+    "cubin_sha256": str,
+    "registers": int,
+    "spill_bytes": int,
+    "smem_bytes": int,
+    "stack_bytes": int,
+}
+_MANIFEST_FIELDS = frozenset(_MANIFEST_TYPES)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 class CacheDirError(ValueError):
@@ -89,6 +124,13 @@ class CacheDirError(ValueError):
 
 class CacheEntryError(RuntimeError):
     """A cache entry asked for by key is missing or fails its checksums."""
+
+
+class LockTimeoutError(CompileError):
+    """Another process held the build lock longer than `SPECGEN_LOCK_TIMEOUT` (the build did not run)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, command=[], log="", returncode=-1)
 
 
 @dataclass(frozen=True)
@@ -177,26 +219,36 @@ def _configured_dir() -> Path:
     return base / "specgen"
 
 
+def _not_private(st: os.stat_result) -> str | None:
+    """Why a directory with this stat is not private to us, or None."""
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.geteuid():
+        return f"it is owned by uid {st.st_uid}, not by you (uid {os.geteuid()})"
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"mode {mode:04o} lets other users write to it"
+    return None
+
+
 def _check_dir(path: Path) -> None:
     """Refuse a directory others can write to, unless a shared cache was asked for."""
+    try:
+        nvcc.check_path(path, ENV_CACHE_DIR)
+    except nvcc.UnsafePathError as error:
+        raise CacheDirError(str(error)) from None
     st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise CacheDirError(f"cache dir {path} is not a directory; set {ENV_CACHE_DIR} to a directory")
-    if _env_flag(ENV_SHARED):
+    if _env_flag(ENV_SHARED) or not (why := _not_private(st)):
         return
-    mode = stat.S_IMODE(st.st_mode)
     if st.st_uid != os.geteuid():
         raise CacheDirError(
-            f"refusing cache dir {path}: it is owned by uid {st.st_uid}, not by you (uid {os.geteuid()}), "
-            f"so its kernels cannot be trusted. Fix: set {ENV_CACHE_DIR} to a directory of your own, "
-            f"or set {ENV_SHARED}=1 to use a shared team cache deliberately."
+            f"refusing cache dir {path}: {why}, so its kernels cannot be trusted. Fix: set {ENV_CACHE_DIR} "
+            f"to a directory of your own, or set {ENV_SHARED}=1 to use a shared team cache deliberately."
         )
-    if mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise CacheDirError(
-            f"refusing cache dir {path}: mode {mode:04o} lets other users write to it, so its kernels "
-            f"cannot be trusted. Fix: chmod 700 {path}, or set {ENV_SHARED}=1 to use a shared team "
-            "cache deliberately."
-        )
+    raise CacheDirError(
+        f"refusing cache dir {path}: {why}, so its kernels cannot be trusted. Fix: chmod 700 {path}, "
+        f"or set {ENV_SHARED}=1 to use a shared team cache deliberately."
+    )
 
 
 def cache_dir() -> Path:
@@ -220,30 +272,71 @@ def _file_mode() -> int:
     return 0o666 if _env_flag(ENV_SHARED) else 0o600
 
 
-def _write_file(path: Path, data: bytes) -> None:
-    """Create `path` (which must not exist) holding `data`."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _file_mode())
+def _write_fd(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _write_file(path: Path, data: bytes, *, dir_fd: int | None = None, mode: int | None = None) -> None:
+    """Create `path` (which must not exist, not even as a link) holding `data`, flushed to disk."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
+    fd = os.open(path, flags, _file_mode() if mode is None else mode, dir_fd=dir_fd)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        _write_fd(fd, data)
+        os.fsync(fd)
     finally:
         os.close(fd)
 
 
+def _fsync_path(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC | (_O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tmp_name() -> str:
+    """`tmp.<owner>_<hex>`: the owner tag lets a sweeper in any PID namespace judge it safely."""
+    return f"tmp.{paths.owner_tag()}_{uuid.uuid4().hex}"
+
+
 def _new_tmp_dir(root: Path) -> Path:
-    path = root / f"tmp.pid_{os.getpid()}_{uuid.uuid4().hex}"
+    path = root / _tmp_name()
     os.mkdir(path, _dir_mode())
     return path
 
 
 def _remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Remove a file, link or directory tree, never following links; unreadable dirs of ours are opened up."""
+
+    def retry(func, name, _exc) -> None:
+        with suppress(OSError):
+            os.chmod(os.path.dirname(name), 0o700)
+            if os.path.isdir(name) and not os.path.islink(name):
+                os.chmod(name, 0o700)
+                shutil.rmtree(name, ignore_errors=True)
+            else:
+                func(name)
+
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        with suppress(OSError):
+            os.unlink(path)
+        return
+    if stat.S_IMODE(st.st_mode) & 0o700 != 0o700:
+        with suppress(OSError):
+            os.chmod(path, 0o700)
+    shutil.rmtree(path, onerror=retry)
 
 
 def _discard_dir(root: Path, path: Path) -> bool:
     """Atomically take `path` out of view (rename into a tmp dir), then delete it."""
-    trash = root / f"tmp.pid_{os.getpid()}_{uuid.uuid4().hex}"
+    trash = root / _tmp_name()
     try:
         os.rename(path, trash)
     except FileNotFoundError:
@@ -252,28 +345,25 @@ def _discard_dir(root: Path, path: Path) -> bool:
     return True
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _sweep_tmp(root: Path) -> None:
-    """Delete tmp dirs left by processes that are gone (or that are older than a day)."""
+    """Delete tmp dirs left by processes that are gone, and any older than a day.
+
+    A dir whose owner ran in another PID namespace or on another host cannot be judged by its
+    PID here: it goes only with age.
+    """
     now = time.time()
-    for path in root.glob("tmp.pid_*"):
+    for path in root.glob("tmp.*"):
         m = _TMP_RE.fullmatch(path.name)
-        if not m or int(m.group(1)) == os.getpid():
+        gone = paths.owner_gone(m.group(1), int(m.group(2)), int(m.group(3))) if m else None
+        if legacy := _LEGACY_TMP_RE.fullmatch(path.name):
+            gone = paths.owner_gone(paths.host_id(), int(legacy.group(1)), 0)
+        if m and int(m.group(2)) == os.getpid() and gone is False:
             continue
         try:
             old = now - path.lstat().st_mtime > STALE_TMP_SECONDS
         except FileNotFoundError:
             continue
-        if old or not _process_alive(int(m.group(1))):
+        if old or gone:
             _remove_tree(path)
 
 
@@ -339,31 +429,144 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _probe(entry: Path, key: str) -> _Probe:
-    """Read and verify an entry: manifest present, parseable, for this key, checksums matching."""
+def _read_regular(name: str, dir_fd: int, limit: int) -> tuple[bytes | None, str | None]:
+    """The bytes of regular file `name` in `dir_fd`, or why not: never follows a link, never blocks
+    on a FIFO or device, never reads more than `limit` bytes."""
     try:
-        raw = (entry / _META).read_bytes()
+        fd = os.open(name, os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
-        return _Probe(None, None, "its manifest is missing" if entry.is_dir() else None)
+        return None, "is missing"
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return None, "is a symbolic link"
+        return None, f"cannot be opened ({error.strerror})"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, "is not a regular file"
+        if st.st_size > limit:
+            return None, f"is larger than {limit} bytes"
+        chunks, size = [], 0
+        while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                return None, f"is larger than {limit} bytes"
+        return b"".join(chunks), None
+    except OSError as error:
+        return None, f"cannot be read ({error.strerror})"
+    finally:
+        os.close(fd)
+
+
+def _open_dir(path: Path) -> int:
+    """A descriptor of directory `path` itself, not of what a link there points to."""
+    return os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
+
+
+def _manifest_problem(meta: object) -> str | None:
+    if not isinstance(meta, dict):
+        return "its manifest is unreadable"
+    if not _MANIFEST_FIELDS <= meta.keys():
+        return "its manifest is incomplete"
+    for name, kind in _MANIFEST_TYPES.items():
+        value = meta[name]
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+            return f"its manifest has a wrong {name} (expected {'an integer >= 0' if kind is int else 'a string'})"
+    for name in ("cu_sha256", "cubin_sha256"):
+        if not _KEY_RE.fullmatch(meta[name]):
+            return f"its manifest has a wrong {name} (expected 64 hex digits)"
+    return None
+
+
+def elf_problem(data: bytes) -> str | None:
+    """Why `data` is not a whole cubin (a 64-bit little-endian CUDA ELF whose section and program
+    header tables and sections lie inside it), or None. A truncated file (a full disk) fails here."""
+    if len(data) < 64 or data[:4] != b"\x7fELF":
+        return "no ELF header"
+    if data[4] != 2 or data[5] != 1:
+        return "not a 64-bit little-endian ELF file"
+    machine = int.from_bytes(data[18:20], "little")
+    if machine != 190:  # EM_CUDA
+        return f"ELF machine {machine} is not CUDA (190)"
+    phoff, shoff = struct.unpack_from("<QQ", data, 32)
+    phentsize, phnum, shentsize, shnum, shstrndx = struct.unpack_from("<HHHHH", data, 54)
+    size = len(data)
+    if shnum == 0 or shentsize != 64:
+        return "no section header table"
+    for what, offset, count, entsize in (("section", shoff, shnum, shentsize), ("program", phoff, phnum, phentsize)):
+        if count and (entsize < (64 if what == "section" else 56) or offset + count * entsize > size):
+            return f"its {what} header table ends at byte {offset + count * entsize}, past the end of the {size}-byte file"
+    if shstrndx >= shnum:
+        return "its section name table index is out of range"
+    for i in range(shnum):
+        sh_type, _flags, _addr, sh_offset, sh_size = struct.unpack_from("<IQQQQ", data, shoff + i * 64 + 4)
+        if sh_type != 8 and sh_offset + sh_size > size:  # SHT_NOBITS takes no room in the file
+            return f"section {i} ends at byte {sh_offset + sh_size}, past the end of the {size}-byte file"
+    return None
+
+
+def _read_entry(dir_fd: int, key: str, source: str | None) -> _Probe:
+    raw, why = _read_regular(_META, dir_fd, MAX_MANIFEST_BYTES)
+    if raw is None:
+        return _Probe(None, None, f"its manifest {why}")
     try:
         meta = json.loads(raw)
-        if not _MANIFEST_FIELDS <= meta.keys():
-            return _Probe(None, None, "its manifest is incomplete")
-    except (ValueError, AttributeError):
+    except (ValueError, RecursionError):
         return _Probe(None, None, "its manifest is unreadable")
+    if problem := _manifest_problem(meta):
+        return _Probe(None, None, problem)
     if meta["key"] != key:
         return _Probe(None, None, "its manifest belongs to another key")
-    files = {_CU: meta["cu_sha256"], _CUBIN: meta["cubin_sha256"]}
-    cubin = b""
-    for name, digest in files.items():
-        try:
-            data = (entry / name).read_bytes()
-        except FileNotFoundError:
-            return _Probe(None, None, f"{name} is missing" if entry.is_dir() else None)
-        if _sha256(data) != digest:
+    data = {}
+    for name, digest, limit in ((_CU, meta["cu_sha256"], MAX_CUBIN_BYTES), (_CUBIN, meta["cubin_sha256"], MAX_CUBIN_BYTES)):
+        data[name], why = _read_regular(name, dir_fd, limit)
+        if data[name] is None:
+            return _Probe(None, None, f"{name} {why}")
+        if _sha256(data[name]) != digest:
             return _Probe(None, None, f"{name} does not match its checksum")
-        cubin = data
-    return _Probe(meta, cubin, None)
+    if source is not None and data[_CU] != source.encode():
+        return _Probe(None, None, f"{_CU} is not the source rendered for this request")
+    if problem := elf_problem(data[_CUBIN]):
+        return _Probe(None, None, f"{_CUBIN} is not a whole cubin ({problem})")
+    return _Probe(meta, data[_CUBIN], None)
+
+
+def _still_published(entry: Path, dir_fd: int) -> bool:
+    """Whether the directory read through `dir_fd` is still the one at `entry`."""
+    try:
+        here, now = os.fstat(dir_fd), os.lstat(entry)
+    except OSError:
+        return False
+    return here.st_nlink > 0 and (here.st_dev, here.st_ino) == (now.st_dev, now.st_ino)
+
+
+def _probe(entry: Path, key: str, source: str | None = None) -> _Probe:
+    """Read and verify an entry: manifest present, well-formed, for this key, checksums matching, the
+    source the one rendered for the request (when given), the cubin a whole ELF file.
+
+    Everything is read through one descriptor of the entry's directory. A problem counts only if
+    that directory is still the published one: a republish swapping the entry meanwhile means
+    reading again (a reader never mixes two versions).
+    """
+    probe = _Probe(None, None, None)
+    for _ in range(_PROBE_TRIES):
+        try:
+            dir_fd = _open_dir(entry)
+        except FileNotFoundError:
+            return _Probe(None, None, None)
+        except OSError as error:
+            why = "is a symbolic link" if error.errno == errno.ELOOP else f"cannot be opened ({error.strerror})"
+            if error.errno == errno.ENOTDIR:
+                why = "is not a directory"
+            return _Probe(None, None, f"the entry {why}")
+        try:
+            probe = _read_entry(dir_fd, key, source)
+            if probe.problem is None or _still_published(entry, dir_fd):
+                return probe
+        finally:
+            os.close(dir_fd)
+    return probe
 
 
 def _result(meta: dict, entry: Path, cache: str, seconds: float) -> BuildResult:
@@ -438,26 +641,72 @@ def _count_compile(plan: _Plan) -> None:
 
 
 def _dump(plan: _Plan, log: str) -> None:
-    """Copy the source and compiler log to SPECGEN_DUMP_DIR, if set."""
+    """Copy the source and compiler log to SPECGEN_DUMP_DIR, if set.
+
+    The dir must be private (ours, not group- or world-writable); each file is written under a new
+    name and renamed over the old, so a link planted there is replaced, never written through.
+    """
     if not (dump := os.environ.get(ENV_DUMP_DIR)):
         return
-    stem = Path(dump) / f"{plan.req.name}-{plan.key[:12]}"
+    stem = f"{plan.req.name}-{plan.key[:12]}"
     try:
-        stem.parent.mkdir(parents=True, exist_ok=True)
-        stem.with_suffix(".cu").write_text(plan.req.source)
-        stem.with_suffix(".log").write_text(log)
+        Path(dump).mkdir(mode=0o700, parents=True, exist_ok=True)
+        dir_fd = os.open(dump, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
     except OSError as error:
         get_logger().warning("could not write to %s=%s: %s", ENV_DUMP_DIR, dump, error)
+        return
+    try:
+        if why := _not_private(os.fstat(dir_fd)):
+            get_logger().warning(
+                "refusing %s=%s: %s, so files written there could be redirected; use a private directory "
+                "(chmod 700)", ENV_DUMP_DIR, dump, why
+            )
+            return
+        for name, text in ((f"{stem}.cu", plan.req.source), (f"{stem}.log", log)):
+            part = f".{name}.{uuid.uuid4().hex}"
+            try:
+                fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o600, dir_fd=dir_fd)
+                try:
+                    _write_fd(fd, text.encode())
+                finally:
+                    os.close(fd)
+                os.replace(part, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except OSError:
+                with suppress(OSError):
+                    os.unlink(part, dir_fd=dir_fd)
+                raise
+    except OSError as error:
+        get_logger().warning("could not write to %s=%s: %s", ENV_DUMP_DIR, dump, error)
+    finally:
+        os.close(dir_fd)
 
 
 # ---------------------------------------------------------------------------- locking
 
 
 def _holder(lock_path: Path) -> str:
+    """Who holds the lock, as its holder file says (read safely, printable characters only)."""
     try:
-        return lock_path.with_suffix(".holder").read_text().strip() or "unknown"
+        dir_fd = _open_dir(lock_path.parent)
     except OSError:
         return "unknown"
+    try:
+        raw, _ = _read_regular(lock_path.with_suffix(".holder").name, dir_fd, 512)
+    finally:
+        os.close(dir_fd)
+    text = "".join(c for c in (raw or b"").decode(errors="replace") if c.isprintable()).strip()
+    return text or "unknown"
+
+
+def _write_holder(holder: Path) -> None:
+    """Create the holder file afresh: a stale one or a planted link is removed, never written through."""
+    with suppress(FileNotFoundError):
+        os.unlink(holder)
+    fd = os.open(holder, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, _file_mode())
+    try:
+        _write_fd(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.ctime()}\n".encode())
+    finally:
+        os.close(fd)
 
 
 def _lock_path(root: Path, key: str) -> Path:
@@ -466,22 +715,46 @@ def _lock_path(root: Path, key: str) -> Path:
     return locks / f"{key}.lock"
 
 
+def lock_timeout() -> float:
+    """Seconds a build waits for another process's build lock: `SPECGEN_LOCK_TIMEOUT`, default 3600."""
+    raw = os.environ.get(ENV_LOCK_TIMEOUT, "").strip()
+    if not raw:
+        return DEFAULT_LOCK_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and value != float("inf")):
+        raise ValueError(f"{ENV_LOCK_TIMEOUT}: expected a number of seconds > 0, got {raw!r}")
+    return value
+
+
 @contextmanager
 def _key_lock(root: Path, key: str) -> Iterator[None]:
-    """Hold the per-key build lock, logging the holder once the wait exceeds LOCK_WARN_SECONDS."""
+    """Hold the per-key build lock, logging the holder once the wait exceeds LOCK_WARN_SECONDS and
+    giving up (LockTimeoutError, naming the holder) after `lock_timeout()`."""
+    limit = lock_timeout()
     path = _lock_path(root, key)
     lock = FileLock(path)
     try:
-        lock.acquire(timeout=LOCK_WARN_SECONDS)
+        lock.acquire(timeout=min(LOCK_WARN_SECONDS, limit))
     except Timeout:
-        get_logger().warning(
-            "waited %.0f s for build lock %s, held by %s; still waiting", LOCK_WARN_SECONDS, path, _holder(path)
-        )
-        lock.acquire()
+        if limit > LOCK_WARN_SECONDS:
+            get_logger().warning(
+                "waited %.0f s for build lock %s, held by %s; still waiting (up to %s=%g s)",
+                LOCK_WARN_SECONDS, path, _holder(path), ENV_LOCK_TIMEOUT, limit,
+            )
+        try:
+            lock.acquire(timeout=max(0.0, limit - LOCK_WARN_SECONDS))
+        except Timeout:
+            raise LockTimeoutError(
+                f"gave up after waiting {limit:g} s ({ENV_LOCK_TIMEOUT}={limit:g}) for build lock {path}, held by "
+                f"{_holder(path)}. If that process is stuck, stop it; otherwise raise {ENV_LOCK_TIMEOUT}."
+            ) from None
     holder = path.with_suffix(".holder")
     try:
         with suppress(OSError):
-            holder.write_text(f"pid {os.getpid()} on {socket.gethostname()} since {time.ctime()}\n")
+            _write_holder(holder)
         yield
     finally:
         with suppress(OSError):
@@ -520,6 +793,7 @@ def _stage(plan: _Plan, root: Path | None) -> None:
         try:
             staging = _new_tmp_dir(root)
             _write_file(staging / _CU, plan.req.source.encode())
+            _pin_mtime(staging / _CU)
             plan.build_dir, plan.in_cache = staging, True
             return
         except OSError as error:
@@ -528,25 +802,85 @@ def _stage(plan: _Plan, root: Path | None) -> None:
             plan.build_dir = _fallback_dir(plan, root, error)
     assert plan.build_dir is not None
     (plan.build_dir / _CU).write_text(plan.req.source)
+    _pin_mtime(plan.build_dir / _CU)
+
+
+def _pin_mtime(cu: Path) -> None:
+    """`-lineinfo` records the source's mtime: a fixed one keeps cubins byte-identical across builds."""
+    os.utime(cu, (_SOURCE_MTIME, _SOURCE_MTIME))
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2); False where the system or file system cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), os.fspath(b))
+
+
+def _shard(root: Path, key: str) -> Path:
+    """The entry's shard dir, a real directory: anything else there (a planted link) is removed first."""
+    shard = root / key[:2]
+    with suppress(FileNotFoundError):
+        if not stat.S_ISDIR(os.lstat(shard).st_mode):
+            _discard_dir(root, shard)
+    with suppress(FileExistsError):
+        os.mkdir(shard, _dir_mode())
+    return shard
+
+
+def _publish(root: Path, staging: Path, entry: Path) -> None:
+    """Make `staging` the entry in one step: a rename, or an atomic swap with the entry it replaces,
+    so readers see the old entry or the new one, never none or a mix."""
+    shard = _shard(root, entry.name)
+    try:
+        os.replace(staging, entry)  # fails on an existing (non-empty) entry: then swap
+    except OSError as error:
+        if error.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise
+        if _exchange(staging, entry):
+            _remove_tree(staging)  # the old entry, now out of view
+        else:
+            _discard_dir(root, entry)
+            os.replace(staging, entry)
+    _fsync_path(shard, directory=True)
 
 
 def _finish(plan: _Plan, root: Path | None, report: CompileReport) -> BuildResult:
-    """Write the manifest last and publish the entry; a full cache moves it to a temporary dir."""
+    """Check the cubin, write the manifest last, flush everything and publish the entry; a full
+    cache moves it to a temporary dir. Raises CompileError for a cubin that is not whole."""
     assert plan.build_dir is not None
     cu = (plan.build_dir / _CU).read_bytes()
     cubin = (plan.build_dir / _CUBIN).read_bytes()
+    if problem := elf_problem(cubin):
+        raise CompileError(
+            f"nvcc reported success but {plan.build_dir / _CUBIN} is not a whole cubin ({problem}); "
+            "is the disk (or TMPDIR) full?",
+            command=[],
+            log=report.log,
+            returncode=0,
+        )
     meta = _manifest(plan, report, cu, cubin)
     blob = json.dumps(meta, indent=1).encode()
     _pause("compiled")
     if plan.in_cache and root is not None:
         entry = _entry_dir(root, plan.key)
         try:
+            _fsync_path(plan.build_dir / _CUBIN)
             _write_file(plan.build_dir / _META, blob)
+            _fsync_path(plan.build_dir, directory=True)
             _pause("staged")
-            entry.parent.mkdir(mode=_dir_mode(), exist_ok=True)
-            if entry.exists():
-                _discard_dir(root, entry)
-            os.replace(plan.build_dir, entry)
+            _publish(root, plan.build_dir, entry)
             _pause("published")
             return _result(meta, entry, "miss", report.seconds)
         except OSError as error:
@@ -590,7 +924,7 @@ def _claim(plan: _Plan, root: Path | None, always: bool, held: ExitStack) -> Bui
         plan.build_dir = _fallback_dir(plan, root, error)
         return None
     if not always:
-        probe = _probe(_entry_dir(root, plan.key), plan.key)
+        probe = _probe(_entry_dir(root, plan.key), plan.key, plan.req.source)
         if probe.meta is not None:
             return _hit(root, plan, probe)
         if probe.problem:
@@ -619,7 +953,10 @@ def _compile(building: list[_Plan], root: Path | None) -> dict[str, BuildResult 
             outcomes[plan.key] = report
         else:
             log.info("compiled %s in %.2f s", plan.req.name, report.seconds)
-            outcomes[plan.key] = _finish(plan, root, report)
+            try:
+                outcomes[plan.key] = _finish(plan, root, report)
+            except CompileError as error:
+                outcomes[plan.key] = error
     return outcomes
 
 
@@ -647,7 +984,7 @@ def build_many(reqs: list[BuildRequest]) -> list[BuildResult]:
     outcomes: dict[str, BuildResult | CompileError] = {}
     if root is not None and not always:
         for plan in ordered:
-            probe = _probe(_entry_dir(root, plan.key), plan.key)
+            probe = _probe(_entry_dir(root, plan.key), plan.key, plan.req.source)
             if probe.meta is not None:
                 outcomes[plan.key] = _hit(root, plan, probe)
     building = []
@@ -696,21 +1033,47 @@ def load_cubin_bytes(result_or_key: BuildResult | str) -> bytes:
     return probe.cubin
 
 
+def _real_dirs(path: Path) -> Iterator[os.DirEntry]:
+    """The directories in `path` that are directories themselves, not links to one."""
+    try:
+        with os.scandir(path) as it:
+            found = list(it)
+    except OSError:
+        return
+    for item in found:
+        with suppress(OSError):
+            if item.is_dir(follow_symlinks=False):
+                yield item
+
+
 def _entries(root: Path) -> Iterator[Path]:
-    for shard in root.glob("??"):
-        for entry in shard.iterdir() if shard.is_dir() else ():
+    for shard in _real_dirs(root):
+        if len(shard.name) != 2:
+            continue
+        for entry in _real_dirs(Path(shard.path)):
             if _KEY_RE.fullmatch(entry.name) and entry.name[:2] == shard.name:
-                yield entry
+                yield Path(entry.path)
 
 
 def _row(entry: Path, now: float) -> dict:
+    dir_fd = _open_dir(entry)
     try:
-        meta = json.loads((entry / _META).read_bytes())
-        name, arch, created = meta["name"], meta["arch"], float(meta["created"])
-    except (OSError, ValueError, TypeError, KeyError):
-        name, arch, created = "?", "?", entry.stat().st_mtime
-    size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
-    last_use = entry.stat().st_mtime
+        raw, _ = _read_regular(_META, dir_fd, MAX_MANIFEST_BYTES)
+        try:
+            meta = json.loads(raw or b"")
+            name, arch, created = meta["name"], meta["arch"], float(meta["created"])
+            if not (isinstance(name, str) and isinstance(arch, str)):
+                raise TypeError
+        except (ValueError, TypeError, KeyError, RecursionError):
+            name, arch, created = "?", "?", os.fstat(dir_fd).st_mtime
+        size = 0
+        for name_ in os.listdir(dir_fd):
+            with suppress(OSError):
+                st = os.stat(name_, dir_fd=dir_fd, follow_symlinks=False)
+                size += st.st_size if stat.S_ISREG(st.st_mode) else 0
+        last_use = os.fstat(dir_fd).st_mtime
+    finally:
+        os.close(dir_fd)
     return {
         "name": name,
         "key": entry.name,
@@ -730,8 +1093,8 @@ def list_entries() -> list[dict]:
     for entry in _entries(root):
         try:
             rows.append(_row(entry, now))
-        except FileNotFoundError:
-            continue  # removed meanwhile
+        except OSError:
+            continue  # removed meanwhile, or unreadable
     return sorted(rows, key=lambda r: r["last_use"], reverse=True)
 
 
@@ -800,5 +1163,8 @@ def clear() -> int:
             _forget(root, lock.stem, None)
     for shard in root.glob("??"):
         with suppress(OSError):
-            shard.rmdir()
+            if os.path.islink(shard):
+                shard.unlink()  # a planted link: removed itself, never followed
+            else:
+                shard.rmdir()
     return count

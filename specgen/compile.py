@@ -10,21 +10,40 @@ Backends: nvcc (this module) or NVRTC (`specgen/nvrtc.py`), chosen by `SPECGEN_C
 (`nvcc`, `nvrtc`, or `auto`: nvcc when it is found, else NVRTC) or a request's `compiler`.
 `compile_cubin`, `compile_ptx` and `compile_many` dispatch on it; the resolved compiler's
 identity (`compiler_id`) goes into the cache key.
+
+Every compiler run is bounded and cleaned up: nvcc (or ninja with its nvcc jobs) runs in a session
+of its own under a small watchdog that kills the whole session when specgen dies, even by
+SIGKILL; `SPECGEN_COMPILE_TIMEOUT` (seconds, default 300; a parallel batch gets it once per wave
+of `-j` jobs) kills it and fails the build with a clear error. Build dirs named
+`specgen-ninja-<owner>-*` left in TMPDIR by a process that is gone are swept.
+
+Reproducible cubins: nvcc runs in the source's directory with relative file names and
+`PWD=/proc/self/cwd`, so `-lineinfo` records that constant name rather than the build directory:
+the same source gives byte-identical cubins wherever it is built. Paths handed to nvcc (its
+working directory, output, TMPDIR) may hold only letters, digits, spaces and `/ . _ - + , @ = : %`:
+nvcc passes them through a shell, which would expand `$(...)` or backticks.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import math
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from specgen import paths
 
 # -diag-suppress=177: generated kernels declare every extent as a named constant, used or not.
 DEFAULT_FLAGS: tuple[str, ...] = ("-O3", "-std=c++17", "-lineinfo", "-diag-suppress=177")
@@ -34,6 +53,14 @@ PTXAS_VERBOSE: tuple[str, ...] = ("-Xptxas", "-v")
 DEFAULT_ARCH = "sm_90"
 FALLBACK_NVCC = "/usr/local/cuda/bin/nvcc"
 _ARCH_RE = re.compile(r"sm_[1-9][0-9]{1,2}a?")
+ENV_COMPILE_TIMEOUT = "SPECGEN_COMPILE_TIMEOUT"
+DEFAULT_COMPILE_TIMEOUT = 300.0
+STALE_BUILD_DIR_SECONDS = 6 * 3600.0
+"""A `specgen-ninja-*` dir this old whose owner cannot be checked (another host) is swept too."""
+_NINJA_PREFIX = "specgen-ninja-"
+_NINJA_DIR_RE = re.compile(re.escape(_NINJA_PREFIX) + paths.OWNER_PATTERN + r"-.*")
+_CONSTANT_PWD = "/proc/self/cwd"
+_SAFE_PATH_RE = re.compile(r"[\w /.+,@=:%-]*")
 _ERROR_CONTEXT_LINES = 3
 _MAX_ERRORS_SHOWN = 10
 
@@ -51,6 +78,10 @@ class CompileError(Exception):
         self.command = command
         self.log = log
         self.returncode = returncode
+
+
+class UnsafePathError(ValueError):
+    """A path handed to nvcc holds characters its shell would interpret."""
 
 
 @dataclass(frozen=True)
@@ -302,12 +333,168 @@ def _compile_error(command: list[str], cwd: Path, log: str, returncode: int) -> 
     return CompileError("\n".join(parts), command=command, log=log, returncode=returncode)
 
 
+# ---------------------------------------------------------------------------- paths and limits
+
+
+def check_path(path: str | os.PathLike, what: str) -> str:
+    """Refuse a path that nvcc's own shell would expand (`$(...)`, backticks, quotes, `;`, newlines...)."""
+    text = os.fspath(path)
+    if not _SAFE_PATH_RE.fullmatch(text):
+        bad = sorted({c for c in text if not _SAFE_PATH_RE.fullmatch(c)})
+        raise UnsafePathError(
+            f"{what}: {text!r} contains {', '.join(repr(c) for c in bad)}, which nvcc passes through a shell "
+            "that would expand it; use a path made of letters, digits, spaces and / . _ - + , @ = : %"
+        )
+    return text
+
+
+def _check_tmpdir() -> None:
+    for name in ("TMPDIR", "TMP", "TEMP"):
+        if value := os.environ.get(name):
+            check_path(value, name)
+    check_path(tempfile.gettempdir(), "temporary directory")
+
+
+def compile_timeout() -> float:
+    """Seconds one compile may take: `SPECGEN_COMPILE_TIMEOUT`, default 300. Raises ValueError."""
+    raw = os.environ.get(ENV_COMPILE_TIMEOUT, "").strip()
+    if not raw:
+        return DEFAULT_COMPILE_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{ENV_COMPILE_TIMEOUT}: expected a number of seconds > 0, got {raw!r}")
+    return value
+
+
+def _nvcc_env() -> dict[str, str]:
+    env = dict(os.environ)
+    if os.path.isdir(_CONSTANT_PWD):
+        env["PWD"] = _CONSTANT_PWD
+    return env
+
+
+# ---------------------------------------------------------------------------- running the compiler
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL every process of session `sid` (every process group in it), the caller excepted."""
+    me = os.getpid()
+    for _ in range(5):
+        found = False
+        try:
+            names = os.listdir("/proc")
+        except OSError:
+            names = []
+        for name in names:
+            if not name.isdigit() or int(name) == me:
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+                if int(fields[3]) == sid:
+                    found = True
+                    os.kill(int(name), signal.SIGKILL)
+            except (OSError, IndexError, ValueError):
+                continue
+        if not found:
+            break
+    if sid != me:
+        try:
+            os.killpg(sid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+_WATCHDOG = (
+    "import os, shutil, signal, subprocess, sys, threading\n"
+    + inspect.getsource(_kill_session)
+    + """
+cleanup, command = sys.argv[1], sys.argv[2:]
+child = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+
+killing = threading.Event()
+
+def watch():
+    while os.read(0, 4096):
+        pass
+    killing.set()
+    _kill_session(os.getsid(0))
+    if cleanup:
+        shutil.rmtree(cleanup, ignore_errors=True)
+    os._exit(137)
+
+threading.Thread(target=watch, daemon=True).start()
+returncode = child.wait()
+if killing.is_set():
+    threading.Event().wait()  # the watcher is still killing the rest: it ends this process
+sys.exit(returncode)
+"""
+)
+"""Runs a command in the caller's new session; when specgen (holding the other end of its stdin)
+dies, kills the session and removes `cleanup`."""
+
+
+class _Run:
+    def __init__(self, returncode: int, output: str, timed_out: bool) -> None:
+        self.returncode, self.output, self.timed_out = returncode, output, timed_out
+
+
+def _run(command: list[str], cwd: Path | str, timeout: float, cleanup: Path | None = None) -> _Run:
+    """Run `command` in a session of its own under the watchdog; kill the session on timeout or error."""
+    read_end, write_end = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, str(cleanup or ""), *command],
+            cwd=cwd,
+            env=_nvcc_env(),
+            stdin=read_end,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    finally:
+        os.close(read_end)
+    try:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+            return _Run(proc.returncode, out.decode(errors="replace"), False)
+        except subprocess.TimeoutExpired:
+            _kill_session(proc.pid)
+            out, _ = proc.communicate()
+            return _Run(proc.returncode, out.decode(errors="replace"), True)
+    except BaseException:
+        _kill_session(proc.pid)
+        proc.wait()
+        raise
+    finally:
+        os.close(write_end)
+
+
+def _timeout_error(command: list[str], cwd: Path, log: str, timeout: float) -> CompileError:
+    return CompileError(
+        f"nvcc did not finish within {timeout:g} s and was stopped ({ENV_COMPILE_TIMEOUT}={timeout:g}; "
+        f"raise it for a very large kernel)\ncommand (in {cwd}): {shlex.join(command)}\n"
+        f"compiler output:\n{log.rstrip() or '(none)'}",
+        command=command,
+        log=log,
+        returncode=-signal.SIGKILL,
+    )
+
+
 # ---------------------------------------------------------------------------- compiling
 
 
-def _cubin_command(nvcc: str, cu_name: str, out_cubin: Path, arch: str, flags: tuple[str, ...]) -> list[str]:
+def _cubin_command(nvcc: str, cu_name: str, out_cubin: Path | str, arch: str, flags: tuple[str, ...]) -> list[str]:
     validate_arch(arch)
     return [nvcc, "-cubin", f"-arch={arch}", *flags, *PTXAS_VERBOSE, "-o", str(out_cubin), cu_name]
+
+
+def _out_name(cu_path: Path, out_cubin: Path) -> str:
+    """The output as nvcc should see it: a bare name beside the source (nothing path-dependent), else absolute."""
+    return out_cubin.name if out_cubin.parent == cu_path.parent else check_path(out_cubin, "output path")
 
 
 def compile_cubin(
@@ -323,15 +510,18 @@ def compile_cubin(
 
         return nvrtc.compile_cubin(cu_path, out_cubin, arch, tuple(flags))
     cu_path = Path(cu_path).resolve()
-    command = _cubin_command(find_nvcc(), cu_path.name, Path(out_cubin).resolve(), arch, tuple(flags))
+    timeout = compile_timeout()
+    check_path(cu_path.parent, "build directory")
+    _check_tmpdir()
+    command = _cubin_command(find_nvcc(), cu_path.name, _out_name(cu_path, Path(out_cubin).resolve()), arch, tuple(flags))
     start = time.perf_counter()
-    proc = subprocess.run(
-        command, cwd=cu_path.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
-    )
+    run = _run(command, cu_path.parent, timeout)
     seconds = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise _compile_error(command, cu_path.parent, proc.stdout, proc.returncode)
-    return _report(seconds, proc.stdout)
+    if run.timed_out:
+        raise _timeout_error(command, cu_path.parent, run.output, timeout)
+    if run.returncode != 0:
+        raise _compile_error(command, cu_path.parent, run.output, run.returncode)
+    return _report(seconds, run.output)
 
 
 def compile_ptx(
@@ -345,15 +535,17 @@ def compile_ptx(
 
         return nvrtc.compile_ptx(source_text, arch, tuple(flags))
     validate_arch(arch)
+    timeout = compile_timeout()
+    _check_tmpdir()
     with tempfile.TemporaryDirectory(prefix="specgen-ptx-") as tmp:
         cu = Path(tmp) / "kernel.cu"
         cu.write_text(source_text)
         command = [find_nvcc(), "-ptx", f"-arch={arch}", *flags, "-o", "kernel.ptx", cu.name]
-        proc = subprocess.run(
-            command, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
-        )
-        if proc.returncode != 0:
-            raise _compile_error(command, Path(tmp), proc.stdout, proc.returncode)
+        run = _run(command, tmp, timeout)
+        if run.timed_out:
+            raise _timeout_error(command, Path(tmp), run.output, timeout)
+        if run.returncode != 0:
+            raise _compile_error(command, Path(tmp), run.output, run.returncode)
         return (Path(tmp) / "kernel.ptx").read_text()
 
 
@@ -368,6 +560,31 @@ def find_ninja() -> str | None:
     except ImportError:
         pass
     return _which("ninja")
+
+
+def sweep_build_dirs(where: Path | None = None) -> None:
+    """Remove `specgen-ninja-*` dirs of ours whose process is gone (or, owner unknowable, older than
+    STALE_BUILD_DIR_SECONDS). Never follows a link, never touches another user's dir."""
+    where = Path(where or tempfile.gettempdir())
+    now = time.time()
+    try:
+        names = [n for n in os.listdir(where) if n.startswith(_NINJA_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        path = where / name
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not path.is_dir() or path.is_symlink() or st.st_uid != os.geteuid():
+            continue
+        m = _NINJA_DIR_RE.fullmatch(name)
+        gone = paths.owner_gone(m.group(1), int(m.group(2)), int(m.group(3))) if m else None
+        if m and int(m.group(2)) == os.getpid() and gone is False:
+            continue
+        if gone or (gone is None and now - st.st_mtime > STALE_BUILD_DIR_SECONDS):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def compile_many(
@@ -400,14 +617,27 @@ def compile_many(
             if on_done is not None:
                 on_done(i)
         return outcomes
+    timeout = compile_timeout()
+    _check_tmpdir()
     nvcc = find_nvcc()
-    with tempfile.TemporaryDirectory(prefix="specgen-ninja-") as tmp:
+    sweep_build_dirs()
+    parallel = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory(prefix=f"{_NINJA_PREFIX}{paths.owner_tag()}-") as tmp:
         build_dir = Path(tmp)
         commands = []
-        lines = ["ninja_required_version = 1.3", "rule nvcc", "  command = (cd $dir && $cmd) > $log 2>&1; echo $$? > $rc", ""]
+        lines = [
+            "ninja_required_version = 1.3",
+            "rule nvcc",
+            f"  command = (cd $dir && PWD={_CONSTANT_PWD} $cmd) > $log 2>&1; echo $$? > $rc"
+            if os.path.isdir(_CONSTANT_PWD)
+            else "  command = (cd $dir && $cmd) > $log 2>&1; echo $$? > $rc",
+            "",
+        ]
         for i, job in enumerate(jobs):
             cu = Path(job.cu_path).resolve()
-            command = _cubin_command(nvcc, cu.name, Path(job.out_cubin).resolve(), job.arch, tuple(job.flags))
+            check_path(cu.parent, "build directory")
+            out = _out_name(cu, Path(job.out_cubin).resolve())
+            command = _cubin_command(nvcc, cu.name, out, job.arch, tuple(job.flags))
             commands.append((command, cu.parent))
             lines += [
                 f"build job{i}.rc: nvcc",
@@ -417,7 +647,8 @@ def compile_many(
                 f"  rc = {_ninja_escape(shlex.quote(str(build_dir / f'job{i}.rc')))}",
             ]
         (build_dir / "build.ninja").write_text("\n".join(lines) + "\n")
-        proc = _run_ninja([ninja, "-C", str(build_dir), "-j", str(os.cpu_count() or 1), "-k", "0"], build_dir, len(jobs), on_done)
+        limit = timeout * math.ceil(len(jobs) / parallel)
+        run = _run_reporting([ninja, "-C", str(build_dir), "-j", str(parallel), "-k", "0"], build_dir, limit, len(jobs), on_done)
         seconds = _ninja_durations(build_dir / ".ninja_log")
         results: list[CompileReport | CompileError] = []
         for i, (command, cwd) in enumerate(commands):
@@ -425,7 +656,14 @@ def compile_many(
                 returncode = int((build_dir / f"job{i}.rc").read_text())
                 log = (build_dir / f"job{i}.log").read_text(errors="replace")
             except (OSError, ValueError):
-                results.append(_compile_error(command, cwd, f"ninja did not run this job:\n{proc.stdout}", -1))
+                if run.timed_out:
+                    try:
+                        log = (build_dir / f"job{i}.log").read_text(errors="replace")
+                    except OSError:
+                        log = ""
+                    results.append(_timeout_error(command, cwd, log, timeout))
+                else:
+                    results.append(_compile_error(command, cwd, f"ninja did not run this job:\n{run.output}", -1))
                 continue
             if returncode != 0:
                 results.append(_compile_error(command, cwd, log, returncode))
@@ -434,24 +672,32 @@ def compile_many(
         return results
 
 
-def _run_ninja(command: list[str], build_dir: Path, count: int, on_done) -> subprocess.CompletedProcess:
-    """Run ninja; with `on_done`, report each job as its `.rc` file appears."""
+def _run_reporting(command: list[str], build_dir: Path, limit: float, count: int, on_done) -> _Run:
+    """Run ninja under the watchdog (`_run`); with `on_done`, report each job as its `.rc` file appears."""
     if on_done is None:
-        return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-    with tempfile.TemporaryFile("w+", errors="replace") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True)
-        pending = set(range(count))
-        while True:
-            finished = proc.poll() is not None
-            for i in sorted(pending):
-                if (build_dir / f"job{i}.rc").exists() or finished:
-                    pending.discard(i)
-                    on_done(i)
-            if finished:
-                break
-            time.sleep(0.05)
-        out.seek(0)
-        return subprocess.CompletedProcess(command, proc.returncode, out.read())
+        return _run(command, build_dir, limit, cleanup=build_dir)
+    outcome: dict = {}
+
+    def target():
+        try:
+            outcome["run"] = _run(command, build_dir, limit, cleanup=build_dir)
+        except BaseException as error:  # re-raised in the caller's thread
+            outcome["error"] = error
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    pending = set(range(count))
+    while worker.is_alive():
+        for i in sorted(pending):
+            if (build_dir / f"job{i}.rc").exists():
+                pending.discard(i)
+                on_done(i)
+        worker.join(0.05)
+    for i in sorted(pending):
+        on_done(i)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["run"]
 
 
 def _compile_job(job: CompileJob) -> CompileReport | CompileError:

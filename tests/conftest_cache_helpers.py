@@ -30,6 +30,8 @@ SPECGEN_ENV = (
     "SPECGEN_TEST_PAUSE",
     "SPECGEN_COMPILER",
     "XDG_CACHE_HOME",
+    "SPECGEN_COMPILE_TIMEOUT",
+    "SPECGEN_LOCK_TIMEOUT",
 )
 
 
@@ -45,6 +47,22 @@ def fake_nvcc(directory: Path, version: str) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     script = directory / "nvcc"
     script.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then echo "{version}"; exit 0; fi\nexec {FALLBACK_NVCC} "$@"\n')
+    script.chmod(0o755)
+    return script
+
+
+def script_nvcc(directory: Path, body: str) -> Path:
+    """An `nvcc` in `directory` that answers `--version` and otherwise runs the shell `body`
+    (`$REAL` is the real nvcc)."""
+    from specgen.compile import FALLBACK_NVCC
+
+    directory.mkdir(parents=True, exist_ok=True)
+    script = directory / "nvcc"
+    script.write_text(
+        f'#!/bin/sh\nREAL={FALLBACK_NVCC}\nif [ "$1" = --version ]; then echo "nvcc under test: {directory}"; exit 0; fi\n'
+        + body
+        + "\n"
+    )
     script.chmod(0o755)
     return script
 
@@ -135,10 +153,37 @@ def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 60.0) ->
     raise AssertionError(f"no {needle!r} from pid {proc.pid} within {timeout} s; stderr so far: {lines}")
 
 
+def _republisher_main(args: dict) -> None:
+    """Republish one request's entry over and over (SPECGEN_ALWAYS_COMPILE=1), alternating between
+    two cubins, without running nvcc; prints the number of republishes."""
+    from specgen import cache
+    from specgen import compile as nvcc
+
+    cubins = [Path(p).read_bytes() for p in args["cubins"]]
+    turn = [0]
+
+    def fake_compile_many(jobs, on_done=None):
+        reports = []
+        for job in jobs:
+            Path(job.out_cubin).write_bytes(cubins[turn[0] % len(cubins)])
+            turn[0] += 1
+            reports.append(nvcc.CompileReport(seconds=0.0, registers=1, spill_bytes=0, smem_bytes=0, stack_bytes=0, log="fake"))
+        return reports
+
+    nvcc.compile_many = fake_compile_many
+    deadline = time.monotonic() + args["seconds"]
+    while time.monotonic() < deadline:
+        cache.get_or_build(make_request(args["tag"]))
+    print(turn[0])
+
+
 def _builder_main(args: dict) -> None:
     from specgen import cache, paths
 
     paths.template_hash = lambda: TEMPLATE_HASH
+    if args.get("republish"):
+        _republisher_main(args)
+        return
     if args["go"]:
         while not os.path.exists(args["go"]):
             time.sleep(0.005)

@@ -512,13 +512,16 @@ def test_dead_builders_leftovers_are_swept(cache_env):
     cache.cache_dir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    gone = cache_env.root / f"tmp.pid_{dead.pid}_0123abcd"
-    alive = cache_env.root / f"tmp.pid_{os.getppid()}_0123abcd"
-    stale = cache_env.root / f"tmp.pid_{os.getppid()}_4567abcd"
-    mine = cache_env.root / f"tmp.pid_{os.getpid()}_89abcdef"
-    for d in (gone, alive, stale, mine):
+    host, parent = paths.host_id(), os.getppid()
+    started = paths.process_start(parent)
+    gone = cache_env.root / f"tmp.{host}_{dead.pid}_{started}_0123abcd"
+    alive = cache_env.root / f"tmp.{host}_{parent}_{started}_0123abcd"
+    reused = cache_env.root / f"tmp.{host}_{parent}_{started + 1}_0123abcd"  # same pid, another process
+    stale = cache_env.root / f"tmp.{host}_{parent}_{started}_4567abcd"
+    mine = cache_env.root / f"tmp.{paths.owner_tag()}_89abcdef"
+    for d in (gone, alive, reused, stale, mine):
         d.mkdir()
         (d / "kernel.cubin").write_bytes(b"partial")
     os.utime(stale, (1, 1))
     cache.get_or_build(make_request())
-    assert [p.exists() for p in (gone, alive, stale, mine)] == [False, True, False, True]
+    assert [p.exists() for p in (gone, alive, reused, stale, mine)] == [False, True, False, False, True]
