@@ -53,7 +53,10 @@ class FusedLayer(nn.Module):
         """Compile the kernel, or load it from the cache (microseconds once done in this process)."""
         if self._specialized is None:
             asked, config = self._tuned_choice()
-            self._specialized = pipeline.specialize(self.spec, self.arch, igemm_config=config, tuned=not asked)
+            if asked:
+                self._specialized = pipeline.specialize(self.spec, self.arch, igemm_config=config, tuned=False)
+            else:  # any stored choice is the pipeline's to take
+                self._specialized = pipeline.specialize(self.spec, self.arch)
             self._bind_op()
             self._load_on_device()
         return self._specialized
