@@ -66,7 +66,24 @@ def _ls(args: argparse.Namespace) -> int:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     total = sum(r["size"] for r in rows)
     print(f"{len(rows)} entries, {_human_size(total)} in {cache.cache_dir()}")
+    _ls_tuned()
     return 0
+
+
+def _ls_tuned() -> None:
+    """The tile choices `specgen tune` kept (spec, precision, GPU, batch bucket, tile)."""
+    from specgen import tune
+
+    choices = tune.list_choices()
+    if not choices:
+        return
+    table = [("TUNED", "PRECISION", "GPU", "BUCKET", "TILE")]
+    for r in choices:
+        table.append((str(r.get("name")), str(r.get("precision")), str(r.get("gpu")), str(r.get("bucket")), str(r["label"])))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    print()
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
 
 
 def _clear(args: argparse.Namespace) -> int:

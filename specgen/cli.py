@@ -1,4 +1,4 @@
-"""The `specgen` command line: build, show, check, bench, plot, doctor, cache, import.
+"""The `specgen` command line: build, show, check, bench, tune, plot, doctor, cache, import.
 
 Exit codes: 0 ok; 1 a build or check failed (the compiler's log is shown); 2 bad input.
 `build` and `show` never import torch.
@@ -69,13 +69,20 @@ def cmd_show(args) -> int:
     from specgen.plan import describe
 
     for spec in _load(args.file, args.name):
-        plan, source, req = pipeline.request(spec, args.arch)
+        tuned = None
+        if args.plan:
+            from specgen import tune
+
+            tuned = tune.stored_choice(spec, args.arch)  # None without a GPU (no torch needed)
+        plan, source, req = pipeline.request(spec, args.arch, igemm_config=tuned and tuned["config"])
         if args.ptx:
             from specgen import compile as nvcc
 
             print(nvcc.compile_ptx(source, req.arch or nvcc.default_arch()))
         elif args.plan:
             print(describe(plan))
+            if tuned is not None:
+                print(f"tuned: {tuned['label']} for {tuned['gpu']}, batch bucket {tuned['bucket']} (specgen tune)")
         else:
             sys.stdout.write(source)
     return EXIT_OK
@@ -123,6 +130,12 @@ def cmd_bench(args) -> int:
     return EXIT_OK
 
 
+def cmd_tune(args) -> int:
+    from specgen import tune
+
+    return tune.main(_load_all(args.files), batch=args.batch, reps=args.reps)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specgen", description="Specialize fused convolution layers into CUDA kernels.")
     p.add_argument("--version", action="version", version=f"specgen {__version__}")
@@ -162,6 +175,12 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--json", metavar="PATH", default=None, help="write all numbers as JSON")
     be.add_argument("--plot", metavar="FILE.png", default=None, help="draw a roofline and the speedups (needs matplotlib)")
     be.set_defaults(run=cmd_bench)
+
+    t = sub.add_parser("tune", help="time the implicit-GEMM tile candidates on this GPU and keep the fastest (GPU)")
+    t.add_argument("files", nargs="+", metavar="FILE.yaml")
+    t.add_argument("--batch", type=int, default=64, help="the batch to time at; the choice holds for its power-of-two bucket")
+    t.add_argument("--reps", type=int, default=15, help="timed reps per candidate (the median is kept)")
+    t.set_defaults(run=cmd_tune)
 
     from specgen import doctor, plot
 

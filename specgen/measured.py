@@ -60,10 +60,10 @@ def torch_context() -> dict:
     return {"torch": torch.__version__, "cudnn_tf32": bool(torch.backends.cudnn.allow_tf32)}
 
 
-def _store_dir() -> Path:
+def _store_dir(subdir: str = SUBDIR) -> Path:
     from specgen import cache
 
-    return cache.cache_dir() / SUBDIR
+    return cache.cache_dir() / subdir
 
 
 def load(key: str) -> dict | None:
@@ -79,13 +79,14 @@ def load(key: str) -> dict | None:
     return record
 
 
-def store(key: str, record: dict) -> bool:
-    """Write the decision atomically; False (and a log line) when the cache cannot be written."""
+def store(key: str, record: dict, subdir: str = SUBDIR) -> bool:
+    """Write the decision atomically (into `subdir` of the cache: other measured choices, such as
+    tuned tiles, share this writer); False (and a log line) when the cache cannot be written."""
     from specgen.cache import CacheDirError
 
     tmp = None
     try:
-        folder = _store_dir()
+        folder = _store_dir(subdir)
         folder.mkdir(mode=0o700, exist_ok=True)
         tmp = folder / f"tmp.{os.getpid()}.{uuid.uuid4().hex}"
         tmp.write_text(json.dumps({**record, "key": key}, sort_keys=True))

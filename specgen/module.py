@@ -21,10 +21,18 @@ from specgen.spec import LayerSpec, load
 
 
 class FusedLayer(nn.Module):
-    def __init__(self, spec_or_path, *, arch: str | None = None):
+    def __init__(self, spec_or_path, *, arch: str | None = None, tune: bool = False, tune_batch: int | None = None):
+        """`tune=True` (or SPECGEN_AUTOTUNE=1) measures the tile candidates on this GPU now, for the
+        batch bucket of `tune_batch` (default 64), unless a choice is stored for it already, and
+        uses that bucket's choice. Otherwise a stored choice for this GPU is used when there is
+        one (of the largest batch bucket tuned), else the planner's heuristic tile."""
         super().__init__()
         self.spec: LayerSpec = load(spec_or_path)
         self.arch = arch
+        if tune_batch is not None and (isinstance(tune_batch, bool) or not isinstance(tune_batch, int) or tune_batch < 1):
+            raise ValueError(f"tune_batch: expected a positive int, got {tune_batch!r}")
+        self._tune_batch = tune_batch
+        self._tune = bool(tune)
         self.conv = reference.make_conv(self.spec)
         reference.add_spec_params(self, self.spec)
         # Plain Python values read on every forward, so torch.compile traces it without graph breaks.
@@ -44,10 +52,28 @@ class FusedLayer(nn.Module):
     def specialize(self) -> pipeline.Specialized:
         """Compile the kernel, or load it from the cache (microseconds once done in this process)."""
         if self._specialized is None:
-            self._specialized = pipeline.specialize(self.spec, self.arch)
+            asked, config = self._tuned_choice()
+            if asked:
+                self._specialized = pipeline.specialize(self.spec, self.arch, igemm_config=config, tuned=False)
+            else:  # any stored choice is the pipeline's to take
+                self._specialized = pipeline.specialize(self.spec, self.arch)
             self._bind_op()
             self._load_on_device()
         return self._specialized
+
+    def _tuned_choice(self):
+        """(asked, tile): when tuning was asked for, the asked batch bucket's tile (tuned now if
+        none is stored; None: the heuristic won or there is nothing to tune). Not asked: the
+        pipeline takes any stored choice itself."""
+        from specgen import tune
+        from specgen.measured import batch_bucket
+
+        if not (self._tune or tune.autotune_env()):
+            return False, None
+        batch = self._tune_batch or tune.DEFAULT_TUNE_BATCH
+        tune.ensure_tuned([self.spec], batch=batch, arch=self.arch)
+        record = tune.stored_choice(self.spec, self.arch, batch_bucket(batch))
+        return True, None if record is None else record["config"]
 
     def _bind_op(self) -> None:
         """Register (once per process) and remember this layer's custom op."""

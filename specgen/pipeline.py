@@ -59,29 +59,68 @@ def _without_spills(item: Specialized, arch: str | None, igemm_config=None) -> S
     return Specialized(spec, plan, source, build) if build.spill_bytes < item.build.spill_bytes else item
 
 
-def specialize(spec: LayerSpec, arch: str | None = None, igemm_config=None) -> Specialized:
+def _tuned_config(spec: LayerSpec, arch: str | None):
+    """The tile `specgen tune` stored for this GPU (largest batch bucket tuned), or None. With
+    SPECGEN_AUTOTUNE=1 a layer without one is tuned first (batch 64). No GPU: None, no torch."""
+    from specgen import tune
+
+    if tune.current_gpu() is None:
+        return None
+    if tune.autotune_env():
+        tune.ensure_tuned([spec], arch=arch)
+    record = tune.stored_choice(spec, arch)
+    return None if record is None else record["config"]
+
+
+def forget(spec: LayerSpec) -> None:
+    """Drop this spec's memoized kernels (a new tuned choice was stored)."""
+    key = spec.canonical_json()
+    with _memo_lock:
+        for k in [k for k in _memo if k[0] == key]:
+            del _memo[k]
+
+
+def specialize(spec: LayerSpec, arch: str | None = None, igemm_config=None, tuned: bool = True) -> Specialized:
     """The compiled kernel of `spec`; repeated calls in one process cost a dict lookup.
-    `igemm_config` overrides the implicit-GEMM engine's tile (a planner setting, not the spec)."""
-    memo_key = (spec.canonical_json(), arch) if igemm_config is None else (spec.canonical_json(), arch, igemm_config)
+    `igemm_config` overrides the implicit-GEMM engine's tile (a planner setting, not the spec);
+    without one, the tile `specgen tune` stored for this GPU is used, unless `tuned` is False."""
+    if igemm_config is not None:
+        memo_key = (spec.canonical_json(), arch, igemm_config)
+    else:
+        memo_key = (spec.canonical_json(), arch) if tuned else (spec.canonical_json(), arch, None)
     hit = _memo.get(memo_key)
     if hit is not None:
         return hit
     with _memo_lock:
         hit = _memo.get(memo_key)
-        if hit is None:
-            plan, source, req = request(spec, arch, igemm_config=igemm_config)
-            hit = _without_spills(Specialized(spec, plan, source, cache.get_or_build(req)), arch, igemm_config)
-            _memo[memo_key] = hit
+    if hit is None:
+        config = igemm_config if igemm_config is not None or not tuned else _tuned_config(spec, arch)
+        with _memo_lock:
+            hit = _memo.get(memo_key)
+            if hit is None:
+                plan, source, req = request(spec, arch, igemm_config=config)
+                hit = _without_spills(Specialized(spec, plan, source, cache.get_or_build(req)), arch, config)
+                _memo[memo_key] = hit
     return hit
 
 
-def specialize_many(specs: list[LayerSpec], arch: str | None = None) -> list[Specialized]:
-    """Several specs at once; the misses compile in parallel."""
-    prepared = [request(s, arch) for s in specs]
+def specialize_many(specs: list[LayerSpec], arch: str | None = None, tuned: bool = True) -> list[Specialized]:
+    """Several specs at once; the misses compile in parallel. Stored tuned tiles apply as in
+    `specialize` (with SPECGEN_AUTOTUNE=1 the untuned layers are tuned first, in one batch)."""
+    configs = [None] * len(specs)
+    if tuned:
+        from specgen import tune
+
+        if tune.current_gpu() is not None:
+            if tune.autotune_env():
+                tune.ensure_tuned(list(specs), arch=arch)
+            records = [tune.stored_choice(s, arch) for s in specs]
+            configs = [None if r is None else r["config"] for r in records]
+    prepared = [request(s, arch, igemm_config=c) for s, c in zip(specs, configs)]
     builds = cache.build_many([req for _, _, req in prepared])
     out = []
-    for spec, (plan, source, _), build in zip(specs, prepared, builds):
-        item = _without_spills(Specialized(spec, plan, source, build), arch)
-        _memo.setdefault((spec.canonical_json(), arch), item)
+    for spec, config, (plan, source, _), build in zip(specs, configs, prepared, builds):
+        item = _without_spills(Specialized(spec, plan, source, build), arch, config)
+        _memo.setdefault((spec.canonical_json(), arch) if tuned else (spec.canonical_json(), arch, None), item)
         out.append(item)
     return out

@@ -1,0 +1,483 @@
+"""Autotuning: the implicit-GEMM engine's tile shape, measured on this GPU and kept per GPU.
+
+The planner guesses one tile from a sweep of real layers (`igemm.default_config`). `specgen tune`
+tries a handful of others (`candidates`): all of them compile in one parallel batch, the ones
+that spill registers are dropped, each is timed on the GPU (CUDA events around loops of calls,
+warm-up first, the candidates interleaved rep by rep, the median of the reps, inputs rotated
+through enough fresh random sets to exceed the L2 cache) and checked against the float64
+reference; the fastest correct one is kept.
+
+Correct means within the mode's bar: fp32 mode, rel. L2 <= 1e-5 against float64; tf32 mode, at
+most twice the heuristic plan's own error (plus 1e-7). The candidates differ in how K is chunked,
+so their sums run in different orders: a tuned kernel's results may differ from the untuned one's
+in the last bits, never by more than the bar.
+
+The choice is kept in the specgen cache directory under `tuned/`, one JSON file per choice named
+by a sha256 over the spec (canonical JSON), its precision, the GPU (name and SM count), the CUDA
+driver version and the batch bucket (the next power of two at or above the batch). Layers are
+contiguous float32 (NCDHW), so there is no memory format to key on. Written atomically (a
+temporary file renamed into place, `measured.store`); an unreadable record, or one whose tile no
+longer plans, counts as none.
+
+Use: `pipeline.specialize` (so `FusedLayer` and `from_module`) takes the stored choice for the
+first visible GPU when there is one, and for the largest batch bucket tuned, since the batch is
+not known at construction; `FusedLayer(spec, tune=True, tune_batch=N)` or `SPECGEN_AUTOTUNE=1`
+tunes on the spot when no choice is stored for that bucket (default batch 64) and uses it.
+Without either, the heuristic plan: construction never times anything.
+
+The GPU identity is read through the CUDA driver (no torch), so `specgen show --plan` can name the
+tuned choice without importing torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import functools
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, fields
+
+from specgen import cache, measured, pipeline
+from specgen.compile import CompileError
+from specgen.igemm import IgemmConfig, _cip_and_bk
+from specgen.log import get_logger
+from specgen.plan import PlanError, build_plan
+from specgen.spec import LayerSpec
+
+SCHEMA = 1
+SUBDIR = "tuned"
+ENV_AUTOTUNE = "SPECGEN_AUTOTUNE"
+DEFAULT_TUNE_BATCH = 64
+MAX_BUCKET_LOG2 = 16  # buckets 1 .. 65536 are probed when the batch is not known
+FP32_BAR = 1e-5
+TF32_FACTOR = 2.0
+TF32_SLACK = 1e-7
+REPS = 15
+WARMUP = 3
+MAX_INPUT_SETS = 64
+
+
+# ---------------------------------------------------------------------------- candidates
+
+
+def _templates(split: bool, cout: int) -> list[tuple[str, IgemmConfig]]:
+    """Tile shapes that won somewhere in the v15 sweep (benchmarks/NOTES.md); K chunks are capped
+    by the layer's own (see `candidates`)."""
+    c = IgemmConfig
+    out = [
+        ("128x64 w32x32 k32 s3", c(4, 2, 2, 4, 32, 3)),
+        ("256x64 w64x32 k32 s3", c(4, 2, 4, 4, 32, 3)),
+        ("128x128 w32x32 16 warps k32 s3", c(4, 4, 2, 4, 32, 3)),
+        ("128x128 w64x32 k32 s3", c(2, 4, 4, 4, 32, 3)),
+    ]
+    if cout <= 32:
+        out.append(("256x32 w32x32 k32 s3", c(8, 1, 2, 4, 32, 3)))
+    if not split:  # in 3xTF32 (twice the fragment registers) these spill
+        out.append(("128x128 w64x32 k16 s4 2 blocks/SM", c(2, 4, 4, 4, 16, 4, min_blocks=2)))
+        out.append(("128x256 w64x64 k32 s3", c(2, 4, 4, 8, 32, 3)))
+    return out
+
+
+def label(cfg: IgemmConfig) -> str:
+    mb = f" {cfg.min_blocks} blocks/SM" if cfg.min_blocks else ""
+    return f"{cfg.bm}x{cfg.bn} w{16 * cfg.wm}x{8 * cfg.wn} {cfg.threads // 32} warps k{cfg.bk} s{cfg.stages}{mb}"
+
+
+def heuristic(spec: LayerSpec) -> dict:
+    """The planner's own plan (no tuned choice); raises PlanError as build_plan does."""
+    return build_plan(spec)
+
+
+def tunable(spec: LayerSpec) -> bool:
+    """Whether the heuristic plan runs the implicit-GEMM engine (the only one with candidates)."""
+    return heuristic(spec)["engine"] == "igemm"
+
+
+def candidates(spec: LayerSpec) -> list[IgemmConfig]:
+    """At most 10 tile configs that plan for this layer, the planner's own first; [] when the
+    layer does not run on the implicit-GEMM engine. (Whether they compile without spills is
+    decided by `build_candidates`.)"""
+    plan = heuristic(spec)
+    if plan["engine"] != "igemm":
+        return []
+    own = plan["igemm"].config
+    natural_bk = _cip_and_bk(spec.input.channels)[1]  # the largest K chunk the channels allow
+    out = [own]
+    for _, cfg in _templates(spec.precision == "fp32", spec.conv.out_channels):
+        cfg = IgemmConfig(**{**asdict(cfg), "bk": min(cfg.bk, natural_bk)})
+        if cfg in out:
+            continue
+        try:
+            plan = build_plan(spec, cfg)
+        except (PlanError, ValueError):
+            continue
+        if plan["engine"] == "igemm":
+            out.append(cfg)
+    return out[:10]
+
+
+@dataclass
+class Candidate:
+    config: IgemmConfig | None  # None: the heuristic plan as the pipeline builds it
+    item: pipeline.Specialized | None = None
+    error: str = ""
+    ms: float = math.nan
+    rel_l2: float = math.nan
+    ok: bool = False
+
+    @property
+    def name(self) -> str:
+        return "heuristic (" + label(self.item.plan["igemm"].config) + ")" if self.config is None else label(self.config)
+
+
+def build_candidates(specs: list[LayerSpec], arch: str | None = None) -> list[list[Candidate]]:
+    """Every spec's heuristic plan and candidates, compiled in one parallel batch. A candidate that
+    fails to compile or spills registers comes back with `error` set; the planner's own tile is
+    the first entry (as the pipeline builds it), not repeated."""
+    jobs = []  # (spec index, config, plan, source, request)
+    for i, spec in enumerate(specs):
+        for cfg in candidates(spec):
+            plan, source, req = pipeline.request(spec, arch, igemm_config=cfg)
+            jobs.append((i, cfg, plan, source, req))
+    builds = _build_all([j[4] for j in jobs])
+    out: list[list[Candidate]] = []
+    for spec in specs:
+        base = pipeline.specialize(spec, arch, tuned=False) if tunable(spec) else None
+        out.append([Candidate(None, base)] if base is not None else [])
+    for (i, cfg, plan, source, _), build in zip(jobs, builds):
+        cand = Candidate(cfg)
+        if isinstance(build, CompileError):
+            cand.error = "does not compile"
+        elif build.spill_bytes:
+            cand.error = f"spills {build.spill_bytes} bytes"
+        else:
+            cand.item = pipeline.Specialized(specs[i], plan, source, build)
+            if cand.item.key == out[i][0].item.key:
+                continue  # the heuristic's own kernel, already first
+        out[i].append(cand)
+    return out
+
+
+def _build_all(reqs: list) -> list:
+    """build_many, but a request that fails to compile yields its CompileError instead of
+    aborting the batch (the others were published by then: building them again is a hit)."""
+    try:
+        return cache.build_many(reqs)
+    except CompileError:
+        results = []
+        for req in reqs:
+            try:
+                results.append(cache.get_or_build(req))
+            except CompileError as err:
+                results.append(err)
+        return results
+
+
+# ---------------------------------------------------------------------------- GPU identity
+
+
+@functools.lru_cache(maxsize=None)
+def current_gpu() -> dict | None:
+    """The first visible GPU: {"gpu": "NAME (N SMs)", "arch": "sm_XY", "driver": int}, read
+    through the CUDA driver; None without a driver or a GPU."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev, count, version = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    if lib.cuInit(0) or lib.cuDeviceGetCount(ctypes.byref(count)) or count.value < 1:
+        return None
+    if lib.cuDeviceGet(ctypes.byref(dev), 0) or lib.cuDriverGetVersion(ctypes.byref(version)):
+        return None
+    name = ctypes.create_string_buffer(256)
+    attrs = {}
+    for what, attr in (("sms", 16), ("major", 75), ("minor", 76)):
+        value = ctypes.c_int()
+        if lib.cuDeviceGetAttribute(ctypes.byref(value), attr, dev):
+            return None
+        attrs[what] = value.value
+    if lib.cuDeviceGetName(name, 256, dev):
+        return None
+    return {
+        "gpu": f"{name.value.decode(errors='replace')} ({attrs['sms']} SMs)",
+        "arch": f"sm_{attrs['major']}{attrs['minor']}",
+        "driver": version.value,
+    }
+
+
+# ---------------------------------------------------------------------------- the choice store
+
+
+def choice_key(spec: LayerSpec, gpu: str, driver: int, bucket: int) -> str:
+    """sha256 hex over everything a tuned choice depends on."""
+    material = {
+        "schema": SCHEMA, "kind": "igemm_tile", "spec": spec.canonical_json(), "precision": spec.precision,
+        "gpu": gpu, "driver": driver, "bucket": bucket,
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+def _store_dir():
+    return cache.cache_dir() / SUBDIR
+
+
+def store_choice(spec: LayerSpec, gpu: dict, bucket: int, chosen: IgemmConfig | None, table: list[dict],
+                 batch: int) -> bool:
+    """Keep a tuned choice (None: the heuristic plan won) atomically."""
+    key = choice_key(spec, gpu["gpu"], gpu["driver"], bucket)
+    record = {
+        "schema": SCHEMA, "name": spec.name, "precision": spec.precision, "gpu": gpu["gpu"], "driver": gpu["driver"],
+        "bucket": bucket, "batch": batch, "config": None if chosen is None else asdict(chosen),
+        "label": "heuristic" if chosen is None else label(chosen), "candidates": table, "created": time.time(),
+    }
+    ok = measured.store(key, record, subdir=SUBDIR)
+    pipeline.forget(spec)
+    return ok
+
+
+def load_choice(spec: LayerSpec, gpu: str, driver: int, bucket: int) -> dict | None:
+    """The stored record, or None (missing, unreadable, or a config that no longer plans)."""
+    key = choice_key(spec, gpu, driver, bucket)
+    try:
+        record = json.loads((_store_dir() / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("key") != key or "config" not in record:
+        return None
+    cfg = record["config"]
+    if cfg is not None:
+        try:
+            cfg = IgemmConfig(**{f.name: int(cfg[f.name]) for f in fields(IgemmConfig)})
+            build_plan(spec, cfg)
+        except (KeyError, TypeError, ValueError, PlanError):
+            get_logger().info("ignoring a stored tuned choice for %s: it no longer plans", spec.name)
+            return None
+    return {**record, "config": cfg}
+
+
+def stored_choice(spec: LayerSpec, arch: str | None = None, bucket: int | None = None) -> dict | None:
+    """The stored record for this GPU (and `arch`, when given, must be its arch): of `bucket`, or
+    when None, of the largest bucket tuned. None without a GPU or a record."""
+    gpu = current_gpu()
+    if gpu is None or (arch is not None and arch != gpu["arch"]):
+        return None
+    buckets = [bucket] if bucket is not None else [1 << b for b in range(MAX_BUCKET_LOG2, -1, -1)]
+    for b in buckets:
+        record = load_choice(spec, gpu["gpu"], gpu["driver"], b)
+        if record is not None:
+            return record
+    return None
+
+
+def list_choices() -> list[dict]:
+    """Every stored tuned choice (name, precision, gpu, driver, bucket, label, times), newest first."""
+    rows = []
+    for path in sorted(_store_dir().glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get("schema") == SCHEMA and "label" in record:
+            rows.append(record)
+    return sorted(rows, key=lambda r: r.get("created", 0), reverse=True)
+
+
+def autotune_env() -> bool:
+    return os.environ.get(ENV_AUTOTUNE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class Result:
+    spec: LayerSpec
+    batch: int
+    bucket: int
+    gpu: str
+    candidates: list[Candidate] = field(default_factory=list)
+    chosen: Candidate | None = None
+    stored: bool = False
+
+    def table(self) -> str:
+        base = self.candidates[0].ms
+        lines = [f"{self.spec.name} ({self.spec.precision}, batch {self.batch}, bucket {self.bucket}) on {self.gpu}:"]
+        for c in self.candidates:
+            mark = "*" if c is self.chosen else " "
+            if c.item is None or math.isnan(c.ms):
+                lines.append(f" {mark} {c.name:44}  skipped: {c.error}")
+                continue
+            verdict = "ok" if c.ok else "WRONG"
+            lines.append(
+                f" {mark} {c.name:44} {c.ms:9.4f} ms  {base / c.ms:5.2f}x  rel L2 {c.rel_l2:.2e} {verdict}"
+                f"  {c.item.build.registers} regs"
+            )
+        return "\n".join(lines)
+
+    def rows(self) -> list[dict]:
+        return [
+            {"label": c.name, "ms": None if math.isnan(c.ms) else round(c.ms, 5),
+             "rel_l2": None if math.isnan(c.rel_l2) else c.rel_l2, "ok": c.ok, "error": c.error}
+            for c in self.candidates
+        ]
+
+
+def _inputs(spec: LayerSpec, batch: int, torch, device) -> list:
+    """Fresh normal random inputs, enough sets that together they exceed twice the L2 cache."""
+    shape = (batch, spec.input.channels, *spec.input.size)
+    nbytes = 4 * math.prod(shape)
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
+    sets = max(2, min(MAX_INPUT_SETS, math.ceil(2 * l2 / max(1, nbytes))))
+    return [torch.randn(shape, device=device) for _ in range(sets)]
+
+
+def _tensors(spec: LayerSpec, torch, device) -> tuple:
+    from specgen import reference
+
+    module = reference.Reference(spec).to(device)
+    conv = module.conv
+    with torch.no_grad():
+        fan_in = conv.weight[0].numel()
+        conv.weight.copy_(torch.randn_like(conv.weight) / math.sqrt(fan_in))
+        if conv.bias is not None:
+            conv.bias.copy_(torch.randn_like(conv.bias) * 0.1)
+    return conv.weight.detach(), None if conv.bias is None else conv.bias.detach(), {
+        k: v.detach() for k, v in module.named_spec_params().items()
+    }
+
+
+def _rel_l2(out, ref64) -> float:
+    diff = out.double() - ref64
+    return (diff.norm() / ref64.norm().clamp_min(1e-30)).item()
+
+
+def measure(spec: LayerSpec, cands: list[Candidate], batch: int, reps: int = REPS) -> None:
+    """Time and check each built candidate in place (`ms`, `rel_l2`, `ok`)."""
+    import torch
+
+    from specgen import reference, torchop
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    xs = _inputs(spec, batch, torch, device)
+    weight, bias, params = _tensors(spec, torch, device)
+    live = [c for c in cands if c.item is not None]
+    outs = [torch.empty(spec.output_shape(batch), device=device) for _ in live]
+    with torch.no_grad():
+        ref64 = reference.forward64(spec, xs[0], weight, bias, params)
+        for c, out in zip(live, outs):
+            out.fill_(float("nan"))
+            torchop.launch(c.item, xs[0], weight, bias, params, out)
+            torch.cuda.synchronize()
+            c.rel_l2 = _rel_l2(out, ref64) if bool(torch.isfinite(out).all()) else math.inf
+        base = cands[0].rel_l2
+        bar = FP32_BAR if spec.precision == "fp32" else TF32_FACTOR * base + TF32_SLACK
+        for c in live:
+            c.ok = c.rel_l2 <= bar
+        fns = [functools.partial(lambda item, out, x: torchop.launch(item, x, weight, bias, params, out), c.item, out)
+               for c, out in zip(live, outs)]
+        for fn in fns:
+            for i in range(WARMUP):
+                fn(xs[i % len(xs)])
+        torch.cuda.synchronize()
+        inner = [measured._calls_per_rep(fn, xs) for fn in fns]
+        times = [[] for _ in fns]
+        turn = 0
+        for _ in range(reps):
+            for which, fn in enumerate(fns):  # interleaved: drift hits every candidate alike
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _i in range(inner[which]):
+                    fn(xs[turn % len(xs)])
+                    turn += 1
+                end.record()
+                end.synchronize()
+                times[which].append(start.elapsed_time(end) / inner[which])
+    for c, t in zip(live, times):
+        c.ms = statistics.median(t)
+
+
+def tune(specs: list[LayerSpec], batch: int = DEFAULT_TUNE_BATCH, reps: int = REPS, arch: str | None = None,
+         store: bool = True) -> list[Result]:
+    """Build, time and check every tunable spec's candidates; keep each spec's fastest correct one.
+    Needs a CUDA GPU (torch). Specs that do not run on the implicit-GEMM engine are left out."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("tuning times kernels on a CUDA GPU; none is available")
+    bucket = measured.batch_bucket(batch)
+    gpu = current_gpu()
+    if gpu is None:
+        raise RuntimeError("the CUDA driver does not report a GPU")
+    todo = [s for s in specs if tunable(s)]
+    results = []
+    for spec, cands in zip(todo, build_candidates(todo, arch)):
+        measure(spec, cands, batch, reps)
+        result = Result(spec, batch, bucket, gpu["gpu"], cands)
+        correct = [c for c in cands if c.ok and not math.isnan(c.ms)]
+        result.chosen = min(correct, key=lambda c: c.ms) if correct else cands[0]
+        if store and correct:
+            result.stored = store_choice(spec, gpu, bucket, result.chosen.config, result.rows(), batch)
+        results.append(result)
+    return results
+
+
+def ensure_tuned(specs: list[LayerSpec], batch: int = DEFAULT_TUNE_BATCH, arch: str | None = None) -> None:
+    """Tune the tunable specs that have no stored choice for this GPU and batch bucket (on the
+    spot: `tune=True` or SPECGEN_AUTOTUNE=1). Nothing without a GPU."""
+    gpu = current_gpu()
+    if gpu is None or (arch is not None and arch != gpu["arch"]):
+        return
+    bucket = measured.batch_bucket(batch)
+    missing = [s for s in specs if stored_choice(s, arch, bucket) is None and tunable(s)]
+    if missing:
+        get_logger().info("tuning %d layer(s) for batch bucket %d", len(missing), bucket)
+        tune(missing, batch, arch=arch)
+
+
+# ---------------------------------------------------------------------------- `specgen tune`
+
+
+def main(specs: list[LayerSpec], batch: int = DEFAULT_TUNE_BATCH, reps: int = REPS) -> int:
+    """`specgen tune`: 0 when every tunable spec got a choice (or none is tunable); 1 when a
+    layer's kernels were all wrong; 2 on bad arguments or without a CUDA GPU (as `specgen check`:
+    nothing was measured, so nothing can be kept)."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"--batch: expected a positive int, got {batch!r}")
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"--reps: expected a positive int, got {reps!r}")
+    todo = []
+    for spec in specs:
+        engine = heuristic(spec)["engine"]
+        if engine == "igemm":
+            todo.append(spec)
+        else:
+            print(f"{spec.name}: runs on the {engine} engine, which has no tile candidates: nothing to tune")
+    if not todo:
+        return 0
+    try:
+        import torch
+
+        gpu_ok = torch.cuda.is_available()
+    except ImportError:
+        gpu_ok = False
+    if not gpu_ok or current_gpu() is None:
+        print("specgen tune: needs a CUDA GPU to time the candidates, and none is available "
+              f"({len(todo)} layer(s) left untuned)", file=sys.stderr)
+        return 2
+    failed = 0
+    for result in tune(todo, batch, reps):
+        print(result.table(), flush=True)
+        chosen = result.chosen
+        if not chosen.ok:
+            failed += 1
+            print(f"  no candidate is within the {result.spec.precision} bar: nothing kept")
+        else:
+            where = "kept" if result.stored else "NOT kept (the cache cannot be written)"
+            print(f"  chosen: {chosen.name}, {result.candidates[0].ms / chosen.ms:.2f}x the heuristic; {where}")
+    return 1 if failed else 0

@@ -1,0 +1,283 @@
+"""Autotuning (`specgen.tune`): candidates, the choice store, its use by the pipeline, the CLI.
+
+CPU tests: the candidates plan and compile without spills (nvcc), the store round-trips and is
+keyed by spec, precision, GPU, driver and batch bucket, the pipeline and `show --plan` use a
+stored choice (the GPU identity is faked), `specgen tune` without a GPU exits 2. The GPU test
+(marker `gpu`) tunes a small layer and checks the tuned layer against float64.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from specgen import cli, measured, pipeline, tune
+from specgen.igemm import IgemmConfig
+from specgen.spec import validate
+
+FAKE_GPU = {"gpu": "Fake GPU (7 SMs)", "arch": "sm_90", "driver": 12080}
+
+
+def layer(channels=64, out=64, precision="fp32", **extra) -> dict:
+    return {
+        "name": f"tune_{channels}_{out}_{precision}",
+        "input": {"channels": channels, "size": [8, 8]},
+        "conv": {"out_channels": out, "kernel": 3, "padding": 1, **extra},
+        "epilogue": ["relu"],
+        "precision": precision,
+    }
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(tune.ENV_AUTOTUNE, raising=False)
+    yield tmp_path / "cache"
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, cache_dir):
+    monkeypatch.setattr(tune, "current_gpu", lambda: dict(FAKE_GPU))
+    yield FAKE_GPU
+
+
+# ---------------------------------------------------------------------------- candidates
+
+
+def test_candidates_plan_start_with_the_heuristic_and_follow_the_precision():
+    fp32 = validate(layer(precision="fp32"))
+    tf32 = validate(layer(precision="tf32"))
+    c32, ct = tune.candidates(fp32), tune.candidates(tf32)
+    assert c32[0] == tune.heuristic(fp32)["igemm"].config
+    assert ct[0] == tune.heuristic(tf32)["igemm"].config
+    assert 3 <= len(c32) <= 10 and 3 <= len(ct) <= 10
+    assert len(set(c32)) == len(c32)
+    # 64 x 64 warp tiles and two 128 x 128 blocks per SM spill in 3xTF32: tf32 mode only
+    assert not any(c.wn == 8 or c.min_blocks == 2 for c in c32)
+    assert any(c.wn == 8 for c in ct) and any(c.min_blocks == 2 for c in ct)
+    for spec, cands in ((fp32, c32), (tf32, ct)):
+        for cfg in cands:
+            plan = pipeline.build_plan(spec, cfg)
+            assert plan["engine"] == "igemm" and plan["igemm"].config == cfg
+            assert cfg.bk <= 32 and 64 % cfg.bk == 0
+
+
+def test_few_channels_get_the_narrow_tile_and_a_fitting_k_chunk():
+    spec = validate(layer(channels=16, out=32, precision="tf32"))
+    cands = tune.candidates(spec)
+    assert any(c.bm == 256 and c.bn == 32 for c in cands)
+    assert all(c.bk <= 16 for c in cands)  # 16 channels: K chunks of at most 16
+
+
+def test_layers_off_the_implicit_gemm_engine_have_no_candidates():
+    spec = validate({**layer(), "conv": {"out_channels": 64, "kernel": 3, "padding": 1, "groups": 64}})
+    assert tune.heuristic(spec)["engine"] != "igemm"
+    assert tune.candidates(spec) == []
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and not shutil.os.path.exists("/usr/local/cuda/bin/nvcc"),
+                    reason="needs nvcc")
+def test_candidates_compile_in_one_batch_without_spills(cache_dir):
+    specs = [validate(layer(precision="fp32")), validate(layer(channels=128, out=128, precision="tf32"))]
+    built = tune.build_candidates(specs)
+    for spec, cands in zip(specs, built):
+        assert cands[0].config is None and cands[0].item.plan["engine"] == "igemm"
+        assert len(cands) == len(tune.candidates(spec))  # the heuristic's own tile is not repeated
+        for cand in cands:
+            assert cand.item is not None, f"{spec.name} {cand.name}: {cand.error}"
+            assert cand.item.build.spill_bytes == 0, f"{spec.name} {cand.name} spills"
+        assert len({c.item.key for c in cands}) == len(cands)
+
+
+# ---------------------------------------------------------------------------- the store
+
+
+def test_the_store_round_trips_and_is_keyed_by_everything_the_choice_depends_on(cache_dir):
+    spec = validate(layer())
+    cfg = tune.candidates(spec)[1]
+    assert tune.store_choice(spec, FAKE_GPU, 64, cfg, [{"label": "x", "ms": 1.0}], batch=50)
+    key = tune.choice_key(spec, FAKE_GPU["gpu"], FAKE_GPU["driver"], 64)
+    path = cache_dir / "tuned" / f"{key}.json"
+    record = json.loads(path.read_text())
+    assert record["config"] == {f: getattr(cfg, f) for f in ("warps_m", "warps_n", "wm", "wn", "bk", "stages", "min_blocks")}
+    assert record["bucket"] == 64 and record["batch"] == 50 and record["gpu"] == FAKE_GPU["gpu"]
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+    got = tune.load_choice(spec, FAKE_GPU["gpu"], FAKE_GPU["driver"], 64)
+    assert got["config"] == cfg
+    # every part of the key matters
+    other = validate(layer(precision="tf32"))
+    assert tune.load_choice(other, FAKE_GPU["gpu"], FAKE_GPU["driver"], 64) is None
+    assert tune.load_choice(validate({**layer(), "epilogue": ["gelu"]}), FAKE_GPU["gpu"], FAKE_GPU["driver"], 64) is None
+    assert tune.load_choice(spec, "Other GPU (7 SMs)", FAKE_GPU["driver"], 64) is None
+    assert tune.load_choice(spec, "Fake GPU (8 SMs)", FAKE_GPU["driver"], 64) is None
+    assert tune.load_choice(spec, FAKE_GPU["gpu"], 12090, 64) is None
+    assert tune.load_choice(spec, FAKE_GPU["gpu"], FAKE_GPU["driver"], 32) is None
+    assert measured.batch_bucket(50) == 64  # a batch of 50 is looked up in bucket 64
+
+
+def test_a_damaged_or_unplannable_record_counts_as_none(cache_dir):
+    spec = validate(layer())
+    key = tune.choice_key(spec, FAKE_GPU["gpu"], FAKE_GPU["driver"], 8)
+    folder = cache_dir / "tuned"
+    tune.store_choice(spec, FAKE_GPU, 8, tune.candidates(spec)[1], [], batch=8)
+    (folder / f"{key}.json").write_text("{not json")
+    assert tune.load_choice(spec, FAKE_GPU["gpu"], FAKE_GPU["driver"], 8) is None
+    bad = {"key": key, "config": {"warps_m": 3, "warps_n": 1, "wm": 1, "wn": 1, "bk": 32, "stages": 40, "min_blocks": 0}}
+    (folder / f"{key}.json").write_text(json.dumps(bad))  # 40 stages exceed shared memory
+    assert tune.load_choice(spec, FAKE_GPU["gpu"], FAKE_GPU["driver"], 8) is None
+
+
+def test_without_a_batch_the_largest_bucket_tuned_is_used(fake_gpu):
+    spec = validate(layer())
+    small, large = tune.candidates(spec)[1:3]
+    tune.store_choice(spec, fake_gpu, 8, small, [], batch=8)
+    tune.store_choice(spec, fake_gpu, 128, large, [], batch=100)
+    assert tune.stored_choice(spec)["config"] == large
+    assert tune.stored_choice(spec, bucket=8)["config"] == small
+    assert tune.stored_choice(spec, bucket=64) is None
+    assert tune.stored_choice(spec, arch="sm_80") is None  # built for another GPU: not this one's choice
+    tune.store_choice(spec, fake_gpu, 256, None, [], batch=256)  # the heuristic won at 256
+    assert tune.stored_choice(spec)["config"] is None
+
+
+# ---------------------------------------------------------------------------- users of the choice
+
+
+def test_the_pipeline_uses_a_stored_choice_for_this_gpu(fake_gpu, monkeypatch):
+    spec = validate(layer())
+    heuristic = tune.heuristic(spec)["igemm"].config
+    chosen = next(c for c in tune.candidates(spec) if c != heuristic)
+    built = []
+    monkeypatch.setattr(pipeline.cache, "get_or_build", lambda req: built.append(req) or _FakeBuild(req))
+    pipeline.forget(spec)
+    first = pipeline.specialize(spec)
+    assert first.plan["igemm"].config == heuristic  # nothing stored yet
+    tune.store_choice(spec, fake_gpu, 64, chosen, [], batch=64)  # forgets the memoized kernel
+    second = pipeline.specialize(spec)
+    assert second.plan["igemm"].config == chosen
+    assert pipeline.specialize(spec, tuned=False).plan["igemm"].config == heuristic
+    assert pipeline.specialize_many([spec])[0].plan["igemm"].config == chosen
+    monkeypatch.setattr(tune, "current_gpu", lambda: None)  # no GPU: the heuristic
+    pipeline.forget(spec)
+    assert pipeline.specialize(spec).plan["igemm"].config == heuristic
+    pipeline.forget(spec)
+
+
+class _FakeBuild:
+    spill_bytes = 0
+
+    def __init__(self, req):
+        self.key = req.source[:16]
+
+
+def test_show_plan_names_the_tuned_choice(fake_gpu, tmp_path, capsys):
+    data = layer()
+    path = tmp_path / "l.yaml"
+    path.write_text(json.dumps([data]))
+    spec = validate(data)
+    chosen = tune.candidates(spec)[2]
+    assert cli.main(["show", str(path), "--plan"]) == 0
+    assert "tuned:" not in capsys.readouterr().out
+    tune.store_choice(spec, fake_gpu, 32, chosen, [], batch=32)
+    assert cli.main(["show", str(path), "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert f"tuned: {tune.label(chosen)} for {fake_gpu['gpu']}, batch bucket 32" in out
+    assert f"block tile {chosen.bm} positions x {chosen.bn} channels" in out
+
+
+def test_cache_ls_lists_tuned_choices(fake_gpu, capsys):
+    spec = validate(layer())
+    chosen = tune.candidates(spec)[1]
+    tune.store_choice(spec, fake_gpu, 16, chosen, [], batch=10)
+    assert cli.main(["cache", "ls"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith(spec.name))
+    assert fake_gpu["gpu"] in row and " 16 " in row and tune.label(chosen) in row
+
+
+def test_cli_tune_without_a_gpu_exits_2_with_a_clear_message(cache_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tune, "current_gpu", lambda: None)
+    path = tmp_path / "l.yaml"
+    path.write_text(json.dumps([layer()]))
+    assert cli.main(["tune", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "1 layer(s) left untuned" in err
+    assert not (cache_dir / "tuned").exists()
+
+
+def test_cli_tune_with_nothing_to_tune_exits_0(cache_dir, tmp_path, capsys):
+    path = tmp_path / "l.yaml"
+    path.write_text(json.dumps([{**layer(), "conv": {"out_channels": 64, "kernel": 3, "padding": 1, "groups": 64}}]))
+    assert cli.main(["tune", str(path)]) == 0
+    assert "nothing to tune" in capsys.readouterr().out
+
+
+def test_cli_tune_refuses_a_bad_batch(cache_dir, tmp_path, capsys):
+    path = tmp_path / "l.yaml"
+    path.write_text(json.dumps([layer()]))
+    assert cli.main(["tune", str(path), "--batch", "0"]) == 2
+    assert "--batch: expected a positive int, got 0" in capsys.readouterr().err
+
+
+def test_fused_layer_refuses_a_bad_tune_batch():
+    from specgen.module import FusedLayer
+
+    with pytest.raises(ValueError, match="tune_batch: expected a positive int, got 0"):
+        FusedLayer(validate(layer()), tune_batch=0)
+
+
+# ---------------------------------------------------------------------------- on the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_tune_picks_a_candidate_that_matches_float64_and_is_reused(cache_dir, tmp_path, capsys, precision):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from specgen import reference
+    from specgen.module import FusedLayer
+
+    data = {**layer(channels=64, out=128, precision=precision), "input": {"channels": 64, "size": [28, 28]}}
+    path = tmp_path / "l.yaml"
+    path.write_text(json.dumps([data]))
+    spec = validate(data)
+    assert cli.main(["tune", str(path), "--batch", "8", "--reps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen:" in out and "kept" in out
+    record = tune.stored_choice(spec, bucket=8)
+    assert record is not None and record["batch"] == 8
+    assert all(row["ok"] for row in record["candidates"] if row["ms"] is not None and row["label"] == record["label"]) \
+        or record["config"] is None
+    # a new layer of the same spec runs the stored tile
+    pipeline.forget(spec)
+    layer_ = FusedLayer(spec).cuda()
+    want = record["config"] or tune.heuristic(spec)["igemm"].config
+    assert layer_.specialize().plan["igemm"].config == want
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():
+        layer_.conv.weight.copy_(torch.randn(layer_.conv.weight.shape, generator=gen, device="cuda") * 0.05)
+        x = torch.randn((8, 64, 28, 28), generator=gen, device="cuda")
+        y = layer_(x)
+    ref = reference.forward64(spec, x, layer_.conv.weight, layer_.conv.bias, layer_.spec_params())
+    rel = ((y.double() - ref).norm() / ref.norm()).item()
+    if precision == "fp32":
+        assert rel <= 1e-5
+    else:
+        untuned = pipeline.specialize(spec, tuned=False)
+        from specgen import torchop
+
+        y0 = torchop.launch(untuned, x, layer_.conv.weight, layer_.conv.bias, layer_.spec_params(), None)
+        rel0 = ((y0.double() - ref).norm() / ref.norm()).item()
+        assert rel <= 2 * rel0 + 1e-7
+    # tune=True with a stored choice for its bucket measures nothing again
+    calls = []
+    real = tune.tune
+    tune.tune = lambda *a, **k: calls.append(a) or real(*a, **k)
+    try:
+        FusedLayer(spec, tune=True, tune_batch=7)  # bucket 8: stored
+    finally:
+        tune.tune = real
+    assert calls == []
