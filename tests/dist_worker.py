@@ -1,7 +1,7 @@
 """A torchrun worker for tests/test_distributed.py: specialized layers under torch.distributed.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dist_worker.py train OUT_DIR
-    python -m torch.distributed.run --standalone --nproc_per_node=4 tests/dist_worker.py compile OUT_DIR
+    python -m torch.distributed.run --standalone --nproc_per_node=3 tests/dist_worker.py compile OUT_DIR
 
 `train`: the model of `build_model` (a `FusedLayer` head, a `from_module` body, a linear classifier)
 trains for `STEPS` SGD steps on this rank's share of a seeded global batch, once under
