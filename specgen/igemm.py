@@ -122,12 +122,28 @@ def _cip_and_bk(cin: int) -> tuple[int, int]:
     return cip, max(8, min(32, 4 * cip))
 
 
-def default_config(cout: int, cin: int, taps: int, split: bool) -> IgemmConfig:
-    """The planner's guess, from a sweep of tile shapes on real layers (benchmarks/NOTES.md, v15):
-    up to 64 channels, 128 x 64 blocks of 32 x 32 warp tiles; more channels, 128 x 128 blocks: in
-    TF32 of 64 x 32 warp tiles, K chunks of 16 in 4 stages and two blocks per SM; in 3xTF32 (twice
-    the fragment registers) of 16 warps with 32 x 32 warp tiles."""
+def wgmma_config(cout: int, warpgroups: int, stages: int, max_bn: int = 256) -> IgemmConfig:
+    """A wgmma tile: `warpgroups` x 64 positions x all (up to `max_bn`) channels, K chunks of 32."""
+    bn = min(max_bn, -(-cout // 8) * 8)
+    return IgemmConfig(4 * warpgroups, 1, 1, bn // 8, 32, stages, 1, True)
+
+
+def wgmma_fits(cin: int) -> bool:
+    """wgmma's K chunks are 32 channels (128-byte rows): the padded channels must tile them."""
+    cip, _ = _cip_and_bk(cin)
+    return cip % 32 == 0 or 32 % cip == 0
+
+
+def default_config(cout: int, cin: int, taps: int, split: bool, wgmma: bool = True) -> IgemmConfig:
+    """The planner's guess, from sweeps of tile shapes on real layers (benchmarks/NOTES.md, v15-v16).
+    On Hopper (`wgmma`), up to 128 channels in TF32 and up to 64 in 3xTF32: three warpgroups of
+    wgmma over 192 positions x all channels. Otherwise mma.sync: up to 64 channels, 128 x 64 blocks
+    of 32 x 32 warp tiles; more, 128 x 128 blocks: in TF32 of 64 x 32 warp tiles, K chunks of 16
+    in 4 stages and two blocks per SM; in 3xTF32 (twice the fragment registers) of 16 warps with
+    32 x 32 warp tiles."""
     cip, bk = _cip_and_bk(cin)
+    if wgmma and wgmma_fits(cin) and cout <= (64 if split else 128):
+        return wgmma_config(cout, 3, 3 if split else 4)
     if cout <= 32:
         return IgemmConfig(8, 1, 2, 4, bk, 3)  # 256 x 32
     if cout <= 64:
@@ -137,9 +153,11 @@ def default_config(cout: int, cin: int, taps: int, split: bool) -> IgemmConfig:
     return IgemmConfig(2, 4, 4, 4, min(bk, 16), 4, min_blocks=2)  # 128 x 128, two blocks per SM
 
 
-def plan_igemm(spec: LayerSpec, conv_out: tuple[int, int, int], taps: int, config: IgemmConfig | None = None) -> IgemmPlan:
+def plan_igemm(spec: LayerSpec, conv_out: tuple[int, int, int], taps: int, config: IgemmConfig | None = None,
+               wgmma: bool = True) -> IgemmPlan:
+    """The tiling for `config`, or the planner's guess; `wgmma`: the target has Hopper's warpgroup MMA."""
     cin, cout = spec.input.channels, spec.conv.out_channels
-    cfg = config or default_config(cout, cin, taps, spec.precision == "fp32")
+    cfg = config or default_config(cout, cin, taps, spec.precision == "fp32", wgmma)
     cip, _ = _cip_and_bk(cin)
     bk = cfg.bk
     if cip >= bk:

@@ -30,7 +30,7 @@ _memo_lock = threading.Lock()
 
 
 def request(spec: LayerSpec, arch: str | None = None, runtime_dims: bool = False, igemm_config=None) -> tuple[dict, str, cache.BuildRequest]:
-    plan = build_plan(spec, igemm_config)
+    plan = build_plan(spec, igemm_config, wgmma=arch in (None, "sm_90", "sm_90a"))
     ig = plan.get("igemm")
     if ig is not None and ig.wgmma:  # Hopper's warpgroup MMA exists only in the sm_90a instruction set
         if arch not in (None, "sm_90", "sm_90a"):

@@ -314,7 +314,7 @@ def _affine_fold(spec: LayerSpec, level0: dict, consts: list[Constant]) -> dict 
     }
 
 
-def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" = None) -> dict:
+def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" = None, wgmma: bool = True) -> dict:
     """Everything the template needs, as plain Python values. `igemm_config`: a planner setting
     (a tuner's candidate) for the implicit-GEMM engine's tile shape; it makes that engine run."""
     nd = spec.ndim
@@ -595,7 +595,7 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         x_floats = 0
         weights_in_smem = 4 * (w_smem_floats + box_floats + red_floats) <= MAX_SMEM_BYTES and weight_channels % ct == 0
     if fold is not None and not weights_in_smem:  # the fold builds W' while staging: no room, no fold
-        return build_plan(spec.model_copy(update={"rewrites": False}), igemm_config)
+        return build_plan(spec.model_copy(update={"rewrites": False}), igemm_config, wgmma)
     smem_floats = (w_smem_floats if weights_in_smem else 0) + x_floats + box_floats + red_floats
     # Tensor cores stage their weights through x_s (free until the first slab): channels' weights
     # copied as they lie in memory, then written out as B a (c, ci) pair per thread. RAW_STRIDE is
@@ -686,7 +686,7 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     params = list(spec.params().items())
 
     # ---- engine: the implicit GEMM where it can run and pays -----------------------------------
-    ig = _choose_igemm(spec, levels, reductions, fold, o3, taps, igemm_config)
+    ig = _choose_igemm(spec, levels, reductions, fold, o3, taps, igemm_config, wgmma)
     engine = "igemm" if ig is not None else ("slab" if mma is not None else "ffma")
     if ig is not None:
         threads, smem_bytes, min_blocks = ig.threads, ig.smem_bytes, ig.min_blocks
@@ -780,7 +780,7 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     return plan
 
 
-def _choose_igemm(spec: LayerSpec, levels: list, reductions: list, fold, conv_out, taps: int, config=None):
+def _choose_igemm(spec: LayerSpec, levels: list, reductions: list, fold, conv_out, taps: int, config=None, wgmma=True):
     """The implicit-GEMM plan, or None for the other engines. A tile that names an engine decides;
     left to the planner, the implicit GEMM takes every layer it can run whose input channels are
     not too few for its K chunks (the seeds' 8 channels run faster on the slab engine)."""
@@ -803,7 +803,7 @@ def _choose_igemm(spec: LayerSpec, levels: list, reductions: list, fold, conv_ou
         if pinned or (spec.input.channels < 16 and spec.precision == "fp32"):
             return None
     try:
-        return igemm_engine.plan_igemm(spec, conv_out, taps, config)
+        return igemm_engine.plan_igemm(spec, conv_out, taps, config, wgmma)
     except ValueError as err:
         raise PlanError([f"tile: the implicit-GEMM tile does not fit this layer: {err}"]) from None
 

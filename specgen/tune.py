@@ -32,8 +32,8 @@ tuned choice without importing torch.
 from __future__ import annotations
 
 import ctypes
-import sys
 import functools
+import sys
 import hashlib
 import json
 import math
@@ -42,7 +42,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field, fields
 
-from specgen import cache, measured, pipeline
+from specgen import cache, igemm, measured, pipeline
 from specgen.compile import CompileError
 from specgen.igemm import IgemmConfig, _cip_and_bk
 from specgen.log import get_logger
@@ -65,7 +65,7 @@ MAX_INPUT_SETS = 64
 # ---------------------------------------------------------------------------- candidates
 
 
-def _templates(split: bool, cout: int) -> list[tuple[str, IgemmConfig]]:
+def _templates(split: bool, cout: int, wgmma_ok: bool = False) -> list[tuple[str, IgemmConfig]]:
     """Tile shapes that won somewhere in the v15 sweep (benchmarks/NOTES.md); K chunks are capped
     by the layer's own (see `candidates`)."""
     c = IgemmConfig
@@ -80,6 +80,11 @@ def _templates(split: bool, cout: int) -> list[tuple[str, IgemmConfig]]:
     if not split:  # in 3xTF32 (twice the fragment registers) these spill
         out.append(("128x128 w64x32 k16 s4 2 blocks/SM", c(2, 4, 4, 4, 16, 4, min_blocks=2)))
         out.append(("128x256 w64x64 k32 s3", c(2, 4, 4, 8, 32, 3)))
+    if wgmma_ok:  # Hopper's warpgroup MMA (sm_90a), where the channels tile its 32-wide K chunks
+        max_bn = 128 if split else 256
+        out.append(("wgmma 2 warpgroups s4", igemm.wgmma_config(cout, 2, 4, max_bn)))
+        out.append(("wgmma 3 warpgroups s4", igemm.wgmma_config(cout, 3, 4, max_bn)))
+        out.append(("wgmma 3 warpgroups s3, 64 channels", igemm.wgmma_config(cout, 3, 3, 64)))
     return out
 
 
@@ -99,7 +104,7 @@ def tunable(spec: LayerSpec) -> bool:
 
 
 def candidates(spec: LayerSpec) -> list[IgemmConfig]:
-    """At most 10 tile configs that plan for this layer, the planner's own first; [] when the
+    """At most 12 tile configs that plan for this layer, the planner's own first; [] when the
     layer does not run on the implicit-GEMM engine. (Whether they compile without spills is
     decided by `build_candidates`.)"""
     plan = heuristic(spec)
@@ -108,8 +113,10 @@ def candidates(spec: LayerSpec) -> list[IgemmConfig]:
     own = plan["igemm"].config
     natural_bk = _cip_and_bk(spec.input.channels)[1]  # the largest K chunk the channels allow
     out = [own]
-    for _, cfg in _templates(spec.precision == "fp32", spec.conv.out_channels):
-        cfg = IgemmConfig(**{**asdict(cfg), "bk": min(cfg.bk, natural_bk)})
+    wgmma_ok = igemm.wgmma_fits(spec.input.channels)
+    for _, cfg in _templates(spec.precision == "fp32", spec.conv.out_channels, wgmma_ok):
+        if not cfg.wgmma:
+            cfg = IgemmConfig(**{**asdict(cfg), "bk": min(cfg.bk, natural_bk)})
         if cfg in out:
             continue
         try:
@@ -118,7 +125,7 @@ def candidates(spec: LayerSpec) -> list[IgemmConfig]:
             continue
         if plan["engine"] == "igemm":
             out.append(cfg)
-    return out[:10]
+    return out[:12]
 
 
 @dataclass

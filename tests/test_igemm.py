@@ -62,9 +62,21 @@ def test_other_engines_can_be_asked_for():
 @pytest.mark.parametrize("cin,cip,bk,tpc", [(64, 64, 32, 1), (48, 48, 16, 1), (24, 24, 8, 1), (20, 24, 8, 1),
                                             (3, 4, 16, 4), (1, 1, 8, 8), (12, 16, 32, 2), (5, 8, 32, 4)])
 def test_channel_padding_and_k_chunks(cin, cip, bk, tpc):
-    ig = build_plan(spec_of(cin=cin, cout=32, tile={"engine": "igemm"}))["igemm"]
+    ig = build_plan(spec_of(cin=cin, cout=32, tile={"engine": "igemm"}), wgmma=False)["igemm"]  # mma.sync
     assert (ig.cip, ig.bk, ig.tpc) == (cip, bk, tpc)
     assert ig.taps_pad % ig.tpc == 0 and ig.taps_pad >= 9 and ig.k_pad == ig.taps_pad * ig.cip
+
+
+@pytest.mark.parametrize("cin,cout,precision,wgmma", [(64, 64, "fp32", True), (64, 128, "tf32", True),
+                                                      (64, 128, "fp32", False), (64, 256, "tf32", False),
+                                                      (48, 64, "tf32", False), (3, 64, "tf32", True)])
+def test_hopper_takes_wgmma_where_the_sweep_found_it_faster(cin, cout, precision, wgmma):
+    ig = build_plan(spec_of(cin=cin, cout=cout, precision=precision))["igemm"]
+    assert ig.wgmma is wgmma
+    if wgmma:
+        assert ig.bk == 32 and ig.bn == cout and ig.threads == 384
+    other = build_plan(spec_of(cin=cin, cout=cout, precision=precision), wgmma=False)["igemm"]
+    assert not other.wgmma  # targets without wgmma get mma.sync
 
 
 def test_one_by_one_convs_copy_four_positions_at_once():

@@ -52,11 +52,13 @@ def test_candidates_plan_start_with_the_heuristic_and_follow_the_precision():
     c32, ct = tune.candidates(fp32), tune.candidates(tf32)
     assert c32[0] == tune.heuristic(fp32)["igemm"].config
     assert ct[0] == tune.heuristic(tf32)["igemm"].config
-    assert 3 <= len(c32) <= 10 and 3 <= len(ct) <= 10
+    assert 3 <= len(c32) <= 12 and 3 <= len(ct) <= 12
     assert len(set(c32)) == len(c32)
     # 64 x 64 warp tiles and two 128 x 128 blocks per SM spill in 3xTF32: tf32 mode only
-    assert not any(c.wn == 8 or c.min_blocks == 2 for c in c32)
-    assert any(c.wn == 8 for c in ct) and any(c.min_blocks == 2 for c in ct)
+    assert not any((c.wn == 8 and not c.wgmma) or c.min_blocks == 2 for c in c32)
+    assert any(c.wn == 8 and not c.wgmma for c in ct) and any(c.min_blocks == 2 for c in ct)
+    # Hopper's wgmma tiles are offered in both modes (K chunks of 32: the channels allow it here)
+    assert any(c.wgmma for c in c32) and any(c.wgmma for c in ct)
     for spec, cands in ((fp32, c32), (tf32, ct)):
         for cfg in cands:
             plan = pipeline.build_plan(spec, cfg)
@@ -68,7 +70,7 @@ def test_few_channels_get_the_narrow_tile_and_a_fitting_k_chunk():
     spec = validate(layer(channels=16, out=32, precision="tf32"))
     cands = tune.candidates(spec)
     assert any(c.bm == 256 and c.bn == 32 for c in cands)
-    assert all(c.bk <= 16 for c in cands)  # 16 channels: K chunks of at most 16
+    assert all(c.bk <= 16 for c in cands if not c.wgmma)  # 16 channels: mma.sync K chunks of at most 16
 
 
 def test_layers_off_the_implicit_gemm_engine_have_no_candidates():
@@ -101,7 +103,7 @@ def test_the_store_round_trips_and_is_keyed_by_everything_the_choice_depends_on(
     key = tune.choice_key(spec, FAKE_GPU["gpu"], FAKE_GPU["driver"], 64)
     path = cache_dir / "tuned" / f"{key}.json"
     record = json.loads(path.read_text())
-    assert record["config"] == {f: getattr(cfg, f) for f in ("warps_m", "warps_n", "wm", "wn", "bk", "stages", "min_blocks")}
+    assert record["config"] == {f: getattr(cfg, f) for f in ("warps_m", "warps_n", "wm", "wn", "bk", "stages", "min_blocks", "wgmma")}
     assert record["bucket"] == 64 and record["batch"] == 50 and record["gpu"] == FAKE_GPU["gpu"]
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
     got = tune.load_choice(spec, FAKE_GPU["gpu"], FAKE_GPU["driver"], 64)
