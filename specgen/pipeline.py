@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from specgen import cache
+from specgen import cache, target as targets
 from specgen.plan import build_plan
 from specgen.render import render_plan
 from specgen.spec import LayerSpec, TileSpec
@@ -30,7 +30,11 @@ _memo_lock = threading.Lock()
 
 
 def request(spec: LayerSpec, arch: str | None = None, runtime_dims: bool = False, igemm_config=None) -> tuple[dict, str, cache.BuildRequest]:
-    plan = build_plan(spec, igemm_config)
+    """Plan `spec` for `arch`'s target (None: this GPU's, else sm_90) and render it. The banner names
+    the target and every limit of it the plan used, so they are part of the source and the cache key.
+    A `target.TargetError` (an arch older than sm_80 or unknown, or a spec that cannot fit it) comes
+    before anything is compiled."""
+    plan = build_plan(spec, igemm_config, targets.resolve(arch))
     source = render_plan(plan, runtime_dims=runtime_dims)
     return plan, source, cache.BuildRequest(spec.name, source, spec.canonical_json(), arch)
 
