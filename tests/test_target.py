@@ -197,3 +197,17 @@ def test_build_refuses_unusable_archs_before_compiling(arch, tmp_path):
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and arch in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "gen").exists() and not list((tmp_path / "cache").rglob("*.cubin"))
+
+
+@pytest.mark.gpu
+def test_the_gpu_target_matches_its_builtin_limits():
+    targets.current.cache_clear()
+    t = targets.current()
+    if t is None:
+        pytest.skip("needs a CUDA GPU and its driver")
+    builtin = targets.get(t.arch)
+    assert t.sm_count and t.sm_count > 0
+    # the built-in numbers are what the device reports (an H200: 227 KB per block, 228 KB per SM)
+    assert (t.smem_per_block, t.smem_per_sm, t.regs_per_sm, t.max_threads) == (
+        builtin.smem_per_block, builtin.smem_per_sm, builtin.regs_per_sm, builtin.max_threads)
+    assert targets.resolve(None) == t
