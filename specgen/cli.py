@@ -37,10 +37,11 @@ def _load_all(paths: list[str]):
 
 
 def cmd_build(args) -> int:
-    from specgen import compile as nvcc, pipeline
+    from specgen import compile as nvcc, pipeline, target
 
     if args.arch is not None:
         nvcc.validate_arch(args.arch)
+    target.resolve(args.arch)  # an arch specgen cannot build for: one line, exit 2, before any compile
     from specgen import progress
 
     specs = _load_all(args.files)
@@ -143,7 +144,7 @@ def parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("build", help="render and compile every spec of YAML files (cached)")
     b.add_argument("files", nargs="+", metavar="FILE.yaml")
-    b.add_argument("--arch", default=None, help="target, e.g. sm_90 (default: this GPU's, else sm_90)")
+    b.add_argument("--arch", default=None, help="target: sm_80, sm_86, sm_89, sm_90, sm_90a or sm_100 (default: this GPU's, else sm_90)")
     b.add_argument("--out", default="generated", help="where <name>.cu is written (default: generated/)")
     b.add_argument("--json", action="store_true", help="one JSON object per spec")
     b.set_defaults(run=cmd_build)

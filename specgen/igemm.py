@@ -24,10 +24,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from specgen import target as targets
 from specgen.spec import LayerSpec
 
-MAX_SMEM_BYTES = 227 * 1024  # opt-in dynamic shared memory per block (sm_90)
-SM_SMEM_BYTES = 228 * 1024  # shared memory of one SM
+BLOCK_RESERVED_SMEM = 1024  # shared memory the driver reserves per block on an SM
 INT32_MAX = (1 << 31) - 1
 
 
@@ -128,6 +128,11 @@ def wgmma_config(cout: int, warpgroups: int, stages: int, max_bn: int = 256) -> 
     return IgemmConfig(4 * warpgroups, 1, 1, bn // 8, 32, stages, 1, True)
 
 
+def has_wgmma(target) -> bool:
+    """Hopper (sm_90): its kernels are built for sm_90a, where wgmma lives."""
+    return target.arch in ("sm_90", "sm_90a")
+
+
 def wgmma_fits(cin: int) -> bool:
     """wgmma's K chunks are 32 channels (128-byte rows): the padded channels must tile them."""
     cip, _ = _cip_and_bk(cin)
@@ -153,11 +158,16 @@ def default_config(cout: int, cin: int, taps: int, split: bool, wgmma: bool = Tr
     return IgemmConfig(2, 4, 4, 4, min(bk, 16), 4, min_blocks=2)  # 128 x 128, two blocks per SM
 
 
-def plan_igemm(spec: LayerSpec, conv_out: tuple[int, int, int], taps: int, config: IgemmConfig | None = None,
-               wgmma: bool = True) -> IgemmPlan:
-    """The tiling for `config`, or the planner's guess; `wgmma`: the target has Hopper's warpgroup MMA."""
+def plan_igemm(
+    spec: LayerSpec, conv_out: tuple[int, int, int], taps: int, config: IgemmConfig | None = None,
+    target: targets.Target = targets.DEFAULT,
+) -> IgemmPlan:
+    """The tiling for `config`, or the planner's guess. `target`'s shared memory per block and per SM
+    bound the tile and the blocks per SM; Hopper targets (sm_90, built as sm_90a) get wgmma."""
     cin, cout = spec.input.channels, spec.conv.out_channels
-    cfg = config or default_config(cout, cin, taps, spec.precision == "fp32", wgmma)
+    cfg = config or default_config(cout, cin, taps, spec.precision == "fp32", has_wgmma(target))
+    if cfg.wgmma and not has_wgmma(target):
+        raise ValueError(f"wgmma needs an sm_90 target, not {target.arch}")
     cip, _ = _cip_and_bk(cin)
     bk = cfg.bk
     if cip >= bk:
@@ -201,11 +211,11 @@ def plan_igemm(spec: LayerSpec, conv_out: tuple[int, int, int], taps: int, confi
     smem_bytes = 4 * cfg.stages * (bk * lda + bn * ldb)
     if cfg.wgmma:  # B stages (and 3xTF32's lo parts) 1024-byte aligned: one more KB to align the base
         smem_bytes += 1024 + (2 * 4 * bn * ldb if spec.precision == "fp32" else 0)
-    if smem_bytes > MAX_SMEM_BYTES:
-        raise ValueError(f"{smem_bytes} bytes of shared memory exceed {MAX_SMEM_BYTES}")
+    if smem_bytes > target.smem_per_block:
+        raise ValueError(f"{smem_bytes} bytes of shared memory exceed the {target.smem_per_block} of a block on {target.arch}")
     regs = 4 * cfg.wm * cfg.wn + (2 if spec.precision == "fp32" else 1) * (4 * cfg.wm + 2 * cfg.wn) + 48
     min_blocks = cfg.min_blocks or (
-        2 if 2 * (smem_bytes + 1024) <= SM_SMEM_BYTES and 2 * threads * max(regs, 64) <= 65536 else 1
+        2 if 2 * (smem_bytes + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and 2 * threads * max(regs, 64) <= target.regs_per_sm else 1
     )
     del nd
     return IgemmPlan(

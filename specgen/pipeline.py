@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from specgen import cache
+from specgen import cache, target as targets
 from specgen.plan import PlanError, build_plan
 from specgen.render import render_plan
 from specgen.spec import LayerSpec, TileSpec
@@ -30,9 +30,13 @@ _memo_lock = threading.Lock()
 
 
 def request(spec: LayerSpec, arch: str | None = None, runtime_dims: bool = False, igemm_config=None) -> tuple[dict, str, cache.BuildRequest]:
-    plan = build_plan(spec, igemm_config, wgmma=arch in (None, "sm_90", "sm_90a"))
+    """Plan `spec` for `arch`'s target (None: this GPU's, else sm_90) and render it. The banner names
+    the target and every limit of it the plan used, so they are part of the source and the cache key.
+    A `target.TargetError` (an arch older than sm_80 or unknown, or a spec that cannot fit it) comes
+    before anything is compiled. A plan on Hopper's wgmma is built for sm_90a (its instruction set)."""
+    plan = build_plan(spec, igemm_config, targets.resolve(arch))
     ig = plan.get("igemm")
-    if ig is not None and ig.wgmma:  # Hopper's warpgroup MMA exists only in the sm_90a instruction set
+    if ig is not None and ig.wgmma:
         if arch not in (None, "sm_90", "sm_90a"):
             raise PlanError([f"tile: the wgmma implicit GEMM runs on sm_90a (H100/H200) only, not {arch}"])
         arch = "sm_90a"

@@ -23,20 +23,19 @@ How a generated kernel works (the names below are the plan's and the .cu's):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import yaml
 
-from specgen import __version__, igemm as igemm_engine, ops
+from specgen import __version__, igemm as igemm_engine, ops, target as targets
 from specgen.literals import FLOAT32_MAX, c_float
 from specgen.spec import LayerSpec, SpecError
+from specgen.target import Target, TargetError
 
 AXES = ("c", "d", "h", "w")
 AXIS_NAMES = {"c": "channels", "d": "depth", "h": "height", "w": "width"}
-MAX_SMEM_BYTES = 227 * 1024  # opt-in dynamic shared memory per block on sm_90
 INT32_MAX = (1 << 31) - 1
-MAX_CLUSTER = 8  # blocks of a thread-block cluster (8: the portable maximum)
-MAX_CLUSTER_AT_LAUNCH = 16  # ... of one sized at launch: 16 where the device allows it (H100/H200)
+# Shared memory per block and per SM, registers and cluster sizes are the target's (specgen/target.py).
 
 
 class PlanError(SpecError):
@@ -129,7 +128,7 @@ MMA_STAGE_BATCH = 8  # 16-byte input loads in flight per thread while staging th
 MMA_MAX_TILES = 8  # m-tiles x n-tiles per warp: 32 accumulators, so two blocks of 8 warps fit an SM's registers
 MMA_MIN_K = 64  # taps x input channels, for the planner to pick tensor cores by itself
 MMA_MIN_CHANNELS = 32  # output channels, likewise
-SM_SMEM_BYTES = 228 * 1024  # shared memory per SM (each block also reserves 1 KB)
+BLOCK_RESERVED_SMEM = 1024  # shared memory the driver reserves per block on an SM
 
 
 def _warp_tiles(mt: int, nt: int, warps: int = MMA_WARPS) -> tuple[int, int, int] | None:
@@ -164,7 +163,8 @@ def _bank_spread_stride(plane: int, s_w: int, multiple: int) -> int:
     return min(range(_round_up(plane, multiple), plane + 32 * multiple, multiple), key=lambda cs: (_bank_conflicts(cs, s_w), cs))
 
 
-def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, s3, p3, d3, c_kept: bool) -> dict | None:
+def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, s3, p3, d3, c_kept: bool,
+                target: Target = targets.DEFAULT) -> dict | None:
     """Box, slab and warp tiling of the tensor-core engine, or None if nothing fits in shared memory.
     `role` sizes the box (axes "F" and "R1" are in it); c_kept: the channels are kept (a block
     stages only its box's weights)."""
@@ -188,17 +188,17 @@ def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, 
                 raise PlanError([f"tile.box: the {AXIS_NAMES[a]} extent must be 1 (that axis is reduced one at a time)"])
         if want[0] % 8 or want[0] > 128:
             raise PlanError([f"tile.box: with tensor cores the channel extent must be a multiple of 8 up to 128, got {want[0]}"])
-        targets = [None]
+        sizes = [None]
     else:
-        targets = [2 * MMA_WARPS * MMA_MAX_TILES * 16 // _ceil_div(box_c, 8) >> k for k in range(7)]
-    for target in targets:
-        if target is None:
+        sizes = [2 * MMA_WARPS * MMA_MAX_TILES * 16 // _ceil_div(box_c, 8) >> k for k in range(7)]
+    for size in sizes:
+        if size is None:
             box = [min(b, e) for b, e in zip(want, t1)]
             sd, sh = box[1], box[2]
         else:
-            bw = _balanced(t1[3], target) if in_box["w"] else 1
-            sh = _balanced(t1[2], max(1, target // bw)) if in_box["h"] else 1  # near-equal slabs: little waste
-            sd = _balanced(t1[1], max(1, target // (sh * bw))) if in_box["d"] and (sh == t1[2] or not in_box["h"]) else 1
+            bw = _balanced(t1[3], size) if in_box["w"] else 1
+            sh = _balanced(t1[2], max(1, size // bw)) if in_box["h"] else 1  # near-equal slabs: little waste
+            sd = _balanced(t1[1], max(1, size // (sh * bw))) if in_box["d"] and (sh == t1[2] or not in_box["h"]) else 1
             bd, bh = sd, sh
             if not has_tail:  # a block walks up to 4 slabs, staging its weights once
                 if in_box["h"] and sh < t1[2]:
@@ -207,12 +207,12 @@ def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, 
                     bd = sd * min(4, _ceil_div(t1[1], sd))
             box = [box_c, bd, bh, bw]
         m_slab = sd * sh * box[3]
-        if m_slab < 16 and target is not None:  # under one m-tile of positions: tensor cores would idle
+        if m_slab < 16 and size is not None:  # under one m-tile of positions: tensor cores would idle
             break
         mt = _ceil_div(m_slab, 16)
         tiles = _warp_tiles(mt, _ceil_div(box[0], 8))
         if tiles is None:
-            if target is None:
+            if size is None:
                 raise PlanError([f"tile.box: {m_slab} positions x {box[0]} channels per box are more than {MMA_WARPS} warps take "
                                  f"at once with tensor cores ({2 * MMA_WARPS * MMA_MAX_TILES} tiles of 16 positions x 8 channels); choose a smaller box"])
             continue
@@ -238,12 +238,13 @@ def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, 
         floats = {"w": k_pad * ws, "x": cip * ci_stride,
                   "box": math.prod(box) if has_tail and not direct else 0,
                   "red": 2 * max(32 * MMA_WARPS_ONE_BLOCK, nf) if has_tail else 0}
-        if 4 * sum(floats.values()) > MAX_SMEM_BYTES:
-            if target is None:
-                raise PlanError([f"tile.box: {box} needs {4 * sum(floats.values())} bytes of shared memory, more than {MAX_SMEM_BYTES}"])
+        if 4 * sum(floats.values()) > target.smem_per_block:
+            if size is None:
+                raise PlanError([f"tile.box: {box} needs {4 * sum(floats.values())} bytes of shared memory, more than the "
+                                 f"{target.smem_per_block} a block can have on {target.arch}"])
             continue
         warps = MMA_WARPS
-        if 2 * (4 * sum(floats.values()) + 1024) > SM_SMEM_BYTES:
+        if 2 * (4 * sum(floats.values()) + BLOCK_RESERVED_SMEM) > target.smem_per_sm:
             # One block per SM: twice the warps hide its latencies (staging, barriers); measured
             # 1.5x on a full reduction. The slab stays; the warp tiles are dealt out again.
             warps = MMA_WARPS_ONE_BLOCK
@@ -314,9 +315,14 @@ def _affine_fold(spec: LayerSpec, level0: dict, consts: list[Constant]) -> dict 
     }
 
 
-def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" = None, wgmma: bool = True) -> dict:
+def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" = None, target: Target | None = None) -> dict:
     """Everything the template needs, as plain Python values. `igemm_config`: a planner setting
-    (a tuner's candidate) for the implicit-GEMM engine's tile shape; it makes that engine run."""
+    (a tuner's candidate) for the implicit-GEMM engine's tile shape; it makes that engine run.
+    `target`: the GPU planned for (default: the built-in sm_90); the plan fits its shared memory,
+    uses clusters only where it has them, or refuses with a `TargetError`."""
+    target = target or targets.DEFAULT
+    if not target.has_cp_async:
+        raise TargetError(f"{spec.name}: {target.arch} has no cp.async, which every specgen engine stages with")
     nd = spec.ndim
     geo = spec.conv_geometry()
     consts: list[Constant] = []
@@ -492,7 +498,7 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         raise PlanError([f"tile.tensor_cores: cannot use tensor cores here: {'; '.join(mma_why_not)}"])
     mma = None
     if want_mma and not mma_why_not:
-        mma = _mma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F")
+        mma = _mma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F", target)
         if mma is None and tile is not None and tile.tensor_cores:
             raise PlanError(["tile.tensor_cores: the staged input and weights do not fit in shared memory"])
     split_channels = False
@@ -553,7 +559,7 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         box = [min(b, e) if srole[a] in ("F", "R1") else 1 for a, b, e in zip(AXES, box, t1)]
         box[0] = _round_up(box[0], ct)
         thread_tiles = (box[0] // ct) * box[1] * box[2] * _ceil_div(box[3], pt)
-        cap = 1024 if reductions else target_threads
+        cap = target.max_threads if reductions else target_threads
         threads = pick(lambda v: v, min(cap, _round_up(thread_tiles, 32)), "threads")
         tile_iters = _ceil_div(thread_tiles, threads)
 
@@ -565,8 +571,9 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     f_tiles = math.prod(tiles.values())
     r1_chunks = math.prod(chunks.values())
     # Few kept tiles per sample (e.g. a full reduction): a cluster of blocks shares each tile's
-    # chunks and joins its partials through distributed shared memory, in rank order.
-    cluster = min(MAX_CLUSTER, r1_chunks) if reductions and f_tiles <= 16 and r1_chunks >= 2 else 1
+    # chunks and joins its partials through distributed shared memory, in rank order. A target
+    # without clusters gets a cluster of 1: one block walks all of a tile's chunks.
+    cluster = min(target.cluster_limit, r1_chunks) if reductions and f_tiles <= 16 and r1_chunks >= 2 else 1
     split_channels = split_channels and chunks["c"] == cluster  # then a block's chunks share one channel range
     blocks_per_sample = f_tiles * cluster
 
@@ -593,9 +600,9 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         w_stride = weight_channels + (4 if weight_channels % 32 == 0 else 0)
         w_smem_floats = w_stride * (cin // groups) * taps
         x_floats = 0
-        weights_in_smem = 4 * (w_smem_floats + box_floats + red_floats) <= MAX_SMEM_BYTES and weight_channels % ct == 0
+        weights_in_smem = 4 * (w_smem_floats + box_floats + red_floats) <= target.smem_per_block and weight_channels % ct == 0
     if fold is not None and not weights_in_smem:  # the fold builds W' while staging: no room, no fold
-        return build_plan(spec.model_copy(update={"rewrites": False}), igemm_config, wgmma)
+        return build_plan(spec.model_copy(update={"rewrites": False}), igemm_config, target)
     smem_floats = (w_smem_floats if weights_in_smem else 0) + x_floats + box_floats + red_floats
     # Tensor cores stage their weights through x_s (free until the first slab): channels' weights
     # copied as they lie in memory, then written out as B a (c, ci) pair per thread. RAW_STRIDE is
@@ -612,18 +619,18 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
             w_raw = {"c": raw_c, "stride": raw_stride, "batch": _ceil_div(iters, _ceil_div(iters, 8)),
                      "taps0": raw_per_c // (cin // groups)}
     smem_bytes = 4 * smem_floats
-    if smem_bytes > MAX_SMEM_BYTES:
-        raise PlanError(
-            [f"tile: needs {smem_bytes} bytes of shared memory (box {box}, {nf * lanes} reduction slots), "
-             f"more than the {MAX_SMEM_BYTES} a block can have; choose a smaller tile.box"]
+    if smem_bytes > target.smem_per_block:
+        raise TargetError(
+            f"{spec.name}: tile: needs {smem_bytes} bytes of shared memory (box {box}, {nf * lanes} reduction slots), "
+            f"more than the {target.smem_per_block} a block can have on {target.arch}; choose a smaller tile.box"
         )
 
     # A cluster of blocks that fill an SM each is sized at launch (1 .. cluster blocks): a GPU's
     # processor clusters hold fewer large clusters of them than their SMs would suggest, and a
     # small batch wants more. One that splits the weights' channels by rank cannot be resized.
-    cluster_at_launch = cluster > 1 and not split_channels and 2 * (smem_bytes + 1024) > SM_SMEM_BYTES
+    cluster_at_launch = cluster > 1 and not split_channels and 2 * (smem_bytes + BLOCK_RESERVED_SMEM) > target.smem_per_sm
     if cluster_at_launch:
-        cluster = min(MAX_CLUSTER_AT_LAUNCH, r1_chunks)
+        cluster = min(target.cluster_limit_at_launch, r1_chunks)
         blocks_per_sample = f_tiles * cluster
 
     in_per_sample = cin * math.prod(in3)
@@ -676,17 +683,17 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     min_blocks = 1
     if mma is not None:  # two blocks per SM when shared memory and registers allow: one stages while the other computes
         regs = 4 * mma["wm"] * mma["wn"] + 64  # accumulators + fragments, addresses and the epilogue
-        min_blocks = 2 if 2 * (smem_bytes + 1024) <= SM_SMEM_BYTES and 2 * threads * max(regs, 128) <= 65536 else 1
+        min_blocks = 2 if 2 * (smem_bytes + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and 2 * threads * max(regs, 128) <= target.regs_per_sm else 1
     elif not reductions and len(levels) == 1:
-        fit = min(MAX_SMEM_BYTES // max(1, smem_bytes), 2048 // threads)
+        fit = min(target.smem_per_block // max(1, smem_bytes), 2048 // threads)
         # never below 96 registers: below that the fully unrolled conv spills
-        min_blocks = next((mb for mb in (3, 2) if mb <= fit and 65536 // (mb * threads) // 8 * 8 >= 96), 1)
+        min_blocks = next((mb for mb in (3, 2) if mb <= fit and target.regs_per_sm // (mb * threads) // 8 * 8 >= 96), 1)
     if tile is not None and tile.min_blocks:
         min_blocks = tile.min_blocks
     params = list(spec.params().items())
 
     # ---- engine: the implicit GEMM where it can run and pays -----------------------------------
-    ig = _choose_igemm(spec, levels, reductions, fold, o3, taps, igemm_config, wgmma)
+    ig = _choose_igemm(spec, levels, reductions, fold, o3, taps, igemm_config, target)
     engine = "igemm" if ig is not None else ("slab" if mma is not None else "ffma")
     if ig is not None:
         threads, smem_bytes, min_blocks = ig.threads, ig.smem_bytes, ig.min_blocks
@@ -776,11 +783,13 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         "igemm": ig,
         "pointwise": levels[0]["pointwise"],
         "precision": spec.precision,
+        "target": target.summary(),
     }
     return plan
 
 
-def _choose_igemm(spec: LayerSpec, levels: list, reductions: list, fold, conv_out, taps: int, config=None, wgmma=True):
+def _choose_igemm(spec: LayerSpec, levels: list, reductions: list, fold, conv_out, taps: int, config=None,
+                  target: Target = targets.DEFAULT):
     """The implicit-GEMM plan, or None for the other engines. A tile that names an engine decides;
     left to the planner, the implicit GEMM takes every layer it can run whose input channels are
     not too few for its K chunks (the seeds' 8 channels run faster on the slab engine)."""
@@ -803,9 +812,29 @@ def _choose_igemm(spec: LayerSpec, levels: list, reductions: list, fold, conv_ou
         if pinned or (spec.input.channels < 16 and spec.precision == "fp32"):
             return None
     try:
-        return igemm_engine.plan_igemm(spec, conv_out, taps, config, wgmma)
+        return igemm_engine.plan_igemm(spec, conv_out, taps, config, target=target)
     except ValueError as err:
+        if asked is None and target != targets.DEFAULT and _fits_default(spec, conv_out, taps, config):
+            # Left to the planner, a tile too large for this target's shared memory: fewer pipeline
+            # stages (the same tile), else the other engines.
+            base = igemm_engine.default_config(spec.conv.out_channels, spec.input.channels, taps, spec.precision == "fp32",
+                                               igemm_engine.has_wgmma(target))
+            for stages in range(base.stages - 1, 1, -1):
+                try:
+                    return igemm_engine.plan_igemm(spec, conv_out, taps, replace(base, stages=stages), target=target)
+                except ValueError:
+                    continue
+            return None
         raise PlanError([f"tile: the implicit-GEMM tile does not fit this layer: {err}"]) from None
+
+
+def _fits_default(spec: LayerSpec, conv_out, taps: int, config) -> bool:
+    """Whether the implicit-GEMM tile fits the default target (so only the target's limits refused it)."""
+    try:
+        igemm_engine.plan_igemm(spec, conv_out, taps, config, target=targets.DEFAULT)
+    except ValueError:
+        return False
+    return True
 
 
 def _engine_summary(plan: dict) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specgen import igemm, pipeline
+from specgen.target import BUILTIN
 from specgen.plan import PlanError, build_plan, describe
 from specgen.render import render_plan
 from specgen.spec import validate
@@ -62,7 +63,7 @@ def test_other_engines_can_be_asked_for():
 @pytest.mark.parametrize("cin,cip,bk,tpc", [(64, 64, 32, 1), (48, 48, 16, 1), (24, 24, 8, 1), (20, 24, 8, 1),
                                             (3, 4, 16, 4), (1, 1, 8, 8), (12, 16, 32, 2), (5, 8, 32, 4)])
 def test_channel_padding_and_k_chunks(cin, cip, bk, tpc):
-    ig = build_plan(spec_of(cin=cin, cout=32, tile={"engine": "igemm"}), wgmma=False)["igemm"]  # mma.sync
+    ig = build_plan(spec_of(cin=cin, cout=32, tile={"engine": "igemm"}), target=BUILTIN["sm_80"])["igemm"]  # mma.sync
     assert (ig.cip, ig.bk, ig.tpc) == (cip, bk, tpc)
     assert ig.taps_pad % ig.tpc == 0 and ig.taps_pad >= 9 and ig.k_pad == ig.taps_pad * ig.cip
 
@@ -75,7 +76,7 @@ def test_hopper_takes_wgmma_where_the_sweep_found_it_faster(cin, cout, precision
     assert ig.wgmma is wgmma
     if wgmma:
         assert ig.bk == 32 and ig.bn == cout and ig.threads == 384
-    other = build_plan(spec_of(cin=cin, cout=cout, precision=precision), wgmma=False)["igemm"]
+    other = build_plan(spec_of(cin=cin, cout=cout, precision=precision), target=BUILTIN["sm_89"])["igemm"]
     assert not other.wgmma  # targets without wgmma get mma.sync
 
 
