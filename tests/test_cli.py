@@ -115,3 +115,56 @@ def test_show_prints_source_plan_and_ptx(cache):
 def test_version_and_module_entry_point():
     result = specgen("--version")
     assert result.returncode == 0 and result.stdout.startswith("specgen ")
+
+
+# ---- packaging: what the tests need is declared; CI installs into a fresh venv -------------------
+
+def _third_party_needs_of_the_tests() -> set[str]:
+    """Distributions the test files need: every top-level import that is neither the standard
+    library, specgen nor a test module, plus numpy wherever a test calls Tensor.numpy()."""
+    import ast
+
+    local = {p.stem for p in (ROOT / "tests").glob("*.py")} | {"specgen", "conftest"}
+    needs = set()
+    for path in (ROOT / "tests").glob("*.py"):
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in local:
+                    needs.add(top)
+        if ".numpy()" in text:
+            needs.add("numpy")
+    return needs
+
+
+def _declared(group: str | None) -> set[str]:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = project["dependencies"] + (project["optional-dependencies"][group] if group else [])
+    import re
+
+    return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].strip().lower() for r in reqs}
+
+
+def test_the_test_extra_declares_every_package_the_tests_need():
+    missing = _third_party_needs_of_the_tests() - _declared("test")
+    assert not missing, f"add to [project.optional-dependencies] test in pyproject.toml: {sorted(missing)}"
+
+
+def test_ci_installs_into_a_fresh_venv_and_runs_the_readme_test_command():
+    script = (ROOT / ".ci" / "run").read_text()
+    commands = [line.strip() for line in script.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    venv = next((i for i, c in enumerate(commands) if "-m venv" in c), None)
+    assert venv is not None, "CI must create a fresh virtual environment"
+    installs = [i for i, c in enumerate(commands) if "pip install" in c]
+    assert installs and all(i > venv for i in installs), "every install must go into the fresh venv"
+    assert any("activate" in c for c in commands[venv:installs[0]]), "the venv must be activated before installing"
+    readme = (ROOT / "README.md").read_text()
+    assert "python -m pytest -q" in readme and commands[-1] == "python -m pytest -q"
+    assert not any("|| true" in c or "set +e" in c for c in commands), "pytest's exit status must be the script's"
