@@ -19,9 +19,10 @@ from specgen.literals import FLOAT32_MAX, c_float, quote
 
 IDENTIFIER = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,62}$")
 MAX_LENGTH = 512
-# Nesting depth of the parsed tree: deeper trees are not written by hand, and the tree is walked
-# recursively (checking, printing, unparsing), so the depth is bounded well inside Python's stack.
-MAX_DEPTH = 48
+# Nesting depth of the parsed tree. 256 admits every flat chain the length allows (x+x+...: 256
+# terms); the tree is walked recursively (checked, printed, unparsed), and 511 nested unary minus
+# signs overflowed Python's stack.
+MAX_DEPTH = 256
 
 # name -> (arity, CUDA spelling as a format string over {0}, {1}, ..., torch reference)
 FUNCTIONS: dict[str, tuple[int, str, str]] = {
@@ -108,7 +109,7 @@ def _depth(tree: ast.AST) -> int:
     while stack:
         node, depth = stack.pop()
         deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node) if isinstance(child, ast.expr))
     return deepest
 
 
