@@ -527,7 +527,8 @@ MAX_YAML_DEPTH = 32  # lists and mappings inside each other (a spec needs 5)
 def _yaml_loader():
     import yaml
 
-    class Loader(yaml.SafeLoader):
+    # libyaml's parser where PyYAML has it: parsing a large file in pure Python takes seconds.
+    class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
         pass
 
     def construct_mapping(loader, node, deep=False):
@@ -625,7 +626,7 @@ def parse_yaml(text: str, source: str = "<string>") -> list[LayerSpec]:
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(err, "problem", None) or str(err)
         raise SpecError([f"{where}malformed YAML: {_clip(problem, MAX_PROBLEM_CHARS)}"], source) from None
-    if data is None:
+    if data is None or data == []:
         raise SpecError(["the file holds no spec"], source)
     items = data if isinstance(data, list) else [data]
     specs, problems = [], []

@@ -248,3 +248,11 @@ def test_build_and_cache_ls_print_the_same_key_prefix_and_count_one_entry(cache,
 def test_show_plan_explains_the_axis_roles(cache):
     plan = specgen("show", "examples/kb65.yaml", "--plan").stdout
     assert "=R1" in plan and "R1 = reduced by the first reduction" in plan and "F = kept" in plan
+
+
+def test_the_readme_gives_the_light_install_paths():
+    readme = (ROOT / "README.md").read_text()
+    install = readme.split("## Two commands", 1)[1].split("## A spec", 1)[0]
+    assert "`pip install -e .`" in install and "no torch" in install
+    assert "download.pytorch.org/whl/cpu" in install and "CUDA build" in install
+    assert "torch" not in " ".join(_declared(None)), "the build path must install without torch"

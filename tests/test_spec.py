@@ -145,6 +145,8 @@ def test_yaml_errors_name_line_and_keep_every_problem(tmp_path):
         parse_yaml("name: [1, 2\n")
     with pytest.raises(SpecError, match="the file holds no spec"):
         parse_yaml("")
+    with pytest.raises(SpecError, match="the file holds no spec"):
+        parse_yaml("[]\n")
     two = "- {name: a, input: {channels: 0, size: [4]}, conv: {out_channels: 2, kernel: 1}}\n- {name: a}\n"
     text = str(pytest.raises(SpecError, parse_yaml, two).value)
     assert "input.channels" in text and "conv: Field required" in text
