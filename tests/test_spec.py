@@ -286,7 +286,8 @@ def test_a_small_alias_expansion_quotes_at_most_200_characters_of_input():
 def test_yaml_recursion_depth_size_and_odd_keys_are_refused(tmp_path):
     assert "an alias refers to a value that contains it" in str(pytest.raises(SpecError, parse_yaml, "&a [*a]\n").value)
     assert "nested more than 32 deep" in str(pytest.raises(SpecError, parse_yaml, "[" * 40 + "]" * 40).value)
-    assert "nested more than 32 deep" in str(pytest.raises(SpecError, parse_yaml, "[" * 5000).value)
+    deep = str(pytest.raises(SpecError, parse_yaml, "[" * 5000).value)  # libyaml stops it first, where present
+    assert "nested more than 32 deep" in deep or "exceeded maximum nesting depth" in deep
     assert "found a key that is a list or mapping" in str(pytest.raises(SpecError, parse_yaml, "? [a]\n: 1\n").value)
     big = tmp_path / "big.yaml"
     big.write_text("# " + "x" * (1 << 20) + "\nname: a\n")
