@@ -60,12 +60,12 @@ def _ls(args: argparse.Namespace) -> int:
     table = [("NAME", "KEY", "ARCH", "SIZE", "AGE", "LAST USE")]
     for r in rows:
         last_use = _human_age(max(0.0, now - r["last_use"])) + " ago"
-        table.append((r["name"], r["key"][:12], r["arch"], _human_size(r["size"]), _human_age(r["age"]), last_use))
+        table.append((r["name"], r["key"][:16], r["arch"], _human_size(r["size"]), _human_age(r["age"]), last_use))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     total = sum(r["size"] for r in rows)
-    print(f"{len(rows)} entries, {_human_size(total)} in {cache.cache_dir()}")
+    print(f"{len(rows)} {'entry' if len(rows) == 1 else 'entries'}, {_human_size(total)} in {cache.cache_dir()}")
     _ls_tuned()
     return 0
 

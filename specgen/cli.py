@@ -14,6 +14,18 @@ from pathlib import Path
 from specgen import __version__
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+# Hex digits of a cache key that `build` prints (`specgen cache ls` shows as many).
+KEY_DIGITS = 16
+# What `show --plan` calls each axis's role (the plan's names: specgen/plan.py).
+ROLE_LEGEND = (
+    "roles: F = kept (no reduction touches it; blocks tile it), R1 = reduced by the first reduction "
+    "(walked chunk by chunk inside a block), R2, R3 = reduced by a later reduction (walked one "
+    "coordinate at a time)"
+)
+
+
+class BadInput(ValueError):
+    """A command-line argument that cannot work (exit 2)."""
 
 
 def _load(path: str, name: str | None = None):
@@ -25,7 +37,9 @@ def _load(path: str, name: str | None = None):
         if not specs:
             from specgen.spec import SpecError
 
-            raise SpecError([f"--name: no spec named {name!r} in {path}"])
+            from specgen.literals import quote
+
+            raise SpecError([f"--name: no spec named {quote(name)} in {path}"])
     return specs
 
 
@@ -45,10 +59,16 @@ def cmd_build(args) -> int:
     from specgen import progress
 
     specs = _load_all(args.files)
+    out_dir = Path(args.out)
+    try:  # before compiling: a bad --out should not cost a build
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise BadInput(f"--out {args.out}: exists and is not a directory; give a directory") from None
+    except OSError as err:
+        raise BadInput(f"--out {args.out}: cannot create the directory: {err.strerror or err}") from None
     with progress.track("building", total=len(specs)):
         built = pipeline.specialize_many(specs, args.arch)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    built = pipeline.specialize_many(specs, args.arch)
     for item in built:
         cu = out_dir / f"{item.spec.name}.cu"
         cu.write_text(item.source)
@@ -58,7 +78,7 @@ def cmd_build(args) -> int:
             print(json.dumps(record, sort_keys=True))
         else:
             print(
-                f"{item.spec.name}: {record['cache']} {record['key'][:16]}  {record['registers']} registers, "
+                f"{item.spec.name}: {record['cache']} {record['key'][:KEY_DIGITS]}  {record['registers']} registers, "
                 f"{record['spill_bytes']} spill bytes, {record['smem_bytes']} B shared  "
                 f"({record['compile_seconds']:.2f} s)  -> {cu}, {record['cubin']}"
             )
@@ -84,15 +104,29 @@ def cmd_show(args) -> int:
             print(describe(plan))
             if tuned is not None:
                 print(f"tuned: {tuned['label']} for {tuned['gpu']}, batch bucket {tuned['bucket']} (specgen tune)")
+            print(ROLE_LEGEND)
         else:
             sys.stdout.write(source)
     return EXIT_OK
 
 
+def _need_gpu(command: str) -> None:
+    """`check` and `bench` run kernels: say so plainly where torch or a CUDA GPU is missing."""
+    try:
+        import torch
+    except ImportError:
+        raise BadInput(f"{command} needs PyTorch with CUDA and a GPU: torch is not installed") from None
+    if not torch.cuda.is_available():
+        build = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise BadInput(f"{command} needs a CUDA GPU: {build} (torch {torch.__version__})")
+
+
 def cmd_check(args) -> int:
+    specs = _load_all(args.files)
+    _need_gpu("check")
     from specgen import check
 
-    return check.main(_load_all(args.files), batch=args.batch, seed=args.seed)
+    return check.main(specs, batch=args.batch, seed=args.seed)
 
 
 def cmd_bench(args) -> int:
@@ -103,6 +137,7 @@ def cmd_bench(args) -> int:
     from specgen import bench
 
     if args.model:
+        _need_gpu("bench")
         return bench.model_main(args)
     if not args.files:
         raise ValueError("bench: give FILE.yaml... or --model FILE.py:NAME --input-shape B,C,...")
@@ -111,6 +146,7 @@ def cmd_bench(args) -> int:
         specs = [s for s in specs if s.name in args.name]
     if args.precision:
         specs = [s.model_copy(update={"precision": args.precision}) for s in specs]
+    _need_gpu("bench")
     ceil = bench.ceilings()
     results = []
     for spec in specs:
@@ -205,11 +241,30 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then caught below
+        return code
+    except BrokenPipeError:
+        # The reader went away (`specgen show ... | head`): not an error of ours. Send what is still
+        # buffered nowhere, so that the interpreter's exit does not complain about the pipe.
+        import os
+
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
+        return EXIT_OK
+
+
+def _main(argv: list[str] | None) -> int:
     from specgen.spec import SpecError
 
     args = parser().parse_args(argv)
     try:
         return args.run(args)
+    except BrokenPipeError:
+        raise
     except SpecError as err:
         print(f"specgen: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -225,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_FAILED
         if isinstance(err, CompileError):
             print(f"specgen: build failed\n{err}", file=sys.stderr)
+            return EXIT_FAILED
+        if isinstance(err, OSError):  # e.g. a .cu that cannot be written: the OS's reason and the path
+            print(f"specgen: error: {err}", file=sys.stderr)
             return EXIT_FAILED
         raise
 

@@ -15,10 +15,14 @@ import math
 import re
 from dataclasses import dataclass
 
-from specgen.literals import FLOAT32_MAX, c_float
+from specgen.literals import FLOAT32_MAX, c_float, quote
 
 IDENTIFIER = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,62}$")
 MAX_LENGTH = 512
+# Nesting depth of the parsed tree. 256 admits every flat chain the length allows (x+x+...: 256
+# terms); the tree is walked recursively (checked, printed, unparsed), and 511 nested unary minus
+# signs overflowed Python's stack.
+MAX_DEPTH = 256
 
 # name -> (arity, CUDA spelling as a format string over {0}, {1}, ..., torch reference)
 FUNCTIONS: dict[str, tuple[int, str, str]] = {
@@ -87,28 +91,45 @@ def parse(text: str) -> Expr:
         raise ExprError(f"expression is {len(text)} characters long; at most {MAX_LENGTH} are allowed")
     try:
         tree = ast.parse(text.strip(), mode="eval").body
-    except (SyntaxError, RecursionError, ValueError) as err:
-        raise ExprError(f"cannot parse {text!r}: {getattr(err, 'msg', err)}") from None
+    except (SyntaxError, RecursionError, MemoryError, ValueError) as err:
+        raise ExprError(f"cannot parse {quote(text)}: {getattr(err, 'msg', err)}") from None
+    depth = _depth(tree)
+    if depth > MAX_DEPTH:
+        raise ExprError(f"expression {quote(text)} is nested {depth} levels deep; at most {MAX_DEPTH} are allowed")
     params: list[str] = []
     _check(tree, params)
     if "x" not in {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}:
-        raise ExprError(f"expression {text!r} does not use x")
+        raise ExprError(f"expression {quote(text)} does not use x")
     return Expr(text=ast.unparse(tree), params=tuple(dict.fromkeys(params)))
+
+
+def _depth(tree: ast.AST) -> int:
+    """The tree's depth, without recursion (the tree may be deeper than the checks allow)."""
+    deepest, stack = 0, [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node) if isinstance(child, ast.expr))
+    return deepest
 
 
 def _check(node: ast.AST, params: list[str]) -> None:
     where = f"at column {getattr(node, 'col_offset', 0) + 1}"
     if isinstance(node, ast.Constant):
         if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
-            raise ExprError(f"{where}: only numbers are allowed as literals, got {node.value!r}")
-        if not math.isfinite(node.value) or abs(node.value) > FLOAT32_MAX:
-            raise ExprError(f"{where}: literal {node.value!r} is not a finite float32")
+            raise ExprError(f"{where}: only numbers are allowed as literals, got {quote(node.value)}")
+        try:
+            finite = math.isfinite(node.value) and abs(node.value) <= FLOAT32_MAX
+        except OverflowError:  # an int too large for a float
+            finite = False
+        if not finite:
+            raise ExprError(f"{where}: literal {quote(node.value)} is not a finite float32")
     elif isinstance(node, ast.Name):
         if node.id in FUNCTIONS:
             raise ExprError(f"{where}: {node.id} is a function; call it as {node.id}(...)")
         if node.id != "x":
             if not IDENTIFIER.match(node.id):
-                raise ExprError(f"{where}: parameter name {node.id!r} must match {IDENTIFIER.pattern}")
+                raise ExprError(f"{where}: parameter name {quote(node.id)} must match {IDENTIFIER.pattern}")
             params.append(node.id)
     elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         _check(node.operand, params)
@@ -123,14 +144,14 @@ def _check(node: ast.AST, params: list[str]) -> None:
     elif isinstance(node, ast.Call):
         name = node.func.id if isinstance(node.func, ast.Name) else None
         if name not in FUNCTIONS:
-            raise ExprError(f"{where}: unknown function {ast.unparse(node.func)!r}; known: {', '.join(sorted(FUNCTIONS))}")
+            raise ExprError(f"{where}: unknown function {quote(ast.unparse(node.func))}; known: {', '.join(sorted(FUNCTIONS))}")
         arity = FUNCTIONS[name][0]
         if node.keywords or len(node.args) != arity:
             raise ExprError(f"{where}: {name} takes {arity} positional argument(s)")
         for arg in node.args:
             _check(arg, params)
     else:
-        raise ExprError(f"{where}: {ast.unparse(node)!r} is outside the expression grammar")
+        raise ExprError(f"{where}: {quote(ast.unparse(node))} is outside the expression grammar")
 
 
 _C_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
@@ -145,8 +166,14 @@ def _cuda(node: ast.expr, value: str, param_value: dict[str, str]) -> str:
         inner = _cuda(node.operand, value, param_value)
         return f"(-{inner})" if isinstance(node.op, ast.USub) else inner
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+        # The base is written once, as the argument of an immediately called lambda that
+        # multiplies it out (t * t * t: the same products, in the same order, as torch's
+        # reference): spelling the base out n times made nested powers grow exponentially.
         base = _cuda(node.left, value, param_value)
-        return "(" + " * ".join([base] * node.right.value) + ")"
+        n = node.right.value
+        if n == 1:
+            return f"({base})"
+        return "([](const float t) { return " + " * ".join(["t"] * n) + "; }(" + base + "))"
     if isinstance(node, ast.BinOp):
         left = _cuda(node.left, value, param_value)
         right = _cuda(node.right, value, param_value)

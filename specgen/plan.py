@@ -71,9 +71,7 @@ def _spatial3(values: tuple[int, ...], fill: int) -> tuple[int, int, int]:
 
 def spec_yaml(spec: LayerSpec) -> str:
     """The spec as the user would write it (canonical values), for the banner and `show`."""
-    data = spec.canonical()
-    if data.get("tile") is None:
-        data.pop("tile")
+    data = spec.display()  # canonical, without the fields left unset
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100).rstrip()
 
 

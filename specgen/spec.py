@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -36,6 +37,7 @@ from pydantic import (
 
 from specgen import ops
 from specgen.expr import RESERVED as EXPR_RESERVED
+from specgen.literals import QUOTE_LIMIT, quote
 
 IntOrList = Union[int, list[int], tuple[int, ...]]
 # Per-channel parameters become attributes of the layer module: names it already uses are taken.
@@ -45,6 +47,27 @@ RESERVED_PARAM_NAMES = frozenset(
 )
 PositiveInt = Annotated[int, Field(gt=0)]
 MAX_EXTENT = 1 << 20
+
+# ---- limits on work: each one keeps a spec that validates buildable in reasonable time --------
+# Epilogue stages. Fused layers have a handful (the examples at most 6); every stage adds code at
+# each place the template evaluates the epilogue, and the plan's work grows with the square of it.
+MAX_STAGES = 64
+# Conv taps (the product of the kernel's extents). The taps loops are unrolled completely for a
+# constant trip count, so nvcc's time grows with taps x the thread's register tile: measured (a
+# loaded 2-core machine) 8 s for a 1-D kernel of 127 taps, 48 s for 255, 158 s for 511, 37 s for
+# 7 x 7 x 7; kernel 1001 or 101 x 101 took many minutes. 343 = 7 x 7 x 7 is the largest common
+# 3-D kernel (2-D up to 18 x 18, 1-D up to 343 fit).
+MAX_TAPS = 343
+# The input span a thread reads along the conv's last dim for one position, dilation x (kernel -
+# 1) + 1: each thread keeps that row segment in a register array whose loads are unrolled (kernel
+# 1024 with dilation 1024 needed a 4 MB stack frame per thread; kernel 2 with dilation 512, a span
+# of 513, compiled in 30 s). 1024 admits WaveNet-style dilations (kernel 2, dilation 512).
+MAX_CONV_SPAN = 1024
+# Values of the level below one output of the body reads through the windowed pools after the conv
+# (the product of their window volumes): a pool window asks the level below for each of its
+# elements, recomputing them, so stacked pools multiply the work per output (50 growing max_pool
+# stages asked for 2^50 convs per output). 4096 = a 16 x 16 x 16 window, or 8 x 8 x 8 then 2 x 2 x 2.
+MAX_POOL_RECOMPUTE = 4096
 
 
 class Model(BaseModel):
@@ -192,13 +215,13 @@ class SpecShapeError(ValueError):
 def expand(value, nd: int, where: str) -> tuple[int, ...]:
     """`3` -> (3, 3, 3) for nd = 3; a list must already have nd entries."""
     if isinstance(value, bool):
-        raise SpecShapeError(f"{where}: expected an int or a list of {nd} ints, got {value!r}")
+        raise SpecShapeError(f"{where}: expected an int or a list of {nd} ints, got {quote(value)}")
     if isinstance(value, int):
         return (value,) * nd
     values = tuple(value)
     if len(values) != nd:
         raise SpecShapeError(
-            f"{where}: expected one value or {nd} (one per spatial dim of input.size), got {len(values)}: {list(values)}"
+            f"{where}: expected one value or {nd} (one per spatial dim of input.size), got {len(values)}: {quote(list(values))}"
         )
     return values
 
@@ -233,7 +256,7 @@ class LayerSpec(Model):
     name: Annotated[str, Field(pattern=ops.IDENTIFIER_PATTERN)]
     input: InputSpec
     conv: ConvSpec
-    epilogue: list[Stage] = Field(default_factory=list)
+    epilogue: list[Stage] = Field(default_factory=list, max_length=MAX_STAGES)
     # fp32: fp32-accurate (3xTF32 on tensor cores); tf32: the conv's operands rounded to TF32, as
     # PyTorch's default cuDNN convolutions do (only the implicit-GEMM engine rounds; the others
     # stay fp32-accurate).
@@ -281,6 +304,7 @@ class LayerSpec(Model):
         if not self.conv.transposed:  # a plain conv spells (and hashes) as it did before transposed convs
             data["conv"].pop("transposed")
             data["conv"].pop("output_padding")
+        reduce_dims = self._walk()[1]  # one walk for every stage: linear in the epilogue's length
         for i, stage in enumerate(self.epilogue):
             if stage.kind == "pool" and ops.POOLS[stage.op].windowed:
                 geometry = self.pool_geometry(stage, f"epilogue[{i}]")
@@ -288,8 +312,20 @@ class LayerSpec(Model):
                     {k: list(v) for k, v in geometry.items() if k in type(stage.args).model_fields}
                 )
             if stage.kind == "reduce":
-                data["epilogue"][i][stage.op]["dims"] = list(self.reduce_dims(i))
+                data["epilogue"][i][stage.op]["dims"] = list(reduce_dims[i])
         return data
+
+    def display(self) -> dict:
+        """canonical() without the fields left unset (None): what a banner or `show` prints."""
+
+        def strip(value):
+            if isinstance(value, dict):
+                return {k: strip(v) for k, v in value.items() if v is not None}
+            if isinstance(value, list):
+                return [strip(v) for v in value]
+            return value
+
+        return strip(self.canonical())
 
     def canonical_json(self) -> str:
         return json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
@@ -300,13 +336,7 @@ class LayerSpec(Model):
 
     def reduce_dims(self, index: int) -> tuple[int, ...]:
         """The stage's dims, normalized against the tensor it sees (batch is dim 0)."""
-        shape = self.shapes()[index]  # the tensor before stage `index`
-        rank = 1 + len(shape.axes)
-        out = []
-        for d in self.epilogue[index].args.dims:
-            n = d + rank if d < 0 else d
-            out.append(n)
-        return tuple(sorted(set(out)))
+        return self._walk()[1][index]
 
     # -- shape walk ----------------------------------------------------------------------------
 
@@ -330,9 +360,16 @@ class LayerSpec(Model):
 
     def shapes(self) -> list[StageShape]:
         """shapes()[i] is the tensor entering stage i; shapes()[-1] the layer's output (no batch)."""
+        return self._walk()[0]
+
+    def _walk(self) -> tuple[list[StageShape], dict[int, tuple[int, ...]]]:
+        """The shape walk: the tensor before every stage and after the last, and each reduction's
+        dims normalized (batch is dim 0, sorted). One pass over the epilogue."""
         current = self.conv_output()
         out = [current]
+        reduce_dims: dict[int, tuple[int, ...]] = {}
         reduced_before = False
+        recompute = 1  # values of the level below one body output reads (windowed pools multiply it)
         for i, stage in enumerate(self.epilogue):
             where = f"epilogue[{i}] ({stage.op})"
             if stage.kind == "pool":
@@ -361,6 +398,13 @@ class LayerSpec(Model):
                             )
                         axes.append(Axis(ax.role, _window_out(ax.extent, k, s, p, d, f"{where} (spatial dim {j})")))
                     current = StageShape(tuple(axes))
+                    recompute *= math.prod(g["kernel"])
+                    if recompute > MAX_POOL_RECOMPUTE:
+                        raise SpecShapeError(
+                            f"{where}: the pools up to here read {recompute} values below each output (the product "
+                            f"of their windows, each recomputed), more than specgen's limit of {MAX_POOL_RECOMPUTE}; "
+                            f"use fewer or smaller pool windows"
+                        )
             elif stage.kind == "reduce":
                 reduced_before = True
                 rank = 1 + len(current.axes)
@@ -374,6 +418,7 @@ class LayerSpec(Model):
                     if n in dims:
                         raise SpecShapeError(f"{where}: dim {d} is listed twice")
                     dims.append(n)
+                reduce_dims[i] = tuple(sorted(dims))
                 axes = []
                 for j, ax in enumerate(current.axes):
                     if j + 1 not in dims:
@@ -388,7 +433,7 @@ class LayerSpec(Model):
                             f"{where}: per-channel parameter {name!r} needs the channel dim, which an earlier reduction removed"
                         )
             out.append(current)
-        return out
+        return out, reduce_dims
 
     def params(self) -> dict[str, tuple[int, ...]]:
         """Learnable per-channel parameters, name -> shape (C, 1, ...), in order of first use."""
@@ -434,7 +479,7 @@ class LayerSpec(Model):
         for f, lo in (("kernel", 1), ("stride", 1), ("dilation", 1), ("padding", 0)):
             for v in g[f]:
                 if not lo <= v <= MAX_EXTENT:
-                    raise SpecShapeError(f"conv.{f}: every value must be in [{lo}, {MAX_EXTENT}], got {list(g[f])}")
+                    raise SpecShapeError(f"conv.{f}: every value must be in [{lo}, {MAX_EXTENT}], got {quote(list(g[f]))}")
         if self.conv.transposed:
             for i, (op, st, d) in enumerate(zip(g["output_padding"], g["stride"], g["dilation"])):
                 if not 0 <= op < max(st, d):
@@ -445,7 +490,20 @@ class LayerSpec(Model):
         elif expand(self.conv.output_padding, nd, "conv.output_padding") != (0,) * nd:
             raise SpecShapeError(
                 f"conv.output_padding: only a transposed conv (conv.transposed: true) has an output padding, "
-                f"got {self.conv.output_padding!r}"
+                f"got {quote(self.conv.output_padding)}"
+            )
+        taps = math.prod(g["kernel"])
+        if taps > MAX_TAPS:
+            raise SpecShapeError(
+                f"conv.kernel: {list(g['kernel'])} has {taps} taps, more than specgen's limit of {MAX_TAPS} "
+                f"(every tap is unrolled into the kernel: compile time grows with it)"
+            )
+        span = g["dilation"][-1] * (g["kernel"][-1] - 1) + 1
+        if span > MAX_CONV_SPAN:
+            raise SpecShapeError(
+                f"conv.dilation: along the last spatial dim the kernel spans {span} input values (dilation "
+                f"{g['dilation'][-1]} x (kernel {g['kernel'][-1]} - 1) + 1), more than specgen's limit of "
+                f"{MAX_CONV_SPAN} (each thread keeps that span in registers)"
             )
         cin, cout, groups = self.input.channels, self.conv.out_channels, self.conv.groups
         if cin % groups or cout % groups:
@@ -468,14 +526,28 @@ class LayerSpec(Model):
 # ---------------------------------------------------------------------------------------------
 
 
+MAX_PROBLEMS = 20  # problems an error lists (the rest are counted)
+MAX_PROBLEM_CHARS = 400  # characters of one problem's line
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class SpecError(ValueError):
-    """Bad input: one line per problem, each naming the field, what was expected and what came."""
+    """Bad input: one line per problem, each naming the field, what was expected and what came.
+
+    The message stays short whatever came in: at most MAX_PROBLEMS problems of at most
+    MAX_PROBLEM_CHARS characters each (quoted input is cut to QUOTE_LIMIT before that)."""
 
     def __init__(self, problems: list[str], source: str = ""):
         self.problems = problems
         self.source = source
-        head = f"{source}: " if source else ""
-        super().__init__(head + "invalid spec\n" + "\n".join(f"  - {p}" for p in problems))
+        head = f"{_clip(source, MAX_PROBLEM_CHARS)}: " if source else ""
+        lines = [f"  - {_clip(p, MAX_PROBLEM_CHARS)}" for p in problems[:MAX_PROBLEMS]]
+        if len(problems) > MAX_PROBLEMS:
+            lines.append(f"  ... and {len(problems) - MAX_PROBLEMS} more")
+        super().__init__(head + "invalid spec\n" + "\n".join(lines))
 
 
 def _loc(loc: tuple) -> str:
@@ -494,13 +566,13 @@ def _loc(loc: tuple) -> str:
 
 def format_validation_error(err: ValidationError) -> list[str]:
     problems = []
-    for e in err.errors(include_url=False):
-        where = _loc(tuple(e["loc"]))
-        msg = e["msg"].removeprefix("Value error, ")
+    for e in err.errors(include_url=False, include_input=True, include_context=False):
+        where = _clip(_loc(tuple(e["loc"])), QUOTE_LIMIT)
+        msg = _clip(e["msg"].removeprefix("Value error, "), MAX_PROBLEM_CHARS)
         got = e.get("input")
         if e["type"] == "stage":
             got = _stage_tag(got) or got
-        shown = "" if e["type"] == "value_error" or isinstance(got, (dict, BaseModel)) else f" (got {got!r})"
+        shown = "" if e["type"] == "value_error" or isinstance(got, (dict, BaseModel)) else f" (got {quote(got)})"
         problems.append(f"{where}: {msg}{shown}" if where else f"{msg}{shown}")
     return problems
 
@@ -515,41 +587,120 @@ def validate(data: Any, source: str = "") -> LayerSpec:
         return LayerSpec.model_validate(data)
     except ValidationError as err:
         label = data.get("name") if isinstance(data.get("name"), str) else ""
-        raise SpecError(format_validation_error(err), f"{source} spec {label!r}" if label else source) from None
+        raise SpecError(format_validation_error(err), f"{source} spec {quote(label)}" if label else source) from None
+
+
+# The YAML a spec file may hold. A file of specs is a few KB (the zoo: 3 KB, 14 specs); these caps
+# are far above that and keep a hostile file (an alias bomb: 428 bytes that expand to millions of
+# nodes, or nesting thousands deep) from costing more than a moment.
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_NODES = 50_000  # scalars, lists and mappings, each alias counted as a copy of what it names
+MAX_YAML_DEPTH = 32  # lists and mappings inside each other (a spec needs 5)
 
 
 def _yaml_loader():
     import yaml
 
-    class Loader(yaml.SafeLoader):
+    # libyaml's parser where PyYAML has it: parsing a large file in pure Python takes seconds.
+    class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
         pass
 
     def construct_mapping(loader, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
             key = loader.construct_object(key_node, deep=deep)
-            if key in seen:
+            try:
+                repeated = key in seen
+                seen.add(key)
+            except TypeError:
                 raise yaml.constructor.ConstructorError(
-                    "while reading a mapping", node.start_mark, f"found duplicate key {key!r}", key_node.start_mark
+                    "while reading a mapping", node.start_mark, "found a key that is a list or mapping", key_node.start_mark
+                ) from None
+            if repeated:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark, f"found duplicate key {quote(key)}", key_node.start_mark
                 )
-            seen.add(key)
         return loader.construct_mapping(node, deep=deep)
 
     Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
     return Loader
 
 
+def _check_yaml_size(root) -> None:
+    """Refuse a composed YAML graph that is recursive, too deep, or too large once its aliases are
+    expanded. Aliases make the graph a DAG whose expanded size can be exponential in the text, so
+    sizes are added up per node (memoized), never by expanding; no recursion on the input's depth."""
+    import yaml
+
+    def children(node):
+        if isinstance(node, yaml.SequenceNode):
+            return node.value
+        if isinstance(node, yaml.MappingNode):
+            return [n for pair in node.value for n in pair]
+        return ()
+
+    size: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack = [(root, 1, False)]
+    while stack:
+        node, depth, done = stack.pop()
+        key = id(node)
+        if done:
+            on_path.discard(key)
+            size[key] = 1 + sum(size[id(c)] for c in children(node))
+            if size[key] > MAX_YAML_NODES:
+                raise SpecError(
+                    [f"the YAML expands to more than {MAX_YAML_NODES} values (aliases counted as copies of what they "
+                     f"name), more than a file of specs needs; specgen's limit is {MAX_YAML_NODES}"]
+                )
+            continue
+        if key in size:
+            continue
+        if key in on_path:
+            mark = node.start_mark
+            raise SpecError([f"line {mark.line + 1}, column {mark.column + 1}: an alias refers to a value that contains it"])
+        if depth > MAX_YAML_DEPTH:
+            mark = node.start_mark
+            raise SpecError(
+                [f"line {mark.line + 1}, column {mark.column + 1}: lists and mappings nested more than {MAX_YAML_DEPTH} "
+                 f"deep; a spec needs far fewer (specgen's limit is {MAX_YAML_DEPTH})"]
+            )
+        on_path.add(key)
+        stack.append((node, depth, True))
+        stack.extend((child, depth + 1, False) for child in children(node))
+
+
+def _load_yaml(text: str):
+    import yaml
+
+    if len(text) > MAX_YAML_BYTES:
+        raise SpecError([f"the YAML is {len(text)} characters long; specgen's limit for a file of specs is {MAX_YAML_BYTES}"])
+    loader = _yaml_loader()(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return None
+        _check_yaml_size(root)
+        return loader.construct_document(root)
+    finally:
+        loader.dispose()
+
+
 def parse_yaml(text: str, source: str = "<string>") -> list[LayerSpec]:
     import yaml
 
     try:
-        data = yaml.load(text, Loader=_yaml_loader())
+        data = _load_yaml(text)
+    except SpecError as err:
+        raise SpecError(err.problems, source) from None
+    except RecursionError:  # the composer recurses once per level: nesting far past MAX_YAML_DEPTH
+        raise SpecError([f"lists and mappings nested more than {MAX_YAML_DEPTH} deep (specgen's limit)"], source) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(err, "problem", None) or str(err)
-        raise SpecError([f"{where}malformed YAML: {problem}"], source) from None
-    if data is None:
+        raise SpecError([f"{where}malformed YAML: {_clip(problem, MAX_PROBLEM_CHARS)}"], source) from None
+    if data is None or data == []:
         raise SpecError(["the file holds no spec"], source)
     items = data if isinstance(data, list) else [data]
     specs, problems = [], []
@@ -561,7 +712,7 @@ def parse_yaml(text: str, source: str = "<string>") -> list[LayerSpec]:
     names = [s.name for s in specs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        problems.append(f"spec names must be unique in a file; repeated: {', '.join(dupes)}")
+        problems.append(f"spec names must be unique in a file; repeated: {quote(', '.join(dupes))}")
     if problems:
         raise SpecError(problems, "")
     return specs
@@ -571,9 +722,19 @@ def load_specs(path: str | Path) -> list[LayerSpec]:
     """Every spec in a YAML file (one spec or a list of them)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_YAML_BYTES + 1)  # never more than the limit (the "file" may be /dev/zero)
     except OSError as err:
         raise SpecError([f"cannot read {path}: {err.strerror or err}"], str(path)) from None
+    if len(raw) > MAX_YAML_BYTES:
+        raise SpecError([f"the file is larger than {MAX_YAML_BYTES} bytes, specgen's limit for a file of specs"], str(path))
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SpecError(
+            [f"not UTF-8 text: byte {err.start} is {raw[err.start:err.start + 1]!r} ({err.reason}); save the file as UTF-8"],
+            str(path),
+        ) from None
     return parse_yaml(text, str(path))
 
 

@@ -95,3 +95,68 @@ def specs(draw, max_size=10):
             break
     spec["epilogue"] = stages
     return spec
+
+
+# ---- malformed input, for the fuzz tests ----------------------------------------------------------
+
+ODD_TEXT = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12
+) | st.sampled_from(["", "\u202e", "x\u0000y", "\ufeff", "名前", "🙂" * 50, "a" * 5000, "relu\n", "__ldg", "*/"])
+EXTREME_NUMBERS = st.sampled_from(
+    [float("nan"), float("inf"), -float("inf"), 1e308, -1e308, 3.4028234e38, 3.5e38, 1e-320, -0.0, 10**400, -(10**30),
+     2**63, 0, -1, 1 << 20, (1 << 20) + 1, 4096, 1e39]
+) | st.floats() | st.integers()
+SCALARS = st.none() | st.booleans() | EXTREME_NUMBERS | ODD_TEXT
+JUNK_TREES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(ODD_TEXT | st.sampled_from(
+        ["name", "input", "conv", "epilogue", "kernel", "size", "channels", "dims", "param", "value", "expr"]), inner, max_size=4),
+    max_leaves=16,
+)
+
+
+def _nested(depth: int, leaf):
+    for _ in range(depth):
+        leaf = [leaf]
+    return leaf
+
+
+BIG_OR_DEEP = st.one_of(
+    st.integers(30, 400).map(lambda d: _nested(d, 1)),
+    st.integers(100, 5000).map(lambda n: [1] * n),
+    st.integers(65, 1000).map(lambda n: ["relu"] * n),
+    st.integers(1, 300).map(lambda n: {"expr": "-" * n + "x"}),
+    st.integers(1, 40).map(lambda n: {"expr": "(" * n + "x ** 4" + ") ** 4" * n}),
+    st.just({"max_pool": {"kernel": 2, "stride": 1}}),
+)
+
+BASE = {"name": "fz", "input": {"channels": 2, "size": [8, 8]}, "conv": {"out_channels": 4, "kernel": 3},
+        "epilogue": ["relu", {"add": {"param": "b"}}]}
+PATHS = [(), ("name",), ("input",), ("input", "channels"), ("input", "size"), ("conv",), ("conv", "kernel"),
+         ("conv", "dilation"), ("conv", "groups"), ("conv", "out_channels"), ("epilogue",), ("epilogue", 0),
+         ("epilogue", 1), ("epilogue", 1, "add"), ("epilogue", 1, "add", "param"), ("tile",), ("precision",)]
+
+
+@st.composite
+def malformed_specs(draw):
+    """A spec with one or two places replaced by junk: random YAML trees, wrong types, extreme and
+    non-finite numbers, odd Unicode, huge lists, deep nesting; sometimes junk with no spec at all."""
+    import copy
+
+    if draw(st.integers(0, 9)) == 0:
+        return draw(JUNK_TREES | BIG_OR_DEEP)
+    data = copy.deepcopy(BASE)
+    for _ in range(draw(st.integers(1, 2))):
+        path = draw(st.sampled_from(PATHS))
+        value = draw(JUNK_TREES | BIG_OR_DEEP | SCALARS)
+        if not path:
+            data = {**data, **{str(k): v for k, v in draw(st.dictionaries(ODD_TEXT, JUNK_TREES, max_size=2)).items()}}
+            continue
+        node = data
+        try:
+            for key in path[:-1]:
+                node = node[key]
+            node[path[-1]] = value
+        except (KeyError, IndexError, TypeError):
+            pass
+    return data

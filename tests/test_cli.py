@@ -115,3 +115,145 @@ def test_show_prints_source_plan_and_ptx(cache):
 def test_version_and_module_entry_point():
     result = specgen("--version")
     assert result.returncode == 0 and result.stdout.startswith("specgen ")
+
+
+# ---- packaging: what the tests need is declared; CI installs into a fresh venv -------------------
+
+def _third_party_needs_of_the_tests() -> set[str]:
+    """Distributions the test files need: every top-level import that is neither the standard
+    library, specgen nor a test module, plus numpy wherever a test calls Tensor.numpy()."""
+    import ast
+
+    local = {p.stem for p in (ROOT / "tests").glob("*.py")} | {"specgen", "conftest"}
+    needs = set()
+    for path in (ROOT / "tests").glob("*.py"):
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in local:
+                    needs.add(top)
+        if ".numpy()" in text:
+            needs.add("numpy")
+    return needs
+
+
+def _declared(group: str | None) -> set[str]:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = project["dependencies"] + (project["optional-dependencies"][group] if group else [])
+    import re
+
+    return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].strip().lower() for r in reqs}
+
+
+def test_the_test_extra_declares_every_package_the_tests_need():
+    distribution = {"yaml": "pyyaml"}  # import name -> the name pip installs
+    missing = {distribution.get(n, n) for n in _third_party_needs_of_the_tests()} - _declared("test")
+    assert not missing, f"add to [project.optional-dependencies] test in pyproject.toml: {sorted(missing)}"
+
+
+def test_ci_installs_into_a_fresh_venv_and_runs_the_readme_test_command():
+    script = (ROOT / ".ci" / "run").read_text()
+    commands = [line.strip() for line in script.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    venv = next((i for i, c in enumerate(commands) if "-m venv" in c), None)
+    assert venv is not None, "CI must create a fresh virtual environment"
+    installs = [i for i, c in enumerate(commands) if "pip install" in c]
+    assert installs and all(i > venv for i in installs), "every install must go into the fresh venv"
+    assert any("activate" in c for c in commands[venv:installs[0]]), "the venv must be activated before installing"
+    readme = (ROOT / "README.md").read_text()
+    assert "python -m pytest -q" in readme and commands[-1] == "python -m pytest -q"
+    assert not any("|| true" in c or "set +e" in c for c in commands), "pytest's exit status must be the script's"
+
+
+# ---- messages, not tracebacks ----------------------------------------------------------------------
+
+def _with_closed_stdout(*args):
+    """Run specgen with a stdout pipe whose reader has already gone (`... | head` once head exits)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "specgen", *map(str, args)], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    finally:
+        os.close(write_end)
+    return proc
+
+
+@pytest.mark.parametrize("flags", [["--plan"], []], ids=["plan", "source"])
+def test_a_closed_pipe_is_no_traceback(cache, flags):
+    result = _with_closed_stdout("show", "examples/kb65.yaml", *flags)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+def test_a_closed_pipe_after_ptx_is_no_traceback(cache):
+    result = _with_closed_stdout("show", "examples/zoo.yaml", "--name", "depthwise_mish", "--ptx")
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+def test_bench_and_check_without_a_gpu_say_so(cache):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    for command in ("bench", "check"):
+        result = specgen(command, "examples/kb65.yaml")
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert f"{command} needs a CUDA GPU" in result.stderr
+
+
+def test_build_out_that_is_a_file_is_bad_input(cache, tmp_path):
+    target = tmp_path / "a-file"
+    target.write_text("")
+    result = specgen("build", "examples/kb65.yaml", "--out", target)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"--out {target}: exists and is not a directory" in result.stderr
+    assert not cache.exists() or not list(cache.rglob("*.cubin")), "nothing is compiled for a bad --out"
+
+
+def test_a_non_utf8_spec_file_is_named(cache, tmp_path):
+    spec = tmp_path / "latin1.yaml"
+    spec.write_bytes(b"name: caf\xe9\n")
+    result = specgen("build", spec, "--out", tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert str(spec) in result.stderr and "not UTF-8 text" in result.stderr
+
+
+def test_an_alias_bomb_is_refused_in_a_short_message(cache, tmp_path):
+    lines = ["a0: &a0 [" + ", ".join(["lol"] * 9) + "]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    spec = tmp_path / "bomb.yaml"
+    spec.write_text("\n".join(lines + ["name: *a8"]) + "\n")
+    result = specgen("build", spec, "--out", tmp_path)
+    assert result.returncode == 2 and len(result.stderr) < 1000 and "expands to more than" in result.stderr
+
+
+# ---- one kernel, ids that agree -------------------------------------------------------------------
+
+def test_build_and_cache_ls_print_the_same_key_prefix_and_count_one_entry(cache, tmp_path):
+    from specgen.cli import KEY_DIGITS
+
+    built = specgen("build", "examples/kb65.yaml", "--out", tmp_path)
+    assert built.returncode == 0, built.stderr
+    key = built.stdout.split()[2]
+    assert len(key) == KEY_DIGITS
+    listed = specgen("cache", "ls").stdout.splitlines()
+    assert listed[1].split()[:2] == ["kb65", key], listed
+    assert listed[-1].startswith("1 entry, ")
+
+
+def test_show_plan_explains_the_axis_roles(cache):
+    plan = specgen("show", "examples/kb65.yaml", "--plan").stdout
+    assert "=R1" in plan and "R1 = reduced by the first reduction" in plan and "F = kept" in plan
+
+
+def test_the_readme_gives_the_light_install_paths():
+    readme = (ROOT / "README.md").read_text()
+    install = readme.split("## Two commands", 1)[1].split("## A spec", 1)[0]
+    assert "`pip install -e .`" in install and "no torch" in install
+    assert "download.pytorch.org/whl/cpu" in install and "CUDA build" in install
+    assert "torch" not in " ".join(_declared(None)), "the build path must install without torch"

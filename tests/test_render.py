@@ -101,3 +101,139 @@ def test_the_reference_compiles_without_graph_breaks(spec):
     x = torch.randn(1, spec.input.channels, *spec.input.size)
     dynamo.reset()
     assert dynamo.explain(model)(x).graph_break_count == 0
+
+
+# ---- user names never collide with the template's own names --------------------------------------
+
+def _template_identifiers() -> set[str]:
+    from specgen.expr import IDENTIFIER, RESERVED
+    from specgen.spec import RESERVED_PARAM_NAMES
+
+    words = set()
+    for path in (ROOT / "templates").glob("*.j2"):
+        code = re.sub(r"\{#.*?#\}|/\*.*?\*/", " ", path.read_text(), flags=re.S)  # comments are no names
+        code = re.sub(r"//[^\n]*", " ", code)
+        words |= set(re.findall(r"\b[A-Za-z_][A-Za-z0-9_]*\b", code))
+    # A parameter `name` is spelled p_<name> in the kernel: `ok` meets a local p_ok.
+    names = words | {w[2:] for w in words if w.startswith("p_")}
+    return {n for n in names if IDENTIFIER.match(n) and n not in RESERVED and n not in RESERVED_PARAM_NAMES}
+
+
+def _with_params(base: dict, names: list[str]) -> dict:
+    """`base` with every name added as a per-channel parameter: in expr stages of up to 500
+    characters, or (Python keywords, which expr cannot parse) one `add: {param: name}` each."""
+    import keyword
+
+    stages, text = [], "x"
+    for name in names:
+        if keyword.iskeyword(name):
+            stages.append({"add": {"param": name}})
+            continue
+        if len(text) + len(name) + 3 > 500:
+            stages.append({"expr": text})
+            text = "x"
+        text += " + " + name
+    stages.append({"expr": text})
+    return {**base, "epilogue": [*stages, *base.get("epilogue", [])]}
+
+
+COLLISION_BASES = [
+    # tensor cores, stored straight to the output (the engine with a local once named p_ok)
+    {"name": "names_mma", "input": {"channels": 8, "size": [8, 16]}, "conv": {"out_channels": 32, "kernel": 3},
+     "epilogue": [{"leaky_relu": {"negative_slope": 3.4028234e38}}]},
+    # fp32 FFMA with a pool
+    {"name": "names_ffma", "input": {"channels": 2, "size": [12, 12]}, "conv": {"out_channels": 4, "kernel": 3},
+     "epilogue": [{"max_pool": 2}, {"clamp": {"min": -3.4028234e38, "max": 3.4028234e38}}]},
+    # a reduction tail
+    {"name": "names_tail", "input": {"channels": 4, "size": [10, 10]}, "conv": {"out_channels": 8, "kernel": 3},
+     "epilogue": [{"logsumexp": {"dims": [1]}}, {"sum": {"dims": [1, 2]}}]},
+]
+
+
+def test_param_names_equal_to_every_template_identifier_render():
+    from specgen.spec import validate
+
+    names = sorted(_template_identifiers())
+    assert {"ok", "acc", "v", "c", "w_s"} <= set(names)
+    for base in COLLISION_BASES:
+        spec = validate(_with_params(base, names))
+        assert set(names) <= set(spec.params())
+        source = render(spec)
+        assert "p_ok," in source or "p_ok)" in source
+
+
+def _nvcc_available() -> bool:
+    from specgen import compile as nvcc
+
+    try:
+        nvcc.find_nvcc()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _nvcc_available(), reason="needs nvcc")
+@pytest.mark.parametrize("base", COLLISION_BASES, ids=[b["name"] for b in COLLISION_BASES])
+def test_param_names_equal_to_every_template_identifier_compile(base):
+    from specgen import compile as nvcc
+    from specgen.spec import validate
+
+    spec = validate(_with_params(base, sorted(_template_identifiers())))
+    ptx = nvcc.compile_ptx(render(spec), "sm_90")  # raises CompileError with the log on a collision
+    assert f".entry specgen_{spec.name}" in ptx
+
+
+# ---- the source stays small: each sub-expression written once; a cap on the rest ------------------
+
+NESTED_POWERS = "(((((((sigmoid(exp(x)) ** 4) ** 4) ** 4) ** 4) ** 4) ** 4) ** 4)"  # 4^7 copies, spelled out
+
+
+def _expr_spec(code: str) -> dict:
+    return {"name": "powers", "input": {"channels": 2, "size": [16]}, "conv": {"out_channels": 2, "kernel": 3},
+            "epilogue": [{"expr": code}]}
+
+
+def test_nested_powers_write_their_base_once():
+    from specgen.spec import validate
+
+    sizes = [len(render(validate(_expr_spec(NESTED_POWERS.replace("** 4", "** 2", k))))) for k in (0, 7)]
+    source = render(validate(_expr_spec(NESTED_POWERS)))
+    assert len(source) < 40_000, len(source)  # spelled out: about 20 MB
+    assert source.count("expf(-(expf(") == 1  # sigmoid(exp(x)) appears once
+    assert sizes[1] - sizes[0] < 2_000  # each power adds a constant amount, not a copy of its base
+
+
+def test_powers_multiply_in_the_reference_order():
+    from specgen.expr import parse
+
+    code = parse("(x + 1) ** 3 - x ** 2").to_cuda("v", {})
+    assert "return t * t * t;" in code and "return t * t;" in code and code.count("(v + 1.0f)") == 1
+
+
+def test_a_source_over_the_cap_is_refused_with_the_numbers(monkeypatch):
+    from specgen import render as render_mod
+    from specgen.spec import SpecError, validate
+
+    spec = validate(_expr_spec("x * 2"))
+    size = len(render(spec).encode())
+    monkeypatch.setattr(render_mod, "MAX_SOURCE_BYTES", size - 1)
+    with pytest.raises(SpecError, match=rf"the kernel source would be {size} bytes, more than specgen's limit of {size - 1}"):
+        render(spec)
+
+
+@pytest.mark.skipif(not _nvcc_available(), reason="needs nvcc")
+def test_nested_powers_compile():
+    from specgen import compile as nvcc
+    from specgen.spec import validate
+
+    ptx = nvcc.compile_ptx(render(validate(_expr_spec(NESTED_POWERS))), "sm_90")
+    assert ".entry specgen_powers" in ptx
+
+
+def test_the_banner_prints_no_unset_fields():
+    from specgen.spec import validate
+
+    spec = validate({**_expr_spec("x * 2"), "epilogue": [{"add": {"param": "shift"}}, {"clamp": {"max": 1.0}}]})
+    banner = render(spec).split("How this kernel works")[0]
+    assert "add: {param: shift}" in banner and "clamp: {max: 1.0}" in banner and "null" not in banner
+    assert "spec hash: " + spec.shape_hash in banner and "cache key" in banner

@@ -145,6 +145,8 @@ def test_yaml_errors_name_line_and_keep_every_problem(tmp_path):
         parse_yaml("name: [1, 2\n")
     with pytest.raises(SpecError, match="the file holds no spec"):
         parse_yaml("")
+    with pytest.raises(SpecError, match="the file holds no spec"):
+        parse_yaml("[]\n")
     two = "- {name: a, input: {channels: 0, size: [4]}, conv: {out_channels: 2, kernel: 1}}\n- {name: a}\n"
     text = str(pytest.raises(SpecError, parse_yaml, two).value)
     assert "input.channels" in text and "conv: Field required" in text
@@ -205,3 +207,128 @@ def test_bad_input_is_rejected_with_a_message_never_a_crash(data):
         assert err.problems and all(isinstance(p, str) and p for p in err.problems)
         return
     assert isinstance(spec, LayerSpec) and not math.isnan(len(spec.shape_hash))
+
+
+# ---- limits on work (each with its number in the message) --------------------------------------
+
+def _layer(size, kernel, dilation=1, epilogue=(), channels=2):
+    return {"name": "big", "input": {"channels": channels, "size": size},
+            "conv": {"out_channels": 2, "kernel": kernel, "dilation": dilation}, "epilogue": list(epilogue)}
+
+
+@pytest.mark.parametrize(
+    "data,expected",
+    [
+        (_layer([4096], 1001), "1001 taps, more than specgen's limit of 343"),
+        (_layer([256, 256], 101), "10201 taps, more than specgen's limit of 343"),
+        (_layer([65536], 2, dilation=1024), "spans 1025 input values (dilation 1024 x (kernel 2 - 1) + 1), more than specgen's limit of 1024"),
+        (_layer([1 << 20], 1024, dilation=1024), "taps, more than specgen's limit"),
+        (_layer([16], 1, epilogue=["relu"] * 65), "epilogue: List should have at most 64 items"),
+        (_layer([1 << 16], 1, epilogue=[{"max_pool": {"kernel": 2, "stride": 1}}] * 50),
+         "epilogue[12] (max_pool): the pools up to here read 8192 values below each output"),
+        (_layer([64, 64], 3, epilogue=[{"avg_pool": {"kernel": 8, "stride": 1}}, {"max_pool": 9}]), "5184 values below each output"),
+    ],
+)
+def test_work_limits_refuse_with_the_numbers(data, expected):
+    assert expected in problems(data)
+
+
+def test_work_limits_leave_common_layers_alone():
+    validate(_layer([16, 16, 16], 7))  # 343 taps: the largest common 3-D kernel
+    validate(_layer([64, 64], [1, 31]))  # 31 taps along one dim
+    validate(_layer([4096], 2, dilation=512))  # WaveNet-style
+    validate(_layer([16], 1, epilogue=["relu"] * 64))
+    validate(_layer([64, 64], 3, epilogue=[{"avg_pool": {"kernel": 8, "stride": 1}}, {"max_pool": 8}]))  # 64 x 64 = 4096 values
+
+
+def test_validation_and_canonical_form_are_linear_in_the_epilogue():
+    import time
+
+    def seconds(n):
+        stages = [{"sum": {"dims": [2], "keepdim": True}}] * n  # every stage a reduction: the slow case
+        start = time.perf_counter()
+        validate(_layer([64], 1, epilogue=stages)).canonical_json()
+        return time.perf_counter() - start
+
+    seconds(8)  # warm up
+    small, large = min(seconds(8) for _ in range(3)), min(seconds(64) for _ in range(3))
+    assert large < 0.5 and large < 8 * 4 * small, (small, large)  # 8x the stages: well under 64x the time
+
+
+# ---- hostile YAML: bounded work, bounded messages ------------------------------------------------
+
+def _alias_bomb(levels=9, fanout=9) -> str:
+    lines = ["a0: &a0 [" + ", ".join(["x"] * fanout) + "]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * fanout) + "]" for i in range(1, levels)]
+    return "\n".join(lines + [f"name: *a{levels - 1}", "input: *a1"]) + "\n"
+
+
+def test_an_alias_bomb_is_refused_quickly_with_a_short_message(tmp_path):
+    import time
+
+    text = _alias_bomb()
+    assert len(text) < 600
+    start = time.perf_counter()
+    err = pytest.raises(SpecError, parse_yaml, text).value
+    assert time.perf_counter() - start < 1.0
+    assert "expands to more than 50000 values" in str(err) and len(str(err)) < 1000
+
+
+def test_a_small_alias_expansion_quotes_at_most_200_characters_of_input():
+    text = _alias_bomb(levels=3, fanout=9).replace("x", "abcdefghij")  # 729 names: under the node cap
+    err = str(pytest.raises(SpecError, parse_yaml, text).value)
+    assert "name: Input should be a valid string (got [[[" in err
+    quoted = err.split("(got ", 1)[1].split(")\n", 1)[0]
+    assert len(quoted) <= 200 and quoted.endswith("...")
+    assert len(err) < 2000
+
+
+def test_yaml_recursion_depth_size_and_odd_keys_are_refused(tmp_path):
+    assert "an alias refers to a value that contains it" in str(pytest.raises(SpecError, parse_yaml, "&a [*a]\n").value)
+    assert "nested more than 32 deep" in str(pytest.raises(SpecError, parse_yaml, "[" * 40 + "]" * 40).value)
+    deep = str(pytest.raises(SpecError, parse_yaml, "[" * 5000).value)  # libyaml stops it first, where present
+    assert "nested more than 32 deep" in deep or "exceeded maximum nesting depth" in deep
+    assert "found a key that is a list or mapping" in str(pytest.raises(SpecError, parse_yaml, "? [a]\n: 1\n").value)
+    big = tmp_path / "big.yaml"
+    big.write_text("# " + "x" * (1 << 20) + "\nname: a\n")
+    assert "larger than 1048576 bytes" in str(pytest.raises(SpecError, load_specs, big).value)
+
+
+def test_many_problems_are_counted_not_all_listed():
+    err = str(pytest.raises(SpecError, validate, _layer([16], 1, epilogue=[{"relu": {"bad": i}} for i in range(60)])).value)
+    assert "... and 40 more" in err and err.count("\n  - ") == 20
+
+
+def test_a_huge_name_or_expression_is_quoted_short():
+    err = str(pytest.raises(SpecError, validate, {**KB90, "name": "n" * 100_000}).value)
+    assert len(err) < 1000 and "nnn..." in err
+    err = str(pytest.raises(SpecError, validate, with_("epilogue.1", {"expr": "x + " + "y" * 500})).value)
+    assert "parameter name 'yyy" in err and len(err) < 1000
+
+
+def test_a_non_utf8_file_names_the_file_and_the_byte(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("name: caf\u00e9\n".encode("latin-1"))
+    err = str(pytest.raises(SpecError, load_specs, path).value)
+    assert str(path) in err and "not UTF-8 text: byte 9 is b'\\xe9'" in err
+
+
+# ---- constants at the edge of float32 ------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [3.4028234e38, -3.4028234663852886e38])
+def test_float32_max_is_printed_exactly_not_an_overflow(value):
+    from specgen.literals import FLOAT32_MAX, c_float, to_float32
+
+    text = c_float(value)
+    assert float(text[:-1]) == pytest.approx(FLOAT32_MAX * math.copysign(1, value), rel=1e-9)
+    assert abs(float(text[:-1])) <= FLOAT32_MAX and to_float32(float(text[:-1])) == to_float32(value)
+    spec = validate(with_("epilogue.0", {"leaky_relu": {"negative_slope": value}}))
+    from specgen.render import render
+
+    assert f"= {text};" in render(spec)
+
+
+def test_past_float32_max_is_refused_clearly():
+    for value in (3.4028235e38, 3.5e38):  # the first rounds to float32's max, but is past it: refused too
+        assert "outside float32's range" in problems(with_("epilogue.0", {"leaky_relu": {"negative_slope": value}}))
+    assert "is not a finite float32" in problems(with_("epilogue.1", {"expr": "x * 1" + "0" * 400}))
