@@ -68,7 +68,6 @@ def cmd_build(args) -> int:
         raise BadInput(f"--out {args.out}: cannot create the directory: {err.strerror or err}") from None
     with progress.track("building", total=len(specs)):
         built = pipeline.specialize_many(specs, args.arch)
-    built = pipeline.specialize_many(specs, args.arch)
     for item in built:
         cu = out_dir / f"{item.spec.name}.cu"
         cu.write_text(item.source)

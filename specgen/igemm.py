@@ -191,7 +191,7 @@ def plan_igemm(
     # 16-byte A copies: four consecutive positions of one output row read four consecutive inputs
     # (a 1-wide kernel, stride 1, no padding along W), rows and samples aligned to 4.
     a_vec = 4 if (kw == 1 and sw == 1 and pw == 0 and in_w % 4 == 0 and ow == in_w and positions % 4 == 0
-                  and (bm // 4) <= threads and threads % (bm // 4) == 0) else 1
+                  and (bm // 4) <= threads and threads % (bm // 4) == 0 and bk % (threads // (bm // 4)) == 0) else 1
     if a_vec == 1 and threads % bm:
         raise ValueError(f"{threads} threads cannot split rows of {bm} positions")
     a_cols = bm // a_vec

@@ -115,6 +115,8 @@ class ImportReport:
     specs: list[LayerSpec]
     fallbacks: list[Fallback]
     choices: list[Choice] = field(default_factory=list)
+    # from_module's last check: (fused, original) milliseconds of the whole model; None: not timed
+    whole_model: tuple | None = None
 
     @property
     def fused_specs(self) -> list[LayerSpec]:
@@ -135,6 +137,10 @@ class ImportReport:
             lines.append(line)
         for fb in self.fallbacks:
             lines.append(f"  not fused: {fb.node}: {fb.reason}")
+        if self.whole_model is not None:
+            fused_ms, plain_ms = self.whole_model
+            verdict = "fused" if fused_ms < plain_ms else "kept the original (not faster fused)"
+            lines.append(f"  whole model: fused {fused_ms:.3f} ms, original {plain_ms:.3f} ms: {verdict}")
         return "\n".join(lines)
 
     def yaml(self) -> str:
@@ -2140,4 +2146,18 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False) ->
     imp.chains = [chain for chain, choice in zip(imp.chains, choices) if choice.fused]
     fused = imp.rewrite()
     fused.specgen_report = report
+    if imp.chains and not keep_slower and _unmeasurable(imp) is None:
+        # Chains that win alone can still lose together (caches, launch gaps): the whole model is
+        # timed once more, and the original is kept unless the fused one is faster.
+        from specgen import measured
+
+        inputs = [tuple(example_inputs)]
+        fused_ms, plain_ms = measured.compare(lambda a: fused(*a), lambda a: model(*a), inputs)
+        report.whole_model = (fused_ms, plain_ms)
+        if fused_ms >= plain_ms:
+            log.warning(
+                "%s: the fused model (%.3f ms) is not faster than the original (%.3f ms) at this batch: "
+                "keeping the original (keep_slower=True fuses anyway)", imp.name, fused_ms, plain_ms,
+            )
+            return model
     return fused

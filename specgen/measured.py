@@ -110,7 +110,8 @@ def compare(first, second, inputs: list, reps: int = REPS, warmup: int = WARMUP)
     that clock and thermal drift hit both alike. Runs under torch.no_grad()."""
     import torch
 
-    with torch.no_grad(), torch.cuda.device(inputs[0].device):
+    first_input = inputs[0][0] if isinstance(inputs[0], (tuple, list)) else inputs[0]  # a model's several inputs
+    with torch.no_grad(), torch.cuda.device(first_input.device):
         for fn in (first, second):
             for i in range(warmup):
                 fn(inputs[i % len(inputs)])
