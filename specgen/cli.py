@@ -136,8 +136,7 @@ def cmd_bench(args) -> int:
     from specgen import bench
 
     if args.model:
-        _need_gpu("bench")
-        return bench.model_main(args)
+        return bench.model_main(args)  # checks its input, then the GPU
     if not args.files:
         raise ValueError("bench: give FILE.yaml... or --model FILE.py:NAME --input-shape B,C,...")
     specs = _load_all(args.files)

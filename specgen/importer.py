@@ -2126,7 +2126,9 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False) ->
     PyTorch code; each is logged (logger `specgen`) with its reason: as a warning when it
     concerns a convolution chain, at info level otherwise. The returned module's
     `specgen_report` is the explain() report with `.choices` (both times per chain).
-    Example-input shapes are baked into the fused layers (the batch size stays free)."""
+    Example-input shapes are baked into the fused layers (the batch size stays free). On a GPU the
+    whole fused model is timed once more against the original, and the original is returned
+    (with `specgen_report` set, `.whole_model` holding both times) unless the fused one is faster."""
     log = get_logger()
     imp = _importer(model, example_inputs)
     if isinstance(imp, str):
@@ -2159,5 +2161,6 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False) ->
                 "%s: the fused model (%.3f ms) is not faster than the original (%.3f ms) at this batch: "
                 "keeping the original (keep_slower=True fuses anyway)", imp.name, fused_ms, plain_ms,
             )
+            model.specgen_report = report  # the original, with the report that says why
             return model
     return fused

@@ -49,7 +49,8 @@ def test_every_example_builds_for_sm_90_without_spills(cache, tmp_path):
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(records) >= 14 and len({r["key"] for r in records}) == len(records)
-    assert all(r["arch"] == "sm_90" for r in records)
+    assert all(r["arch"] in ("sm_90", "sm_90a") for r in records)  # sm_90a: plans on Hopper's wgmma
+    assert any(r["arch"] == "sm_90" for r in records)
     assert all(r["spill_bytes"] == 0 for r in records), [(r["name"], r["spill_bytes"]) for r in records]
 
 

@@ -49,6 +49,8 @@ class FakeGPU:
         self.serial: list[str] = []
         self.timed: list[str] = []
         self.times: dict[str, tuple[float, float]] = {}
+        self.whole = (1.0, 2.0)  # the whole model, fused and original (ms): fused faster by default
+        self.wholes = 0
 
     def fake(self, spec):
         key = hashlib.sha256(("fake\n" + spec.canonical_json()).encode()).hexdigest()
@@ -68,7 +70,13 @@ class FakeGPU:
         return hit
 
     def compare(self, fused, original, inputs):
-        assert isinstance(fused, FusedLayer) and not isinstance(original, FusedLayer)
+        if not isinstance(fused, FusedLayer):  # from_module's last check: the whole model, both ways
+            with torch.no_grad():
+                for args in inputs:
+                    torch.testing.assert_close(fused(args), original(args))
+            self.wholes += 1
+            return self.whole
+        assert not isinstance(original, FusedLayer)
         assert all(x.abs().sum() > 0 for x in inputs), "timing inputs must be non-zero"
         with torch.no_grad():
             for x in inputs:  # the two contenders compute the same chain
@@ -129,6 +137,19 @@ def test_a_chain_not_faster_fused_keeps_its_pytorch_code(gpu):
     assert "1 fused layer(s) (1 more kept as PyTorch" in text
     assert f"{slow}: " in text and "kept as PyTorch: specgen 2.0000 ms, PyTorch 1.0000 ms (measured)" in text
     assert "fused: specgen 0.2500 ms, PyTorch 1.0000 ms (measured)" in text
+
+
+def test_a_fused_model_not_faster_as_a_whole_gives_back_the_original(gpu):
+    model, x = _model(), torch.randn(2, 3, 10, 10)
+    gpu.times = {name: (0.5, 1.0) for name in _names(model, x)}  # every chain wins alone ...
+    gpu.whole = (2.1, 2.0)  # ... but the fused model loses as a whole
+    result = from_module(model, x)
+    assert result is model and gpu.wholes == 1
+    assert result.specgen_report.whole_model == (2.1, 2.0)
+    assert "whole model: fused 2.100 ms, original 2.000 ms: kept the original" in str(result.specgen_report)
+    gpu.whole = (1.9, 2.0)
+    fused = from_module(model, x)
+    assert fused is not model and len(_fused(fused)) == 2 and fused.specgen_report.whole_model == (1.9, 2.0)
 
 
 def test_equal_times_keep_pytorch(gpu):
