@@ -15,6 +15,12 @@ thread per chunk; with few channels (CIP < BK) a chunk covers BK / CIP taps. The
 in that order too: the launch hands the kernel a copy permuted to [C_OUT][TAPS_PAD][CIP] (zeros in
 the padding), made once per weight version.
 
+On Hopper (sm_90, built as sm_90a) the products can run on `wgmma` instead: each warpgroup of
+four warps multiplies its 64 positions by all BN channels in one instruction per k-step, reading
+B straight from shared memory (128-byte swizzled rows, rounded or split into hi and lo parts once
+per chunk by the threads that copied them) and A from registers. The planner takes it where a
+sweep of real layers found it faster (`default_config`); `specgen tune` tries both.
+
 Every extent, tile and trip count is a compile-time constant; only the batch is read at run time
 (it sizes the grid and bounds M).
 """
@@ -22,7 +28,7 @@ Every extent, tile and trip count is a compile-time constant; only the batch is 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from specgen import target as targets
 from specgen.spec import LayerSpec
@@ -90,11 +96,6 @@ class IgemmPlan:
     min_blocks: int
     split: bool  # 3xTF32 (fp32 mode) rather than plain TF32
     wgmma: bool  # warpgroup MMA with B from 128-byte-swizzled shared memory (sm_90a)
-
-    def as_dict(self) -> dict:
-        out = asdict(self)
-        out.pop("config")
-        return out
 
 
 def why_not(spec: LayerSpec, levels: list, reductions: list) -> list[str]:
@@ -182,7 +183,6 @@ def plan_igemm(
     k_pad = taps_pad * cip
     bm, bn, threads = cfg.bm, cfg.bn, cfg.threads
     geo = spec.conv_geometry()
-    nd = spec.ndim
     kw = geo["kernel"][-1]
     sw, pw = geo["stride"][-1], geo["padding"][-1]
     in_w = spec.input.size[-1]
@@ -217,7 +217,6 @@ def plan_igemm(
     min_blocks = cfg.min_blocks or (
         2 if 2 * (smem_bytes + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and 2 * threads * max(regs, 64) <= target.regs_per_sm else 1
     )
-    del nd
     return IgemmPlan(
         config=cfg, bm=bm, bn=bn, bk=bk, stages=cfg.stages, threads=threads, cip=cip, taps_pad=taps_pad, tpc=tpc,
         cpt=cpt, k_pad=k_pad, k_tiles=k_pad // bk, n_tiles=-(-cout // bn), positions=positions, lda=lda, ldb=ldb,

@@ -21,30 +21,14 @@ def make_conv(spec: LayerSpec) -> nn.Module:
     """nn.Conv1d/2d/3d (nn.ConvTranspose1d/2d/3d for a transposed conv) with the spec's geometry
     and PyTorch's default initialization."""
     g = spec.conv_geometry()
+    common = {"stride": g["stride"], "padding": g["padding"], "dilation": g["dilation"],
+              "groups": spec.conv.groups, "bias": spec.conv.bias}
     if spec.conv.transposed:
         cls = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}[spec.ndim]
-        return cls(
-            spec.input.channels,
-            spec.conv.out_channels,
-            g["kernel"],
-            stride=g["stride"],
-            padding=g["padding"],
-            output_padding=g["output_padding"],
-            groups=spec.conv.groups,
-            bias=spec.conv.bias,
-            dilation=g["dilation"],
-        )
-    cls = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[spec.ndim]
-    return cls(
-        spec.input.channels,
-        spec.conv.out_channels,
-        g["kernel"],
-        stride=g["stride"],
-        padding=g["padding"],
-        dilation=g["dilation"],
-        groups=spec.conv.groups,
-        bias=spec.conv.bias,
-    )
+        common["output_padding"] = g["output_padding"]
+    else:
+        cls = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[spec.ndim]
+    return cls(spec.input.channels, spec.conv.out_channels, g["kernel"], **common)
 
 
 def forward(spec: LayerSpec, x: torch.Tensor, weight, bias, params: dict) -> torch.Tensor:
