@@ -190,9 +190,12 @@ def test_cached_build_records_the_compiler_and_keys_apart(cache_env):
     assert first.registers > 0 and "ptxas info" in first.log
     again = cache.get_or_build(make_request(compiler="nvrtc"))
     assert again.cache == "hit" and again.key == first.key and again.compiler == "nvrtc"
-    if _nvcc_found():
-        other = cache.get_or_build(make_request(compiler="nvcc"))
-        assert other.key != first.key and other.compiler == "nvcc"
+    try:
+        c.find_nvcc()
+    except FileNotFoundError:
+        return  # no nvcc here: the key apart from its build is not checked
+    other = cache.get_or_build(make_request(compiler="nvcc"))
+    assert other.key != first.key and other.compiler == "nvcc"
 
 
 @needs_nvrtc
