@@ -13,21 +13,18 @@ from specgen import reference  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 from specgen.spec import validate  # noqa: E402
 
+from gpu_helpers import rel_l2  # noqa: E402
 from test_autograd import GRAD_SPECS, SaveCounter  # noqa: E402
 from test_torchop import example_specs  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
 
 
 @pytest.fixture(autouse=True)
-def _fp32_reference():
-    # fp32 and deterministic backward algorithms: both sides' backward runs cuDNN, whose
-    # nondeterministic (atomic) algorithms differ by more than 1e-5 where gradients cancel.
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
+def _deterministic_backward():
+    # Deterministic backward algorithms (fp32 comes from the fp32_reference fixture): both sides'
+    # backward runs cuDNN, whose nondeterministic (atomic) algorithms differ by more than 1e-5
+    # where gradients cancel.
     torch.backends.cudnn.deterministic = True
     yield
     torch.backends.cudnn.deterministic = False
@@ -57,8 +54,7 @@ def cuda_input(spec, batch: int, seed: int) -> torch.Tensor:
     return torch.randn((batch, spec.input.channels, *spec.input.size), generator=gen, device="cuda")
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+rel = rel_l2
 
 
 @pytest.mark.parametrize("spec", all_specs())

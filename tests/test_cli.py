@@ -27,6 +27,7 @@ def cache(tmp_path, monkeypatch):
     return path
 
 
+@pytest.mark.nvcc
 def test_build_json_miss_then_hit(cache, tmp_path):
     out = tmp_path / "gen"
     first = specgen("build", "examples/kb90.yaml", "--json", "--out", out)
@@ -43,6 +44,7 @@ def test_build_json_miss_then_hit(cache, tmp_path):
     assert again["cache"] == "hit" and again["key"] == record["key"] and again["compile_seconds"] == 0.0
 
 
+@pytest.mark.nvcc
 def test_every_example_builds_for_sm_90_without_spills(cache, tmp_path):
     result = specgen("build", "examples/zoo.yaml", "examples/kb90.yaml", "examples/kb65.yaml", "--arch", "sm_90",
                      "--json", "--out", tmp_path / "gen")
@@ -54,6 +56,7 @@ def test_every_example_builds_for_sm_90_without_spills(cache, tmp_path):
     assert all(r["spill_bytes"] == 0 for r in records), [(r["name"], r["spill_bytes"]) for r in records]
 
 
+@pytest.mark.nvcc
 def test_build_path_never_imports_torch(cache, tmp_path):
     code = (
         "import sys; from specgen.cli import main; "
@@ -103,6 +106,7 @@ def test_a_failed_compile_exits_1_with_the_log_and_caches_nothing(cache, tmp_pat
     assert not list(cache.rglob("meta.json"))
 
 
+@pytest.mark.nvcc
 def test_show_prints_source_plan_and_ptx(cache):
     source = specgen("show", "examples/zoo.yaml", "--name", "depthwise_mish")
     assert source.returncode == 0 and source.stdout == (ROOT / "generated" / "depthwise_mish.cu").read_text()
@@ -192,6 +196,7 @@ def test_a_closed_pipe_is_no_traceback(cache, flags):
     assert result.returncode == 0 and result.stderr == "", result.stderr
 
 
+@pytest.mark.nvcc
 def test_a_closed_pipe_after_ptx_is_no_traceback(cache):
     result = _with_closed_stdout("show", "examples/zoo.yaml", "--name", "depthwise_mish", "--ptx")
     assert result.returncode == 0 and result.stderr == "", result.stderr
@@ -235,6 +240,7 @@ def test_an_alias_bomb_is_refused_in_a_short_message(cache, tmp_path):
 
 # ---- one kernel, ids that agree -------------------------------------------------------------------
 
+@pytest.mark.nvcc
 def test_build_and_cache_ls_print_the_same_key_prefix_and_count_one_entry(cache, tmp_path):
     from specgen.cli import KEY_DIGITS
 

@@ -56,6 +56,7 @@ def test_find_nvcc_prefers_cuda_home_then_path_then_fallback(tmp_path, monkeypat
         c.find_nvcc()
 
 
+@pytest.mark.nvcc
 def test_toolchain_id_is_the_version_text_and_follows_the_file(tmp_path):
     real = c.toolchain_id(c.find_nvcc())
     assert "Cuda compilation tools, release" in real and real.startswith("nvcc:")
@@ -154,6 +155,7 @@ def test_parse_ptxas_older_format_and_empty():
     assert c._report(0.0, "").registers == 0
 
 
+@pytest.mark.nvcc
 def test_compile_cubin_real_report(tmp_path):
     src = tmp_path / "kernel.cu"
     src.write_text(
@@ -168,6 +170,7 @@ def test_compile_cubin_real_report(tmp_path):
     assert report.seconds > 0 and "ptxas info" in report.log
 
 
+@pytest.mark.nvcc
 def test_compile_error_shows_command_log_and_source(tmp_path):
     src = tmp_path / "kernel.cu"
     src.write_text(BAD)
@@ -183,6 +186,7 @@ def test_compile_error_shows_command_log_and_source(tmp_path):
     assert not (tmp_path / "out.cubin").exists()
 
 
+@pytest.mark.nvcc
 def test_compile_ptx():
     ptx = c.compile_ptx(GOOD, "sm_90")
     assert ".target sm_90" in ptx and ".entry k(" in ptx
@@ -190,6 +194,7 @@ def test_compile_ptx():
         c.compile_ptx(BAD, "sm_90")
 
 
+@pytest.mark.nvcc
 @pytest.mark.parametrize("use_ninja", [True, False], ids=["ninja", "sequential"])
 def test_compile_many_keeps_each_job_apart(tmp_path, monkeypatch, use_ninja):
     if not use_ninja:

@@ -163,6 +163,7 @@ def test_transposed_rendering_gathers(name):
     assert "nw % S_W" not in render(validate({**T2, "conv": {"out_channels": 6, "kernel": 3}}))
 
 
+@pytest.mark.nvcc
 def test_transposed_specs_build_without_spills(tmp_path, monkeypatch):
     """Real nvcc (-Xptxas -v), through the pipeline and the cache, all at once."""
     from specgen import pipeline
@@ -173,6 +174,7 @@ def test_transposed_specs_build_without_spills(tmp_path, monkeypatch):
         assert item.build.registers > 0 and item.build.spill_bytes == 0, (spec.name, item.build.log)
 
 
+@pytest.mark.nvcc
 def test_transposed_runtime_dims_rendering_compiles(tmp_path):
     from specgen.compile import compile_cubin
 

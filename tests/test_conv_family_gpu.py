@@ -16,30 +16,9 @@ from specgen.module import FusedLayer  # noqa: E402
 from specgen.spec import validate  # noqa: E402
 
 from conv_family_specs import TRANSPOSED  # noqa: E402
+from gpu_helpers import compare as compare_to_reference, randomize, rel_l2  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
-
-
-@pytest.fixture(autouse=True)
-def _fp32_reference():
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-
-
-def randomize(layer: torch.nn.Module, gen: torch.Generator) -> None:
-    inits = layer.spec.param_inits()
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * (0.3 if p.dim() > 1 else 1.0))
-        for name, b in layer.named_buffers():
-            if name in inits and "var" in name:
-                b.copy_(torch.rand(b.shape, generator=gen, device=b.device) + 0.5)
-            elif name in inits:
-                b.copy_(torch.randn(b.shape, generator=gen, device=b.device))
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
 
 
 def torch_module(spec, layer: FusedLayer) -> torch.nn.Module:
@@ -53,22 +32,14 @@ def torch_module(spec, layer: FusedLayer) -> torch.nn.Module:
 
 
 def compare(layer: FusedLayer, batch: int, seed: int) -> float:
+    """The fp32 bars (the reference's fp32 path is F.conv_transpose), and nn.ConvTranspose itself
+    gives the conv's output shape."""
     spec = layer.spec
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    randomize(layer, gen)
-    x = torch.randn((batch, spec.input.channels, *spec.input.size), generator=gen, device="cuda")
-    out = torch.full(spec.output_shape(batch), float("nan"), device="cuda")
-    layer(x, out=out)
-    torch.cuda.synchronize()
-    params = layer.spec_params()
-    ref64 = reference.forward64(spec, x, layer.conv.weight, layer.conv.bias, params)
-    with torch.no_grad():  # nn.ConvTranspose itself gives the conv's output shape
+    assert spec.precision == "fp32"
+    rel = compare_to_reference(layer, batch, seed)["rel_l2"]
+    x = torch.randn((batch, spec.input.channels, *spec.input.size), device="cuda")
+    with torch.no_grad():
         assert tuple(torch_module(spec, layer)(x).shape[1:]) == tuple(spec.shapes()[0].sizes)
-    ref32 = reference.forward(spec, x, layer.conv.weight, layer.conv.bias, params).detach()  # F.conv_transpose
-    assert torch.isfinite(out).all(), f"{spec.name}: unwritten (NaN) or non-finite outputs"
-    rel = ((out.double() - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
-    assert rel <= 1e-5, f"{spec.name}: rel L2 {rel:.3e} > 1e-5 at batch {batch}"
-    assert torch.allclose(out, ref32, atol=1e-4, rtol=1e-4), f"{spec.name}: not allclose to PyTorch fp32"
     return rel
 
 
@@ -93,7 +64,7 @@ def test_conv_transpose_itself_matches_the_reference():
     layer(x, out=out)
     with torch.no_grad():
         want = torch.relu(torch_module(spec, layer).double()(x.double()))
-    rel = ((out.double() - want).norm() / want.norm()).item()
+    rel = rel_l2(out, want)
     assert rel <= 1e-5, rel
 
 
@@ -162,5 +133,5 @@ def test_kernelbench_problems_fused_whole_match_float64(path):
         torch.cuda.synchronize()
         want = model.double()(*[t.double() if isinstance(t, torch.Tensor) else t for t in inputs])
     assert torch.isfinite(got).all()
-    rel = ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+    rel = rel_l2(got, want)
     assert rel <= 1e-5, f"{path.stem}: rel L2 {rel:.3e}"

@@ -439,6 +439,7 @@ def test_cache_dir_with_shell_characters_is_refused(cache_env, monkeypatch, tmp_
     assert not marker.exists()
 
 
+@pytest.mark.nvcc
 def test_build_dir_with_shell_characters_is_refused(tmp_path):
     build = tmp_path / "b`id`"
     build.mkdir()

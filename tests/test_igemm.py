@@ -11,16 +11,6 @@ from specgen.plan import PlanError, build_plan, describe
 from specgen.render import render_plan
 from specgen.spec import validate
 
-def _have_nvcc() -> bool:
-    try:
-        from specgen.compile import find_nvcc
-
-        return bool(find_nvcc())
-    except Exception:
-        return False
-
-
-needs_nvcc = pytest.mark.skipif(not _have_nvcc(), reason="needs nvcc (CUDA_HOME or PATH)")
 
 
 def spec_of(cin=64, cout=128, size=(14, 14), kernel=3, epilogue=("relu",), **extra):
@@ -108,7 +98,7 @@ def test_a_tile_that_does_not_fit_is_refused():
     assert "tile" in str(err.value)
 
 
-@needs_nvcc
+@pytest.mark.nvcc
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
 @pytest.mark.parametrize("cin,cout,kernel,size", [(64, 64, 3, (20, 20)), (256, 256, 3, (7, 7)),
                                                   (3, 24, 7, (30, 30)), (64, 256, 1, (8, 8)), (32, 16, (3, 3, 3), (6, 6, 6))])

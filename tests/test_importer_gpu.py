@@ -11,16 +11,17 @@ import import_models as im  # noqa: E402
 from specgen.importer import from_module  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 
+from gpu_helpers import assert_fp32  # noqa: E402
+
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("fp32_reference"),
     pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths"),
 ]
 
 
 @pytest.mark.parametrize("case", im.CASES, ids=lambda c: c.id)
 def test_from_module_on_cuda_matches_the_original(case):
-    torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
     model = case.make().cuda().eval()
     x = torch.randn(case.shape, device="cuda")
@@ -32,6 +33,4 @@ def test_from_module_on_cuda_matches_the_original(case):
         want32 = model(x)
         want64 = model.double()(x.double())
         model.float()
-    rel = ((got.double() - want64).norm() / want64.norm().clamp_min(1e-30)).item()
-    assert rel <= 1e-5, f"{case.id}: rel L2 {rel:.3e}"
-    torch.testing.assert_close(got, want32, atol=1e-4, rtol=1e-4)
+    assert_fp32(case.id, got, want64, want32)

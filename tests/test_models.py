@@ -59,7 +59,6 @@ def test_make_gives_eval_models_with_nontrivial_batch_norm():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("cls", models.MODELS, ids=lambda c: c.__name__)
 def test_fused_model_matches_float64_on_the_gpu(cls, batch):
@@ -185,7 +184,6 @@ def test_bench_model_without_a_gpu_says_so(capsys, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bench_model_on_the_gpu():
     from specgen import bench
 

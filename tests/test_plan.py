@@ -207,6 +207,7 @@ def test_a_user_box_on_tensor_cores_is_checked(box, expected):
 # ---- the tensor-core and nested renderings compile (real nvcc, no GPU) -------------------------
 
 
+@pytest.mark.nvcc
 @pytest.mark.parametrize("name", ["kb90", "kb65", "conv2d_nested_reductions"])
 def test_runtime_dims_rendering_compiles(name, tmp_path):
     """`specgen bench` builds this variant on the GPU machine; make sure it builds everywhere."""
@@ -240,6 +241,7 @@ TC_VARIANTS = [
 ]
 
 
+@pytest.mark.nvcc
 @pytest.mark.parametrize("what, data", TC_VARIANTS, ids=[f"v{i}" for i in range(len(TC_VARIANTS))])
 def test_tensor_core_variants_build_without_spills(what, data, tmp_path, monkeypatch):
     """Through the pipeline (nvcc, the cache), as FusedLayer and `specgen build` do."""
@@ -251,6 +253,7 @@ def test_tensor_core_variants_build_without_spills(what, data, tmp_path, monkeyp
     assert item.build.registers > 0 and item.build.spill_bytes == 0, (what, item.build.log)
 
 
+@pytest.mark.nvcc
 def test_a_build_that_spills_is_rebuilt_with_one_block_per_sm(tmp_path, monkeypatch):
     """Two blocks per SM cap a thread at 128 registers; this layer needs a few more."""
     from specgen import pipeline

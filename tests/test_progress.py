@@ -100,6 +100,7 @@ def _build_cli(env_root: Path, stderr_tty: bool, tmp_path: Path) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.nvcc
 def test_cli_build_shows_a_bar_on_a_terminal_and_nothing_in_a_pipe(tmp_path):
     """One real build each way (longer than the bar's half-second delay)."""
     root = tmp_path / "cache"

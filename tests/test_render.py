@@ -162,17 +162,7 @@ def test_param_names_equal_to_every_template_identifier_render():
         assert "p_ok," in source or "p_ok)" in source
 
 
-def _nvcc_available() -> bool:
-    from specgen import compile as nvcc
-
-    try:
-        nvcc.find_nvcc()
-    except FileNotFoundError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _nvcc_available(), reason="needs nvcc")
+@pytest.mark.nvcc
 @pytest.mark.parametrize("base", COLLISION_BASES, ids=[b["name"] for b in COLLISION_BASES])
 def test_param_names_equal_to_every_template_identifier_compile(base):
     from specgen import compile as nvcc
@@ -221,7 +211,7 @@ def test_a_source_over_the_cap_is_refused_with_the_numbers(monkeypatch):
         render(spec)
 
 
-@pytest.mark.skipif(not _nvcc_available(), reason="needs nvcc")
+@pytest.mark.nvcc
 def test_nested_powers_compile():
     from specgen import compile as nvcc
     from specgen.spec import validate

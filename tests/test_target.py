@@ -30,17 +30,6 @@ NO_CLUSTERS = ("sm_80", "sm_86", "sm_89")
 CLUSTER_CODE = ("cooperative_groups", "cg::", "__cluster_dims__", "cluster.sync", "map_shared_rank")
 
 
-def _has_nvcc() -> bool:
-    try:
-        nvcc.find_nvcc()
-    except FileNotFoundError:
-        return False
-    return True
-
-
-needs_nvcc = pytest.mark.skipif(not _has_nvcc(), reason="needs nvcc")
-
-
 # ---- the built-in targets ---------------------------------------------------------------------
 
 
@@ -173,7 +162,7 @@ def _specgen(*args, cache: Path):
 REPRESENTATIVE = ("kb65", "conv2d_leaky_scale_lse_all", "conv3x3s2_128_256_relu")
 
 
-@needs_nvcc
+@pytest.mark.nvcc
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a != "sm_90"])  # sm_90: test_cli builds every example
 def test_build_arch_compiles_the_target_dependent_paths(arch, tmp_path):
     subset = tmp_path / "subset.yaml"  # the representative specs of examples/, as their canonical YAML
@@ -190,7 +179,7 @@ def test_build_arch_compiles_the_target_dependent_paths(arch, tmp_path):
         assert f"// target: {t.summary()}" in head
 
 
-@needs_nvcc
+@pytest.mark.nvcc
 @pytest.mark.parametrize("arch", ["sm_75", "sm_52", "sm_120"])
 def test_build_refuses_unusable_archs_before_compiling(arch, tmp_path):
     result = _specgen("build", ROOT / "examples" / "kb90.yaml", "--arch", arch, "--out", tmp_path / "gen", cache=tmp_path / "cache")

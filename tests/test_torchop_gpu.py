@@ -16,16 +16,11 @@ from specgen.spec import load_specs  # noqa: E402
 
 from test_torchop import EXAMPLES, example_specs as _example_specs, shrink  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
 
 
 @pytest.fixture(autouse=True)
-def _fp32_reference():
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
+def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

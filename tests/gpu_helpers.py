@@ -1,0 +1,119 @@
+"""What the GPU tests share: fp32 reference flags, random parameters, NaN-poisoned outputs and the
+accuracy bars against float64.
+
+The bars: an fp32 kernel is within rel. L2 1e-5 of float64 and allclose(1e-4, 1e-4) to PyTorch
+fp32 (TF32 off); a tf32 kernel is within 2x the rel. L2 error of PyTorch's own TF32 convolution
+on the same inputs. Outputs are filled with NaN before the kernel runs, so an element it never
+writes fails the finiteness check.
+
+Only modules that need torch import this one (after `pytest.importorskip("torch")`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from specgen import reference
+
+FP32_REL_L2 = 1e-5
+"""fp32 kernels against float64: relative L2 error at most this."""
+FP32_ATOL = FP32_RTOL = 1e-4
+"""fp32 kernels against PyTorch fp32: torch.allclose with these tolerances."""
+TF32_FACTOR = 2.0
+"""tf32 kernels: at most this times PyTorch's own TF32 error against float64."""
+TF32_ROUNDING = 2.0**-11
+"""The floor of PyTorch's TF32 error (one TF32 rounding per operand): PyTorch may run a small conv in
+full fp32 even with TF32 allowed, and then its error says nothing about TF32."""
+
+
+@contextlib.contextmanager
+def tf32_allowed(allowed: bool) -> Iterator[None]:
+    """PyTorch's cuDNN and matmul TF32 switches set to `allowed` inside, restored after."""
+    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = allowed
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def randomize(layer: torch.nn.Module, gen: torch.Generator) -> None:
+    """Fresh parameters from `gen`: weights (dim > 1) scaled by 0.3, the rest N(0, 1); and the batch-norm
+    statistics of a FusedLayer (variances in [0.5, 1.5))."""
+    inits = layer.spec.param_inits() if hasattr(layer, "spec") else {}
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * (0.3 if p.dim() > 1 else 1.0))
+        for name, b in layer.named_buffers():
+            if name in inits and "var" in name:
+                b.copy_(torch.rand(b.shape, generator=gen, device=b.device) + 0.5)
+            elif name in inits:
+                b.copy_(torch.randn(b.shape, generator=gen, device=b.device))
+
+
+def random_input(spec, batch: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn((batch, spec.input.channels, *spec.input.size), generator=gen, device="cuda")
+
+
+def poisoned(shape) -> torch.Tensor:
+    """An output tensor full of NaN: what the kernel does not write stays NaN."""
+    return torch.full(tuple(shape), float("nan"), device="cuda")
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| in float64 (want's norm floored at 1e-30)."""
+    want = want.double()
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def assert_fp32(what: str, out: torch.Tensor, ref64: torch.Tensor, ref32: torch.Tensor) -> float:
+    """The fp32 bars: finite (no unwritten NaN), rel. L2 to float64 <= 1e-5, allclose to PyTorch fp32."""
+    assert out.shape == ref64.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(ref64.shape)}"
+    assert bool(torch.isfinite(out).all()), f"{what}: unwritten (NaN) or non-finite outputs"
+    rel = rel_l2(out, ref64)
+    assert rel <= FP32_REL_L2, f"{what}: rel L2 {rel:.3e} > {FP32_REL_L2:.0e} against float64"
+    close = torch.allclose(out, ref32, atol=FP32_ATOL, rtol=FP32_RTOL)
+    assert close, f"{what}: not allclose to PyTorch fp32 (max abs diff {(out - ref32).abs().max().item():.3e})"
+    return rel
+
+
+def assert_tf32(what: str, out: torch.Tensor, ref64: torch.Tensor, ref_tf32: torch.Tensor) -> dict:
+    """The tf32 bar: finite, rel. L2 to float64 within 2x PyTorch TF32's own (floored at TF32's rounding)."""
+    assert out.shape == ref64.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(ref64.shape)}"
+    assert bool(torch.isfinite(out).all()), f"{what}: unwritten (NaN) or non-finite outputs"
+    rel, torch_rel = rel_l2(out, ref64), rel_l2(ref_tf32, ref64)
+    bar = TF32_FACTOR * max(torch_rel, TF32_ROUNDING)
+    assert rel <= bar, f"{what}: tf32 rel L2 {rel:.3e} > {bar:.3e} (PyTorch TF32: {torch_rel:.3e})"
+    return {"rel_l2": rel, "torch_rel_l2": torch_rel}
+
+
+def run(layer, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Randomize `layer` and run it on a random input into a NaN-poisoned output: (input, output)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    randomize(layer, gen)
+    x = random_input(layer.spec, batch, gen)
+    out = poisoned(layer.spec.output_shape(batch))
+    layer(x, out=out)
+    torch.cuda.synchronize()
+    return x, out
+
+
+def compare(layer, batch: int, seed: int) -> dict:
+    """Run a FusedLayer on fresh random parameters and input; check it against the reference at its
+    precision's bar (fp32: float64 and PyTorch fp32 with TF32 off; tf32: PyTorch's own TF32)."""
+    spec = layer.spec
+    x, out = run(layer, batch, seed)
+    params = layer.spec_params()
+    what = f"{spec.name} at batch {batch}"
+    with torch.no_grad():
+        ref64 = reference.forward64(spec, x, layer.conv.weight, layer.conv.bias, params)
+        if spec.precision == "fp32":
+            with tf32_allowed(False):
+                ref32 = reference.forward(spec, x, layer.conv.weight, layer.conv.bias, params)
+            return {"rel_l2": assert_fp32(what, out, ref64, ref32)}
+        with tf32_allowed(True):
+            ref_tf32 = reference.forward(spec, x, layer.conv.weight, layer.conv.bias, params)
+        return assert_tf32(what, out, ref64, ref_tf32)
