@@ -427,13 +427,46 @@ class MaxPoolArgs(PoolArgs):
     dilation: IntOrList = 1
 
 
+class OpTableError(RuntimeError):
+    """A row of the op table lacks what a template needs (a bug in the table, not in a spec)."""
+
+
 @dataclass(frozen=True)
 class Pool:
+    """A pool and the CUDA of its window accumulator, as %-format strings over the template's
+    names: `init` the accumulator's start; `combine` an expression of %(acc)s and one more window
+    element %(v)s; `finalize` the window's value from %(acc)s and %(count)s (the window's element
+    count). A global pool that ends the chain is computed as its `reduction` (a REDUCTIONS row)."""
+
     name: str
     args: type[Args]
     reduce: Literal["avg", "max"]
     windowed: bool  # False: a global pool (output size 1 in every spatial dim)
     torch_ref: Callable[[Any, Any, int], Any]  # (x, canonical args, ndim) -> tensor
+    reduction: Optional[str] = None
+    init: Optional[str] = None
+    combine: Optional[str] = None
+    finalize: Optional[str] = None
+
+    def cuda(self) -> dict[str, str]:
+        """The row's CUDA snippets; an OpTableError names any that are missing."""
+        return _snippets("pool", self.name, {"init": self.init, "combine": self.combine, "finalize": self.finalize})
+
+    def global_reduction(self) -> "Reduction":
+        """The REDUCTIONS row a global pool that ends the chain is computed as."""
+        if self.reduction not in REDUCTIONS:
+            raise OpTableError(f"pool {self.name!r} names reduction {self.reduction!r} in specgen.ops, which is not a row of REDUCTIONS")
+        return REDUCTIONS[self.reduction]
+
+
+def _snippets(kind: str, name: str, snippets: dict) -> dict[str, str]:
+    missing = [k for k, v in snippets.items() if not isinstance(v, str) or not v]
+    if missing:
+        raise OpTableError(
+            f"{kind} {name!r} has no CUDA {', '.join(missing)} in specgen.ops: "
+            f"every {kind} row needs {', '.join(snippets)}"
+        )
+    return dict(snippets)
 
 
 def _avg_pool_ref(x, a, nd):
@@ -454,13 +487,16 @@ def _global_ref(kind):
     return ref
 
 
+_AVG = dict(reduction="mean", init="0.0f", combine="%(acc)s + %(v)s", finalize="%(acc)s / %(count)s")
+_MAX = dict(reduction="amax", init="-CUDART_INF_F", combine="fmaxf(%(acc)s, %(v)s)", finalize="%(acc)s")
+
 POOLS: dict[str, Pool] = {
     row.name: row
     for row in [
-        Pool("avg_pool", AvgPoolArgs, "avg", True, _avg_pool_ref),
-        Pool("max_pool", MaxPoolArgs, "max", True, _max_pool_ref),
-        Pool("global_avg_pool", NoArgs, "avg", False, _global_ref("avg")),
-        Pool("global_max_pool", NoArgs, "max", False, _global_ref("max")),
+        Pool("avg_pool", AvgPoolArgs, "avg", True, _avg_pool_ref, **_AVG),
+        Pool("max_pool", MaxPoolArgs, "max", True, _max_pool_ref, **_MAX),
+        Pool("global_avg_pool", NoArgs, "avg", False, _global_ref("avg"), **_AVG),
+        Pool("global_max_pool", NoArgs, "max", False, _global_ref("max"), **_MAX),
     ]
 }
 
@@ -490,24 +526,87 @@ class ReduceArgs(Args):
 
 @dataclass(frozen=True)
 class Reduction:
+    """A reduction and the CUDA of its accumulator, as %-format strings over the template's names.
+
+    The accumulator is a pair of floats %(a)s, %(b)s (b starts at 0 and is used only where a
+    reduction needs two, as logsumexp does). `init`: a's start; `fold`: a statement folding the
+    value %(v)s into (a, b); `merge`: a statement merging another partial accumulator (%(a2)s,
+    %(b2)s) into (a, b); `finalize`: the result's expression from (a, b) and %(count)s, the named
+    constant holding the number of values reduced (emitted only for a finalize that uses it).
+    `helpers`: device functions the snippets call, emitted once per kernel; `note`: what the
+    accumulator holds, for the kernel's comment."""
+
     name: str
-    init: str  # CUDA initial value of the accumulator
-    fold: str  # CUDA statement folding %(v)s into %(acc)s (logsumexp, special-cased, keeps two)
     torch_ref: Callable[[Any, tuple, bool], Any]
+    init: Optional[str] = None
+    fold: Optional[str] = None
+    merge: Optional[str] = None
+    finalize: Optional[str] = None
+    helpers: str = ""
+    note: str = ""
+
+    def cuda(self) -> dict[str, str]:
+        """The row's CUDA snippets; an OpTableError names any that are missing."""
+        return _snippets(
+            "reduction", self.name, {"init": self.init, "fold": self.fold, "merge": self.merge, "finalize": self.finalize}
+        )
+
+    @property
+    def uses_count(self) -> bool:
+        return "%(count)s" in (self.finalize or "")
 
 
 def _lse_ref(x, dims, keepdim):
     return _torch().logsumexp(x, dim=dims, keepdim=keepdim)
 
 
+_LSE_HELPERS = """\
+// logsumexp as a running (max m, scaled sum s): the value is m + log(s).
+__device__ __forceinline__ void lse_fold(float& m, float& s, float v) {
+  if (v > m) { s = s * expf(m - v) + 1.0f; m = v; }
+  else if (v == m) { s += 1.0f; }
+  else if (v > -CUDART_INF_F) { s += expf(v - m); }
+}
+__device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2) {
+  if (m2 > m) { s = s * expf(m - m2) + s2; m = m2; }
+  else if (m2 == m) { s += s2; }
+  else if (m2 > -CUDART_INF_F) { s += s2 * expf(m2 - m); }
+}
+__device__ __forceinline__ float lse_value(float m, float s) { return m == -CUDART_INF_F ? m : m + logf(s); }"""
+
+_SUM = dict(init="0.0f", fold="%(a)s += %(v)s;", merge="%(a)s += %(a2)s;")
+
 REDUCTIONS: dict[str, Reduction] = {
     row.name: row
     for row in [
-        Reduction("sum", "0.0f", "%(acc)s += %(v)s;", lambda x, d, k: _torch().sum(x, dim=d, keepdim=k)),
-        Reduction("mean", "0.0f", "%(acc)s += %(v)s;", lambda x, d, k: _torch().mean(x, dim=d, keepdim=k)),
-        Reduction("amax", "-CUDART_INF_F", "%(acc)s = fmaxf(%(acc)s, %(v)s);", lambda x, d, k: _torch().amax(x, dim=d, keepdim=k)),
-        Reduction("amin", "CUDART_INF_F", "%(acc)s = fminf(%(acc)s, %(v)s);", lambda x, d, k: _torch().amin(x, dim=d, keepdim=k)),
-        Reduction("logsumexp", "-CUDART_INF_F", "", _lse_ref),
+        Reduction("sum", lambda x, d, k: _torch().sum(x, dim=d, keepdim=k), **_SUM, finalize="%(a)s"),
+        Reduction("mean", lambda x, d, k: _torch().mean(x, dim=d, keepdim=k), **_SUM, finalize="%(a)s / %(count)s"),
+        Reduction(
+            "amax",
+            lambda x, d, k: _torch().amax(x, dim=d, keepdim=k),
+            init="-CUDART_INF_F",
+            fold="%(a)s = fmaxf(%(a)s, %(v)s);",
+            merge="%(a)s = fmaxf(%(a)s, %(a2)s);",
+            finalize="%(a)s",
+        ),
+        Reduction(
+            "amin",
+            lambda x, d, k: _torch().amin(x, dim=d, keepdim=k),
+            init="CUDART_INF_F",
+            fold="%(a)s = fminf(%(a)s, %(v)s);",
+            merge="%(a)s = fminf(%(a)s, %(a2)s);",
+            finalize="%(a)s",
+        ),
+        Reduction(
+            "logsumexp",
+            _lse_ref,
+            init="-CUDART_INF_F",
+            fold="lse_fold(%(a)s, %(b)s, %(v)s);",
+            merge="lse_merge(%(a)s, %(b)s, %(a2)s, %(b2)s);",
+            finalize="lse_value(%(a)s, %(b)s)",
+            helpers=_LSE_HELPERS,
+            note=" (running max, scaled sum)",
+        ),
     ]
 }
 

@@ -375,6 +375,7 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
                 "out": out,
                 "window": pk[0] * pk[1] * pk[2],
                 "count_valid": pool.reduce == "avg" and not include_pad and any(pp),
+                **pool.cuda(),
                 "pointwise": [],
             }
         )
@@ -418,7 +419,7 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
             continue
         before = shapes[i]
         if stage.kind == "pool":  # a global pool: mean / amax over the spatial dims, keepdim
-            op = "mean" if ops.POOLS[stage.op].reduce == "avg" else "amax"
+            op = ops.POOLS[stage.op].global_reduction().name
             axes = [role_to_axis[a.role] for a in before.axes if a.role != "c"]
         else:
             op = stage.op
@@ -435,8 +436,9 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
                 "op": op,
                 "axes": axes,
                 "count": count,
-                "init": red.init,
-                "fold": red.fold,
+                **red.cuda(),
+                "helpers": red.helpers,
+                "note": red.note,
                 "pointwise": [],
                 "comment": f"epilogue[{i}] {stage.op} over {', '.join(AXIS_NAMES[a] for a in axes)} ({count} values)"
                 + (f", computed as {op}" if op != stage.op else ""),
@@ -460,10 +462,11 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     srole = {a: "F" if batched and r == "R2" else r for a, r in role.items()}
     for j, r in enumerate(reductions):
         r["level"] = j + 1
+        r["count_const"] = f"R{j + 1}_COUNT"  # the named number of values reduced, for a finalize that uses it
         # the channel coordinate the level's pointwise ops see
         r["channel"] = "0" if r["channel_reduced"] else ("f_c" if srole["c"] == "F" else "o_c")
-        if r["op"] == "mean":
-            consts.append(Constant(f"R{j + 1}_COUNT", c_float(r["count"]), f"values per mean of {r['comment']}", "float"))
+        if ops.REDUCTIONS[r["op"]].uses_count:
+            consts.append(Constant(r["count_const"], c_float(r["count"]), f"values per {r['op']} of {r['comment']}", "float"))
 
     # ---- tiling -------------------------------------------------------------------------------
     tile = spec.tile
