@@ -266,10 +266,24 @@ class Pointwise:
     params: Callable[[Any], tuple[str, ...]] = field(default=lambda a: ())
     # How a layer creates them, by name (left out: a parameter drawn from a standard normal).
     param_init: Callable[[Any], dict] = field(default=lambda a: {})
+    # For the affine fold: `affine(args, scale, shift)` composes this op, as v -> a * v + b, onto
+    # the map v -> scale * v + shift and returns the new (scale, shift), or None where this
+    # instance is no constant affine map (a per-channel operand, a division by zero). None: the
+    # op is not affine and the fold stops at it.
+    affine: Optional[Callable[[Any, float, float], Optional[tuple[float, float]]]] = None
 
     def constants(self, args: Args) -> dict[str, float]:
         """The float fields of `args` that become named constexprs (None means 'not used')."""
         return {k: v for k, v in args.model_dump().items() if isinstance(v, float)}
+
+
+def _affine(step: Callable[[float, float, float], Optional[tuple[float, float]]]):
+    """An add/sub/mul/div row's affine composition: by a constant `value` only."""
+
+    def compose(a: OperandArgs, scale: float, shift: float):
+        return None if a.param is not None else step(scale, shift, float(a.value))
+
+    return compose
 
 
 def _softplus_c(a, x, k):
@@ -342,6 +356,7 @@ _POINTWISE_ROWS = [
         lambda a, x, k: f"({x} + {_operand(a, k)})",
         lambda x, a, p: x + _operand_ref(a, x, p),
         params=lambda a: () if a.param is None else (a.param,),
+        affine=_affine(lambda s, t, v: (s, t + v)),
     ),
     Pointwise(
         "sub",
@@ -349,6 +364,7 @@ _POINTWISE_ROWS = [
         lambda a, x, k: f"({x} - {_operand(a, k)})",
         lambda x, a, p: x - _operand_ref(a, x, p),
         params=lambda a: () if a.param is None else (a.param,),
+        affine=_affine(lambda s, t, v: (s, t - v)),
     ),
     Pointwise(
         "mul",
@@ -356,6 +372,7 @@ _POINTWISE_ROWS = [
         lambda a, x, k: f"({x} * {_operand(a, k)})",
         lambda x, a, p: x * _operand_ref(a, x, p),
         params=lambda a: () if a.param is None else (a.param,),
+        affine=_affine(lambda s, t, v: (s * v, t * v)),
     ),
     Pointwise(
         "div",
@@ -363,6 +380,7 @@ _POINTWISE_ROWS = [
         lambda a, x, k: f"({x} / {_operand(a, k)})",
         lambda x, a, p: x / _operand_ref(a, x, p),
         params=lambda a: () if a.param is None else (a.param,),
+        affine=_affine(lambda s, t, v: None if v == 0.0 else (s / v, t / v)),
     ),
     Pointwise(
         "min",

@@ -266,13 +266,13 @@ def tile_pt_default(t1, w_in_box: bool) -> int:
     return min(4, t1[3]) if w_in_box else 1
 
 
-AFFINE_OPS = {"mul", "div", "add", "sub"}
 AFFINE_SCALE_RANGE = (2.0**-64, 2.0**64)  # |scale| outside: no fold (weights could under/overflow)
 
 
 def _affine_fold(spec: LayerSpec, level0: dict, consts: list[Constant]) -> dict | None:
-    """Fold the scalar affine ops (mul/div/add/sub by a constant) that directly follow the conv into
-    its weights and bias: v -> scale * v + shift becomes W' = scale * W, b' = scale * b + shift.
+    """Fold the scalar affine ops (the op table's rows with `affine`: mul/div/add/sub by a constant)
+    that directly follow the conv into its weights and bias: v -> scale * v + shift becomes
+    W' = scale * W, b' = scale * b + shift.
 
     Exact in real arithmetic. In float32 it moves roundings: scale and shift are computed in double
     and rounded once, and each weight and the bias are rounded once more after scaling, so the
@@ -281,19 +281,11 @@ def _affine_fold(spec: LayerSpec, level0: dict, consts: list[Constant]) -> dict 
     scale, shift, taken = 1.0, 0.0, []
     for st in level0["pointwise"]:
         stage = spec.epilogue[st["index"]]
-        if stage.op not in AFFINE_OPS or stage.args.param is not None:
+        compose = ops.POINTWISE[stage.op].affine
+        folded = compose(stage.args, scale, shift) if compose is not None else None
+        if folded is None:
             break
-        value = float(stage.args.value)
-        if stage.op == "mul":
-            scale, shift = scale * value, shift * value
-        elif stage.op == "div":
-            if value == 0.0:
-                break
-            scale, shift = scale / value, shift / value
-        elif stage.op == "add":
-            shift += value
-        else:
-            shift -= value
+        scale, shift = folded
         taken.append(st)
     if not taken or not AFFINE_SCALE_RANGE[0] <= abs(scale) <= AFFINE_SCALE_RANGE[1] or not abs(shift) <= FLOAT32_MAX:
         return None

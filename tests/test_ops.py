@@ -124,3 +124,35 @@ def test_a_global_pool_at_the_end_is_computed_as_its_rows_reduction(monkeypatch)
     monkeypatch.setitem(ops.POOLS, "global_avg_pool", dataclasses.replace(ops.POOLS["global_avg_pool"], reduction="sum"))
     plan = build_plan(validate(layer("global_avg_pool")))
     assert [r["op"] for r in plan["reductions"]] == ["sum"]
+
+
+# ---- the affine fold ----------------------------------------------------------------------------
+
+
+def test_the_affine_ops_are_the_rows_with_an_affine_column():
+    assert {n for n, row in ops.POINTWISE.items() if row.affine is not None} == {"add", "sub", "mul", "div"}
+
+
+@pytest.mark.parametrize(
+    "op, value, expected",
+    [("mul", 3.0, (6.0, 1.5)), ("div", 4.0, (0.5, 0.125)), ("add", 0.25, (2.0, 0.75)), ("sub", 0.25, (2.0, 0.25)), ("div", 0.0, None)],
+)
+def test_affine_composes_onto_scale_and_shift(op, value, expected):
+    row = ops.POINTWISE[op]
+    assert row.affine(row.args.model_validate(value), 2.0, 0.5) == expected
+
+
+def test_a_per_channel_operand_is_not_affine():
+    row = ops.POINTWISE["mul"]
+    assert row.affine(row.args.model_validate("scale"), 1.0, 0.0) is None
+
+
+def test_the_fold_reads_the_affine_column(monkeypatch):
+    spec = validate(layer({"mul": 2.0}, "relu"))
+    assert build_plan(spec)["affine"]["scale"] == 2.0
+    monkeypatch.setitem(ops.POINTWISE, "mul", dataclasses.replace(ops.POINTWISE["mul"], affine=None))
+    assert build_plan(spec)["affine"] is None
+    # and an op the table marks affine folds, whatever its name
+    relu = dataclasses.replace(ops.POINTWISE["relu"], affine=lambda a, s, t: (s * 3.0, t))
+    monkeypatch.setitem(ops.POINTWISE, "relu", relu)
+    assert build_plan(validate(layer("relu")))["affine"]["scale"] == 3.0
