@@ -1,8 +1,12 @@
 """The op vocabulary: one table per stage kind.
 
 Every pointwise op is one row of `POINTWISE`: its parameters (a Pydantic model), its CUDA
-expression and its PyTorch reference. Adding an op means adding a row here, nothing else:
-the spec, the plan, the template and the reference all read this table.
+expression, its PyTorch reference, whether it is affine (for the plan's affine fold) and the
+expr function that means the same. Every pool is a row of `POOLS` and every reduction a row of
+`REDUCTIONS`, with the CUDA of their accumulators (init, combine or fold and merge, finalize).
+Adding an op means adding a row here, nothing else: the spec, the plan, the template and the
+reference all read this table, and the templates know no op by name (a row missing a snippet is
+an `OpTableError` when a kernel that uses it is rendered).
 
 CUDA expressions are built by `cuda(args, x, names)`: `x` is the C expression of the value,
 `names[field]` the C spelling of a folded constant (a named constexpr) and `names[param]` the
@@ -271,6 +275,11 @@ class Pointwise:
     # instance is no constant affine map (a per-channel operand, a division by zero). None: the
     # op is not affine and the fold stops at it.
     affine: Optional[Callable[[Any, float, float], Optional[tuple[float, float]]]] = None
+    # The function of specgen.expr that means the same op, called as name(x, *operands) with the
+    # float fields `expr_operands` as its further arguments; expr_function_mismatches() checks
+    # that both spell the same CUDA and the same PyTorch result.
+    expr_function: Optional[str] = None
+    expr_operands: tuple[str, ...] = ()
 
     def constants(self, args: Args) -> dict[str, float]:
         """The float fields of `args` that become named constexprs (None means 'not used')."""
@@ -300,7 +309,9 @@ def _clamp_c(a, x, k):
 
 
 _POINTWISE_ROWS = [
-    Pointwise("relu", NoArgs, lambda a, x, k: f"fmaxf({x}, 0.0f)", lambda x, a, p: _F().relu(x), "max(x, 0)"),
+    Pointwise(
+        "relu", NoArgs, lambda a, x, k: f"fmaxf({x}, 0.0f)", lambda x, a, p: _F().relu(x), "max(x, 0)", expr_function="relu"
+    ),
     Pointwise(
         "leaky_relu",
         LeakyReluArgs,
@@ -319,8 +330,14 @@ _POINTWISE_ROWS = [
         lambda x, a, p: _F().gelu(x, approximate=a.approximate),
         "exact (erf) or tanh-approximated GELU",
     ),
-    Pointwise("sigmoid", NoArgs, lambda a, x, k: f"(1.0f / (1.0f + expf(-({x}))))", lambda x, a, p: _torch().sigmoid(x)),
-    Pointwise("tanh", NoArgs, lambda a, x, k: f"tanhf({x})", lambda x, a, p: _torch().tanh(x)),
+    Pointwise(
+        "sigmoid",
+        NoArgs,
+        lambda a, x, k: f"(1.0f / (1.0f + expf(-({x}))))",
+        lambda x, a, p: _torch().sigmoid(x),
+        expr_function="sigmoid",
+    ),
+    Pointwise("tanh", NoArgs, lambda a, x, k: f"tanhf({x})", lambda x, a, p: _torch().tanh(x), expr_function="tanh"),
     Pointwise(
         "mish",
         NoArgs,
@@ -341,7 +358,14 @@ _POINTWISE_ROWS = [
         lambda a, x, k: f"fminf(fmaxf({x}, {k['min_val']}), {k['max_val']})",
         lambda x, a, p: _F().hardtanh(x, a.min_val, a.max_val),
     ),
-    Pointwise("clamp", ClampArgs, _clamp_c, lambda x, a, p: _torch().clamp(x, min=a.min, max=a.max)),
+    Pointwise(
+        "clamp",
+        ClampArgs,
+        _clamp_c,
+        lambda x, a, p: _torch().clamp(x, min=a.min, max=a.max),
+        expr_function="clamp",
+        expr_operands=("min", "max"),
+    ),
     Pointwise("silu", NoArgs, lambda a, x, k: f"(({x}) / (1.0f + expf(-({x}))))", lambda x, a, p: _F().silu(x)),
     Pointwise(
         "softplus",
@@ -388,6 +412,8 @@ _POINTWISE_ROWS = [
         lambda a, x, k: f"fminf({x}, {k['value']})",
         lambda x, a, p: _torch().clamp(x, max=a.value),
         "min(x, value)",
+        expr_function="min",
+        expr_operands=("value",),
     ),
     Pointwise(
         "max",
@@ -395,6 +421,8 @@ _POINTWISE_ROWS = [
         lambda a, x, k: f"fmaxf({x}, {k['value']})",
         lambda x, a, p: _torch().clamp(x, min=a.value),
         "max(x, value)",
+        expr_function="max",
+        expr_operands=("value",),
     ),
     Pointwise(
         "expr",
@@ -415,6 +443,39 @@ _POINTWISE_ROWS = [
     ),
 ]
 POINTWISE: dict[str, Pointwise] = {row.name: row for row in _POINTWISE_ROWS}
+
+
+def expr_function_mismatches(samples=(-3.0, -0.5, 0.0, 0.25, 2.0)) -> list[str]:
+    """Where a pointwise row and the expr function it names (`expr_function`) disagree: arity, CUDA
+    spelling, or PyTorch value on `samples` (operands fixed at 0.0 <= 0.5). Empty: they agree."""
+    problems = []
+    for row in _POINTWISE_ROWS:
+        if row.expr_function is None:
+            continue
+        where = f"pointwise {row.name!r} / expr function {row.expr_function!r}"
+        if row.expr_function not in expr_mod.FUNCTIONS:
+            problems.append(f"{where}: not a function of specgen.expr")
+            continue
+        arity, spelling, _ = expr_mod.FUNCTIONS[row.expr_function]
+        operands = dict(zip(row.expr_operands, (0.0, 0.5)))
+        if arity != 1 + len(operands) or len(operands) != len(row.expr_operands):
+            problems.append(f"{where}: expr takes {arity} argument(s), the row gives 1 + {len(row.expr_operands)}")
+            continue
+        args = row.args.model_validate(operands)
+        names = {field: "{%d}" % (i + 1) for i, field in enumerate(row.expr_operands)}
+        cuda = row.cuda(args, "{0}", names)
+        if cuda != spelling:
+            problems.append(f"{where}: CUDA {cuda!r} != {spelling!r}")
+        try:
+            torch = _torch()
+        except ImportError:
+            continue
+        x = torch.tensor(samples, dtype=torch.float32)
+        call = f"{row.expr_function}({', '.join(['x', *(repr(v) for v in operands.values())])})"
+        want, got = row.torch_ref(x, args, {}), expr_mod.parse(call).to_torch(x, {})
+        if not torch.equal(want, got):
+            problems.append(f"{where}: PyTorch {got.tolist()} != {want.tolist()} on {list(samples)}")
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------

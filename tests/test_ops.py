@@ -156,3 +156,30 @@ def test_the_fold_reads_the_affine_column(monkeypatch):
     relu = dataclasses.replace(ops.POINTWISE["relu"], affine=lambda a, s, t: (s * 3.0, t))
     monkeypatch.setitem(ops.POINTWISE, "relu", relu)
     assert build_plan(validate(layer("relu")))["affine"]["scale"] == 3.0
+
+
+# ---- expr's functions against the pointwise table ------------------------------------------------
+
+
+def test_expr_functions_agree_with_the_pointwise_rows_that_name_them():
+    named = {row.expr_function for row in ops.POINTWISE.values() if row.expr_function}
+    assert named == {"relu", "sigmoid", "tanh", "min", "max", "clamp"}
+    assert ops.expr_function_mismatches() == []
+
+
+def test_a_diverging_expr_spelling_is_caught(monkeypatch):
+    from specgen import expr
+
+    monkeypatch.setitem(expr.FUNCTIONS, "relu", (1, "fmaxf({0}, 1.0f)", "relu"))
+    monkeypatch.setitem(expr.FUNCTIONS, "max", (2, "fmaxf({0}, {1})", "minimum"))
+    monkeypatch.setattr(expr, "_compiled", {})  # torch closures are memoized by text
+    problems = ops.expr_function_mismatches()
+    assert len(problems) == 2
+    assert "pointwise 'relu' / expr function 'relu': CUDA 'fmaxf({0}, 0.0f)' != 'fmaxf({0}, 1.0f)'" in problems
+    assert any(p.startswith("pointwise 'max' / expr function 'max': PyTorch") for p in problems)
+
+
+def test_a_wrong_arity_is_caught(monkeypatch):
+    rows = [dataclasses.replace(r, expr_operands=("min",)) if r.name == "clamp" else r for r in ops._POINTWISE_ROWS]
+    monkeypatch.setattr(ops, "_POINTWISE_ROWS", rows)
+    assert ops.expr_function_mismatches() == ["pointwise 'clamp' / expr function 'clamp': expr takes 3 argument(s), the row gives 1 + 1"]
