@@ -24,7 +24,9 @@ MAX_LENGTH = 512
 # signs overflowed Python's stack.
 MAX_DEPTH = 256
 
-# name -> (arity, CUDA spelling as a format string over {0}, {1}, ..., torch reference)
+# name -> (arity, CUDA spelling as a format string over {0}, {1}, ..., torch reference). A function
+# that is also a pointwise op is checked against its row of specgen.ops (`expr_function`):
+# ops.expr_function_mismatches() lists any difference in arity, CUDA or PyTorch value.
 FUNCTIONS: dict[str, tuple[int, str, str]] = {
     "abs": (1, "fabsf({0})", "abs"),
     "exp": (1, "expf({0})", "exp"),

@@ -1,8 +1,12 @@
 """The op vocabulary: one table per stage kind.
 
 Every pointwise op is one row of `POINTWISE`: its parameters (a Pydantic model), its CUDA
-expression and its PyTorch reference. Adding an op means adding a row here, nothing else:
-the spec, the plan, the template and the reference all read this table.
+expression, its PyTorch reference, whether it is affine (for the plan's affine fold) and the
+expr function that means the same. Every pool is a row of `POOLS` and every reduction a row of
+`REDUCTIONS`, with the CUDA of their accumulators (init, combine or fold and merge, finalize).
+Adding an op means adding a row here, nothing else: the spec, the plan, the template and the
+reference all read this table, and the templates know no op by name (a row missing a snippet is
+an `OpTableError` when a kernel that uses it is rendered).
 
 CUDA expressions are built by `cuda(args, x, names)`: `x` is the C expression of the value,
 `names[field]` the C spelling of a folded constant (a named constexpr) and `names[param]` the
@@ -266,10 +270,29 @@ class Pointwise:
     params: Callable[[Any], tuple[str, ...]] = field(default=lambda a: ())
     # How a layer creates them, by name (left out: a parameter drawn from a standard normal).
     param_init: Callable[[Any], dict] = field(default=lambda a: {})
+    # For the affine fold: `affine(args, scale, shift)` composes this op, as v -> a * v + b, onto
+    # the map v -> scale * v + shift and returns the new (scale, shift), or None where this
+    # instance is no constant affine map (a per-channel operand, a division by zero). None: the
+    # op is not affine and the fold stops at it.
+    affine: Optional[Callable[[Any, float, float], Optional[tuple[float, float]]]] = None
+    # The function of specgen.expr that means the same op, called as name(x, *operands) with the
+    # float fields `expr_operands` as its further arguments; expr_function_mismatches() checks
+    # that both spell the same CUDA and the same PyTorch result.
+    expr_function: Optional[str] = None
+    expr_operands: tuple[str, ...] = ()
 
     def constants(self, args: Args) -> dict[str, float]:
         """The float fields of `args` that become named constexprs (None means 'not used')."""
         return {k: v for k, v in args.model_dump().items() if isinstance(v, float)}
+
+
+def _affine(step: Callable[[float, float, float], Optional[tuple[float, float]]]):
+    """An add/sub/mul/div row's affine composition: by a constant `value` only."""
+
+    def compose(a: OperandArgs, scale: float, shift: float):
+        return None if a.param is not None else step(scale, shift, float(a.value))
+
+    return compose
 
 
 def _softplus_c(a, x, k):
@@ -286,7 +309,9 @@ def _clamp_c(a, x, k):
 
 
 _POINTWISE_ROWS = [
-    Pointwise("relu", NoArgs, lambda a, x, k: f"fmaxf({x}, 0.0f)", lambda x, a, p: _F().relu(x), "max(x, 0)"),
+    Pointwise(
+        "relu", NoArgs, lambda a, x, k: f"fmaxf({x}, 0.0f)", lambda x, a, p: _F().relu(x), "max(x, 0)", expr_function="relu"
+    ),
     Pointwise(
         "leaky_relu",
         LeakyReluArgs,
@@ -305,8 +330,14 @@ _POINTWISE_ROWS = [
         lambda x, a, p: _F().gelu(x, approximate=a.approximate),
         "exact (erf) or tanh-approximated GELU",
     ),
-    Pointwise("sigmoid", NoArgs, lambda a, x, k: f"(1.0f / (1.0f + expf(-({x}))))", lambda x, a, p: _torch().sigmoid(x)),
-    Pointwise("tanh", NoArgs, lambda a, x, k: f"tanhf({x})", lambda x, a, p: _torch().tanh(x)),
+    Pointwise(
+        "sigmoid",
+        NoArgs,
+        lambda a, x, k: f"(1.0f / (1.0f + expf(-({x}))))",
+        lambda x, a, p: _torch().sigmoid(x),
+        expr_function="sigmoid",
+    ),
+    Pointwise("tanh", NoArgs, lambda a, x, k: f"tanhf({x})", lambda x, a, p: _torch().tanh(x), expr_function="tanh"),
     Pointwise(
         "mish",
         NoArgs,
@@ -327,7 +358,14 @@ _POINTWISE_ROWS = [
         lambda a, x, k: f"fminf(fmaxf({x}, {k['min_val']}), {k['max_val']})",
         lambda x, a, p: _F().hardtanh(x, a.min_val, a.max_val),
     ),
-    Pointwise("clamp", ClampArgs, _clamp_c, lambda x, a, p: _torch().clamp(x, min=a.min, max=a.max)),
+    Pointwise(
+        "clamp",
+        ClampArgs,
+        _clamp_c,
+        lambda x, a, p: _torch().clamp(x, min=a.min, max=a.max),
+        expr_function="clamp",
+        expr_operands=("min", "max"),
+    ),
     Pointwise("silu", NoArgs, lambda a, x, k: f"(({x}) / (1.0f + expf(-({x}))))", lambda x, a, p: _F().silu(x)),
     Pointwise(
         "softplus",
@@ -342,6 +380,7 @@ _POINTWISE_ROWS = [
         lambda a, x, k: f"({x} + {_operand(a, k)})",
         lambda x, a, p: x + _operand_ref(a, x, p),
         params=lambda a: () if a.param is None else (a.param,),
+        affine=_affine(lambda s, t, v: (s, t + v)),
     ),
     Pointwise(
         "sub",
@@ -349,6 +388,7 @@ _POINTWISE_ROWS = [
         lambda a, x, k: f"({x} - {_operand(a, k)})",
         lambda x, a, p: x - _operand_ref(a, x, p),
         params=lambda a: () if a.param is None else (a.param,),
+        affine=_affine(lambda s, t, v: (s, t - v)),
     ),
     Pointwise(
         "mul",
@@ -356,6 +396,7 @@ _POINTWISE_ROWS = [
         lambda a, x, k: f"({x} * {_operand(a, k)})",
         lambda x, a, p: x * _operand_ref(a, x, p),
         params=lambda a: () if a.param is None else (a.param,),
+        affine=_affine(lambda s, t, v: (s * v, t * v)),
     ),
     Pointwise(
         "div",
@@ -363,6 +404,7 @@ _POINTWISE_ROWS = [
         lambda a, x, k: f"({x} / {_operand(a, k)})",
         lambda x, a, p: x / _operand_ref(a, x, p),
         params=lambda a: () if a.param is None else (a.param,),
+        affine=_affine(lambda s, t, v: None if v == 0.0 else (s / v, t / v)),
     ),
     Pointwise(
         "min",
@@ -370,6 +412,8 @@ _POINTWISE_ROWS = [
         lambda a, x, k: f"fminf({x}, {k['value']})",
         lambda x, a, p: _torch().clamp(x, max=a.value),
         "min(x, value)",
+        expr_function="min",
+        expr_operands=("value",),
     ),
     Pointwise(
         "max",
@@ -377,6 +421,8 @@ _POINTWISE_ROWS = [
         lambda a, x, k: f"fmaxf({x}, {k['value']})",
         lambda x, a, p: _torch().clamp(x, min=a.value),
         "max(x, value)",
+        expr_function="max",
+        expr_operands=("value",),
     ),
     Pointwise(
         "expr",
@@ -397,6 +443,39 @@ _POINTWISE_ROWS = [
     ),
 ]
 POINTWISE: dict[str, Pointwise] = {row.name: row for row in _POINTWISE_ROWS}
+
+
+def expr_function_mismatches(samples=(-3.0, -0.5, 0.0, 0.25, 2.0)) -> list[str]:
+    """Where a pointwise row and the expr function it names (`expr_function`) disagree: arity, CUDA
+    spelling, or PyTorch value on `samples` (operands fixed at 0.0 <= 0.5). Empty: they agree."""
+    problems = []
+    for row in _POINTWISE_ROWS:
+        if row.expr_function is None:
+            continue
+        where = f"pointwise {row.name!r} / expr function {row.expr_function!r}"
+        if row.expr_function not in expr_mod.FUNCTIONS:
+            problems.append(f"{where}: not a function of specgen.expr")
+            continue
+        arity, spelling, _ = expr_mod.FUNCTIONS[row.expr_function]
+        operands = dict(zip(row.expr_operands, (0.0, 0.5)))
+        if arity != 1 + len(operands) or len(operands) != len(row.expr_operands):
+            problems.append(f"{where}: expr takes {arity} argument(s), the row gives 1 + {len(row.expr_operands)}")
+            continue
+        args = row.args.model_validate(operands)
+        names = {field: "{%d}" % (i + 1) for i, field in enumerate(row.expr_operands)}
+        cuda = row.cuda(args, "{0}", names)
+        if cuda != spelling:
+            problems.append(f"{where}: CUDA {cuda!r} != {spelling!r}")
+        try:
+            torch = _torch()
+        except ImportError:
+            continue
+        x = torch.tensor(samples, dtype=torch.float32)
+        call = f"{row.expr_function}({', '.join(['x', *(repr(v) for v in operands.values())])})"
+        want, got = row.torch_ref(x, args, {}), expr_mod.parse(call).to_torch(x, {})
+        if not torch.equal(want, got):
+            problems.append(f"{where}: PyTorch {got.tolist()} != {want.tolist()} on {list(samples)}")
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,13 +506,46 @@ class MaxPoolArgs(PoolArgs):
     dilation: IntOrList = 1
 
 
+class OpTableError(RuntimeError):
+    """A row of the op table lacks what a template needs (a bug in the table, not in a spec)."""
+
+
 @dataclass(frozen=True)
 class Pool:
+    """A pool and the CUDA of its window accumulator, as %-format strings over the template's
+    names: `init` the accumulator's start; `combine` an expression of %(acc)s and one more window
+    element %(v)s; `finalize` the window's value from %(acc)s and %(count)s (the window's element
+    count). A global pool that ends the chain is computed as its `reduction` (a REDUCTIONS row)."""
+
     name: str
     args: type[Args]
     reduce: Literal["avg", "max"]
     windowed: bool  # False: a global pool (output size 1 in every spatial dim)
     torch_ref: Callable[[Any, Any, int], Any]  # (x, canonical args, ndim) -> tensor
+    reduction: Optional[str] = None
+    init: Optional[str] = None
+    combine: Optional[str] = None
+    finalize: Optional[str] = None
+
+    def cuda(self) -> dict[str, str]:
+        """The row's CUDA snippets; an OpTableError names any that are missing."""
+        return _snippets("pool", self.name, {"init": self.init, "combine": self.combine, "finalize": self.finalize})
+
+    def global_reduction(self) -> "Reduction":
+        """The REDUCTIONS row a global pool that ends the chain is computed as."""
+        if self.reduction not in REDUCTIONS:
+            raise OpTableError(f"pool {self.name!r} names reduction {self.reduction!r} in specgen.ops, which is not a row of REDUCTIONS")
+        return REDUCTIONS[self.reduction]
+
+
+def _snippets(kind: str, name: str, snippets: dict) -> dict[str, str]:
+    missing = [k for k, v in snippets.items() if not isinstance(v, str) or not v]
+    if missing:
+        raise OpTableError(
+            f"{kind} {name!r} has no CUDA {', '.join(missing)} in specgen.ops: "
+            f"every {kind} row needs {', '.join(snippets)}"
+        )
+    return dict(snippets)
 
 
 def _avg_pool_ref(x, a, nd):
@@ -454,13 +566,16 @@ def _global_ref(kind):
     return ref
 
 
+_AVG = dict(reduction="mean", init="0.0f", combine="%(acc)s + %(v)s", finalize="%(acc)s / %(count)s")
+_MAX = dict(reduction="amax", init="-CUDART_INF_F", combine="fmaxf(%(acc)s, %(v)s)", finalize="%(acc)s")
+
 POOLS: dict[str, Pool] = {
     row.name: row
     for row in [
-        Pool("avg_pool", AvgPoolArgs, "avg", True, _avg_pool_ref),
-        Pool("max_pool", MaxPoolArgs, "max", True, _max_pool_ref),
-        Pool("global_avg_pool", NoArgs, "avg", False, _global_ref("avg")),
-        Pool("global_max_pool", NoArgs, "max", False, _global_ref("max")),
+        Pool("avg_pool", AvgPoolArgs, "avg", True, _avg_pool_ref, **_AVG),
+        Pool("max_pool", MaxPoolArgs, "max", True, _max_pool_ref, **_MAX),
+        Pool("global_avg_pool", NoArgs, "avg", False, _global_ref("avg"), **_AVG),
+        Pool("global_max_pool", NoArgs, "max", False, _global_ref("max"), **_MAX),
     ]
 }
 
@@ -490,24 +605,87 @@ class ReduceArgs(Args):
 
 @dataclass(frozen=True)
 class Reduction:
+    """A reduction and the CUDA of its accumulator, as %-format strings over the template's names.
+
+    The accumulator is a pair of floats %(a)s, %(b)s (b starts at 0 and is used only where a
+    reduction needs two, as logsumexp does). `init`: a's start; `fold`: a statement folding the
+    value %(v)s into (a, b); `merge`: a statement merging another partial accumulator (%(a2)s,
+    %(b2)s) into (a, b); `finalize`: the result's expression from (a, b) and %(count)s, the named
+    constant holding the number of values reduced (emitted only for a finalize that uses it).
+    `helpers`: device functions the snippets call, emitted once per kernel; `note`: what the
+    accumulator holds, for the kernel's comment."""
+
     name: str
-    init: str  # CUDA initial value of the accumulator
-    fold: str  # CUDA statement folding %(v)s into %(acc)s (logsumexp, special-cased, keeps two)
     torch_ref: Callable[[Any, tuple, bool], Any]
+    init: Optional[str] = None
+    fold: Optional[str] = None
+    merge: Optional[str] = None
+    finalize: Optional[str] = None
+    helpers: str = ""
+    note: str = ""
+
+    def cuda(self) -> dict[str, str]:
+        """The row's CUDA snippets; an OpTableError names any that are missing."""
+        return _snippets(
+            "reduction", self.name, {"init": self.init, "fold": self.fold, "merge": self.merge, "finalize": self.finalize}
+        )
+
+    @property
+    def uses_count(self) -> bool:
+        return "%(count)s" in (self.finalize or "")
 
 
 def _lse_ref(x, dims, keepdim):
     return _torch().logsumexp(x, dim=dims, keepdim=keepdim)
 
 
+_LSE_HELPERS = """\
+// logsumexp as a running (max m, scaled sum s): the value is m + log(s).
+__device__ __forceinline__ void lse_fold(float& m, float& s, float v) {
+  if (v > m) { s = s * expf(m - v) + 1.0f; m = v; }
+  else if (v == m) { s += 1.0f; }
+  else if (v > -CUDART_INF_F) { s += expf(v - m); }
+}
+__device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2) {
+  if (m2 > m) { s = s * expf(m - m2) + s2; m = m2; }
+  else if (m2 == m) { s += s2; }
+  else if (m2 > -CUDART_INF_F) { s += s2 * expf(m2 - m); }
+}
+__device__ __forceinline__ float lse_value(float m, float s) { return m == -CUDART_INF_F ? m : m + logf(s); }"""
+
+_SUM = dict(init="0.0f", fold="%(a)s += %(v)s;", merge="%(a)s += %(a2)s;")
+
 REDUCTIONS: dict[str, Reduction] = {
     row.name: row
     for row in [
-        Reduction("sum", "0.0f", "%(acc)s += %(v)s;", lambda x, d, k: _torch().sum(x, dim=d, keepdim=k)),
-        Reduction("mean", "0.0f", "%(acc)s += %(v)s;", lambda x, d, k: _torch().mean(x, dim=d, keepdim=k)),
-        Reduction("amax", "-CUDART_INF_F", "%(acc)s = fmaxf(%(acc)s, %(v)s);", lambda x, d, k: _torch().amax(x, dim=d, keepdim=k)),
-        Reduction("amin", "CUDART_INF_F", "%(acc)s = fminf(%(acc)s, %(v)s);", lambda x, d, k: _torch().amin(x, dim=d, keepdim=k)),
-        Reduction("logsumexp", "-CUDART_INF_F", "", _lse_ref),
+        Reduction("sum", lambda x, d, k: _torch().sum(x, dim=d, keepdim=k), **_SUM, finalize="%(a)s"),
+        Reduction("mean", lambda x, d, k: _torch().mean(x, dim=d, keepdim=k), **_SUM, finalize="%(a)s / %(count)s"),
+        Reduction(
+            "amax",
+            lambda x, d, k: _torch().amax(x, dim=d, keepdim=k),
+            init="-CUDART_INF_F",
+            fold="%(a)s = fmaxf(%(a)s, %(v)s);",
+            merge="%(a)s = fmaxf(%(a)s, %(a2)s);",
+            finalize="%(a)s",
+        ),
+        Reduction(
+            "amin",
+            lambda x, d, k: _torch().amin(x, dim=d, keepdim=k),
+            init="CUDART_INF_F",
+            fold="%(a)s = fminf(%(a)s, %(v)s);",
+            merge="%(a)s = fminf(%(a)s, %(a2)s);",
+            finalize="%(a)s",
+        ),
+        Reduction(
+            "logsumexp",
+            _lse_ref,
+            init="-CUDART_INF_F",
+            fold="lse_fold(%(a)s, %(b)s, %(v)s);",
+            merge="lse_merge(%(a)s, %(b)s, %(a2)s, %(b2)s);",
+            finalize="lse_value(%(a)s, %(b)s)",
+            helpers=_LSE_HELPERS,
+            note=" (running max, scaled sum)",
+        ),
     ]
 }
 

@@ -266,13 +266,13 @@ def tile_pt_default(t1, w_in_box: bool) -> int:
     return min(4, t1[3]) if w_in_box else 1
 
 
-AFFINE_OPS = {"mul", "div", "add", "sub"}
 AFFINE_SCALE_RANGE = (2.0**-64, 2.0**64)  # |scale| outside: no fold (weights could under/overflow)
 
 
 def _affine_fold(spec: LayerSpec, level0: dict, consts: list[Constant]) -> dict | None:
-    """Fold the scalar affine ops (mul/div/add/sub by a constant) that directly follow the conv into
-    its weights and bias: v -> scale * v + shift becomes W' = scale * W, b' = scale * b + shift.
+    """Fold the scalar affine ops (the op table's rows with `affine`: mul/div/add/sub by a constant)
+    that directly follow the conv into its weights and bias: v -> scale * v + shift becomes
+    W' = scale * W, b' = scale * b + shift.
 
     Exact in real arithmetic. In float32 it moves roundings: scale and shift are computed in double
     and rounded once, and each weight and the bias are rounded once more after scaling, so the
@@ -281,19 +281,11 @@ def _affine_fold(spec: LayerSpec, level0: dict, consts: list[Constant]) -> dict 
     scale, shift, taken = 1.0, 0.0, []
     for st in level0["pointwise"]:
         stage = spec.epilogue[st["index"]]
-        if stage.op not in AFFINE_OPS or stage.args.param is not None:
+        compose = ops.POINTWISE[stage.op].affine
+        folded = compose(stage.args, scale, shift) if compose is not None else None
+        if folded is None:
             break
-        value = float(stage.args.value)
-        if stage.op == "mul":
-            scale, shift = scale * value, shift * value
-        elif stage.op == "div":
-            if value == 0.0:
-                break
-            scale, shift = scale / value, shift / value
-        elif stage.op == "add":
-            shift += value
-        else:
-            shift -= value
+        scale, shift = folded
         taken.append(st)
     if not taken or not AFFINE_SCALE_RANGE[0] <= abs(scale) <= AFFINE_SCALE_RANGE[1] or not abs(shift) <= FLOAT32_MAX:
         return None
@@ -375,6 +367,7 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
                 "out": out,
                 "window": pk[0] * pk[1] * pk[2],
                 "count_valid": pool.reduce == "avg" and not include_pad and any(pp),
+                **pool.cuda(),
                 "pointwise": [],
             }
         )
@@ -418,7 +411,7 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
             continue
         before = shapes[i]
         if stage.kind == "pool":  # a global pool: mean / amax over the spatial dims, keepdim
-            op = "mean" if ops.POOLS[stage.op].reduce == "avg" else "amax"
+            op = ops.POOLS[stage.op].global_reduction().name
             axes = [role_to_axis[a.role] for a in before.axes if a.role != "c"]
         else:
             op = stage.op
@@ -435,8 +428,9 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
                 "op": op,
                 "axes": axes,
                 "count": count,
-                "init": red.init,
-                "fold": red.fold,
+                **red.cuda(),
+                "helpers": red.helpers,
+                "note": red.note,
                 "pointwise": [],
                 "comment": f"epilogue[{i}] {stage.op} over {', '.join(AXIS_NAMES[a] for a in axes)} ({count} values)"
                 + (f", computed as {op}" if op != stage.op else ""),
@@ -460,10 +454,11 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     srole = {a: "F" if batched and r == "R2" else r for a, r in role.items()}
     for j, r in enumerate(reductions):
         r["level"] = j + 1
+        r["count_const"] = f"R{j + 1}_COUNT"  # the named number of values reduced, for a finalize that uses it
         # the channel coordinate the level's pointwise ops see
         r["channel"] = "0" if r["channel_reduced"] else ("f_c" if srole["c"] == "F" else "o_c")
-        if r["op"] == "mean":
-            consts.append(Constant(f"R{j + 1}_COUNT", c_float(r["count"]), f"values per mean of {r['comment']}", "float"))
+        if ops.REDUCTIONS[r["op"]].uses_count:
+            consts.append(Constant(r["count_const"], c_float(r["count"]), f"values per {r['op']} of {r['comment']}", "float"))
 
     # ---- tiling -------------------------------------------------------------------------------
     tile = spec.tile

@@ -1,0 +1,185 @@
+"""The op table: every op's meaning is one row of specgen.ops, and the templates know no op by name (no GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from specgen import ops
+from specgen.plan import build_plan
+from specgen.render import render, render_plan
+from specgen.spec import validate
+
+
+def layer(*epilogue, size=(12, 12)) -> dict:
+    return {
+        "name": "ops_table",
+        "input": {"channels": 4, "size": list(size)},
+        "conv": {"out_channels": 8, "kernel": 3},
+        "epilogue": list(epilogue),
+    }
+
+
+# ---- reductions -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(ops.REDUCTIONS))
+def test_every_reduction_row_has_all_its_cuda(name):
+    snippets = ops.REDUCTIONS[name].cuda()
+    assert set(snippets) == {"init", "fold", "merge", "finalize"}
+    assert "%(v)s" in snippets["fold"] and "%(a)s" in snippets["fold"]
+    assert "%(a2)s" in snippets["merge"] and "%(a)s" in snippets["merge"]
+    assert "%(a)s" in snippets["finalize"]
+
+
+def test_a_reduction_without_a_merge_is_an_error_at_render_time(monkeypatch):
+    no_merge = dataclasses.replace(ops.REDUCTIONS["sum"], merge=None)
+    monkeypatch.setitem(ops.REDUCTIONS, "sum", no_merge)
+    with pytest.raises(ops.OpTableError) as err:
+        render(validate(layer("relu", {"sum": {"dims": [1]}})))
+    message = str(err.value)
+    assert "reduction 'sum'" in message and "merge" in message and "fold" not in message.split(":")[0]
+
+
+def test_a_reduction_without_a_finalize_is_an_error_at_render_time(monkeypatch):
+    monkeypatch.setitem(ops.REDUCTIONS, "amax", dataclasses.replace(ops.REDUCTIONS["amax"], finalize=""))
+    with pytest.raises(ops.OpTableError, match="reduction 'amax' has no CUDA finalize"):
+        render(validate(layer({"amax": {"dims": [2, 3]}})))
+
+
+def test_the_tail_uses_the_rows_cuda_and_nothing_else(monkeypatch):
+    # A row with its own spellings: the kernel must fold, merge and finalize with them (the
+    # template once fell through to fminf for any reduction it did not know).
+    row = ops.Reduction(
+        "amin",
+        ops.REDUCTIONS["amin"].torch_ref,
+        init="FAKE_INIT",
+        fold="fake_fold(%(a)s, %(b)s, %(v)s);",
+        merge="fake_merge(%(a)s, %(b)s, %(a2)s, %(b2)s);",
+        finalize="fake_value(%(a)s, %(b)s, %(count)s)",
+        helpers="// fake helpers",
+        note=" (fake pair)",
+    )
+    monkeypatch.setitem(ops.REDUCTIONS, "amin", row)
+    plan = build_plan(validate(layer({"amin": {"dims": [1]}})))
+    text = render_plan(plan)
+    assert "a1[k] = FAKE_INIT;" in text
+    assert "fake_fold(a1[k], b1[k], v);" in text
+    assert "fake_merge(" in text and "fminf" not in text.split("// fake helpers")[1]
+    assert "fake_value(a1[k], b1[k], R1_COUNT)" in text
+    assert text.count("// fake helpers") == 1
+    assert "// accumulator (fake pair)" in text
+    # the finalize names the count, so the plan emits it
+    assert "R1_COUNT = 8.0f" in text
+
+
+def test_helpers_are_emitted_once_per_kernel():
+    text = render(validate(layer({"logsumexp": {"dims": [1], "keepdim": True}}, {"logsumexp": {"dims": [2, 3]}})))
+    assert text.count("__device__ __forceinline__ void lse_merge(") == 1
+    assert "lse_merge(" in text.split("lse_value(float m")[1]
+
+
+def test_only_a_finalize_that_uses_the_count_gets_one():
+    assert "R1_COUNT" in render(validate(layer({"mean": {"dims": [2, 3]}})))
+    assert "R1_COUNT" not in render(validate(layer({"sum": {"dims": [2, 3]}})))
+
+
+# ---- pools ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(ops.POOLS))
+def test_every_pool_row_has_all_its_cuda(name):
+    pool = ops.POOLS[name]
+    assert set(pool.cuda()) == {"init", "combine", "finalize"}
+    assert pool.global_reduction().name in ops.REDUCTIONS
+
+
+def test_a_pool_without_a_combine_is_an_error_at_render_time(monkeypatch):
+    monkeypatch.setitem(ops.POOLS, "max_pool", dataclasses.replace(ops.POOLS["max_pool"], combine=None))
+    with pytest.raises(ops.OpTableError, match="pool 'max_pool' has no CUDA combine"):
+        render(validate(layer({"max_pool": 2}, "relu")))
+
+
+def test_a_global_pool_naming_no_reduction_is_an_error(monkeypatch):
+    bad = dataclasses.replace(ops.POOLS["global_max_pool"], reduction="nope")
+    monkeypatch.setitem(ops.POOLS, "global_max_pool", bad)
+    with pytest.raises(ops.OpTableError, match="'global_max_pool' names reduction 'nope'"):
+        render(validate(layer("global_max_pool")))
+
+
+def test_the_pool_level_uses_the_rows_cuda(monkeypatch):
+    row = dataclasses.replace(
+        ops.POOLS["max_pool"], init="FAKE_START", combine="fake_combine(%(acc)s, %(v)s)", finalize="fake_end(%(acc)s, %(count)s)"
+    )
+    monkeypatch.setitem(ops.POOLS, "max_pool", row)
+    text = render(validate(layer({"max_pool": 2}, "relu")))
+    assert "acc[j][i] = FAKE_START;" in text
+    assert "acc[j][i] = fake_combine(acc[j][i], u[j][i]);" in text
+    assert "float v = fake_end(acc[j][i], L1_WINDOW);" in text
+    assert "fmaxf(acc[j][i], u[j][i])" not in text
+
+
+def test_a_global_pool_at_the_end_is_computed_as_its_rows_reduction(monkeypatch):
+    monkeypatch.setitem(ops.POOLS, "global_avg_pool", dataclasses.replace(ops.POOLS["global_avg_pool"], reduction="sum"))
+    plan = build_plan(validate(layer("global_avg_pool")))
+    assert [r["op"] for r in plan["reductions"]] == ["sum"]
+
+
+# ---- the affine fold ----------------------------------------------------------------------------
+
+
+def test_the_affine_ops_are_the_rows_with_an_affine_column():
+    assert {n for n, row in ops.POINTWISE.items() if row.affine is not None} == {"add", "sub", "mul", "div"}
+
+
+@pytest.mark.parametrize(
+    "op, value, expected",
+    [("mul", 3.0, (6.0, 1.5)), ("div", 4.0, (0.5, 0.125)), ("add", 0.25, (2.0, 0.75)), ("sub", 0.25, (2.0, 0.25)), ("div", 0.0, None)],
+)
+def test_affine_composes_onto_scale_and_shift(op, value, expected):
+    row = ops.POINTWISE[op]
+    assert row.affine(row.args.model_validate(value), 2.0, 0.5) == expected
+
+
+def test_a_per_channel_operand_is_not_affine():
+    row = ops.POINTWISE["mul"]
+    assert row.affine(row.args.model_validate("scale"), 1.0, 0.0) is None
+
+
+def test_the_fold_reads_the_affine_column(monkeypatch):
+    spec = validate(layer({"mul": 2.0}, "relu"))
+    assert build_plan(spec)["affine"]["scale"] == 2.0
+    monkeypatch.setitem(ops.POINTWISE, "mul", dataclasses.replace(ops.POINTWISE["mul"], affine=None))
+    assert build_plan(spec)["affine"] is None
+    # and an op the table marks affine folds, whatever its name
+    relu = dataclasses.replace(ops.POINTWISE["relu"], affine=lambda a, s, t: (s * 3.0, t))
+    monkeypatch.setitem(ops.POINTWISE, "relu", relu)
+    assert build_plan(validate(layer("relu")))["affine"]["scale"] == 3.0
+
+
+# ---- expr's functions against the pointwise table ------------------------------------------------
+
+
+def test_expr_functions_agree_with_the_pointwise_rows_that_name_them():
+    named = {row.expr_function for row in ops.POINTWISE.values() if row.expr_function}
+    assert named == {"relu", "sigmoid", "tanh", "min", "max", "clamp"}
+    assert ops.expr_function_mismatches() == []
+
+
+def test_a_diverging_expr_spelling_is_caught(monkeypatch):
+    from specgen import expr
+
+    monkeypatch.setitem(expr.FUNCTIONS, "relu", (1, "fmaxf({0}, 1.0f)", "relu"))
+    monkeypatch.setitem(expr.FUNCTIONS, "max", (2, "fmaxf({0}, {1})", "minimum"))
+    monkeypatch.setattr(expr, "_compiled", {})  # torch closures are memoized by text
+    problems = ops.expr_function_mismatches()
+    assert len(problems) == 2
+    assert "pointwise 'relu' / expr function 'relu': CUDA 'fmaxf({0}, 0.0f)' != 'fmaxf({0}, 1.0f)'" in problems
+    assert any(p.startswith("pointwise 'max' / expr function 'max': PyTorch") for p in problems)
+
+
+def test_a_wrong_arity_is_caught(monkeypatch):
+    rows = [dataclasses.replace(r, expr_operands=("min",)) if r.name == "clamp" else r for r in ops._POINTWISE_ROWS]
+    monkeypatch.setattr(ops, "_POINTWISE_ROWS", rows)
+    assert ops.expr_function_mismatches() == ["pointwise 'clamp' / expr function 'clamp': expr takes 3 argument(s), the row gives 1 + 1"]
