@@ -102,13 +102,6 @@ __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) 
   lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
-// d += a * b for one 16 x 8 x 8 tile (a: 16 positions x 8 K, b: 8 K x 8 channels).
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 // Where this thread's A copies read: its output position(s) (fixed for the whole K loop).
 struct ARow {
   const float* x_n;  // the sample's input
@@ -140,39 +133,6 @@ __device__ __forceinline__ void load_chunk(const ARow& row, const float* __restr
     if (q < BN * BK / 4)
     // 128-byte swizzle (the layout wgmma reads): 16-byte piece kc / 4 of row n sits at piece (kc / 4) ^ (n % 8)
     cp_async_16(b_s + n * BK + ((kc / 4) ^ (n % 8)) * 4, ok ? wp + static_cast<size_t>(n0 + n) * K_PAD + kt * BK + kc : wp, ok);
-  }
-}
-
-// acc += A x B over one K chunk held in (a_s, b_s), for this warp's tile at (wm0, wn0).
-// Lane (gq, tq) = (lane / 4, lane % 4) holds A rows gq, gq + 8 and K columns tq, tq + 4 of each m-tile,
-// B column gq and K rows tq, tq + 4 of each n-tile.
-__device__ __forceinline__ void compute_chunk(const float* __restrict__ a_s, const float* __restrict__ b_s, int wm0, int wn0,
-                                              float (&acc)[WM][WN][4]) {
-  const int lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-  #pragma unroll
-  for (int kk = 0; kk < BK; kk += 8) {
-    const float* a_k = a_s + (kk + tq) * LDA + wm0 + gq;
-    const float* b_k = b_s + (wn0 + gq) * LDB + kk + tq;
-    unsigned b_hi[WN][2], b_lo[WN][2];
-    #pragma unroll
-    for (int j = 0; j < WN; ++j) {
-      split_tf32(b_k[j * 8 * LDB], b_hi[j][0], b_lo[j][0]);
-      split_tf32(b_k[j * 8 * LDB + 4], b_hi[j][1], b_lo[j][1]);
-    }
-    #pragma unroll
-    for (int i = 0; i < WM; ++i) {
-      unsigned a_hi[4], a_lo[4];
-      split_tf32(a_k[i * 16], a_hi[0], a_lo[0]);
-      split_tf32(a_k[i * 16 + 8], a_hi[1], a_lo[1]);
-      split_tf32(a_k[4 * LDA + i * 16], a_hi[2], a_lo[2]);
-      split_tf32(a_k[4 * LDA + i * 16 + 8], a_hi[3], a_lo[3]);
-      #pragma unroll
-      for (int j = 0; j < WN; ++j) {  // small products first
-        mma_tf32(acc[i][j], a_lo, b_hi[j]);
-        mma_tf32(acc[i][j], a_hi, b_lo[j]);
-        mma_tf32(acc[i][j], a_hi, b_hi[j]);
-      }
-    }
   }
 }
 
