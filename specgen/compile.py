@@ -215,28 +215,10 @@ def compiler_id(compiler: str) -> str:
 @functools.cache
 def default_arch() -> str:
     """The first visible GPU's `sm_XY` through the CUDA driver bindings, else `sm_90`. Never raises."""
-    try:
-        from cuda.bindings import driver
-    except Exception:
-        return DEFAULT_ARCH
-    try:
-        ok = driver.CUresult.CUDA_SUCCESS
-        if driver.cuInit(0)[0] != ok:
-            return DEFAULT_ARCH
-        err, count = driver.cuDeviceGetCount()
-        if err != ok or count < 1:
-            return DEFAULT_ARCH
-        err, device = driver.cuDeviceGet(0)
-        if err != ok:
-            return DEFAULT_ARCH
-        attr = driver.CUdevice_attribute
-        err_major, major = driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device)
-        err_minor, minor = driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device)
-        if err_major != ok or err_minor != ok:
-            return DEFAULT_ARCH
-        return f"sm_{major}{minor}"
-    except Exception:
-        return DEFAULT_ARCH
+    from specgen import target  # the device query lives with the targets (lazily: no import cycle)
+
+    found = target.device_attributes()
+    return f"sm_{found['major']}{found['minor']}" if found else DEFAULT_ARCH
 
 
 def validate_arch(arch: object, field_name: str = "arch") -> str:

@@ -140,7 +140,7 @@ def current() -> Target | None:
     """The first visible GPU's target, read through the CUDA driver (no torch): its arch's built-in
     target with the device's SM count and shared-memory limits. None without a GPU or driver;
     `TargetError` for a GPU specgen has no target for."""
-    props = _device_attributes()
+    props = device_attributes()
     if props is None:
         return None
     base = get(f"sm_{props['major']}{props['minor']}", "GPU 0")
@@ -157,7 +157,9 @@ def from_attributes(base: Target, props: dict) -> Target:
     return replace(base, **updates)
 
 
-def _device_attributes() -> dict | None:
+def device_attributes() -> dict | None:
+    """GPU 0's compute capability and limits through the CUDA driver bindings (no torch); None
+    without bindings, driver or GPU. Never raises."""
     try:
         from cuda.bindings import driver
     except Exception:

@@ -72,8 +72,11 @@ def _fake_driver(major: int, minor: int, fail: bool = False) -> types.ModuleType
     driver = types.ModuleType("cuda.bindings.driver")
     ok = object()
     driver.CUresult = types.SimpleNamespace(CUDA_SUCCESS=ok)
+    other = ("MULTIPROCESSOR_COUNT", "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR",
+             "MAX_REGISTERS_PER_MULTIPROCESSOR", "MAX_THREADS_PER_BLOCK")
     driver.CUdevice_attribute = types.SimpleNamespace(
-        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR="major", CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR="minor"
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR="major", CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR="minor",
+        **{f"CU_DEVICE_ATTRIBUTE_{name}": name for name in other},
     )
 
     def cu_init(flags):
@@ -84,7 +87,7 @@ def _fake_driver(major: int, minor: int, fail: bool = False) -> types.ModuleType
     driver.cuInit = cu_init
     driver.cuDeviceGetCount = lambda: (ok, 1)
     driver.cuDeviceGet = lambda i: (ok, i)
-    driver.cuDeviceGetAttribute = lambda attr, dev: (ok, major if attr == "major" else minor)
+    driver.cuDeviceGetAttribute = lambda attr, dev: (ok, {"major": major, "minor": minor}.get(attr, 1))
     return driver
 
 

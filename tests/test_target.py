@@ -66,7 +66,7 @@ def test_unusable_archs_are_refused_in_one_line(arch, words):
 
 def test_the_current_gpu_target_takes_the_device_limits(monkeypatch):
     reported = {"major": 8, "minor": 6, "sm_count": 84, "smem_per_block": 99 * 1024, "smem_per_sm": 100 * 1024}
-    monkeypatch.setattr(targets, "_device_attributes", lambda: reported)
+    monkeypatch.setattr(targets, "device_attributes", lambda: reported)
     targets.current.cache_clear()
     try:
         t = targets.resolve(None)
@@ -75,7 +75,7 @@ def test_the_current_gpu_target_takes_the_device_limits(monkeypatch):
         targets.current.cache_clear()
         with pytest.raises(TargetError, match="GPU 0: sm_75 is older than sm_80"):
             targets.resolve(None)
-        monkeypatch.setattr(targets, "_device_attributes", lambda: None)
+        monkeypatch.setattr(targets, "device_attributes", lambda: None)
         targets.current.cache_clear()
         assert targets.resolve(None) is targets.DEFAULT  # no GPU: the built-in sm_90
     finally:
