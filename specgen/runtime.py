@@ -245,6 +245,15 @@ class _ClusterConfigs(threading.local):
 _configs = _ClusterConfigs()
 
 
+def _prepare(kernel: LoadedKernel, n_pointers: int):
+    """Make the kernel's context current (if it is not) and return this thread's argument buffers."""
+    lib, args = _libcuda, _args
+    lib.cuCtxGetCurrent(args.context_ref)
+    if args.context.value != kernel.context.value:
+        _check(lib, lib.cuCtxSetCurrent(kernel.context), "cuCtxSetCurrent")
+    return args.get(n_pointers)
+
+
 def launch(
     kernel: LoadedKernel,
     blocks_per_sample: int,
@@ -261,11 +270,7 @@ def launch(
     used to offset later launches.
     """
     lib = _libcuda
-    args = _args
-    lib.cuCtxGetCurrent(args.context_ref)
-    if args.context.value != kernel.context.value:
-        _check(lib, lib.cuCtxSetCurrent(kernel.context), "cuCtxSetCurrent")
-    values, batch_arg, argv = args.get(len(pointers))
+    values, batch_arg, argv = _prepare(kernel, len(pointers))
     if batch <= GRID_Y_MAX and kernel.cluster_at_launch is None:  # one plain launch: no offsets to apply
         values[: len(pointers)] = pointers
         batch_arg.value = batch
@@ -313,11 +318,7 @@ def launch_flat(
     `n_tiles` (the implicit-GEMM engine). A launch covers at most 2^31 - 1 positions (its M index
     is a 32-bit int); larger batches take several launches, with `strides` as in `launch`."""
     lib = _libcuda
-    current = ctypes.c_void_p()
-    lib.cuCtxGetCurrent(ctypes.byref(current))
-    if current.value != kernel.context.value:
-        _check(lib, lib.cuCtxSetCurrent(kernel.context), "cuCtxSetCurrent")
-    values, batch_arg, argv = _args.get(len(pointers))
+    values, batch_arg, argv = _prepare(kernel, len(pointers))
     per_launch = max(1, min(GRID_X_MAX // positions, GRID_X_MAX // n_tiles * block_m // positions))
     for first in range(0, batch, per_launch):
         count = min(per_launch, batch - first)

@@ -149,3 +149,23 @@ def test_a_batch_past_the_grid_limit_is_split_with_offsets(monkeypatch):
     runtime.launch(kernel, 6, [4096, 8192, 16384], (64, 0, 32), batch, 5)
     assert [(launch["grid"][1], launch["batch"]) for launch in driver.launches] == [(runtime.GRID_Y_MAX, runtime.GRID_Y_MAX), (3, 3)]
     assert driver.launches[1]["pointers"] == [4096 + 64 * runtime.GRID_Y_MAX, 8192, 16384 + 32 * runtime.GRID_Y_MAX]
+
+
+def test_the_implicit_gemm_grid_is_flat_over_batch_times_positions(monkeypatch):
+    driver = FakeDriver(3)
+    monkeypatch.setattr(runtime, "_libcuda", driver)
+    kernel = runtime.LoadedKernel(ctypes.c_void_p(7), ctypes.c_void_p(99), 256, 0, 0)
+    runtime.launch_flat(kernel, 196, 128, 4, [4096, 8192, 16384], (64, 0, 32), 5, 3)
+    # ceil(5 * 196 / 128) = 8 position tiles, times 4 channel tiles, in one launch
+    assert driver.launches == [{"grid": (32, 1, 1), "block": 256, "stream": 3, "pointers": [4096, 8192, 16384], "batch": 5}]
+
+
+def test_the_implicit_gemm_splits_batches_past_32_bit_positions(monkeypatch):
+    driver = FakeDriver(3)
+    monkeypatch.setattr(runtime, "_libcuda", driver)
+    kernel = runtime.LoadedKernel(ctypes.c_void_p(7), ctypes.c_void_p(99), 256, 0, 0)
+    positions = 1 << 20  # 2048 samples make 2^31 positions: one more than a 32-bit M holds
+    runtime.launch_flat(kernel, positions, 128, 1, [4096, 8192, 16384], (64, 0, 32), 2048, 3)
+    assert [launch["batch"] for launch in driver.launches] == [2047, 1]
+    assert all(launch["batch"] * positions <= runtime.GRID_X_MAX for launch in driver.launches)
+    assert driver.launches[1]["pointers"] == [4096 + 64 * 2047, 8192, 16384 + 32 * 2047]
