@@ -62,7 +62,12 @@ def test_kernel_parameters_are_pointers_and_the_batch(spec):
     params = [re.sub(r"//.*", "", p).strip() for p in signature.split("\n")]
     params = [p.rstrip(",") for p in params if p]
     assert params[-1] == "int batch"
-    assert all(re.fullmatch(r"(const )?float\* __restrict__ \w+", p) for p in params[:-1]), params
+    pointers = params[:-1]
+    if build_plan(spec)["engine"] == "tma":  # Hopper's engine takes its input and weights as tensor maps
+        maps = [p for p in pointers if p.startswith("const __grid_constant__ TensorMap ")]
+        assert maps and pointers[: len(maps)] == maps, params
+        pointers = pointers[len(maps):]
+    assert all(re.fullmatch(r"(const )?(float|__nv_bfloat16|__half)\* __restrict__ \w+", p) for p in pointers), params
 
 
 def test_constants_are_named_with_comments():
