@@ -9,6 +9,8 @@ import dataclasses
 import inspect
 import operator
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -178,3 +180,14 @@ def test_expr_forms_compute_what_the_row_computes():
             continue
         got = expr_mod.parse(text).to_torch(x, {})
         torch.testing.assert_close(got, row.torch_ref(x, args, {}), msg=f"{row.name}: {text}")
+
+
+def test_the_spellings_need_no_torch():
+    """ops.py stays importable without torch (the build path): spellings are names, not objects."""
+    code = (
+        "import sys, specgen.ops as o; "
+        "n = sum(len(s.functions) for t in (o.POINTWISE, o.EXPR_ONLY, o.POOLS, o.REDUCTIONS) "
+        "for r in t.values() for s in r.spellings); print(n > 0, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False"]
