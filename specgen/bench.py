@@ -7,7 +7,12 @@ torch.compile, `from_module` and `torch.compile(from_module(...))` — with a ro
 (specgen and PyTorch times from the never-slower measurement, and which one runs). The machine's
 copy bandwidth, FFMA rate (fp32 matrix product, TF32 off) and TF32 rate are measured in the same
 run; specgen's floor is the larger of fewest bytes / bandwidth and the plan's FLOPs at its engine's
-rate: FLOPs / FFMA rate, or 3 x FLOPs / TF32 rate for 3xTF32 tensor cores.
+rate: FLOPs / FFMA rate, 3 x FLOPs / TF32 rate for 3xTF32 tensor cores, FLOPs / TF32 rate in tf32
+mode, FLOPs / bf16 rate in bf16 and fp16 modes (a bf16 matrix product, also measured).
+
+The contenders run in the spec's precision: eager PyTorch (cuDNN's default TF32 flag, and TF32 off)
+in float32, or in the spec's 16-bit dtype; eager with channels-last tensors (what PyTorch users
+tune with); torch.compile; specgen on a contiguous and on a channels-last input.
 """
 
 from __future__ import annotations
@@ -54,10 +59,13 @@ def ceilings(reps: int = 20) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     ms_tf32 = _time(lambda: a @ b, max(5, reps // 4))
     torch.backends.cuda.matmul.allow_tf32 = old
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    ms_bf16 = _time(lambda: a16 @ b16, max(5, reps // 4))
     return {
         "copy_bytes_per_s": bandwidth,
         "fp32_flops_per_s": 2 * m**3 / (ms * 1e-3),
         "tf32_flops_per_s": 2 * m**3 / (ms_tf32 * 1e-3),
+        "bf16_flops_per_s": 2 * m**3 / (ms_bf16 * 1e-3),
     }
 
 
@@ -69,7 +77,7 @@ def host_overhead(calls: int = 1000) -> dict:
     checks, output allocation, launch) and the raw launch into a preallocated output."""
     from specgen.spec import validate
 
-    layer = FusedLayer(validate(TINY)).cuda()
+    layer = FusedLayer(validate(TINY), precision="fp32").cuda()
     x = torch.randn(1, 1, 8, 8, device="cuda")
     out = torch.empty(layer.spec.output_shape(1), device="cuda")
     result = {}
@@ -91,14 +99,24 @@ def host_overhead(calls: int = 1000) -> dict:
     return result
 
 
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    """`t` with its channels innermost in memory (same values): channels_last(_3d), or for a 1-D conv
+    the [N, W, C] order torch has no name for."""
+    return t.movedim(1, -1).contiguous().movedim(-1, 1)
+
+
 def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, ceil: dict | None = None) -> dict:
     """One spec: a row per contender, with ms, speedups, rel. L2 error and peak memory."""
+    from specgen.torchop import PRECISION_DTYPE
+
     ceil = ceil or ceilings()
+    dtype = PRECISION_DTYPE[spec.precision]
     torch.manual_seed(0)
-    fused = FusedLayer(spec).cuda()
-    plain = reference.Reference(spec).cuda()
+    fused = FusedLayer(spec, precision=spec.precision).cuda()  # the spec's own (fp32 unless it says)
+    plain = reference.Reference(spec).cuda().to(dtype)
     plain.load_state_dict(fused.state_dict())
-    x_sets = [torch.randn(batch, spec.input.channels, *spec.input.size, device="cuda") for _ in range(2)]
+    x_sets = [torch.randn(batch, spec.input.channels, *spec.input.size, device="cuda").to(dtype) for _ in range(2)]
+    cl_sets = [_channels_last(x) for x in x_sets]
     params = fused.spec_params()
     ref64 = reference.forward64(spec, x_sets[0], fused.conv.weight, fused.conv.bias, params)
     norm = ref64.norm().item() or 1.0
@@ -106,24 +124,30 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
     def rel_err(out):
         return ((out.double() - ref64).norm().item()) / norm
 
-    contenders = []
+    contenders = []  # (name, setup returning the callable, the input sets)
+    tf32 = spec.precision != "fp32"
 
-    def eager(tf32):
+    def eager(allow_tf32, channels_last=False):
         def setup():
-            torch.backends.cudnn.allow_tf32 = tf32
-            return plain
+            torch.backends.cudnn.allow_tf32 = allow_tf32
+            if channels_last and x_sets[0].dim() in (4, 5):
+                return plain.to(memory_format=torch.channels_last if x_sets[0].dim() == 4 else torch.channels_last_3d)
+            return plain.to(memory_format=torch.contiguous_format)
 
         return setup
 
-    contenders.append(("eager", eager(True)))
-    contenders.append(("eager (TF32 off)", eager(False)))
+    contenders.append(("eager", eager(True), x_sets))
+    if dtype == torch.float32:
+        contenders.append(("eager (TF32 off)", eager(False), x_sets))
+    contenders.append(("eager channels_last", eager(tf32, True), cl_sets))
     if compile:
         def compiled():
-            torch.backends.cudnn.allow_tf32 = True
-            return torch.compile(plain)
+            torch.backends.cudnn.allow_tf32 = tf32
+            return torch.compile(plain.to(memory_format=torch.contiguous_format))
 
-        contenders.append(("torch.compile", compiled))
-    contenders.append(("specgen", lambda: fused))
+        contenders.append(("torch.compile", compiled, x_sets))
+    contenders.append(("specgen", lambda: fused, x_sets))
+    contenders.append(("specgen channels_last in", lambda: fused, cl_sets))
 
     def runtime_dims():
         from specgen import pipeline, torchop
@@ -132,15 +156,15 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
         weight, bias = fused.conv.weight, fused.conv.bias
         return lambda x: torchop.launch(rt, x, weight, bias, params, None)
 
-    if fused.specialize().plan["engine"] != "igemm":  # the implicit GEMM has no run-time-dims rendering
-        contenders.append(("specgen runtime-dims", runtime_dims))
+    if fused.specialize().plan["engine"] not in ("igemm", "tma"):  # the GEMM engines have no run-time-dims rendering
+        contenders.append(("specgen runtime-dims", runtime_dims, x_sets))
 
     rows = []
-    for name, setup in contenders:
+    for name, setup, inputs in contenders:
         model = setup()
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model(x_sets[0])
+            out = model(inputs[0])
             torch.cuda.synchronize()
             first_call_s = time.perf_counter() - t0
             err = rel_err(out)
@@ -152,7 +176,7 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
 
             def run():
                 calls[0] += 1
-                return model(x_sets[calls[0] % len(x_sets)])
+                return model(inputs[calls[0] % len(inputs)])
 
             ms = _time(run, reps)
             peak = torch.cuda.max_memory_allocated() - base
@@ -162,14 +186,32 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
     by = {r["name"]: r["ms"] for r in rows}
     plan = fused.specialize().plan
     flops = plan["flops_per_sample"] * batch
-    fewest_bytes = 4 * (batch * (plan["in_per_sample"] + plan["out_per_sample"]) + sum(p.numel() for p in fused.parameters()))
-    # The floor of the engine the plan uses: FFMA at the fp32 rate, or 3xTF32 (three tensor-core
-    # products per multiply-add) at the measured TF32 rate; and never below moving the fewest bytes.
+    elem = x_sets[0].element_size()
+    fewest_bytes = elem * (batch * (plan["in_per_sample"] + plan["out_per_sample"]) + sum(p.numel() for p in fused.parameters()))
+    # The floor of the engine the plan uses: FFMA at the fp32 rate; 3xTF32 (three tensor-core
+    # products per multiply-add) or TF32 at the measured TF32 rate; bf16 / fp16 at the bf16 rate;
+    # and never below moving the fewest bytes.
     copy_s = fewest_bytes / ceil["copy_bytes_per_s"]
     floor_ffma_ms = 1e3 * max(flops / ceil["fp32_flops_per_s"], copy_s)
-    products = 3 if spec.precision == "fp32" else 1  # 3xTF32, or plain TF32
-    on_tensor_cores = plan["mma"] is not None or plan["engine"] == "igemm"
-    floor_ms = 1e3 * max(products * flops / ceil["tf32_flops_per_s"], copy_s) if on_tensor_cores else floor_ffma_ms
+    engine = plan["engine"]
+    on_tensor_cores = plan["mma"] is not None or engine in ("igemm", "tma")
+    sixteen = engine == "tma" and dtype != torch.float32  # only the TMA engine multiplies in 16 bits
+    if not on_tensor_cores:
+        floor_ms, products, label = floor_ffma_ms, 1, "fp32 FFMA"
+    elif sixteen:
+        products, rate = 1, ceil.get("bf16_flops_per_s", ceil["tf32_flops_per_s"])
+        floor_ms = 1e3 * max(flops / rate, copy_s)
+    else:
+        products = 3 if spec.precision == "fp32" else 1
+        floor_ms = 1e3 * max(products * flops / ceil["tf32_flops_per_s"], copy_s)
+    mode = {"fp32": "3xTF32", "tf32": "TF32", "bf16": "bf16", "fp16": "fp16"}[spec.precision] if sixteen or spec.precision in ("fp32", "tf32") else "TF32 on widened inputs"
+    if on_tensor_cores:
+        if engine == "tma":
+            label = f"Hopper TMA + wgmma ({mode})"
+        elif engine == "igemm":
+            label = f"implicit GEMM ({'3xTF32' if products == 3 else 'TF32'})"
+        else:
+            label = f"tensor cores ({'3xTF32' if products == 3 else 'TF32'})"
     for r in rows:
         r["vs_eager"] = by["eager"] / r["ms"]
         r["vs_compile"] = by["torch.compile"] / r["ms"] if "torch.compile" in by else None
@@ -180,12 +222,12 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
     return {
         "spec": spec.name,
         "batch": batch,
+        "precision": spec.precision,
         "folding_speedup": by["specgen runtime-dims"] / by["specgen"] if "specgen runtime-dims" in by else None,
         "rewrites": plan["rewrites"],
         "flops": flops,
         "fewest_bytes": fewest_bytes,
-        "engine": (f"implicit GEMM ({'3xTF32' if products == 3 else 'TF32'})" if plan["engine"] == "igemm"
-                   else f"tensor cores ({'3xTF32' if products == 3 else 'TF32'})" if plan["mma"] else "fp32 FFMA"),
+        "engine": label,
         "floor_ms": floor_ms,
         "floor_ffma_ms": floor_ffma_ms,
         "ceilings": ceil,
@@ -195,15 +237,15 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
 
 def format_table(result: dict) -> str:
     lines = [
-        f"{result['spec']} batch {result['batch']}: {result['flops'] / 1e9:.1f} GFLOP, {result['fewest_bytes'] / 1e9:.2f} GB fewest bytes;"
+        f"{result['spec']} ({result.get('precision', 'fp32')}) batch {result['batch']}: {result['flops'] / 1e9:.1f} GFLOP, {result['fewest_bytes'] / 1e9:.2f} GB fewest bytes;"
         f" {result['engine']}, floor {result['floor_ms']:.3f} ms (FFMA floor {result['floor_ffma_ms']:.3f} ms)",
-        f"{'':18}{'ms':>9}{'x eager':>9}{'x compile':>10}{'rel L2':>10}{'peak MB':>9}{'% floor':>9}",
+        f"{'':26}{'ms':>9}{'x eager':>9}{'x compile':>10}{'rel L2':>10}{'peak MB':>9}{'% floor':>9}",
     ]
     for r in result["rows"]:
         vc = f"{r['vs_compile']:.2f}" if r.get("vs_compile") else "-"
         pf = f"{r['pct_of_floor']:.0f}" if "pct_of_floor" in r else ""
         lines.append(
-            f"{r['name']:18}{r['ms']:9.3f}{r['vs_eager']:9.2f}{vc:>10}{r['rel_l2']:10.1e}{r['peak_bytes'] / 1e6:9.0f}{pf:>9}"
+            f"{r['name']:26}{r['ms']:9.3f}{r['vs_eager']:9.2f}{vc:>10}{r['rel_l2']:10.1e}{r['peak_bytes'] / 1e6:9.0f}{pf:>9}"
             + (SLOWER_MARK if r.get("slower_than_eager") else "")
         )
     if result["folding_speedup"] is not None:

@@ -12,7 +12,7 @@ REL_L2_BAR = 1e-5
 
 def check_one(spec, batch: int, seed: int) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    layer = FusedLayer(spec).cuda()
+    layer = FusedLayer(spec, precision=spec.precision).cuda()  # the spec's own (fp32 unless it says)
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * (0.3 if p.dim() > 1 else 1.0))

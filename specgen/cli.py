@@ -206,7 +206,7 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--reps", type=int, default=20)
     be.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     be.add_argument("--name", action="append", default=None, help="only this spec (repeatable)")
-    be.add_argument("--precision", choices=["fp32", "tf32"], default=None, help="run every spec in this precision")
+    be.add_argument("--precision", choices=["fp32", "tf32", "bf16", "fp16"], default=None, help="run every spec in this precision")
     be.add_argument("--json", metavar="PATH", default=None, help="write all numbers as JSON")
     be.add_argument("--plot", metavar="FILE.png", default=None, help="draw a roofline and the speedups (needs matplotlib)")
     be.set_defaults(run=cmd_bench)

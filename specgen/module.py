@@ -24,13 +24,25 @@ from specgen.spec import LayerSpec, load
 
 
 class FusedLayer(nn.Module):
-    def __init__(self, spec_or_path, *, arch: str | None = None, tune: bool = False, tune_batch: int | None = None):
-        """`tune=True` (or SPECGEN_AUTOTUNE=1) measures the tile candidates on this GPU now, for the
+    def __init__(self, spec_or_path, *, arch: str | None = None, tune: bool = False, tune_batch: int | None = None,
+                 precision: str | None = None):
+        """`precision` overrides the spec's; a spec that does not set one runs as PyTorch would run
+        the layer: `tf32` while `torch.backends.cudnn.allow_tf32` is True (PyTorch's default), else
+        `fp32` (read once, here).
+
+        `tune=True` (or SPECGEN_AUTOTUNE=1) measures the tile candidates on this GPU now, for the
         batch bucket of `tune_batch` (default 64), unless a choice is stored for it already, and
         uses that bucket's choice. Otherwise a stored choice for this GPU is used when there is
         one (of the largest batch bucket tuned), else the planner's heuristic tile."""
         super().__init__()
-        self.spec: LayerSpec = load(spec_or_path)
+        spec = load(spec_or_path)
+        if precision is None and "precision" not in spec.model_fields_set:
+            precision = "tf32" if torch.backends.cudnn.allow_tf32 else "fp32"
+        if precision is not None:
+            if precision not in torchop.PRECISION_DTYPE:
+                raise ValueError(f"precision: expected one of {', '.join(torchop.PRECISION_DTYPE)}, got {precision!r}")
+            spec = spec.model_copy(update={"precision": precision})
+        self.spec: LayerSpec = spec
         self.arch = arch
         if tune_batch is not None and (isinstance(tune_batch, bool) or not isinstance(tune_batch, int) or tune_batch < 1):
             raise ValueError(f"tune_batch: expected a positive int, got {tune_batch!r}")

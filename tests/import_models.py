@@ -830,7 +830,7 @@ FALLBACKS: list[FallbackCase] = [
     FallbackCase(PoolWithIndices, IMG, [["relu"]], [("pool", "return_indices=True is not supported")]),
     FallbackCase(EvenKernelSame, IMG, [], [("conv", "padding='same' with an even kernel span pads unevenly")]),
     FallbackCase(ReflectPadding, IMG, [], [("conv", "padding_mode='reflect'")]),
-    FallbackCase(_double, IMG, [], [("conv", "only float32 layers are fused")], id="DoubleModel"),
+    FallbackCase(_double, IMG, [], [("conv", "only float32, bfloat16 and float16 layers are fused")], id="DoubleModel"),
     FallbackCase(ScalarParam, IMG, [["relu"]], [("mul", "scale is a scalar tensor")]),
     FallbackCase(SizeOfIntermediate, IMG, [["relu"]], [("mul", "operand getitem is computed by the model")]),
     FallbackCase(

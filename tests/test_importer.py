@@ -195,7 +195,7 @@ def test_seed_models_become_their_example_specs(name):
     cls, shape = SEEDS[name]
     torch.manual_seed(0)
     model, x = cls(), torch.randn(shape)
-    report = explain(model, x)
+    report = explain(model, x, precision="fp32")  # the examples are fp32 specs
     assert report.fallbacks == []
     (spec,) = report.specs
     want = load(f"examples/{name}.yaml").canonical()
@@ -295,3 +295,27 @@ def test_the_table_lists_every_spelling():
 def test_lazy_names_on_the_package():
     assert specgen.explain is explain and specgen.from_module is from_module
     assert issubclass(ImportedLayer, FusedLayer)
+
+
+def test_precision_follows_the_model():
+    """float32 chains run as PyTorch would: tf32 while cuDNN may use TF32, else fp32 (or as asked);
+    a bfloat16 / float16 model's chains run in its dtype."""
+    cls, shape = SEEDS["kb90"]
+    torch.manual_seed(0)
+    model, x = cls(), torch.randn(shape)
+    saved = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        assert explain(model, x).specs[0].precision == "tf32"
+        torch.backends.cudnn.allow_tf32 = False
+        assert explain(model, x).specs[0].precision == "fp32"
+        assert explain(model, x, precision="tf32").specs[0].precision == "tf32"
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    for dtype, precision in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        report = explain(cls().to(dtype), x.to(dtype))
+        assert report.fallbacks == [] and report.specs[0].precision == precision
+    with pytest.raises(ValueError, match="precision: a bf16 layer needs the model in that dtype"):
+        explain(model, x, precision="bf16")
+    with pytest.raises(ValueError, match="precision: expected None, 'fp32' or 'tf32'"):
+        explain(model, x, precision="int8")

@@ -332,3 +332,20 @@ def test_float32_and_float64_conversions_still_work():
     torch.testing.assert_close(y64.float(), y32, rtol=1e-4, atol=1e-4)
     assert layer.float().conv.weight.dtype == torch.float32
     assert layer.to("cpu").conv.weight.dtype == torch.float32
+
+
+def test_a_spec_without_a_precision_runs_as_pytorch_would():
+    """FusedLayer follows cuDNN's TF32 flag (read at construction) unless the spec or the caller says."""
+    data = {"name": "p", "input": {"channels": 2, "size": [6, 6]}, "conv": {"out_channels": 4, "kernel": 3}}
+    saved = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        assert FusedLayer(validate(data)).spec.precision == "tf32"
+        assert FusedLayer(validate({**data, "precision": "fp32"})).spec.precision == "fp32"
+        assert FusedLayer(validate(data), precision="fp32").spec.precision == "fp32"
+        torch.backends.cudnn.allow_tf32 = False
+        assert FusedLayer(validate(data)).spec.precision == "fp32"
+        with pytest.raises(ValueError, match="precision: expected one of"):
+            FusedLayer(validate(data), precision="fp64")
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved

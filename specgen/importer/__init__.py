@@ -28,7 +28,8 @@ not fused. Every node that runs as PyTorch is a fallback, with its reason.
 `from_module` rewrites the traced graph: each chain becomes a call to a FusedLayer whose
 `conv.weight`, `conv.bias` and per-channel parameters are the very tensors of the original model
 (same nn.Parameter objects), so training either trains both. Everything else runs as the
-original PyTorch code. Only float32 chains are fused; shapes are those of the example inputs
+original PyTorch code. Float32, bfloat16 and float16 chains are fused (each spec's precision follows
+the chain's dtype and, for float32, cuDNN's TF32 flag or `precision=`); shapes are those of the example inputs
 (the batch size is free).
 
 The package, in the order data flows: `graph` (the trace and the shape-recording run),
@@ -72,14 +73,28 @@ __all__ = [
 ]
 
 
-def _importer(model, example_inputs) -> Analysis | str:
+def _precision(precision):
+    """The precision float32 chains take: None (as PyTorch would run them: tf32 where cuDNN's TF32
+    flag allows it, else fp32), "fp32" or "tf32". 16-bit chains run in their dtype."""
+    if precision is None or precision in ("fp32", "tf32"):
+        return precision
+    if precision in ("bf16", "fp16"):
+        raise ValueError(
+            f"precision: a {precision} layer needs the model in that dtype: convert the model and its input "
+            f"({'.bfloat16()' if precision == 'bf16' else '.half()'}) instead; precision= sets how float32 chains run"
+        )
+    raise ValueError(f"precision: expected None, 'fp32' or 'tf32', got {precision!r}")
+
+
+def _importer(model, example_inputs, precision=None) -> Analysis | str:
     """An analyzed importer, or the reason the model cannot be traced."""
+    precision = _precision(precision)
     if not isinstance(model, nn.Module):
         raise ModelImportError(f"expected an nn.Module, got {type(model).__name__}")
     if not example_inputs:
         raise ModelImportError("give at least one example input (a tensor shaped like the model's input)")
     try:
-        imp = Analysis(model, tuple(example_inputs))
+        imp = Analysis(model, tuple(example_inputs), precision)
     except ModelImportError:
         raise
     except Exception as err:  # torch.fx cannot trace it (data-dependent control flow, ...)
@@ -121,14 +136,18 @@ def _choices(imp: Analysis, keep_slower: bool) -> list[Choice]:
     return choices
 
 
-def explain(model: nn.Module, *example_inputs, measure: bool = False) -> ImportReport:
+def explain(model: nn.Module, *example_inputs, measure: bool = False, precision: Optional[str] = None) -> ImportReport:
     """What specgen can fuse in `model`, run on `example_inputs`: `.specs` and `.fallbacks`.
+
+    Each spec's precision follows the model: a bfloat16 / float16 chain runs in that dtype; a
+    float32 one as PyTorch would run it (`tf32` while `torch.backends.cudnn.allow_tf32` is True,
+    PyTorch's default, else `fp32`), or in `precision` ("fp32" or "tf32") when given.
 
     With `measure=True` (and the model and inputs on a GPU) every chain is compiled and timed as
     `from_module` does, and `.choices` says which ones would stay PyTorch, with both times.
     The model is not changed (buffers such as batch norm statistics are restored after the
     shape-recording run). Raises ModelImportError when the model fails on the inputs."""
-    imp = _importer(model, example_inputs)
+    imp = _importer(model, example_inputs, precision)
     if isinstance(imp, str):
         return ImportReport(type(model).__name__, [], [Fallback(type(model).__name__, imp)])
     if not measure:
@@ -137,8 +156,11 @@ def explain(model: nn.Module, *example_inputs, measure: bool = False) -> ImportR
     return imp.report(_choices(imp, keep_slower=False))
 
 
-def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False) -> nn.Module:
+def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, precision: Optional[str] = None) -> nn.Module:
     """`model` with every fusable chain run by a FusedLayer sharing the model's parameters.
+
+    Precision as in `explain`: 16-bit chains in their dtype, float32 chains in `tf32` while cuDNN's
+    TF32 flag is on (PyTorch's default) else `fp32`, unless `precision` ("fp32" or "tf32") says.
 
     On a GPU, all chains' kernels compile in one parallel build, and a chain whose kernel is not
     faster than its PyTorch code (timed once, cached per GPU and batch bucket) keeps the PyTorch
@@ -150,7 +172,7 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False) ->
     whole fused model is timed once more against the original, and the original is returned
     (with `specgen_report` set, `.whole_model` holding both times) unless the fused one is faster."""
     log = get_logger()
-    imp = _importer(model, example_inputs)
+    imp = _importer(model, example_inputs, precision)
     if isinstance(imp, str):
         log.warning("%s runs as PyTorch: %s", type(model).__name__, imp)
         return model

@@ -42,6 +42,9 @@ from specgen.importer.recognize import (
 from specgen.importer.report import Choice, Fallback, ImportReport
 from specgen.spec import LayerSpec, SpecError, validate
 
+# A chain's dtype -> its spec's precision (None: float32, whose precision the caller or cuDNN's TF32 flag decides).
+PRECISION_OF = {torch.float32: None, torch.bfloat16: "bf16", torch.float16: "fp16"}
+
 
 @dataclass(eq=False)
 class _Chain:
@@ -59,6 +62,7 @@ class _Chain:
     tensors: dict = field(default_factory=dict)  # spec parameter name -> tensor
     stop: Optional[str] = None  # why the chain ended
     rejected: dict = field(default_factory=dict)  # node -> why it did not join
+    dtype: object = None  # the chain's dtype: float32, bfloat16 or float16 (every value of it)
 
     @property
     def stages(self) -> list:
@@ -81,7 +85,9 @@ class _Chain:
 class Analysis(Capture):
     """One model, captured; `analyze` finds its chains, `report` says what runs as PyTorch and why."""
 
-    def __init__(self, model: nn.Module, inputs: tuple):
+    def __init__(self, model: nn.Module, inputs: tuple, precision: Optional[str] = None):
+        # The precision of float32 chains: the caller's, else what cuDNN would do (TF32 when allowed).
+        self.precision32 = precision or ("tf32" if torch.backends.cudnn.allow_tf32 else "fp32")
         super().__init__(model, inputs)
         recognizer = Recognizer(self.gm)
         self.describe, self.classify = recognizer.describe, recognizer.classify
@@ -248,8 +254,8 @@ class Analysis(Capture):
     def _take_view(self, chain: _Chain, node: Node, desc) -> None:
         where = self.describe(node)
         shape = shape_of(node)
-        if shape is None or dtype_of(node) != torch.float32:
-            raise Reject(f"{where}: does not produce a float32 tensor")
+        if shape is None or dtype_of(node) != chain.dtype:
+            raise Reject(f"{where}: does not produce a {chain.dtype} tensor")
         if isinstance(desc, IdentityOp) and tuple(shape) != tuple(chain.view):
             raise Reject(f"{where}: changes the shape")
         if not same_layout(shape, chain.view):
@@ -343,8 +349,9 @@ def _start(imp: Analysis, conv: Node, desc: ConvOp) -> _Chain:
     in_shape = shape_of(inp) if isinstance(inp, Node) else None
     if in_shape is None:
         raise Reject(f"{where}: its input is not a tensor value of the graph")
-    if dtype_of(inp) != torch.float32:
-        raise Reject(f"{where}: the input is {dtype_of(inp)}; only float32 layers are fused")
+    dtype = dtype_of(inp)
+    if dtype not in PRECISION_OF:
+        raise Reject(f"{where}: the input is {dtype}; only float32, bfloat16 and float16 layers are fused")
     if len(in_shape) != desc.nd + 2:
         raise Reject(f"{where}: the input has shape {list(in_shape)}; a batched input [N, C, ...] is needed")
     try:
@@ -353,8 +360,8 @@ def _start(imp: Analysis, conv: Node, desc: ConvOp) -> _Chain:
     except Reject as rej:
         raise Reject(f"{where}: {rej.reason}") from None
     for t in (weight, bias):
-        if t is not None and t.tensor.dtype != torch.float32:
-            raise Reject(f"{where}: the {t.path} is {t.tensor.dtype}; only float32 layers are fused")
+        if t is not None and t.tensor.dtype != dtype:
+            raise Reject(f"{where}: the {t.path} is {t.tensor.dtype}, the input {dtype}; a layer's tensors share one dtype")
     kernel = list(weight.shape[2:])
     if len(weight.shape) != desc.nd + 2:
         raise Reject(f"{where}: the weight has shape {list(weight.shape)}")
@@ -382,6 +389,9 @@ def _start(imp: Analysis, conv: Node, desc: ConvOp) -> _Chain:
             "bias": bias is not None,
         },
         "epilogue": [],
+        # 16-bit layers run in their dtype; float32 ones as PyTorch would run them (TF32 where
+        # cuDNN may use it), unless the caller said otherwise
+        "precision": PRECISION_OF[dtype] or imp.precision32,
     }
     if desc.transposed:
         data["conv"].update(transposed=True, output_padding=output_padding)
@@ -389,7 +399,7 @@ def _start(imp: Analysis, conv: Node, desc: ConvOp) -> _Chain:
         spec = validate(data)
     except SpecError as err:
         raise Reject(f"{where}: the spec would not validate: {'; '.join(err.problems)}") from None
-    chain = _Chain(conv, desc, data, spec, batch=in_shape[0], nodes=[conv], out=conv, weight=weight, bias=bias)
+    chain = _Chain(conv, desc, data, spec, batch=in_shape[0], nodes=[conv], out=conv, weight=weight, bias=bias, dtype=dtype)
     chain.view = shape_of(conv)
     if chain.view is None or tuple(chain.view) != tuple(chain.spec_out):
         raise Reject(f"{where}: the spec's output {list(chain.spec_out)} differs from the model's {chain.view}")

@@ -111,8 +111,8 @@ class Regions:
         where = self.describe(node)
         inside = set(members) | {chain.out}
         shape = shape_of(node)
-        if dtype_of(node) != torch.float32:
-            raise Reject(f"{where}: produces {dtype_of(node)}; only float32 is fused")
+        if dtype_of(node) != chain.dtype:
+            raise Reject(f"{where}: produces {dtype_of(node)}, the chain is {chain.dtype}")
         if shape is None or tuple(shape) != tuple(chain.view):
             raise Reject(f"{where}: its result has shape {shape and list(shape)}, not the chain's {list(chain.view)}")
         if desc.inplace:
@@ -209,8 +209,8 @@ class Regions:
         )
 
     def _check_per_channel(self, chain, ref: TensorRef, along_dim1: bool) -> None:
-        if ref.tensor.dtype != torch.float32:
-            raise Reject(f"{ref.path} is {ref.tensor.dtype}; only float32 is fused")
+        if ref.tensor.dtype != chain.dtype:
+            raise Reject(f"{ref.path} is {ref.tensor.dtype}, the chain is {chain.dtype}")
         extent, dim = chain.channel()
         if extent is None:
             raise Reject(f"{ref.path} is per-channel but the channel dim was reduced away")

@@ -95,7 +95,7 @@ def measure(imp: Analysis, chain) -> Choice:
     inp = chain.conv.args[0] if chain.conv.args else chain.conv.kwargs["input"]
     shape = shape_of(inp)
     generator = torch.Generator(device=device).manual_seed(0)
-    inputs = [torch.randn(shape, device=device, generator=generator) for _ in range(2)]
+    inputs = [torch.randn(shape, device=device, generator=generator).to(chain.dtype) for _ in range(2)]
     ms, pt = measured.compare(layer, plain, inputs)
     measured.store(key, {"layer": name, "batch": chain.batch, "specgen_ms": ms, "pytorch_ms": pt})
     return Choice(name, ms < pt, ms, pt, "measured")
