@@ -1,0 +1,88 @@
+"""The real-layer benchmark: every layer of examples/layers.yaml at the batch its comment gives,
+in each precision asked, through `specgen.bench.bench` (peers measured in the same run).
+
+    python benchmarks/layers.py --precision tf32 bf16 fp32 [--no-compile fp32] [--json out.json] [--name NAME ...]
+
+Prints one table per layer and precision, then a summary: specgen's time, its ratios to eager,
+to eager on channels-last tensors and to torch.compile, and the geomeans. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ROOT / "examples" / "layers.yaml"
+
+
+def batches() -> dict[str, int]:
+    """Each layer's batch, from its `- name: X   # batch N` line."""
+    out = {}
+    for line in LAYERS.read_text().splitlines():
+        m = re.match(r"- name: (\w+)\s+# batch (\d+)", line)
+        if m:
+            out[m.group(1)] = int(m.group(2))
+    return out
+
+
+def geomean(values) -> float:
+    values = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--precision", nargs="+", default=["tf32"], choices=["fp32", "tf32", "bf16", "fp16"])
+    ap.add_argument("--no-compile", nargs="*", default=[], help="precisions to bench without torch.compile")
+    ap.add_argument("--name", nargs="*", default=None, help="only these layers")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    from specgen import bench
+    from specgen.spec import load_specs
+
+    sizes = batches()
+    specs = [s for s in load_specs(LAYERS) if args.name is None or s.name in args.name]
+    ceil = bench.ceilings()
+    print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, fp32 {ceil['fp32_flops_per_s'] / 1e12:.1f}, "
+          f"tf32 {ceil['tf32_flops_per_s'] / 1e12:.0f}, bf16 {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    results = []
+    for precision in args.precision:
+        for spec in specs:
+            s = spec.model_copy(update={"precision": precision})
+            result = bench.bench(s, sizes.get(spec.name, 64), reps=args.reps,
+                                 compile=precision not in args.no_compile, ceil=ceil)
+            results.append(result)
+            print(bench.format_table(result), flush=True)
+    print("\nsummary (ms; ratios are the other's time over specgen's)")
+    for precision in args.precision:
+        rows = [r for r in results if r["precision"] == precision]
+        ratios = {"x eager": [], "x eager cl": [], "x compile": [], "x TF32 off": []}
+        print(f"{precision}: {'layer':28}{'engine':34}{'specgen':>9}{'x eager':>9}{'x eager cl':>11}{'x compile':>10}{'% floor':>8}")
+        for r in rows:
+            by = {row["name"]: row for row in r["rows"]}
+            me = by["specgen"]["ms"]
+            e, cl = by["eager"]["ms"] / me, by["eager channels_last"]["ms"] / me
+            c = by["torch.compile"]["ms"] / me if "torch.compile" in by else None
+            off = by["eager (TF32 off)"]["ms"] / me if "eager (TF32 off)" in by else None
+            ratios["x eager"].append(e)
+            ratios["x eager cl"].append(cl)
+            ratios["x compile"].append(c)
+            ratios["x TF32 off"].append(off)
+            cs = f"{c:10.2f}" if c else f"{'-':>10}"
+            mark = bench.SLOWER_MARK if by["specgen"]["slower_than_eager"] else ""
+            print(f"      {r['spec']:28}{r['engine'][:33]:34}{me:9.3f}{e:9.2f}{cl:11.2f}{cs}{by['specgen']['pct_of_floor']:8.0f}{mark}")
+        print("      geomean: " + ", ".join(f"{k} {geomean(v):.2f}" for k, v in ratios.items() if any(v)))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": bench.environment(), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
