@@ -887,6 +887,9 @@ def _group_norm_span(a: GroupNormArgs, shape) -> Span:
     if channels % a.num_groups:
         raise SpanError("num_groups", f"the {channels} channels do not split into {a.num_groups} groups (as in nn.GroupNorm, "
                                       f"num_groups must divide them)")
+    if math.prod(shape.sizes) == a.num_groups:
+        raise SpanError("num_groups", f"each of the {a.num_groups} groups would hold one value (the tensor is "
+                                      f"{list(shape.sizes)} per sample): it would always normalize to 0, and nn.GroupNorm refuses it")
     return Span(1, len(shape.axes), split=a.num_groups)
 
 
