@@ -49,6 +49,8 @@ class FusedLayer(nn.Module):
         self._stats_size = reference.stats_size(self.spec)  # batch statistics the op returns (training-mode batch norms)
         self._running_stats = reference.running_stats(self.spec)
         self._twin_spec = self.spec.eval_twin()  # the layer in eval mode, when that computes something else
+        self._twin_params = tuple(self._twin_spec.params().items()) if self._twin_spec is not None else ()
+        self._one_value_batch_norm = reference.one_value_batch_norm(self.spec)
         self._twin_specialized: pipeline.Specialized | None = None
         self._twin_op = None
         self._specialized: pipeline.Specialized | None = None
@@ -144,6 +146,8 @@ class FusedLayer(nn.Module):
         if self._specialized is not None and weight.is_cuda and weight.dtype == torch.float32:
             index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
             torchop.load_kernel(self._specialized, index)
+            if self._twin_specialized is not None:
+                torchop.load_kernel(self._twin_specialized, index)
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -179,7 +183,7 @@ class FusedLayer(nn.Module):
         """The eval twin's tensors after x: weight, bias, then its params() (batch norms' running
         statistics among them), each viewed in the twin's shape."""
         tensors = [self.conv.weight, *([self.conv.bias] if self._has_bias else [])]
-        for name, want in self._twin_spec.params().items():
+        for name, want in self._twin_params:
             tensor = _tensor(self, name)
             tensors.append(tensor if tuple(tensor.shape) == want else tensor.reshape(want))
         return tensors
@@ -195,7 +199,7 @@ class FusedLayer(nn.Module):
                 if self._twin_specialized is None:
                     self._bind_twin(specialize=True)
                 bias = tensors[1] if self._has_bias else None
-                params = dict(zip(self._twin_spec.params(), tensors[1 + self._has_bias:]))
+                params = dict(zip((name for name, _ in self._twin_params), tensors[1 + self._has_bias:]))
                 return torchop.launch(self._twin_specialized, x.contiguous(), tensors[0], bias, params, out)
         else:
             self._check_portable_input(x)
@@ -211,7 +215,8 @@ class FusedLayer(nn.Module):
         batch = x.shape[0]
         if x.is_cuda and out is not None:
             self._check_input(x)
-            reference.check_batch_stats_size(self.spec, batch)
+            if self._one_value_batch_norm and batch == 1:
+                reference.check_batch_stats_size(self.spec, batch)
             stats = torch.empty(self._stats_size, device=x.device, dtype=torch.float32)
             conv = self._modules["conv"]
             bias = _tensor(conv, "bias") if self._has_bias else None
