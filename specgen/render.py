@@ -54,8 +54,9 @@ def render_plan(plan: dict, template: str | None = None, runtime_dims: bool = Fa
     if template is None and plan.get("engine") == "sequence":  # one source: each part's in its own namespace
         from specgen import tail
 
-        parts = [render_plan(p["plan"], "tail.cu.j2" if p["role"] == "tail" else None, runtime_dims and p["role"] != "tail")
-                 for p in plan["parts"]]
+        if runtime_dims:
+            raise TemplateError("tail.cu.j2: a layer with statistic stages has no run-time-dimensions rendering")
+        parts = [render_plan(p["plan"], "tail.cu.j2" if p["role"] == "tail" else None) for p in plan["parts"]]
         return _checked(tail.join(plan, parts), plan)
     if template is None:
         template = "igemm.cu.j2" if plan.get("engine") == "igemm" else "kernel.cu.j2"
