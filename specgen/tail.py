@@ -22,9 +22,9 @@ the layer is split before each statistic stage:
     registers), a finalize kernel (one block per group joins its chunks' partials: Chan's merge of
     (count, mean, M2), or the logsumexp merge for softmax, each thread over chunks t, t + T, ...,
     then a fixed tree) and an apply kernel (one block per chunk again): two reads, one write.
-  - `strided` (softmax over dims that are not trailing): one thread per INNER position and VEC of
-    them side by side; the group's ELEMS values are held in registers (ELEMS x VEC <= 64) or read
-    twice (an online max and sum, then the normalization).
+  - `strided` (softmax over dims that are not trailing): one thread per VEC neighbouring inner
+    positions (the widest VEC whose groups fit in registers, ELEMS x VEC <= 64); larger groups are
+    read twice (an online max and sum, then the normalization).
   No atomics: every sum has a fixed order, so a run repeats bit for bit; per-sample results do not
   depend on the batch (a batch norm's do, as its statistics span it).
 * **Rest**: the stages after a statistic stage up to the next one: the tail kernel applies the
@@ -131,14 +131,13 @@ def _vec(n: int) -> int:
 
 
 def _group_text(spec: LayerSpec, i: int) -> str:
-    """What one statistic group of stage i holds, in words."""
+    """What one statistic group of stage i holds, in words: '8 x 258 x 258 values'."""
     shape, span = spec.shapes()[i], spec.norm_span(i)
     sizes = list(shape.sizes)
     dims = sizes[span.first - 1:span.last]
     if span.split > 1:
         dims = [dims[0] // span.split, *dims[1:]]
-    where = " x ".join(map(str, dims))
-    return f"{where}{' of every sample' if span.across_batch else ''}"
+    return " x ".join(map(str, dims)) + " values" + (" of every sample" if span.across_batch else "")
 
 
 def _affine_code(row: ops.Norm, args, index: str) -> str:
@@ -208,8 +207,10 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> dict:
         outer = math.prod(sizes[:span.first - 1])
         elems = math.prod(sizes[span.first - 1:span.last])
         inner = math.prod(sizes[span.last:])
-        vec = _vec(inner)
-        registers = elems * vec <= STRIDED_REGISTERS
+        # the widest vector whose groups still fit in registers; groups too large for that are read twice
+        fitting = [v for v in (4, 2, 1) if inner % v == 0 and elems * v <= STRIDED_REGISTERS]
+        registers = bool(fitting)
+        vec = fitting[0] if fitting else _vec(inner)
         threads_per_sample = outer * inner // vec
         kernel = {"name": f"{kernel_prefix}_softmax", "role": "strided", "threads": THREADS,
                   "grid_x": -(-threads_per_sample // THREADS), "once": False,
@@ -292,8 +293,9 @@ def plan_sequence(spec: LayerSpec, igemm_config=None, target=None) -> dict:
             steps.append({"kind": "kernel", "part": len(parts), "name": kernel["name"], "threads": kernel["threads"],
                           "grid_x": kernel["grid_x"], "once": kernel["once"], "args": [names.get(a, a) for a in kernel["args"]]})
         parts.append({"role": "tail", "namespace": f"e{seg.index}", "plan": tp, "segment": seg})
-        why.append(f"epilogue[{seg.index}] {tp['op']} normalizes with statistics of groups of {_group_text(spec, seg.index)} "
-                   f"values, which many blocks compute: a kernel boundary before it")
+        why.append(f"epilogue[{seg.index}] {tp['op']} normalizes each value with a statistic of its group "
+                   f"({_group_text(spec, seg.index)}), which no block of the kernel before it computes whole: "
+                   f"the layer is split there")
         current = u
         if seg.rest:
             rest, rest_out = rest_spec(spec, seg)
@@ -327,6 +329,8 @@ def plan_sequence(spec: LayerSpec, igemm_config=None, target=None) -> dict:
         "why": why,
         # what the pipeline, the CLI and bench read of any plan
         "smem_bytes": max(p.get("smem_bytes", 0) for p in plans),
+        "cluster": max(p["cluster"] for p in layer_plans),  # the largest cluster any part launches
+        "cluster_at_launch": any(p["cluster_at_launch"] for p in layer_plans),
         "min_blocks": body_plan["min_blocks"],
         "igemm": body_plan.get("igemm"),
         "mma": body_plan.get("mma"),
@@ -362,13 +366,13 @@ def describe(plan: dict) -> str:
             what = "body (the conv and the stages before the first statistic stage)" if part["role"] == "body" else \
                 "rest (the stages after a statistic stage, from its first pool or reduction)"
             lines.append(f"  {n}. {p['kernel_name']}: {what}; reads {step['in']}, writes {step['out']} "
-                         f"{step['out_shape']}; {moved} bytes per sample")
+                         f"{step['out_shape'] or '(one value per sample)'}; {moved} bytes per sample")
             lines += [f"       {line}" for line in describe_plan(p).splitlines()]
         else:
             tp = part["plan"]
             kernel = next(k for k in tp["kernels"] if k["name"] == step["name"])
             moved = kernel["bytes_per_sample"]
-            grid = f"{kernel['grid_x']} blocks" + ("" if kernel["once"] else " per sample")
+            grid = f"{kernel['grid_x']} block(s)" + ("" if kernel["once"] else " per sample")
             lines.append(f"  {n}. {kernel['name']}: {_role_text(tp, kernel['role'])}; {kernel['threads']} threads/block, {grid}; "
                          f"reads {', '.join(a for a in step['args'][:-1])}, writes {step['args'][-1]}; {moved} bytes per sample")
         total += moved
@@ -383,7 +387,8 @@ def _role_text(tp: dict, role: str) -> str:
     if role == "stats":
         return f"{what}: partial statistics of chunks of {tp['chunk']} floats ({tp['chunks']} per group)"
     if role == "finalize":
-        return f"{what}: joins each group's {tp['chunks']} partials{' of every sample' if tp['across_batch'] else ''} in a fixed tree"
+        per = f"{tp['chunks']} per sample" if tp["across_batch"] else f"{tp['chunks']}"
+        return f"{what}: joins each group's partials ({per}) in a fixed tree"
     if role == "apply":
         return f"{what}: normalizes chunk by chunk{' and applies ' + ', '.join(st['op'] for st in tp['pointwise']) if tp['pointwise'] else ''}"
     return f"{what}: one thread per {tp['vec']} group(s), {'in registers' if tp['registers'] else 'read twice'}"
