@@ -302,7 +302,7 @@ constexpr int GROUP_LEN = 1156;  // floats per group and sample, contiguous
 constexpr int VEC = 4;  // floats per load and store (GROUP_LEN is a multiple of it)
 constexpr int THREADS = 256;  // threads per block
 constexpr int TEAM_WARPS = THREADS / 32;  // a block is one team
-constexpr int LANE_SPAN = 32;
+constexpr int LANE_SPAN = 32;  // lanes of a warp a block's butterfly spans
 constexpr int ITEMS = 8;  // vectors per thread: ITEMS * THREADS * VEC = CHUNK
 constexpr int CHUNK = 8192;  // floats of a group per stats and apply block
 constexpr int CHUNKS = 1;  // chunks per group and sample
@@ -419,7 +419,6 @@ extern "C" __global__ void __launch_bounds__(FIN_THREADS) specgen_kb11_e0_finali
       const float* __restrict__ p = partials + static_cast<size_t>(q / CHUNKS) * PARTIALS;
       const int j = q % CHUNKS;
       chan_merge(cnt, a, b, chunk_count(j), p[g * CHUNKS + j], p[GROUPS * CHUNKS + g * CHUNKS + j]);
-
     }
   }
   red_a[threadIdx.x] = a;

@@ -413,7 +413,8 @@ namespace e1 {
 //   (24 values: the max and the sum of exp(x - max)).
 //   * The softmax runs over dims that are not the last: a sample is OUTER = 1 x ELEMS = 24 x INNER = 900,
 //     and a group is the ELEMS values of one (outer, inner) position, INNER apart. One thread takes VEC = 2
-//     neighbouring inner positions (neighbouring threads read neighbouring floats) and holds their groups in registers: the max, then the sum of exp(x - max), one read.
+//     neighbouring inner positions (neighbouring threads read neighbouring floats) and
+//     holds their groups in registers: the max, then the sum of exp(x - max); one read.
 // =====================================================================================================
 
 namespace {

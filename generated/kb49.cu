@@ -263,7 +263,8 @@ namespace e0 {
 //   (64 values: the max and the sum of exp(x - max)).
 //   * The softmax runs over dims that are not the last: a sample is OUTER = 1 x ELEMS = 64 x INNER = 123039,
 //     and a group is the ELEMS values of one (outer, inner) position, INNER apart. One thread takes VEC = 1
-//     neighbouring inner positions (neighbouring threads read neighbouring floats) and holds their groups in registers: the max, then the sum of exp(x - max), one read.
+//     neighbouring inner positions (neighbouring threads read neighbouring floats) and
+//     holds their groups in registers: the max, then the sum of exp(x - max); one read.
 //   * Then the stages after it: sigmoid.
 // =====================================================================================================
 
