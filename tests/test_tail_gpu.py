@@ -38,6 +38,14 @@ def test_every_tail_variant_matches_float64(data, batch):
     compare(layer_of(data), batch, seed=batch)  # (the batch norms here see more than one value per channel and sample)
 
 
+def seeded(name: str, batch: int, seed: int):
+    """A variant's layer on random parameters and a random input of `batch` samples."""
+    layer = layer_of(VARIANTS[IDS.index(name)])
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    randomize(layer, gen)
+    return layer, random_input(layer.spec, batch, gen)
+
+
 def test_the_variants_take_every_kernel():
     seen = {m for data in VARIANTS for m in modes(validate(data))}
     assert seen == {"one_pass", "split", "strided"}
@@ -45,10 +53,7 @@ def test_the_variants_take_every_kernel():
 
 @pytest.mark.parametrize("name", ["gn_one_pass", "gn_split", "sm_reread", "sm_split", "ln_row", "two_norms", "bn_train"])
 def test_runs_repeat_bit_for_bit(name):
-    layer = layer_of(VARIANTS[IDS.index(name)])
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    randomize(layer, gen)
-    x = random_input(layer.spec, 4, gen)
+    layer, x = seeded(name, 4, seed=0)
     with torch.no_grad():
         first = layer(x).clone()
         for _ in range(3):
@@ -58,10 +63,7 @@ def test_runs_repeat_bit_for_bit(name):
 @pytest.mark.parametrize("name", ["gn_one_pass", "gn_split", "sm_reread", "sm_split", "lsm_middle", "in_div"])
 def test_a_sample_does_not_depend_on_the_batch(name):
     """Statistics per sample: a sample's result is the same bits alone and in a batch."""
-    layer = layer_of(VARIANTS[IDS.index(name)])
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    randomize(layer, gen)
-    x = random_input(layer.spec, 5, gen)
+    layer, x = seeded(name, 5, seed=1)
     with torch.no_grad():
         whole = layer(x)
         for i in (0, 3):
