@@ -8,13 +8,16 @@ tensors the PyTorch reference, so a model stays portable. Through the op the lay
 autograd (the backward recomputes with PyTorch ops), `torch.compile(fullgraph=True)` and CUDA
 graphs. `forward(x, out=...)` is the raw launch: it fills `out` and records no autograd graph.
 
+The layer's dtype follows its spec's precision: float32 for `fp32` and `tf32`, bfloat16 for
+`bf16`, float16 for `fp16`. Converting the layer (`.half()`, `.bfloat16()`, `.to(dtype)`, or a
+parent model's conversion) changes its precision to match and specializes it again; `.float()`
+brings back the 32-bit precision it had.
+
 A layer with training-mode batch norms (`batch_norm: {training: true}`) behaves as nn.BatchNormNd:
 in training mode it normalizes with the batch's statistics and updates its running statistics (the
 op returns the batch statistics; the layer applies nn.BatchNormNd's update to its buffers), after
 `.eval()` it runs its eval twin, the same layer normalizing with the running statistics (a kernel
 of its own, specialized when the layer is switched to eval mode).
-
-specgen kernels are float32-only: `.half()`, `.bfloat16()` (or `.to()` either) raise ValueError.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ class FusedLayer(nn.Module):
         self._tune = bool(tune)
         self.conv = reference.make_conv(self.spec)
         reference.add_spec_params(self, self.spec)
+        # The 32-bit precision to come back to from a 16-bit one (.float()).
+        self._precision32 = self.spec.precision if self.spec.precision in ("fp32", "tf32") else "fp32"
+        dtype = torchop.PRECISION_DTYPE[self.spec.precision]
+        if dtype != torch.float32:
+            nn.Module._apply(self, lambda t: t.to(dtype) if t.is_floating_point() else t)
         # Plain Python values read on every forward, so torch.compile traces it without graph breaks.
         self._name = self.spec.name
         self._input_shape = (self.spec.input.channels, *self.spec.input.size)
@@ -106,44 +114,29 @@ class FusedLayer(nn.Module):
 
     # -- precision and devices -----------------------------------------------------------------
 
-    def _refuse(self, dtype, how: str) -> None:
-        if dtype in torchop.LOWER_PRECISIONS:
-            raise ValueError(
-                f"{self.spec.name}: specgen kernels are float32-only; {how} would make the layer {dtype}. "
-                f"Keep the layer in float32 (lower precisions are not supported yet)."
-            )
-
-    def half(self):
-        self._refuse(torch.float16, ".half()")
-        return super().half()
-
-    def bfloat16(self):
-        self._refuse(torch.bfloat16, ".bfloat16()")
-        return super().bfloat16()
-
-    def to(self, *args, **kwargs):
-        _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        self._refuse(dtype, f".to({dtype})")
-        return super().to(*args, **kwargs)
-
     def _apply(self, fn, recurse=True):
-        # A parent's .half() reaches here without calling ours: probe what fn does to a float32
-        # tensor (on the meta device: no data, no side effects) before converting anything.
-        try:
-            probe = fn(torch.empty((), device="meta")).dtype
-        except Exception:  # noqa: BLE001  (fn moves data, e.g. .cuda(): not a dtype change)
-            probe = None
-        self._refuse(probe, "converting it")
         result = super()._apply(fn, recurse)
-        self._refuse(self.conv.weight.dtype, "that conversion")  # a conversion the probe could not foresee
+        dtype = self.conv.weight.dtype
+        if dtype != torchop.PRECISION_DTYPE[self.spec.precision] and dtype in (torch.float32, *torchop.LOWER_PRECISIONS):
+            self._adopt(dtype)
         self._load_on_device()
         return result
+
+    def _adopt(self, dtype) -> None:
+        """The layer's tensors became `dtype`: run in the matching precision from now on."""
+        precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, self._precision32)
+        self.spec = self.spec.model_copy(update={"precision": precision})
+        self._specialized = None
+        if torch.cuda.is_available():
+            self.specialize()
+        else:
+            self._bind_op()
 
     def _load_on_device(self) -> None:
         """Load the kernel into the parameters' GPU now, so the first forward (perhaps being
         captured into a CUDA graph) only launches."""
         weight = self.conv.weight
-        if self._specialized is not None and weight.is_cuda and weight.dtype == torch.float32:
+        if self._specialized is not None and weight.is_cuda and weight.dtype == torchop.PRECISION_DTYPE[self.spec.precision]:
             index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
             torchop.load_kernel(self._specialized, index)
             if self._twin_specialized is not None:
@@ -254,7 +247,7 @@ class FusedLayer(nn.Module):
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The layer on `x`, through its custom op (differentiable).
 
-        With `out` (a preallocated contiguous float32 output of the right shape) the kernel fills
+        With `out` (a preallocated contiguous output of the right shape and the layer's dtype) the kernel fills
         it directly on CUDA (the raw launch) and no autograd graph is recorded, on any device.
         """
         if not isinstance(x, torch.Tensor):
@@ -272,7 +265,7 @@ class FusedLayer(nn.Module):
             if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
                 # Inference in eager mode: nothing for autograd to record, so skip the custom
                 # op's dispatch (tens of microseconds of host time) and launch directly.
-                return self._launch(x.contiguous(), None, conv, weight)
+                return self._launch(x, None, conv, weight)
         else:
             self._check_portable_input(x)
         return self._op(x, *self._op_tensors())
@@ -280,19 +273,20 @@ class FusedLayer(nn.Module):
     def _forward_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             self._check_input(x)
-            return self._launch(x.contiguous(), out)
+            return self._launch(x, out)
         self._check_portable_input(x)
         with torch.no_grad():
             y = self._op(x, *self._op_tensors())
         return _copy_out(self._name, y, out)
 
     def _check_portable_input(self, x: torch.Tensor) -> None:
-        """Off the GPU any float dtype runs (the reference), except the lower precisions."""
+        """Off the GPU any float dtype runs (the reference); a 16-bit dtype only in a 16-bit precision."""
         name = self._name
         weight = self.conv.weight
+        want = torchop.PRECISION_DTYPE[self.spec.precision]
         for t in (x, weight):
-            if t.dtype in torchop.LOWER_PRECISIONS:
-                raise ValueError(f"{name}: specgen kernels are float32-only; got a {t.dtype} tensor (use .float())")
+            if (want == torch.float32 and t.dtype in torchop.LOWER_PRECISIONS) or (want != torch.float32 and t.dtype != want):
+                raise ValueError(f"{name}: a precision {self.spec.precision} layer takes {want} tensors, got {t.dtype}")
         self._check_device_and_shape(x, weight)
 
     def _check_device_and_shape(self, x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -308,21 +302,21 @@ class FusedLayer(nn.Module):
     def _check_input(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> None:
         if weight is None:
             weight = _tensor(self._modules["conv"], "weight")
+        want = torchop.PRECISION_DTYPE[self.spec.precision]
         # The common case in a few cheap comparisons (this runs on every inference forward).
         if (
-            x.dtype == torch.float32
-            and weight.dtype == torch.float32
+            x.dtype == want
+            and weight.dtype == want
             and x.get_device() == weight.get_device()
             and x.shape[1:] == self._input_shape  # also refuses a 0-d or wrongly ranked x
         ):
             return
         name = self._name
-        if x.dtype != torch.float32:
-            raise ValueError(f"{name}: expected a float32 input, got {x.dtype}")
-        if weight.dtype != torch.float32:
+        if x.dtype != want:
+            raise ValueError(f"{name}: expected a {want} input (precision {self.spec.precision}), got {x.dtype}")
+        if weight.dtype != want:
             raise ValueError(
-                f"{name}: specgen kernels are float32-only; the layer's parameters are {weight.dtype} "
-                f"(undo .half()/.bfloat16() with .float())"
+                f"{name}: the layer's parameters are {weight.dtype}, its precision {self.spec.precision} wants {want}"
             )
         self._check_device_and_shape(x, weight)
 

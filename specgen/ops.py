@@ -6,7 +6,9 @@ expr function that means the same. Every pool is a row of `POOLS` and every redu
 `REDUCTIONS`, with the CUDA of their accumulators (init, combine or fold and merge, finalize).
 Adding an op means adding a row here, nothing else: the spec, the plan, the template and the
 reference all read this table, and the templates know no op by name (a row missing a snippet is
-an `OpTableError` when a kernel that uses it is rendered).
+an `OpTableError` when a kernel that uses it is rendered). The model importer reads it too: each
+row's `spellings` say how PyTorch code writes the op (see `Spelling`), and `EXPR_ONLY` lists the
+PyTorch pointwise functions that no op names, which the importer writes as `expr` stages.
 
 CUDA expressions are built by `cuda(args, x, names)`: `x` is the C expression of the value,
 `names[field]` the C spelling of a folded constant (a named constexpr) and `names[param]` the
@@ -42,6 +44,14 @@ class Args(BaseModel):
                 raise ValueError(f"{name} = {value!r} is outside float32's range (|x| <= {FLOAT32_MAX:.7g})")
         return self
 
+    @classmethod
+    def from_operands(cls, operands: tuple, fields: dict) -> Optional[dict]:
+        """The op's arguments for a call the importer found: the op applied to x and `operands`
+        (each a number, a `Param` or None), with the constants `fields`. None when this op's
+        arguments cannot say that call (the importer writes it as an expr instead). Here: an op
+        of x alone, its fields as they are."""
+        return None if operands else dict(fields)
+
 
 def _F():
     import torch.nn.functional as F
@@ -53,6 +63,64 @@ def _torch():
     import torch
 
     return torch
+
+
+# ---------------------------------------------------------------------------------------------
+# How PyTorch code writes an op, for the model importer
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Param:
+    """A per-channel parameter, by its spec name: an operand as `Args.from_operands` sees it."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """One way PyTorch code writes an op, for the model importer (specgen.importer).
+
+    Names only, resolved by the importer, so this module needs no torch. `functions` are
+    'torch.relu', 'F.relu' (torch.nn.functional), 'torch.special.erf' or 'operator.add';
+    `methods` are Tensor methods; `modules` nn class names. A function or method name ending in
+    '_' is the in-place form. '{nd}' in a name stands for each spatial rank of `nd`
+    ('F.avg_pool{nd}d': the pool over nd spatial dims).
+
+    Calls are bound to `sig`, a signature as text with literal defaults ('input,
+    negative_slope=0.01, inplace=False'; None: only the first argument, the tensor, matters);
+    the tensor is `input`, and a module's arguments are its attributes of the same names.
+    `operands` are the arguments that are values (the chain value, a per-channel tensor, a
+    number); the other arguments that name a field of the op's args model (after `rename`,
+    PyTorch's name -> the field's) are the op's constants. `fixed` sets arguments this spelling
+    does not take (F.relu6 is hardtanh with min_val 0 and max_val 6). `refuse` maps an argument
+    to why the call is not fused when it is given (not None, False or 0), as a format string over
+    {value!r}. `scale` = (operand, argument): the operand times the argument (torch.add's alpha).
+    `elementwise` (a reduction's spelling): the pointwise op this call is when a tensor stands
+    where the dim goes (torch.max(x, y)); with a dim it returns (values, indices). `form` names
+    a mapping the importer writes out itself, where an argument changes what the call computes:
+    'power' (x ** c or c ** x), 'batch_norm' (training mode and the statistics)."""
+
+    sig: Optional[str] = "input"
+    functions: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ()
+    modules: tuple[str, ...] = ()
+    nd: tuple[int, ...] = ()
+    operands: tuple[str, ...] = ("input",)
+    rename: dict = field(default_factory=dict)
+    fixed: dict = field(default_factory=dict)
+    refuse: dict = field(default_factory=dict)
+    scale: Optional[tuple[str, str]] = None
+    elementwise: Optional[str] = None
+    form: Optional[str] = None
+
+
+def expr_number(value) -> str:
+    """A constant as an expr's text; a ValueError for one that is not finite."""
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"constant {value!r} is not finite")
+    return repr(value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,6 +163,13 @@ class ClampArgs(Args):
             raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
         return self
 
+    @classmethod
+    def from_operands(cls, operands, fields):
+        lo, hi = operands
+        if not all(t is None or isinstance(t, float) for t in (lo, hi)) or (lo is None and hi is None):
+            return None
+        return {k: v for k, v in (("min", lo), ("max", hi)) if v is not None}
+
 
 class SoftplusArgs(Args):
     beta: float = 1.0
@@ -119,6 +194,11 @@ class ScalarArgs(Args):
         if isinstance(data, dict) and "dims" in data:
             raise ValueError("min/max with dims is a reduction: write amin/amax: {dims: [...]}")
         return {"value": data} if isinstance(data, (int, float)) and not isinstance(data, bool) else data
+
+    @classmethod
+    def from_operands(cls, operands, fields):
+        (value,) = operands
+        return {"value": value} if isinstance(value, float) else None
 
 
 class OperandArgs(Args):
@@ -146,6 +226,15 @@ class OperandArgs(Args):
         if (self.value is None) == (self.param is None):
             raise ValueError("give exactly one of value (a number) or param (a per-channel parameter name)")
         return self
+
+    @classmethod
+    def from_operands(cls, operands, fields):
+        (other,) = operands
+        if isinstance(other, float) and math.isfinite(other):
+            return {"value": other}
+        if isinstance(other, Param):
+            return {"param": other.name}
+        return None
 
 
 class ExprArgs(Args):
@@ -265,6 +354,31 @@ class BatchNormArgs(Args):
         return BatchNormArgs(eps=self.eps, affine=self.affine, weight=self.weight, bias=self.bias,
                              running_mean=self.running_mean, running_var=self.running_var)
 
+    @classmethod
+    def from_operands(cls, operands, fields):
+        """Batch norm whose statistics (and weight, bias) are per-channel tensors: one stage naming them."""
+        mean, var, weight, bias = operands
+        if not all(isinstance(t, Param) for t in (mean, var)):
+            return None
+        if not all(t is None or isinstance(t, Param) for t in (weight, bias)) or (weight is None) != (bias is None):
+            return None
+        args = {"eps": fields["eps"], "running_mean": mean.name, "running_var": var.name}
+        if weight is None:
+            args["affine"] = False
+        else:
+            args.update(weight=weight.name, bias=bias.name)
+        return args
+
+
+def _batch_norm_text(t, a):
+    x, mean, var, weight, bias = t
+    text = f"({x} - {mean}) / sqrt({var} + {expr_number(a['eps'])})"
+    if weight is not None:
+        text = f"{text} * {weight}"
+    if bias is not None:
+        text = f"{text} + {bias}"
+    return f"({text})"
+
 
 def _batch_norm_c(a, x, k):
     text = f"(({x}) - {k[a.running_mean]}) * __frsqrt_rn({k[a.running_var]} + {k['eps']})"
@@ -333,10 +447,26 @@ class Pointwise:
     # that both spell the same CUDA and the same PyTorch result.
     expr_function: Optional[str] = None
     expr_operands: tuple[str, ...] = ()
+    # How PyTorch code writes the op, for the importer (see Spelling).
+    spellings: tuple[Spelling, ...] = ()
+    # The op in the grammar of specgen.expr, for the importer to write it inside a larger expr:
+    # expr_text(operand texts, x first; the op's constants) -> text, or None where the grammar
+    # cannot say it. Left out: `expr_function` called on the operands.
+    expr_text: Optional[Callable[[list, dict], Optional[str]]] = None
+    # Whether x may be either operand of the op's own stage (2 + x is add: 2.0, 2 - x an expr).
+    commutative: bool = False
 
     def constants(self, args: Args) -> dict[str, float]:
         """The float fields of `args` that become named constexprs (None means 'not used')."""
         return {k: v for k, v in args.model_dump().items() if isinstance(v, float)}
+
+    def expr_form(self, operands: list, fields: dict) -> Optional[str]:
+        """The op over `operands` (texts, x first) as expr text, or None (see `expr_text`)."""
+        if self.expr_text is not None:
+            return self.expr_text(operands, fields)
+        if self.expr_function is not None:
+            return f"{self.expr_function}({', '.join(operands)})"
+        return None
 
 
 def _affine(step: Callable[[float, float, float], Optional[tuple[float, float]]]):
@@ -361,9 +491,37 @@ def _clamp_c(a, x, k):
     return out
 
 
+def _clamp_text(t, a):
+    x, lo, hi = t
+    if lo is not None and hi is not None:
+        return f"clamp({x}, {lo}, {hi})"
+    if lo is not None:
+        return f"max({x}, {lo})"
+    if hi is not None:
+        return f"min({x}, {hi})"
+    return x
+
+
+_GELU_TEXT = {
+    "none": lambda x: f"(0.5 * {x} * (1 + erf({x} * 0.7071067811865476)))",
+    "tanh": lambda x: f"(0.5 * {x} * (1 + tanh(0.7978845608028654 * ({x} + 0.044715 * {x} ** 3))))",
+}
+_INPLACE = "input, inplace=False"
+_ADD_SUB = "input, other, alpha=1"
+_BINARY = ("input", "other")
+
+
 _POINTWISE_ROWS = [
     Pointwise(
-        "relu", NoArgs, lambda a, x, k: f"fmaxf({x}, 0.0f)", lambda x, a, p: _F().relu(x), "max(x, 0)", expr_function="relu"
+        "relu",
+        NoArgs,
+        lambda a, x, k: f"fmaxf({x}, 0.0f)",
+        lambda x, a, p: _F().relu(x),
+        "max(x, 0)",
+        expr_function="relu",
+        spellings=(
+            Spelling(_INPLACE, ("torch.relu", "F.relu", "torch.relu_", "F.relu_"), ("relu", "relu_"), ("ReLU",)),
+        ),
     ),
     Pointwise(
         "leaky_relu",
@@ -371,6 +529,10 @@ _POINTWISE_ROWS = [
         lambda a, x, k: f"(({x}) > 0.0f ? ({x}) : ({x}) * {k['negative_slope']})",
         lambda x, a, p: _F().leaky_relu(x, a.negative_slope),
         "x if x > 0 else x * negative_slope",
+        spellings=(
+            Spelling("input, negative_slope=0.01, inplace=False", ("F.leaky_relu", "F.leaky_relu_"), (), ("LeakyReLU",)),
+        ),
+        expr_text=lambda t, a: f"(max({t[0]}, 0) + {expr_number(a['negative_slope'])} * min({t[0]}, 0))",
     ),
     Pointwise(
         "gelu",
@@ -382,6 +544,8 @@ _POINTWISE_ROWS = [
         ),
         lambda x, a, p: _F().gelu(x, approximate=a.approximate),
         "exact (erf) or tanh-approximated GELU",
+        spellings=(Spelling("input, approximate='none'", ("F.gelu",), (), ("GELU",)),),
+        expr_text=lambda t, a: _GELU_TEXT[a["approximate"]](t[0]),
     ),
     Pointwise(
         "sigmoid",
@@ -389,14 +553,26 @@ _POINTWISE_ROWS = [
         lambda a, x, k: f"(1.0f / (1.0f + expf(-({x}))))",
         lambda x, a, p: _torch().sigmoid(x),
         expr_function="sigmoid",
+        spellings=(
+            Spelling("input", ("torch.sigmoid", "F.sigmoid", "torch.sigmoid_"), ("sigmoid", "sigmoid_"), ("Sigmoid",)),
+        ),
     ),
-    Pointwise("tanh", NoArgs, lambda a, x, k: f"tanhf({x})", lambda x, a, p: _torch().tanh(x), expr_function="tanh"),
+    Pointwise(
+        "tanh",
+        NoArgs,
+        lambda a, x, k: f"tanhf({x})",
+        lambda x, a, p: _torch().tanh(x),
+        expr_function="tanh",
+        spellings=(Spelling("input", ("torch.tanh", "F.tanh", "torch.tanh_"), ("tanh", "tanh_"), ("Tanh",)),),
+    ),
     Pointwise(
         "mish",
         NoArgs,
         lambda a, x, k: f"(({x}) * tanhf(({x}) > 20.0f ? ({x}) : log1pf(expf({x}))))",
         lambda x, a, p: _F().mish(x),
         "x * tanh(softplus(x))",
+        spellings=(Spelling(_INPLACE, ("F.mish",), (), ("Mish",)),),
+        expr_text=lambda t, a: f"({t[0]} * tanh(log(1 + exp({t[0]}))))",
     ),
     Pointwise(
         "hardswish",
@@ -404,12 +580,20 @@ _POINTWISE_ROWS = [
         lambda a, x, k: f"(({x}) * fminf(fmaxf(({x}) + 3.0f, 0.0f), 6.0f) / 6.0f)",
         lambda x, a, p: _F().hardswish(x),
         "x * relu6(x + 3) / 6",
+        spellings=(Spelling(_INPLACE, ("F.hardswish",), (), ("Hardswish",)),),
+        expr_text=lambda t, a: f"({t[0]} * clamp({t[0]} + 3, 0, 6) / 6)",
     ),
     Pointwise(
         "hardtanh",
         HardtanhArgs,
         lambda a, x, k: f"fminf(fmaxf({x}, {k['min_val']}), {k['max_val']})",
         lambda x, a, p: _F().hardtanh(x, a.min_val, a.max_val),
+        spellings=(
+            # nn.ReLU6 is a Hardtanh(0, 6)
+            Spelling("input, min_val=-1.0, max_val=1.0, inplace=False", ("F.hardtanh", "F.hardtanh_"), (), ("Hardtanh",)),
+            Spelling(_INPLACE, ("F.relu6",), fixed={"min_val": 0.0, "max_val": 6.0}),
+        ),
+        expr_text=lambda t, a: f"clamp({t[0]}, {expr_number(a['min_val'])}, {expr_number(a['max_val'])})",
     ),
     Pointwise(
         "clamp",
@@ -418,14 +602,33 @@ _POINTWISE_ROWS = [
         lambda x, a, p: _torch().clamp(x, min=a.min, max=a.max),
         expr_function="clamp",
         expr_operands=("min", "max"),
+        spellings=tuple(
+            Spelling(sig, tuple(f"torch.{n}" for n in names), names, operands=("input", "min", "max"), fixed=fixed)
+            for sig, names, fixed in (
+                ("input, min=None, max=None", ("clamp", "clip", "clamp_", "clip_"), {}),
+                ("input, min", ("clamp_min", "clamp_min_"), {"max": None}),
+                ("input, max", ("clamp_max", "clamp_max_"), {"min": None}),
+            )
+        ),
+        expr_text=_clamp_text,
     ),
-    Pointwise("silu", NoArgs, lambda a, x, k: f"(({x}) / (1.0f + expf(-({x}))))", lambda x, a, p: _F().silu(x)),
+    Pointwise(
+        "silu",
+        NoArgs,
+        lambda a, x, k: f"(({x}) / (1.0f + expf(-({x}))))",
+        lambda x, a, p: _F().silu(x),
+        spellings=(Spelling(_INPLACE, ("F.silu",), (), ("SiLU",)),),
+        expr_text=lambda t, a: f"({t[0]} * sigmoid({t[0]}))",
+    ),
     Pointwise(
         "softplus",
         SoftplusArgs,
         _softplus_c,
         lambda x, a, p: _F().softplus(x, beta=a.beta, threshold=a.threshold),
         "log(1 + exp(beta x)) / beta, linear above threshold",
+        spellings=(Spelling("input, beta=1.0, threshold=20.0", ("F.softplus",), (), ("Softplus",)),),
+        # softplus switches to the identity above its threshold: no where-free expr form
+        expr_text=lambda t, a: None,
     ),
     Pointwise(
         "add",
@@ -434,6 +637,14 @@ _POINTWISE_ROWS = [
         lambda x, a, p: x + _operand_ref(a, x, p),
         params=lambda a: () if a.param is None else (a.param,),
         affine=_affine(lambda s, t, v: (s, t + v)),
+        spellings=(
+            Spelling(
+                _ADD_SUB, ("operator.add", "operator.iadd", "torch.add"), ("add", "add_"), operands=_BINARY,
+                scale=("other", "alpha"),
+            ),
+        ),
+        expr_text=lambda t, a: f"({t[0]} + {t[1]})",
+        commutative=True,
     ),
     Pointwise(
         "sub",
@@ -442,6 +653,16 @@ _POINTWISE_ROWS = [
         lambda x, a, p: x - _operand_ref(a, x, p),
         params=lambda a: () if a.param is None else (a.param,),
         affine=_affine(lambda s, t, v: (s, t - v)),
+        spellings=(
+            Spelling(
+                _ADD_SUB,
+                ("operator.sub", "operator.isub", "torch.sub", "torch.subtract"),
+                ("sub", "sub_", "subtract", "subtract_"),
+                operands=_BINARY,
+                scale=("other", "alpha"),
+            ),
+        ),
+        expr_text=lambda t, a: f"({t[0]} - {t[1]})",
     ),
     Pointwise(
         "mul",
@@ -450,6 +671,16 @@ _POINTWISE_ROWS = [
         lambda x, a, p: x * _operand_ref(a, x, p),
         params=lambda a: () if a.param is None else (a.param,),
         affine=_affine(lambda s, t, v: (s * v, t * v)),
+        spellings=(
+            Spelling(
+                "input, other",
+                ("operator.mul", "operator.imul", "torch.mul", "torch.multiply"),
+                ("mul", "mul_", "multiply", "multiply_"),
+                operands=_BINARY,
+            ),
+        ),
+        expr_text=lambda t, a: f"({t[0]} * {t[1]})",
+        commutative=True,
     ),
     Pointwise(
         "div",
@@ -458,6 +689,16 @@ _POINTWISE_ROWS = [
         lambda x, a, p: x / _operand_ref(a, x, p),
         params=lambda a: () if a.param is None else (a.param,),
         affine=_affine(lambda s, t, v: None if v == 0.0 else (s / v, t / v)),
+        spellings=(
+            Spelling(
+                "input, other, rounding_mode=None",
+                ("operator.truediv", "operator.itruediv", "torch.div", "torch.divide", "torch.true_divide"),
+                ("div", "div_", "divide", "divide_", "true_divide", "true_divide_"),
+                operands=_BINARY,
+                refuse={"rounding_mode": "rounding_mode={value!r} (only true division is fused)"},
+            ),
+        ),
+        expr_text=lambda t, a: f"({t[0]} / {t[1]})",
     ),
     Pointwise(
         "min",
@@ -467,6 +708,8 @@ _POINTWISE_ROWS = [
         "min(x, value)",
         expr_function="min",
         expr_operands=("value",),
+        spellings=(Spelling("input, other", ("torch.minimum", "torch.fmin"), ("minimum", "fmin"), operands=_BINARY),),
+        commutative=True,
     ),
     Pointwise(
         "max",
@@ -476,6 +719,8 @@ _POINTWISE_ROWS = [
         "max(x, value)",
         expr_function="max",
         expr_operands=("value",),
+        spellings=(Spelling("input, other", ("torch.maximum", "torch.fmax"), ("maximum", "fmax"), operands=_BINARY),),
+        commutative=True,
     ),
     Pointwise(
         "expr",
@@ -493,9 +738,117 @@ _POINTWISE_ROWS = [
         "eval-mode batch norm: (x - running_mean) / sqrt(running_var + eps) * weight + bias",
         params=lambda a: a.names(),
         param_init=_batch_norm_init,
+        spellings=(
+            Spelling(
+                "input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-05",
+                ("F.batch_norm",),
+                modules=("BatchNorm1d", "BatchNorm2d", "BatchNorm3d"),
+                operands=("input", "running_mean", "running_var", "weight", "bias"),
+                form="batch_norm",
+            ),
+        ),
+        expr_text=_batch_norm_text,
     ),
 ]
 POINTWISE: dict[str, Pointwise] = {row.name: row for row in _POINTWISE_ROWS}
+
+
+
+class AlphaArgs(Args):
+    alpha: float = 1.0
+
+
+@dataclass(frozen=True)
+class ExprOnly:
+    """A PyTorch pointwise function that no op of the table names: the importer writes it as (part
+    of) an `expr` stage, with `expr_text` as `Pointwise.expr_text`; `args` types its constants."""
+
+    name: str
+    expr_text: Callable[[list, dict], Optional[str]]
+    spellings: tuple[Spelling, ...]
+    args: type[Args] = NoArgs
+
+    def expr_form(self, operands: list, fields: dict) -> Optional[str]:
+        return self.expr_text(operands, fields)
+
+
+def _pow_text(t, a):
+    if "base" in a:  # base ** x, with a positive constant base
+        return f"exp({t[0]} * {expr_number(math.log(a['base']))})"
+    n = a["exponent"]
+    if float(n).is_integer() and 1 <= n <= 4:
+        return f"({t[0]} ** {int(n)})"
+    return {0.5: f"sqrt({t[0]})", -0.5: f"(1 / sqrt({t[0]}))", -1.0: f"(1 / {t[0]})", -2.0: f"(1 / {t[0]} ** 2)"}.get(
+        float(n)
+    )
+
+
+def _torch_function(fn: str, *more: str, text: str) -> ExprOnly:
+    """A torch function of x alone (with its in-place form and Tensor methods)."""
+    spelling = Spelling("input", (f"torch.{fn}", f"torch.{fn}_", *more), (fn, f"{fn}_"))
+    return ExprOnly(fn, lambda t, a: text.format(x=t[0]), (spelling,))
+
+
+_SELU = (1.0507009873554805, 1.6732632423543772)
+_POWER = ("input", "exponent")
+
+EXPR_ONLY: dict[str, ExprOnly] = {
+    row.name: row
+    for row in [
+        ExprOnly(
+            "neg",
+            lambda t, a: f"(-{t[0]})",
+            (Spelling("input", ("operator.neg", "torch.neg", "torch.negative"), ("neg", "neg_", "negative")),),
+        ),
+        ExprOnly(
+            "pow",
+            _pow_text,
+            (
+                Spelling("input, exponent", ("operator.pow", "torch.pow"), ("pow", "pow_"), operands=_POWER, form="power"),
+                Spelling(
+                    "input", ("torch.square",), ("square", "square_"), operands=_POWER, fixed={"exponent": 2.0}, form="power"
+                ),
+            ),
+        ),
+        _torch_function("exp", text="exp({x})"),
+        _torch_function("log", text="log({x})"),
+        _torch_function("sqrt", text="sqrt({x})"),
+        _torch_function("rsqrt", text="(1 / sqrt({x}))"),
+        _torch_function("reciprocal", text="(1 / {x})"),
+        _torch_function("abs", "torch.absolute", text="abs({x})"),
+        _torch_function("erf", "torch.special.erf", text="erf({x})"),
+        ExprOnly(
+            "elu",
+            lambda t, a: f"(max({t[0]}, 0) + {expr_number(a['alpha'])} * (exp(min({t[0]}, 0)) - 1))",
+            (Spelling("input, alpha=1.0, inplace=False", ("F.elu", "F.elu_"), (), ("ELU",)),),
+            AlphaArgs,
+        ),
+        ExprOnly(
+            "celu",
+            lambda t, a: (
+                f"(max({t[0]}, 0) + min(0, {expr_number(a['alpha'])} * (exp({t[0]} / {expr_number(a['alpha'])}) - 1)))"
+            ),
+            (Spelling("input, alpha=1.0, inplace=False", ("F.celu", "F.celu_"), (), ("CELU",)),),
+            AlphaArgs,
+        ),
+        ExprOnly(
+            "selu",
+            lambda t, a: f"({_SELU[0]!r} * (max({t[0]}, 0) + {_SELU[1]!r} * (exp(min({t[0]}, 0)) - 1)))",
+            (Spelling(_INPLACE, ("F.selu", "torch.selu", "F.selu_"), (), ("SELU",)),),
+        ),
+        ExprOnly(
+            "hardsigmoid",
+            lambda t, a: f"clamp({t[0]} / 6 + 0.5, 0, 1)",
+            (Spelling(_INPLACE, ("F.hardsigmoid",), (), ("Hardsigmoid",)),),
+        ),
+        ExprOnly(
+            "softsign", lambda t, a: f"({t[0]} / (1 + abs({t[0]})))", (Spelling("input", ("F.softsign",), (), ("Softsign",)),)
+        ),
+        ExprOnly(
+            "tanhshrink", lambda t, a: f"({t[0]} - tanh({t[0]}))", (Spelling("input", ("F.tanhshrink",), (), ("Tanhshrink",)),)
+        ),
+    ]
+}
 
 
 def expr_function_mismatches(samples=(-3.0, -0.5, 0.0, 0.25, 2.0)) -> list[str]:
@@ -579,6 +932,7 @@ class Pool:
     init: Optional[str] = None
     combine: Optional[str] = None
     finalize: Optional[str] = None
+    spellings: tuple[Spelling, ...] = ()  # how PyTorch code writes the pool, for the importer
 
     def cuda(self) -> dict[str, str]:
         """The row's CUDA snippets; an OpTableError names any that are missing."""
@@ -622,13 +976,59 @@ def _global_ref(kind):
 _AVG = dict(reduction="mean", init="0.0f", combine="%(acc)s + %(v)s", finalize="%(acc)s / %(count)s")
 _MAX = dict(reduction="amax", init="-CUDART_INF_F", combine="fmaxf(%(acc)s, %(v)s)", finalize="%(acc)s")
 
+_ND = (1, 2, 3)
+_WINDOW = "input, kernel_size, stride=None, padding=0"
+_CEIL_MODE = {"ceil_mode": "ceil_mode=True is not supported (spec pools use floor mode)"}
+_RETURN_INDICES = {"return_indices": "return_indices=True is not supported"}
+
 POOLS: dict[str, Pool] = {
     row.name: row
     for row in [
-        Pool("avg_pool", AvgPoolArgs, "avg", True, _avg_pool_ref, **_AVG),
-        Pool("max_pool", MaxPoolArgs, "max", True, _max_pool_ref, **_MAX),
-        Pool("global_avg_pool", NoArgs, "avg", False, _global_ref("avg"), **_AVG),
-        Pool("global_max_pool", NoArgs, "max", False, _global_ref("max"), **_MAX),
+        Pool(
+            "avg_pool", AvgPoolArgs, "avg", True, _avg_pool_ref, **_AVG,
+            spellings=(
+                Spelling(
+                    f"{_WINDOW}, ceil_mode=False, count_include_pad=True, divisor_override=None",
+                    ("F.avg_pool{nd}d",),
+                    modules=("AvgPool{nd}d",),
+                    nd=_ND,
+                    rename={"kernel_size": "kernel"},
+                    refuse={"divisor_override": "divisor_override is not supported", **_CEIL_MODE},
+                ),
+            ),
+        ),
+        Pool(
+            "max_pool", MaxPoolArgs, "max", True, _max_pool_ref, **_MAX,
+            spellings=(
+                Spelling(
+                    f"{_WINDOW}, dilation=1, ceil_mode=False, return_indices=False",
+                    ("F.max_pool{nd}d", "torch.max_pool{nd}d"),
+                    modules=("MaxPool{nd}d",),
+                    nd=_ND,
+                    rename={"kernel_size": "kernel"},
+                    refuse={**_CEIL_MODE, **_RETURN_INDICES},
+                ),
+            ),
+        ),
+        # nn.AdaptiveAvgPoolNd with an output of 1 is the global pool
+        Pool(
+            "global_avg_pool", NoArgs, "avg", False, _global_ref("avg"), **_AVG,
+            spellings=(
+                Spelling("input, output_size", ("F.adaptive_avg_pool{nd}d",), modules=("AdaptiveAvgPool{nd}d",), nd=_ND),
+            ),
+        ),
+        Pool(
+            "global_max_pool", NoArgs, "max", False, _global_ref("max"), **_MAX,
+            spellings=(
+                Spelling(
+                    "input, output_size, return_indices=False",
+                    ("F.adaptive_max_pool{nd}d",),
+                    modules=("AdaptiveMaxPool{nd}d",),
+                    nd=_ND,
+                    refuse=_RETURN_INDICES,
+                ),
+            ),
+        ),
     ]
 }
 
@@ -676,6 +1076,7 @@ class Reduction:
     finalize: Optional[str] = None
     helpers: str = ""
     note: str = ""
+    spellings: tuple[Spelling, ...] = ()  # how PyTorch code writes the reduction, for the importer
 
     def cuda(self) -> dict[str, str]:
         """The row's CUDA snippets; an OpTableError names any that are missing."""
@@ -708,11 +1109,35 @@ __device__ __forceinline__ float lse_value(float m, float s) { return m == -CUDA
 
 _SUM = dict(init="0.0f", fold="%(a)s += %(v)s;", merge="%(a)s += %(a2)s;")
 
+_SUM_SIG = "input, dim=None, keepdim=False, dtype=None"
+
+
+def _reduction_spelling(fn: str, sig: str = "input, dim=(), keepdim=False") -> Spelling:
+    return Spelling(sig, (f"torch.{fn}",), (fn,))
+
+
+def _values_spelling(fn: str) -> Spelling:
+    """torch.max(x, dim) reduces, returning (values, indices); torch.max(x, y) is the pointwise max."""
+    return Spelling("input, dim=None, keepdim=False", (f"torch.{fn}",), (fn,), elementwise=fn)
+
+
 REDUCTIONS: dict[str, Reduction] = {
     row.name: row
     for row in [
-        Reduction("sum", lambda x, d, k: _torch().sum(x, dim=d, keepdim=k), **_SUM, finalize="%(a)s"),
-        Reduction("mean", lambda x, d, k: _torch().mean(x, dim=d, keepdim=k), **_SUM, finalize="%(a)s / %(count)s"),
+        Reduction(
+            "sum",
+            lambda x, d, k: _torch().sum(x, dim=d, keepdim=k),
+            **_SUM,
+            finalize="%(a)s",
+            spellings=(_reduction_spelling("sum", _SUM_SIG),),
+        ),
+        Reduction(
+            "mean",
+            lambda x, d, k: _torch().mean(x, dim=d, keepdim=k),
+            **_SUM,
+            finalize="%(a)s / %(count)s",
+            spellings=(_reduction_spelling("mean", _SUM_SIG),),
+        ),
         Reduction(
             "amax",
             lambda x, d, k: _torch().amax(x, dim=d, keepdim=k),
@@ -720,6 +1145,7 @@ REDUCTIONS: dict[str, Reduction] = {
             fold="%(a)s = fmaxf(%(a)s, %(v)s);",
             merge="%(a)s = fmaxf(%(a)s, %(a2)s);",
             finalize="%(a)s",
+            spellings=(_values_spelling("max"), _reduction_spelling("amax")),
         ),
         Reduction(
             "amin",
@@ -728,6 +1154,7 @@ REDUCTIONS: dict[str, Reduction] = {
             fold="%(a)s = fminf(%(a)s, %(v)s);",
             merge="%(a)s = fminf(%(a)s, %(a2)s);",
             finalize="%(a)s",
+            spellings=(_values_spelling("min"), _reduction_spelling("amin")),
         ),
         Reduction(
             "logsumexp",
@@ -738,6 +1165,7 @@ REDUCTIONS: dict[str, Reduction] = {
             finalize="lse_value(%(a)s, %(b)s)",
             helpers=_LSE_HELPERS,
             note=" (running max, scaled sum)",
+            spellings=(_reduction_spelling("logsumexp", "input, dim, keepdim=False"),),
         ),
     ]
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from specgen import cache, target as targets
+from specgen import cache, target as targets, tma
 from specgen.plan import PlanError, build_plan
 from specgen.render import render_plan
 from specgen.spec import LayerSpec, TileSpec
@@ -33,12 +33,16 @@ def request(spec: LayerSpec, arch: str | None = None, runtime_dims: bool = False
     """Plan `spec` for `arch`'s target (None: this GPU's, else sm_90) and render it. The banner names
     the target and every limit of it the plan used, so they are part of the source and the cache key.
     A `target.TargetError` (an arch older than sm_80 or unknown, or a spec that cannot fit it) comes
-    before anything is compiled. A plan on Hopper's wgmma is built for sm_90a (its instruction set)."""
-    plan = build_plan(spec, igemm_config, targets.resolve(arch))
+    before anything is compiled. `igemm_config` is a planner setting for a tile: an
+    `igemm.IgemmConfig` or a `tma.TmaConfig` (either makes its engine run). A plan on Hopper's
+    wgmma (the TMA engine, or the implicit GEMM's wgmma tiles) is built for sm_90a (its instruction set)."""
+    tma_config = igemm_config if isinstance(igemm_config, tma.TmaConfig) else None
+    ig_config = None if tma_config is not None else igemm_config
+    plan = build_plan(spec, ig_config, targets.resolve(arch), tma_config)
     ig = plan.get("igemm")
-    if ig is not None and ig.wgmma:
+    if plan["engine"] == "tma" or plan.get("tma") is not None or (ig is not None and ig.wgmma):  # (a sequence's body too)
         if arch not in (None, "sm_90", "sm_90a"):
-            raise PlanError([f"tile: the wgmma implicit GEMM runs on sm_90a (H100/H200) only, not {arch}"])
+            raise PlanError([f"tile: the {plan['engine']} engine's wgmma plan runs on sm_90a (H100/H200) only, not {arch}"])
         arch = "sm_90a"
     source = render_plan(plan, runtime_dims=runtime_dims)
     return plan, source, cache.BuildRequest(spec.name, source, spec.canonical_json(), arch)

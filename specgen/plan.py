@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import yaml
 
-from specgen import __version__, igemm as igemm_engine, ops, target as targets
+from specgen import __version__, igemm as igemm_engine, ops, target as targets, tma as tma_engine
 from specgen.literals import FLOAT32_MAX, c_float
 from specgen.spec import LayerSpec, SpecError
 from specgen.target import Target, TargetError
@@ -305,9 +305,11 @@ def _affine_fold(spec: LayerSpec, level0: dict, consts: list[Constant]) -> dict 
     }
 
 
-def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" = None, target: Target | None = None) -> dict:
-    """Everything the template needs, as plain Python values. `igemm_config`: a planner setting
-    (a tuner's candidate) for the implicit-GEMM engine's tile shape; it makes that engine run.
+def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" = None, target: Target | None = None,
+               tma_config: "tma_engine.TmaConfig | None" = None) -> dict:
+    """Everything the template needs, as plain Python values. `igemm_config` / `tma_config`: a
+    planner setting (a tuner's candidate) for the implicit-GEMM or the TMA engine's tile shape; it
+    makes that engine run.
     `target`: the GPU planned for (default: the built-in sm_90); the plan fits its shared memory,
     uses clusters only where it has them, or refuses with a `TargetError`."""
     target = target or targets.DEFAULT
@@ -316,7 +318,7 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     from specgen import tail
 
     if tail.is_sequence(spec):  # statistic stages: a sequence of kernels, each part planned on its own
-        return tail.plan_sequence(spec, igemm_config, target)
+        return tail.plan_sequence(spec, igemm_config, target, tma_config)
     nd = spec.ndim
     geo = spec.conv_geometry()
     consts: list[Constant] = []
@@ -599,7 +601,7 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         x_floats = 0
         weights_in_smem = 4 * (w_smem_floats + box_floats + red_floats) <= target.smem_per_block and weight_channels % ct == 0
     if fold is not None and not weights_in_smem:  # the fold builds W' while staging: no room, no fold
-        return build_plan(spec.model_copy(update={"rewrites": False}), igemm_config, target)
+        return build_plan(spec.model_copy(update={"rewrites": False}), igemm_config, target, tma_config)
     smem_floats = (w_smem_floats if weights_in_smem else 0) + x_floats + box_floats + red_floats
     # Tensor cores stage their weights through x_s (free until the first slab): channels' weights
     # copied as they lie in memory, then written out as B a (c, ci) pair per thread. RAW_STRIDE is
@@ -690,8 +692,12 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     params = list(spec.params().items())
 
     # ---- engine: the implicit GEMM where it can run and pays -----------------------------------
-    ig = _choose_igemm(spec, levels, reductions, fold, o3, taps, igemm_config, target)
-    engine = "igemm" if ig is not None else ("slab" if mma is not None else "ffma")
+    tp = None if igemm_config is not None else _choose_tma(spec, levels, reductions, fold, tma_config, target)
+    ig = None if tp is not None else _choose_igemm(spec, levels, reductions, fold, o3, taps, igemm_config, target)
+    engine = "tma" if tp is not None else "igemm" if ig is not None else ("slab" if mma is not None else "ffma")
+    if tp is not None:
+        threads, smem_bytes, min_blocks = tp.threads, tp.smem_bytes, 1
+        cluster, cluster_at_launch = 1, False
     if ig is not None:
         threads, smem_bytes, min_blocks = ig.threads, ig.smem_bytes, ig.min_blocks
         if tile is not None and tile.min_blocks:
@@ -778,11 +784,49 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         "w_raw": w_raw,
         "engine": engine,
         "igemm": ig,
+        "tma": tp,
         "pointwise": levels[0]["pointwise"],
         "precision": spec.precision,
         "target": target.summary(),
     }
     return plan
+
+
+def _tile_pins_other_engine(tile) -> bool:
+    """A tile that sets fields only the slab and FFMA engines have (left to the planner, they keep it there)."""
+    return tile is not None and (
+        tile.tensor_cores is False or tile.channels_per_thread is not None or tile.positions_per_thread is not None
+        or tile.box is not None or tile.threads is not None
+    )
+
+
+def _choose_tma(spec: LayerSpec, levels: list, reductions: list, fold, config, target: Target):
+    """The TMA engine's plan (Hopper), or None for the other engines. A tile that names an engine
+    decides; left to the planner, the TMA engine takes every layer it can run, except fp32 layers
+    with few input channels (the seeds' 8 channels run on the slab engine) and layers with too few
+    multiply-adds per input byte to pay for its layout pass (`tma.worth_it`)."""
+    tile = spec.tile
+    asked = "tma" if config is not None else (tile.engine if tile is not None else None)
+    reasons = tma_engine.why_not(spec, levels, reductions, target)
+    if fold is not None:
+        reasons.append("an avg-pool is folded into the conv")
+    if asked == "tma":
+        if reasons:
+            raise PlanError([f"tile.engine: the TMA engine cannot run this layer: {'; '.join(reasons)}"])
+        if tile is not None and tile.tensor_cores is False:
+            raise PlanError(["tile.engine: tma runs on tensor cores, but tile.tensor_cores is false"])
+    elif asked is not None or reasons:
+        return None
+    elif _tile_pins_other_engine(tile) or (spec.input.channels < 16 and spec.precision == "fp32"):
+        return None
+    elif not tma_engine.worth_it(spec):
+        return None
+    try:
+        return tma_engine.plan_tma(spec, target, config)
+    except ValueError as err:
+        if asked is None:
+            return None
+        raise PlanError([f"tile: the TMA tile does not fit this layer: {err}"]) from None
 
 
 def _choose_igemm(spec: LayerSpec, levels: list, reductions: list, fold, conv_out, taps: int, config=None,
@@ -799,15 +843,10 @@ def _choose_igemm(spec: LayerSpec, levels: list, reductions: list, fold, conv_ou
         raise PlanError([f"tile.engine: the implicit-GEMM engine cannot run this layer: {'; '.join(reasons)}"])
     if asked == "igemm" and tile is not None and tile.tensor_cores is False:
         raise PlanError(["tile.engine: igemm runs on tensor cores, but tile.tensor_cores is false"])
-    if asked in ("slab", "ffma") or reasons:
+    if asked in ("slab", "ffma", "tma") or reasons:
         return None
-    if asked is None:
-        pinned = tile is not None and (
-            tile.tensor_cores is False or tile.channels_per_thread is not None or tile.positions_per_thread is not None
-            or tile.box is not None or tile.threads is not None
-        )
-        if pinned or (spec.input.channels < 16 and spec.precision == "fp32"):
-            return None
+    if asked is None and (_tile_pins_other_engine(tile) or (spec.input.channels < 16 and spec.precision == "fp32")):
+        return None
     try:
         return igemm_engine.plan_igemm(spec, conv_out, taps, config, target=target)
     except ValueError as err:
@@ -835,6 +874,8 @@ def _fits_default(spec: LayerSpec, conv_out, taps: int, config) -> bool:
 
 
 def _engine_summary(plan: dict) -> str:
+    if plan["engine"] == "tma":
+        return tma_engine.describe(plan["tma"])
     if plan["engine"] == "igemm":
         return igemm_engine.describe(plan["igemm"])
     mma = plan["mma"]
@@ -853,6 +894,14 @@ def describe(plan: dict) -> str:
         from specgen import tail
 
         return tail.describe(plan)
+    if plan["engine"] == "tma":
+        tp = plan["tma"]
+        return "\n".join([
+            f"kernel {plan['kernel_name']}: {tp.threads} threads/block, one block per {tp.bm} positions x {tp.bn} channels "
+            f"({tp.n_tiles} block(s) along channels), {tp.smem_bytes} bytes shared memory; layout pass {plan['kernel_name']}_prep",
+            _engine_summary(plan),
+            "rewrites: " + ("; ".join(plan["rewrites"]) or "none"),
+        ])
     if plan["engine"] == "igemm":
         ig = plan["igemm"]
         return "\n".join([

@@ -17,6 +17,10 @@ from specgen.spec import LayerSpec, SpecError
 MAX_SOURCE_BYTES = 2 << 20
 
 
+# One template per engine family (the slab and FFMA engines share kernel.cu.j2).
+TEMPLATES = {"tma": "tma.cu.j2", "igemm": "igemm.cu.j2", "slab": "kernel.cu.j2", "ffma": "kernel.cu.j2"}
+
+
 class SourceTooLarge(SpecError):
     """The rendered source would exceed MAX_SOURCE_BYTES (bad input: exit 2)."""
 
@@ -59,9 +63,9 @@ def render_plan(plan: dict, template: str | None = None, runtime_dims: bool = Fa
         parts = [render_plan(p["plan"], "tail.cu.j2" if p["role"] == "tail" else None) for p in plan["parts"]]
         return _checked(tail.join(plan, parts), plan)
     if template is None:
-        template = "igemm.cu.j2" if plan.get("engine") == "igemm" else "kernel.cu.j2"
-    if runtime_dims and template == "igemm.cu.j2":
-        raise TemplateError("igemm.cu.j2: the implicit-GEMM engine has no run-time-dimensions rendering")
+        template = TEMPLATES.get(plan.get("engine"), "kernel.cu.j2")
+    if runtime_dims and template in ("igemm.cu.j2", "tma.cu.j2"):
+        raise TemplateError(f"{template}: the {plan.get('engine')} engine has no run-time-dimensions rendering")
     try:
         text = environment().get_template(template).render(**plan, runtime_dims=runtime_dims)
     except jinja2.TemplateSyntaxError as err:

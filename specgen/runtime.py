@@ -77,6 +77,15 @@ def _driver():
                     ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)
                 ]
                 lib.cuOccupancyMaxActiveClusters.restype = ctypes.c_int
+                p, u32, u64p, u32p, ip = ctypes.c_void_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64), \
+                    ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_int)
+                if hasattr(lib, "cuTensorMapEncodeTiled"):  # CUDA 12 drivers and newer
+                    lib.cuTensorMapEncodeTiled.argtypes = [p, ctypes.c_int, u32, p, u64p, u64p, u32p, u32p, ctypes.c_int,
+                                                           ctypes.c_int, ctypes.c_int, ctypes.c_int]
+                    lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
+                    lib.cuTensorMapEncodeIm2col.argtypes = [p, ctypes.c_int, u32, p, u64p, u64p, ip, ip, u32, u32, u32p,
+                                                            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+                    lib.cuTensorMapEncodeIm2col.restype = ctypes.c_int
                 _check(lib, lib.cuInit(0), "cuInit")
                 _libcuda = lib
     return _libcuda
@@ -101,6 +110,8 @@ class LoadedKernel:
     # Clusters sized at launch: (largest cluster, boxes per kept tile); None for a fixed grid.
     cluster_at_launch: tuple[int, int] | None = None
     _cluster_for: dict[int, int] = field(default_factory=dict)  # clusters in a launch -> cluster size
+    # Other kernels of the same module, by name (e.g. the TMA engine's layout passes).
+    extra: dict[str, ctypes.c_void_p] = field(default_factory=dict)
 
     def cluster_size(self, clusters: int) -> int:
         """The cluster size that finishes `clusters` clusters (kept tiles x samples) soonest:
@@ -168,9 +179,11 @@ def load(
     smem_bytes: int,
     device_index: int,
     cluster_at_launch: tuple[int, int] | None = None,
+    extra_functions: tuple[str, ...] = (),
 ) -> LoadedKernel:
     """The kernel of `cubin` in device `device_index`'s primary context (the one torch uses).
-    `cluster_at_launch`: (largest cluster, boxes per kept tile) when the cluster is sized at launch."""
+    `cluster_at_launch`: (largest cluster, boxes per kept tile) when the cluster is sized at launch.
+    `extra_functions`: other kernels of the module to look up (in `LoadedKernel.extra`)."""
     memo = _loaded.get((key, device_index))
     if memo is not None:
         return memo
@@ -203,10 +216,15 @@ def load(
             if cluster_at_launch is not None and cluster_at_launch[0] > PORTABLE_CLUSTER:
                 # Opt in to clusters past 8; where the device has none, occupancy says 0 for them.
                 lib.cuFuncSetAttribute(function, _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+            extra = {}
+            for name in extra_functions:
+                f = ctypes.c_void_p()
+                _check(lib, lib.cuModuleGetFunction(ctypes.byref(f), module, name.encode()), f"cuModuleGetFunction({name})")
+                extra[name] = f
         finally:
             if previous.value:
                 lib.cuCtxSetCurrent(previous)
-        memo = LoadedKernel(function, ctx, threads, smem_bytes, device_index, cluster_at_launch)
+        memo = LoadedKernel(function, ctx, threads, smem_bytes, device_index, cluster_at_launch, extra=extra)
         _loaded[(key, device_index)] = memo
         return memo
 
@@ -245,13 +263,18 @@ class _ClusterConfigs(threading.local):
 _configs = _ClusterConfigs()
 
 
-def _prepare(kernel: LoadedKernel, n_pointers: int):
-    """Make the kernel's context current (if it is not) and return this thread's argument buffers."""
+def _make_current(kernel: LoadedKernel) -> None:
+    """Make the kernel's context current (if it is not)."""
     lib, args = _libcuda, _args
     lib.cuCtxGetCurrent(args.context_ref)
     if args.context.value != kernel.context.value:
         _check(lib, lib.cuCtxSetCurrent(kernel.context), "cuCtxSetCurrent")
-    return args.get(n_pointers)
+
+
+def _prepare(kernel: LoadedKernel, n_pointers: int):
+    """Make the kernel's context current (if it is not) and return this thread's argument buffers."""
+    _make_current(kernel)
+    return _args.get(n_pointers)
 
 
 def launch(
@@ -329,6 +352,139 @@ def launch_flat(
         result = lib.cuLaunchKernel(kernel.function, blocks, 1, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream, argv, None)
         if result != 0:
             _check(lib, result, "cuLaunchKernel")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor maps (Hopper's tensor memory accelerator) and launches with by-value structs
+# ---------------------------------------------------------------------------------------------
+
+TENSOR_MAP_DTYPE = {"float32": 7, "float16": 6, "bfloat16": 9, "tfloat32": 11}  # CUtensorMapDataType
+_L2_PROMOTION_128B = 2
+_TENSOR_MAP_BYTES = 128
+_SMALL_TENSOR = 128 * 1024
+
+
+class TensorMap:
+    """One CUtensorMap: 128 bytes, 64-byte aligned (as the driver asks), kept alive with its owner."""
+
+    __slots__ = ("_raw", "address")
+
+    def __init__(self):
+        self._raw = ctypes.create_string_buffer(_TENSOR_MAP_BYTES + 64)
+        self.address = ctypes.addressof(self._raw) + (-ctypes.addressof(self._raw)) % 64
+
+    def words(self) -> list[int]:
+        return list((ctypes.c_uint64 * 16).from_address(self.address))
+
+
+_driver_version: list[int] = []
+
+
+def _fix_small_tensor(tmap: TensorMap, nbytes: int) -> None:
+    """Drivers up to 13.1 encode one flag wrongly for tensors under 128 KiB; CUTLASS clears bit 21 of
+    the map's second word there, and so do we."""
+    if not _driver_version:
+        version = ctypes.c_int(0)
+        _driver().cuDriverGetVersion(ctypes.byref(version))
+        _driver_version.append(version.value)
+    if _driver_version[0] <= 13010 and nbytes < _SMALL_TENSOR:
+        words = (ctypes.c_uint64 * 16).from_address(tmap.address)
+        words[1] &= ~(1 << 21)
+
+
+def encode_im2col(dtype: str, address: int, dims: tuple[int, ...], strides: tuple[int, ...], lower: tuple[int, ...],
+                  upper: tuple[int, ...], channels: int, pixels: int, element_strides: tuple[int, ...], swizzle: int,
+                  nbytes: int) -> TensorMap:
+    """An im2col tensor map over a channels-last tensor: `dims` innermost first (C, W[, H[, D]], N),
+    `strides` in bytes of every dim but the first, the bounding box corners W first, `channels` x
+    `pixels` per load, traversal `element_strides` (the conv's stride, 1 for C and N)."""
+    lib = _driver()
+    rank = len(dims)
+    tmap = TensorMap()
+    result = lib.cuTensorMapEncodeIm2col(
+        ctypes.c_void_p(tmap.address), TENSOR_MAP_DTYPE[dtype], rank, ctypes.c_void_p(address),
+        (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
+        (ctypes.c_int * (rank - 2))(*lower), (ctypes.c_int * (rank - 2))(*upper), channels, pixels,
+        (ctypes.c_uint32 * rank)(*element_strides), 0, swizzle, _L2_PROMOTION_128B, 0,
+    )
+    _check(lib, result, "cuTensorMapEncodeIm2col")
+    _fix_small_tensor(tmap, nbytes)
+    return tmap
+
+
+def encode_tiled(dtype: str, address: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...],
+                 swizzle: int, nbytes: int) -> TensorMap:
+    """A tiled tensor map: `dims` innermost first, `strides` in bytes of every dim but the first, a
+    `box` per load."""
+    lib = _driver()
+    rank = len(dims)
+    tmap = TensorMap()
+    result = lib.cuTensorMapEncodeTiled(
+        ctypes.c_void_p(tmap.address), TENSOR_MAP_DTYPE[dtype], rank, ctypes.c_void_p(address),
+        (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides), (ctypes.c_uint32 * rank)(*box),
+        (ctypes.c_uint32 * rank)(*([1] * rank)), 0, swizzle, _L2_PROMOTION_128B, 0,
+    )
+    _check(lib, result, "cuTensorMapEncodeTiled")
+    _fix_small_tensor(tmap, nbytes)
+    return tmap
+
+
+class ArgPack:
+    """A kernel's argument array, packed once: each slot a tensor map (passed by value: the slot
+    points at its 128 bytes), a pointer or an int. `set` changes the values; `argv` is what
+    cuLaunchKernel takes."""
+
+    __slots__ = ("kinds", "_ptrs", "_ints", "argv")
+
+    def __init__(self, kinds: tuple[str, ...]):
+        n = len(kinds)
+        self.kinds = kinds
+        self._ptrs = (ctypes.c_uint64 * n)()
+        self._ints = (ctypes.c_int * n)()
+        self.argv = (ctypes.c_void_p * n)()
+        for i, kind in enumerate(kinds):
+            if kind == "ptr":
+                self.argv[i] = ctypes.addressof(self._ptrs) + 8 * i
+            elif kind == "int":
+                self.argv[i] = ctypes.addressof(self._ints) + 4 * i
+            elif kind != "map":
+                raise ValueError(f"unknown argument kind {kind!r}")
+
+    def set(self, values) -> "ArgPack":
+        for i, (kind, v) in enumerate(zip(self.kinds, values)):
+            if kind == "map":
+                self.argv[i] = v.address
+            elif kind == "ptr":
+                self._ptrs[i] = v
+            else:
+                self._ints[i] = v
+        return self
+
+
+class _Packs(threading.local):
+    def __init__(self):
+        self.by_key: dict = {}
+
+
+_packs = _Packs()
+
+
+def arg_pack(key, kinds: tuple[str, ...]) -> ArgPack:
+    """This thread's argument array for `key` (e.g. a kernel and its signature), made on first use."""
+    pack = _packs.by_key.get(key)
+    if pack is None:
+        pack = _packs.by_key[key] = ArgPack(kinds)
+    return pack
+
+
+def launch_packed(kernel: LoadedKernel, function: ctypes.c_void_p, grid: int, threads: int, smem_bytes: int,
+                  pack: ArgPack, stream: int) -> None:
+    """Launch `function` (of `kernel`'s module) over a flat grid with a packed argument array."""
+    lib = _libcuda
+    _make_current(kernel)
+    result = lib.cuLaunchKernel(function, grid, 1, 1, threads, 1, 1, smem_bytes, stream, pack.argv, None)
+    if result != 0:
+        _check(lib, result, "cuLaunchKernel")
 
 
 def launch_once(kernel: LoadedKernel, grid_x: int, pointers: list[int], batch: int, stream: int) -> None:

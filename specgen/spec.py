@@ -104,10 +104,11 @@ class TileSpec(Model):
     # The conv's arithmetic: true = tensor cores (3xTF32 mma.sync, fp32-accurate), false = fp32
     # FFMA register tiles; left out, the planner uses tensor cores wherever the layer allows.
     tensor_cores: Optional[bool] = None
-    # The engine: "igemm" (implicit GEMM, K-tiled and pipelined: any channel count), "slab" (tensor
+    # The engine: "tma" (Hopper: implicit GEMM fed by the tensor memory accelerator, on wgmma),
+    # "igemm" (implicit GEMM, K-tiled and pipelined: any channel count, any target), "slab" (tensor
     # cores with the block's weights staged once: few input channels) or "ffma"; left out, the
     # planner chooses.
-    engine: Optional[Literal["igemm", "slab", "ffma"]] = None
+    engine: Optional[Literal["tma", "igemm", "slab", "ffma"]] = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,9 +260,11 @@ class LayerSpec(Model):
     conv: ConvSpec
     epilogue: list[Stage] = Field(default_factory=list, max_length=MAX_STAGES)
     # fp32: fp32-accurate (3xTF32 on tensor cores); tf32: the conv's operands rounded to TF32, as
-    # PyTorch's default cuDNN convolutions do (only the implicit-GEMM engine rounds; the others
-    # stay fp32-accurate).
-    precision: Literal["fp32", "tf32"] = "fp32"
+    # PyTorch's default cuDNN convolutions do (the implicit-GEMM engines round; the others stay
+    # fp32-accurate); bf16 / fp16: the layer's tensors in that dtype (input, parameters, output),
+    # fp32 accumulation and epilogue (engines without a 16-bit path compute in fp32 and round the
+    # output once).
+    precision: Literal["fp32", "tf32", "bf16", "fp16"] = "fp32"
     tile: Optional[TileSpec] = None
     rewrites: bool = True  # plan-level rewrites (e.g. folding an avg-pool into the conv)
 

@@ -255,14 +255,18 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> dict:
             "fin_iters": -(-chunks // fin_threads), "kernels": kernels}
 
 
-def plan_sequence(spec: LayerSpec, igemm_config=None, target=None) -> dict:
-    """The plan of a layer with statistic stages: its parts in order and the steps that launch them."""
-    from specgen.plan import build_plan, spec_yaml
+def plan_sequence(spec: LayerSpec, igemm_config=None, target=None, tma_config=None) -> dict:
+    """The plan of a layer with statistic stages: its parts in order and the steps that launch them.
+    The planner settings (`igemm_config`, `tma_config`) are the body's."""
+    from specgen.plan import PlanError, build_plan, spec_yaml
 
+    if spec.precision not in ("fp32", "tf32"):
+        raise PlanError([f"precision: the tail engine's kernels compute in float32; a layer with statistic stages "
+                         f"takes precision fp32 or tf32, got {spec.precision}"])
     _, segments = split(spec)
     prefix = f"specgen_{spec.name}"
     body = body_spec(spec)
-    body_plan = build_plan(body, igemm_config, target)
+    body_plan = build_plan(body, igemm_config, target, tma_config)
     body_plan["kernel_name"] = f"{prefix}_body"
     parts = [{"role": "body", "namespace": "body", "spec": body, "plan": body_plan}]
     steps = [{"kind": "layer", "part": 0, "in": "x", "out": "t0", "out_shape": list(body.shapes()[-1].sizes)}]
@@ -333,6 +337,7 @@ def plan_sequence(spec: LayerSpec, igemm_config=None, target=None) -> dict:
         "cluster_at_launch": any(p["cluster_at_launch"] for p in layer_plans),
         "min_blocks": body_plan["min_blocks"],
         "igemm": body_plan.get("igemm"),
+        "tma": body_plan.get("tma"),  # (the pipeline builds a body on Hopper's TMA engine for sm_90a)
         "mma": body_plan.get("mma"),
         "rewrites": [rw for p in layer_plans for rw in p["rewrites"]],
         "flops_per_sample": sum(p["flops_per_sample"] for p in layer_plans),

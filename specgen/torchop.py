@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specgen import pipeline, reference, runtime
+from specgen import pipeline, reference, runtime, tmarun
 from specgen.spec import LayerSpec
 
 NAMESPACE = "specgen"
@@ -179,15 +179,20 @@ def _check_args(op: SpecOp, args) -> None:
     """What the kernel needs, checked the same way on real and fake tensors."""
     x = args[0]
     label = op.spec.name
+    precision = op.spec.precision
+    want = PRECISION_DTYPE[precision]
     for t in args:
-        if t.dtype in LOWER_PRECISIONS:
-            raise ValueError(f"{label}: specgen kernels are float32-only; got a {t.dtype} tensor")
+        if want == torch.float32 and t.dtype in LOWER_PRECISIONS:
+            raise ValueError(
+                f"{label}: a precision {precision} layer takes float32 tensors, got a {t.dtype} tensor "
+                f"(a spec with precision bf16 or fp16 takes those)"
+            )
         if t.device != x.device:
             raise ValueError(f"{label}: every tensor must be on {x.device}, got one on {t.device}")
-    if x.device.type == "cuda":
+    if x.device.type == "cuda" or want != torch.float32:
         for t in args:
-            if t.dtype != torch.float32:
-                raise ValueError(f"{label}: expected float32 tensors on CUDA, got {t.dtype}")
+            if t.dtype != want:
+                raise ValueError(f"{label}: expected {want} tensors (precision {precision}), got {t.dtype}")
     if x.dim() != 1 + len(op.in_shape) or tuple(x.shape[1:]) != op.in_shape:
         raise ValueError(
             f"{label}: expected an input of shape [batch, {', '.join(map(str, op.in_shape))}], got {list(x.shape)}"
@@ -213,8 +218,8 @@ def _run(op: SpecOp, args) -> torch.Tensor:
         sp = op.specialized if op.specialized is not None else pipeline.specialize(op.spec, op.arch)
         if op.stats_size:
             stats = torch.empty(op.stats_size, device=x.device, dtype=torch.float32)
-            return launch(sp, x.contiguous(), weight, bias, params, None, stats), stats
-        return launch(sp, x.contiguous(), weight, bias, params, None)
+            return launch(sp, x, weight, bias, params, None, stats), stats
+        return launch(sp, x, weight, bias, params, None)
     if op.stats_size:
         x, weight, bias, params = op.split(args)
         y, stats = reference.forward_with_stats(op.spec, x, weight, bias, params)
@@ -270,8 +275,10 @@ def load_kernel(sp: pipeline.Specialized, device_index: int):
 
         return tailrun.load(sp, device_index)
     cluster = (plan["cluster"], plan["r1_chunks"]) if plan["cluster_at_launch"] else None
+    name = plan["kernel_name"]
+    extra = (f"{name}_prep", f"{name}_prep_cl") if plan["engine"] == "tma" else ()
     return runtime.load(
-        sp.key, cubin_bytes(sp), plan["kernel_name"], plan["threads"], plan["smem_bytes"], device_index, cluster
+        sp.key, cubin_bytes(sp), name, plan["threads"], plan["smem_bytes"], device_index, cluster, extra
     )
 
 
@@ -297,6 +304,7 @@ class _LaunchPlan:
     # The implicit-GEMM engine: (positions per sample, block tile BM, blocks along N, the weight
     # layout (c_in, taps, padded c_in, padded taps)); its grid is one flat axis over batch x positions.
     igemm: tuple | None = None
+    tma: bool = False  # the TMA engine: launched by specgen.tmarun
 
 
 _launch_plans: dict[str, _LaunchPlan] = {}
@@ -315,7 +323,8 @@ def _launch_plan(sp: pipeline.Specialized) -> _LaunchPlan:
         flat = None
         if ig is not None:
             flat = (ig.positions, ig.bm, ig.n_tiles, (plan["cin"], plan["taps"], ig.cip, ig.taps_pad))
-        lp = _launch_plans[sp.key] = _LaunchPlan(tuple(plan["out_shape"]), blocks, strides, names, has_bias, flat)
+        lp = _launch_plans[sp.key] = _LaunchPlan(tuple(plan["out_shape"]), blocks, strides, names, has_bias, flat,
+                                                 plan["engine"] == "tma")
     return lp
 
 
@@ -354,9 +363,12 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+PRECISION_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict, out: torch.Tensor | None,
            stats: torch.Tensor | None = None):
-    """Run the kernel on contiguous float32 CUDA `x` into `out` (allocated when None), on the current stream.
+    """Run the kernel on CUDA `x` (the layer's dtype) into `out` (allocated when None), on the current stream.
     A layer with statistic stages runs its sequence of kernels (specgen.tailrun); `stats` receives
     the batch statistics of its training-mode batch norms."""
     if sp.plan["engine"] == "sequence":
@@ -366,11 +378,12 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     lp = _launch_plan(sp)
     batch = x.shape[0]
     shape = (batch, *lp.out_tail)
+    dtype = PRECISION_DTYPE[sp.spec.precision]
     if out is None:
-        out = torch.empty(shape, device=x.device, dtype=torch.float32)
-    elif tuple(out.shape) != shape or out.dtype != torch.float32 or out.device != x.device or not out.is_contiguous():
+        out = torch.empty(shape, device=x.device, dtype=dtype)
+    elif tuple(out.shape) != shape or out.dtype != dtype or out.device != x.device or not out.is_contiguous():
         raise ValueError(
-            f"{sp.spec.name}: out must be a contiguous float32 tensor of shape {list(shape)} on {x.device}, "
+            f"{sp.spec.name}: out must be a contiguous {dtype} tensor of shape {list(shape)} on {x.device}, "
             f"got {out.dtype} {list(out.shape)} on {out.device}"
         )
     if batch == 0:
@@ -379,6 +392,24 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
         raise ValueError(f"{sp.spec.name}: out must start at a 16-byte aligned address (got a view with an offset)")
     device_index = x.get_device()  # a CUDA tensor's device index, without building a torch.device
     kernel = runtime.lookup(sp.key, device_index) or load_kernel(sp, device_index)
+    stream = _current_stream(device_index)
+    if lp.tma:
+        return tmarun.launch(sp, kernel, x, weight, bias, params, out, stream)
+    if dtype != torch.float32:
+        # An engine without a 16-bit path: fp32 arithmetic on the (exactly) widened tensors, the
+        # output rounded to the layer's dtype once.
+        f32 = tmarun.derived
+        wide = lambda t: f32(t, "float32", lambda v: v.float().contiguous())  # noqa: E731
+        y = _launch_fp32(sp, lp, kernel, x.float(), wide(weight), None if bias is None else wide(bias),
+                         {k: wide(v) for k, v in params.items()}, None, batch, stream)
+        out.copy_(y)
+        return out
+    return _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream)
+
+
+def _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream):
+    if out is None:
+        out = torch.empty((batch, *lp.out_tail), device=x.device, dtype=torch.float32)
     if lp.igemm is not None:
         weight = gemm_weight(weight, lp.igemm[3])
     pointers = [_aligned(x).data_ptr(), _aligned(weight).data_ptr()]
@@ -388,7 +419,7 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     pointers.append(out.data_ptr())
     if lp.igemm is not None:
         positions, bm, n_tiles, _ = lp.igemm
-        runtime.launch_flat(kernel, positions, bm, n_tiles, pointers, lp.strides, batch, _current_stream(device_index))
+        runtime.launch_flat(kernel, positions, bm, n_tiles, pointers, lp.strides, batch, stream)
     else:
-        runtime.launch(kernel, lp.blocks_per_sample, pointers, lp.strides, batch, _current_stream(device_index))
+        runtime.launch(kernel, lp.blocks_per_sample, pointers, lp.strides, batch, stream)
     return out

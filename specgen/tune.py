@@ -1,7 +1,9 @@
-"""Autotuning: the implicit-GEMM engine's tile shape, measured on this GPU and kept per GPU.
+"""Autotuning: the tensor-core engines' tile shapes, measured on this GPU and kept per GPU.
 
-The planner guesses one tile from a sweep of real layers (`igemm.default_config`). `specgen tune`
-tries a handful of others (`candidates`): all of them compile in one parallel batch, the ones
+The planner guesses one tile from sweeps of real layers (`tma.default_config` on Hopper,
+`igemm.default_config` elsewhere). `specgen tune` tries a handful of others (`candidates`: other
+tile shapes and pipeline depths of the same engine, and on Hopper the other engine's tiles where
+both can run the layer): all of them compile in one parallel batch, the ones
 that spill registers are dropped, each is timed on the GPU (CUDA events around loops of calls,
 warm-up first, the candidates interleaved rep by rep, the median of the reps, inputs rotated
 through enough fresh random sets to exceed the L2 cache) and checked against the float64
@@ -42,9 +44,10 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field, fields
 
-from specgen import cache, igemm, measured, pipeline
+from specgen import cache, igemm, measured, pipeline, target as targets, tma
 from specgen.compile import CompileError
 from specgen.igemm import IgemmConfig, _cip_and_bk
+from specgen.tma import TmaConfig
 from specgen.log import get_logger
 from specgen.plan import PlanError, build_plan
 from specgen.spec import LayerSpec
@@ -88,9 +91,31 @@ def _templates(split: bool, cout: int, wgmma_ok: bool = False) -> list[tuple[str
     return out
 
 
-def label(cfg: IgemmConfig) -> str:
+def label(cfg) -> str:
+    if isinstance(cfg, TmaConfig):
+        return f"tma {cfg.bm}x{cfg.bn} s{cfg.stages} kb{cfg.kb_per_stage}"
     mb = f" {cfg.min_blocks} blocks/SM" if cfg.min_blocks else ""
     return f"{cfg.bm}x{cfg.bn} w{16 * cfg.wm}x{8 * cfg.wn} {cfg.threads // 32} warps k{cfg.bk} s{cfg.stages}{mb}"
+
+
+def config_record(cfg) -> dict | None:
+    """A tile config as JSON data (its engine named)."""
+    if cfg is None:
+        return None
+    return {"engine": "tma" if isinstance(cfg, TmaConfig) else "igemm", **asdict(cfg)}
+
+
+def config_from(data: dict):
+    """The config a `config_record` describes; raises KeyError/TypeError/ValueError on a bad one."""
+    cls = TmaConfig if data.get("engine") == "tma" else IgemmConfig
+    return cls(**{f.name: int(data[f.name]) for f in fields(cls)})
+
+
+def plan_with(spec: LayerSpec, cfg, target=None) -> dict:
+    """The plan for a tile config of either engine."""
+    if isinstance(cfg, TmaConfig):
+        return build_plan(spec, None, target, cfg)
+    return build_plan(spec, cfg, target)
 
 
 def heuristic(spec: LayerSpec) -> dict:
@@ -99,20 +124,36 @@ def heuristic(spec: LayerSpec) -> dict:
 
 
 def tunable(spec: LayerSpec) -> bool:
-    """Whether the heuristic plan runs the implicit-GEMM engine (the only one with candidates)."""
-    return heuristic(spec)["engine"] == "igemm"
+    """Whether the heuristic plan runs a tensor-core engine with tile candidates (tma or igemm)."""
+    return heuristic(spec)["engine"] in ("igemm", "tma")
 
 
-def candidates(spec: LayerSpec) -> list[IgemmConfig]:
+def _tuning_target():
+    return targets.current() or targets.DEFAULT
+
+
+def candidates(spec: LayerSpec) -> list:
     """At most 12 tile configs that plan for this layer, the planner's own first; [] when the
-    layer does not run on the implicit-GEMM engine. (Whether they compile without spills is
-    decided by `build_candidates`.)"""
+    layer runs on neither tensor-core engine with tiles. On Hopper both engines' tiles are tried
+    where both can run the layer. (Whether they compile without spills is decided by
+    `build_candidates`.)"""
     plan = heuristic(spec)
-    if plan["engine"] != "igemm":
+    engine = plan["engine"]
+    if engine not in ("igemm", "tma"):
         return []
-    own = plan["igemm"].config
-    natural_bk = _cip_and_bk(spec.input.channels)[1]  # the largest K chunk the channels allow
+    own = plan[engine].config
     out = [own]
+    target = _tuning_target()
+    if tma.has_tma_engine(target):
+        for cfg in tma.configs(spec, target):
+            if cfg in out:
+                continue
+            try:
+                if plan_with(spec, cfg)["engine"] == "tma":
+                    out.append(cfg)
+            except (PlanError, ValueError):
+                continue
+    natural_bk = _cip_and_bk(spec.input.channels)[1]  # the largest K chunk the channels allow
     wgmma_ok = igemm.wgmma_fits(spec.input.channels)
     for _, cfg in _templates(spec.precision == "fp32", spec.conv.out_channels, wgmma_ok):
         if not cfg.wgmma:
@@ -120,17 +161,16 @@ def candidates(spec: LayerSpec) -> list[IgemmConfig]:
         if cfg in out:
             continue
         try:
-            plan = build_plan(spec, cfg)
+            if plan_with(spec, cfg)["engine"] == "igemm":
+                out.append(cfg)
         except (PlanError, ValueError):
             continue
-        if plan["engine"] == "igemm":
-            out.append(cfg)
     return out[:12]
 
 
 @dataclass
 class Candidate:
-    config: IgemmConfig | None  # None: the heuristic plan as the pipeline builds it
+    config: IgemmConfig | TmaConfig | None  # None: the heuristic plan as the pipeline builds it
     item: pipeline.Specialized | None = None
     error: str = ""
     ms: float = math.nan
@@ -139,7 +179,10 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        return "heuristic (" + label(self.item.plan["igemm"].config) + ")" if self.config is None else label(self.config)
+        if self.config is None:
+            plan = self.item.plan
+            return "heuristic (" + label(plan[plan["engine"]].config) + ")"
+        return label(self.config)
 
 
 def build_candidates(specs: list[LayerSpec], arch: str | None = None) -> list[list[Candidate]]:
@@ -223,7 +266,7 @@ def current_gpu() -> dict | None:
 def choice_key(spec: LayerSpec, gpu: str, driver: int, bucket: int) -> str:
     """sha256 hex over everything a tuned choice depends on."""
     material = {
-        "schema": SCHEMA, "kind": "igemm_tile", "spec": spec.canonical_json(), "precision": spec.precision,
+        "schema": SCHEMA, "kind": "tensor_core_tile", "spec": spec.canonical_json(), "precision": spec.precision,
         "gpu": gpu, "driver": driver, "bucket": bucket,
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
@@ -233,13 +276,13 @@ def _store_dir():
     return cache.cache_dir() / SUBDIR
 
 
-def store_choice(spec: LayerSpec, gpu: dict, bucket: int, chosen: IgemmConfig | None, table: list[dict],
+def store_choice(spec: LayerSpec, gpu: dict, bucket: int, chosen, table: list[dict],
                  batch: int) -> bool:
     """Keep a tuned choice (None: the heuristic plan won) atomically."""
     key = choice_key(spec, gpu["gpu"], gpu["driver"], bucket)
     record = {
         "schema": SCHEMA, "name": spec.name, "precision": spec.precision, "gpu": gpu["gpu"], "driver": gpu["driver"],
-        "bucket": bucket, "batch": batch, "config": None if chosen is None else asdict(chosen),
+        "bucket": bucket, "batch": batch, "config": config_record(chosen),
         "label": "heuristic" if chosen is None else label(chosen), "candidates": table, "created": time.time(),
     }
     ok = measured.store(key, record, subdir=SUBDIR)
@@ -259,8 +302,8 @@ def load_choice(spec: LayerSpec, gpu: str, driver: int, bucket: int) -> dict | N
     cfg = record["config"]
     if cfg is not None:
         try:
-            cfg = IgemmConfig(**{f.name: int(cfg[f.name]) for f in fields(IgemmConfig)})
-            build_plan(spec, cfg)
+            cfg = config_from(cfg)
+            plan_with(spec, cfg)
         except (KeyError, TypeError, ValueError, PlanError):
             get_logger().info("ignoring a stored tuned choice for %s: it no longer plans", spec.name)
             return None
@@ -336,17 +379,22 @@ class Result:
 
 def _inputs(spec: LayerSpec, batch: int, torch, device) -> list:
     """Fresh normal random inputs, enough sets that together they exceed twice the L2 cache."""
+    from specgen.torchop import PRECISION_DTYPE
+
     shape = (batch, spec.input.channels, *spec.input.size)
-    nbytes = 4 * math.prod(shape)
+    dtype = PRECISION_DTYPE[spec.precision]
+    nbytes = torch.empty((), dtype=dtype).element_size() * math.prod(shape)
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
     sets = max(2, min(MAX_INPUT_SETS, math.ceil(2 * l2 / max(1, nbytes))))
-    return [torch.randn(shape, device=device) for _ in range(sets)]
+    return [torch.randn(shape, device=device).to(dtype) for _ in range(sets)]
 
 
 def _tensors(spec: LayerSpec, torch, device) -> tuple:
     from specgen import reference
 
-    module = reference.Reference(spec).to(device)
+    from specgen.torchop import PRECISION_DTYPE
+
+    module = reference.Reference(spec).to(device=device, dtype=PRECISION_DTYPE[spec.precision])
     conv = module.conv
     with torch.no_grad():
         fan_in = conv.weight[0].numel()
@@ -374,7 +422,7 @@ def measure(spec: LayerSpec, cands: list[Candidate], batch: int, reps: int = REP
     xs = _inputs(spec, batch, torch, device)
     weight, bias, params = _tensors(spec, torch, device)
     live = [c for c in cands if c.item is not None]
-    outs = [torch.empty(spec.output_shape(batch), device=device) for _ in live]
+    outs = [torch.empty(spec.output_shape(batch), device=device, dtype=xs[0].dtype) for _ in live]
     with torch.no_grad():
         ref64 = reference.forward64(spec, xs[0], weight, bias, params)
         for c, out in zip(live, outs):
@@ -461,7 +509,7 @@ def main(specs: list[LayerSpec], batch: int = DEFAULT_TUNE_BATCH, reps: int = RE
     todo = []
     for spec in specs:
         engine = heuristic(spec)["engine"]
-        if engine == "igemm":
+        if engine in ("igemm", "tma"):
             todo.append(spec)
         else:
             print(f"{spec.name}: runs on the {engine} engine, which has no tile candidates: nothing to tune")

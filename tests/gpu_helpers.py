@@ -27,6 +27,11 @@ TF32_FACTOR = 2.0
 TF32_ROUNDING = 2.0**-11
 """The floor of PyTorch's TF32 error (one TF32 rounding per operand): PyTorch may run a small conv in
 full fp32 even with TF32 allowed, and then its error says nothing about TF32."""
+LOW_FACTOR = 2.0
+"""bf16 / fp16 kernels: at most this times PyTorch's own error in that dtype."""
+LOW_ROUNDING = {torch.bfloat16: 2.0**-9, torch.float16: 2.0**-12}
+"""The floor of PyTorch's error in a 16-bit dtype (half an ulp of the output's rounding)."""
+DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @contextlib.contextmanager
@@ -55,12 +60,19 @@ def randomize(layer: torch.nn.Module, gen: torch.Generator) -> None:
 
 
 def random_input(spec, batch: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn((batch, spec.input.channels, *spec.input.size), generator=gen, device="cuda")
+    x = torch.randn((batch, spec.input.channels, *spec.input.size), generator=gen, device="cuda")
+    return x.to(DTYPE[spec.precision])
 
 
-def poisoned(shape) -> torch.Tensor:
+def poisoned(shape, dtype=torch.float32) -> torch.Tensor:
     """An output tensor full of NaN: what the kernel does not write stays NaN."""
-    return torch.full(tuple(shape), float("nan"), device="cuda")
+    return torch.full(tuple(shape), float("nan"), device="cuda", dtype=dtype)
+
+
+def tf32_rounded(t: torch.Tensor) -> torch.Tensor:
+    """Float32 values rounded to TF32 (10 mantissa bits, to nearest)."""
+    bits = t.detach().float().contiguous().view(torch.int32)
+    return ((bits + 0x1000) & -8192).view(torch.float32)
 
 
 def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -80,32 +92,51 @@ def assert_fp32(what: str, out: torch.Tensor, ref64: torch.Tensor, ref32: torch.
     return rel
 
 
-def assert_tf32(what: str, out: torch.Tensor, ref64: torch.Tensor, ref_tf32: torch.Tensor) -> dict:
-    """The tf32 bar: finite, rel. L2 to float64 within 2x PyTorch TF32's own (floored at TF32's rounding)."""
+def assert_tf32(what: str, out: torch.Tensor, ref64: torch.Tensor, ref_tf32: torch.Tensor,
+                emulated: torch.Tensor | None = None) -> dict:
+    """The tf32 bar: finite, rel. L2 to float64 within 2x PyTorch TF32's own, floored at TF32's
+    rounding, or at the error of `emulated` (the conv's operands rounded to TF32, float64
+    arithmetic: what TF32 costs on these very inputs, where cancellation makes it large)."""
     assert out.shape == ref64.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(ref64.shape)}"
     assert bool(torch.isfinite(out).all()), f"{what}: unwritten (NaN) or non-finite outputs"
     rel, torch_rel = rel_l2(out, ref64), rel_l2(ref_tf32, ref64)
-    bar = TF32_FACTOR * max(torch_rel, TF32_ROUNDING)
+    floor = TF32_ROUNDING if emulated is None else max(TF32_ROUNDING, rel_l2(emulated, ref64))
+    bar = TF32_FACTOR * max(torch_rel, floor)
     assert rel <= bar, f"{what}: tf32 rel L2 {rel:.3e} > {bar:.3e} (PyTorch TF32: {torch_rel:.3e})"
     return {"rel_l2": rel, "torch_rel_l2": torch_rel}
 
 
-def run(layer, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Randomize `layer` and run it on a random input into a NaN-poisoned output: (input, output)."""
+def assert_low(what: str, out: torch.Tensor, ref64: torch.Tensor, ref_low: torch.Tensor) -> dict:
+    """The bf16 / fp16 bar: finite, rel. L2 to float64 within 2x PyTorch's own in that dtype."""
+    assert out.shape == ref64.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(ref64.shape)}"
+    assert out.dtype == ref_low.dtype, f"{what}: a {out.dtype} output, expected {ref_low.dtype}"
+    assert bool(torch.isfinite(out).all()), f"{what}: unwritten (NaN) or non-finite outputs"
+    rel, torch_rel = rel_l2(out, ref64), rel_l2(ref_low, ref64)
+    bar = LOW_FACTOR * max(torch_rel, LOW_ROUNDING[out.dtype])
+    assert rel <= bar, f"{what}: {out.dtype} rel L2 {rel:.3e} > {bar:.3e} (PyTorch in {out.dtype}: {torch_rel:.3e})"
+    return {"rel_l2": rel, "torch_rel_l2": torch_rel}
+
+
+def run(layer, batch: int, seed: int, channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Randomize `layer` and run it on a random input into a NaN-poisoned output: (input, output).
+    `channels_last`: the input in channels-last memory order (same values)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     randomize(layer, gen)
     x = random_input(layer.spec, batch, gen)
-    out = poisoned(layer.spec.output_shape(batch))
+    if channels_last:
+        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
+    out = poisoned(layer.spec.output_shape(batch), DTYPE[layer.spec.precision])
     layer(x, out=out)
     torch.cuda.synchronize()
     return x, out
 
 
-def compare(layer, batch: int, seed: int) -> dict:
+def compare(layer, batch: int, seed: int, channels_last: bool = False) -> dict:
     """Run a FusedLayer on fresh random parameters and input; check it against the reference at its
-    precision's bar (fp32: float64 and PyTorch fp32 with TF32 off; tf32: PyTorch's own TF32)."""
+    precision's bar (fp32: float64 and PyTorch fp32 with TF32 off; tf32: PyTorch's own TF32;
+    bf16 / fp16: PyTorch's own in that dtype)."""
     spec = layer.spec
-    x, out = run(layer, batch, seed)
+    x, out = run(layer, batch, seed, channels_last)
     params = layer.spec_params()
     what = f"{spec.name} at batch {batch}"
     with torch.no_grad():
@@ -114,6 +145,10 @@ def compare(layer, batch: int, seed: int) -> dict:
             with tf32_allowed(False):
                 ref32 = reference.forward(spec, x, layer.conv.weight, layer.conv.bias, params)
             return {"rel_l2": assert_fp32(what, out, ref64, ref32)}
+        if spec.precision in ("bf16", "fp16"):
+            ref_low = reference.forward(spec, x, layer.conv.weight, layer.conv.bias, params)
+            return assert_low(what, out, ref64, ref_low)
         with tf32_allowed(True):
             ref_tf32 = reference.forward(spec, x, layer.conv.weight, layer.conv.bias, params)
-        return assert_tf32(what, out, ref64, ref_tf32)
+        emulated = reference.forward64(spec, tf32_rounded(x), tf32_rounded(layer.conv.weight), layer.conv.bias, params)
+        return assert_tf32(what, out, ref64, ref_tf32, emulated)

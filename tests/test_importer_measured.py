@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from specgen import importer, measured, pipeline
-from specgen.importer import Choice, explain, from_module
+from specgen.importer import Choice, explain, from_module, rewrite
 from specgen.module import FusedLayer
 
 
@@ -93,7 +93,7 @@ def gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(pipeline, "specialize_many", fake.specialize_many)
     monkeypatch.setattr(pipeline, "specialize", fake.specialize)
     monkeypatch.setattr(importer, "_unmeasurable", lambda imp: None)
-    monkeypatch.setattr(importer, "_is_gpu", lambda device: True)
+    monkeypatch.setattr(rewrite, "_is_gpu", lambda device: True)
     monkeypatch.setattr(measured, "gpu_identity", lambda device: "Fake GPU (1 SMs)")
     monkeypatch.setattr(measured, "compare", fake.compare)
     return fake
@@ -218,8 +218,8 @@ def test_original_chain_reads_only_the_conv_input():
     first, second = imp.chains
     with torch.no_grad():
         mid = torch.relu(model.bn(model.first(x)))
-        torch.testing.assert_close(imp.original(first)(x), mid)
-        torch.testing.assert_close(imp.original(second)(mid), torch.sigmoid(model.second(mid)) * 2.0)
+        torch.testing.assert_close(rewrite.original(imp, first)(x), mid)
+        torch.testing.assert_close(rewrite.original(imp, second)(mid), torch.sigmoid(model.second(mid)) * 2.0)
 
 
 # -- the store -----------------------------------------------------------------------------------

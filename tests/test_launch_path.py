@@ -88,7 +88,7 @@ def test_launch_finds_buffers_of_an_imported_layer(captured):
 @pytest.mark.parametrize(
     "x, message",
     [
-        (torch.randn(3, 2, 8, 8, dtype=torch.float64), "expected a float32 input, got torch.float64"),
+        (torch.randn(3, 2, 8, 8, dtype=torch.float64), r"expected a torch.float32 input \(precision fp32\), got torch.float64"),
         (torch.randn(3, 2, 8, 9), r"expected an input of shape \[batch, 2, 8, 8\], got \[3, 2, 8, 9\]"),
         (torch.randn(2, 8, 8), r"expected an input of shape \[batch, 2, 8, 8\], got \[2, 8, 8\]"),
         (torch.tensor(1.0), r"expected an input of shape \[batch, 2, 8, 8\], got \[\]"),
@@ -105,7 +105,7 @@ def test_half_parameters_are_refused_by_the_cheap_check():
     layer = FusedLayer(validate(SPEC))
     with torch.no_grad():
         weight = layer.conv.weight.half()
-    with pytest.raises(ValueError, match="float32-only; the layer's parameters are torch.float16"):
+    with pytest.raises(ValueError, match="the layer's parameters are torch.float16, its precision fp32 wants torch.float32"):
         layer._check_input(torch.randn(1, 2, 8, 8), weight)
 
 

@@ -59,13 +59,18 @@ def test_every_loop_has_a_constant_trip_count(spec):
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)
 def test_kernel_parameters_are_pointers_and_the_batch(spec):
     text = render(spec)
-    signatures = re.findall(rf"extern \"C\" __global__ void .* specgen_{spec.name}\w*\(([^)]*)\)", text)
+    signatures = re.findall(rf"extern \"C\" __global__ void .* specgen_{spec.name}(?:_body|_e\d+_\w+)?\(([^)]*)\)", text)
     assert signatures  # one kernel, or a sequence's (specgen/tail.py)
+    tma = build_plan(spec)["engine"] == "tma"
     for signature in signatures:
         params = [re.sub(r"//.*", "", p).strip() for p in signature.split("\n")]
         params = [p.rstrip(",") for p in params if p]
         assert params[-1] == "int batch"
-        assert all(re.fullmatch(r"(const )?float\* __restrict__ \w+", p) for p in params[:-1]), params
+        pointers = params[:-1]
+        maps = [p for p in pointers if p.startswith("const __grid_constant__ TensorMap ")]
+        assert pointers[: len(maps)] == maps and (maps or not tma), params  # Hopper's engine: tensor maps first
+        pointers = pointers[len(maps):]
+        assert all(re.fullmatch(r"(const )?(float|__nv_bfloat16|__half)\* __restrict__ \w+", p) for p in pointers), params
 
 
 def test_constants_are_named_with_comments():

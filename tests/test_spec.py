@@ -123,7 +123,7 @@ def test_shapes_and_params():
         (with_("epilogue.1", {"sum": {"dims": [5]}}), "dim 5 is out of range"),
         (with_("epilogue.1", {"avg_pool": {"kernel": 20}}), "the window spans 20"),
         (with_("epilogue.1", {"max_pool": {"kernel": 2, "padding": 2}}), "padding 2 must be at most half"),
-        (with_("precision", "fp16"), "precision: Input should be 'fp32'"),
+        (with_("precision", "fp8"), "precision: Input should be 'fp32'"),
         (with_("tile", {"threads": 100}), "tile.threads: Input should be a multiple of 32"),
     ],
 )

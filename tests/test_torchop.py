@@ -274,34 +274,49 @@ def test_compiled_graph_holds_the_op_as_one_node():
 
 
 @pytest.mark.parametrize(
-    "convert",
+    "convert,dtype,precision",
     [
-        lambda m: m.half(),
-        lambda m: m.bfloat16(),
-        lambda m: m.to(torch.float16),
-        lambda m: m.to(dtype=torch.bfloat16),
-        lambda m: m.to("cpu", torch.half),
-        lambda m: m.type(torch.float16),
-        lambda m: nn.Sequential(m).half(),  # a parent's .half() reaches the layer through _apply
-        lambda m: nn.Sequential(nn.Identity(), m).to(torch.bfloat16),
+        (lambda m: m.half(), torch.float16, "fp16"),
+        (lambda m: m.bfloat16(), torch.bfloat16, "bf16"),
+        (lambda m: m.to(torch.float16), torch.float16, "fp16"),
+        (lambda m: m.to(dtype=torch.bfloat16), torch.bfloat16, "bf16"),
+        (lambda m: m.to("cpu", torch.half), torch.float16, "fp16"),
+        (lambda m: m.type(torch.float16), torch.float16, "fp16"),
+        (lambda m: nn.Sequential(m).half(), torch.float16, "fp16"),  # a parent's .half() reaches the layer through _apply
+        (lambda m: nn.Sequential(nn.Identity(), m).to(torch.bfloat16), torch.bfloat16, "bf16"),
     ],
     ids=["half", "bfloat16", "to-fp16", "to-dtype-bf16", "to-cpu-half", "type-fp16", "parent-half", "parent-to-bf16"],
 )
-def test_lower_precision_is_a_clear_error(convert):
+def test_lower_precision_conversion_changes_the_precision(convert, dtype, precision):
+    """Converting a layer to a 16-bit dtype makes it a layer of that precision (a new specialization,
+    its op takes that dtype); .float() brings the 32-bit precision back."""
     spec = shrink(load_specs(EXAMPLES / "kb90.yaml")[0])
     layer = make_layer(spec)
-    with pytest.raises(ValueError, match="float32"):
-        convert(layer)
-    assert all(p.dtype == torch.float32 for p in layer.parameters()), "the layer was left half-converted"
+    convert(layer)
+    assert layer.spec.precision == precision
+    assert all(p.dtype == dtype for p in layer.parameters())
     x = make_input(spec, 1)
-    torch.testing.assert_close(layer(x), make_layer(spec)(x))
+    want = make_layer(spec).to(dtype)(x.to(dtype))
+    got = layer(x.to(dtype))
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="takes"):
+        layer(x)  # a float32 input to a 16-bit layer
+    layer.float()
+    assert layer.spec.precision == spec.precision and layer.conv.weight.dtype == torch.float32
+    ref = make_layer(spec)
+    ref.load_state_dict(layer.state_dict())  # the weights kept their 16-bit rounding
+    torch.testing.assert_close(layer(x), ref(x))
 
 
-def test_conversion_the_probe_cannot_foresee_still_errors():
-    spec = shrink(load_specs(EXAMPLES / "kb65.yaml")[0])
-    layer = make_layer(spec)
-    with pytest.raises(ValueError, match="float32"):
-        layer.type("torch.HalfTensor")
+def test_a_16_bit_spec_makes_a_16_bit_layer():
+    spec = shrink(load_specs(EXAMPLES / "kb65.yaml")[0]).model_copy(update={"precision": "bf16"})
+    layer = FusedLayer(spec)
+    assert all(p.dtype == torch.bfloat16 for p in layer.parameters())
+    x = make_input(spec, 2).bfloat16()
+    assert layer(x).dtype == torch.bfloat16
+    layer.float()  # back to the accurate 32-bit precision
+    assert layer.spec.precision == "fp32"
 
 
 def test_lower_precision_input_is_a_clear_error():

@@ -15,6 +15,7 @@ import pytest
 from specgen import cli, measured, pipeline, tune
 from specgen.igemm import IgemmConfig
 from specgen.spec import validate
+from specgen.tma import TmaConfig
 
 FAKE_GPU = {"gpu": "Fake GPU (7 SMs)", "arch": "sm_90", "driver": 12080}
 
@@ -45,36 +46,42 @@ def fake_gpu(monkeypatch, cache_dir):
 # ---------------------------------------------------------------------------- candidates
 
 
+def _engine(cfg) -> str:
+    return "tma" if isinstance(cfg, TmaConfig) else "igemm"
+
+
 def test_candidates_plan_start_with_the_heuristic_and_follow_the_precision():
     fp32 = validate(layer(precision="fp32"))
     tf32 = validate(layer(precision="tf32"))
     c32, ct = tune.candidates(fp32), tune.candidates(tf32)
-    assert c32[0] == tune.heuristic(fp32)["igemm"].config
-    assert ct[0] == tune.heuristic(tf32)["igemm"].config
-    assert 3 <= len(c32) <= 12 and 3 <= len(ct) <= 12
-    assert len(set(c32)) == len(c32)
-    # 64 x 64 warp tiles and two 128 x 128 blocks per SM spill in 3xTF32: tf32 mode only
-    assert not any((c.wn == 8 and not c.wgmma) or c.min_blocks == 2 for c in c32)
-    assert any(c.wn == 8 and not c.wgmma for c in ct) and any(c.min_blocks == 2 for c in ct)
-    # Hopper's wgmma tiles are offered in both modes (K chunks of 32: the channels allow it here)
-    assert any(c.wgmma for c in c32) and any(c.wgmma for c in ct)
     for spec, cands in ((fp32, c32), (tf32, ct)):
+        plan = tune.heuristic(spec)
+        assert cands[0] == plan[plan["engine"]].config
+        assert 3 <= len(cands) <= 12 and len(set(cands)) == len(cands)
+        # on Hopper (the default target) both engines' tiles are offered
+        assert {_engine(c) for c in cands} == {"tma", "igemm"}
         for cfg in cands:
-            plan = pipeline.build_plan(spec, cfg)
-            assert plan["engine"] == "igemm" and plan["igemm"].config == cfg
-            assert cfg.bk <= 32 and 64 % cfg.bk == 0
+            plan = tune.plan_with(spec, cfg)
+            assert plan["engine"] == _engine(cfg) and plan[_engine(cfg)].config == cfg
+            if isinstance(cfg, IgemmConfig):
+                assert cfg.bk <= 32 and 64 % cfg.bk == 0
+    ig32 = [c for c in c32 if isinstance(c, IgemmConfig)]
+    igt = [c for c in ct if isinstance(c, IgemmConfig)]
+    # 64 x 64 warp tiles and two 128 x 128 blocks per SM spill in 3xTF32: tf32 mode only
+    assert not any((c.wn == 8 and not c.wgmma) or c.min_blocks == 2 for c in ig32)
+    assert any(c.wn == 8 and not c.wgmma for c in igt) and any(c.min_blocks == 2 for c in igt)
 
 
 def test_few_channels_get_the_narrow_tile_and_a_fitting_k_chunk():
     spec = validate(layer(channels=16, out=32, precision="tf32"))
     cands = tune.candidates(spec)
-    assert any(c.bm == 256 and c.bn == 32 for c in cands)
-    assert all(c.bk <= 16 for c in cands if not c.wgmma)  # 16 channels: mma.sync K chunks of at most 16
+    assert any(c.bm == 256 and c.bn == 32 for c in cands if isinstance(c, IgemmConfig))
+    assert all(c.bk <= 16 for c in cands if isinstance(c, IgemmConfig) and not c.wgmma)  # mma.sync K chunks of at most 16
 
 
 def test_layers_off_the_implicit_gemm_engine_have_no_candidates():
     spec = validate({**layer(), "conv": {"out_channels": 64, "kernel": 3, "padding": 1, "groups": 64}})
-    assert tune.heuristic(spec)["engine"] != "igemm"
+    assert tune.heuristic(spec)["engine"] not in ("igemm", "tma")
     assert tune.candidates(spec) == []
 
 
@@ -83,7 +90,7 @@ def test_candidates_compile_in_one_batch_without_spills(cache_dir):
     specs = [validate(layer(precision="fp32")), validate(layer(channels=128, out=128, precision="tf32"))]
     built = tune.build_candidates(specs)
     for spec, cands in zip(specs, built):
-        assert cands[0].config is None and cands[0].item.plan["engine"] == "igemm"
+        assert cands[0].config is None and cands[0].item.plan["engine"] in ("igemm", "tma")
         assert len(cands) == len(tune.candidates(spec))  # the heuristic's own tile is not repeated
         for cand in cands:
             assert cand.item is not None, f"{spec.name} {cand.name}: {cand.error}"
@@ -101,7 +108,7 @@ def test_the_store_round_trips_and_is_keyed_by_everything_the_choice_depends_on(
     key = tune.choice_key(spec, FAKE_GPU["gpu"], FAKE_GPU["driver"], 64)
     path = cache_dir / "tuned" / f"{key}.json"
     record = json.loads(path.read_text())
-    assert record["config"] == {f: getattr(cfg, f) for f in ("warps_m", "warps_n", "wm", "wn", "bk", "stages", "min_blocks", "wgmma")}
+    assert record["config"] == tune.config_record(cfg) and record["config"]["engine"] == _engine(cfg)
     assert record["bucket"] == 64 and record["batch"] == 50 and record["gpu"] == FAKE_GPU["gpu"]
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
     got = tune.load_choice(spec, FAKE_GPU["gpu"], FAKE_GPU["driver"], 64)
@@ -145,23 +152,31 @@ def test_without_a_batch_the_largest_bucket_tuned_is_used(fake_gpu):
 # ---------------------------------------------------------------------------- users of the choice
 
 
-def test_the_pipeline_uses_a_stored_choice_for_this_gpu(fake_gpu, monkeypatch):
+def _config(item):
+    plan = item.plan
+    return plan[plan["engine"]].config
+
+
+@pytest.mark.parametrize("engine", ["tma", "igemm"])
+def test_the_pipeline_uses_a_stored_choice_for_this_gpu(fake_gpu, monkeypatch, engine):
+    """A stored choice of either engine replaces the heuristic tile (on Hopper, the other engine too)."""
     spec = validate(layer())
-    heuristic = tune.heuristic(spec)["igemm"].config
-    chosen = next(c for c in tune.candidates(spec) if c != heuristic)
+    plan = tune.heuristic(spec)
+    heuristic = plan[plan["engine"]].config
+    chosen = next(c for c in tune.candidates(spec) if c != heuristic and _engine(c) == engine)
     built = []
     monkeypatch.setattr(pipeline.cache, "get_or_build", lambda req: built.append(req) or _FakeBuild(req))
     pipeline.forget(spec)
     first = pipeline.specialize(spec)
-    assert first.plan["igemm"].config == heuristic  # nothing stored yet
+    assert _config(first) == heuristic  # nothing stored yet
     tune.store_choice(spec, fake_gpu, 64, chosen, [], batch=64)  # forgets the memoized kernel
     second = pipeline.specialize(spec)
-    assert second.plan["igemm"].config == chosen
-    assert pipeline.specialize(spec, tuned=False).plan["igemm"].config == heuristic
-    assert pipeline.specialize_many([spec])[0].plan["igemm"].config == chosen
+    assert _config(second) == chosen and second.plan["engine"] == engine
+    assert _config(pipeline.specialize(spec, tuned=False)) == heuristic
+    assert _config(pipeline.specialize_many([spec])[0]) == chosen
     monkeypatch.setattr(tune, "current_gpu", lambda: None)  # no GPU: the heuristic
     pipeline.forget(spec)
-    assert pipeline.specialize(spec).plan["igemm"].config == heuristic
+    assert _config(pipeline.specialize(spec)) == heuristic
     pipeline.forget(spec)
 
 

@@ -1,0 +1,184 @@
+"""Import PyTorch models: find convolution chains that specgen can fuse and build their specs.
+
+    report = specgen.explain(model, x)      # report.specs: the fusable chains; report.fallbacks: the rest, and why
+    fused = specgen.from_module(model, x)   # the same model, each chain run by one FusedLayer
+
+How it works. The model is captured with torch.fx (a symbolic trace, no GPU needed) and run once
+on the example inputs to record every value's shape and dtype. Every convolution then starts a
+chain that grows while the next node is something a spec can say:
+
+* pointwise ops, however they are written (module, functional, method, operator), map to spec ops
+  through the op table, specgen.ops: each row's `spellings` say how PyTorch writes the op, and
+  `ops.EXPR_ONLY` lists the functions no op names (written inside an `expr`). A connected
+  pointwise DAG over the chain value, numbers and per-channel tensors (hardswish written out by
+  hand, `x * torch.sigmoid(x)`, ...) becomes one `expr` stage; a plain sequence of ops becomes
+  the named stages (`leaky_relu`, `add`, ...);
+* pools and reductions map to their spec ops; shape ops (view, reshape, flatten, squeeze,
+  unsqueeze) that only drop or insert size-1 dims are absorbed, and the fused layer's output is
+  reshaped back to what the model returned;
+* convolutions and transposed convolutions (module and functional forms) start chains;
+* eval-mode batch norm and dropout fuse as what they compute in eval mode (a `batch_norm` stage
+  over the running statistics, the identity): the fused model keeps that behaviour even if it is
+  later switched to training mode.
+
+A chain ends at a value that is used more than once (or returned), at an op outside the
+vocabulary, or where the spec would not validate; a chain with nothing after its convolution is
+not fused. Every node that runs as PyTorch is a fallback, with its reason.
+
+`from_module` rewrites the traced graph: each chain becomes a call to a FusedLayer whose
+`conv.weight`, `conv.bias` and per-channel parameters are the very tensors of the original model
+(same nn.Parameter objects), so training either trains both. Everything else runs as the
+original PyTorch code. Only float32 chains are fused; shapes are those of the example inputs
+(the batch size is free).
+
+The package, in the order data flows: `graph` (the trace and the shape-recording run),
+`recognize` (what each node computes, from the op table's spellings), `chains` (growing a chain
+from each convolution, and why the other nodes run as PyTorch) with `exprs` (pointwise regions:
+the named stages or the expr they become), `rewrite` (the fused layers, timing, the rewritten
+graph) and `report` (what explain tells, the specs as YAML).
+
+Never slower: on a GPU, `from_module` compiles every chain's kernel in one parallel build, then
+times each chain as the original PyTorch code and as its fused layer (`specgen.measured`), and
+keeps the original code wherever the kernel is not faster. Each decision is cached per kernel,
+GPU and batch bucket, and shown with both times in the report (`report.choices`).
+`keep_slower=True` fuses every chain unmeasured; without a GPU nothing is measured.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from specgen import measured, pipeline
+from specgen.importer.chains import Analysis
+from specgen.importer.recognize import supported_names
+from specgen.importer.report import Choice, Fallback, ImportReport, ModelImportError, spec_yaml_text
+from specgen.importer import rewrite
+from specgen.importer.rewrite import ImportedLayer
+from specgen.log import get_logger
+
+__all__ = [
+    "explain",
+    "from_module",
+    "ImportReport",
+    "Fallback",
+    "Choice",
+    "ModelImportError",
+    "ImportedLayer",
+    "spec_yaml_text",
+    "supported_names",
+]
+
+
+def _importer(model, example_inputs) -> Analysis | str:
+    """An analyzed importer, or the reason the model cannot be traced."""
+    if not isinstance(model, nn.Module):
+        raise ModelImportError(f"expected an nn.Module, got {type(model).__name__}")
+    if not example_inputs:
+        raise ModelImportError("give at least one example input (a tensor shaped like the model's input)")
+    try:
+        imp = Analysis(model, tuple(example_inputs))
+    except ModelImportError:
+        raise
+    except Exception as err:  # torch.fx cannot trace it (data-dependent control flow, ...)
+        first = (str(err).strip().splitlines() or [""])[0]
+        return f"torch.fx cannot trace {type(model).__name__}: {type(err).__name__}: {first[:300]}"
+    imp.analyze()
+    return imp
+
+
+def _specialize_all(imp: Analysis) -> None:
+    """Compile every chain's kernel in one parallel build (only the misses compile); the fused
+    layers built afterwards find them in the process's memo."""
+    if imp.chains and torch.cuda.is_available():
+        pipeline.specialize_many([chain.spec for chain in imp.chains])
+
+
+def _unmeasurable(imp: Analysis) -> Optional[str]:
+    """Why the chains cannot be timed here, or None."""
+    if not torch.cuda.is_available():
+        return "no GPU"
+    first = next((t for t in imp.inputs if isinstance(t, torch.Tensor)), None)
+    if first is None or not first.is_cuda:
+        return f"the example input is on {'cpu' if first is None else first.device.type}"
+    return None
+
+
+def _choices(imp: Analysis, keep_slower: bool) -> list[Choice]:
+    """One Choice per chain: kept as its kernel unless measured not faster than PyTorch."""
+    why = "keep_slower=True" if keep_slower else _unmeasurable(imp)
+    if why is not None:
+        return [Choice(chain.spec.name, True, how=f"not measured ({why})") for chain in imp.chains]
+    log = get_logger()
+    choices = []
+    for chain in imp.chains:
+        choice = rewrite.measure(imp, chain)
+        if not choice.fused:
+            log.info("%s: %s kept as PyTorch (not faster fused): %s", imp.name, choice.layer, choice)
+        choices.append(choice)
+    return choices
+
+
+def explain(model: nn.Module, *example_inputs, measure: bool = False) -> ImportReport:
+    """What specgen can fuse in `model`, run on `example_inputs`: `.specs` and `.fallbacks`.
+
+    With `measure=True` (and the model and inputs on a GPU) every chain is compiled and timed as
+    `from_module` does, and `.choices` says which ones would stay PyTorch, with both times.
+    The model is not changed (buffers such as batch norm statistics are restored after the
+    shape-recording run). Raises ModelImportError when the model fails on the inputs."""
+    imp = _importer(model, example_inputs)
+    if isinstance(imp, str):
+        return ImportReport(type(model).__name__, [], [Fallback(type(model).__name__, imp)])
+    if not measure:
+        return imp.report()
+    _specialize_all(imp)
+    return imp.report(_choices(imp, keep_slower=False))
+
+
+def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False) -> nn.Module:
+    """`model` with every fusable chain run by a FusedLayer sharing the model's parameters.
+
+    On a GPU, all chains' kernels compile in one parallel build, and a chain whose kernel is not
+    faster than its PyTorch code (timed once, cached per GPU and batch bucket) keeps the PyTorch
+    code; `keep_slower=True` fuses every chain without timing. Unfused nodes run as the original
+    PyTorch code; each is logged (logger `specgen`) with its reason: as a warning when it
+    concerns a convolution chain, at info level otherwise. The returned module's
+    `specgen_report` is the explain() report with `.choices` (both times per chain).
+    Example-input shapes are baked into the fused layers (the batch size stays free). On a GPU the
+    whole fused model is timed once more against the original, and the original is returned
+    (with `specgen_report` set, `.whole_model` holding both times) unless the fused one is faster."""
+    log = get_logger()
+    imp = _importer(model, example_inputs)
+    if isinstance(imp, str):
+        log.warning("%s runs as PyTorch: %s", type(model).__name__, imp)
+        return model
+    _specialize_all(imp)
+    choices = _choices(imp, keep_slower)
+    report = imp.report(choices)
+    by_name = {n.name: n for n in imp.nodes}
+    for fb in report.fallbacks:
+        level = log.warning if by_name.get(fb.node) in imp.warn else log.info
+        level("%s: %s runs as PyTorch: %s", imp.name, fb.node, fb.reason)
+    names = ", ".join(s.name for s in report.fused_specs) or "none"
+    log.info("%s: %d chain(s) fused: %s", imp.name, len(report.fused_specs), names)
+    if not imp.chains:
+        return model
+    imp.chains = [chain for chain, choice in zip(imp.chains, choices) if choice.fused]
+    fused = rewrite.fused_graph(imp)
+    fused.specgen_report = report
+    if imp.chains and not keep_slower and _unmeasurable(imp) is None:
+        # Chains that win alone can still lose together (caches, launch gaps): the whole model is
+        # timed once more, and the original is kept unless the fused one is faster.
+        inputs = [tuple(example_inputs)]
+        fused_ms, plain_ms = measured.compare(lambda a: fused(*a), lambda a: model(*a), inputs)
+        report.whole_model = (fused_ms, plain_ms)
+        if fused_ms >= plain_ms:
+            log.warning(
+                "%s: the fused model (%.3f ms) is not faster than the original (%.3f ms) at this batch: "
+                "keeping the original (keep_slower=True fuses anyway)", imp.name, fused_ms, plain_ms,
+            )
+            model.specgen_report = report  # the original, with the report that says why
+            return model
+    return fused

@@ -1,0 +1,321 @@
+"""Pointwise regions: the DAG of pointwise ops hanging off a chain's value, its operands resolved to
+numbers and per-channel tensors of the model, and each segment written as one spec stage: the
+op's own stage where the segment is one op of the table on x, else an `expr` (each op's text in
+the expr grammar comes from its row of specgen.ops)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.fx import Node
+
+from specgen import ops
+from specgen.expr import RESERVED as EXPR_RESERVED
+from specgen.importer.graph import broadcasts_into, dtype_of, sanitize, shape_of, unique, value_users
+from specgen.importer.recognize import Dim1, PW, Reject, ShapeOp, TensorRef, pointwise_row
+from specgen.module import FusedLayer
+
+
+class _XTerm:
+    def __repr__(self) -> str:
+        return "x"
+
+
+X = _XTerm()  # the chain value, in direct-stage terms
+_OPAQUE = object()  # an operand that is neither x, a number nor a parameter
+
+# Per-channel parameter names that a spec or a FusedLayer cannot take.
+_RESERVED_PARAM_NAMES = (
+    set(EXPR_RESERVED)
+    | {"conv", "weight", "bias", "spec", "arch", "key"}
+    | set(dir(FusedLayer))
+    | set(dir(nn.Module()))
+)
+
+
+def _num(value) -> str:
+    try:
+        return ops.expr_number(value)
+    except ValueError as err:
+        raise Reject(str(err)) from None
+
+
+def _direct_stage(ir: PW, terms: list) -> Optional[dict]:
+    """The op's own spec stage for x and the other operands `terms` (numbers, ops.Param, None), or
+    None where its arguments cannot say them (then the op is written as an expr)."""
+    row = pointwise_row(ir.op)
+    if not isinstance(row, ops.Pointwise):
+        return None
+    if terms[0] is X:
+        operands = terms[1:]
+    elif row.commutative and len(terms) == 2 and terms[1] is X:
+        operands = terms[:1]
+    else:
+        return None
+    args = row.args.from_operands(tuple(operands), ir.attrs)
+    return None if args is None else {row.name: args}
+
+
+class Regions:
+    """Finds a chain's pointwise regions and writes their stages, for one analysis (the nodes,
+    their descriptions and the model's tensors). `leaf_nodes` collects the nodes read as operands:
+    parameter reads and computations on parameters only."""
+
+    def __init__(self, analysis):
+        self.nodes, self.order = analysis.nodes, analysis.order
+        self.classify, self.describe, self.fetch = analysis.classify, analysis.describe, analysis.fetch
+        self.leaf_nodes: set[Node] = set()
+        self._param_only_memo: dict[Node, bool] = {}
+
+    def find(self, chain):
+        """The largest pointwise DAG hanging off the chain value with a single exit.
+
+        Returns (exit node, {member: resolved PW}, {member: its x-dependent operands}) or None.
+        Members are pointwise nodes whose operands are the chain value, other members, numbers or
+        per-channel tensors; every member but the exit is used only inside the region, and so is
+        the chain value."""
+        cur = chain.out
+        members: dict[Node, PW] = {}
+        deps: dict[Node, list[Node]] = {}
+        limit = max((self.order[u] for u in cur.users), default=-1)
+        i = self.order[cur] + 1
+        while i <= limit and i < len(self.nodes):
+            node = self.nodes[i]
+            i += 1
+            if not any(a is cur or a in members for a in node.all_input_nodes):
+                continue
+            desc = self.classify(node)
+            if not isinstance(desc, PW):
+                continue
+            try:
+                resolved, xdeps = self._resolve_member(chain, node, desc, members)
+            except Reject as rej:
+                chain.rejected[node] = rej.reason
+                continue
+            members[node], deps[node] = resolved, xdeps
+            limit = max([limit] + [self.order[u] for u in node.users])
+        cur_users = set(value_users(cur))
+        for exit_ in reversed(list(members)):
+            area = ancestors(exit_, deps)
+            if not cur_users <= area:
+                continue
+            if all(set(value_users(v)) <= area for v in area if v is not exit_):
+                return exit_, {n: members[n] for n in members if n in area}, deps
+        return None
+
+    def _resolve_member(self, chain, node: Node, desc: PW, members: dict):
+        where = self.describe(node)
+        inside = set(members) | {chain.out}
+        shape = shape_of(node)
+        if dtype_of(node) != torch.float32:
+            raise Reject(f"{where}: produces {dtype_of(node)}; only float32 is fused")
+        if shape is None or tuple(shape) != tuple(chain.view):
+            raise Reject(f"{where}: its result has shape {shape and list(shape)}, not the chain's {list(chain.view)}")
+        if desc.inplace:
+            target = desc.operands[0]
+            if not (isinstance(target, Node) and target in inside and value_users(target) == [node]):
+                raise Reject(f"{where}: in-place on a value that is used again")
+        xdeps: list[Node] = []
+        try:
+            resolved = self._resolve(chain, desc, inside, xdeps)
+        except Reject as rej:
+            raise Reject(f"{where}: {rej.reason}") from None
+        return resolved, xdeps
+
+    def _resolve(self, chain, term, inside: set, xdeps: list):
+        """A PW with every operand either an x-dependent node (collected in xdeps) or a leaf."""
+        if isinstance(term, PW):
+            return PW(term.op, tuple(self._resolve(chain, o, inside, xdeps) for o in term.operands), term.attrs)
+        if isinstance(term, Node) and term in inside:
+            xdeps.append(term)
+            return term
+        if isinstance(term, Dim1) and isinstance(term.value, Node) and term.value in inside:
+            raise Reject("a statistic depends on the chain value")
+        return self._leaf(chain, term)
+
+    # -- operands: numbers and the model's per-channel tensors --------------------------------
+
+    def _leaf(self, chain, value, along_dim1: bool = False):
+        """A number, a per-channel tensor of the model, or a pointwise expression over those."""
+        if isinstance(value, Dim1):
+            return self._leaf(chain, value.value, along_dim1=True)
+        if value is None:
+            return None
+        if isinstance(value, bool):
+            raise Reject(f"operand {value!r} is a boolean")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, TensorRef):
+            ref = value
+        elif isinstance(value, Node):
+            ref = self._leaf_node(chain, value, along_dim1)
+            if not isinstance(ref, TensorRef):
+                return ref
+        else:
+            raise Reject(f"operand {value!r} is not a number or a tensor")
+        self._check_per_channel(chain, ref, along_dim1)
+        return replace(ref, along_dim1=along_dim1)
+
+    def _leaf_node(self, chain, node: Node, along_dim1: bool):
+        result = self._leaf_value(chain, node, along_dim1)
+        self.leaf_nodes.add(node)
+        return result
+
+    def _param_only(self, node: Node) -> bool:
+        """Whether `node` is computed from parameters and numbers only (get_attr, and shape or
+        pointwise ops over those). Computed for the whole graph at once, in graph order."""
+        if not self._param_only_memo:
+            memo = self._param_only_memo
+            for n in self.nodes:
+                if n.op == "get_attr":
+                    memo[n] = True
+                elif n.op in ("call_function", "call_method", "call_module"):
+                    desc = self.classify(n)
+                    pure = isinstance(desc, ShapeOp) or (isinstance(desc, PW) and not desc.inplace)
+                    memo[n] = pure and all(memo.get(a, False) for a in n.all_input_nodes)
+                else:
+                    memo[n] = False
+        return self._param_only_memo.get(node, False)
+
+    def _leaf_value(self, chain, node: Node, along_dim1: bool):
+        if not self._param_only(node):
+            raise Reject(
+                f"operand {node.name} is computed by the model; only numbers and per-channel parameters can join a chain"
+            )
+        if node.op == "get_attr":
+            obj = self.fetch(node.target)
+            if not isinstance(obj, torch.Tensor):
+                raise Reject(f"operand {node.target} is not a tensor")
+            if node.target.startswith("_tensor_constant") and obj.numel() == 1 and not along_dim1:
+                return float(obj.item())  # a constant made in forward, e.g. torch.tensor(0.5)
+            return TensorRef(node.target, obj, tuple(obj.shape))
+        desc = self.classify(node)
+        if isinstance(desc, ShapeOp) and isinstance(desc.input, Node):
+            base = self._leaf_node(chain, desc.input, along_dim1)
+            if isinstance(base, TensorRef):
+                return replace(base, shape=shape_of(node))
+            return base
+        if isinstance(desc, PW) and not desc.inplace:  # computed from parameters only
+            shape = shape_of(node)
+            if shape is None or not broadcasts_into(shape, chain.view):
+                raise Reject(f"operand {node.name} would broadcast the chain to a larger shape")
+            return PW(desc.op, tuple(self._leaf(chain, o) for o in desc.operands), desc.attrs)
+        raise Reject(
+            f"operand {node.name} is computed by the model; only numbers and per-channel parameters can join a chain"
+        )
+
+    def _check_per_channel(self, chain, ref: TensorRef, along_dim1: bool) -> None:
+        if ref.tensor.dtype != torch.float32:
+            raise Reject(f"{ref.path} is {ref.tensor.dtype}; only float32 is fused")
+        extent, dim = chain.channel()
+        if extent is None:
+            raise Reject(f"{ref.path} is per-channel but the channel dim was reduced away")
+        shape, view = tuple(ref.shape), tuple(chain.view)
+        numel = math.prod(shape)
+        if along_dim1:
+            if numel != extent or (extent != 1 and dim != 1):
+                raise Reject(f"{ref.path} has {numel} values along dim 1, not the {extent} channels")
+            return
+        if numel != extent:
+            kind = "is a scalar tensor" if numel == 1 else f"has shape {list(shape)}"
+            raise Reject(
+                f"{ref.path} {kind}; only numbers and per-channel tensors ({extent} values along the channel dim) are fused"
+            )
+        if not broadcasts_into(shape, view):
+            raise Reject(f"{ref.path} of shape {list(shape)} would broadcast the chain to a larger shape")
+        aligned = (1,) * (len(view) - len(shape)) + shape
+        if extent != 1 and aligned[dim] != extent:
+            raise Reject(f"{ref.path} of shape {list(shape)} does not lie along the channel dim {dim} of {list(view)}")
+
+    # -- a segment as one spec stage ----------------------------------------------------------
+
+    def stage(self, chain, x_node: Node, top: Node, segment: set, members: dict) -> dict:
+        """The spec stage computing `top` from `x_node`: a named op when the segment is one node
+        with x once among its operands, else an expr."""
+        ir = members[top]
+        if segment == {top}:
+            terms = [self._direct_term(chain, o, x_node) for o in ir.operands]
+            if sum(t is X for t in terms) == 1:
+                stage = _direct_stage(ir, terms)
+                if stage is not None:
+                    return stage
+        text = self._render(chain, top, x_node, members)
+        return {"expr": {"code": text}}
+
+    def _direct_term(self, chain, term, x_node: Node):
+        if term is x_node:
+            return X
+        if term is None or isinstance(term, float):
+            return term
+        if isinstance(term, TensorRef):
+            return ops.Param(self._param_name(chain, term))
+        return _OPAQUE
+
+    def _render(self, chain, term, x_node: Node, members: dict) -> Optional[str]:
+        if term is x_node:
+            return "x"
+        if isinstance(term, Node):
+            term = members[term]
+        if isinstance(term, PW):
+            texts = [self._render(chain, o, x_node, members) for o in term.operands]
+            try:
+                text = pointwise_row(term.op).expr_form(texts, term.attrs)
+            except ValueError as err:  # a constant that is not finite
+                raise Reject(str(err)) from None
+            if text is None:
+                raise Reject(f"{term.op} inside a larger pointwise expression has no expr form")
+            return text
+        if term is None:
+            return None
+        if isinstance(term, float):
+            return _num(term)
+        if isinstance(term, TensorRef):
+            return self._param_name(chain, term)
+        raise Reject(f"cannot write {term!r} in an expression")  # pragma: no cover
+
+    def _param_name(self, chain, ref: TensorRef) -> str:
+        key = id(ref.tensor)
+        if key not in chain.names:
+            name = sanitize(ref.path, "p")
+            if name in _RESERVED_PARAM_NAMES:
+                name = f"{name}_param"
+            name = unique(name, set(chain.tensors) | _RESERVED_PARAM_NAMES)
+            chain.names[key] = name
+            chain.tensors[name] = ref.tensor
+        return chain.names[key]
+
+
+def ancestors(node: Node, deps: dict, stop: Optional[Node] = None) -> set:
+    """`node` and the region members it depends on (not crossing `stop`)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen or n is stop or n not in deps:
+            continue
+        seen.add(n)
+        todo.extend(deps[n])
+    return seen
+
+
+def cut_points(cur: Node, exit_: Node, members: dict, deps: dict, order: dict) -> list[Node]:
+    """Members every path from the exit back to the chain value goes through, in graph order."""
+
+    def reaches_cur(avoid: Node) -> bool:
+        seen, todo = set(), [exit_]
+        while todo:
+            n = todo.pop()
+            if n is cur:
+                return True
+            if n in seen or n is avoid or n not in deps:
+                continue
+            seen.add(n)
+            todo.extend(deps[n])
+        return False
+
+    cuts = [n for n in members if n is exit_ or not reaches_cur(n)]
+    return sorted(cuts, key=order.get)
+

@@ -1,0 +1,224 @@
+"""The captured model: its torch.fx graph, the shape and dtype of every value (from one run on the
+example inputs), and small helpers on nodes, shapes and names."""
+
+from __future__ import annotations
+
+import builtins
+import operator
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.fx import Node
+
+from specgen.importer.report import ModelImportError
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    """What the example run recorded about a tensor value."""
+
+    shape: tuple
+    dtype: torch.dtype
+
+
+def _info(value):
+    """_TensorInfo for a tensor, a tuple of them for a tuple holding tensors, else None."""
+    if isinstance(value, torch.Tensor):
+        return _TensorInfo(tuple(value.shape), value.dtype)
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        return tuple(_info(v) for v in value)
+    return None
+
+
+_META_KEY = "specgen_tensor"
+
+
+class _ShapeRecorder(fx.Interpreter):
+    """Runs the traced model and records every node's shape and dtype in node.meta."""
+
+    def run_node(self, n: Node):
+        result = super().run_node(n)
+        n.meta[_META_KEY] = _info(result)
+        return result
+
+
+class Capture:
+    """One model, traced (torch.fx, a symbolic trace: no GPU needed) and run once on the example
+    inputs to record every value's shape and dtype. Raises for an untraceable model, and
+    ModelImportError when the model fails on the inputs."""
+
+    def __init__(self, model: nn.Module, inputs: tuple):
+        self.model = model
+        self.inputs = inputs
+        self.name = type(model).__name__
+        self.gm: fx.GraphModule = fx.symbolic_trace(model)  # raises for untraceable models
+        self.graph = self.gm.graph
+        self._propagate()
+        self.nodes = list(self.graph.nodes)
+        self.order = {n: i for i, n in enumerate(self.nodes)}
+
+    def _propagate(self) -> None:
+        """Run the traced model on (copies of) the example inputs to record every value's shape and dtype.
+
+        Buffers are restored afterwards, so running statistics of training-mode batch norms stay
+        as they were."""
+        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        inputs = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in self.inputs]
+        try:
+            with torch.no_grad():
+                _ShapeRecorder(self.gm).run(*inputs)
+        except Exception as err:  # the model's own error on these inputs
+            detail = (str(err).strip().splitlines() or [""])[0][:500]
+            shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in self.inputs]
+            raise ModelImportError(
+                f"{self.name} fails on the example inputs {shapes}: {type(err).__name__}: {detail}"
+            ) from None
+        finally:
+            with torch.no_grad():
+                for buf, saved in buffers:
+                    buf.copy_(saved)
+
+    def fetch(self, target: str):
+        """The module, parameter or buffer at `target` (a dotted path in the traced module)."""
+        obj = self.gm
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+
+# ---- values and their uses ---------------------------------------------------------------------
+
+META_METHODS = {"size", "dim", "numel", "ndimension", "nelement", "get_device"}
+_META_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "layout"}
+
+
+def _is_meta_use(user: Node, of: Node) -> bool:
+    """A use that reads only the value's size, dtype or device (x.size(0), x.shape, x.dtype ...)."""
+    if not user.args or user.args[0] is not of or any(a is of for a in user.args[1:]) or user.kwargs:
+        return False
+    if user.op == "call_method":
+        return user.target in META_METHODS
+    return user.op == "call_function" and user.target is builtins.getattr and user.args[1] in _META_ATTRS
+
+
+def value_users(node: Node) -> list[Node]:
+    """The nodes that use `node`'s value (not only its size, dtype or device)."""
+    return [u for u in node.users if not _is_meta_use(u, node)]
+
+
+def recorded(node: Node):
+    """What the example run recorded for `node`: a _TensorInfo, a tuple of them, or None."""
+    return node.meta.get(_META_KEY)
+
+
+def shape_of(node: Node) -> Optional[tuple]:
+    m = recorded(node)
+    return tuple(m.shape) if hasattr(m, "shape") else None
+
+
+def dtype_of(node: Node):
+    m = recorded(node)
+    return getattr(m, "dtype", None)
+
+
+def is_values_accessor(user: Node, of: Node) -> bool:
+    """`user` reads the values of the (values, indices) result `of`: of[0] or of.values."""
+    if user.op != "call_function" or not user.args or user.args[0] is not of:
+        return False
+    if user.target is operator.getitem:
+        return user.args[1] == 0
+    return user.target is builtins.getattr and user.args[1] == "values"
+
+
+def is_accessor(node: Node) -> bool:
+    """x[i] or x.values/x.indices of a multi-output op: reported with that op, not on its own."""
+    if node.op != "call_function" or node.target not in (operator.getitem, builtins.getattr) or not node.args:
+        return False
+    source = node.args[0]
+    return isinstance(source, Node) and isinstance(recorded(source), (tuple, list))
+
+
+# ---- shapes: the model's view of a value and the spec's ------------------------------------------
+
+
+def _non1(shape) -> tuple:
+    return tuple(s for s in shape if s != 1)
+
+
+def same_layout(view: tuple, spec: tuple) -> bool:
+    """Same batch, and the same dims of size > 1 in the same order (size-1 dims may differ)."""
+    return len(view) >= 1 and len(spec) >= 1 and view[0] == spec[0] and _non1(view[1:]) == _non1(spec[1:])
+
+
+def view_to_spec_dim(view: tuple, spec: tuple, d: int) -> int:
+    k = sum(1 for i in range(1, d) if view[i] != 1)
+    return [i for i in range(1, len(spec)) if spec[i] != 1][k]
+
+
+def spec_to_view_dim(view: tuple, spec: tuple, d: int) -> int:
+    if view == spec:
+        return d
+    k = sum(1 for i in range(1, d) if spec[i] != 1)
+    return [i for i in range(1, len(view)) if view[i] != 1][k]
+
+
+def broadcasts_into(shape: tuple, view: tuple) -> bool:
+    if len(shape) > len(view):
+        return False
+    aligned = (1,) * (len(view) - len(shape)) + tuple(shape)
+    return all(a in (1, v) for a, v in zip(aligned, view))
+
+
+# ---- names -----------------------------------------------------------------------------------
+
+
+def sanitize(raw: str, fallback: str) -> str:
+    """`raw` as an identifier of at most 63 characters (a spec or parameter name)."""
+    name = re.sub(r"[^A-Za-z0-9_]", "_", raw).strip("_")
+    name = re.sub(r"_+", "_", name)
+    if not name:
+        name = fallback
+    if not name[0].isalpha():
+        name = f"{fallback}_{name}"
+    return name[:63]
+
+
+def unique(name: str, taken) -> str:
+    if name not in taken:
+        return name
+    for i in range(2, 10_000):
+        suffix = f"_{i}"
+        candidate = name[: 63 - len(suffix)] + suffix
+        if candidate not in taken:
+            return candidate
+    raise RuntimeError("no unique name left")  # pragma: no cover
+
+
+_LABELS: dict = {}
+
+
+def function_label(fn) -> str:
+    """'torch.cumsum', 'F.softmax', 'operator.getitem': how the model's code most likely spelled it."""
+    if not _LABELS:
+        spaces = (("builtins", builtins), ("operator", operator), ("torch.special", torch.special), ("F", F), ("torch", torch))
+        for label, space in spaces:
+            for attr in dir(space):
+                obj = getattr(space, attr, None)
+                if callable(obj) and hashable(obj):
+                    _LABELS[obj] = attr if label == "builtins" else f"{label}.{attr}"
+    if hashable(fn) and fn in _LABELS:
+        return _LABELS[fn]
+    return f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__name__', fn)}"
+
+
+def hashable(obj) -> bool:
+    try:
+        hash(obj)
+    except TypeError:
+        return False
+    return True

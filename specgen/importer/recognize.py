@@ -1,0 +1,583 @@
+"""What a node computes: every spelling of every op the importer knows, bound to one signature.
+
+The op table (specgen.ops) says how PyTorch code writes each pointwise op, pool and reduction:
+each row's `spellings` (module types, functions, Tensor methods, Python operators, and how their
+arguments map to the op's). This module turns those names into lookup tables of the live torch
+objects, and each call into a description (`PW`, `PoolOp`, `ReduceOp` ...) or a `Reject` that says
+why it is not fused. It has its own rows only for what is not an op of the table, the frame of a
+chain: the convolutions that start chains, and the dropout, identity and shape ops a chain
+passes through.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.fx import Node
+
+from specgen import ops
+from specgen.importer.graph import function_label, hashable
+
+# =============================================================================================
+# What a node means: the descriptions the builders return
+# =============================================================================================
+
+
+class Reject(Exception):
+    """A node (or operand) that cannot join a chain; `reason` says why, for the report."""
+
+    @property
+    def reason(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True, eq=False)
+class TensorRef:
+    """A tensor of the model used as an operand (a parameter, a buffer or a traced constant)."""
+
+    path: str  # where it lives in the model, e.g. "sum_tensor" or "bn.running_mean"
+    tensor: torch.Tensor
+    shape: tuple  # the shape it is used with (after any view of it in forward)
+    along_dim1: bool = False  # batch-norm style: a (C,) tensor applied along dim 1
+
+
+@dataclass(frozen=True, eq=False)
+class Dim1:
+    """Marks an operand that applies along dim 1 whatever its shape (batch norm statistics)."""
+
+    value: Any
+
+
+@dataclass(eq=False)
+class PW:
+    """A pointwise op: `op` names a row of ops.POINTWISE or ops.EXPR_ONLY; operands are Nodes,
+    numbers, None, TensorRef or PW; `attrs` are the op's constants."""
+
+    op: str
+    operands: tuple
+    attrs: dict = field(default_factory=dict)
+    inplace: bool = False
+
+
+@dataclass(eq=False)
+class PoolOp:
+    input: Any
+    stage: dict
+    nd: int
+
+
+@dataclass(eq=False)
+class ReduceOp:
+    input: Any
+    op: str
+    dims: list
+    keepdim: bool
+    tuple_out: bool = False  # torch.max/min with dim: (values, indices)
+
+
+@dataclass(eq=False)
+class ShapeOp:
+    """view/reshape/flatten/squeeze/unsqueeze: absorbed when only size-1 dims change (judged on shapes)."""
+
+    input: Any
+
+
+@dataclass(eq=False)
+class IdentityOp:
+    input: Any
+
+
+@dataclass(eq=False)
+class ConvOp:
+    input: Any
+    nd: int
+    weight: Any
+    bias: Any
+    stride: Any
+    padding: Any
+    dilation: Any
+    groups: int
+    module: Optional[nn.Module] = None
+    transposed: bool = False  # nn.ConvTranspose / F.conv_transpose: weight [C_in, C_out / groups, k...]
+    output_padding: Any = 0
+
+
+def pointwise_row(op: str):
+    """The op table's row of a PW's op: a spec op, or a function written only as an expr."""
+    return ops.POINTWISE.get(op) or ops.EXPR_ONLY[op]
+
+
+# =============================================================================================
+# Argument binding: every spelling of an op is bound to one signature, written as text
+# =============================================================================================
+
+
+@dataclass(frozen=True)
+class _Sig:
+    names: tuple[str, ...]
+    defaults: dict
+
+
+def _sig(text: str) -> _Sig:
+    """'input, dim=None, keepdim=False' -> names and literal defaults."""
+    names, defaults = [], {}
+    for part in text.split(","):
+        name, eq, default = part.strip().partition("=")
+        names.append(name.strip())
+        if eq:
+            defaults[name.strip()] = ast.literal_eval(default.strip())
+    return _Sig(tuple(names), defaults)
+
+
+def _bind(sig: _Sig, args: tuple, kwargs: dict) -> dict:
+    if len(args) > len(sig.names):
+        raise Reject(f"takes at most {len(sig.names)} arguments here, got {len(args)}")
+    bound = dict(zip(sig.names, args))
+    for key, value in kwargs.items():
+        if key not in sig.names and key == "axis" and "dim" in sig.names:
+            key = "dim"
+        if key not in sig.names or key in bound:
+            raise Reject(f"unexpected argument {key!r}")
+        bound[key] = value
+    for name in sig.names:
+        if name not in bound:
+            if name not in sig.defaults:
+                raise Reject(f"missing argument {name!r}")
+            bound[name] = sig.defaults[name]
+    return bound
+
+
+# =============================================================================================
+# Builders: bound arguments -> a description (or Reject with the reason)
+# =============================================================================================
+
+
+def _check_number(value, what: str):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Reject(f"{what} must be a number here, got {value!r}")
+    return float(value)
+
+
+def ints(value, what: str):
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return list(value)
+    raise Reject(f"{what} must be an int or a tuple of ints, got {value!r}")
+
+
+def _refuse(spelling: ops.Spelling, b: dict) -> None:
+    """Reject a call that gives an argument the spelling refuses (None, False or 0: not given)."""
+    for name, why in spelling.refuse.items():
+        value = b.get(name)
+        if not (value is None or value is False or (type(value) is int and value == 0)):
+            raise Reject(why.format(value=value))
+
+
+def _constant(args: type[ops.Args], name: str, value):
+    """One of the op's constants, checked against its field in the op's args model."""
+    annotation = args.model_fields[name].annotation
+    if annotation is float:
+        return _check_number(value, name)
+    if typing.get_origin(annotation) is typing.Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            raise Reject(f"{name}={value!r} is not {' or '.join(repr(c) for c in choices)}")
+    return value
+
+
+def _sig_names(spelling: ops.Spelling) -> tuple[str, ...]:
+    return _sig(spelling.sig).names if spelling.sig is not None else ("input",)
+
+
+def _pointwise(row, spelling: ops.Spelling) -> Callable[[dict], PW]:
+    """The standard mapping: the spelling's operands in order, its other arguments that are fields
+    of the op's args model as the op's constants."""
+    names = dict.fromkeys((*_sig_names(spelling), *spelling.fixed))
+    constants = [n for n in names if n not in spelling.operands and n in row.args.model_fields]
+
+    def build(b: dict) -> PW:
+        b = {**b, **spelling.fixed}
+        _refuse(spelling, b)
+        attrs = {name: _constant(row.args, name, b[name]) for name in constants}
+        operands = [b[name] for name in spelling.operands]
+        if spelling.scale is not None:
+            operand, by = spelling.scale
+            alpha = b[by]
+            if alpha != 1:
+                alpha = _check_number(alpha, by)
+                i = spelling.operands.index(operand)
+                other = operands[i]
+                operands[i] = other * alpha if isinstance(other, (int, float)) else PW("mul", (other, alpha))
+        if len(operands) > 2 and all(o is None for o in operands[1:]):
+            raise Reject(f"{row.name} without {' and '.join(spelling.operands[1:])}")
+        return PW(row.name, tuple(operands), attrs, bool(b.get("inplace")))
+
+    return build
+
+
+def _power(row, spelling: ops.Spelling) -> Callable[[dict], PW]:
+    """x ** c with a constant exponent; c ** x with a positive constant base."""
+
+    def build(b):
+        b = {**b, **spelling.fixed}
+        base, exponent = (b[name] for name in spelling.operands)
+        if isinstance(exponent, (int, float)) and not isinstance(exponent, bool):
+            return PW(row.name, (base,), {"exponent": float(exponent)}, bool(b.get("inplace")))
+        if isinstance(base, (int, float)) and not isinstance(base, bool) and base > 0:
+            return PW(row.name, (exponent,), {"base": float(base)})
+        raise Reject("a power is fused only with a constant exponent (or a positive constant base)")
+
+    return build
+
+
+def _batch_norm(row, spelling: ops.Spelling) -> Callable[[dict], PW]:
+    """Eval-mode batch norm over its running statistics, each applied along dim 1."""
+
+    def build(b):
+        # a module without running statistics (track_running_stats=False) uses the batch's own
+        if b["training"] or b["running_mean"] is None:
+            raise Reject(
+                "in training mode batch norm normalizes with the batch's own statistics, which a fused layer "
+                "does not compute (call model.eval() to fuse it with its running statistics)"
+            )
+        if b["running_var"] is None:
+            raise Reject("without running statistics batch norm normalizes with the batch's own statistics")
+        _check_number(b["eps"], "eps")
+        stats = tuple(None if b[k] is None else Dim1(b[k]) for k in spelling.operands[1:])
+        return PW(row.name, (b["input"], *stats), {"eps": float(b["eps"])})
+
+    return build
+
+
+_FORMS = {"power": _power, "batch_norm": _batch_norm}
+
+
+def _pool(row: ops.Pool, spelling: ops.Spelling, nd: int) -> Callable[[dict], PoolOp]:
+    """A windowed pool's fields from PyTorch's arguments; a global pool is an adaptive pool to 1."""
+    arg_of = {spelling.rename.get(n, n): n for n in _sig_names(spelling)}
+
+    def window(b):
+        _refuse(spelling, b)
+        args = {}
+        for name, info in row.args.model_fields.items():
+            value = b[arg_of[name]]
+            if info.annotation is bool:
+                args[name] = bool(value)
+            elif info.default is None and value in (None, (), []):
+                continue  # stride: left out, the kernel's, as in PyTorch
+            else:
+                args[name] = ints(value, arg_of[name])
+        return PoolOp(b["input"], {row.name: args}, nd)
+
+    def to_one(b):
+        _refuse(spelling, b)
+        size = b["output_size"]
+        sizes = list(size) if isinstance(size, (list, tuple)) else [size]
+        if any(s != 1 for s in sizes):
+            raise Reject(f"output_size={size!r}: only an output of 1 (a global pool) is fused")
+        return PoolOp(b["input"], {row.name: {}}, nd)
+
+    return window if row.windowed else to_one
+
+
+def _reduce(op: str) -> Callable[[dict], ReduceOp]:
+    def build(b):
+        if b.get("dtype") not in (None, torch.float32):
+            raise Reject(f"dtype={b['dtype']} (only float32 is fused)")
+        dim = b["dim"]
+        if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+            raise Reject("it reduces every dim, including the batch")
+        dims = [dim] if isinstance(dim, int) else list(dim) if isinstance(dim, (list, tuple)) else None
+        if dims is None or any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
+            raise Reject(f"dim must be ints, got {dim!r}")
+        return ReduceOp(b["input"], op, dims, bool(b["keepdim"]))
+
+    return build
+
+
+def _values_or_elementwise(op: str, elementwise: str) -> Callable[[dict], Any]:
+    """torch.max(x, other) is elementwise; torch.max(x, dim) a reduction returning (values, indices)."""
+
+    def build(b):
+        other = b["dim"]
+        if isinstance(other, Node):
+            if b["keepdim"]:
+                raise Reject("keepdim with a tensor operand")
+            return PW(elementwise, (b["input"], other))
+        if other is None:
+            raise Reject("without dim it reduces every dim, including the batch")
+        if isinstance(other, bool) or not isinstance(other, int):
+            raise Reject(f"dim must be an int, got {other!r}")
+        return ReduceOp(b["input"], op, [other], bool(b["keepdim"]), tuple_out=True)
+
+    return build
+
+
+def _row_builder(row, spelling: ops.Spelling, nd: Optional[int]) -> Callable[[dict], Any]:
+    if isinstance(row, ops.Pool):
+        return _pool(row, spelling, nd)
+    if isinstance(row, ops.Reduction):
+        return _values_or_elementwise(row.name, spelling.elementwise) if spelling.elementwise else _reduce(row.name)
+    return _FORMS[spelling.form](row, spelling) if spelling.form else _pointwise(row, spelling)
+
+
+# ---- the frame: what starts a chain, and what a chain passes through ---------------------------
+
+
+def _conv(nd: int, transposed: bool = False) -> Callable:
+    def build(b):
+        if b.get("padding_mode", "zeros") != "zeros":
+            raise Reject(f"padding_mode={b['padding_mode']!r} (only zero padding is fused)")
+        groups = b["groups"]
+        if isinstance(groups, bool) or not isinstance(groups, int):
+            raise Reject(f"groups must be an int, got {groups!r}")
+        return ConvOp(
+            b["input"], nd, b["weight"], b["bias"], b["stride"], b["padding"], b["dilation"], groups, b.get("module"),
+            transposed, b.get("output_padding", 0),
+        )
+
+    return build
+
+
+def _conv_module(m: nn.Module, path: str) -> dict:
+    bias = None if m.bias is None else TensorRef(f"{path}.bias", m.bias, tuple(m.bias.shape))
+    read = {
+        "weight": TensorRef(f"{path}.weight", m.weight, tuple(m.weight.shape)),
+        "bias": bias,
+        "stride": m.stride,
+        "padding": m.padding,
+        "dilation": m.dilation,
+        "groups": m.groups,
+        "padding_mode": m.padding_mode,
+        "module": m,
+    }
+    if m.transposed:
+        read["output_padding"] = m.output_padding
+    return read
+
+
+def _dropout(b):
+    if b["training"] and b["p"] > 0:
+        raise Reject("dropout in training mode is random (call model.eval() to fuse it as the identity)")
+    return IdentityOp(b["input"])
+
+
+@dataclass(frozen=True)
+class _FrameRow:
+    """A spelling of something that is not an op of the table; `build(nd)` makes its builder."""
+
+    build: Callable[[Optional[int]], Callable[[dict], Any]]
+    spelling: ops.Spelling
+    read: Optional[Callable[[nn.Module, str], dict]] = None  # None: the module's attributes named in sig
+
+
+_CONV = "input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1"
+_CONV_T = "input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1"
+_DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d")
+_ND = (1, 2, 3)
+
+_FRAME = [
+    _FrameRow(
+        _conv,
+        ops.Spelling(_CONV, ("F.conv{nd}d", "torch.conv{nd}d"), modules=("Conv{nd}d",), nd=_ND),
+        _conv_module,
+    ),
+    _FrameRow(
+        lambda nd: _conv(nd, transposed=True),
+        ops.Spelling(
+            _CONV_T, ("F.conv_transpose{nd}d", "torch.conv_transpose{nd}d"), modules=("ConvTranspose{nd}d",), nd=_ND
+        ),
+        _conv_module,
+    ),
+    # no-ops in eval mode
+    _FrameRow(
+        lambda nd: _dropout,
+        ops.Spelling(
+            "input, p=0.5, training=True, inplace=False",
+            tuple(f"F.{n}" for n in _DROPOUTS),
+            modules=tuple(n.capitalize() for n in _DROPOUTS),
+        ),
+    ),
+    _FrameRow(
+        lambda nd: lambda b: IdentityOp(b["input"]),
+        ops.Spelling(None, methods=("contiguous", "float", "clone"), modules=("Identity",)),
+    ),
+    # shape ops (absorbed when they only drop or insert size-1 dims)
+    _FrameRow(
+        lambda nd: lambda b: ShapeOp(b["input"]),
+        ops.Spelling(
+            None,
+            ("torch.flatten", "torch.reshape", "torch.squeeze", "torch.unsqueeze"),
+            ("view", "reshape", "flatten", "squeeze", "unsqueeze"),
+            ("Flatten", "Unflatten"),
+        ),
+    ),
+]
+
+
+# =============================================================================================
+# The lookup tables, derived from the op table's spellings and the frame's
+# =============================================================================================
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """What one spelling means: `build` turns the bound arguments into a description; `sig` binds
+    function and method calls (None: only the tensor matters); `read` gives a module's arguments."""
+
+    build: Callable[[dict], Any]
+    sig: Optional[_Sig]
+    read: Callable[[nn.Module, str], dict]
+
+
+def _attributes(names: tuple[str, ...]) -> Callable[[nn.Module, str], dict]:
+    """Module -> the arguments of its functional form, read from attributes of the same names
+    (a tensor attribute as a TensorRef)."""
+
+    def read(m, path):
+        out = {}
+        for name in names:
+            value = getattr(m, name, None)
+            if isinstance(value, torch.Tensor):
+                value = TensorRef(f"{path}.{name}", value, tuple(value.shape))
+            out[name] = value
+        return out
+
+    return read
+
+
+def _spellings():
+    """(builder of nd, spelling, module reader or None) for the frame's rows, then the op table's."""
+    for row in _FRAME:
+        yield row.build, row.spelling, row.read
+    for table in (ops.POINTWISE, ops.EXPR_ONLY, ops.POOLS, ops.REDUCTIONS):
+        for op in table.values():
+            for spelling in op.spellings:
+                yield (lambda nd, op=op, spelling=spelling: _row_builder(op, spelling, nd)), spelling, None
+
+
+_NAMESPACES = {"torch": torch, "F": F, "operator": operator, "torch.special": torch.special}
+
+
+def _resolve_function(name: str):
+    space, _, attr = name.rpartition(".")
+    return getattr(_NAMESPACES[space], attr, None)
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """Every spelling, by what the traced graph holds: the function object, the Tensor method's
+    name, the nn class; functions and methods with whether the spelling is in-place."""
+
+    functions: dict[Any, tuple[_Entry, bool]]
+    methods: dict[str, tuple[_Entry, bool]]
+    modules: dict[type, _Entry]
+    names: dict[str, list[str]]  # the spellings found in this torch, for supported_names()
+
+
+def _tables() -> _Tables:
+    functions, methods, modules = {}, {}, {}
+    names: dict[str, set] = {"functions": set(), "methods": set(), "modules": set()}
+    for make, spelling, read in _spellings():
+        sig = None if spelling.sig is None else _sig(spelling.sig)
+        for nd in spelling.nd or (None,):
+            entry = _Entry(make(nd), sig, read or _attributes(_sig_names(spelling)[1:]))
+            for name in (n.format(nd=nd) for n in spelling.functions):
+                fn = _resolve_function(name)
+                if fn is not None:
+                    functions.setdefault(fn, (entry, name.endswith("_")))
+                    names["functions"].add(name)
+            for name in (n.format(nd=nd) for n in spelling.methods):
+                methods.setdefault(name, (entry, name.endswith("_")))
+                names["methods"].add(name)
+            for name in (n.format(nd=nd) for n in spelling.modules):
+                cls = getattr(nn, name, None)
+                if cls is not None:
+                    modules[cls] = entry
+                    names["modules"].add(f"nn.{name}")
+    return _Tables(functions, methods, modules, {kind: sorted(found) for kind, found in names.items()})
+
+
+_TABLES = _tables()
+
+
+def supported_names() -> dict[str, list[str]]:
+    """The recognized spellings, for documentation: functions, Tensor methods and nn modules."""
+    return {kind: list(found) for kind, found in _TABLES.names.items()}
+
+
+# =============================================================================================
+# Nodes
+# =============================================================================================
+
+
+class Recognizer:
+    """What each node of a traced module computes: a description, or a Reject saying why it is
+    not fusable (remembered per node)."""
+
+    def __init__(self, gm):
+        self.gm = gm
+        self._descs: dict[Node, Any] = {}
+
+    def describe(self, node: Node) -> str:
+        """How the model's code wrote `node`: 'nn.ReLU (act)', 'Tensor.view', 'torch.cumsum'."""
+        if node.op == "call_module":
+            cls = type(self.gm.get_submodule(node.target))
+            prefix = "nn." if getattr(nn, cls.__name__, None) is cls else ""
+            return f"{prefix}{cls.__name__} ({node.target})"
+        if node.op == "call_method":
+            return f"Tensor.{node.target}"
+        if node.op == "call_function":
+            return function_label(node.target)
+        return node.name
+
+    def classify(self, node: Node):
+        """The description of what `node` computes, or a Reject saying why it is not fusable."""
+        if node not in self._descs:
+            try:
+                self._descs[node] = self._classify(node)
+            except Reject as rej:
+                glue = " " if rej.reason.startswith(("is ", "has ", "overrides ")) else ": "
+                self._descs[node] = Reject(f"{self.describe(node)}{glue}{rej.reason}")
+        return self._descs[node]
+
+    def _classify(self, node: Node):
+        if node.op == "call_module":
+            module = self.gm.get_submodule(node.target)
+            for cls in type(module).__mro__:
+                if cls in _TABLES.modules:
+                    break
+            else:
+                raise Reject("is not a supported op")
+            if type(module).forward is not cls.forward:
+                raise Reject(f"overrides the forward of nn.{cls.__name__}")
+            if module._forward_hooks or module._forward_pre_hooks:
+                raise Reject("has forward hooks, which a fused layer would skip")
+            if len(node.args) != 1 or node.kwargs:
+                raise Reject("is called with more than the input")
+            entry = _TABLES.modules[cls]
+            return entry.build({"input": node.args[0], **entry.read(module, node.target)})
+        if node.op == "call_function":
+            found = _TABLES.functions.get(node.target) if hashable(node.target) else None
+        elif node.op == "call_method":
+            found = _TABLES.methods.get(node.target)
+        else:
+            return None
+        if found is None:
+            raise Reject("is not a supported op")
+        entry, inplace = found
+        if entry.sig is None:
+            bound = {"input": node.args[0] if node.args else node.kwargs.get("input")}
+        else:
+            bound = _bind(entry.sig, tuple(node.args), dict(node.kwargs))
+        if inplace:
+            bound["inplace"] = True
+        return entry.build(bound)

@@ -1,0 +1,105 @@
+"""What the importer tells: the specs it found, the nodes that run as PyTorch and why, and the
+never-slower choices; the specs as YAML."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+from specgen import ops
+from specgen.spec import LayerSpec
+
+
+class ModelImportError(ValueError):
+    """The model cannot be examined at all: it is not an nn.Module, or it fails on the example inputs."""
+
+
+class Fallback(NamedTuple):
+    """One node of the model that runs as PyTorch: its torch.fx node name and why it is not fused."""
+
+    node: str
+    reason: str
+
+
+class Choice(NamedTuple):
+    """Whether one fusable chain runs as its specialized kernel, and the times that decided it.
+
+    `how`: "measured" (timed now), "cached" (timed earlier on this GPU kind and batch bucket) or
+    "not measured (why)"; the times are milliseconds per call, None when not measured."""
+
+    layer: str
+    fused: bool
+    specgen_ms: Optional[float] = None
+    pytorch_ms: Optional[float] = None
+    how: str = "not measured"
+
+    def __str__(self) -> str:
+        if self.specgen_ms is None or self.pytorch_ms is None:
+            return f"fused, {self.how}"
+        verdict = "fused" if self.fused else "kept as PyTorch"
+        return f"{verdict}: specgen {self.specgen_ms:.4f} ms, PyTorch {self.pytorch_ms:.4f} ms ({self.how})"
+
+
+@dataclass
+class ImportReport:
+    """What `explain` found: the specs (in model order) and the nodes that run as PyTorch.
+
+    `choices` holds one Choice per spec (same order): whether `from_module` runs it as its kernel
+    or kept the PyTorch code because the kernel was not faster, with both times."""
+
+    model: str
+    specs: list[LayerSpec]
+    fallbacks: list[Fallback]
+    choices: list[Choice] = field(default_factory=list)
+    # from_module's last check: (fused, original) milliseconds of the whole model; None: not timed
+    whole_model: tuple | None = None
+
+    @property
+    def fused_specs(self) -> list[LayerSpec]:
+        """The specs that run as specialized kernels (all of them, unless measured slower)."""
+        kept = {c.layer for c in self.choices if not c.fused}
+        return [spec for spec in self.specs if spec.name not in kept]
+
+    def __str__(self) -> str:
+        kept = len(self.specs) - len(self.fused_specs)
+        also = f" ({kept} more kept as PyTorch: not faster fused)" if kept else ""
+        lines = [f"{self.model}: {len(self.specs) - kept} fused layer(s){also}, {len(self.fallbacks)} node(s) run as PyTorch"]
+        choice = {c.layer: c for c in self.choices}
+        for spec in self.specs:
+            stages = ", ".join(stage.op for stage in spec.epilogue)
+            line = f"  {spec.name}: conv{spec.ndim}d {spec.input.channels}->{spec.conv.out_channels} | {stages}"
+            if spec.name in choice and choice[spec.name].specgen_ms is not None:
+                line += f"  [{choice[spec.name]}]"
+            lines.append(line)
+        for fb in self.fallbacks:
+            lines.append(f"  not fused: {fb.node}: {fb.reason}")
+        if self.whole_model is not None:
+            fused_ms, plain_ms = self.whole_model
+            verdict = "fused" if fused_ms < plain_ms else "kept the original (not faster fused)"
+            lines.append(f"  whole model: fused {fused_ms:.3f} ms, original {plain_ms:.3f} ms: {verdict}")
+        return "\n".join(lines)
+
+    def yaml(self) -> str:
+        """The specs as YAML: one mapping for one spec, a list for several (what `load_specs` reads)."""
+        return spec_yaml_text(self.specs)
+
+
+def spec_yaml_text(specs: list[LayerSpec]) -> str:
+    """Specs as YAML, in canonical form (defaults filled in, geometry spelled per dim), leaving out
+    unset optional fields; one mapping for one spec, a list for several. Reads back with parse_yaml."""
+    import yaml
+
+    data = [_plain(spec) for spec in specs]
+    payload = data[0] if len(data) == 1 else data
+    return yaml.safe_dump(payload, sort_keys=False, default_flow_style=None, width=100)
+
+
+def _plain(spec: LayerSpec) -> dict:
+    data = spec.canonical()
+    if data.get("tile") is None:
+        data.pop("tile", None)
+    for stage in data["epilogue"]:
+        ((op, args),) = stage.items()
+        fields = ops.args_model(op).model_fields
+        stage[op] = {k: v for k, v in args.items() if k in fields and v is not None}
+    return data

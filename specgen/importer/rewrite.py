@@ -1,0 +1,203 @@
+"""Fusing: the fused layers (sharing the model's tensors), never-slower timing of each chain, and
+the rewrite of the traced graph with each chain replaced by one call of its fused layer."""
+
+from __future__ import annotations
+
+import builtins
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx import Node
+
+from specgen import measured
+from specgen.importer.chains import Analysis
+from specgen.importer.graph import META_METHODS, shape_of, unique
+from specgen.importer.report import Choice
+from specgen.module import FusedLayer
+
+
+class ImportedLayer(FusedLayer):
+    """A FusedLayer built by `from_module` around tensors of the original model.
+
+    Its `conv` (or `conv.weight` / `conv.bias`) and per-channel attributes are the original
+    model's very tensors. A per-channel tensor keeps the shape the model gave it ((C, 1, 1),
+    (1, C, 1, 1), or (C,) for batch norm statistics); the layer's op sees it viewed in the spec's
+    (C, 1, ...) shape, which keeps gradients flowing to the shared parameter.
+    """
+
+    def __init__(self, spec_or_path, *, arch: str | None = None):
+        super().__init__(spec_or_path, arch=arch)
+        self._spec_shapes = dict(self.spec.params())
+
+    def _spec_shaped(self, name: str) -> torch.Tensor:
+        tensor = getattr(self, name)
+        want = self._spec_shapes[name]
+        return tensor if tuple(tensor.shape) == want else tensor.reshape(want)
+
+    def _op_tensors(self) -> list:
+        """The op's tensor arguments after x: weight, bias (when the conv has one), then the
+        per-channel tensors in spec.params() order, each in its spec shape."""
+        tensors = [self.conv.weight]
+        if self.spec.conv.bias:
+            tensors.append(self.conv.bias)
+        tensors.extend(self._spec_shaped(name) for name in self._spec_shapes)
+        return tensors
+
+    def spec_params(self) -> dict:
+        return {name: self._spec_shaped(name) for name in self._spec_shapes}
+
+
+def original(imp: Analysis, chain) -> Optional[fx.GraphModule]:
+    """The chain as the model computes it (its nodes and the parameter reads they need), a
+    module of the conv's input; None when it reads any other value of the model."""
+    conv = chain.conv
+    inp = conv.args[0] if conv.args else conv.kwargs["input"]
+    needed: set[Node] = set()
+    todo = [chain.out]
+    while todo:
+        node = todo.pop()
+        if node in needed or node is inp:
+            continue
+        if node.op == "placeholder":
+            return None
+        needed.add(node)
+        todo.extend(node.all_input_nodes)
+    graph = fx.Graph()
+    env = {inp: graph.placeholder("x")}
+    for node in imp.nodes:
+        if node in needed:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[chain.out])
+    root = {n.target: imp.fetch(n.target) for n in needed if n.op in ("call_module", "get_attr")}
+    return fx.GraphModule(root, graph, class_name=f"Original_{chain.spec.name}")
+
+
+def measure(imp: Analysis, chain) -> Choice:
+    """Time the chain as PyTorch and as its kernel on its GPU (or take the cached decision)."""
+    name = chain.spec.name
+    device = chain.weight.tensor.device
+    if not _is_gpu(device):
+        return Choice(name, True, how=f"not measured (the model is on {device.type})")
+    layer = fused_layer(imp, chain)
+    plain = original(imp, chain)
+    if plain is None or layer.key is None:
+        return Choice(name, True, how="not measured (the chain reads another model input)")
+    key = measured.decision_key(
+        layer.key, measured.gpu_identity(device), measured.batch_bucket(chain.batch), measured.torch_context()
+    )
+    record = measured.load(key)
+    if record is not None:
+        ms, pt = record["specgen_ms"], record["pytorch_ms"]
+        return Choice(name, ms < pt, ms, pt, "cached")
+    inp = chain.conv.args[0] if chain.conv.args else chain.conv.kwargs["input"]
+    shape = shape_of(inp)
+    generator = torch.Generator(device=device).manual_seed(0)
+    inputs = [torch.randn(shape, device=device, generator=generator) for _ in range(2)]
+    ms, pt = measured.compare(layer, plain, inputs)
+    measured.store(key, {"layer": name, "batch": chain.batch, "specgen_ms": ms, "pytorch_ms": pt})
+    return Choice(name, ms < pt, ms, pt, "measured")
+
+
+def fused_graph(imp: Analysis) -> fx.GraphModule:
+    """The traced graph with each chain replaced by one ImportedLayer call."""
+    graph = imp.graph
+    layers: dict[str, nn.Module] = {}
+    taken = {n.target.split(".")[0] for n in imp.nodes if n.op in ("call_module", "get_attr")} | set(dir(imp.gm))
+    for chain in imp.chains:
+        name = unique(chain.spec.name, taken | set(layers))
+        layers[name] = fused_layer(imp, chain)
+        imp.gm.add_submodule(name, layers[name])
+        conv = chain.conv
+        inp = conv.args[0] if conv.args else conv.kwargs["input"]
+        with graph.inserting_before(conv):
+            fused = graph.call_module(name, (inp,))
+            final = fused
+            if tuple(chain.view) != tuple(chain.spec_out):
+                final = graph.call_method("reshape", (fused, -1, *chain.view[1:]))
+        chain.out.replace_all_uses_with(final)
+        covered = set(chain.nodes)
+        for node in chain.nodes:  # uses that read only sizes: give them a stand-in
+            readers = [u for u in node.users if u not in covered]
+            if readers:
+                with graph.inserting_before(conv):
+                    ghost = graph.call_function(_shape_ghost, (inp, tuple(shape_of(node)[1:])))
+                for u in readers:
+                    u.replace_input_with(node, ghost)
+        _erase(graph, sorted(chain.nodes, key=imp.order.get, reverse=True), imp.regions.leaf_nodes)
+    graph.lint()
+    root: dict[str, Any] = {}
+    for node in graph.nodes:
+        if node.op in ("call_module", "get_attr"):
+            root[node.target] = imp.fetch(node.target)
+    fused = fx.GraphModule(root, graph, class_name=f"Fused{imp.name}")
+    fused.training = imp.model.training
+    return fused
+
+
+def fused_layer(imp: Analysis, chain) -> ImportedLayer:
+    """The chain's fused layer (built once: measuring and rewriting share it)."""
+    if id(chain) not in imp.layers:
+        imp.layers[id(chain)] = _new_layer(imp, chain)
+    return imp.layers[id(chain)]
+
+
+def _new_layer(imp: Analysis, chain) -> ImportedLayer:
+    layer = ImportedLayer(chain.spec)
+    layer.training = imp.model.training
+    if chain.desc.module is not None:
+        layer.conv = chain.desc.module
+    else:
+        _share(layer.conv, "weight", chain.weight.tensor)
+        if chain.bias is not None:
+            _share(layer.conv, "bias", chain.bias.tensor)
+    for name, tensor in chain.tensors.items():
+        _share(layer, name, tensor)
+    return layer
+
+
+def _is_gpu(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _shape_ghost(like: torch.Tensor, tail: tuple) -> torch.Tensor:
+    """A zero-copy stand-in for a fused intermediate: `like`'s batch, dtype and device, a fixed tail.
+
+    Code that reads only the size of a value fused away (`x.view(x.size(0), -1)`) reads it here."""
+    return like.new_empty(()).expand(like.shape[0], *tail)
+
+
+def _share(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make `module.<name>` the very tensor given: a Parameter stays a parameter, anything else a buffer."""
+    if hasattr(module, name):
+        delattr(module, name)
+    if isinstance(tensor, nn.Parameter):
+        module.register_parameter(name, tensor)
+    else:
+        module.register_buffer(name, tensor)
+
+
+def _erase(graph: fx.Graph, nodes: list[Node], pure: set) -> None:
+    """Erase the given nodes, then whatever only they used: parameter reads, computations on
+    parameters only (`pure`) and size reads."""
+    todo = list(nodes)
+    forced, erased = set(nodes), set()
+    while todo:
+        node = todo.pop(0)
+        if node in erased or node.users or (node not in forced and node not in pure and not _disposable(node)):
+            continue
+        inputs = list(node.all_input_nodes)
+        graph.erase_node(node)
+        erased.add(node)
+        todo.extend(inputs)
+
+
+def _disposable(node: Node) -> bool:
+    if node.op == "get_attr":
+        return True
+    if node.op == "call_method" and node.target in META_METHODS:
+        return True
+    return node.op == "call_function" and node.target in (_shape_ghost, builtins.getattr, operator.getitem)
+

@@ -1,0 +1,335 @@
+"""The Hopper engine: an implicit GEMM fed by the tensor memory accelerator (TMA), on wgmma.
+
+The conv is a GEMM with M = output positions of the whole batch (sample, d, h, w flattened), N =
+output channels and K = taps x input channels, tap-major. Hopper can do all of its data movement
+in hardware:
+
+* The input is first laid out channels-last, [batch][d][h][w][CIP] with the channels padded to
+  CIP, by a small layout kernel in the same .cu (`<kernel>_prep`). It also rounds the values for
+  the tensor cores once (TF32: round to nearest; fp32 mode: split into a TF32 part and its
+  remainder, two planes), so the main loop does no conversions. A channels-last bf16/fp16 input
+  whose channels need no padding is read as it is.
+* A K-block is (one tap, BKC channels). Its A tile, BM consecutive output positions x BKC
+  channels, is one TMA load in im2col mode: the hardware walks the positions (across rows and
+  samples), adds the tap's offset, and fills zeros where a tap falls in the padding. Its B tile
+  (BN channels x BKC) is one TMA load of the weights, which the launch keeps permuted to
+  [C_OUT][TAPS][CIP] (and rounded or split the same way). Both land swizzled (rows of 32, 64 or
+  128 bytes) in the layout wgmma reads.
+* One producer warp issues the loads of STAGES pipeline stages ahead; a stage's mbarrier counts
+  the bytes in. Two consumer warpgroups each multiply BM / 2 positions by BN channels with
+  `wgmma.mma_async` (both operands from shared memory), keeping one stage's products in flight,
+  and give the stage back through a second mbarrier. The producer runs on few registers
+  (`setmaxnreg`), the consumers on many (the accumulators).
+* The epilogue (bias, the pointwise ops) runs on the accumulators, which are stored straight to
+  the [batch][C_OUT][d][h][w] output.
+
+Precision modes: `tf32` (operands rounded to TF32 as PyTorch's default convolutions), `fp32`
+(3xTF32: lo*hi + hi*lo + hi*hi, each stage summed apart and added to the total in fp32: the
+tensor cores add with truncation), `bf16` / `fp16` (16-bit tensors in and out, fp32 accumulation
+and epilogue).
+
+Every extent, tile and trip count is a literal; only the batch is read at run time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specgen import target as targets
+from specgen.spec import LayerSpec
+
+THREADS = 384  # one producer warpgroup, two consumer warpgroups
+CONSUMER_THREADS = 256
+PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: 128 x 40 + 256 x 232 <= 64 K registers
+SMEM_ALIGN = 1024  # a swizzle pattern repeats every 8 rows of up to 128 bytes
+MAX_ACC = 128  # accumulator registers per consumer thread
+# TMA im2col limits on the bounding box corners, by tensor rank (CUDA driver API).
+CORNER_LIMIT = {3: 1 << 15, 4: 1 << 7, 5: 1 << 4}
+INT32_MAX = (1 << 31) - 1
+
+ELEM_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+OPERAND_CTYPE = {"fp32": "float", "tf32": "float", "bf16": "__nv_bfloat16", "fp16": "__half"}
+WGMMA_TYPE = {"fp32": "tf32", "tf32": "tf32", "bf16": "bf16", "fp16": "f16"}
+# The swizzle of a K-major row of `bytes`: the wgmma descriptor's layout code and the tensor map's.
+SWIZZLE = {128: {"desc": 1, "tma": 3}, 64: {"desc": 2, "tma": 2}, 32: {"desc": 3, "tma": 1}}
+
+
+@dataclass(frozen=True)
+class TmaConfig:
+    """The tunable shape: BM positions (two warpgroups of BM / 2), BN channels, pipeline depth,
+    K-blocks per stage."""
+
+    bm: int
+    bn: int
+    stages: int
+    kb_per_stage: int
+
+    def __post_init__(self):
+        if self.bm not in (128, 256):
+            raise ValueError(f"BM must be 128 or 256, got {self.bm}")
+        if not (8 <= self.bn <= 256 and self.bn % 8 == 0):
+            raise ValueError(f"BN must be a multiple of 8 in 8..256, got {self.bn}")
+        if self.stages < 2 or self.kb_per_stage < 1:
+            raise ValueError("a TMA pipeline needs 2 or more stages of 1 or more K-blocks")
+
+
+@dataclass(frozen=True)
+class TmaPlan:
+    """Everything the tma template needs beyond the shared plan values (names as in the .cu)."""
+
+    config: TmaConfig
+    precision: str
+    split: bool  # 3xTF32: hi and lo planes of every operand
+    elem_bytes: int
+    operand_ctype: str
+    wgmma_type: str  # tf32, bf16 or f16
+    kstep: int  # K per wgmma: 8 (tf32) or 16 (16-bit)
+    bm: int
+    bn: int
+    wm: int  # m64 tiles per consumer warpgroup
+    stages: int
+    kb_per_stage: int
+    cip: int  # input channels padded (zeros)
+    bkc: int  # channels per K-block (one row of the swizzled tiles)
+    cb: int  # K-blocks per tap (CIP / BKC)
+    kb_total: int  # K-blocks: TAPS x CB
+    k_iters: int  # pipeline stages walked: the main loop's trip count
+    k_total: int  # TAPS x CIP: a row of the permuted weights
+    row_bytes: int  # BKC x element bytes: 32, 64 or 128
+    ksteps: int  # wgmma per row (row_bytes / 32)
+    swizzle_desc: int
+    swizzle_tma: int
+    a_bytes: int  # one K-block's A tile in shared memory (BM rows)
+    b_bytes: int  # ... B tile (BN rows)
+    stage_bytes: int  # shared memory of one stage (every plane)
+    stage_tx: int  # bytes the TMA delivers per stage
+    smem_bytes: int  # dynamic shared memory, with the alignment slack
+    n_tiles: int
+    positions: int  # M per sample
+    in_positions: int  # input positions per sample
+    rank: int  # the input tensor map's rank: spatial dims + 2
+    lower: tuple[int, ...]  # im2col bounding box, W first
+    upper: tuple[int, ...]
+    elem_strides: tuple[int, ...]  # the conv's stride, W first
+    prep_tc: int  # layout pass tile: channels
+    prep_tp: int  # ... positions
+    prep_tiles: int  # tiles per sample
+    acc_regs: int  # accumulator floats per consumer thread
+    threads: int = THREADS
+    producer_regs: int = PRODUCER_REGS
+    consumer_regs: int = CONSUMER_REGS
+
+
+def why_not(spec: LayerSpec, levels: list, reductions: list, target: targets.Target) -> list[str]:
+    """The reasons the TMA engine cannot run this layer (empty: it can)."""
+    reasons = []
+    if not has_tma_engine(target):
+        reasons.append(f"{target.arch} has no wgmma/TMA (Hopper, sm_90)")
+    if spec.conv.groups > 1:
+        reasons.append("the conv has groups")
+    if getattr(spec.conv, "transposed", False):
+        reasons.append("the conv is transposed")
+    if len(levels) > 1:
+        reasons.append("a pool follows the conv")
+    if reductions:
+        reasons.append("the epilogue reduces")
+    rank = spec.ndim + 2
+    geo = spec.conv_geometry()
+    for k, p, d in zip(geo["kernel"], geo["padding"], geo["dilation"]):
+        lo, hi = -p, p - (k - 1) * d
+        if not (-CORNER_LIMIT[rank] <= lo < CORNER_LIMIT[rank] and -CORNER_LIMIT[rank] <= hi < CORNER_LIMIT[rank]):
+            reasons.append(f"the padding or kernel span exceeds the TMA im2col box limits of a {spec.ndim}-D conv")
+            break
+        if (k - 1) * d >= 1 << 15:
+            reasons.append("the kernel span exceeds the TMA im2col offsets")
+            break
+    if any(s > 8 for s in geo["stride"]):
+        reasons.append("a stride above 8 (the TMA traversal stride limit)")
+    return reasons
+
+
+# Below this many multiply-adds per input byte the layout pass (a full read and write of the input)
+# costs more than the faster main loop saves, and the implicit-GEMM engine, which reads the input
+# where it lies, wins (measured on an H200, benchmarks/NOTES.md v17: a 1x1 conv 256 -> 64 at 32, 2x
+# faster on igemm; 64 -> 256 at 128, even in tf32 and 6% slower in fp32, whose pass writes two planes).
+MIN_INTENSITY = {"tf32": 64, "fp32": 192}
+
+
+def intensity(spec: LayerSpec) -> float:
+    """The conv's multiply-adds per byte of an fp32 input: C_OUT x taps x output / input positions / 2."""
+    taps = math.prod(spec.conv_geometry()["kernel"])
+    ratio = math.prod(spec.conv_output().sizes[1:]) / math.prod(spec.input.size)
+    return spec.conv.out_channels * taps * ratio / 2
+
+
+def worth_it(spec: LayerSpec) -> bool:
+    """Whether the planner, left to itself, takes the TMA engine (bf16 / fp16 always: the other
+    engines have no 16-bit path)."""
+    return intensity(spec) >= MIN_INTENSITY.get(spec.precision, 0)
+
+
+def has_tma_engine(target: targets.Target) -> bool:
+    """Hopper: built for sm_90a, where wgmma lives (TMA exists on plain sm_90 too)."""
+    return target.arch in ("sm_90", "sm_90a")
+
+
+def _channels(cin: int, elem_bytes: int) -> tuple[int, int]:
+    """(CIP, BKC): channels padded so a K-block row is 32, 64 or 128 bytes."""
+    per32 = 32 // elem_bytes  # channels in 32 bytes: 8 fp32 or 16 bf16
+    cip = -(-cin // per32) * per32
+    for bkc in (4 * per32, 2 * per32, per32):
+        if cip % bkc == 0:
+            return cip, bkc
+    raise AssertionError("unreachable: per32 divides cip")
+
+
+def _align(nbytes: int, row_bytes: int) -> int:
+    """`nbytes` rounded up to the swizzle pattern's repeat (8 rows)."""
+    unit = 8 * row_bytes
+    return -(-nbytes // unit) * unit
+
+
+def _smem(cfg: TmaConfig, row_bytes: int, planes: int) -> tuple[int, int, int]:
+    a_bytes = _align(cfg.bm * row_bytes, row_bytes)
+    b_bytes = _align(cfg.bn * row_bytes, row_bytes)
+    return a_bytes, b_bytes, planes * cfg.kb_per_stage * (a_bytes + b_bytes)
+
+
+def _kb_options(kb_total: int, row_bytes: int) -> list[int]:
+    """K-blocks per stage, best first: divisors of the K-blocks (every stage full), about 128
+    bytes of K per row (32 fp32 or 64 bf16 values) first, then fewer."""
+    divisors = [d for d in range(1, kb_total + 1) if kb_total % d == 0 and d * row_bytes <= 256]
+    first = next((d for d in divisors if d * row_bytes >= 128), divisors[-1])
+    return [first] + sorted((d for d in divisors if d < first), reverse=True)
+
+
+def candidates(cout: int, m_total: int, split: bool, sm_count: int) -> list[tuple[int, int]]:
+    """(BM, BN) shapes worth trying, best guess first: the accumulators must fit (at most 128
+    floats per consumer thread, twice as many registers in 3xTF32: the stage's part and the sum),
+    and the fewest waves of tiles over the SMs, then the larger tile, win."""
+    n_pad = -(-cout // 8) * 8
+    shapes = []
+    for bn in sorted({min(256, n_pad), min(128, n_pad), min(64, n_pad)}, reverse=True):
+        for bm in (256, 128):
+            acc = (bm // 128) * bn // 2 * (2 if split else 1)
+            if acc <= MAX_ACC:
+                shapes.append((bm, bn))
+    sms = sm_count or 132
+
+    def cost(shape):
+        bm, bn = shape
+        tiles = -(-m_total // bm) * -(-cout // bn)
+        waves = -(-tiles // sms)
+        # a wave costs its tile's arithmetic; small tiles pay more per product (their A and B
+        # loads are amortized over fewer products)
+        eff = 1.0 + 32.0 / bn + 32.0 / bm
+        return waves * bm * bn * eff
+
+    return sorted(dict.fromkeys(shapes), key=cost)
+
+
+def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64) -> TmaConfig:
+    """The planner's guess for `batch` samples (the grid depends on the batch; the tile is chosen
+    for a typical one): the first tile shape (see `candidates`) whose stages of about 128 bytes of
+    K fit 4 deep (3 in fp32 mode, whose stages hold two planes), else with fewer K-blocks per stage."""
+    eb = ELEM_BYTES[spec.precision]
+    split = spec.precision == "fp32"
+    cip, bkc = _channels(spec.input.channels, eb)
+    taps = math.prod(spec.conv_geometry()["kernel"])
+    kb_total = taps * (cip // bkc)
+    row = bkc * eb
+    positions = math.prod(spec.conv_output().sizes[1:])
+    shapes = candidates(spec.conv.out_channels, batch * positions, split, target.sm_count)
+    planes = 2 if split else 1
+    budget = target.smem_per_block - SMEM_ALIGN
+    want = 3 if split else 4
+    fallback = None
+    for kps in _kb_options(kb_total, row):
+        for bm, bn in shapes:
+            stage = _smem(TmaConfig(bm, bn, 2, kps), row, planes)[2]
+            stages = min(8, budget // stage)
+            if stages >= want:
+                return TmaConfig(bm, bn, stages, kps)
+            if stages >= 2 and fallback is None:
+                fallback = TmaConfig(bm, bn, stages, kps)
+    if fallback is None:
+        raise ValueError(f"no TMA tile fits the {target.smem_per_block} bytes of shared memory of a block on {target.arch}")
+    return fallback
+
+
+def configs(spec: LayerSpec, target: targets.Target, batch: int = 64) -> list[TmaConfig]:
+    """The tile shapes worth measuring (`specgen tune`), the planner's guess first: each shape of
+    `candidates` with the deepest pipeline that fits (at most 8 stages) and with 4 stages."""
+    eb = ELEM_BYTES[spec.precision]
+    split = spec.precision == "fp32"
+    cip, bkc = _channels(spec.input.channels, eb)
+    kb_total = math.prod(spec.conv_geometry()["kernel"]) * (cip // bkc)
+    row = bkc * eb
+    kps = _kb_options(kb_total, row)[0]
+    positions = math.prod(spec.conv_output().sizes[1:])
+    out = [default_config(spec, target, batch)]
+    for bm, bn in candidates(spec.conv.out_channels, batch * positions, split, target.sm_count):
+        stage = _smem(TmaConfig(bm, bn, 2, kps), row, 2 if split else 1)[2]
+        deepest = min(8, (target.smem_per_block - SMEM_ALIGN) // stage)
+        for stages in sorted({deepest, min(4, deepest)}, reverse=True):
+            if stages >= 2:
+                cfg = TmaConfig(bm, bn, stages, kps)
+                if cfg not in out:
+                    out.append(cfg)
+    return out
+
+
+def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None = None) -> TmaPlan:
+    """The TMA engine's plan for `config` (or the planner's guess); ValueError when it does not fit."""
+    precision = spec.precision
+    eb = ELEM_BYTES[precision]
+    split = precision == "fp32"
+    cfg = config or default_config(spec, target)
+    cin, cout = spec.input.channels, spec.conv.out_channels
+    cip, bkc = _channels(cin, eb)
+    geo = spec.conv_geometry()
+    taps = math.prod(geo["kernel"])
+    cb = cip // bkc
+    kb_total = taps * cb
+    if kb_total % cfg.kb_per_stage:
+        raise ValueError(f"{cfg.kb_per_stage} K-blocks per stage do not divide the {kb_total} K-blocks")
+    row = bkc * eb
+    planes = 2 if split else 1
+    a_bytes, b_bytes, stage_bytes = _smem(cfg, row, planes)
+    smem = cfg.stages * stage_bytes + SMEM_ALIGN
+    if smem > target.smem_per_block:
+        raise ValueError(f"{smem} bytes of shared memory exceed the {target.smem_per_block} of a block on {target.arch}")
+    wm = cfg.bm // 128
+    acc = wm * cfg.bn // 2 * (2 if split else 1)
+    if acc > MAX_ACC:
+        raise ValueError(f"{acc} accumulator registers per thread: more than {MAX_ACC}")
+    conv_out = spec.conv_output().sizes[1:]
+    nd = spec.ndim
+    rev = lambda t: tuple(reversed(t))  # noqa: E731  (W first, as the tensor map orders dims)
+    lower = rev(tuple(-p for p in geo["padding"]))
+    upper = rev(tuple(p - (k - 1) * d for k, p, d in zip(geo["kernel"], geo["padding"], geo["dilation"])))
+    in_positions = math.prod(spec.input.size)
+    prep_tc = next(c for c in (32, 16, 8) if cip % c == 0)  # a power of two: the tile is 1024 values
+    prep_tp = 1024 // prep_tc
+    return TmaPlan(
+        config=cfg, precision=precision, split=split, elem_bytes=eb, operand_ctype=OPERAND_CTYPE[precision],
+        wgmma_type=WGMMA_TYPE[precision], kstep=32 // eb, bm=cfg.bm, bn=cfg.bn, wm=wm, stages=cfg.stages,
+        kb_per_stage=cfg.kb_per_stage, cip=cip, bkc=bkc, cb=cb, kb_total=kb_total,
+        k_iters=kb_total // cfg.kb_per_stage, k_total=taps * cip, row_bytes=row, ksteps=row // 32,
+        swizzle_desc=SWIZZLE[row]["desc"], swizzle_tma=SWIZZLE[row]["tma"], a_bytes=a_bytes, b_bytes=b_bytes,
+        stage_bytes=stage_bytes, stage_tx=planes * cfg.kb_per_stage * (cfg.bm + cfg.bn) * row, smem_bytes=smem,
+        n_tiles=-(-cout // cfg.bn), positions=math.prod(conv_out), in_positions=in_positions, rank=nd + 2,
+        lower=lower, upper=upper, elem_strides=rev(tuple(geo["stride"])), prep_tc=prep_tc, prep_tp=prep_tp,
+        prep_tiles=-(-in_positions // prep_tp) * -(-cip // prep_tc), acc_regs=acc,
+    )
+
+
+def describe(tp: TmaPlan) -> str:
+    mode = {"fp32": "3xTF32", "tf32": "TF32", "bf16": "bf16", "fp16": "fp16"}[tp.precision]
+    return (
+        f"implicit GEMM on Hopper ({mode} wgmma m64n{tp.bn}k{tp.kstep}, both operands from shared memory, fed by TMA "
+        f"im2col loads): block tile {tp.bm} positions x {tp.bn} channels, {tp.k_iters} stages of {tp.kb_per_stage} "
+        f"K-block(s) of {tp.bkc} channels, {tp.stages}-stage mbarrier pipeline, 1 producer warp + 2 consumer "
+        f"warpgroups; a layout pass lays the input out channels-last ({tp.cip} channels)"
+    )

@@ -1,0 +1,166 @@
+"""The TMA engine's launch: prepared weights, the input's layout pass, tensor maps, two launches.
+
+Per forward (on torch's current stream, so it also runs under CUDA-graph capture):
+
+1. `<kernel>_prep` writes the input channels-last with its channels padded, [batch][positions][CIP]
+   (split into hi and lo planes in fp32 mode), into a workspace from torch's allocator;
+   `<kernel>_prep_cl` does the same from a channels-last input. A channels-last input whose
+   channels need no padding is read in place (but in fp32 mode, which needs the planes). In tf32
+   mode the tensor maps are of the TFLOAT32 type: the copy engine rounds each value to TF32 as it
+   loads it (measured on an H200: the same results as rounding first), so nothing is rounded ahead.
+2. The workspace's im2col tensor map (the TMA's description of it) is encoded, and the main kernel
+   runs with it, the weights' tiled map, the bias, the parameters and the output.
+
+The weights are kept permuted to [C_OUT][TAPS][CIP] and prepared like the input, with their
+tensor maps, per weight tensor, and remade when the tensor changes (its version counter moves on
+every in-place update, e.g. an optimizer step); under CUDA-graph capture they are always remade,
+so that a replay recomputes them from the current weights.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from specgen import runtime
+from specgen.tma import INT32_MAX, TmaPlan
+
+OPERAND_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MAP_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_PREP_THREADS = 256
+_MAP_CACHE = 256  # input tensor maps kept (by address, batch and layer): torch's allocator hands back few addresses
+
+
+def tf32_round(t: torch.Tensor) -> torch.Tensor:
+    """Float32 values rounded to TF32 (to nearest, ties away from zero), as the kernels do."""
+    bits = t.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & -8192).view(torch.float32)
+
+
+def operand_planes(t: torch.Tensor, precision: str) -> list[torch.Tensor]:
+    """`t` as the TMA hands it to the tensor cores: hi and lo planes in fp32 mode (3xTF32), else as
+    it is (tf32 mode reads it through TFLOAT32 tensor maps, which round to nearest on the way)."""
+    if precision == "fp32":
+        hi = tf32_round(t)
+        return [hi, t - hi]
+    return [t.contiguous()]
+
+
+def map_dtype(precision: str, dtype: torch.dtype) -> str:
+    """The tensor-map element type: TFLOAT32 in tf32 mode (the copy engine rounds each float to TF32
+    as it loads it), else the tensor's own."""
+    return "tfloat32" if precision == "tf32" else MAP_DTYPE[dtype]
+
+
+# ---- derived tensors, cached per source tensor and version -----------------------------------------
+_derived: dict[tuple[int, str], tuple] = {}
+
+
+def derived(t: torch.Tensor, what: str, make):
+    """`make(t)`, kept while `t` lives and is unchanged (its version counter), remade under capture."""
+    capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
+    key = (id(t), what)
+    if not capturing:
+        hit = _derived.get(key)
+        if hit is not None and hit[0]() is t and hit[1] == t._version:
+            return hit[2]
+    with torch.no_grad():
+        value = make(t.detach())
+    if not capturing:
+        for k in [k for k, v in _derived.items() if v[0]() is None]:  # forget tensors that are gone
+            del _derived[k]
+        _derived[key] = (weakref.ref(t), t._version, value)
+    return value
+
+
+def _weights(weight: torch.Tensor, tp: TmaPlan, cin: int, taps: int, precision: str):
+    """(planes, tensor maps) of the weights as [C_OUT][TAPS * CIP]."""
+    cout = weight.shape[0]
+    w = weight.reshape(cout, cin, taps).transpose(1, 2)
+    if tp.cip != cin:
+        w = torch.nn.functional.pad(w, (0, tp.cip - cin))
+    w = w.reshape(cout, taps * tp.cip).contiguous()
+    planes = operand_planes(w, precision)
+    maps = [
+        runtime.encode_tiled(map_dtype(precision, p.dtype), p.data_ptr(), (tp.k_total, cout), (tp.k_total * tp.elem_bytes,),
+                             (tp.bkc, tp.bn), tp.swizzle_tma, p.numel() * p.element_size())
+        for p in planes
+    ]
+    return planes, maps
+
+
+def _float(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else derived(t, "float32", lambda v: v.float().contiguous())
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    return x.dim() > 2 and x.movedim(1, -1).is_contiguous()
+
+
+_input_maps: dict[tuple, runtime.TensorMap] = {}
+
+
+def _input_map(ws: torch.Tensor, tp: TmaPlan, spatial: tuple[int, ...], batch: int, precision: str) -> runtime.TensorMap:
+    """The im2col map of a channels-last [batch][positions][CIP] tensor (cached: it depends only on
+    the address, the batch and the layer)."""
+    key = (ws.data_ptr(), batch, ws.dtype, id(tp))
+    tmap = _input_maps.get(key)
+    if tmap is not None:
+        return tmap
+    e = tp.elem_bytes
+    dims = (tp.cip, *reversed(spatial), batch)  # C, W[, H[, D]], N
+    strides, step = [], tp.cip * e
+    for n in dims[1:]:
+        strides.append(step)
+        step *= n
+    tmap = runtime.encode_im2col(
+        map_dtype(precision, ws.dtype), ws.data_ptr(), dims, tuple(strides), tp.lower, tp.upper, tp.bkc, tp.bm,
+        (1, *tp.elem_strides, 1), tp.swizzle_tma, ws.numel() * ws.element_size(),
+    )
+    if len(_input_maps) >= _MAP_CACHE:
+        _input_maps.pop(next(iter(_input_maps)))
+    _input_maps[key] = tmap
+    return tmap
+
+
+def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, params: dict, out: torch.Tensor, stream: int):
+    """Run the layer on CUDA `x` into `out` ([batch, C_OUT, ...] contiguous, the layer's dtype)."""
+    plan, spec = sp.plan, sp.spec
+    tp: TmaPlan = plan["tma"]
+    batch = x.shape[0]
+    per_launch = max(1, INT32_MAX // tp.positions)
+    if batch > per_launch:  # M is a 32-bit index: several launches, each on its samples
+        for first in range(0, batch, per_launch):
+            launch(sp, kernel, x[first:first + per_launch], weight, bias, params, out[first:first + per_launch], stream)
+        return out
+    precision = spec.precision
+    _planes_w, maps_w = derived(weight, f"tma:{sp.key}", lambda w: _weights(w, tp, spec.input.channels, plan["taps"], precision))
+    name = plan["kernel_name"]
+    planes = 2 if tp.split else 1
+    cl = _channels_last(x)
+    if cl and tp.cip == spec.input.channels and not tp.split:
+        ws_planes = [x]  # read in place: already the layout (and tf32 maps round on the way)
+    else:
+        if not cl:
+            x = x.contiguous()
+        shape = (batch, tp.in_positions, tp.cip)
+        ws_planes = [torch.empty(shape, device=x.device, dtype=OPERAND_DTYPE[precision]) for _ in range(planes)]
+        if cl:
+            fn, blocks = f"{name}_prep_cl", -(-batch * tp.in_positions * tp.cip // _PREP_THREADS)
+        else:
+            fn, blocks = f"{name}_prep", batch * tp.prep_tiles
+        pack = runtime.arg_pack((kernel.function.value, fn), ("ptr",) * (1 + planes) + ("int",))
+        pack.set([x.data_ptr(), *(w.data_ptr() for w in ws_planes), batch])
+        runtime.launch_packed(kernel, kernel.extra[fn], blocks, _PREP_THREADS, 0, pack, stream)
+    values = [_input_map(w, tp, spec.input.size, batch, precision) for w in ws_planes]
+    values += maps_w
+    if spec.conv.bias:
+        values.append(_float(bias).data_ptr())
+    values.extend(_float(params[p["name"]]).data_ptr() for p in plan["params"])
+    values += [out.data_ptr(), batch]
+    kinds = ("map",) * (2 * planes) + ("ptr",) * (len(values) - 2 * planes - 1) + ("int",)
+    pack = runtime.arg_pack((kernel.function.value, "main"), kinds)
+    grid = -(-batch * tp.positions // tp.bm) * tp.n_tiles
+    runtime.launch_packed(kernel, kernel.function, grid, tp.threads, tp.smem_bytes, pack.set(values), stream)
+    return out

@@ -1,0 +1,133 @@
+"""Hopper's TMA/wgmma engine without a GPU: engine choice, tiling arithmetic, the tensor-map
+geometry, rendering, nvcc resources (no spills) and the weight layout the launch prepares."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from specgen import pipeline, tma
+from specgen.plan import PlanError, build_plan, describe
+from specgen.render import render_plan
+from specgen.spec import validate
+from specgen.target import BUILTIN
+
+HOPPER, AMPERE = BUILTIN["sm_90"], BUILTIN["sm_80"]
+
+
+def spec_of(cin=64, cout=128, size=(14, 14), kernel=3, padding=1, epilogue=("relu",), **extra):
+    conv = {"out_channels": cout, "kernel": kernel, "padding": padding, **extra.pop("conv", {})}
+    data = {"name": "t", "input": {"channels": cin, "size": list(size)}, "conv": conv, "epilogue": list(epilogue), **extra}
+    return validate(data)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16"])
+def test_hopper_takes_the_tma_engine_for_deep_layers(precision):
+    plan = build_plan(spec_of(precision=precision), target=HOPPER)
+    assert plan["engine"] == "tma" and plan["threads"] == 384
+    tp = plan["tma"]
+    assert tp.split == (precision == "fp32") and tp.elem_bytes == (4 if precision in ("fp32", "tf32") else 2)
+    assert tp.kb_total == 9 * tp.cb and tp.k_iters * tp.kb_per_stage == tp.kb_total
+    assert tp.n_tiles == -(-128 // tp.bn) and tp.smem_bytes <= HOPPER.smem_per_block
+    assert "Hopper" in describe(plan)
+    assert build_plan(spec_of(precision=precision), target=AMPERE)["engine"] != "tma"  # no wgmma there
+
+
+@pytest.mark.parametrize("data,why", [
+    ({"epilogue": ["relu", {"max_pool": {"kernel": 2}}]}, "a pool follows the conv"),
+    ({"epilogue": ["relu", {"sum": {"dims": [1]}}]}, "the epilogue reduces"),
+    ({"conv": {"groups": 4}}, "the conv has groups"),
+    ({"conv": {"transposed": True}, "padding": 0}, "the conv is transposed"),
+])
+def test_asking_for_tma_where_it_cannot_run_says_why(data, why):
+    spec = spec_of(tile={"engine": "tma"}, **data)
+    with pytest.raises(PlanError, match=why):
+        build_plan(spec, target=HOPPER)
+    with pytest.raises(PlanError, match="no wgmma/TMA"):
+        build_plan(spec_of(tile={"engine": "tma"}), target=AMPERE)
+
+
+def test_few_multiply_adds_per_input_byte_stay_on_the_implicit_gemm():
+    """The layout pass reads and writes the whole input: a 1x1 conv to few channels does not pay for it."""
+    narrow = spec_of(cin=256, cout=64, kernel=1, padding=0, size=(56, 56), precision="tf32")
+    wide = spec_of(cin=64, cout=256, kernel=1, padding=0, size=(56, 56), precision="tf32")
+    assert tma.intensity(narrow) == 32 and tma.intensity(wide) == 128
+    assert build_plan(narrow, target=HOPPER)["engine"] == "igemm"
+    assert build_plan(wide, target=HOPPER)["engine"] == "tma"
+    assert build_plan(wide.model_copy(update={"precision": "fp32"}), target=HOPPER)["engine"] == "igemm"  # two planes
+    assert build_plan(narrow.model_copy(update={"precision": "bf16"}), target=HOPPER)["engine"] == "tma"  # no 16-bit igemm
+
+
+@pytest.mark.parametrize("cin,precision,cip,bkc,row", [
+    (64, "tf32", 64, 32, 128), (48, "tf32", 48, 16, 64), (40, "tf32", 40, 8, 32), (3, "tf32", 8, 8, 32),
+    (64, "bf16", 64, 64, 128), (48, "bf16", 48, 16, 32), (3, "fp16", 16, 16, 32), (256, "fp32", 256, 32, 128),
+])
+def test_channels_pad_to_whole_swizzled_rows(cin, precision, cip, bkc, row):
+    tp = build_plan(spec_of(cin=cin, precision=precision, tile={"engine": "tma"}), target=HOPPER)["tma"]
+    assert (tp.cip, tp.bkc, tp.row_bytes) == (cip, bkc, row)
+    assert tp.swizzle_desc == {128: 1, 64: 2, 32: 3}[row] and tp.swizzle_tma == {128: 3, 64: 2, 32: 1}[row]
+    assert tp.a_bytes % (8 * row) == 0 and tp.b_bytes % (8 * row) == 0  # buffers keep the swizzle's 8-row repeat
+    assert tp.stage_tx == (2 if tp.split else 1) * tp.kb_per_stage * (tp.bm + tp.bn) * row
+
+
+def test_the_im2col_box_follows_the_conv():
+    tp = build_plan(spec_of(kernel=[3, 5], padding=[1, 2], conv={"stride": [1, 2], "dilation": [2, 1]},
+                            tile={"engine": "tma"}), target=HOPPER)["tma"]
+    assert tp.rank == 4
+    assert tp.lower == (-2, -1)  # W first: minus the padding
+    assert tp.upper == (2 - 4, 1 - 4)  # padding - (kernel - 1) x dilation
+    assert tp.elem_strides == (2, 1)
+
+
+def test_3d_padding_beyond_the_box_limits_is_refused():
+    spec = spec_of(size=(40, 40, 40), kernel=3, padding=20, tile={"engine": "tma"})
+    with pytest.raises(PlanError, match="im2col box limits"):
+        build_plan(spec, target=HOPPER)
+
+
+def test_accumulators_bound_the_tile():
+    for precision in ("fp32", "tf32"):
+        for cfg in tma.configs(spec_of(cout=256, precision=precision), HOPPER):
+            assert (cfg.bm // 128) * cfg.bn // 2 * (2 if precision == "fp32" else 1) <= tma.MAX_ACC
+    with pytest.raises(PlanError, match="accumulator"):
+        build_plan(spec_of(cout=256, precision="tf32"), None, HOPPER, tma.TmaConfig(256, 256, 2, 1))
+
+
+def test_every_extent_is_a_literal_and_loops_have_constant_trip_counts():
+    plan = build_plan(spec_of(cin=64, cout=96, size=(10, 12), precision="tf32"), target=HOPPER)
+    text = render_plan(plan)
+    for line in ("constexpr int C_IN = 64;", "constexpr int C_OUT = 96;", "constexpr int K_ITERS = ",
+                 "constexpr int OUT_D = 1, OUT_H = 10, OUT_W = 12;", "constexpr int CIP = 64;"):
+        assert line in text
+    for var, start, bound in re.findall(r"for \(int (\w+) = ([^;]+); \1 < ([^;]+);", text):
+        assert re.fullmatch(r"[A-Z0-9_ ()*/+\-]+", bound), f"loop over {var} has a run-time bound: {bound}"
+    assert f"wgmma.mma_async.sync.aligned.m64n{plan['tma'].bn}k8.f32.tf32.tf32" in text
+    assert "cp.async.bulk.tensor.4d.shared::cluster.global.im2col" in text
+    assert "setmaxnreg.dec" in text and "setmaxnreg.inc" in text
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("cin,cout,kernel,size", [
+    (64, 64, 3, (20, 20)), (128, 256, 3, (15, 17)), (3, 24, 7, (33, 31)), (48, 40, 1, (9, 9)),
+    (64, 128, 5, (300,)), (16, 32, 3, (6, 9, 10)), (512, 512, 3, (14, 14)),
+])
+def test_default_tiles_compile_without_spills(precision, cin, cout, kernel, size):
+    spec = spec_of(cin=cin, cout=cout, kernel=kernel, size=size, padding=kernel // 2, precision=precision,
+                   tile={"engine": "tma"})
+    sp = pipeline.specialize(spec, "sm_90")
+    assert sp.plan["engine"] == "tma" and sp.build.arch == "sm_90a"
+    assert sp.build.spill_bytes == 0, f"{sp.build.spill_bytes} bytes spilled"
+
+
+def test_the_launch_prepares_the_weights_tap_major_padded_and_split():
+    torch = pytest.importorskip("torch")
+    from specgen import tmarun
+
+    w = torch.randn(8, 3, 3, 3)
+    hi, lo = tmarun.operand_planes(w.reshape(8, 3, 9).transpose(1, 2).reshape(8, -1), "fp32")
+    torch.testing.assert_close(hi + lo, w.reshape(8, 3, 9).transpose(1, 2).reshape(8, -1), rtol=0, atol=0)
+    assert ((hi.view(torch.int32) & 0x1FFF) == 0).all()  # hi has TF32's 10 mantissa bits
+    assert (lo.abs() <= hi.abs() * 2.0**-11).all()
+    assert tmarun.map_dtype("tf32", torch.float32) == "tfloat32" and tmarun.map_dtype("bf16", torch.bfloat16) == "bfloat16"
