@@ -564,3 +564,10 @@ def test_eval_mode_compiles_without_graph_breaks():
     torch.testing.assert_close(compiled(x), reference.forward(layer.spec.eval_twin(), x, layer.conv.weight, layer.conv.bias,
                                                                {n: getattr(layer, n) for n in layer.spec.eval_twin().params()}))
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_statistic_stages_refuse_16_bit_precisions(precision):
+    spec = validate({**VARIANTS[IDS.index("gn_one_pass")], "precision": precision})
+    with pytest.raises(PlanError, match=f"precision: the tail engine's kernels compute in float32; .* got {precision}"):
+        build_plan(spec)
