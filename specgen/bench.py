@@ -156,7 +156,7 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
         weight, bias = fused.conv.weight, fused.conv.bias
         return lambda x: torchop.launch(rt, x, weight, bias, params, None)
 
-    if fused.specialize().plan["engine"] not in ("igemm", "tma"):  # the GEMM engines have no run-time-dims rendering
+    if fused.specialize().plan["engine"] not in ("igemm", "tma", "sequence"):  # GEMM engines and sequences have no run-time-dims rendering
         contenders.append(("specgen runtime-dims", runtime_dims, x_sets))
 
     rows = []

@@ -12,6 +12,12 @@ The layer's dtype follows its spec's precision: float32 for `fp32` and `tf32`, b
 `bf16`, float16 for `fp16`. Converting the layer (`.half()`, `.bfloat16()`, `.to(dtype)`, or a
 parent model's conversion) changes its precision to match and specializes it again; `.float()`
 brings back the 32-bit precision it had.
+
+A layer with training-mode batch norms (`batch_norm: {training: true}`) behaves as nn.BatchNormNd:
+in training mode it normalizes with the batch's statistics and updates its running statistics (the
+op returns the batch statistics; the layer applies nn.BatchNormNd's update to its buffers), after
+`.eval()` it runs its eval twin, the same layer normalizing with the running statistics (a kernel
+of its own, specialized when the layer is switched to eval mode).
 """
 
 from __future__ import annotations
@@ -60,6 +66,13 @@ class FusedLayer(nn.Module):
         self._input_shape = (self.spec.input.channels, *self.spec.input.size)
         self._param_names = tuple(self.spec.params())
         self._has_bias = self.spec.conv.bias
+        self._stats_size = reference.stats_size(self.spec)  # batch statistics the op returns (training-mode batch norms)
+        self._running_stats = reference.running_stats(self.spec)
+        self._twin_spec = self.spec.eval_twin()  # the layer in eval mode, when that computes something else
+        self._twin_params = tuple(self._twin_spec.params().items()) if self._twin_spec is not None else ()
+        self._one_value_batch_norm = reference.one_value_batch_norm(self.spec)
+        self._twin_specialized: pipeline.Specialized | None = None
+        self._twin_op = None
         self._specialized: pipeline.Specialized | None = None
         self._op = None
         if torch.cuda.is_available():
@@ -138,15 +151,97 @@ class FusedLayer(nn.Module):
         if self._specialized is not None and weight.is_cuda and weight.dtype == torchop.PRECISION_DTYPE[self.spec.precision]:
             index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
             torchop.load_kernel(self._specialized, index)
+            if self._twin_specialized is not None:
+                torchop.load_kernel(self._twin_specialized, index)
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_op"] = None  # an OpOverload; bound again on unpickling
+        state["_op"] = state["_twin_op"] = None  # OpOverloads; bound again on unpickling
         return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
         self._bind_op()
+        if self._twin_spec is not None:
+            self._bind_twin()
+
+    # -- eval mode of a layer with training-mode batch norms -----------------------------------
+
+    def train(self, mode: bool = True):
+        """As nn.Module.train; switching a layer with training-mode batch norms to eval mode
+        specializes its eval twin now (on a GPU), not in the first eval forward."""
+        result = super().train(mode)
+        if not mode and self._twin_spec is not None:
+            self._bind_twin(specialize=torch.cuda.is_available())
+        return result
+
+    def _bind_twin(self, specialize: bool = False) -> None:
+        if specialize and self._twin_specialized is None:
+            self._twin_specialized = pipeline.specialize(self._twin_spec, self.arch)
+            weight = self.conv.weight
+            if weight.is_cuda and weight.dtype == torch.float32:
+                torchop.load_kernel(self._twin_specialized, weight.device.index if weight.device.index is not None
+                                    else torch.cuda.current_device())
+        self._twin_op = torchop.register(self._twin_spec, self._twin_specialized, self.arch).overload
+
+    def _twin_tensors(self) -> list[torch.Tensor]:
+        """The eval twin's tensors after x: weight, bias, then its params() (batch norms' running
+        statistics among them), each viewed in the twin's shape."""
+        tensors = [self.conv.weight, *([self.conv.bias] if self._has_bias else [])]
+        for name, want in self._twin_params:
+            tensor = _tensor(self, name)
+            tensors.append(tensor if tuple(tensor.shape) == want else tensor.reshape(want))
+        return tensors
+
+    def _forward_eval(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Eval mode of a layer with training-mode batch norms: its eval twin, on the running statistics."""
+        if self._twin_op is None:
+            self._bind_twin(specialize=x.is_cuda)
+        tensors = self._twin_tensors()
+        if x.is_cuda:
+            self._check_input(x)
+            if out is not None or (not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+                if self._twin_specialized is None:
+                    self._bind_twin(specialize=True)
+                bias = tensors[1] if self._has_bias else None
+                params = dict(zip((name for name, _ in self._twin_params), tensors[1 + self._has_bias:]))
+                return torchop.launch(self._twin_specialized, x.contiguous(), tensors[0], bias, params, out)
+        else:
+            self._check_portable_input(x)
+        if out is None:
+            return self._twin_op(x, *tensors)
+        with torch.no_grad():
+            y = self._twin_op(x, *tensors)
+        return _copy_out(self._name, y, out)
+
+    def _forward_training(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Training mode of a layer with training-mode batch norms: the output, and nn.BatchNormNd's
+        update of the running statistics from the batch statistics the op (or the launch) returns."""
+        batch = x.shape[0]
+        if x.is_cuda and out is not None:
+            self._check_input(x)
+            if self._one_value_batch_norm and batch == 1:
+                reference.check_batch_stats_size(self.spec, batch)
+            stats = torch.empty(self._stats_size, device=x.device, dtype=torch.float32)
+            conv = self._modules["conv"]
+            bias = _tensor(conv, "bias") if self._has_bias else None
+            params = {name: _tensor(self, name) for name in self._param_names}
+            torchop.launch(self._specialized or self.specialize(), x.contiguous(), _tensor(conv, "weight"), bias, params, out, stats)
+            y = out
+        else:
+            if x.is_cuda:
+                self._check_input(x)
+            else:
+                self._check_portable_input(x)
+            if out is None:
+                y, stats = self._op(x, *self._op_tensors())
+            else:
+                with torch.no_grad():
+                    y, stats = self._op(x, *self._op_tensors())
+                y = _copy_out(self._name, y, out)
+        if batch > 0:
+            reference.update_running_stats(self, self._running_stats, stats, batch)
+        return y
 
     @property
     def key(self) -> str | None:
@@ -169,6 +264,10 @@ class FusedLayer(nn.Module):
         """
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self._name}: expected a torch.Tensor input, got {type(x).__name__}")
+        if self._twin_spec is not None and not self.training:
+            return self._forward_eval(x, out)
+        if self._stats_size:
+            return self._forward_training(x, out)
         if out is not None:
             return self._forward_into(x, out)
         if x.is_cuda:
@@ -190,14 +289,7 @@ class FusedLayer(nn.Module):
         self._check_portable_input(x)
         with torch.no_grad():
             y = self._op(x, *self._op_tensors())
-        if tuple(out.shape) != tuple(y.shape) or out.dtype != y.dtype or out.device != y.device:
-            raise ValueError(
-                f"{self._name}: out must be a {y.dtype} tensor of shape {list(y.shape)} on {y.device}, "
-                f"got {out.dtype} {list(out.shape)} on {out.device}"
-            )
-        with torch.no_grad():
-            out.copy_(y)
-        return out
+        return _copy_out(self._name, y, out)
 
     def _check_portable_input(self, x: torch.Tensor) -> None:
         """Off the GPU any float dtype runs (the reference); a 16-bit dtype only in a 16-bit precision."""
@@ -249,6 +341,18 @@ class FusedLayer(nn.Module):
         bias = _tensor(conv, "bias") if self._has_bias else None
         params = {name: _tensor(self, name) for name in self._param_names} if self._param_names else {}
         return torchop.launch(self._specialized or self.specialize(), x, weight, bias, params, out)
+
+
+def _copy_out(name: str, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`y` copied into the caller's `out` (off the GPU, where `out=` has no raw launch)."""
+    if tuple(out.shape) != tuple(y.shape) or out.dtype != y.dtype or out.device != y.device:
+        raise ValueError(
+            f"{name}: out must be a {y.dtype} tensor of shape {list(y.shape)} on {y.device}, "
+            f"got {out.dtype} {list(out.shape)} on {out.device}"
+        )
+    with torch.no_grad():
+        out.copy_(y)
+    return out
 
 
 def _tensor(module: nn.Module, name: str) -> torch.Tensor:

@@ -206,18 +206,25 @@ def _options(arch: str, flags: tuple[str, ...], ptxas_verbose: bool) -> list[str
     return [f"-arch={arch}", *flags, *(PTXAS_VERBOSE if ptxas_verbose else ()), *header_options()]
 
 
+def _buffer(size: int) -> bytes:
+    """A fresh bytes object of at least `size` bytes for NVRTC to write into. Never fewer than two:
+    CPython keeps one object per one-byte value (b" " * 1 is b" " itself), and NVRTC writing an
+    empty log's NUL into it would change that value for the whole process."""
+    return b" " * max(size, 2)
+
+
 def _log(nvrtc, prog) -> str:
     _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    buf = b" " * size
+    buf = _buffer(size)
     nvrtc.nvrtcGetProgramLog(prog, buf)
     return buf.rstrip(b"\0 \n").decode(errors="replace")
 
 
 def _output(nvrtc, prog, what: str) -> bytes:
     _, size = getattr(nvrtc, f"nvrtcGet{what}Size")(prog)
-    buf = b" " * size
+    buf = _buffer(size)
     getattr(nvrtc, f"nvrtcGet{what}")(prog, buf)
-    return buf
+    return buf[:size]
 
 
 def _error(options: list[str], cwd: Path, name: str, log: str, result) -> _compile.CompileError:

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from specgen import expr as expr_mod
 from specgen.literals import FLOAT32_MAX
@@ -258,20 +258,32 @@ class ExprArgs(Args):
 
 
 class BatchNormArgs(Args):
-    """Batch norm in eval mode over the channels, with the running statistics of nn.BatchNormNd:
-    y = (x - running_mean) / sqrt(running_var + eps) * weight + bias, per channel.
+    """Batch norm over the channels, as nn.BatchNormNd.
 
-    The four tensors are per-channel parameters named after PyTorch's: `batch_norm: bn` (or the
-    bare op, which means `bn`) names them bn_weight, bn_bias, bn_running_mean, bn_running_var;
-    `name` sets that prefix and each tensor can also be named on its own. `affine: false`
-    (nn.BatchNormNd(affine=False)) has no weight and bias."""
+    In eval mode (the default) it normalizes with the running statistics:
+    y = (x - running_mean) / sqrt(running_var + eps) * weight + bias, per channel, a pointwise op.
+    With `training: true` (nn.BatchNormNd in training mode) or `track_running_stats: false` it
+    normalizes with the batch's own statistics (mean and biased variance over the batch and the
+    spatial dims of each channel): a statistic stage (see NORMS). In training mode with running
+    statistics the layer also updates them as PyTorch does: num_batches_tracked += 1, then
+    running = (1 - f) * running + f * batch (the unbiased variance for running_var), where f is
+    `momentum`, or 1 / num_batches_tracked when momentum is null (a cumulative average).
+
+    The tensors are named after PyTorch's: `batch_norm: bn` (or the bare op, which means `bn`)
+    names them bn_weight, bn_bias, bn_running_mean, bn_running_var (and in training mode
+    bn_num_batches_tracked); `name` sets that prefix and each tensor can also be named on its own.
+    `affine: false` has no weight and bias; `track_running_stats: false` no running statistics."""
 
     eps: Annotated[float, Field(gt=0)] = 1e-5
     affine: bool = True
     weight: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
     bias: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
-    running_mean: str = Field(pattern=IDENTIFIER_PATTERN)
-    running_var: str = Field(pattern=IDENTIFIER_PATTERN)
+    running_mean: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
+    running_var: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
+    training: bool = False
+    momentum: Optional[Annotated[float, Field(ge=0, le=1)]] = 0.1
+    track_running_stats: bool = True
+    num_batches_tracked: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
 
     @model_validator(mode="before")
     @classmethod
@@ -283,24 +295,64 @@ class BatchNormArgs(Args):
         data = dict(data)
         name = data.pop("name", "bn")
         if not isinstance(name, str) or not re.fullmatch(IDENTIFIER_PATTERN, name):
-            raise ValueError(f"name must be an identifier (the prefix of the four tensors' names), got {name!r}")
-        affine = data.get("affine", True)
-        for field in ("weight", "bias", "running_mean", "running_var"):
-            if field in ("weight", "bias") and affine is False:
-                if data.get(field) is not None:
-                    raise ValueError(f"affine: false has no {field}, got {field}: {data[field]!r}")
-            elif data.get(field) is None:
+            raise ValueError(f"name must be an identifier (the prefix of the tensors' names), got {name!r}")
+        present = {
+            "weight": data.get("affine", True) is not False,
+            "bias": data.get("affine", True) is not False,
+            "running_mean": data.get("track_running_stats", True) is not False,
+            "running_var": data.get("track_running_stats", True) is not False,
+            "num_batches_tracked": data.get("track_running_stats", True) is not False and data.get("training") is True,
+        }
+        for field, has in present.items():
+            if not has and data.get(field) is not None:
+                why = {"weight": "affine: false has no weight", "bias": "affine: false has no bias",
+                       "running_mean": "track_running_stats: false has no running_mean",
+                       "running_var": "track_running_stats: false has no running_var",
+                       "num_batches_tracked": "num_batches_tracked is counted only in training mode (training: true) "
+                                              "with running statistics"}[field]
+                raise ValueError(f"{why}, got {field}: {data[field]!r}")
+            if has and data.get(field) is None:
                 data[field] = f"{name}_{field}"
         return data
 
     @model_validator(mode="after")
     def _not_eps(self):
-        if "eps" in self.names():
+        if "eps" in self.names() or "eps" in self.buffer_names():
             raise ValueError("'eps' is the op's constant; name the tensors otherwise")
         return self
 
+    @model_serializer(mode="wrap")
+    def _eval_mode_spelling(self, handler):
+        """In eval mode with running statistics the training-mode fields mean nothing: left out, so
+        such a stage spells, hashes and renders as before they existed."""
+        data = handler(self)
+        if not self.training and self.track_running_stats:
+            for field in ("training", "momentum", "track_running_stats", "num_batches_tracked"):
+                data.pop(field, None)
+        return data
+
+    @property
+    def uses_batch_stats(self) -> bool:
+        """Normalizes with the batch's statistics (a statistic stage), not the running ones."""
+        return self.training or not self.track_running_stats
+
     def names(self) -> tuple[str, ...]:
-        return tuple(n for n in (self.running_mean, self.running_var, self.weight, self.bias) if n is not None)
+        """The tensors the kernel reads: in eval mode the running statistics, weight and bias; with
+        batch statistics weight and bias only."""
+        stats = () if self.uses_batch_stats else (self.running_mean, self.running_var)
+        return tuple(n for n in (*stats, self.weight, self.bias) if n is not None)
+
+    def buffer_names(self) -> tuple[str, ...]:
+        """The running statistics a training-mode layer updates (not read by its kernels)."""
+        if not (self.training and self.track_running_stats):
+            return ()
+        return (self.running_mean, self.running_var, self.num_batches_tracked)
+
+    def eval_mode(self) -> "BatchNormArgs":
+        """The same stage in eval mode (running statistics): what a training-mode layer runs once
+        it is switched to eval()."""
+        return BatchNormArgs(eps=self.eps, affine=self.affine, weight=self.weight, bias=self.bias,
+                             running_mean=self.running_mean, running_var=self.running_var)
 
     @classmethod
     def from_operands(cls, operands, fields):
@@ -347,8 +399,9 @@ def _batch_norm_ref(x, a, p):
 
 
 def _batch_norm_init(a) -> dict:
-    """nn.BatchNormNd's initial values; the running statistics are buffers (not trained)."""
-    inits = {a.running_mean: ParamInit(True, 0.0), a.running_var: ParamInit(True, 1.0)}
+    """nn.BatchNormNd's initial values; the running statistics are buffers (not trained). With batch
+    statistics the kernel reads weight and bias only (the running statistics are `buffer_inits`)."""
+    inits = {} if a.uses_batch_stats else {a.running_mean: ParamInit(True, 0.0), a.running_var: ParamInit(True, 1.0)}
     if a.weight is not None:
         inits[a.weight] = ParamInit(False, 1.0)
     if a.bias is not None:
@@ -1117,10 +1170,287 @@ REDUCTIONS: dict[str, Reduction] = {
     ]
 }
 
+# ---------------------------------------------------------------------------------------------
+# Normalizations and softmax: statistic stages
+# ---------------------------------------------------------------------------------------------
+# A statistic stage normalizes each value with statistics of a group of values that spans many
+# thread blocks (a channel group of a sample, a channel of the whole batch, a row, the positions
+# softmax runs over). Its row says which dims a group spans (`span`), which statistic it needs
+# ("moments": mean and biased variance; "lse": the running max and the sum of exp(x - max)),
+# and the CUDA that turns the group's statistic (a, b) into the normalized value: `prepare` the
+# second factor once per group, `normalize` each value %(x)s. The tail engine (specgen/tail.py)
+# computes the statistic; the templates know no row by name.
+
+
+class SpanError(ValueError):
+    """A statistic stage that does not fit the tensor it sees; `field` names the argument."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class Span:
+    """The values one statistic group holds, on the tensor the stage sees (batch = dim 0): dims
+    `first`..`last` (consecutive, 1-based), dim `first` split into `split` groups of channels (group
+    norm; 1 otherwise), and the batch too when `across_batch` (training-mode batch norm)."""
+
+    first: int
+    last: int
+    split: int = 1
+    across_batch: bool = False
+
+
+def _affine_names(data, prefix: str, switch: str, default_on: bool):
+    """The before-validator of a norm's tensor names: `name` (default `prefix`) prefixes weight and
+    bias unless they are named on their own; with `switch` false there are none."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    name = data.pop("name", prefix)
+    if not isinstance(name, str) or not re.fullmatch(IDENTIFIER_PATTERN, name):
+        raise ValueError(f"name must be an identifier (the prefix of the weight's and bias' names), got {name!r}")
+    on = data.get(switch, default_on) is not False
+    for field in ("weight", "bias"):
+        if not on and data.get(field) is not None:
+            raise ValueError(f"{switch}: false has no {field}, got {field}: {data[field]!r}")
+        if on and data.get(field) is None:
+            data[field] = f"{name}_{field}"
+    return data
+
+
+class _NormArgs(Args):
+    """eps and the names of the affine weight and bias (None: not affine)."""
+
+    eps: Annotated[float, Field(gt=0)] = 1e-5
+    weight: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
+    bias: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
+
+    @model_validator(mode="after")
+    def _not_eps(self):
+        if "eps" in (self.weight, self.bias):
+            raise ValueError("'eps' is the op's constant; name the tensors otherwise")
+        return self
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.weight, self.bias) if n is not None)
+
+
+class GroupNormArgs(_NormArgs):
+    """nn.GroupNorm: the channels split into `num_groups` groups; each sample's group (its channels
+    and every position) is normalized with its mean and biased variance; `affine` adds a per-channel
+    weight and bias (`group_norm: 8` is {num_groups: 8}; `name` prefixes the tensors, default gn)."""
+
+    num_groups: Annotated[int, Field(gt=0, le=1 << 16)]
+    affine: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names(cls, data):
+        if isinstance(data, int) and not isinstance(data, bool):
+            data = {"num_groups": data}
+        return _affine_names(data, "gn", "affine", True)
+
+
+class InstanceNormArgs(_NormArgs):
+    """nn.InstanceNormNd with its defaults (no running statistics): each sample's channel is
+    normalized over its positions; `affine: true` adds a per-channel weight and bias (default
+    prefix inorm)."""
+
+    affine: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names(cls, data):
+        return _affine_names(data, "inorm", "affine", False)
+
+
+class LayerNormArgs(_NormArgs):
+    """nn.LayerNorm: the trailing dims, whose extents are `normalized_shape`, normalized per row;
+    `elementwise_affine` adds a weight and bias of that shape (`layer_norm: 64` is
+    {normalized_shape: [64]}; default prefix ln)."""
+
+    normalized_shape: Annotated[list[Annotated[int, Field(gt=0, le=1 << 20)]], Field(min_length=1, max_length=4)]
+    elementwise_affine: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names(cls, data):
+        if isinstance(data, (int, list, tuple)) and not isinstance(data, bool):
+            data = {"normalized_shape": data}
+        if isinstance(data, dict) and isinstance(data.get("normalized_shape"), int) and not isinstance(data.get("normalized_shape"), bool):
+            data = {**data, "normalized_shape": [data["normalized_shape"]]}
+        return _affine_names(data, "ln", "elementwise_affine", True)
+
+
+class SoftmaxArgs(Args):
+    """softmax / log_softmax over `dim`, numbered as PyTorch numbers it (batch is 0, negative from the
+    end); a list of consecutive dims takes them as one (as a view that flattens them would)."""
+
+    dim: Annotated[list[int], Field(min_length=1, max_length=4)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data):
+        if isinstance(data, (int, list, tuple)) and not isinstance(data, bool):
+            data = {"dim": data}
+        if isinstance(data, dict) and isinstance(data.get("dim"), int) and not isinstance(data.get("dim"), bool):
+            data = {**data, "dim": [data["dim"]]}
+        return data
+
+    def names(self) -> tuple[str, ...]:
+        return ()
+
+
+def _channel_first(shape, op: str) -> int:
+    """The channel extent at dim 1, or a SpanError: the norms over channels need it there."""
+    if not shape.axes or shape.axes[0].role != "c":
+        raise SpanError("", f"{op} normalizes per channel, but dim 1 is no longer the channels (an earlier reduction removed them)")
+    return shape.axes[0].extent
+
+
+def _group_norm_span(a: GroupNormArgs, shape) -> Span:
+    channels = _channel_first(shape, "group_norm")
+    if channels % a.num_groups:
+        raise SpanError("num_groups", f"the {channels} channels do not split into {a.num_groups} groups (as in nn.GroupNorm, "
+                                      f"num_groups must divide them)")
+    if math.prod(shape.sizes) == a.num_groups:
+        raise SpanError("num_groups", f"each of the {a.num_groups} groups would hold one value (the tensor is "
+                                      f"{list(shape.sizes)} per sample): it would always normalize to 0, and nn.GroupNorm refuses it")
+    return Span(1, len(shape.axes), split=a.num_groups)
+
+
+def _instance_norm_span(a: InstanceNormArgs, shape) -> Span:
+    _channel_first(shape, "instance_norm")
+    if len(shape.axes) < 2 or math.prod(shape.sizes[1:]) < 2:
+        raise SpanError("", f"instance_norm needs more than one position per channel (as in PyTorch), the tensor is "
+                            f"{list(shape.sizes)} per sample")
+    return Span(2, len(shape.axes))
+
+
+def _layer_norm_span(a: LayerNormArgs, shape) -> Span:
+    k = len(a.normalized_shape)
+    trailing = list(shape.sizes[-k:]) if k <= len(shape.sizes) else None
+    if trailing != list(a.normalized_shape):
+        raise SpanError("normalized_shape", f"{list(a.normalized_shape)} must be the trailing extents of the tensor it "
+                                            f"normalizes, which is {list(shape.sizes)} per sample (as in nn.LayerNorm)")
+    return Span(len(shape.axes) - k + 1, len(shape.axes))
+
+
+def _softmax_span(a: SoftmaxArgs, shape) -> Span:
+    rank = 1 + len(shape.axes)
+    dims = []
+    for d in a.dim:
+        n = d + rank if d < 0 else d
+        if not 0 <= n < rank:
+            raise SpanError("dim", f"dim {d} is out of range for a tensor of rank {rank} (batch included)")
+        if n == 0:
+            raise SpanError("dim", "dim 0 is the batch; specgen normalizes within a sample")
+        if n in dims:
+            raise SpanError("dim", f"dim {d} is listed twice")
+        dims.append(n)
+    dims.sort()
+    if dims != list(range(dims[0], dims[-1] + 1)):
+        raise SpanError("dim", f"the dims {dims} must be consecutive (they are taken as one flattened dim)")
+    return Span(dims[0], dims[-1])
+
+
+def _batch_norm_span(a: BatchNormArgs, shape) -> Span:
+    _channel_first(shape, "batch_norm")
+    return Span(2, len(shape.axes), across_batch=True)
+
+
+def _norm_ref(fn):
+    """A reference over the per-channel or elementwise tensors, reshaped as torch's functional wants."""
+
+    def ref(x, a, p, dims):
+        w = None if a.weight is None else p[a.weight]
+        b = None if a.bias is None else p[a.bias]
+        return fn(x, a, w, b, dims)
+
+    return ref
+
+
+def _flat(t):
+    return None if t is None else t.reshape(-1)
+
+
+def _softmax_ref(log: bool):
+    def ref(x, a, p, dims):
+        first, last = dims[0], dims[-1]
+        fn = _torch().log_softmax if log else _torch().softmax
+        if first == last:
+            return fn(x, first)
+        return fn(x.flatten(first, last), first).reshape(x.shape)
+
+    return ref
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A statistic stage: its parameters, which values a group spans, the statistic, the CUDA of
+    the normalization and the PyTorch reference `torch_ref(x, args, params, dims)` (dims: the
+    absolute dims the group spans in x, batch = 0; params as the spec shapes them)."""
+
+    name: str
+    args: type[Args]
+    span: Callable[[Any, Any], Span]
+    statistic: Literal["moments", "lse"]
+    prepare: str  # the group's second factor from its statistic (%(a)s, %(b)s), once per group
+    normalize: str  # the normalized value of %(x)s with (%(a)s, %(b)s)
+    torch_ref: Callable[[Any, Any, dict, tuple], Any]
+    affine: Literal["channel", "element", "none"]  # per-channel weight and bias, of the normalized shape, or none
+    doc: str = ""
+
+    def params(self, args) -> tuple[str, ...]:
+        return args.names()
+
+    def param_init(self, args) -> dict:
+        return {n: ParamInit(False, 1.0 if n == args.weight else 0.0) for n in args.names()}
+
+    def constants(self, args) -> dict[str, float]:
+        return {"eps": args.eps} if self.statistic == "moments" else {}
+
+
+_MOMENTS = dict(statistic="moments", prepare="1.0f / sqrtf(%(b)s + %(eps)s)", normalize="(%(x)s - %(a)s) * %(b)s")
+
+NORMS: dict[str, Norm] = {
+    row.name: row
+    for row in [
+        Norm("group_norm", GroupNormArgs, _group_norm_span, **_MOMENTS, affine="channel",
+             torch_ref=_norm_ref(lambda x, a, w, b, d: _F().group_norm(x, a.num_groups, _flat(w), _flat(b), a.eps)),
+             doc="(x - mean) / sqrt(var + eps) * weight + bias over each sample's channel group"),
+        Norm("instance_norm", InstanceNormArgs, _instance_norm_span, **_MOMENTS, affine="channel",
+             torch_ref=_norm_ref(lambda x, a, w, b, d: _F().instance_norm(x, weight=_flat(w), bias=_flat(b), eps=a.eps)),
+             doc="(x - mean) / sqrt(var + eps) [* weight + bias] over each sample's channel"),
+        Norm("layer_norm", LayerNormArgs, _layer_norm_span, **_MOMENTS, affine="element",
+             torch_ref=_norm_ref(lambda x, a, w, b, d: _F().layer_norm(x, list(a.normalized_shape), w, b, a.eps)),
+             doc="(x - mean) / sqrt(var + eps) * weight + bias over the trailing normalized_shape"),
+        Norm("batch_norm", BatchNormArgs, _batch_norm_span, **_MOMENTS, affine="channel",
+             torch_ref=_norm_ref(lambda x, a, w, b, d: _F().batch_norm(x, None, None, _flat(w), _flat(b), True, 0.0, a.eps)),
+             doc="(x - mean) / sqrt(var + eps) * weight + bias over each channel of the whole batch"),
+        Norm("softmax", SoftmaxArgs, _softmax_span, "lse", "%(b)s", "expf(%(x)s - %(a)s) / %(b)s", _softmax_ref(False),
+             "none", "exp(x - max) / sum(exp(x - max)) over dim"),
+        Norm("log_softmax", SoftmaxArgs, _softmax_span, "lse", "logf(%(b)s)", "(%(x)s - %(a)s) - %(b)s", _softmax_ref(True),
+             "none", "x - max - log(sum(exp(x - max))) over dim"),
+    ]
+}
+
+
+def stage_kind(op: str, args) -> str:
+    """The kind of one stage: a batch norm with batch statistics is a statistic stage ("norm"), in
+    eval mode a pointwise op; every other op has one kind (STAGE_KINDS)."""
+    if op == "batch_norm":
+        return "norm" if args.uses_batch_stats else "pointwise"
+    return STAGE_KINDS[op]
+
+
 STAGE_KINDS: dict[str, str] = {
     **{n: "pointwise" for n in POINTWISE},
     **{n: "pool" for n in POOLS},
     **{n: "reduce" for n in REDUCTIONS},
+    **{n: "norm" for n in NORMS if n not in POINTWISE},  # batch_norm: see stage_kind
 }
 
 
@@ -1130,6 +1460,8 @@ def args_model(op: str) -> type[Args]:
         return POINTWISE[op].args
     if kind == "pool":
         return POOLS[op].args
+    if kind == "norm":
+        return NORMS[op].args
     return ReduceArgs
 
 

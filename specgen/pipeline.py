@@ -40,7 +40,7 @@ def request(spec: LayerSpec, arch: str | None = None, runtime_dims: bool = False
     ig_config = None if tma_config is not None else igemm_config
     plan = build_plan(spec, ig_config, targets.resolve(arch), tma_config)
     ig = plan.get("igemm")
-    if plan["engine"] == "tma" or (ig is not None and ig.wgmma):
+    if plan["engine"] == "tma" or plan.get("tma") is not None or (ig is not None and ig.wgmma):  # (a sequence's body too)
         if arch not in (None, "sm_90", "sm_90a"):
             raise PlanError([f"tile: the {plan['engine']} engine's wgmma plan runs on sm_90a (H100/H200) only, not {arch}"])
         arch = "sm_90a"

@@ -315,6 +315,10 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     target = target or targets.DEFAULT
     if not target.has_cp_async:
         raise TargetError(f"{spec.name}: {target.arch} has no cp.async, which every specgen engine stages with")
+    from specgen import tail
+
+    if tail.is_sequence(spec):  # statistic stages: a sequence of kernels, each part planned on its own
+        return tail.plan_sequence(spec, igemm_config, target, tma_config)
     nd = spec.ndim
     geo = spec.conv_geometry()
     consts: list[Constant] = []
@@ -886,6 +890,10 @@ def _engine_summary(plan: dict) -> str:
 
 def describe(plan: dict) -> str:
     """A short human summary of the plan (used by `specgen show`)."""
+    if plan["engine"] == "sequence":
+        from specgen import tail
+
+        return tail.describe(plan)
     if plan["engine"] == "tma":
         tp = plan["tma"]
         return "\n".join([

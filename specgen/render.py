@@ -55,6 +55,13 @@ def _template_location(err: BaseException) -> str:
 def render_plan(plan: dict, template: str | None = None, runtime_dims: bool = False) -> str:
     """The .cu of a plan, from its engine's template. `runtime_dims` renders the measurement-only
     variant whose extents are read at run time (what specializing saves is measured against it)."""
+    if template is None and plan.get("engine") == "sequence":  # one source: each part's in its own namespace
+        from specgen import tail
+
+        if runtime_dims:
+            raise TemplateError("tail.cu.j2: a layer with statistic stages has no run-time-dimensions rendering")
+        parts = [render_plan(p["plan"], "tail.cu.j2" if p["role"] == "tail" else None) for p in plan["parts"]]
+        return _checked(tail.join(plan, parts), plan)
     if template is None:
         template = TEMPLATES.get(plan.get("engine"), "kernel.cu.j2")
     if runtime_dims and template in ("igemm.cu.j2", "tma.cu.j2"):
@@ -69,6 +76,11 @@ def render_plan(plan: dict, template: str | None = None, runtime_dims: bool = Fa
     # Collapse runs of blank lines left by control blocks; strip trailing spaces.
     text = re.sub(r"[ \t]+\n", "\n", text)
     text = re.sub(r"\n{3,}", "\n\n", text)
+    return _checked(text, plan)
+
+
+def _checked(text: str, plan: dict) -> str:
+    """`text`, unless it is larger than MAX_SOURCE_BYTES (SourceTooLarge)."""
     size = len(text.encode())
     if size > MAX_SOURCE_BYTES:
         raise SourceTooLarge(

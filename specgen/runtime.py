@@ -485,3 +485,15 @@ def launch_packed(kernel: LoadedKernel, function: ctypes.c_void_p, grid: int, th
     result = lib.cuLaunchKernel(function, grid, 1, 1, threads, 1, 1, smem_bytes, stream, pack.argv, None)
     if result != 0:
         _check(lib, result, "cuLaunchKernel")
+
+
+def launch_once(kernel: LoadedKernel, grid_x: int, pointers: list[int], batch: int, stream: int) -> None:
+    """One launch of `grid_x` blocks whose kernel walks the whole batch itself (a training-mode batch
+    norm's finalize kernel: its statistics span the batch); `batch` is its argument, never split."""
+    lib = _libcuda
+    values, batch_arg, argv = _prepare(kernel, len(pointers))
+    values[: len(pointers)] = pointers
+    batch_arg.value = batch
+    result = lib.cuLaunchKernel(kernel.function, grid_x, 1, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream, argv, None)
+    if result != 0:
+        _check(lib, result, "cuLaunchKernel")

@@ -129,7 +129,8 @@ class StageBase(Model):
 
     @property
     def kind(self) -> str:
-        return ops.STAGE_KINDS[self.op]
+        """pointwise, pool, reduce or norm (a statistic stage: normalizations and softmax)."""
+        return ops.stage_kind(self.op, self.args)
 
 
 def _stage_model(op: str) -> type[StageBase]:
@@ -316,14 +317,17 @@ class LayerSpec(Model):
                 )
             if stage.kind == "reduce":
                 data["epilogue"][i][stage.op]["dims"] = list(reduce_dims[i])
+            if stage.kind == "norm" and "dim" in type(stage.args).model_fields:  # softmax: dims from 1, in order
+                span = self.norm_span(i)
+                data["epilogue"][i][stage.op]["dim"] = list(range(span.first, span.last + 1))
         return data
 
     def display(self) -> dict:
         """canonical() without the fields left unset (None): what a banner or `show` prints."""
 
         def strip(value):
-            if isinstance(value, dict):
-                return {k: strip(v) for k, v in value.items() if v is not None}
+            if isinstance(value, dict):  # (batch norm's momentum: null is a cumulative average, not unset)
+                return {k: strip(v) for k, v in value.items() if v is not None or k == "momentum"}
             if isinstance(value, list):
                 return [strip(v) for v in value]
             return value
@@ -340,6 +344,10 @@ class LayerSpec(Model):
     def reduce_dims(self, index: int) -> tuple[int, ...]:
         """The stage's dims, normalized against the tensor it sees (batch is dim 0)."""
         return self._walk()[1][index]
+
+    def norm_span(self, index: int) -> ops.Span:
+        """The values one statistic group of statistic stage `index` spans (see ops.Span)."""
+        return self._walk()[2][index]
 
     # -- shape walk ----------------------------------------------------------------------------
 
@@ -365,12 +373,13 @@ class LayerSpec(Model):
         """shapes()[i] is the tensor entering stage i; shapes()[-1] the layer's output (no batch)."""
         return self._walk()[0]
 
-    def _walk(self) -> tuple[list[StageShape], dict[int, tuple[int, ...]]]:
-        """The shape walk: the tensor before every stage and after the last, and each reduction's
-        dims normalized (batch is dim 0, sorted). One pass over the epilogue."""
+    def _walk(self) -> tuple[list[StageShape], dict[int, tuple[int, ...]], dict[int, ops.Span]]:
+        """The shape walk: the tensor before every stage and after the last, each reduction's dims
+        normalized (batch is dim 0, sorted) and each statistic stage's span. One pass over the epilogue."""
         current = self.conv_output()
         out = [current]
         reduce_dims: dict[int, tuple[int, ...]] = {}
+        spans: dict[int, ops.Span] = {}
         reduced_before = False
         recompute = 1  # values of the level below one body output reads (windowed pools multiply it)
         for i, stage in enumerate(self.epilogue):
@@ -429,6 +438,13 @@ class LayerSpec(Model):
                     elif stage.args.keepdim:
                         axes.append(Axis(ax.role, 1, reduced=True))
                 current = StageShape(tuple(axes))
+            elif stage.kind == "norm":
+                try:
+                    spans[i] = ops.NORMS[stage.op].span(stage.args, current)
+                except ops.SpanError as err:
+                    field = f".{err.field}" if err.field else ""
+                    raise SpecShapeError(f"epilogue[{i}].{stage.op}{field}: {err}") from None
+                recompute = 1  # the stages after it run in later kernels: pools there start afresh
             else:  # pointwise
                 for name in ops.POINTWISE[stage.op].params(stage.args):
                     if current.axis("c") is None:
@@ -436,41 +452,89 @@ class LayerSpec(Model):
                             f"{where}: per-channel parameter {name!r} needs the channel dim, which an earlier reduction removed"
                         )
             out.append(current)
-        return out, reduce_dims
+        return out, reduce_dims, spans
+
+    def _stage_tensors(self, i: int, stage, shapes) -> list[tuple[str, tuple[int, ...], ops.ParamInit]]:
+        """The tensors stage i reads: (name, shape, init). Per-channel tensors are shaped (C, 1, ...);
+        a layer norm's weight and bias have its normalized shape."""
+        if stage.kind == "pointwise":
+            row, make = ops.POINTWISE[stage.op], lambda: (shapes[i].axis("c").extent,) + (1,) * self.ndim
+        elif stage.kind == "norm":
+            row = ops.NORMS[stage.op]
+            if row.affine == "element":
+                make = lambda: tuple(stage.args.normalized_shape)  # noqa: E731
+            else:
+                make = lambda: (shapes[i].axis("c").extent,) + (1,) * self.ndim  # noqa: E731
+        else:
+            return []
+        inits = row.param_init(stage.args)
+        return [(name, make(), inits.get(name, ops.ParamInit())) for name in row.params(stage.args)]
 
     def params(self) -> dict[str, tuple[int, ...]]:
-        """Learnable per-channel parameters, name -> shape (C, 1, ...), in order of first use."""
+        """The tensors the kernels read besides the conv's (per-channel parameters, batch norm's
+        running statistics in eval mode, norms' weights and biases), name -> shape, in order of first use."""
         found: dict[str, tuple[int, ...]] = {}
         shapes = self.shapes()
         for i, stage in enumerate(self.epilogue):
-            if stage.kind != "pointwise":
-                continue
-            for name in ops.POINTWISE[stage.op].params(stage.args):
-                shape = (shapes[i].axis("c").extent,) + (1,) * self.ndim
+            for name, shape, _ in self._stage_tensors(i, stage, shapes):
                 if found.setdefault(name, shape) != shape:
-                    raise SpecShapeError(
-                        f"epilogue[{i}] ({stage.op}): parameter {name!r} is used with {shape[0]} channels here "
-                        f"but {found[name][0]} earlier"
-                    )
+                    if len(shape) == len(found[name]) == 1 + self.ndim and shape[1:] == found[name][1:]:
+                        was, now = f"{found[name][0]} channels", f"{shape[0]} channels"
+                    else:
+                        was, now = f"shape {list(found[name])}", f"shape {list(shape)}"
+                    raise SpecShapeError(f"epilogue[{i}] ({stage.op}): parameter {name!r} is used with {now} here but {was} earlier")
         return found
 
     def param_inits(self) -> dict[str, ops.ParamInit]:
-        """How a layer creates each per-channel tensor of params(): a buffer (batch norm's running
-        statistics) or a parameter, and its initial value."""
+        """How a layer creates each tensor of params(): a buffer (batch norm's running statistics) or
+        a parameter, and its initial value."""
         found: dict[str, ops.ParamInit] = {}
+        shapes = self.shapes()
         for i, stage in enumerate(self.epilogue):
-            if stage.kind != "pointwise":
-                continue
-            row = ops.POINTWISE[stage.op]
-            inits = row.param_init(stage.args)
-            for name in row.params(stage.args):
-                init = inits.get(name, ops.ParamInit())
+            for name, _, init in self._stage_tensors(i, stage, shapes):
                 if found.setdefault(name, init).buffer != init.buffer:
                     raise SpecShapeError(
                         f"epilogue[{i}] ({stage.op}): {name!r} is a running statistic (a buffer) in one stage "
                         f"and a learnable parameter in another; give them different names"
                     )
         return found
+
+    def buffers(self) -> dict[str, tuple[tuple[int, ...], float, str]]:
+        """The state a training-mode batch norm updates and no kernel reads: name -> (shape, initial
+        value, dtype): running_mean (C, 1, ...) 0, running_var 1, num_batches_tracked () 0 (int64), as
+        nn.BatchNormNd creates them."""
+        found: dict[str, tuple[tuple[int, ...], float, str]] = {}
+        shapes = self.shapes()
+        for i, stage in enumerate(self.epilogue):
+            if stage.op != "batch_norm" or not stage.args.buffer_names():
+                continue
+            a = stage.args
+            per_channel = (shapes[i].axis("c").extent,) + (1,) * self.ndim
+            for name, value in ((a.running_mean, (per_channel, 0.0, "float32")), (a.running_var, (per_channel, 1.0, "float32")),
+                                (a.num_batches_tracked, ((), 0.0, "int64"))):
+                if name in found:
+                    raise SpecShapeError(
+                        f"epilogue[{i}].batch_norm: {name!r} is updated by an earlier training-mode batch norm too; "
+                        f"give each its own running statistics (name: ...)"
+                    )
+                found[name] = value
+        return found
+
+    def running_stat_stages(self) -> list[int]:
+        """The training-mode batch norms that update running statistics (indices into the epilogue)."""
+        return [i for i, s in enumerate(self.epilogue) if s.op == "batch_norm" and s.args.buffer_names()]
+
+    def eval_twin(self) -> Optional["LayerSpec"]:
+        """This layer in eval mode: its training-mode batch norms normalize with their running
+        statistics (a pointwise stage each), as nn.BatchNormNd does after .eval(); None when the
+        layer has no running statistics (it computes the same in both modes)."""
+        stages = self.running_stat_stages()
+        if not stages:
+            return None
+        data = self.model_dump(mode="json")
+        for i in stages:
+            data["epilogue"][i] = {"batch_norm": self.epilogue[i].args.eval_mode().model_dump(mode="json")}
+        return LayerSpec.model_validate(data)
 
     def output_shape(self, batch: int) -> tuple[int, ...]:
         return (batch, *self.shapes()[-1].sizes)
@@ -516,9 +580,16 @@ class LayerSpec(Model):
         self.shapes()
         names = self.params()
         self.param_inits()
-        for name in names:
+        buffers = self.buffers()
+        for name in [*names, *buffers]:
             if name in EXPR_RESERVED or name in RESERVED_PARAM_NAMES:
                 raise SpecShapeError(f"parameter name {name!r} is reserved; choose another")
+        for name in buffers:
+            if name in names:
+                raise SpecShapeError(
+                    f"{name!r} is a training-mode batch norm's running statistic and a tensor another stage reads; "
+                    f"give them different names"
+                )
         if nd not in (1, 2, 3):  # guarded by InputSpec too
             raise SpecShapeError(f"input.size: 1, 2 or 3 spatial dims, got {nd}")
         return self

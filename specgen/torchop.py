@@ -7,7 +7,10 @@ specialized). Its schema lists the tensors the layer reads, in a fixed order, an
 
 (`bias` only when the conv has one; one `p_<name>` per per-channel parameter, in `spec.params()`
 order). The op mutates nothing and returns a fresh contiguous tensor of shape
-`spec.output_shape(batch)`.
+`spec.output_shape(batch)`. A layer whose training-mode batch norms keep running statistics
+returns `(Tensor, Tensor)`: the output and the batch statistics (`reference.forward_with_stats`),
+from which the layer updates its running statistics outside the op (an op that mutated them
+could not have an autograd formula).
 
 - CUDA tensors: the specialized kernel, launched on torch's current stream (float32 only).
 - Other devices: the PyTorch reference (`specgen.reference.forward`), any float dtype, so the op
@@ -52,6 +55,8 @@ class SpecOp:
     out_tail: tuple[int, ...]  # the output shape after the batch
     specialized: pipeline.Specialized | None
     opdef: object  # torch.library.CustomOpDef
+    stats_size: int = 0  # floats of batch statistics the op returns after the output (0: it returns the output only)
+    one_value_batch_norm: bool = False  # a batch-statistics batch norm sees one value per channel and sample
 
     @property
     def qualname(self) -> str:
@@ -63,7 +68,9 @@ class SpecOp:
         return getattr(getattr(torch.ops, NAMESPACE), self.name).default
 
     def __call__(self, x, weight, bias=None, params: dict | None = None) -> torch.Tensor:
-        return self.overload(*self.arguments(x, weight, bias, params or {}))
+        """The layer's output (an op that also returns batch statistics: its first result)."""
+        result = self.overload(*self.arguments(x, weight, bias, params or {}))
+        return result[0] if self.stats_size else result
 
     def arguments(self, x, weight, bias, params: dict) -> tuple:
         """The op's positional arguments from a layer's tensors (params by name)."""
@@ -123,7 +130,8 @@ def _define(name: str, spec: LayerSpec, specialized, arch) -> SpecOp:
     has_bias = spec.conv.bias
     param_names = tuple(spec.params())
     arg_names = ["x", "weight", *(["bias"] if has_bias else []), *(f"p_{n}" for n in param_names)]
-    schema = "(" + ", ".join(f"Tensor {a}" for a in arg_names) + ") -> Tensor"
+    stats_size = reference.stats_size(spec)
+    schema = "(" + ", ".join(f"Tensor {a}" for a in arg_names) + ") -> " + ("(Tensor, Tensor)" if stats_size else "Tensor")
     box: dict[str, SpecOp] = {}
 
     def impl(*args):
@@ -136,9 +144,10 @@ def _define(name: str, spec: LayerSpec, specialized, arch) -> SpecOp:
         op = box["op"]
         x = args[0]
         _check_args(op, args)
-        return x.new_empty((x.shape[0], *op.out_tail))
+        y = x.new_empty((x.shape[0], *op.out_tail))
+        return (y, x.new_empty((op.stats_size,))) if op.stats_size else y
 
-    def backward(ctx, grad):
+    def backward(ctx, grad, *stats_grad):  # the batch statistics are not differentiable
         return _backward(box["op"], ctx, grad)
 
     opdef.register_fake(fake)
@@ -154,6 +163,8 @@ def _define(name: str, spec: LayerSpec, specialized, arch) -> SpecOp:
         out_tail=tuple(spec.shapes()[-1].sizes),
         specialized=specialized,
         opdef=opdef,
+        stats_size=stats_size,
+        one_value_batch_norm=reference.one_value_batch_norm(spec),
     )
     box["op"] = op
     return op
@@ -190,6 +201,8 @@ def _check_args(op: SpecOp, args) -> None:
     for name, t, want in zip(names, args[1:], op.arg_shapes):
         if tuple(t.shape) != want:
             raise ValueError(f"{label}: expected {name} of shape {list(want)}, got {list(t.shape)}")
+    if op.one_value_batch_norm and x.shape[0] == 1:
+        reference.check_batch_stats_size(op.spec, 1)
 
 
 def _reference(op: SpecOp, args) -> torch.Tensor:
@@ -203,7 +216,14 @@ def _run(op: SpecOp, args) -> torch.Tensor:
     if x.device.type == "cuda":
         x, weight, bias, params = op.split(args)
         sp = op.specialized if op.specialized is not None else pipeline.specialize(op.spec, op.arch)
+        if op.stats_size:
+            stats = torch.empty(op.stats_size, device=x.device, dtype=torch.float32)
+            return launch(sp, x, weight, bias, params, None, stats), stats
         return launch(sp, x, weight, bias, params, None)
+    if op.stats_size:
+        x, weight, bias, params = op.split(args)
+        y, stats = reference.forward_with_stats(op.spec, x, weight, bias, params)
+        return y.contiguous(), stats.contiguous()
     return _reference(op, args).contiguous()
 
 
@@ -214,6 +234,8 @@ def _run(op: SpecOp, args) -> torch.Tensor:
 
 def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs)
+    if isinstance(output, tuple):  # (output, batch statistics): only the output has a gradient
+        ctx.mark_non_differentiable(output[1])
 
 
 def _backward(op: SpecOp, ctx, grad):
@@ -248,6 +270,10 @@ def load_kernel(sp: pipeline.Specialized, device_index: int):
     from specgen import runtime
 
     plan = sp.plan
+    if plan["engine"] == "sequence":  # every kernel of the sequence
+        from specgen import tailrun
+
+        return tailrun.load(sp, device_index)
     cluster = (plan["cluster"], plan["r1_chunks"]) if plan["cluster_at_launch"] else None
     name = plan["kernel_name"]
     extra = (f"{name}_prep", f"{name}_prep_cl") if plan["engine"] == "tma" else ()
@@ -340,8 +366,15 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 PRECISION_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict, out: torch.Tensor | None):
-    """Run the kernel on CUDA `x` (the layer's dtype) into `out` (allocated when None), on the current stream."""
+def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict, out: torch.Tensor | None,
+           stats: torch.Tensor | None = None):
+    """Run the kernel on CUDA `x` (the layer's dtype) into `out` (allocated when None), on the current stream.
+    A layer with statistic stages runs its sequence of kernels (specgen.tailrun); `stats` receives
+    the batch statistics of its training-mode batch norms."""
+    if sp.plan["engine"] == "sequence":
+        from specgen import tailrun
+
+        return tailrun.launch(sp, x, weight, bias, params, out, stats)
     lp = _launch_plan(sp)
     batch = x.shape[0]
     shape = (batch, *lp.out_tail)

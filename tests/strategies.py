@@ -97,6 +97,82 @@ def specs(draw, max_size=10):
     return spec
 
 
+@st.composite
+def norm_stage(draw, shape, rank_with_batch):
+    """A statistic stage that fits a tensor of per-sample `shape` (a StageShape), or None."""
+    has_c = bool(shape.axes) and shape.axes[0].role == "c"
+    sizes = list(shape.sizes)
+    choices = ["layer_norm", "softmax", "log_softmax"]
+    if has_c:
+        choices += ["group_norm", "batch_norm"]
+        if len(sizes) > 1 and _prod(sizes[1:]) > 1:
+            choices.append("instance_norm")
+    op = draw(st.sampled_from(sorted(choices)))
+    if op == "group_norm":
+        c = sizes[0]
+        groups = draw(st.sampled_from([g for g in range(1, c + 1) if c % g == 0]))
+        return {"group_norm": {"num_groups": groups, "affine": draw(st.booleans()), "eps": draw(st.sampled_from([1e-5, 1e-3]))}}
+    if op == "instance_norm":
+        return {"instance_norm": {"affine": draw(st.booleans())}}
+    if op == "batch_norm":
+        return {"batch_norm": {"training": True, "momentum": draw(st.sampled_from([0.1, None])),
+                               "track_running_stats": draw(st.booleans())}}
+    if op == "layer_norm":
+        k = draw(st.integers(1, len(sizes)))
+        return {"layer_norm": {"normalized_shape": sizes[-k:], "elementwise_affine": draw(st.booleans())}}
+    first = draw(st.integers(1, rank_with_batch - 1))
+    last = draw(st.integers(first, rank_with_batch - 1))
+    dims = list(range(first, last + 1))
+    return {op: {"dim": dims if len(dims) > 1 or draw(st.booleans()) else dims[0]}}
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+@st.composite
+def norm_specs(draw, max_size=10):
+    """A valid spec dict with a statistic stage (sometimes two): a random body from `specs`, then a
+    norm or softmax that fits the tensor it sees, pointwise ops and perhaps a pool or a reduction
+    after it (the tail engine's segments)."""
+    from hypothesis import assume
+
+    from specgen.spec import SpecError, validate
+
+    data = draw(specs(max_size))
+    try:
+        spec = validate(data)
+    except SpecError:
+        assume(False)
+    stages = list(data["epilogue"])
+    reduced = any(spec.epilogue[i].kind == "reduce" for i in range(len(stages)))
+    for _ in range(draw(st.integers(1, 2))):
+        shape = spec.shapes()[-1]
+        if not shape.axes:  # one value per sample: nothing to normalize over
+            break
+        stages.append(draw(norm_stage(shape, 1 + len(shape.axes))))
+        channels = shape.axes[0].extent if shape.axes and shape.axes[0].role == "c" else None
+        allow = channels == spec.conv.out_channels
+        stages += [draw(pointwise_stage(allow_params=allow)) for _ in range(draw(st.integers(0, 2)))]
+        after = draw(st.sampled_from([None, None, "pool", "reduce"]))
+        if after == "pool" and not reduced and len(shape.axes) == 1 + spec.ndim:
+            k = draw(st.integers(1, max(1, min(2, *shape.sizes[1:]))))
+            stages.append({draw(st.sampled_from(["max_pool", "avg_pool"])): {"kernel": k}})
+        elif after == "reduce" and len(shape.axes) >= 1:
+            dims = draw(st.lists(st.integers(1, len(shape.axes)), min_size=1, max_size=len(shape.axes), unique=True))
+            stages.append({draw(st.sampled_from(["sum", "mean", "amax", "logsumexp"])): {"dims": dims, "keepdim": draw(st.booleans())}})
+            reduced = True
+        try:
+            spec = validate({**data, "epilogue": stages})
+        except SpecError:
+            assume(False)
+    assume(len(stages) > len(data["epilogue"]))
+    return {**data, "name": "rnd_norm", "epilogue": stages}
+
+
 # ---- malformed input, for the fuzz tests ----------------------------------------------------------
 
 ODD_TEXT = st.text(

@@ -274,3 +274,28 @@ def test_bench_records_the_compiler_builds_use(monkeypatch, tmp_path):
     _no_nvcc(monkeypatch, tmp_path)
     env = bench.environment()
     assert env["nvrtc"].startswith("NVRTC ") and "nvcc" not in env
+
+
+def test_an_empty_log_does_not_overwrite_a_shared_bytes_object():
+    """NVRTC writes its log (for an empty one, a single NUL) into the buffer it is handed; a one-byte
+    b" " * 1 is CPython's shared b" ", which every later b" " of the process would then be."""
+    import ctypes
+
+    from specgen import nvrtc
+
+    class Fake:
+        def nvrtcGetProgramLogSize(self, prog):
+            return 0, 1
+
+        def nvrtcGetProgramLog(self, prog, buf):
+            ctypes.memmove(buf, b"\0", 1)  # what the C library does with the buffer's memory
+
+        def nvrtcGetPTXSize(self, prog):
+            return 0, 1
+
+        def nvrtcGetPTX(self, prog, buf):
+            ctypes.memmove(buf, b"\0", 1)
+
+    assert nvrtc._log(Fake(), None) == ""
+    assert nvrtc._output(Fake(), None, "PTX") == b"\0"
+    assert b" " == bytes([32]) and b" ".decode() == " "

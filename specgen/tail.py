@@ -1,0 +1,429 @@
+"""The tail engine: layers whose epilogue holds a statistic stage run as a short sequence of kernels.
+
+A statistic stage (group_norm, instance_norm, layer_norm, batch_norm with batch statistics,
+softmax, log_softmax; the rows of `specgen.ops.NORMS`) normalizes every value with statistics of
+a group of values (a sample's channel group, a channel of the whole batch, a row, the positions
+a softmax runs over) that many thread blocks compute. No block of the conv sees a whole group, so
+the layer is split before each statistic stage:
+
+* **Body**: the conv and the stages before the first statistic stage, planned by `plan.build_plan`
+  as any layer (implicit GEMM, slab or FFMA), write their result T0 to a workspace.
+* **Tail** (this module, `templates/tail.cu.j2`), per statistic stage: kernels that compute the
+  statistic of every group in a fixed order and apply the normalization and the pointwise ops
+  that follow it. The tensor is contiguous, [batch, E1, ..., Er]; a stage over trailing dims sees
+  each sample as GROUPS runs of GROUP_LEN contiguous floats (a batch norm's group is run g of every
+  sample), a softmax over leading or middle dims as OUTER x ELEMS x INNER with groups strided by INNER:
+  - `one_pass` (a group of at most ONE_PASS_MAX floats, per sample): a team of TEAM threads holds
+    the group in registers, sums it (a butterfly in the warp, the team's warps in order), takes the
+    mean, then sums the squared deviations (two passes over registers: no cancellation), then
+    normalizes and writes: one read, one write. Softmax: the max, then the sum of exp(x - max).
+  - `split` (larger groups, and a batch norm's groups, which span the batch): a stats kernel (one
+    block per chunk of CHUNK floats: the chunk's mean and squared deviations, two passes over
+    registers), a finalize kernel (one block per group joins its chunks' partials: Chan's merge of
+    (count, mean, M2), or the logsumexp merge for softmax, each thread over chunks t, t + T, ...,
+    then a fixed tree) and an apply kernel (one block per chunk again): two reads, one write.
+  - `strided` (softmax over dims that are not trailing): one thread per VEC neighbouring inner
+    positions (the widest VEC whose groups fit in registers, ELEMS x VEC <= 64); larger groups are
+    read twice (an online max and sum, then the normalization).
+  No atomics: every sum has a fixed order, so a run repeats bit for bit; per-sample results do not
+  depend on the batch (a batch norm's do, as its statistics span it).
+* **Rest**: the stages after a statistic stage up to the next one: the tail kernel applies the
+  pointwise ops that follow it directly; from the first pool or reduction on, the stages run as a
+  further kernel of the body engine over an identity conv (1x1, depthwise, weights 1, no bias:
+  exact), which reads the tail kernel's output. A further statistic stage starts the next tail.
+
+The plan of such a layer is `plan_sequence`'s: every part's own plan (the body's and the rests'
+are ordinary plans, the tails' are this module's) and the steps the runtime launches
+(`specgen.tailrun`). Its source is one translation unit: each part's source in a namespace of its
+own, the includes first (`join`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from specgen import __version__, ops
+from specgen.literals import c_float
+from specgen.spec import LayerSpec
+
+THREADS = 256  # threads per block of the split kernels and the strided kernel
+FLOATS_PER_THREAD = 32  # the values of a group (or chunk) a thread holds in registers
+ONE_PASS_MAX = 16 * FLOATS_PER_THREAD * 32  # 16384: the largest group a team of 512 threads holds at once
+CHUNK = THREADS * FLOATS_PER_THREAD  # 8192: the floats a split kernel's block takes of a group
+STRIDED_REGISTERS = 64  # a strided softmax keeps its group in registers up to this many values per thread
+RE_READ_UNROLL = 4  # how far the re-reading strided loops are unrolled
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One statistic stage and what follows it up to the next: `apply` the pointwise ops the tail
+    kernel applies after it, `rest` the stages from the first pool or reduction on (a further kernel)."""
+
+    index: int
+    apply: tuple[int, ...]
+    rest: tuple[int, ...]
+
+
+def is_sequence(spec: LayerSpec) -> bool:
+    """Whether the layer holds a statistic stage (and so runs as a sequence of kernels)."""
+    return any(stage.kind == "norm" for stage in spec.epilogue)
+
+
+def split(spec: LayerSpec) -> tuple[tuple[int, ...], list[Segment]]:
+    """(the body's stages, one Segment per statistic stage)."""
+    marks = [i for i, stage in enumerate(spec.epilogue) if stage.kind == "norm"]
+    body = tuple(range(marks[0])) if marks else tuple(range(len(spec.epilogue)))
+    segments = []
+    for k, i in enumerate(marks):
+        end = marks[k + 1] if k + 1 < len(marks) else len(spec.epilogue)
+        after = list(range(i + 1, end))
+        cut = next((j for j in after if spec.epilogue[j].kind != "pointwise"), end)
+        segments.append(Segment(i, tuple(j for j in after if j < cut), tuple(j for j in after if j >= cut)))
+    return body, segments
+
+
+def _stage_data(spec: LayerSpec, i: int) -> dict:
+    """Stage i as a spec mapping, its dims normalized (the numbering survives the split)."""
+    stage = spec.epilogue[i]
+    args = stage.args.model_dump(mode="json")
+    if stage.kind == "reduce":
+        args["dims"] = list(spec.reduce_dims(i))
+    return {stage.op: args}
+
+
+def body_spec(spec: LayerSpec) -> LayerSpec:
+    """The conv and the stages before the first statistic stage, as a layer of its own."""
+    body, _ = split(spec)
+    data = spec.model_dump(mode="json")
+    data["epilogue"] = [_stage_data(spec, i) for i in body]
+    return LayerSpec.model_validate(data)
+
+
+def rest_spec(spec: LayerSpec, segment: Segment) -> tuple[LayerSpec, tuple[int, ...]]:
+    """The stages of segment.rest as a layer over an identity conv of the tensor they start from,
+    and the per-sample shape of its output as that layer computes it. The tensor's first dim is the
+    layer's channels (the channels when they are still there; without them no stage refers to
+    them), the others its spatial dims; a tensor of one dim gets a trailing spatial dim of 1, which
+    the output keeps (a view drops it). Dims keep their numbers: the new dims come after them."""
+    sizes = list(spec.shapes()[segment.rest[0]].sizes)
+    channels, size = sizes[0], sizes[1:] or [1]
+    data = {
+        "name": spec.name,
+        "input": {"channels": channels, "size": size},
+        "conv": {"out_channels": channels, "kernel": 1, "groups": channels, "bias": False},
+        "epilogue": [_stage_data(spec, i) for i in segment.rest],
+        "precision": "fp32",  # an identity conv in tf32 would round its input
+        "rewrites": spec.rewrites,
+    }
+    rest = LayerSpec.model_validate(data)
+    return rest, rest.shapes()[-1].sizes
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _vec(n: int) -> int:
+    """The widest vector (4, 2 or 1 floats) that divides n."""
+    return next(v for v in (4, 2, 1) if n % v == 0)
+
+
+def _group_text(spec: LayerSpec, i: int) -> str:
+    """What one statistic group of stage i holds, in words: '8 x 258 x 258 values'."""
+    shape, span = spec.shapes()[i], spec.norm_span(i)
+    sizes = list(shape.sizes)
+    dims = sizes[span.first - 1:span.last]
+    if span.split > 1:
+        dims = [dims[0] // span.split, *dims[1:]]
+    return " x ".join(map(str, dims)) + " values" + (" of every sample" if span.across_batch else "")
+
+
+def _affine_code(row: ops.Norm, args, index: str) -> str:
+    """The norm's own weight and bias applied to v (their element `index`), or ''."""
+    weight = f"__ldg(p_{args.weight} + {index})" if args.weight else None
+    bias = f"__ldg(p_{args.bias} + {index})" if args.bias else None
+    if weight and bias:
+        return f"fmaf(v, {weight}, {bias})"
+    if weight:
+        return f"v * {weight}"
+    if bias:
+        return f"v + {bias}"
+    return ""
+
+
+def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> dict:
+    """The plan of one statistic stage's tail kernels (tail.cu.j2 sees only this)."""
+    from specgen.plan import Constant, _pointwise_code
+
+    i = segment.index
+    stage = spec.epilogue[i]
+    row = ops.NORMS[stage.op]
+    args = stage.args
+    shape = spec.shapes()[i]
+    span = spec.norm_span(i)
+    sizes = list(shape.sizes)
+    per_sample = math.prod(sizes)
+    consts: list[Constant] = []
+    eps_name = f"S{i}_EPS"
+    for field, value in row.constants(args).items():
+        consts.append(Constant(f"S{i}_{field.upper()}", c_float(value), f"epilogue[{i}] {stage.op} {field} = {value!r}", "float"))
+    pointwise = [_pointwise_code(spec, j, consts, "c_el") for j in segment.apply]
+    has_channels = bool(shape.axes) and shape.axes[0].role == "c"
+    c_stride = math.prod(sizes[1:]) if has_channels else 1
+    affine = _affine_code(row, args, "e_el" if row.affine == "element" else "c_el") if row.params(args) else ""
+    needs_channel = bool(any(st["params"] for st in pointwise) or (affine and row.affine == "channel"))
+    params = list(dict.fromkeys([*row.params(args), *(p for st in pointwise for p in st["params"])]))
+    trailing = span.last == len(sizes)
+    base = {
+        "version": __version__,
+        "name": spec.name,
+        "spec_hash": spec.shape_hash,
+        "index": i,
+        "op": stage.op,
+        "op_comment": f"epilogue[{i}] {stage.op}",
+        "group_text": _group_text(spec, i),
+        "statistic": row.statistic,
+        "prepare": row.prepare,  # %-format snippets of the op table, formatted by the template
+        "normalize": row.normalize,
+        "eps": eps_name,
+        "affine": affine,
+        "affine_index": row.affine if affine else None,
+        "pointwise": pointwise,
+        # what each value goes through after its normalization: the norm's weight and bias, the stages after it
+        "steps": ([{"code": affine, "comment": "its weight and bias"}] if affine else []) + pointwise,
+        "params": [{"name": n} for n in params],
+        "constants": consts,
+        "in_shape": sizes,
+        "per_sample": per_sample,
+        "c_stride": c_stride,
+        "needs_channel": needs_channel,
+        "lse_helpers": ops.REDUCTIONS["logsumexp"].helpers if row.statistic == "lse" else "",
+        "across_batch": span.across_batch,
+        "stats_output": i in spec.running_stat_stages(),
+    }
+    if not trailing:  # a softmax over leading or middle dims: groups strided by INNER
+        outer = math.prod(sizes[:span.first - 1])
+        elems = math.prod(sizes[span.first - 1:span.last])
+        inner = math.prod(sizes[span.last:])
+        # the widest vector whose groups still fit in registers; groups too large for that are read twice
+        fitting = [v for v in (4, 2, 1) if inner % v == 0 and elems * v <= STRIDED_REGISTERS]
+        registers = bool(fitting)
+        vec = fitting[0] if fitting else _vec(inner)
+        threads_per_sample = outer * inner // vec
+        kernel = {"name": f"{kernel_prefix}_softmax", "role": "strided", "threads": THREADS,
+                  "grid_x": -(-threads_per_sample // THREADS), "once": False,
+                  "args": ["in", *(f"p_{n}" for n in params), "out"],
+                  "bytes_per_sample": 4 * per_sample * (1 if registers else 2) + 4 * per_sample}
+        return {**base, "family": "strided", "mode": "strided", "outer": outer, "elems": elems, "inner": inner,
+                "vec": vec, "registers": registers, "groups_t": threads_per_sample, "threads": THREADS,
+                "re_read_unroll": RE_READ_UNROLL,
+                "kernels": [kernel]}
+    groups = math.prod(sizes[:span.first - 1]) * span.split
+    group_len = per_sample // groups
+    vec = _vec(group_len)
+    items = FLOATS_PER_THREAD // vec
+    if not span.across_batch and group_len <= ONE_PASS_MAX:
+        team = _pow2_at_least(-(-group_len // FLOATS_PER_THREAD))
+        threads = max(team, THREADS)
+        teams = threads // team
+        items = -(-group_len // (team * vec))
+        kernel = {"name": f"{kernel_prefix}_norm", "role": "one_pass", "threads": threads,
+                  "grid_x": -(-groups // teams), "once": False,
+                  "args": ["in", *(f"p_{n}" for n in params), "out"], "bytes_per_sample": 8 * per_sample}
+        return {**base, "family": "runs", "mode": "one_pass", "groups": groups, "group_len": group_len, "vec": vec,
+                "team": team, "threads": threads, "teams": teams, "items": items, "lane_span": min(team, 32),
+                "team_warps": max(1, team // 32), "kernels": [kernel]}
+    chunks = -(-group_len // CHUNK)
+    partials = 2 * groups * chunks  # per sample: [means or maxima][M2s or sums], group-major
+    stat_per_sample = 0 if span.across_batch else 2 * groups
+    fin_threads = THREADS if span.across_batch else min(THREADS, max(32, _pow2_at_least(chunks)))
+    kernels = [
+        {"name": f"{kernel_prefix}_stats", "role": "stats", "threads": THREADS, "grid_x": groups * chunks, "once": False,
+         "args": ["in", "partials"], "bytes_per_sample": 4 * per_sample + 4 * partials},
+        {"name": f"{kernel_prefix}_finalize", "role": "finalize", "threads": fin_threads, "grid_x": groups,
+         "once": span.across_batch, "args": ["partials", "stat"],
+         "bytes_per_sample": 4 * partials + 4 * stat_per_sample},
+        {"name": f"{kernel_prefix}_apply", "role": "apply", "threads": THREADS, "grid_x": groups * chunks, "once": False,
+         "args": ["in", "stat", *(f"p_{n}" for n in params), "out"],
+         "bytes_per_sample": 8 * per_sample + 4 * stat_per_sample},
+    ]
+    return {**base, "family": "runs", "mode": "split", "groups": groups, "group_len": group_len, "vec": vec,
+            "threads": THREADS, "items": items, "chunk": CHUNK, "chunks": chunks, "partials": partials,
+            "stat_per_sample": stat_per_sample, "stat_floats": 2 * groups, "fin_threads": fin_threads,
+            "fin_iters": -(-chunks // fin_threads), "kernels": kernels}
+
+
+def plan_sequence(spec: LayerSpec, igemm_config=None, target=None, tma_config=None) -> dict:
+    """The plan of a layer with statistic stages: its parts in order and the steps that launch them.
+    The planner settings (`igemm_config`, `tma_config`) are the body's."""
+    from specgen.plan import PlanError, build_plan, spec_yaml
+
+    if spec.precision not in ("fp32", "tf32"):
+        raise PlanError([f"precision: the tail engine's kernels compute in float32; a layer with statistic stages "
+                         f"takes precision fp32 or tf32, got {spec.precision}"])
+    _, segments = split(spec)
+    prefix = f"specgen_{spec.name}"
+    body = body_spec(spec)
+    body_plan = build_plan(body, igemm_config, target, tma_config)
+    body_plan["kernel_name"] = f"{prefix}_body"
+    parts = [{"role": "body", "namespace": "body", "spec": body, "plan": body_plan}]
+    steps = [{"kind": "layer", "part": 0, "in": "x", "out": "t0", "out_shape": list(body.shapes()[-1].sizes)}]
+    buffers = {"t0": math.prod(body.shapes()[-1].sizes)}
+    why = []
+    current = "t0"
+    stats_offset = 0
+    shapes = spec.shapes()
+    for k, seg in enumerate(segments):
+        tp = tail_plan(spec, seg, f"{prefix}_e{seg.index}")
+        last = k + 1 == len(segments)
+        u = "out" if last and not seg.rest else f"u{seg.index}"
+        if u != "out":
+            buffers[u] = tp["per_sample"]
+        names = {"in": current, "out": u}
+        if tp["mode"] == "split":
+            names["partials"] = f"partials{seg.index}"
+            buffers[names["partials"]] = tp["partials"]
+            names["stat"] = f"stat{seg.index}"
+            if tp["stats_output"]:  # a batch norm's statistics are part of the layer's output: the running update reads them
+                buffers[names["stat"]] = ("stats", stats_offset)
+                stats_offset += tp["stat_floats"]
+            elif tp["across_batch"]:
+                buffers[names["stat"]] = ("once", tp["stat_floats"])
+            else:
+                buffers[names["stat"]] = tp["stat_per_sample"]
+        for kernel in tp["kernels"]:
+            steps.append({"kind": "kernel", "part": len(parts), "name": kernel["name"], "threads": kernel["threads"],
+                          "grid_x": kernel["grid_x"], "once": kernel["once"], "args": [names.get(a, a) for a in kernel["args"]]})
+        parts.append({"role": "tail", "namespace": f"e{seg.index}", "plan": tp, "segment": seg})
+        why.append(f"epilogue[{seg.index}] {tp['op']} normalizes each value with a statistic of its group "
+                   f"({_group_text(spec, seg.index)}), which no block of the kernel before it computes whole: "
+                   f"the layer is split there")
+        current = u
+        if seg.rest:
+            rest, rest_out = rest_spec(spec, seg)
+            rest_plan = build_plan(rest, None, target)
+            rest_plan["kernel_name"] = f"{prefix}_e{seg.index}_rest"
+            out = "out" if last else f"t{seg.rest[-1] + 1}"
+            if out != "out":
+                buffers[out] = math.prod(rest_out)
+            steps.append({"kind": "layer", "part": len(parts), "in": current, "out": out, "out_shape": list(rest_out),
+                          "ones": rest.input.channels})
+            first = spec.epilogue[seg.rest[0]]
+            parts.append({"role": "rest", "namespace": f"e{seg.index}_rest", "spec": rest, "plan": rest_plan, "segment": seg})
+            why.append(f"epilogue[{seg.rest[0]}] {first.op} after a statistic stage runs in a further kernel of the body engine "
+                       f"over an identity conv (1x1 depthwise, weights 1: exact) that reads the tail kernel's output")
+            current = out
+    out_shape = list(shapes[-1].sizes)
+    plans = [p["plan"] for p in parts]
+    layer_plans = [p["plan"] for p in parts if p["role"] != "tail"]
+    return {
+        "version": __version__,
+        "name": spec.name,
+        "engine": "sequence",
+        "kernel_name": body_plan["kernel_name"],
+        "spec_hash": spec.shape_hash,
+        "spec_yaml": spec_yaml(spec),
+        "target": body_plan["target"],
+        "parts": parts,
+        "steps": steps,
+        "buffers": buffers,
+        "stats_floats": stats_offset,
+        "why": why,
+        # what the pipeline, the CLI and bench read of any plan
+        "smem_bytes": max(p.get("smem_bytes", 0) for p in plans),
+        "cluster": max(p["cluster"] for p in layer_plans),  # the largest cluster any part launches
+        "cluster_at_launch": any(p["cluster_at_launch"] for p in layer_plans),
+        "min_blocks": body_plan["min_blocks"],
+        "igemm": body_plan.get("igemm"),
+        "tma": body_plan.get("tma"),  # (the pipeline builds a body on Hopper's TMA engine for sm_90a)
+        "mma": body_plan.get("mma"),
+        "rewrites": [rw for p in layer_plans for rw in p["rewrites"]],
+        "flops_per_sample": sum(p["flops_per_sample"] for p in layer_plans),
+        "in_per_sample": body_plan["in_per_sample"],
+        "out_per_sample": math.prod(out_shape) if out_shape else 1,
+        "out_shape": out_shape,
+        "params": [{"name": n, "shape": list(s), "channels": s[0] if s else 1} for n, s in spec.params().items()],
+        "precision": spec.precision,
+    }
+
+
+def _layer_bytes(plan: dict) -> int:
+    """Bytes per sample a body-engine kernel moves: its input and its output (weights once per launch)."""
+    return 4 * (plan["in_per_sample"] + plan["out_per_sample"])
+
+
+def describe(plan: dict) -> str:
+    """`specgen show --plan` of a sequence: every kernel in order, the bytes it moves per sample, why
+    the layer is split."""
+    from specgen.plan import describe as describe_plan
+
+    kernels = [s for s in plan["steps"]]
+    lines = [f"layer {plan['name']}: a sequence of {len(kernels)} kernels (the tail engine: specgen/tail.py)"]
+    lines += [f"  why: {w}" for w in plan["why"]]
+    total = 0
+    for n, step in enumerate(plan["steps"], 1):
+        part = plan["parts"][step["part"]]
+        if step["kind"] == "layer":
+            p = part["plan"]
+            moved = _layer_bytes(p)
+            what = "body (the conv and the stages before the first statistic stage)" if part["role"] == "body" else \
+                "rest (the stages after a statistic stage, from its first pool or reduction)"
+            lines.append(f"  {n}. {p['kernel_name']}: {what}; reads {step['in']}, writes {step['out']} "
+                         f"{step['out_shape'] or '(one value per sample)'}; {moved} bytes per sample")
+            lines += [f"       {line}" for line in describe_plan(p).splitlines()]
+        else:
+            tp = part["plan"]
+            kernel = next(k for k in tp["kernels"] if k["name"] == step["name"])
+            moved = kernel["bytes_per_sample"]
+            grid = f"{kernel['grid_x']} block(s)" + ("" if kernel["once"] else " per sample")
+            lines.append(f"  {n}. {kernel['name']}: {_role_text(tp, kernel['role'])}; {kernel['threads']} threads/block, {grid}; "
+                         f"reads {', '.join(a for a in step['args'][:-1])}, writes {step['args'][-1]}; {moved} bytes per sample")
+        total += moved
+    lines.append(f"  in all about {total} bytes per sample (the fewest: {4 * (plan['in_per_sample'] + plan['out_per_sample'])})")
+    return "\n".join(lines)
+
+
+def _role_text(tp: dict, role: str) -> str:
+    what = f"{tp['op_comment']} over groups of {tp['group_text']}"
+    if role == "one_pass":
+        return f"{what}: a team of {tp['team']} thread(s) per group holds it in registers (statistic and normalization in one kernel)"
+    if role == "stats":
+        return f"{what}: partial statistics of chunks of {tp['chunk']} floats ({tp['chunks']} per group)"
+    if role == "finalize":
+        per = f"{tp['chunks']} per sample" if tp["across_batch"] else f"{tp['chunks']}"
+        return f"{what}: joins each group's partials ({per}) in a fixed tree"
+    if role == "apply":
+        return f"{what}: normalizes chunk by chunk{' and applies ' + ', '.join(st['op'] for st in tp['pointwise']) if tp['pointwise'] else ''}"
+    return f"{what}: one thread per {tp['vec']} group(s), {'in registers' if tp['registers'] else 'read twice'}"
+
+
+_INCLUDE = re.compile(r"^#include .*$\n?", re.MULTILINE)
+
+
+def join(plan: dict, sources: list[str]) -> str:
+    """The sequence's translation unit: a banner, every part's includes once, then each part's
+    source in its own namespace (their constants share names; the kernels are extern "C")."""
+    includes = list(dict.fromkeys(m.group(0).strip() for src in sources for m in _INCLUDE.finditer(src)))
+    lines = [
+        "// " + "=" * 101,
+        f"// Generated by specgen {plan['version']} -- do not edit; change the spec and rebuild.",
+        f"// spec hash: {plan['spec_hash']} (the first 16 hex digits of the canonical spec's sha256). The cache key",
+        "//   (`specgen build` and `specgen cache ls` print its first 16) also covers this source, nvcc, arch and flags.",
+        f"// target: {plan['target']}",
+        "// spec:",
+        *[f"//   {line}" for line in plan["spec_yaml"].splitlines()],
+        "//",
+        f"// This layer runs as a sequence of {len(plan['steps'])} kernels, launched in this order on one stream:",
+    ]
+    for n, step in enumerate(plan["steps"], 1):
+        name = step["name"] if step["kind"] == "kernel" else plan["parts"][step["part"]]["plan"]["kernel_name"]
+        args = step["args"] if step["kind"] == "kernel" else [step["in"], step["out"]]
+        lines.append(f"//   {n}. {name} ({', '.join(args[:-1])} -> {args[-1]})")
+    lines += [f"// Why: {w}." for w in plan["why"]]
+    lines += ["// Each part below is the source of its kernels, in a namespace of its own.", "// " + "=" * 101, *includes, ""]
+    for part, source in zip(plan["parts"], sources):
+        body = _INCLUDE.sub("", source).strip("\n")
+        lines += [f"namespace {part['namespace']} {{", "", body, "", f"}}  // namespace {part['namespace']}", ""]
+    return "\n".join(lines)
