@@ -194,10 +194,12 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
     copy_s = fewest_bytes / ceil["copy_bytes_per_s"]
     floor_ffma_ms = 1e3 * max(flops / ceil["fp32_flops_per_s"], copy_s)
     engine = plan["engine"]
+    if engine == "sequence":  # judged by its body's engine (the conv): the tails are memory-bound
+        engine = plan["parts"][0]["plan"]["engine"]
     on_tensor_cores = plan["mma"] is not None or engine in ("igemm", "tma")
     sixteen = engine == "tma" and dtype != torch.float32  # only the TMA engine multiplies in 16 bits
     if not on_tensor_cores:
-        floor_ms, products, label = floor_ffma_ms, 1, "fp32 FFMA"
+        floor_ms, products = floor_ffma_ms, 1
     elif sixteen:
         products, rate = 1, ceil.get("bf16_flops_per_s", ceil["tf32_flops_per_s"])
         floor_ms = 1e3 * max(flops / rate, copy_s)
@@ -205,13 +207,19 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
         products = 3 if spec.precision == "fp32" else 1
         floor_ms = 1e3 * max(products * flops / ceil["tf32_flops_per_s"], copy_s)
     mode = {"fp32": "3xTF32", "tf32": "TF32", "bf16": "bf16", "fp16": "fp16"}[spec.precision] if sixteen or spec.precision in ("fp32", "tf32") else "TF32 on widened inputs"
-    if on_tensor_cores:
+    if plan["engine"] == "sequence":
+        label = f"sequence of {len(plan['steps'])} launches, body: "
+    else:
+        label = ""
+    if not on_tensor_cores:
+        label += "fp32 FFMA"
+    else:
         if engine == "tma":
-            label = f"Hopper TMA + wgmma ({mode})"
+            label += f"Hopper TMA + wgmma ({mode})"
         elif engine == "igemm":
-            label = f"implicit GEMM ({'3xTF32' if products == 3 else 'TF32'})"
+            label += f"implicit GEMM ({'3xTF32' if products == 3 else 'TF32'})"
         else:
-            label = f"tensor cores ({'3xTF32' if products == 3 else 'TF32'})"
+            label += f"tensor cores ({'3xTF32' if products == 3 else 'TF32'})"
     for r in rows:
         r["vs_eager"] = by["eager"] / r["ms"]
         r["vs_compile"] = by["torch.compile"] / r["ms"] if "torch.compile" in by else None

@@ -103,7 +103,8 @@ def cmd_show(args) -> int:
             print(describe(plan))
             if tuned is not None:
                 print(f"tuned: {tuned['label']} for {tuned['gpu']}, batch bucket {tuned['bucket']} (specgen tune)")
-            print(ROLE_LEGEND)
+            if "role" in describe(plan) or "axes:" in describe(plan):  # the slab and FFMA engines' axis roles
+                print(ROLE_LEGEND)
         else:
             sys.stdout.write(source)
     return EXIT_OK

@@ -319,6 +319,8 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
 
     if tail.is_sequence(spec):  # statistic stages: a sequence of kernels, each part planned on its own
         return tail.plan_sequence(spec, igemm_config, target, tma_config)
+    if igemm_config is None and tma_config is None and (at := tail.pool_split(spec, target)) is not None:
+        return tail.plan_pool_split(spec, at, target)  # the conv on tensor cores, its pool in a second kernel
     nd = spec.ndim
     geo = spec.conv_geometry()
     consts: list[Constant] = []

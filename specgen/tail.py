@@ -255,6 +255,87 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> dict:
             "fin_iters": -(-chunks // fin_threads), "kernels": kernels}
 
 
+def pool_split(spec: LayerSpec, target) -> int | None:
+    """Where a layer without statistic stages is better split in two (the index of its first
+    windowed pool), or None. A pool between the conv and the output keeps the whole layer off the
+    tensor cores (the FFMA engine pulls each window's values through the conv); when the conv alone
+    would run on Hopper's TMA engine and is deep enough (K = input channels x taps of 128 or more),
+    the conv and the pointwise ops before the pool run there and write T0, and the pool and what
+    follows run as a further kernel over an identity conv that reads it (one more write and read
+    of T0). Left to the planner only: a tile that names an engine keeps the layer whole."""
+    from specgen import tma
+    from specgen.plan import MMA_MIN_K
+
+    if spec.tile is not None or spec.precision not in ("fp32", "tf32") or is_sequence(spec):
+        return None
+    first = next((i for i, st in enumerate(spec.epilogue) if st.kind != "pointwise"), None)
+    if first is None or spec.epilogue[first].kind != "pool" or not ops.POOLS[spec.epilogue[first].op].windowed:
+        return None
+    if first == 0 and spec.epilogue[0].op == "avg_pool" and spec.rewrites:
+        return None  # an avg-pool right after the conv folds into it instead
+    conv = spec.conv
+    taps = math.prod(spec.conv_geometry()["kernel"])
+    # Deep enough that the tensor cores' time saved exceeds T0's extra write and read: twice the
+    # planner's bar for tensor cores (a 3x3x3 conv of 3 channels into a 2x2x2 max pool, 81, ran
+    # 0.235 ms whole on FFMA, 46% of its floor: not worth splitting; a 7x7 stem conv of 3, 147, is).
+    if conv.groups > 1 or conv.transposed or spec.input.channels * taps < 2 * MMA_MIN_K:
+        return None
+    body = _cut(spec, first)
+    if tma.why_not(body, [None], [], target) or not tma.worth_it(body):
+        return None
+    return first
+
+
+def _cut(spec: LayerSpec, end: int, engine: str | None = None) -> LayerSpec:
+    """The conv and stages [0, end) as a layer of its own (on `engine` when given)."""
+    data = spec.model_dump(mode="json")
+    data["epilogue"] = [_stage_data(spec, i) for i in range(end)]
+    if engine is not None:
+        data["tile"] = {"engine": engine}
+    return LayerSpec.model_validate(data)
+
+
+def plan_pool_split(spec: LayerSpec, at: int, target=None) -> dict:
+    """The plan of a layer split before its first windowed pool (`pool_split`): the body (the conv
+    and the pointwise ops before it) into T0, then the rest over an identity conv."""
+    from specgen.plan import build_plan, spec_yaml
+
+    prefix = f"specgen_{spec.name}"
+    body = _cut(spec, at, "tma")  # (few input channels in fp32 too: the FFMA engine is what the split avoids)
+    body_plan = build_plan(body, None, target)
+    body_plan["kernel_name"] = f"{prefix}_body"
+    seg = Segment(at - 1, (), tuple(range(at, len(spec.epilogue))))
+    rest, rest_out = rest_spec(spec, seg)
+    rest_plan = build_plan(rest, None, target)
+    rest_plan["kernel_name"] = f"{prefix}_rest"
+    parts = [{"role": "body", "namespace": "body", "spec": body, "plan": body_plan},
+             {"role": "rest", "namespace": "rest", "spec": rest, "plan": rest_plan, "segment": seg}]
+    t0 = list(body.shapes()[-1].sizes)
+    steps = [{"kind": "layer", "part": 0, "in": "x", "out": "t0", "out_shape": t0},
+             {"kind": "layer", "part": 1, "in": "t0", "out": "out", "out_shape": list(rest_out), "ones": rest.input.channels}]
+    first = spec.epilogue[at]
+    why = [f"epilogue[{at}] {first.op} would keep the whole layer on FFMA (a pool between the conv and the output): "
+           f"the conv runs on the {body_plan['engine']} engine and writes T0, the pool and what follows read it "
+           f"in a further kernel over an identity conv (1x1 depthwise, weights 1: exact)"]
+    out_shape = list(spec.shapes()[-1].sizes)
+    layer_plans = [body_plan, rest_plan]
+    return {
+        "version": __version__, "name": spec.name, "engine": "sequence", "kernel_name": body_plan["kernel_name"],
+        "spec_hash": spec.shape_hash, "spec_yaml": spec_yaml(spec), "target": body_plan["target"],
+        "parts": parts, "steps": steps, "buffers": {"t0": math.prod(t0)}, "stats_floats": 0, "why": why,
+        "smem_bytes": max(p.get("smem_bytes", 0) for p in layer_plans),
+        "cluster": max(p["cluster"] for p in layer_plans),
+        "cluster_at_launch": any(p["cluster_at_launch"] for p in layer_plans),
+        "min_blocks": body_plan["min_blocks"], "igemm": body_plan.get("igemm"), "tma": body_plan.get("tma"),
+        "mma": body_plan.get("mma"), "rewrites": [rw for p in layer_plans for rw in p["rewrites"]],
+        "flops_per_sample": sum(p["flops_per_sample"] for p in layer_plans),
+        "in_per_sample": body_plan["in_per_sample"],
+        "out_per_sample": math.prod(out_shape) if out_shape else 1, "out_shape": out_shape,
+        "params": [{"name": n, "shape": list(s), "channels": s[0] if s else 1} for n, s in spec.params().items()],
+        "precision": spec.precision,
+    }
+
+
 def plan_sequence(spec: LayerSpec, igemm_config=None, target=None, tma_config=None) -> dict:
     """The plan of a layer with statistic stages: its parts in order and the steps that launch them.
     The planner settings (`igemm_config`, `tma_config`) are the body's."""
@@ -368,8 +449,8 @@ def describe(plan: dict) -> str:
         if step["kind"] == "layer":
             p = part["plan"]
             moved = _layer_bytes(p)
-            what = "body (the conv and the stages before the first statistic stage)" if part["role"] == "body" else \
-                "rest (the stages after a statistic stage, from its first pool or reduction)"
+            what = "body (the conv and the stages before the split)" if part["role"] == "body" else \
+                "rest (from the pool or reduction after the split on)"
             lines.append(f"  {n}. {p['kernel_name']}: {what}; reads {step['in']}, writes {step['out']} "
                          f"{step['out_shape'] or '(one value per sample)'}; {moved} bytes per sample")
             lines += [f"       {line}" for line in describe_plan(p).splitlines()]

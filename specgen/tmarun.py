@@ -95,6 +95,9 @@ def _float(t: torch.Tensor) -> torch.Tensor:
 
 
 def _channels_last(x: torch.Tensor) -> bool:
+    """Whether `x` has its channels innermost in memory ([N, spatial..., C]: channels_last(_3d))."""
+    if x.is_contiguous():  # the common case, cheaply (a one-channel input is both: either layout reads it)
+        return False
     return x.dim() > 2 and x.movedim(1, -1).is_contiguous()
 
 

@@ -131,3 +131,28 @@ def test_the_launch_prepares_the_weights_tap_major_padded_and_split():
     assert ((hi.view(torch.int32) & 0x1FFF) == 0).all()  # hi has TF32's 10 mantissa bits
     assert (lo.abs() <= hi.abs() * 2.0**-11).all()
     assert tmarun.map_dtype("tf32", torch.float32) == "tfloat32" and tmarun.map_dtype("bf16", torch.bfloat16) == "bfloat16"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_a_pool_after_a_deep_conv_splits_the_layer(precision):
+    """The conv runs on the TMA engine into T0; the pool and what follows read it over an identity conv."""
+    stem = spec_of(cin=3, cout=64, size=(64, 64), kernel=7, padding=3, conv={"stride": 2}, precision=precision,
+                   epilogue=["relu", {"max_pool": {"kernel": 3, "stride": 2, "padding": 1}}, "sigmoid"])
+    plan = build_plan(stem, target=HOPPER)
+    assert plan["engine"] == "sequence" and [s["kind"] for s in plan["steps"]] == ["layer", "layer"]
+    body, rest = (p["plan"] for p in plan["parts"])
+    assert body["engine"] == "tma" and [p["op"] for p in body["pointwise"]] == ["relu"]
+    assert rest["engine"] == "ffma" and rest["transposed"] is False and plan["steps"][1]["ones"] == 64
+    assert plan["out_shape"] == list(stem.shapes()[-1].sizes)
+    assert "max_pool would keep the whole layer on FFMA" in plan["why"][0]
+    assert build_plan(stem, target=AMPERE)["engine"] == "ffma"  # no TMA engine there: whole
+
+
+@pytest.mark.parametrize("data", [
+    {"cin": 3, "size": (12, 16, 16), "kernel": 3, "epilogue": [{"max_pool": {"kernel": 2}}, {"sum": {"dims": [1]}}]},  # K = 81
+    {"epilogue": ["relu", {"max_pool": {"kernel": 2}}], "tile": {"engine": "ffma"}},  # an engine named
+    {"epilogue": [{"sum": {"dims": [2, 3]}}]},  # a reduction: the slab engine fuses it on tensor cores
+    {"cin": 16, "cout": 32, "padding": 0, "epilogue": [{"avg_pool": {"kernel": 2}}]},  # an avg-pool right after the conv folds into it
+])
+def test_other_layers_stay_whole(data):
+    assert build_plan(spec_of(**data), target=HOPPER)["engine"] != "sequence"
