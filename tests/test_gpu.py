@@ -133,8 +133,8 @@ def test_launch_checks_name_expected_and_got():
         layer(x.double())
     with pytest.raises(ValueError, match=r"\[batch, 8, 40, 44\].*\[2, 8, 44, 40\]"):
         layer(x.transpose(2, 3).contiguous())
-    with pytest.raises(ValueError, match="float32-only"):
-        layer.half()(x)
+    with pytest.raises(ValueError, match="expected a torch.float16 input"):
+        layer.half()(x)  # the layer became fp16; a float32 input is refused
 
 
 def test_batch_zero_and_non_contiguous_input():

@@ -58,7 +58,11 @@ def test_opcheck_with_the_kernel(spec):
     assert layer.key is not None and layer.op.name == f"{spec.name}_{layer.key[:12]}"
     x = cuda_input(spec, 2).requires_grad_()
     args = layer.op.arguments(x, layer.conv.weight, layer.conv.bias, layer.spec_params())
-    torch.library.opcheck(layer.op.opdef, args, atol=1e-4, rtol=1e-4)
+    # Gradients through batch statistics sum over the whole batch: eager's cuDNN batch norm and the
+    # decomposition AOTAutograd traces round differently (measured 1.05e-4 on one element of 64)
+    batch_stats = any(st.op == "batch_norm" and getattr(st.args, "training", False) for st in spec.epilogue)
+    tol = 1e-3 if batch_stats else 1e-4
+    torch.library.opcheck(layer.op.opdef, args, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("spec", example_specs())
