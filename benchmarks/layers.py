@@ -3,8 +3,9 @@ in each precision asked, through `specgen.bench.bench` (peers measured in the sa
 
     python benchmarks/layers.py --precision tf32 bf16 fp32 [--no-compile fp32] [--json out.json] [--name NAME ...]
 
-Prints one table per layer and precision, then a summary: specgen's time, its ratios to eager,
-to eager on channels-last tensors and to torch.compile, and the geomeans. Needs a CUDA GPU.
+Prints one table per layer and precision, then a summary: specgen's time, its ratios to eager in
+the same precision (fp32: cuDNN with TF32 off), to eager on channels-last tensors and to
+torch.compile, and the geomeans. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -63,18 +64,16 @@ def main(argv=None) -> int:
     print("\nsummary (ms; ratios are the other's time over specgen's)")
     for precision in args.precision:
         rows = [r for r in results if r["precision"] == precision]
-        ratios = {"x eager": [], "x eager cl": [], "x compile": [], "x TF32 off": []}
+        ratios = {"x eager": [], "x eager cl": [], "x compile": []}
         print(f"{precision}: {'layer':28}{'engine':34}{'specgen':>9}{'x eager':>9}{'x eager cl':>11}{'x compile':>10}{'% floor':>8}")
         for r in rows:
             by = {row["name"]: row for row in r["rows"]}
             me = by["specgen"]["ms"]
             e, cl = by["eager"]["ms"] / me, by["eager channels_last"]["ms"] / me
             c = by["torch.compile"]["ms"] / me if "torch.compile" in by else None
-            off = by["eager (TF32 off)"]["ms"] / me if "eager (TF32 off)" in by else None
             ratios["x eager"].append(e)
             ratios["x eager cl"].append(cl)
             ratios["x compile"].append(c)
-            ratios["x TF32 off"].append(off)
             cs = f"{c:10.2f}" if c else f"{'-':>10}"
             mark = bench.SLOWER_MARK if by["specgen"]["slower_than_eager"] else ""
             print(f"      {r['spec']:28}{r['engine'][:33]:34}{me:9.3f}{e:9.2f}{cl:11.2f}{cs}{by['specgen']['pct_of_floor']:8.0f}{mark}")
