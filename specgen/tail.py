@@ -266,7 +266,7 @@ def pool_split(spec: LayerSpec, target) -> int | None:
     from specgen import tma
     from specgen.plan import MMA_MIN_K
 
-    if spec.tile is not None or spec.precision not in ("fp32", "tf32") or is_sequence(spec):
+    if spec.tile is not None or is_sequence(spec):
         return None
     first = next((i for i, st in enumerate(spec.epilogue) if st.kind != "pointwise"), None)
     if first is None or spec.epilogue[first].kind != "pool" or not ops.POOLS[spec.epilogue[first].op].windowed:
@@ -306,6 +306,8 @@ def plan_pool_split(spec: LayerSpec, at: int, target=None) -> dict:
     body_plan["kernel_name"] = f"{prefix}_body"
     seg = Segment(at - 1, (), tuple(range(at, len(spec.epilogue))))
     rest, rest_out = rest_spec(spec, seg)
+    if spec.precision in ("bf16", "fp16"):  # T0 is in the layer's dtype: the rest widens it (exactly) and rounds once
+        rest = rest.model_copy(update={"precision": spec.precision})
     rest_plan = build_plan(rest, None, target)
     rest_plan["kernel_name"] = f"{prefix}_rest"
     parts = [{"role": "body", "namespace": "body", "spec": body, "plan": body_plan},

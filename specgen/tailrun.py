@@ -96,11 +96,14 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     plan = sp.plan
     batch = x.shape[0]
     shape = (batch, *plan["out_shape"])
+    # The layer's dtype (float32, or a pool split's 16-bit one): its output and the tensors its
+    # parts hand on (the statistic stages' tails compute in float32 only).
+    dtype = torchop.PRECISION_DTYPE[sp.spec.precision]
     if out is None:
-        out = torch.empty(shape, device=x.device, dtype=torch.float32)
-    elif tuple(out.shape) != shape or out.dtype != torch.float32 or out.device != x.device or not out.is_contiguous():
+        out = torch.empty(shape, device=x.device, dtype=dtype)
+    elif tuple(out.shape) != shape or out.dtype != dtype or out.device != x.device or not out.is_contiguous():
         raise ValueError(
-            f"{sp.spec.name}: out must be a contiguous float32 tensor of shape {list(shape)} on {x.device}, "
+            f"{sp.spec.name}: out must be a contiguous {dtype} tensor of shape {list(shape)} on {x.device}, "
             f"got {out.dtype} {list(out.shape)} on {out.device}"
         )
     if plan["stats_floats"] and (stats is None or stats.numel() != plan["stats_floats"] or stats.device != x.device):
@@ -116,9 +119,9 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     seq = _sequence(sp)
     buffers, per_sample = {"x": x, "out": out}, {"x": 4 * plan["in_per_sample"], "out": 4 * math.prod(plan["out_shape"])}
     for name, size in plan["buffers"].items():
-        if isinstance(size, int):  # floats per sample
-            buffers[name] = torch.empty(batch * size, device=x.device, dtype=torch.float32)
-            per_sample[name] = 4 * size
+        if isinstance(size, int):  # values per sample
+            buffers[name] = torch.empty(batch * size, device=x.device, dtype=dtype)
+            per_sample[name] = buffers[name].element_size() * size
         elif size[0] == "stats":  # a slice of the batch statistics the layer returns
             buffers[name] = stats[size[1]:]
             per_sample[name] = 0

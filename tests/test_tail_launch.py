@@ -167,7 +167,7 @@ def test_out_is_checked(recorder):
     spec, plan, sp = sequence("gn_pool")
     recorder(plan)
     x = torch.randn(2, spec.input.channels, *spec.input.size)
-    with pytest.raises(ValueError, match=r"out must be a contiguous float32 tensor of shape \[2, 8, 9, 9\]"):
+    with pytest.raises(ValueError, match=r"out must be a contiguous torch.float32 tensor of shape \[2, 8, 9, 9\]"):
         tailrun.launch(sp, x, torch.randn(spec.weight_shape()), torch.randn(8), {"scale": torch.randn(8, 1, 1)}, torch.empty(3))
     out = torch.empty(2 * 8 * 9 * 9 + 1)[1:].view(2, 8, 9, 9)
     with pytest.raises(ValueError, match="16-byte aligned"):

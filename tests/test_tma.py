@@ -133,7 +133,7 @@ def test_the_launch_prepares_the_weights_tap_major_padded_and_split():
     assert tmarun.map_dtype("tf32", torch.float32) == "tfloat32" and tmarun.map_dtype("bf16", torch.bfloat16) == "bfloat16"
 
 
-@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_a_pool_after_a_deep_conv_splits_the_layer(precision):
     """The conv runs on the TMA engine into T0; the pool and what follows read it over an identity conv."""
     stem = spec_of(cin=3, cout=64, size=(64, 64), kernel=7, padding=3, conv={"stride": 2}, precision=precision,
@@ -143,6 +143,7 @@ def test_a_pool_after_a_deep_conv_splits_the_layer(precision):
     body, rest = (p["plan"] for p in plan["parts"])
     assert body["engine"] == "tma" and [p["op"] for p in body["pointwise"]] == ["relu"]
     assert rest["engine"] == "ffma" and rest["transposed"] is False and plan["steps"][1]["ones"] == 64
+    assert plan["parts"][1]["spec"].precision == ("bf16" if precision == "bf16" else "fp32")  # an exact identity conv
     assert plan["out_shape"] == list(stem.shapes()[-1].sizes)
     assert "max_pool would keep the whole layer on FFMA" in plan["why"][0]
     assert build_plan(stem, target=AMPERE)["engine"] == "ffma"  # no TMA engine there: whole

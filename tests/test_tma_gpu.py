@@ -145,3 +145,17 @@ def test_tma_random_specs():
     _RANDOM_CHECKED.clear()
     _tma_random_spec()
     assert len(_RANDOM_CHECKED) >= 0.8 * 60, f"only {len(_RANDOM_CHECKED)} of 60 random specs were checked"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_a_pool_after_a_deep_conv_runs_split(precision):
+    """The conv on the TMA engine into T0, the max pool and what follows over an identity conv."""
+    data = {"name": f"split_{precision}", "input": {"channels": 3, "size": [33, 31]},
+            "conv": {"out_channels": 24, "kernel": 7, "stride": 2, "padding": 3},
+            "epilogue": ["relu", {"max_pool": {"kernel": 3, "stride": 2, "padding": 1}}, "sigmoid"], "precision": precision}
+    layer = FusedLayer(validate(data)).cuda()
+    plan = layer.specialize().plan
+    assert plan["engine"] == "sequence" and plan["parts"][0]["plan"]["engine"] == "tma"
+    check(layer, 1, seed=1)
+    check(layer, 3, seed=2)
+    check(layer, 2, seed=3, channels_last=True)
