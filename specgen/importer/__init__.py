@@ -194,7 +194,8 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, pr
         # Chains that win alone can still lose together (caches, launch gaps): the whole model is
         # timed once more, and the original is kept unless the fused one is faster.
         inputs = [tuple(example_inputs)]
-        fused_ms, plain_ms = measured.compare(lambda a: fused(*a), lambda a: model(*a), inputs)
+        with rewrite.buffers_kept(model, fused):
+            fused_ms, plain_ms = measured.compare(lambda a: fused(*a), lambda a: model(*a), inputs)
         report.whole_model = (fused_ms, plain_ms)
         if fused_ms >= plain_ms:
             log.warning(

@@ -4,6 +4,7 @@ the rewrite of the traced graph with each chain replaced by one call of its fuse
 from __future__ import annotations
 
 import builtins
+import contextlib
 import operator
 from typing import Any, Optional
 
@@ -24,8 +25,11 @@ class ImportedLayer(FusedLayer):
 
     Its `conv` (or `conv.weight` / `conv.bias`) and per-channel attributes are the original
     model's very tensors. A per-channel tensor keeps the shape the model gave it ((C, 1, 1),
-    (1, C, 1, 1), or (C,) for batch norm statistics); the layer's op sees it viewed in the spec's
-    (C, 1, ...) shape, which keeps gradients flowing to the shared parameter.
+    (1, C, 1, 1), or (C,) for norms' weights and batch norm statistics); the layer's op sees it
+    viewed in the spec's (C, 1, ...) shape, which keeps gradients flowing to the shared parameter.
+    A training-mode batch norm's running statistics and num_batches_tracked are the model's
+    buffers under the spec's names, updated in place as nn.BatchNormNd updates them (a
+    functional batch norm, which counts no batches, gets a counter of the layer's own).
     """
 
     def __init__(self, spec_or_path, *, arch: str | None = None):
@@ -48,6 +52,19 @@ class ImportedLayer(FusedLayer):
 
     def spec_params(self) -> dict:
         return {name: self._spec_shaped(name) for name in self._spec_shapes}
+
+
+@contextlib.contextmanager
+def buffers_kept(*modules: nn.Module):
+    """The modules' buffers (running statistics, batch counters) as they were before, after the
+    block: timing runs a training-mode model many times, which must not count as training it."""
+    saved = {id(b): (b, b.detach().clone()) for m in modules for b in m.buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, value in saved.values():
+                buf.copy_(value)
 
 
 def original(imp: Analysis, chain) -> Optional[fx.GraphModule]:
@@ -96,7 +113,8 @@ def measure(imp: Analysis, chain) -> Choice:
     shape = shape_of(inp)
     generator = torch.Generator(device=device).manual_seed(0)
     inputs = [torch.randn(shape, device=device, generator=generator).to(chain.dtype) for _ in range(2)]
-    ms, pt = measured.compare(layer, plain, inputs)
+    with buffers_kept(imp.model, layer):  # a training-mode batch norm updates its running statistics on every call
+        ms, pt = measured.compare(layer, plain, inputs)
     measured.store(key, {"layer": name, "batch": chain.batch, "specgen_ms": ms, "pytorch_ms": pt})
     return Choice(name, ms < pt, ms, pt, "measured")
 
