@@ -15,6 +15,50 @@ ROOT = Path(__file__).resolve().parent.parent
 FUSED = {
     "2_ConvTranspose2d_BiasAdd_Clamp_Scaling_Clamp_Divide",
     "5_ConvTranspose2d_Subtract_Tanh",
+    "6_Conv3d_Softmax_MaxPool_MaxPool",
+    "10_ConvTranspose2d_MaxPool_Hardtanh_Mean_Tanh",
+    "11_ConvTranspose2d_BatchNorm_Tanh_MaxPool_GroupNorm",
+    "13_ConvTranspose3d_Mean_Add_Softmax_Tanh_Scaling",
+    "16_ConvTranspose2d_Mish_Add_Hardtanh_Scaling",
+    "17_Conv2d_InstanceNorm_Divide",
+    "19_ConvTranspose2d_GELU_GroupNorm",
+    "21_Conv2d_Add_Scale_Sigmoid_GroupNorm",
+    "23_Conv3d_GroupNorm_Mean",
+    "24_Conv3d_Min_Softmax",
+    "27_Conv3d_HardSwish_GroupNorm_Mean",
+    "31_Conv2d_Min_Add_Multiply",
+    "34_ConvTranspose3d_LayerNorm_GELU_Scaling",
+    "36_ConvTranspose2d_Min_Sum_GELU_Add",
+    "42_ConvTranspose2d_GlobalAvgPool_BiasAdd_LogSumExp_Sum_Multiply",
+    "43_Conv3d_Max_LogSumExp_ReLU",
+    "44_ConvTranspose2d_Multiply_GlobalAvgPool_GlobalAvgPool_Mean",
+    "49_ConvTranspose3d_Softmax_Sigmoid",
+    "58_ConvTranspose3d_LogSumExp_HardSwish_Subtract_Clamp",
+    "60_ConvTranspose3d_Swish_GroupNorm_HardSwish",
+    "61_ConvTranspose3d_ReLU_GroupNorm",
+    "65_Conv2d_AvgPool_Sigmoid_Sum",
+    "72_ConvTranspose3d_BatchNorm_AvgPool_AvgPool",
+    "73_Conv2d_BatchNorm_Scaling",
+    "74_ConvTranspose3d_LeakyReLU_Multiply_LeakyReLU_Max",
+    "77_ConvTranspose3d_Scale_BatchNorm_GlobalAvgPool",
+    "78_ConvTranspose3d_Max_Max_Sum",
+    "79_Conv3d_Multiply_InstanceNorm_Clamp_Multiply_Max",
+    "85_Conv2d_GroupNorm_Scale_MaxPool_Clamp",
+    "89_ConvTranspose3d_MaxPool_Softmax_Subtract_Swish_Max",
+    "90_Conv3d_LeakyReLU_Sum_Clamp_GELU",
+    "91_ConvTranspose2d_Softmax_BiasAdd_Scaling_Sigmoid",
+    "96_ConvTranspose3d_Multiply_Max_GlobalAvgPool_Clamp",
+    "100_ConvTranspose3d_Clamp_Min_Divide",
+}
+# The same in training mode, as KernelBench runs them (batch norms normalize with the batch's
+# statistics and update their running ones; dropout would be random).
+FUSED_TRAIN = set(FUSED)
+# Before the statistic stages (normalizations, softmax, training-mode batch norm) were imported: the
+# eval-mode count before them, and every problem then fused in training mode.
+FUSED_BEFORE_NORMS = 19
+FUSED_TRAIN_BEFORE_NORMS = {
+    "2_ConvTranspose2d_BiasAdd_Clamp_Scaling_Clamp_Divide",
+    "5_ConvTranspose2d_Subtract_Tanh",
     "10_ConvTranspose2d_MaxPool_Hardtanh_Mean_Tanh",
     "16_ConvTranspose2d_Mish_Add_Hardtanh_Scaling",
     "31_Conv2d_Min_Add_Multiply",
@@ -24,10 +68,7 @@ FUSED = {
     "44_ConvTranspose2d_Multiply_GlobalAvgPool_GlobalAvgPool_Mean",
     "58_ConvTranspose3d_LogSumExp_HardSwish_Subtract_Clamp",
     "65_Conv2d_AvgPool_Sigmoid_Sum",
-    "72_ConvTranspose3d_BatchNorm_AvgPool_AvgPool",
-    "73_Conv2d_BatchNorm_Scaling",
     "74_ConvTranspose3d_LeakyReLU_Multiply_LeakyReLU_Max",
-    "77_ConvTranspose3d_Scale_BatchNorm_GlobalAvgPool",
     "78_ConvTranspose3d_Max_Max_Sum",
     "90_Conv3d_LeakyReLU_Sum_Clamp_GELU",
     "96_ConvTranspose3d_Multiply_Max_GlobalAvgPool_Clamp",
@@ -56,14 +97,23 @@ def problems() -> list[Path]:
     return sorted(path.glob("*.py"), key=lambda p: int(p.name.split("_")[0]))
 
 
-def load(path: Path):
-    """(model in eval mode, its example inputs cut to a batch of one)."""
+def load(path: Path, training: bool = False, batch: int = 1):
+    """(model in eval mode, or in training mode as KernelBench constructs it, and its example inputs
+    cut to `batch` samples; more samples than the problem gives are drawn at random)."""
     import torch
 
     spec = importlib.util.spec_from_file_location(f"kernelbench_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     torch.manual_seed(0)
-    model = module.Model(*module.get_init_inputs()).eval()
-    inputs = [t[:1] if isinstance(t, torch.Tensor) else t for t in module.get_inputs()]
+    model = module.Model(*module.get_init_inputs()).train(training)
+    inputs = [_batch(t, batch) if isinstance(t, torch.Tensor) else t for t in module.get_inputs()]
     return model, inputs
+
+
+def _batch(t, batch: int):
+    import torch
+
+    if t.shape[0] >= batch:
+        return t[:batch].clone()
+    return torch.randn((batch, *t.shape[1:]), dtype=t.dtype)

@@ -160,6 +160,41 @@ class Regions:
         self._check_per_channel(chain, ref, along_dim1)
         return replace(ref, along_dim1=along_dim1)
 
+    def leaf(self, chain, value) -> TensorRef:
+        """A per-channel tensor of the model applied along dim 1 (`value` a Dim1: a norm's weight or
+        bias, a batch norm's running statistic), checked against the chain's channels."""
+        if not self._read(value.value):
+            raise Reject(_not_shared(value.value))
+        ref = self._leaf(chain, value)
+        if not isinstance(ref, TensorRef):
+            raise Reject(_not_shared(value.value))
+        return ref
+
+    def _read(self, value) -> bool:
+        """Whether `value` is a tensor of the model as it is (a module's attribute, a parameter or
+        buffer read, or a view of one), not one computed from it."""
+        if isinstance(value, TensorRef):
+            return True
+        if not isinstance(value, Node):
+            return False
+        if value.op == "get_attr":
+            return True
+        desc = self.classify(value)
+        return isinstance(desc, ShapeOp) and self._read(desc.input)
+
+    def whole(self, chain, value, dtype=None) -> TensorRef:
+        """A tensor of the model used whole (a layer norm's weight of its normalized shape, a batch
+        counter), of the chain's dtype or `dtype`."""
+        if not self._read(value):
+            raise Reject(_not_shared(value))
+        ref = value if isinstance(value, TensorRef) else self._leaf_node(chain, value, False)
+        if not isinstance(ref, TensorRef):
+            raise Reject(_not_shared(value))
+        want = chain.dtype if dtype is None else dtype
+        if ref.tensor.dtype != want:
+            raise Reject(f"{ref.path} is {ref.tensor.dtype}, not {want}")
+        return ref
+
     def _leaf_node(self, chain, node: Node, along_dim1: bool):
         result = self._leaf_value(chain, node, along_dim1)
         self.leaf_nodes.add(node)
@@ -252,7 +287,7 @@ class Regions:
         if term is None or isinstance(term, float):
             return term
         if isinstance(term, TensorRef):
-            return ops.Param(self._param_name(chain, term))
+            return ops.Param(self.param_name(chain, term))
         return _OPAQUE
 
     def _render(self, chain, term, x_node: Node, members: dict) -> Optional[str]:
@@ -274,10 +309,10 @@ class Regions:
         if isinstance(term, float):
             return _num(term)
         if isinstance(term, TensorRef):
-            return self._param_name(chain, term)
+            return self.param_name(chain, term)
         raise Reject(f"cannot write {term!r} in an expression")  # pragma: no cover
 
-    def _param_name(self, chain, ref: TensorRef) -> str:
+    def param_name(self, chain, ref: TensorRef) -> str:
         key = id(ref.tensor)
         if key not in chain.names:
             name = sanitize(ref.path, "p")
@@ -287,6 +322,11 @@ class Regions:
             chain.names[key] = name
             chain.tensors[name] = ref.tensor
         return chain.names[key]
+
+
+def _not_shared(value) -> str:
+    what = value.name if isinstance(value, Node) else repr(value)
+    return f"operand {what} is computed in forward; only a parameter or buffer of the model can be shared"
 
 
 def ancestors(node: Node, deps: dict, stop: Optional[Node] = None) -> set:
