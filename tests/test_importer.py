@@ -68,6 +68,25 @@ def test_from_module_matches_and_shares_parameters(case):
             assert owners
 
 
+@pytest.mark.parametrize("case", im.CASES, ids=lambda c: c.id)
+def test_from_module_matches_in_both_modes(case):
+    """Imported in eval mode and in training mode (batch norms, dropout), then switched: the fused
+    model computes what the model computes in each."""
+    for training in (False, True):
+        model, x = _build(case)
+        modal = [m for m in model.modules() if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Dropout))]
+        model.train(training)
+        fused = from_module(model, x)
+        for mode in (training, not training):
+            if mode and any(isinstance(m, nn.Dropout) for m in modal):
+                continue  # random
+            if modal and not training and mode:
+                continue  # imported in eval mode, batch norm and dropout stay so (documented)
+            fused.train(mode), model.train(mode)
+            with torch.no_grad():
+                torch.testing.assert_close(fused(x), model(x))
+
+
 def test_module_and_functional_forms_share_the_very_parameters():
     torch.manual_seed(0)
     model = im.ParamArith()

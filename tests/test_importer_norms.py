@@ -325,6 +325,49 @@ def test_functional_batch_norm_updates_the_models_buffers_and_counts_in_the_laye
     assert int(layer.mean_num_batches_tracked) == 2  # the layer's own: F.batch_norm counts nothing
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_functional_batch_norm_in_training_mode_stays_so_in_either_mode(training):
+    """F.batch_norm(training=True) normalizes with the batch's statistics whatever the model's mode:
+    so does its fused layer, before and after the model's mode changes."""
+    torch.manual_seed(0)
+    model = im.FunctionalBatchNormTraining().train(training)
+    plain = copy.deepcopy(model)
+    fused = from_module(model, torch.randn(im.IMG))
+    for mode in (training, not training, training):
+        fused.train(mode), plain.train(mode)
+        x = torch.randn(im.IMG)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), plain(x))
+        _assert_same_buffers(model, plain)
+
+
+def test_a_module_and_a_functional_training_batch_norm_do_not_share_a_layer():
+    class Both(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = im.conv2d()
+            self.bn = nn.BatchNorm2d(C)
+            self.register_buffer("mean", torch.zeros(C))
+            self.register_buffer("var", torch.ones(C))
+
+        def forward(self, x):
+            x = torch.relu(self.bn(self.conv(x)))
+            return F.batch_norm(x, self.mean, self.var, training=True)
+
+    model = Both().train()
+    x = torch.randn(im.IMG)
+    report = explain(model, x)
+    assert [[s.op for s in spec.epilogue] for spec in report.specs] == [["batch_norm", "relu"]]
+    assert "one fused layer cannot do both" in dict(report.fallbacks)["batch_norm"]
+    plain = copy.deepcopy(model)
+    fused = from_module(model, x)
+    for mode in (True, False):
+        fused.train(mode), plain.train(mode)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), plain(x))
+    _assert_same_buffers(model, plain)
+
+
 def test_a_batch_norm_without_running_statistics_keeps_none():
     torch.manual_seed(0)
     model = im.BatchNormUntracked()

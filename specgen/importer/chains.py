@@ -69,6 +69,10 @@ class _Chain:
     stop: Optional[str] = None  # why the chain ended
     rejected: dict = field(default_factory=dict)  # node -> why it did not join
     dtype: object = None  # the chain's dtype: float32, bfloat16 or float16 (every value of it)
+    # how its training-mode batch norms with running statistics take their mode: None (it has none),
+    # "module" (the layer's mode: after .eval() the running statistics) or "call" (F.batch_norm's
+    # training=True: the batch's statistics in either mode)
+    mode: Optional[str] = None
 
     @property
     def stages(self) -> list:
@@ -299,8 +303,10 @@ class Analysis(Capture):
             args = ops.NORMS[desc.op].args.from_operands(tuple(names), attrs)
             if args is None:  # pragma: no cover - the builders give what from_operands takes
                 raise Reject(f"its tensors do not make a {desc.op} stage")
+            mode = _mode(chain, desc, args)
             self._commit(chain, [{desc.op: args}], nodes or [node], node if nodes is None else nodes[-1],
                          check=lambda spec: self._check_norm(chain, spec))
+            chain.mode = mode
         except Reject as rej:
             chain.names, chain.tensors = saved
             raise Reject(f"{where}: {rej.reason}") from None
@@ -521,6 +527,19 @@ def _start(imp: Analysis, conv: Node, desc: ConvOp) -> _Chain:
     if chain.view is None or tuple(chain.view) != tuple(chain.spec_out):
         raise Reject(f"{where}: the spec's output {list(chain.spec_out)} differs from the model's {chain.view}")
     return chain
+
+
+def _mode(chain: _Chain, desc: NormOp, args: dict) -> Optional[str]:
+    """The chain's mode (see _Chain.mode) once it takes this stage; a Reject where a module's
+    training-mode batch norm and F.batch_norm(training=True) would share one layer, whose mode
+    cannot follow both."""
+    if not (args.get("training") and args.get("running_mean")):
+        return chain.mode
+    mode = "call" if desc.fixed_mode else "module"
+    if chain.mode not in (None, mode):
+        raise Reject("F.batch_norm(training=True) normalizes with the batch's statistics in either mode and a "
+                     "module's batch norm after .eval() with its running ones: one fused layer cannot do both")
+    return mode
 
 
 def _spec_dims(view: tuple, spec_out: tuple, dims: list) -> list:

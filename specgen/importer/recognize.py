@@ -86,6 +86,9 @@ class NormOp:
     operands: tuple
     attrs: dict
     dims: Optional[list] = None
+    # a training-mode batch norm whose mode is its call's (F.batch_norm(training=True)), not the
+    # module's: it normalizes with the batch's statistics after .eval() too
+    fixed_mode: bool = False
 
 
 @dataclass(eq=False)
@@ -271,7 +274,9 @@ def _batch_norm(row, spelling: ops.Spelling) -> Callable[[dict], Any]:
     """Batch norm as nn.BatchNormNd computes it: in eval mode over its running statistics, a
     pointwise op (each statistic applied along dim 1); in training mode, or without running
     statistics (track_running_stats=False, or F.batch_norm given none), the statistic stage over
-    the batch's statistics, updating the running ones where there are any."""
+    the batch's statistics, updating the running ones where there are any. A module's `training`
+    is its mode; a function's is the call's own, whatever the model's mode."""
+    fixed_mode = not spelling.modules
 
     def build(b):
         eps = _check_number(b["eps"], "eps")
@@ -291,7 +296,7 @@ def _batch_norm(row, spelling: ops.Spelling) -> Callable[[dict], Any]:
             raise Reject("momentum=None (a cumulative average of the running statistics) needs the batches counted, "
                          "which F.batch_norm does not do: give a momentum")
         attrs = {"eps": eps, "training": True, "momentum": None if momentum is None else _check_number(momentum, "momentum")}
-        return NormOp(b["input"], row.name, (*dim1, Counter(counter)), attrs)
+        return NormOp(b["input"], row.name, (*dim1, Counter(counter)), attrs, fixed_mode=fixed_mode)
 
     return build
 

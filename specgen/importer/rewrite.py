@@ -32,9 +32,22 @@ class ImportedLayer(FusedLayer):
     functional batch norm, which counts no batches, gets a counter of the layer's own).
     """
 
-    def __init__(self, spec_or_path, *, arch: str | None = None):
+    def __init__(self, spec_or_path, *, arch: str | None = None, batch_stats_always: bool = False):
+        """`batch_stats_always`: its training-mode batch norms are F.batch_norm(training=True) calls,
+        which normalize with the batch's statistics (and update the running ones) in either mode."""
         super().__init__(spec_or_path, arch=arch)
         self._spec_shapes = dict(self.spec.params())
+        self._batch_stats_always = batch_stats_always
+
+    def train(self, mode: bool = True):
+        if self._batch_stats_always:  # no eval twin to prepare: it never runs
+            return nn.Module.train(self, mode)
+        return super().train(mode)
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self._batch_stats_always and not self.training and isinstance(x, torch.Tensor):
+            return self._forward_training(x, out)
+        return super().forward(x, out)
 
     def _spec_shaped(self, name: str) -> torch.Tensor:
         tensor = getattr(self, name)
@@ -163,7 +176,7 @@ def fused_layer(imp: Analysis, chain) -> ImportedLayer:
 
 
 def _new_layer(imp: Analysis, chain) -> ImportedLayer:
-    layer = ImportedLayer(chain.spec)
+    layer = ImportedLayer(chain.spec, batch_stats_always=chain.mode == "call")
     layer.training = imp.model.training
     if chain.desc.module is not None:
         layer.conv = chain.desc.module
