@@ -117,3 +117,21 @@ def _batch(t, batch: int):
     if t.shape[0] >= batch:
         return t[:batch].clone()
     return torch.randn((batch, *t.shape[1:]), dtype=t.dtype)
+
+
+def randomize_batch_norms(model):
+    """Batch norms with running statistics and affine parameters drawn at random (variances in
+    [0.5, 1.5)), so that both are really tested; returns the model."""
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                if m.running_mean is not None:
+                    m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g))
+                    m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
+                if m.weight is not None:
+                    m.weight.copy_(torch.randn(m.weight.shape, generator=g))
+                    m.bias.copy_(torch.randn(m.bias.shape, generator=g))
+    return model

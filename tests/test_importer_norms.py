@@ -226,20 +226,6 @@ def test_a_16_bit_chain_stops_before_its_norm_with_the_planners_reason(dtype, pr
 # ---- training mode: the model's running statistics -------------------------------------------------
 
 
-def _randomized(model: nn.Module) -> nn.Module:
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                if m.running_mean is not None:
-                    m.running_mean.normal_(generator=g)
-                    m.running_var.uniform_(0.5, 1.5, generator=g)
-                if m.weight is not None:
-                    m.weight.normal_(generator=g)
-                    m.bias.normal_(generator=g)
-    return model
-
-
 def _assert_same_buffers(model: nn.Module, plain: nn.Module) -> None:
     mine, theirs = dict(model.named_buffers()), dict(plain.named_buffers())
     assert mine.keys() == theirs.keys()
@@ -253,7 +239,7 @@ def test_running_statistics_after_fused_forwards_equal_pytorchs(kw):
     """One fused forward updates the model's running statistics and batch count as nn.BatchNormNd
     does; so do the next ones (momentum None: the cumulative average over the batches counted)."""
     torch.manual_seed(0)
-    model = _randomized(im.BatchNormTraining(**kw).train())
+    model = kb.randomize_batch_norms(im.BatchNormTraining(**kw).train())
     plain = copy.deepcopy(model)
     x = torch.randn(im.IMG)
     fused = from_module(model, x)
@@ -283,7 +269,7 @@ def test_the_fused_layer_holds_the_models_very_buffers():
 
 def test_gradients_of_a_training_mode_batch_norm_match_pytorchs():
     torch.manual_seed(0)
-    model = _randomized(im.BatchNormTraining().train())
+    model = kb.randomize_batch_norms(im.BatchNormTraining().train())
     plain = copy.deepcopy(model)
     x = torch.randn(im.IMG)
     fused = from_module(model, x)
@@ -295,7 +281,7 @@ def test_gradients_of_a_training_mode_batch_norm_match_pytorchs():
 
 def test_after_eval_the_fused_layer_normalizes_with_the_running_statistics():
     torch.manual_seed(0)
-    model = _randomized(im.BatchNormTraining().train())
+    model = kb.randomize_batch_norms(im.BatchNormTraining().train())
     plain = copy.deepcopy(model)
     fused = from_module(model, torch.randn(im.IMG))
     with torch.no_grad():
@@ -384,7 +370,7 @@ def test_a_batch_norm_without_running_statistics_keeps_none():
 
 def test_timing_leaves_the_buffers_as_they_were():
     """from_module times chains and the whole model on a GPU: running them must not train the model."""
-    model = _randomized(im.BatchNormTraining().train())
+    model = kb.randomize_batch_norms(im.BatchNormTraining().train())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with rewrite.buffers_kept(model):
         for _ in range(3):
@@ -412,7 +398,7 @@ def _problems(names):
 
 def _check_kernelbench(path, training: bool) -> None:
     model, inputs = kb.load(path, training=training)
-    _randomized(model)
+    kb.randomize_batch_norms(model)
     plain = copy.deepcopy(model)
     fused = from_module(model, *inputs)
     report = fused.specgen_report

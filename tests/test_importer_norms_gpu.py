@@ -29,21 +29,6 @@ def _layers(module: nn.Module) -> list[FusedLayer]:
     return [m for m in module.modules() if isinstance(m, FusedLayer)]
 
 
-def _randomize(model: nn.Module) -> nn.Module:
-    """Batch norms with running statistics and affine parameters drawn at random (variances in [0.5, 1.5))."""
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                if m.running_mean is not None:
-                    m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g))
-                    m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
-                if m.weight is not None:
-                    m.weight.copy_(torch.randn(m.weight.shape, generator=g))
-                    m.bias.copy_(torch.randn(m.bias.shape, generator=g))
-    return model
-
-
 def _double(values):
     return [v.double() if isinstance(v, torch.Tensor) else v for v in values]
 
@@ -73,7 +58,7 @@ def test_kernelbench_problems_fused_whole_match_float64(path, training, batch):
     """Each problem that imports into one spec, fused (every chain as its kernel), against the model
     in float64 and in fp32; in training mode the running statistics it updated too."""
     model, inputs = kb.load(path, training=training, batch=batch)
-    model = _randomize(model).cuda()
+    model = kb.randomize_batch_norms(model).cuda()
     inputs = [t.cuda() if isinstance(t, torch.Tensor) else t for t in inputs]
     ref64 = copy.deepcopy(model).double()
     ref32 = copy.deepcopy(model)
@@ -109,7 +94,7 @@ def test_running_statistics_after_training_steps_equal_pytorchs(kw):
     """A few training steps of the fused model and of the plain one: the same running statistics and
     batch count (the fused model's are the model's own buffers), then the same eval-mode output."""
     torch.manual_seed(0)
-    model = _randomize(im.BatchNormTraining(**kw)).cuda().train()
+    model = kb.randomize_batch_norms(im.BatchNormTraining(**kw)).cuda().train()
     plain = copy.deepcopy(model)
     shape = im.IMG[1:]
     fused = from_module(model, torch.randn(im.IMG, device="cuda"), keep_slower=True)
@@ -133,7 +118,7 @@ def test_running_statistics_after_training_steps_equal_pytorchs(kw):
 def test_kernelbench_running_statistics_after_training_steps(path):
     """The KernelBench batch norms, trained a few steps at batch 3 fused and as PyTorch (fp32)."""
     model, inputs = kb.load(path, training=True, batch=3)
-    model = _randomize(model).cuda()
+    model = kb.randomize_batch_norms(model).cuda()
     plain = copy.deepcopy(model)
     shape = tuple(inputs[0].shape[1:])
     fused = from_module(model, inputs[0].cuda(), keep_slower=True)
@@ -145,7 +130,7 @@ def test_kernelbench_running_statistics_after_training_steps(path):
 def test_timing_leaves_running_statistics_as_they_were():
     """from_module times each chain and the whole model (dozens of training-mode forwards): the
     model's buffers come out as they went in."""
-    model = _randomize(im.BatchNormTraining()).cuda().train()
+    model = kb.randomize_batch_norms(im.BatchNormTraining()).cuda().train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     from_module(model, torch.randn((8, *im.IMG[1:]), device="cuda"))
     after = model.state_dict()
