@@ -729,6 +729,20 @@ class CumsumAfterConv(nn.Module):
         return torch.cumsum(self.conv(x), dim=1)
 
 
+class TensorConstants(nn.Module):
+    """Numbers made into tensors in forward (on the value's device, as KernelBench writes them)."""
+
+    def __init__(self, data=0.5, dtype=None):
+        super().__init__()
+        self.conv = conv2d()
+        self.data, self.dtype = data, dtype
+
+    def forward(self, x):
+        x = torch.relu(self.conv(x))
+        x = torch.min(x, torch.tensor(self.data, dtype=self.dtype, device=x.device))
+        return x * torch.tensor(2.0, device=x.device)
+
+
 class Norms(nn.Module):
     """A conv, a relu, then `make(self)` (a norm module) or `call(self, x)`: norms the importer refuses."""
 
@@ -954,6 +968,7 @@ CASES: list[Case] = [
     Case(_bn(NestedBlocks), IMG, [["batch_norm", "relu"], ["batch_norm", "relu"]]),
     Case(_bn(FunctionalBatchNorm), IMG, [["batch_norm"]]),
     Case(UnpackedMax, IMG, [["relu", "amax"]]),
+    Case(TensorConstants, IMG, [["relu", "min", "mul"]]),
     Case(GroupNormForms, IMG, [["group_norm", "relu", "group_norm", "group_norm", "group_norm"]]),
     Case(InstanceNormForms, IMG, [["instance_norm", "sigmoid", "instance_norm", "instance_norm"]]),
     Case(InstanceNorm3dModule, VOL, [["instance_norm", "mul"]]),
@@ -1048,4 +1063,8 @@ FALLBACKS: list[FallbackCase] = [
         _bn(ResidualBlock), (2, C, 8, 8), [["batch_norm", "relu"], ["batch_norm"]], [("add", "operand x is computed by the model")]
     ),
     FallbackCase(ControlFlow, IMG, [], [("ControlFlow", "torch.fx cannot trace")]),
+    FallbackCase(lambda: TensorConstants(data=[[[0.5]]] * C), IMG, [["relu"]],
+                 [("tensor", "only a number made into a tensor is read as a constant")], id="TensorOfAList"),
+    FallbackCase(lambda: TensorConstants(dtype=torch.float16), IMG, [["relu"]],
+                 [("tensor", "dtype=torch.float16: a constant is read as a float32 number")], id="HalfConstant"),
 ]

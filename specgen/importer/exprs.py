@@ -16,7 +16,7 @@ from torch.fx import Node
 from specgen import ops
 from specgen.expr import RESERVED as EXPR_RESERVED
 from specgen.importer.graph import broadcasts_into, dtype_of, sanitize, shape_of, unique, value_users
-from specgen.importer.recognize import Dim1, PW, Reject, ShapeOp, TensorRef, pointwise_row
+from specgen.importer.recognize import ConstantOp, Dim1, PW, Reject, ShapeOp, TensorRef, pointwise_row
 from specgen.module import FusedLayer
 
 
@@ -211,7 +211,8 @@ class Regions:
                 elif n.op in ("call_function", "call_method", "call_module"):
                     desc = self.classify(n)
                     pure = isinstance(desc, ShapeOp) or (isinstance(desc, PW) and not desc.inplace)
-                    memo[n] = pure and all(memo.get(a, False) for a in n.all_input_nodes)
+                    # a constant reads its inputs' device only
+                    memo[n] = isinstance(desc, ConstantOp) or (pure and all(memo.get(a, False) for a in n.all_input_nodes))
                 else:
                     memo[n] = False
         return self._param_only_memo.get(node, False)
@@ -229,6 +230,8 @@ class Regions:
                 return float(obj.item())  # a constant made in forward, e.g. torch.tensor(0.5)
             return TensorRef(node.target, obj, tuple(obj.shape))
         desc = self.classify(node)
+        if isinstance(desc, ConstantOp) and not along_dim1:
+            return desc.value
         if isinstance(desc, ShapeOp) and isinstance(desc.input, Node):
             base = self._leaf_node(chain, desc.input, along_dim1)
             if isinstance(base, TensorRef):

@@ -5,8 +5,8 @@ statistic stage (normalizations and softmax): each row's `spellings` (module typ
 Tensor methods, Python operators, and how their arguments map to the op's). This module turns
 those names into lookup tables of the live torch objects, and each call into a description (`PW`,
 `PoolOp`, `ReduceOp`, `NormOp` ...) or a `Reject` that says why it is not fused. It has its own rows only for what is not an op of the table, the frame of a
-chain: the convolutions that start chains, and the dropout, identity and shape ops a chain
-passes through.
+chain: the convolutions that start chains, the dropout, identity and shape ops a chain passes
+through, and numbers made into tensors in forward.
 """
 
 from __future__ import annotations
@@ -117,6 +117,14 @@ class ShapeOp:
 @dataclass(eq=False)
 class IdentityOp:
     input: Any
+
+
+@dataclass(eq=False)
+class ConstantOp:
+    """A number made into a tensor in forward (torch.tensor(0.0, device=x.device)): an operand
+    that is that number."""
+
+    value: float
 
 
 @dataclass(eq=False)
@@ -457,6 +465,15 @@ def _dropout(b):
     return IdentityOp(b["input"])
 
 
+def _constant_tensor(b):
+    data = b["data"]
+    if isinstance(data, bool) or not isinstance(data, (int, float)):
+        raise Reject("only a number made into a tensor is read as a constant")
+    if b["dtype"] not in (None, torch.float32):
+        raise Reject(f"dtype={b['dtype']}: a constant is read as a float32 number")
+    return ConstantOp(float(data))
+
+
 @dataclass(frozen=True)
 class _FrameRow:
     """A spelling of something that is not an op of the table; `build(nd)` makes its builder."""
@@ -492,6 +509,11 @@ _FRAME = [
             tuple(f"F.{n}" for n in _DROPOUTS),
             modules=tuple(n.capitalize() for n in _DROPOUTS),
         ),
+    ),
+    # a number made into a tensor in forward, as an operand
+    _FrameRow(
+        lambda nd: _constant_tensor,
+        ops.Spelling("data, dtype=None, device=None, requires_grad=False, pin_memory=False", ("torch.tensor",)),
     ),
     _FrameRow(
         lambda nd: lambda b: IdentityOp(b["input"]),
