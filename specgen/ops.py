@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Callable, Literal, Optional
+from typing import Annotated, Any, Callable, ClassVar, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
@@ -95,11 +95,19 @@ class Spelling:
     PyTorch's name -> the field's) are the op's constants. `fixed` sets arguments this spelling
     does not take (F.relu6 is hardtanh with min_val 0 and max_val 6). `refuse` maps an argument
     to why the call is not fused when it is given (not None, False or 0), as a format string over
-    {value!r}. `scale` = (operand, argument): the operand times the argument (torch.add's alpha).
-    `elementwise` (a reduction's spelling): the pointwise op this call is when a tensor stands
-    where the dim goes (torch.max(x, y)); with a dim it returns (values, indices). `form` names
-    a mapping the importer writes out itself, where an argument changes what the call computes:
-    'power' (x ** c or c ** x), 'batch_norm' (training mode and the statistics)."""
+    {value!r}; `require` maps an argument to why it is not fused when it is None or False (softmax
+    without a dim, instance norm with use_input_stats=False). `scale` = (operand, argument): the
+    operand times the argument (torch.add's alpha). `elementwise` (a reduction's spelling): the
+    pointwise op this call is when a tensor stands where the dim goes (torch.max(x, y)); with a
+    dim it returns (values, indices). `form` names a mapping the importer writes out itself, where
+    an argument changes what the call computes: 'power' (x ** c or c ** x), 'batch_norm' (eval
+    mode over the running statistics, a pointwise op; training mode or no running statistics, a
+    statistic stage).
+
+    A statistic stage's spelling (a row of NORMS) has the tensor itself and its weight and bias as
+    `operands` (None where the op has none); its other arguments that name fields are its
+    constants, and a `dim` names the dims it normalizes over, numbered as the model's code sees
+    the tensor."""
 
     sig: Optional[str] = "input"
     functions: tuple[str, ...] = ()
@@ -110,6 +118,7 @@ class Spelling:
     rename: dict = field(default_factory=dict)
     fixed: dict = field(default_factory=dict)
     refuse: dict = field(default_factory=dict)
+    require: dict = field(default_factory=dict)
     scale: Optional[tuple[str, str]] = None
     elementwise: Optional[str] = None
     form: Optional[str] = None
@@ -356,13 +365,28 @@ class BatchNormArgs(Args):
 
     @classmethod
     def from_operands(cls, operands, fields):
-        """Batch norm whose statistics (and weight, bias) are per-channel tensors: one stage naming them."""
-        mean, var, weight, bias = operands
-        if not all(isinstance(t, Param) for t in (mean, var)):
+        """Batch norm whose statistics (and weight, bias) are per-channel tensors: one stage naming them.
+
+        In eval mode the operands are (running_mean, running_var, weight, bias). With batch
+        statistics (`fields` hold training: true and momentum, or track_running_stats: false) a
+        fifth, num_batches_tracked, follows; the running statistics and the counter are None
+        without running statistics."""
+        mean, var, weight, bias, *counter = operands
+        if not all(t is None or isinstance(t, Param) for t in operands) or (weight is None) != (bias is None):
             return None
-        if not all(t is None or isinstance(t, Param) for t in (weight, bias)) or (weight is None) != (bias is None):
+        batch_stats = fields.get("training", False) or fields.get("track_running_stats", True) is False
+        tracked = fields.get("track_running_stats", True) is not False
+        if tracked and (mean is None or var is None):
             return None
-        args = {"eps": fields["eps"], "running_mean": mean.name, "running_var": var.name}
+        if batch_stats and tracked and (not counter or counter[0] is None):
+            return None
+        args = dict(fields)
+        if tracked:
+            args.update(running_mean=mean.name, running_var=var.name)
+            if batch_stats:
+                args["num_batches_tracked"] = counter[0].name
+        elif mean is not None or var is not None:
+            return None
         if weight is None:
             args["affine"] = False
         else:
@@ -507,6 +531,8 @@ _GELU_TEXT = {
     "tanh": lambda x: f"(0.5 * {x} * (1 + tanh(0.7978845608028654 * ({x} + 0.044715 * {x} ** 3))))",
 }
 _INPLACE = "input, inplace=False"
+_BATCH_NORM = "input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-05"
+_BATCH_NORM_OPERANDS = ("input", "running_mean", "running_var", "weight", "bias")
 _ADD_SUB = "input, other, alpha=1"
 _BINARY = ("input", "other")
 
@@ -738,12 +764,14 @@ _POINTWISE_ROWS = [
         "eval-mode batch norm: (x - running_mean) / sqrt(running_var + eps) * weight + bias",
         params=lambda a: a.names(),
         param_init=_batch_norm_init,
+        # one spelling for both modes: in training mode, or without running statistics, the call is
+        # the statistic stage of NORMS["batch_norm"]; the module also counts its batches
         spellings=(
+            Spelling(_BATCH_NORM, ("F.batch_norm",), operands=_BATCH_NORM_OPERANDS, form="batch_norm"),
             Spelling(
-                "input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-05",
-                ("F.batch_norm",),
+                f"{_BATCH_NORM}, num_batches_tracked=None",
                 modules=("BatchNorm1d", "BatchNorm2d", "BatchNorm3d"),
-                operands=("input", "running_mean", "running_var", "weight", "bias"),
+                operands=(*_BATCH_NORM_OPERANDS, "num_batches_tracked"),
                 form="batch_norm",
             ),
         ),
@@ -1221,11 +1249,25 @@ def _affine_names(data, prefix: str, switch: str, default_on: bool):
 
 
 class _NormArgs(Args):
-    """eps and the names of the affine weight and bias (None: not affine)."""
+    """eps and the names of the affine weight and bias (None: not affine); `_switch` is the field
+    that turns them on (affine, elementwise_affine)."""
+
+    _switch: ClassVar[str] = "affine"
 
     eps: Annotated[float, Field(gt=0)] = 1e-5
     weight: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
     bias: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
+
+    @classmethod
+    def from_operands(cls, operands, fields):
+        """The norm with its constants `fields` and (weight, bias): both `Param`s, or both None
+        (not affine)."""
+        weight, bias = operands
+        if (weight is None) != (bias is None) or not all(t is None or isinstance(t, Param) for t in operands):
+            return None
+        if weight is None:
+            return {**fields, cls._switch: False}
+        return {**fields, cls._switch: True, "weight": weight.name, "bias": bias.name}
 
     @model_validator(mode="after")
     def _not_eps(self):
@@ -1270,6 +1312,8 @@ class LayerNormArgs(_NormArgs):
     """nn.LayerNorm: the trailing dims, whose extents are `normalized_shape`, normalized per row;
     `elementwise_affine` adds a weight and bias of that shape (`layer_norm: 64` is
     {normalized_shape: [64]}; default prefix ln)."""
+
+    _switch: ClassVar[str] = "elementwise_affine"
 
     normalized_shape: Annotated[list[Annotated[int, Field(gt=0, le=1 << 20)]], Field(min_length=1, max_length=4)]
     elementwise_affine: bool = True
@@ -1402,6 +1446,9 @@ class Norm:
     torch_ref: Callable[[Any, Any, dict, tuple], Any]
     affine: Literal["channel", "element", "none"]  # per-channel weight and bias, of the normalized shape, or none
     doc: str = ""
+    # How PyTorch code writes the stage, for the importer (see Spelling); batch norm's spellings are
+    # on its POINTWISE row (one call, either kind of stage)
+    spellings: tuple[Spelling, ...] = ()
 
     def params(self, args) -> tuple[str, ...]:
         return args.names()
@@ -1415,25 +1462,56 @@ class Norm:
 
 _MOMENTS = dict(statistic="moments", prepare="1.0f / sqrtf(%(b)s + %(eps)s)", normalize="(%(x)s - %(a)s) * %(b)s")
 
+_AFFINE = ("input", "weight", "bias")
+_RUNNING = "running statistics ({why}): instance_norm is fused only as nn.InstanceNormNd's default, which normalizes every sample with its own statistics"
+_INSTANCE_NORM = "input, running_mean=None, running_var=None, weight=None, bias=None"
+_NO_DIM = {"dim": "dim=None (PyTorch's implicit dim, deprecated) is not fused: give dim"}
+
+
+def _softmax_spellings(fn: str) -> tuple[Spelling, ...]:
+    """F.softmax (with its _stacklevel) and nn.Softmax; torch.softmax and the Tensor method; the same for log_softmax."""
+    return (
+        Spelling("input, dim=None, _stacklevel=3, dtype=None", (f"F.{fn}",), modules=("Softmax" if fn == "softmax" else "LogSoftmax",),
+                 require=_NO_DIM),
+        Spelling("input, dim, dtype=None", (f"torch.{fn}",) + (("torch.special.softmax",) if fn == "softmax" else ()), (fn,),
+                 require=_NO_DIM),
+    )
+
+
 NORMS: dict[str, Norm] = {
     row.name: row
     for row in [
         Norm("group_norm", GroupNormArgs, _group_norm_span, **_MOMENTS, affine="channel",
              torch_ref=_norm_ref(lambda x, a, w, b, d: _F().group_norm(x, a.num_groups, _flat(w), _flat(b), a.eps)),
-             doc="(x - mean) / sqrt(var + eps) * weight + bias over each sample's channel group"),
+             doc="(x - mean) / sqrt(var + eps) * weight + bias over each sample's channel group",
+             spellings=(Spelling("input, num_groups, weight=None, bias=None, eps=1e-05", ("F.group_norm",), (), ("GroupNorm",),
+                                 operands=_AFFINE),)),
         Norm("instance_norm", InstanceNormArgs, _instance_norm_span, **_MOMENTS, affine="channel",
              torch_ref=_norm_ref(lambda x, a, w, b, d: _F().instance_norm(x, weight=_flat(w), bias=_flat(b), eps=a.eps)),
-             doc="(x - mean) / sqrt(var + eps) [* weight + bias] over each sample's channel"),
+             doc="(x - mean) / sqrt(var + eps) [* weight + bias] over each sample's channel",
+             spellings=(
+                 Spelling(f"{_INSTANCE_NORM}, use_input_stats=True, momentum=0.1, eps=1e-05", ("F.instance_norm",), operands=_AFFINE,
+                          refuse={n: _RUNNING.format(why=f"{n} passed in") for n in ("running_mean", "running_var")},
+                          require={"use_input_stats": "use_input_stats=False normalizes with the running statistics, "
+                                                      "which the instance_norm stage does not do"}),
+                 # the module's arguments: use_input_stats follows track_running_stats, refused here
+                 Spelling(f"{_INSTANCE_NORM}, eps=1e-05", modules=("InstanceNorm{nd}d",), nd=(1, 2, 3), operands=_AFFINE,
+                          refuse={n: _RUNNING.format(why="track_running_stats=True") for n in ("running_mean", "running_var")}),
+             )),
         Norm("layer_norm", LayerNormArgs, _layer_norm_span, **_MOMENTS, affine="element",
              torch_ref=_norm_ref(lambda x, a, w, b, d: _F().layer_norm(x, list(a.normalized_shape), w, b, a.eps)),
-             doc="(x - mean) / sqrt(var + eps) * weight + bias over the trailing normalized_shape"),
+             doc="(x - mean) / sqrt(var + eps) * weight + bias over the trailing normalized_shape",
+             spellings=(Spelling("input, normalized_shape, weight=None, bias=None, eps=1e-05", ("F.layer_norm",), (), ("LayerNorm",),
+                                 operands=_AFFINE),)),
         Norm("batch_norm", BatchNormArgs, _batch_norm_span, **_MOMENTS, affine="channel",
              torch_ref=_norm_ref(lambda x, a, w, b, d: _F().batch_norm(x, None, None, _flat(w), _flat(b), True, 0.0, a.eps)),
              doc="(x - mean) / sqrt(var + eps) * weight + bias over each channel of the whole batch"),
         Norm("softmax", SoftmaxArgs, _softmax_span, "lse", "%(b)s", "expf(%(x)s - %(a)s) / %(b)s", _softmax_ref(False),
-             "none", "exp(x - max) / sum(exp(x - max)) over dim"),
+             "none", "exp(x - max) / sum(exp(x - max)) over dim",
+             # nn.Softmax2d: the softmax over the channels of a [N, C, H, W] tensor
+             spellings=(*_softmax_spellings("softmax"), Spelling("input", modules=("Softmax2d",), fixed={"dim": -3}))),
         Norm("log_softmax", SoftmaxArgs, _softmax_span, "lse", "logf(%(b)s)", "(%(x)s - %(a)s) - %(b)s", _softmax_ref(True),
-             "none", "x - max - log(sum(exp(x - max))) over dim"),
+             "none", "x - max - log(sum(exp(x - max))) over dim", spellings=_softmax_spellings("log_softmax")),
     ]
 }
 

@@ -545,17 +545,159 @@ def _randomize_bn(model: nn.Module) -> nn.Module:
     return model.eval()
 
 
-# -- models that must (partly) fall back ---------------------------------------------------------
+# -- statistic stages: normalizations and softmax, in every spelling -------------------------------
 
 
-class BatchNormTraining(nn.Module):
+class _Affine(nn.Module):
+    """A conv, and a per-channel weight and bias for the functional norms (a (C,) shape, as nn's)."""
+
+    def __init__(self, shape=(C,)):
+        super().__init__()
+        self.conv = conv2d()
+        g = torch.Generator().manual_seed(2)
+        self.w = nn.Parameter(torch.rand(shape, generator=g) + 0.5)
+        self.b = nn.Parameter(torch.randn(shape, generator=g))
+
+
+class GroupNormForms(_Affine):
+    def __init__(self):
+        super().__init__()
+        self.gn = nn.GroupNorm(2, C)
+        self.plain = nn.GroupNorm(4, C, eps=1e-3, affine=False)
+
+    def forward(self, x):
+        x = torch.relu(self.gn(self.conv(x)))
+        x = F.group_norm(x, 4, self.w, self.b, eps=1e-3)
+        return self.plain(F.group_norm(x, 1))
+
+
+class InstanceNormForms(_Affine):
+    def __init__(self):
+        super().__init__()
+        self.inorm = nn.InstanceNorm2d(C)
+        self.affine = nn.InstanceNorm2d(C, affine=True, eps=1e-3)
+
+    def forward(self, x):
+        x = torch.sigmoid(self.inorm(self.conv(x)))
+        x = self.affine(x)
+        return F.instance_norm(x, weight=self.w, bias=self.b, eps=1e-4)
+
+
+class InstanceNorm3dModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(C_IN, C, 3)
+        self.inorm = nn.InstanceNorm3d(C, affine=True)
+
+    def forward(self, x):
+        return self.inorm(self.conv(x)) * 2
+
+
+class LayerNormForms(_Affine):
+    """nn.LayerNorm over the last dim (KernelBench's), F.layer_norm over the last two with a weight
+    of that shape, and one without affine."""
+
+    def __init__(self):
+        super().__init__(shape=(6, 6))
+        self.ln = nn.LayerNorm(6)
+        self.plain = nn.LayerNorm([6], elementwise_affine=False, eps=1e-3)
+
+    def forward(self, x):
+        x = self.ln(self.conv(x))
+        x = F.layer_norm(torch.tanh(x), (6, 6), self.w, self.b)
+        return self.plain(x)
+
+
+class SoftmaxForms(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = conv2d()
-        self.bn = nn.BatchNorm2d(C)
+        self.softmax = nn.Softmax(dim=1)
+        self.softmax2d = nn.Softmax2d()
+
+    def forward(self, x):
+        x = self.softmax(self.conv(x))
+        x = F.softmax(x * 4, dim=-1)
+        x = torch.softmax(x * 4, 2)
+        x = (x * 4).softmax(1)
+        x = torch.special.softmax(x * 4, dim=3)
+        return self.softmax2d(x * 4)
+
+
+class LogSoftmaxForms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.log_softmax = nn.LogSoftmax(dim=1)
+
+    def forward(self, x):
+        x = self.log_softmax(self.conv(x))
+        x = F.log_softmax(x, 2)
+        x = torch.log_softmax(x, dim=-1)
+        return x.log_softmax(1)
+
+
+class SoftmaxAfterRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.softmax = nn.Softmax(dim=1)
+
+    def forward(self, x):
+        return self.softmax(F.relu(self.conv(x)) * 2)
+
+
+class SoftmaxOverPositions(nn.Module):
+    """KernelBench's spatial softmax: the positions flattened, softmax over them, the view undone."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.scale = nn.Parameter(torch.rand(1, C, 1, 1) + 0.5)
+
+    def forward(self, x):
+        x = torch.clamp(self.conv(x), 0.0, 1.0)
+        b, c, h, w = x.shape
+        x = torch.softmax(x.view(b, c, -1), dim=2)
+        return x.view(b, c, h, w) * self.scale
+
+
+class BatchNormTraining(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.conv = conv2d()
+        self.bn = nn.BatchNorm2d(C, **kw)
 
     def forward(self, x):
         return torch.relu(self.bn(self.conv(x)))
+
+
+class BatchNormUntracked(nn.Module):
+    """Batch statistics in either mode: a module without running statistics, and F.batch_norm given none."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.bn = nn.BatchNorm2d(C, track_running_stats=False)
+
+    def forward(self, x):
+        x = self.bn(self.conv(x))
+        return F.batch_norm(torch.tanh(x), None, None, self.bn.weight, self.bn.bias, training=True, eps=1e-3)
+
+
+class FunctionalBatchNormTraining(_Affine):
+    """F.batch_norm in training mode over buffers of the model: it updates them, counting nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(C))
+        self.register_buffer("var", torch.ones(C))
+
+    def forward(self, x):
+        return F.batch_norm(self.conv(x), self.mean, self.var, self.w, self.b, training=True, momentum=0.25)
+
+
+# -- models that must (partly) fall back ---------------------------------------------------------
 
 
 class TwoBranches(nn.Module):
@@ -587,14 +729,43 @@ class CumsumAfterConv(nn.Module):
         return torch.cumsum(self.conv(x), dim=1)
 
 
-class SoftmaxAfterRelu(nn.Module):
-    def __init__(self):
+class TensorConstants(nn.Module):
+    """Numbers made into tensors in forward (on the value's device, as KernelBench writes them)."""
+
+    def __init__(self, data=0.5, dtype=None):
         super().__init__()
         self.conv = conv2d()
-        self.softmax = nn.Softmax(dim=1)
+        self.data, self.dtype = data, dtype
 
     def forward(self, x):
-        return self.softmax(F.relu(self.conv(x)) * 2)
+        x = torch.relu(self.conv(x))
+        x = torch.min(x, torch.tensor(self.data, dtype=self.dtype, device=x.device))
+        return x * torch.tensor(2.0, device=x.device)
+
+
+class Norms(nn.Module):
+    """A conv, a relu, then `make(self)` (a norm module) or `call(self, x)`: norms the importer refuses."""
+
+    def __init__(self, make=None, call=None):
+        super().__init__()
+        self.conv = conv2d()
+        self.norm = make() if make is not None else None
+        self.call = call
+        self.w = nn.Parameter(torch.ones(C))
+        self.register_buffer("mean", torch.zeros(C))
+        self.register_buffer("var", torch.ones(C))
+
+    def forward(self, x):
+        x = torch.relu(self.conv(x))
+        return self.norm(x) if self.norm is not None else self.call(self, x)
+
+
+def _norms(name, make=None, call=None):
+    def build():
+        return Norms(make, call)
+
+    build.__name__ = name
+    return build
 
 
 class CeilModePool(nn.Module):
@@ -797,6 +968,19 @@ CASES: list[Case] = [
     Case(_bn(NestedBlocks), IMG, [["batch_norm", "relu"], ["batch_norm", "relu"]]),
     Case(_bn(FunctionalBatchNorm), IMG, [["batch_norm"]]),
     Case(UnpackedMax, IMG, [["relu", "amax"]]),
+    Case(TensorConstants, IMG, [["relu", "min", "mul"]]),
+    Case(GroupNormForms, IMG, [["group_norm", "relu", "group_norm", "group_norm", "group_norm"]]),
+    Case(InstanceNormForms, IMG, [["instance_norm", "sigmoid", "instance_norm", "instance_norm"]]),
+    Case(InstanceNorm3dModule, VOL, [["instance_norm", "mul"]]),
+    Case(LayerNormForms, IMG, [["layer_norm", "tanh", "layer_norm", "layer_norm"]]),
+    Case(SoftmaxForms, IMG, [["softmax", "mul", "softmax", "mul", "softmax", "mul", "softmax", "mul", "softmax", "mul", "softmax"]]),
+    Case(LogSoftmaxForms, IMG, [["log_softmax"] * 4]),
+    Case(SoftmaxAfterRelu, IMG, [["relu", "mul", "softmax"]]),
+    Case(SoftmaxOverPositions, IMG, [["clamp", "softmax", "mul"]]),
+    Case(BatchNormTraining, IMG, [["batch_norm", "relu"]]),
+    Case(lambda: BatchNormTraining(momentum=None), IMG, [["batch_norm", "relu"]], id="BatchNormCumulative"),
+    Case(BatchNormUntracked, IMG, [["batch_norm", "tanh", "batch_norm"]]),
+    Case(FunctionalBatchNormTraining, IMG, [["batch_norm"]]),
 ]
 
 
@@ -820,11 +1004,49 @@ def _double():
 
 
 FALLBACKS: list[FallbackCase] = [
-    FallbackCase(BatchNormTraining, IMG, [], [("conv", "nothing to fuse"), ("bn", "in training mode batch norm normalizes")]),
     FallbackCase(TwoBranches, IMG, [], [("conv", "is used by 2 nodes"), ("relu", "used more than once")]),
     FallbackCase(IntermediateReturned, IMG, [["relu"]], [("sigmoid", "also returned by the model")]),
     FallbackCase(CumsumAfterConv, IMG, [], [("cumsum", "torch.cumsum is not a supported op"), ("conv", "nothing to fuse")]),
-    FallbackCase(SoftmaxAfterRelu, IMG, [["relu", "mul"]], [("softmax", "nn.Softmax (softmax) is not a supported op")]),
+    FallbackCase(
+        _norms("InstanceNormTracked", make=lambda: nn.InstanceNorm2d(C, track_running_stats=True)), IMG, [["relu"]],
+        [("norm", "running statistics (track_running_stats=True)")],
+    ),
+    FallbackCase(
+        _norms("InstanceNormStats", call=lambda m, x: F.instance_norm(x, m.mean, m.var, use_input_stats=False)), IMG, [["relu"]],
+        [("instance_norm", "use_input_stats=False normalizes with the running statistics")],
+    ),
+    FallbackCase(
+        _norms("InstanceNormStatsGiven", call=lambda m, x: F.instance_norm(x, m.mean, m.var)), IMG, [["relu"]],
+        [("instance_norm", "running statistics (running_mean passed in)")],
+    ),
+    FallbackCase(
+        _norms("LayerNormNoBias", make=lambda: nn.LayerNorm(6, bias=False)), IMG, [["relu"]],
+        [("norm", "weight without bias: the layer_norm stage has both or neither")],
+    ),
+    FallbackCase(
+        _norms("GroupNormWeightOnly", call=lambda m, x: F.group_norm(x, 2, m.w)), IMG, [["relu"]],
+        [("group_norm", "weight without bias: the group_norm stage has both or neither")],
+    ),
+    FallbackCase(
+        _norms("GroupNormComputedWeight", call=lambda m, x: F.group_norm(x, 2, m.w * 2, m.w)), IMG, [["relu"]],
+        [("group_norm", "operand mul is computed in forward")],
+    ),
+    FallbackCase(
+        _norms("SoftmaxDtype", call=lambda m, x: F.softmax(x, 1, dtype=torch.float64)), IMG, [["relu"]],
+        [("softmax", "dtype=torch.float64 (only float32 is fused)")],
+    ),
+    FallbackCase(
+        _norms("SoftmaxOfTheBatch", call=lambda m, x: x.softmax(0)), IMG, [["relu"]], [("softmax", "dim 0 is the batch")],
+    ),
+    FallbackCase(
+        lambda: Norms(lambda: nn.GroupNorm(2, C)).bfloat16(), IMG, [["relu"]],
+        [("norm", "a bf16 layer with it cannot be planned: precision: the tail engine's kernels compute in float32")],
+        id="GroupNormBf16",
+    ),
+    FallbackCase(
+        lambda: Norms(lambda: nn.Softmax(dim=1)).half(), IMG, [["relu"]],
+        [("norm", "a fp16 layer with it cannot be planned")], id="SoftmaxFp16",
+    ),
     FallbackCase(CeilModePool, IMG, [["relu"]], [("pool", "ceil_mode=True is not supported")]),
     FallbackCase(AdaptiveToTwo, IMG, [["relu"]], [("pool", "output_size=2: only an output of 1 (a global pool) is fused")]),
     FallbackCase(PoolWithIndices, IMG, [["relu"]], [("pool", "return_indices=True is not supported")]),
@@ -841,4 +1063,8 @@ FALLBACKS: list[FallbackCase] = [
         _bn(ResidualBlock), (2, C, 8, 8), [["batch_norm", "relu"], ["batch_norm"]], [("add", "operand x is computed by the model")]
     ),
     FallbackCase(ControlFlow, IMG, [], [("ControlFlow", "torch.fx cannot trace")]),
+    FallbackCase(lambda: TensorConstants(data=[[[0.5]]] * C), IMG, [["relu"]],
+                 [("tensor", "only a number made into a tensor is read as a constant")], id="TensorOfAList"),
+    FallbackCase(lambda: TensorConstants(dtype=torch.float16), IMG, [["relu"]],
+                 [("tensor", "dtype=torch.float16: a constant is read as a float32 number")], id="HalfConstant"),
 ]

@@ -3,6 +3,7 @@ reference, importer, and how many public KernelBench problems import."""
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -352,30 +353,63 @@ def test_affine_free_functional_batch_norm_round_trips():
     assert parse_yaml(report.yaml())[0].shape_hash == spec.shape_hash
 
 
-def test_batch_norm_in_training_mode_still_falls_back_with_its_reason():
+def test_batch_norm_in_training_mode_imports_as_its_statistic_stage():
+    """After a transposed conv too: the batch's statistics, the model's running ones updated."""
+    torch.manual_seed(0)
     model = UpBlock().train()
-    report = explain(model, torch.randn(2, 4, 5, 6))
-    assert report.specs == []
-    assert any("in training mode batch norm normalizes" in fb.reason for fb in report.fallbacks)
+    x = torch.randn(2, 4, 5, 6)
+    report = explain(model, x)
+    assert report.fallbacks == []
+    (spec,) = report.specs
+    assert [stage.op for stage in spec.epilogue] == ["batch_norm", "relu"] and spec.epilogue[0].args.training
+    plain = copy.deepcopy(model)
+    fused = from_module(model, x)
+    layer = next(m for m in fused.modules() if isinstance(m, FusedLayer))
+    assert layer.bn_running_mean is model.bn.running_mean and layer.bn_num_batches_tracked is model.bn.num_batches_tracked
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), plain(x))
+    for name, buf in plain.bn.named_buffers():
+        torch.testing.assert_close(getattr(model.bn, name), buf)
 
 
 # ---- the public KernelBench problems -----------------------------------------------------------
+
+
+def _imported_whole(training: bool) -> tuple[set, dict]:
+    """The problems that import into one spec with no fallback, and why each other one does not."""
+    fused, reasons = set(), {}
+    for path in kb.problems():
+        model, inputs = kb.load(path, training=training)
+        report = explain(model, *inputs)
+        if len(report.specs) == 1 and not report.fallbacks:
+            fused.add(path.stem)
+        else:
+            reasons[path.stem] = [fb.reason for fb in report.fallbacks]
+    return fused, reasons
 
 
 @pytest.mark.skipif(kb.folder() is None, reason="the KernelBench problems are not beside the checkout")
 def test_kernelbench_problems_that_import_whole():
     """Counts the problems that import into one spec with no fallback (eval mode): no regression,
     and every problem listed as fused is."""
-    fused, reasons = set(), {}
-    for path in kb.problems():
-        model, inputs = kb.load(path)
-        report = explain(model, *inputs)
-        if len(report.specs) == 1 and not report.fallbacks:
-            fused.add(path.stem)
-        else:
-            reasons[path.stem] = [fb.reason for fb in report.fallbacks]
+    fused, reasons = _imported_whole(training=False)
     assert len(kb.problems()) == 46
     assert kb.FUSED <= fused, {name: reasons.get(name) for name in kb.FUSED - fused}
-    assert len(fused) >= len(kb.FUSED) > len(kb.FUSED_BEFORE) and kb.FUSED_BEFORE <= fused
+    assert len(fused) >= len(kb.FUSED) > kb.FUSED_BEFORE_NORMS > len(kb.FUSED_BEFORE) and kb.FUSED_BEFORE <= fused
     transposed = {name for name in fused if "ConvTranspose" in name}
     assert len(transposed) >= 13
+    norms = {name for name in fused if any(op in name for op in ("Norm", "Softmax"))}
+    assert len(norms) >= 20
+
+
+@pytest.mark.skipif(kb.folder() is None, reason="the KernelBench problems are not beside the checkout")
+def test_kernelbench_problems_that_import_whole_in_training_mode():
+    """The same in training mode, as KernelBench runs the problems: every batch norm among them is
+    its training-mode stage."""
+    fused, reasons = _imported_whole(training=True)
+    assert kb.FUSED_TRAIN <= fused, {name: reasons.get(name) for name in kb.FUSED_TRAIN - fused}
+    assert len(fused) >= len(kb.FUSED_TRAIN) > len(kb.FUSED_TRAIN_BEFORE_NORMS) and kb.FUSED_TRAIN_BEFORE_NORMS <= fused
+    assert {name for name in fused if "BatchNorm" in name} >= {
+        "11_ConvTranspose2d_BatchNorm_Tanh_MaxPool_GroupNorm", "72_ConvTranspose3d_BatchNorm_AvgPool_AvgPool",
+        "73_Conv2d_BatchNorm_Scaling", "77_ConvTranspose3d_Scale_BatchNorm_GlobalAvgPool",
+    }

@@ -68,6 +68,25 @@ def test_from_module_matches_and_shares_parameters(case):
             assert owners
 
 
+@pytest.mark.parametrize("case", im.CASES, ids=lambda c: c.id)
+def test_from_module_matches_in_both_modes(case):
+    """Imported in eval mode and in training mode (batch norms, dropout), then switched: the fused
+    model computes what the model computes in each."""
+    for training in (False, True):
+        model, x = _build(case)
+        modal = [m for m in model.modules() if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Dropout))]
+        model.train(training)
+        fused = from_module(model, x)
+        for mode in (training, not training):
+            if mode and any(isinstance(m, nn.Dropout) for m in modal):
+                continue  # random
+            if modal and not training and mode:
+                continue  # imported in eval mode, batch norm and dropout stay so (documented)
+            fused.train(mode), model.train(mode)
+            with torch.no_grad():
+                torch.testing.assert_close(fused(x), model(x))
+
+
 def test_module_and_functional_forms_share_the_very_parameters():
     torch.manual_seed(0)
     model = im.ParamArith()
@@ -226,13 +245,15 @@ def test_fallbacks_say_why(case):
         torch.testing.assert_close(fused(x), model(x))
 
 
-def test_batchnorm_in_training_mode_falls_back_with_the_reason():
-    model = im.BatchNormTraining()
-    report = explain(model, torch.randn(im.IMG))
-    assert report.specs == []
-    reasons = dict(report.fallbacks)
-    assert "training mode" in reasons["bn"]
-    assert "training mode" in reasons["conv"]
+def test_batchnorm_in_training_mode_is_its_statistic_stage():
+    """A batch norm in training mode (how a model is built) fuses as the batch-statistics stage that
+    updates the model's running statistics (tests/test_importer_norms.py checks the updates)."""
+    report = explain(im.BatchNormTraining(), torch.randn(im.IMG))
+    assert report.fallbacks == []
+    (spec,) = report.specs
+    bn = spec.epilogue[0]
+    assert bn.kind == "norm" and bn.args.training and bn.args.momentum == 0.1
+    assert bn.args.buffer_names() == ("bn_running_mean", "bn_running_var", "bn_num_batches_tracked")
 
 
 def test_explain_leaves_running_statistics_alone():
@@ -251,9 +272,17 @@ def test_a_conv_feeding_two_branches_is_not_fused():
 
 
 def test_an_unsupported_op_ends_the_chain_there():
-    report = explain(im.SoftmaxAfterRelu(), torch.randn(im.IMG))
+    class CumsumAfterRelu(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = im.conv2d()
+
+        def forward(self, x):
+            return torch.cumsum(torch.relu(self.conv(x)) * 2, 1)
+
+    report = explain(CumsumAfterRelu(), torch.randn(im.IMG))
     assert _ops(report) == [["relu", "mul"]]
-    assert report.fallbacks == [Fallback("softmax", "nn.Softmax (softmax) is not a supported op")]
+    assert report.fallbacks == [Fallback("cumsum", "torch.cumsum is not a supported op")]
 
 
 def test_each_fallback_is_logged_once(caplog):

@@ -107,9 +107,9 @@ def test_every_row_with_spellings_has_module_function_and_method_forms_between_t
     assert all("functions" in k for k in kinds.values())
 
 
-def test_pools_and_reductions_come_from_their_rows():
+def test_pools_reductions_and_norms_come_from_their_rows():
     names = supported_names()
-    for row, spelling, kind, name in (*_spelled(ops.POOLS), *_spelled(ops.REDUCTIONS)):
+    for row, spelling, kind, name in (*_spelled(ops.POOLS), *_spelled(ops.REDUCTIONS), *_spelled(ops.NORMS)):
         shown = f"nn.{name}" if kind == "modules" else name
         assert shown in names[kind], (row.name, shown)
 
@@ -148,7 +148,7 @@ def _importer_strings() -> set[str]:
 def test_the_importer_spells_no_op_of_the_table():
     """No function, module or method name a row spells appears in the importer's own source (op
     names such as 'mul' aside): the rows are the one place that says how PyTorch writes an op."""
-    tables = (ops.POINTWISE, ops.EXPR_ONLY, ops.POOLS, ops.REDUCTIONS)
+    tables = (ops.POINTWISE, ops.EXPR_ONLY, ops.POOLS, ops.REDUCTIONS, ops.NORMS)
     spelled = {name for table in tables for _, _, _, name in _spelled(table)}
     templates = {n for table in tables for row in table.values() for s in row.spellings for n in s.functions + s.modules}
     op_names = {name for table in tables for name in table}
@@ -159,6 +159,7 @@ def test_the_importer_spells_no_op_of_the_table():
 def test_every_form_a_spelling_names_is_known_to_the_importer():
     forms = {s.form for table in (ops.POINTWISE, ops.EXPR_ONLY) for row in table.values() for s in row.spellings}
     assert forms - {None} <= set(recognize._FORMS)
+    assert all(s.form is None for row in ops.NORMS.values() for s in row.spellings)  # one builder for every norm
     for row in ops.REDUCTIONS.values():
         for spelling in row.spellings:
             assert spelling.elementwise is None or spelling.elementwise in ops.POINTWISE
@@ -186,7 +187,7 @@ def test_the_spellings_need_no_torch():
     """ops.py stays importable without torch (the build path): spellings are names, not objects."""
     code = (
         "import sys, specgen.ops as o; "
-        "n = sum(len(s.functions) for t in (o.POINTWISE, o.EXPR_ONLY, o.POOLS, o.REDUCTIONS) "
+        "n = sum(len(s.functions) for t in (o.POINTWISE, o.EXPR_ONLY, o.POOLS, o.REDUCTIONS, o.NORMS) "
         "for r in t.values() for s in r.spellings); print(n > 0, 'torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

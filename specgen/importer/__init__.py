@@ -16,10 +16,17 @@ chain that grows while the next node is something a spec can say:
 * pools and reductions map to their spec ops; shape ops (view, reshape, flatten, squeeze,
   unsqueeze) that only drop or insert size-1 dims are absorbed, and the fused layer's output is
   reshaped back to what the model returned;
+* the statistic stages (the op table's NORMS rows) in module, functional and method forms:
+  group, instance and layer norm (their weight and bias the model's own: per channel, or of the
+  normalized shape), softmax and log_softmax over the dims the call names (a view that flattens
+  dims for a softmax and the view back are one stage over those dims);
 * convolutions and transposed convolutions (module and functional forms) start chains;
-* eval-mode batch norm and dropout fuse as what they compute in eval mode (a `batch_norm` stage
-  over the running statistics, the identity): the fused model keeps that behaviour even if it is
-  later switched to training mode.
+* batch norm fuses as what it computes in the model's mode: in eval mode a `batch_norm` stage
+  over the running statistics (the fused model keeps that behaviour even if it is later switched
+  to training mode); in training mode the batch-statistics stage, which updates the model's very
+  running statistics and num_batches_tracked as nn.BatchNormNd does (and after `.eval()` uses
+  them); without running statistics the batch's, in either mode. Dropout fuses in eval mode, as
+  the identity. Statistic stages run in float32 only: a bfloat16 or float16 chain ends before one.
 
 A chain ends at a value that is used more than once (or returned), at an op outside the
 vocabulary, or where the spec would not validate; a chain with nothing after its convolution is
@@ -194,7 +201,8 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, pr
         # Chains that win alone can still lose together (caches, launch gaps): the whole model is
         # timed once more, and the original is kept unless the fused one is faster.
         inputs = [tuple(example_inputs)]
-        fused_ms, plain_ms = measured.compare(lambda a: fused(*a), lambda a: model(*a), inputs)
+        with rewrite.buffers_kept(model, fused):
+            fused_ms, plain_ms = measured.compare(lambda a: fused(*a), lambda a: model(*a), inputs)
         report.whole_model = (fused_ms, plain_ms)
         if fused_ms >= plain_ms:
             log.warning(

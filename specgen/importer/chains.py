@@ -5,6 +5,7 @@ validate. Every node left running as PyTorch gets its reason here."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -12,12 +13,14 @@ import torch
 import torch.nn as nn
 from torch.fx import Node
 
+from specgen import ops
 from specgen.importer.exprs import Regions, ancestors, cut_points
 from specgen.importer.graph import (
     Capture,
     dtype_of,
     is_accessor,
     is_values_accessor,
+    merged_dims,
     recorded,
     same_layout,
     sanitize,
@@ -29,7 +32,10 @@ from specgen.importer.graph import (
 )
 from specgen.importer.recognize import (
     ConvOp,
+    Counter,
+    Dim1,
     IdentityOp,
+    NormOp,
     PoolOp,
     PW,
     Recognizer,
@@ -63,6 +69,10 @@ class _Chain:
     stop: Optional[str] = None  # why the chain ended
     rejected: dict = field(default_factory=dict)  # node -> why it did not join
     dtype: object = None  # the chain's dtype: float32, bfloat16 or float16 (every value of it)
+    # how its training-mode batch norms with running statistics take their mode: None (it has none),
+    # "module" (the layer's mode: after .eval() the running statistics) or "call" (F.batch_norm's
+    # training=True: the batch's statistics in either mode)
+    mode: Optional[str] = None
 
     @property
     def stages(self) -> list:
@@ -185,6 +195,10 @@ class Analysis(Capture):
                 self._take_pool(chain, user, desc)
             elif isinstance(desc, ReduceOp):
                 self._take_reduce(chain, user, desc)
+            elif isinstance(desc, NormOp):
+                self._take_norm(chain, user, desc)
+            elif isinstance(desc, ShapeOp) and self._flattened_norm(chain, user):
+                self._take_flattened_norm(chain, user)
             elif isinstance(desc, (ShapeOp, IdentityOp)):
                 self._take_view(chain, user, desc)
             else:
@@ -195,7 +209,9 @@ class Analysis(Capture):
             return False
         return True
 
-    def _commit(self, chain: _Chain, stages: list, nodes: list, out: Node) -> None:
+    def _commit(self, chain: _Chain, stages: list, nodes: list, out: Node, check=None) -> None:
+        """Add `stages` (covering `nodes`, ending at `out`) to the chain; `check(spec)` may refuse
+        the spec they make before anything changes."""
         spec = chain.spec
         if stages:
             data = {**chain.data, "epilogue": chain.stages + stages}
@@ -203,6 +219,8 @@ class Analysis(Capture):
                 spec = validate(data)
             except SpecError as err:
                 raise Reject(f"the spec would not validate: {'; '.join(err.problems)}") from None
+            if check is not None:
+                check(spec)
         view = shape_of(out)
         spec_out = spec.output_shape(chain.batch)
         if view is None or not same_layout(view, spec_out):
@@ -264,6 +282,111 @@ class Analysis(Capture):
                 f"inserted or merged (and the batch must stay dim 0)"
             )
         self._commit(chain, [], [node], node)
+
+    # -- statistic stages: normalizations and softmax ------------------------------------------
+
+    def _take_norm(self, chain: _Chain, node: Node, desc: NormOp, nodes=None, dims=None) -> None:
+        """A statistic stage at `node`; `dims` (the dims of the chain's view it normalizes over)
+        where a flattening view before it decided them, and `nodes` then the views around it."""
+        where = self.describe(node)
+        saved = (dict(chain.names), dict(chain.tensors))
+        try:
+            if dtype_of(node) != chain.dtype:
+                raise Reject(f"produces {dtype_of(node)}, the chain is {chain.dtype}")
+            view, spec_out = tuple(chain.view), tuple(chain.spec_out)
+            attrs = dict(desc.attrs)
+            if desc.dims is not None:
+                attrs["dim"] = _spec_dims(view, spec_out, desc.dims if dims is None else dims)
+            elif view != spec_out:
+                raise Reject(f"it normalizes the value shaped {list(view)}, which the spec holds as {list(spec_out)}")
+            names = [self._norm_operand(chain, value, desc.operands) for value in desc.operands]
+            args = ops.NORMS[desc.op].args.from_operands(tuple(names), attrs)
+            if args is None:  # pragma: no cover - the builders give what from_operands takes
+                raise Reject(f"its tensors do not make a {desc.op} stage")
+            mode = _mode(chain, desc, args)
+            self._commit(chain, [{desc.op: args}], nodes or [node], node if nodes is None else nodes[-1],
+                         check=lambda spec: self._check_norm(chain, spec))
+            chain.mode = mode
+        except Reject as rej:
+            chain.names, chain.tensors = saved
+            raise Reject(f"{where}: {rej.reason}") from None
+
+    def _norm_operand(self, chain: _Chain, value, operands: tuple) -> Optional[ops.Param]:
+        """A statistic stage's tensor, named in the chain: a per-channel one (Dim1), a batch counter,
+        or one used whole (a layer norm's weight, of its normalized shape)."""
+        if value is None:
+            return None
+        if isinstance(value, Counter):
+            return ops.Param(self._counter(chain, value.value, operands))
+        if isinstance(value, Dim1):
+            ref = self.regions.leaf(chain, value)
+        else:
+            ref = self.regions.whole(chain, value)
+        return ops.Param(self.regions.param_name(chain, ref))
+
+    def _counter(self, chain: _Chain, value, operands: tuple) -> str:
+        """The name of a batch norm's num_batches_tracked: the model's buffer, or (F.batch_norm, which
+        counts nothing) a new one of the fused layer, named after the running mean."""
+        if value is not None:
+            ref = self.regions.whole(chain, value, dtype=torch.int64)
+            if ref.tensor.dim() != 0:
+                raise Reject(f"{ref.path} has shape {list(ref.tensor.shape)}; a batch counter is a 0-dim int64 tensor")
+            return self.regions.param_name(chain, ref)
+        mean = self.regions.leaf(chain, operands[0])
+        counter = torch.zeros((), dtype=torch.int64, device=mean.tensor.device)
+        base = mean.path.replace("running_mean", "num_batches_tracked")
+        path = base if base != mean.path else f"{mean.path}_num_batches_tracked"
+        return self.regions.param_name(chain, TensorRef(path, counter, ()))
+
+    def _check_norm(self, chain: _Chain, spec: LayerSpec) -> None:
+        """The spec with a statistic stage: each tensor the model holds has the values the spec
+        gives it, and the layer can be planned in its precision (the tail engine computes in float32)."""
+        wanted = {**spec.params(), **{name: shape for name, (shape, _, _) in spec.buffers().items()}}
+        for name, tensor in chain.tensors.items():
+            if name in wanted and tensor.numel() != math.prod(wanted[name]):
+                raise Reject(f"{name} has shape {list(tensor.shape)}, the spec wants {list(wanted[name])}")
+        if spec.precision in ("bf16", "fp16"):
+            from specgen.plan import build_plan
+
+            try:
+                build_plan(spec)
+            except SpecError as err:
+                raise Reject(f"a {spec.precision} layer with it cannot be planned: {'; '.join(err.problems)}") from None
+
+    def _flattened_norm(self, chain: _Chain, node: Node) -> bool:
+        """Whether `node` flattens dims of the chain's value for a softmax over them that a view
+        back to the chain's shape follows (x.view(b, c, -1), softmax(dim=2), .view(b, c, d, h, w))."""
+        shape = shape_of(node)
+        if shape is None or same_layout(shape, chain.view) or merged_dims(chain.view, shape) is None:
+            return False
+        users = value_users(node)
+        if len(users) != 1 or users[0].op == "output":
+            return False
+        desc = self.classify(users[0])
+        if not isinstance(desc, NormOp) or desc.dims is None or desc.input is not node:
+            return False
+        after = value_users(users[0])
+        if len(after) != 1 or after[0].op == "output":
+            return False
+        back = self.classify(after[0])
+        shape = shape_of(after[0])
+        return isinstance(back, ShapeOp) and back.input is users[0] and shape is not None and same_layout(shape, chain.view)
+
+    def _take_flattened_norm(self, chain: _Chain, node: Node) -> None:
+        """The three nodes _flattened_norm found as one stage over the dims the view merged."""
+        flat = shape_of(node)
+        groups = merged_dims(chain.view, flat)
+        norm = value_users(node)[0]
+        back = value_users(norm)[0]
+        desc = self.classify(norm)
+        dims = []
+        for d in desc.dims:
+            n = d + len(flat) if isinstance(d, int) and d < 0 else d
+            if not isinstance(n, int) or not 0 <= n < len(flat):
+                raise Reject(f"{self.describe(norm)}: dim {d} is out of range for a tensor shaped {list(flat)}")
+            lo, hi = groups[n]
+            dims.extend(range(lo, hi + 1))
+        self._take_norm(chain, norm, desc, nodes=[node, norm, back], dims=dims)
 
     # -- pointwise regions (found and written by exprs.Regions) -------------------------------
 
@@ -404,6 +527,44 @@ def _start(imp: Analysis, conv: Node, desc: ConvOp) -> _Chain:
     if chain.view is None or tuple(chain.view) != tuple(chain.spec_out):
         raise Reject(f"{where}: the spec's output {list(chain.spec_out)} differs from the model's {chain.view}")
     return chain
+
+
+def _mode(chain: _Chain, desc: NormOp, args: dict) -> Optional[str]:
+    """The chain's mode (see _Chain.mode) once it takes this stage; a Reject where a module's
+    training-mode batch norm and F.batch_norm(training=True) would share one layer, whose mode
+    cannot follow both."""
+    if not (args.get("training") and args.get("running_mean")):
+        return chain.mode
+    mode = "call" if desc.fixed_mode else "module"
+    if chain.mode not in (None, mode):
+        raise Reject("F.batch_norm(training=True) normalizes with the batch's statistics in either mode and a "
+                     "module's batch norm after .eval() with its running ones: one fused layer cannot do both")
+    return mode
+
+
+def _spec_dims(view: tuple, spec_out: tuple, dims: list) -> list:
+    """A statistic stage's dims, numbered as the model sees the value (`view`), numbered as the spec
+    does: the same where both agree; else the dims of size > 1 mapped, with any size-1 dims of the
+    spec between them."""
+    if view == spec_out:
+        return list(dims)
+    rank = len(view)
+    picked = []
+    for d in dims:
+        n = d + rank if d < 0 else d
+        if not 0 <= n < rank:
+            raise Reject(f"dim {d} is out of range")
+        if n == 0:
+            raise Reject("it normalizes over the batch dim (dim 0), which a spec never does")
+        if view[n] != 1:
+            picked.append(view_to_spec_dim(view, spec_out, n))
+    if not picked:
+        raise Reject(f"it normalizes over dims of size 1 only ({list(dims)} of {list(view)})")
+    lo, hi = min(picked), max(picked)
+    between = range(lo, hi + 1)
+    if all(spec_out[k] == 1 for k in between if k not in picked):
+        return list(between)
+    return sorted(set(picked))
 
 
 def _padding(padding, kernel, stride, dilation, nd):

@@ -16,7 +16,7 @@ from torch.fx import Node
 from specgen import ops
 from specgen.expr import RESERVED as EXPR_RESERVED
 from specgen.importer.graph import broadcasts_into, dtype_of, sanitize, shape_of, unique, value_users
-from specgen.importer.recognize import Dim1, PW, Reject, ShapeOp, TensorRef, pointwise_row
+from specgen.importer.recognize import ConstantOp, Dim1, PW, Reject, ShapeOp, TensorRef, pointwise_row
 from specgen.module import FusedLayer
 
 
@@ -160,6 +160,41 @@ class Regions:
         self._check_per_channel(chain, ref, along_dim1)
         return replace(ref, along_dim1=along_dim1)
 
+    def leaf(self, chain, value) -> TensorRef:
+        """A per-channel tensor of the model applied along dim 1 (`value` a Dim1: a norm's weight or
+        bias, a batch norm's running statistic), checked against the chain's channels."""
+        if not self._read(value.value):
+            raise Reject(_not_shared(value.value))
+        ref = self._leaf(chain, value)
+        if not isinstance(ref, TensorRef):
+            raise Reject(_not_shared(value.value))
+        return ref
+
+    def _read(self, value) -> bool:
+        """Whether `value` is a tensor of the model as it is (a module's attribute, a parameter or
+        buffer read, or a view of one), not one computed from it."""
+        if isinstance(value, TensorRef):
+            return True
+        if not isinstance(value, Node):
+            return False
+        if value.op == "get_attr":
+            return True
+        desc = self.classify(value)
+        return isinstance(desc, ShapeOp) and self._read(desc.input)
+
+    def whole(self, chain, value, dtype=None) -> TensorRef:
+        """A tensor of the model used whole (a layer norm's weight of its normalized shape, a batch
+        counter), of the chain's dtype or `dtype`."""
+        if not self._read(value):
+            raise Reject(_not_shared(value))
+        ref = value if isinstance(value, TensorRef) else self._leaf_node(chain, value, False)
+        if not isinstance(ref, TensorRef):
+            raise Reject(_not_shared(value))
+        want = chain.dtype if dtype is None else dtype
+        if ref.tensor.dtype != want:
+            raise Reject(f"{ref.path} is {ref.tensor.dtype}, not {want}")
+        return ref
+
     def _leaf_node(self, chain, node: Node, along_dim1: bool):
         result = self._leaf_value(chain, node, along_dim1)
         self.leaf_nodes.add(node)
@@ -176,7 +211,8 @@ class Regions:
                 elif n.op in ("call_function", "call_method", "call_module"):
                     desc = self.classify(n)
                     pure = isinstance(desc, ShapeOp) or (isinstance(desc, PW) and not desc.inplace)
-                    memo[n] = pure and all(memo.get(a, False) for a in n.all_input_nodes)
+                    # a constant reads its inputs' device only
+                    memo[n] = isinstance(desc, ConstantOp) or (pure and all(memo.get(a, False) for a in n.all_input_nodes))
                 else:
                     memo[n] = False
         return self._param_only_memo.get(node, False)
@@ -194,6 +230,8 @@ class Regions:
                 return float(obj.item())  # a constant made in forward, e.g. torch.tensor(0.5)
             return TensorRef(node.target, obj, tuple(obj.shape))
         desc = self.classify(node)
+        if isinstance(desc, ConstantOp) and not along_dim1:
+            return desc.value
         if isinstance(desc, ShapeOp) and isinstance(desc.input, Node):
             base = self._leaf_node(chain, desc.input, along_dim1)
             if isinstance(base, TensorRef):
@@ -252,7 +290,7 @@ class Regions:
         if term is None or isinstance(term, float):
             return term
         if isinstance(term, TensorRef):
-            return ops.Param(self._param_name(chain, term))
+            return ops.Param(self.param_name(chain, term))
         return _OPAQUE
 
     def _render(self, chain, term, x_node: Node, members: dict) -> Optional[str]:
@@ -274,10 +312,10 @@ class Regions:
         if isinstance(term, float):
             return _num(term)
         if isinstance(term, TensorRef):
-            return self._param_name(chain, term)
+            return self.param_name(chain, term)
         raise Reject(f"cannot write {term!r} in an expression")  # pragma: no cover
 
-    def _param_name(self, chain, ref: TensorRef) -> str:
+    def param_name(self, chain, ref: TensorRef) -> str:
         key = id(ref.tensor)
         if key not in chain.names:
             name = sanitize(ref.path, "p")
@@ -287,6 +325,11 @@ class Regions:
             chain.names[key] = name
             chain.tensors[name] = ref.tensor
         return chain.names[key]
+
+
+def _not_shared(value) -> str:
+    what = value.name if isinstance(value, Node) else repr(value)
+    return f"operand {what} is computed in forward; only a parameter or buffer of the model can be shared"
 
 
 def ancestors(node: Node, deps: dict, stop: Optional[Node] = None) -> set:

@@ -167,6 +167,24 @@ def spec_to_view_dim(view: tuple, spec: tuple, d: int) -> int:
     return [i for i in range(1, len(view)) if view[i] != 1][k]
 
 
+def merged_dims(view: tuple, shape: tuple) -> Optional[list[tuple[int, int]]]:
+    """For a reshape of `view` to `shape` that only merges consecutive dims (x.view(b, c, -1)): for
+    each dim of `shape`, the first and last dim of `view` it holds; None for any other reshape, or
+    one that merges the batch (dim 0) with another dim of size > 1."""
+    groups, i = [], 0
+    for extent in shape:
+        lo, size = i, 1
+        while i < len(view) and (i == lo or size < extent):
+            size *= view[i]
+            i += 1
+        if size != extent or i == lo:
+            return None
+        groups.append((lo, i - 1))
+    if i != len(view) or not groups or any(view[k] != 1 for k in range(groups[0][0] + 1, groups[0][1] + 1)):
+        return None
+    return groups
+
+
 def broadcasts_into(shape: tuple, view: tuple) -> bool:
     if len(shape) > len(view):
         return False

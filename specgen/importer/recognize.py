@@ -1,12 +1,12 @@
 """What a node computes: every spelling of every op the importer knows, bound to one signature.
 
-The op table (specgen.ops) says how PyTorch code writes each pointwise op, pool and reduction:
-each row's `spellings` (module types, functions, Tensor methods, Python operators, and how their
-arguments map to the op's). This module turns those names into lookup tables of the live torch
-objects, and each call into a description (`PW`, `PoolOp`, `ReduceOp` ...) or a `Reject` that says
-why it is not fused. It has its own rows only for what is not an op of the table, the frame of a
-chain: the convolutions that start chains, and the dropout, identity and shape ops a chain
-passes through.
+The op table (specgen.ops) says how PyTorch code writes each pointwise op, pool, reduction and
+statistic stage (normalizations and softmax): each row's `spellings` (module types, functions,
+Tensor methods, Python operators, and how their arguments map to the op's). This module turns
+those names into lookup tables of the live torch objects, and each call into a description (`PW`,
+`PoolOp`, `ReduceOp`, `NormOp` ...) or a `Reject` that says why it is not fused. It has its own rows only for what is not an op of the table, the frame of a
+chain: the convolutions that start chains, the dropout, identity and shape ops a chain passes
+through, and numbers made into tensors in forward.
 """
 
 from __future__ import annotations
@@ -66,6 +66,31 @@ class PW:
     inplace: bool = False
 
 
+@dataclass(frozen=True, eq=False)
+class Counter:
+    """Marks an operand that counts batches (a batch norm's num_batches_tracked; None: the layer
+    counts in a buffer of its own)."""
+
+    value: Any
+
+
+@dataclass(eq=False)
+class NormOp:
+    """A statistic stage: `op` names a row of ops.NORMS; `operands` are its tensors after the input,
+    in the order its args model's from_operands takes them (Dim1 for a per-channel tensor, a
+    Counter for a batch counter, a bare value for a tensor used whole, None for one not given);
+    `attrs` its constants; `dims` the dims its `dim` names, as the model's code numbers them."""
+
+    input: Any
+    op: str
+    operands: tuple
+    attrs: dict
+    dims: Optional[list] = None
+    # a training-mode batch norm whose mode is its call's (F.batch_norm(training=True)), not the
+    # module's: it normalizes with the batch's statistics after .eval() too
+    fixed_mode: bool = False
+
+
 @dataclass(eq=False)
 class PoolOp:
     input: Any
@@ -92,6 +117,14 @@ class ShapeOp:
 @dataclass(eq=False)
 class IdentityOp:
     input: Any
+
+
+@dataclass(eq=False)
+class ConstantOp:
+    """A number made into a tensor in forward (torch.tensor(0.0, device=x.device)): an operand
+    that is that number."""
+
+    value: float
 
 
 @dataclass(eq=False)
@@ -181,6 +214,13 @@ def _refuse(spelling: ops.Spelling, b: dict) -> None:
             raise Reject(why.format(value=value))
 
 
+def _require(spelling: ops.Spelling, b: dict) -> None:
+    """Reject a call that leaves out (None or False) an argument the spelling requires."""
+    for name, why in spelling.require.items():
+        if b.get(name) is None or b.get(name) is False:
+            raise Reject(why)
+
+
 def _constant(args: type[ops.Args], name: str, value):
     """One of the op's constants, checked against its field in the op's args model."""
     annotation = args.model_fields[name].annotation
@@ -238,21 +278,33 @@ def _power(row, spelling: ops.Spelling) -> Callable[[dict], PW]:
     return build
 
 
-def _batch_norm(row, spelling: ops.Spelling) -> Callable[[dict], PW]:
-    """Eval-mode batch norm over its running statistics, each applied along dim 1."""
+def _batch_norm(row, spelling: ops.Spelling) -> Callable[[dict], Any]:
+    """Batch norm as nn.BatchNormNd computes it: in eval mode over its running statistics, a
+    pointwise op (each statistic applied along dim 1); in training mode, or without running
+    statistics (track_running_stats=False, or F.batch_norm given none), the statistic stage over
+    the batch's statistics, updating the running ones where there are any. A module's `training`
+    is its mode; a function's is the call's own, whatever the model's mode."""
+    fixed_mode = not spelling.modules
 
     def build(b):
-        # a module without running statistics (track_running_stats=False) uses the batch's own
-        if b["training"] or b["running_mean"] is None:
-            raise Reject(
-                "in training mode batch norm normalizes with the batch's own statistics, which a fused layer "
-                "does not compute (call model.eval() to fuse it with its running statistics)"
-            )
-        if b["running_var"] is None:
-            raise Reject("without running statistics batch norm normalizes with the batch's own statistics")
-        _check_number(b["eps"], "eps")
-        stats = tuple(None if b[k] is None else Dim1(b[k]) for k in spelling.operands[1:])
-        return PW(row.name, (b["input"], *stats), {"eps": float(b["eps"])})
+        eps = _check_number(b["eps"], "eps")
+        mean, var, training = b["running_mean"], b["running_var"], b["training"]
+        if not isinstance(training, bool):
+            raise Reject(f"training must be True or False here, got {training!r}")
+        if (mean is None) != (var is None):
+            given, missing = ("running_mean", "running_var") if var is None else ("running_var", "running_mean")
+            raise Reject(f"{given} without {missing}")
+        dim1 = tuple(None if b[k] is None else Dim1(b[k]) for k in ("running_mean", "running_var", "weight", "bias"))
+        if not training and mean is not None:
+            return PW(row.name, (b["input"], *dim1), {"eps": eps})
+        if mean is None:  # no running statistics: the batch's, in either mode
+            return NormOp(b["input"], row.name, (*dim1, None), {"eps": eps, "track_running_stats": False})
+        momentum, counter = b["momentum"], b.get("num_batches_tracked")
+        if momentum is None and counter is None:
+            raise Reject("momentum=None (a cumulative average of the running statistics) needs the batches counted, "
+                         "which F.batch_norm does not do: give a momentum")
+        attrs = {"eps": eps, "training": True, "momentum": None if momentum is None else _check_number(momentum, "momentum")}
+        return NormOp(b["input"], row.name, (*dim1, Counter(counter)), attrs, fixed_mode=fixed_mode)
 
     return build
 
@@ -321,7 +373,50 @@ def _values_or_elementwise(op: str, elementwise: str) -> Callable[[dict], Any]:
     return build
 
 
+def _norm_constant(args: type[ops.Args], name: str, value):
+    """One of a statistic stage's constants: a number, an int, or ints for a list field (a single
+    int as a list of one: normalized_shape=64, dim=1)."""
+    annotation = args.model_fields[name].annotation
+    if annotation is float:
+        return _check_number(value, name)
+    value = ints(value, name)
+    if typing.get_origin(annotation) is list and isinstance(value, int):
+        return [value]
+    if annotation is int and not isinstance(value, int):
+        raise Reject(f"{name} must be an int, got {value!r}")
+    return value
+
+
+def _norm(row: ops.Norm, spelling: ops.Spelling) -> Callable[[dict], NormOp]:
+    """A statistic stage: the spelling's operands after the input are its weight and bias (both or
+    neither), its other arguments that name fields of the row's args model its constants; a `dim`
+    stays in the model's numbering (the chain maps it onto the spec's)."""
+    arg_of = {spelling.rename.get(n, n): n for n in dict.fromkeys((*_sig_names(spelling), *spelling.fixed))}
+    constants = [f for f in row.args.model_fields if f in arg_of and arg_of[f] not in spelling.operands]
+    tensors = spelling.operands[1:]
+
+    def build(b):
+        b = {**b, **spelling.fixed}
+        _require(spelling, b)
+        _refuse(spelling, b)
+        if b.get("dtype") not in (None, torch.float32):
+            raise Reject(f"dtype={b['dtype']} (only float32 is fused)")
+        attrs = {f: _norm_constant(row.args, f, b[arg_of[f]]) for f in constants}
+        given = [n for n in tensors if b[n] is not None]
+        if given and len(given) != len(tensors):
+            missing = [n for n in tensors if n not in given]
+            raise Reject(f"{' and '.join(given)} without {' and '.join(missing)}: the {row.name} stage has both or neither")
+        wrap = Dim1 if row.affine == "channel" else (lambda t: t)
+        operands = tuple(None if b[n] is None else wrap(b[n]) for n in tensors)
+        dims = attrs.pop("dim", None)
+        return NormOp(b["input"], row.name, operands, attrs, dims)
+
+    return build
+
+
 def _row_builder(row, spelling: ops.Spelling, nd: Optional[int]) -> Callable[[dict], Any]:
+    if isinstance(row, ops.Norm):
+        return _norm(row, spelling)
     if isinstance(row, ops.Pool):
         return _pool(row, spelling, nd)
     if isinstance(row, ops.Reduction):
@@ -370,6 +465,15 @@ def _dropout(b):
     return IdentityOp(b["input"])
 
 
+def _constant_tensor(b):
+    data = b["data"]
+    if isinstance(data, bool) or not isinstance(data, (int, float)):
+        raise Reject("only a number made into a tensor is read as a constant")
+    if b["dtype"] not in (None, torch.float32):
+        raise Reject(f"dtype={b['dtype']}: a constant is read as a float32 number")
+    return ConstantOp(float(data))
+
+
 @dataclass(frozen=True)
 class _FrameRow:
     """A spelling of something that is not an op of the table; `build(nd)` makes its builder."""
@@ -405,6 +509,11 @@ _FRAME = [
             tuple(f"F.{n}" for n in _DROPOUTS),
             modules=tuple(n.capitalize() for n in _DROPOUTS),
         ),
+    ),
+    # a number made into a tensor in forward, as an operand
+    _FrameRow(
+        lambda nd: _constant_tensor,
+        ops.Spelling("data, dtype=None, device=None, requires_grad=False, pin_memory=False", ("torch.tensor",)),
     ),
     _FrameRow(
         lambda nd: lambda b: IdentityOp(b["input"]),
@@ -458,7 +567,7 @@ def _spellings():
     """(builder of nd, spelling, module reader or None) for the frame's rows, then the op table's."""
     for row in _FRAME:
         yield row.build, row.spelling, row.read
-    for table in (ops.POINTWISE, ops.EXPR_ONLY, ops.POOLS, ops.REDUCTIONS):
+    for table in (ops.POINTWISE, ops.EXPR_ONLY, ops.POOLS, ops.REDUCTIONS, ops.NORMS):
         for op in table.values():
             for spelling in op.spellings:
                 yield (lambda nd, op=op, spelling=spelling: _row_builder(op, spelling, nd)), spelling, None

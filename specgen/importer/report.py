@@ -101,5 +101,6 @@ def _plain(spec: LayerSpec) -> dict:
     for stage in data["epilogue"]:
         ((op, args),) = stage.items()
         fields = ops.args_model(op).model_fields
-        stage[op] = {k: v for k, v in args.items() if k in fields and v is not None}
+        # unset optional fields are left out; a None that is not the default says something (momentum: null)
+        stage[op] = {k: v for k, v in args.items() if k in fields and (v is not None or fields[k].default is not None)}
     return data

@@ -4,6 +4,7 @@ the rewrite of the traced graph with each chain replaced by one call of its fuse
 from __future__ import annotations
 
 import builtins
+import contextlib
 import operator
 from typing import Any, Optional
 
@@ -24,13 +25,29 @@ class ImportedLayer(FusedLayer):
 
     Its `conv` (or `conv.weight` / `conv.bias`) and per-channel attributes are the original
     model's very tensors. A per-channel tensor keeps the shape the model gave it ((C, 1, 1),
-    (1, C, 1, 1), or (C,) for batch norm statistics); the layer's op sees it viewed in the spec's
-    (C, 1, ...) shape, which keeps gradients flowing to the shared parameter.
+    (1, C, 1, 1), or (C,) for norms' weights and batch norm statistics); the layer's op sees it
+    viewed in the spec's (C, 1, ...) shape, which keeps gradients flowing to the shared parameter.
+    A training-mode batch norm's running statistics and num_batches_tracked are the model's
+    buffers under the spec's names, updated in place as nn.BatchNormNd updates them (a
+    functional batch norm, which counts no batches, gets a counter of the layer's own).
     """
 
-    def __init__(self, spec_or_path, *, arch: str | None = None):
+    def __init__(self, spec_or_path, *, arch: str | None = None, batch_stats_always: bool = False):
+        """`batch_stats_always`: its training-mode batch norms are F.batch_norm(training=True) calls,
+        which normalize with the batch's statistics (and update the running ones) in either mode."""
         super().__init__(spec_or_path, arch=arch)
         self._spec_shapes = dict(self.spec.params())
+        self._batch_stats_always = batch_stats_always
+
+    def train(self, mode: bool = True):
+        if self._batch_stats_always:  # no eval twin to prepare: it never runs
+            return nn.Module.train(self, mode)
+        return super().train(mode)
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self._batch_stats_always and not self.training and isinstance(x, torch.Tensor):
+            return self._forward_training(x, out)
+        return super().forward(x, out)
 
     def _spec_shaped(self, name: str) -> torch.Tensor:
         tensor = getattr(self, name)
@@ -48,6 +65,19 @@ class ImportedLayer(FusedLayer):
 
     def spec_params(self) -> dict:
         return {name: self._spec_shaped(name) for name in self._spec_shapes}
+
+
+@contextlib.contextmanager
+def buffers_kept(*modules: nn.Module):
+    """The modules' buffers (running statistics, batch counters) as they were before, after the
+    block: timing runs a training-mode model many times, which must not count as training it."""
+    saved = {id(b): (b, b.detach().clone()) for m in modules for b in m.buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, value in saved.values():
+                buf.copy_(value)
 
 
 def original(imp: Analysis, chain) -> Optional[fx.GraphModule]:
@@ -96,7 +126,8 @@ def measure(imp: Analysis, chain) -> Choice:
     shape = shape_of(inp)
     generator = torch.Generator(device=device).manual_seed(0)
     inputs = [torch.randn(shape, device=device, generator=generator).to(chain.dtype) for _ in range(2)]
-    ms, pt = measured.compare(layer, plain, inputs)
+    with buffers_kept(imp.model, layer):  # a training-mode batch norm updates its running statistics on every call
+        ms, pt = measured.compare(layer, plain, inputs)
     measured.store(key, {"layer": name, "batch": chain.batch, "specgen_ms": ms, "pytorch_ms": pt})
     return Choice(name, ms < pt, ms, pt, "measured")
 
@@ -145,7 +176,7 @@ def fused_layer(imp: Analysis, chain) -> ImportedLayer:
 
 
 def _new_layer(imp: Analysis, chain) -> ImportedLayer:
-    layer = ImportedLayer(chain.spec)
+    layer = ImportedLayer(chain.spec, batch_stats_always=chain.mode == "call")
     layer.training = imp.model.training
     if chain.desc.module is not None:
         layer.conv = chain.desc.module
