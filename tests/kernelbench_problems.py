@@ -123,9 +123,12 @@ def _batch(t, batch: int):
 
 def randomize_batch_norms(model):
     """Batch norms with running statistics and affine parameters drawn at random (variances in
-    [0.5, 1.5)), so that both are really tested; returns the model."""
+    [0.5, 1.5)), so that both are really tested, and the affine parameters of group, instance and
+    layer norms too (at their defaults, weight 1 and bias 0, a norm followed by a mean over all of
+    its group computes exactly 0, and any rounding is an infinite relative error); returns the model."""
     import torch
 
+    norms = (torch.nn.GroupNorm, torch.nn.LayerNorm, torch.nn.modules.instancenorm._InstanceNorm)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for m in model.modules():
@@ -133,7 +136,9 @@ def randomize_batch_norms(model):
                 if m.running_mean is not None:
                     m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g))
                     m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
-                if m.weight is not None:
+            if isinstance(m, (torch.nn.modules.batchnorm._BatchNorm, *norms)):
+                if getattr(m, "weight", None) is not None:
                     m.weight.copy_(torch.randn(m.weight.shape, generator=g))
+                if getattr(m, "bias", None) is not None:
                     m.bias.copy_(torch.randn(m.bias.shape, generator=g))
     return model

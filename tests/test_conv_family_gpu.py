@@ -117,14 +117,7 @@ def test_kernelbench_problems_fused_whole_match_float64(path):
     import specgen
 
     model, inputs = kb.load(path)
-    model = model.cuda()
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
-                m.running_mean.normal_()
-                m.running_var.uniform_(0.5, 1.5)
-                m.weight.normal_()
-                m.bias.normal_()
+    model = kb.randomize_batch_norms(model).cuda()
     inputs = [t.cuda() if isinstance(t, torch.Tensor) else t for t in inputs]
     fused = specgen.from_module(model, *inputs)
     assert len(fused.specgen_report.specs) == 1 and not fused.specgen_report.fallbacks
