@@ -152,6 +152,9 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
         def compiled():
             torch.backends.cudnn.allow_tf32 = tf32
             plain.conv.to(memory_format=torch.contiguous_format)
+            # Every spec's reference shares one forward: past dynamo's recompile limit (8) it would
+            # run that frame uncompiled, so each spec starts from a fresh dynamo.
+            torch._dynamo.reset()
             return torch.compile(plain)
 
         contenders.append(("torch.compile", compiled, x_sets))
