@@ -36,6 +36,10 @@ FUNCTIONS: dict[str, tuple[int, str, str]] = {
     "erf": (1, "erff({0})", "erf"),
     "sigmoid": (1, "(1.0f / (1.0f + expf(-({0}))))", "sigmoid"),
     "relu": (1, "fmaxf({0}, 0.0f)", "relu"),
+    # PyTorch's softplus at its defaults (beta 1, threshold 20): the identity above 20
+    "softplus": (1, "(({0}) > 20.0f ? ({0}) : log1pf(expf({0})))", "softplus"),
+    # the value of its argument, with no gradient through it (the backward's recomputation detaches it)
+    "detach": (1, "({0})", "detach"),
     "min": (2, "fminf({0}, {1})", "minimum"),
     "max": (2, "fmaxf({0}, {1})", "maximum"),
     "clamp": (3, "fminf(fmaxf({0}, {1}), {2})", "clamp"),
@@ -216,6 +220,12 @@ def _closure(node: ast.expr):
         return lambda x, p: fn(left(x, p), right(x, p))
     args = [_closure(a) for a in node.args]
     name = FUNCTIONS[node.func.id][2]
+    if name == "detach":
+        (a,) = args
+        return lambda x, p: a(x, p).detach()
+    if name == "softplus":
+        (a,) = args
+        return lambda x, p: torch.nn.functional.softplus(a(x, p))
     if name == "clamp":
         a, lo, hi = args
         return lambda x, p: torch.minimum(torch.maximum(a(x, p), lo(x, p)), hi(x, p))

@@ -506,6 +506,15 @@ def _softplus_c(a, x, k):
     return f"(({x}) * {k['beta']} > {k['threshold']} ? ({x}) : log1pf(expf(({x}) * {k['beta']})) / {k['beta']})"
 
 
+def _softplus_text(t, a):
+    if a["threshold"] != 20.0:
+        return None
+    if a["beta"] == 1.0:
+        return f"softplus({t[0]})"
+    beta = expr_number(a["beta"])
+    return f"(softplus({beta} * {t[0]}) / {beta})"
+
+
 def _clamp_c(a, x, k):
     out = x
     if a.min is not None:
@@ -653,8 +662,9 @@ _POINTWISE_ROWS = [
         lambda x, a, p: _F().softplus(x, beta=a.beta, threshold=a.threshold),
         "log(1 + exp(beta x)) / beta, linear above threshold",
         spellings=(Spelling("input, beta=1.0, threshold=20.0", ("F.softplus",), (), ("Softplus",)),),
-        # softplus switches to the identity above its threshold: no where-free expr form
-        expr_text=lambda t, a: None,
+        # expr's softplus is PyTorch's at beta 1, threshold 20; another beta scales its argument
+        # (x * beta > 20 is the same test), another threshold has no expr form
+        expr_text=_softplus_text,
     ),
     Pointwise(
         "add",
@@ -838,6 +848,10 @@ EXPR_ONLY: dict[str, ExprOnly] = {
                 ),
             ),
         ),
+        # a copy (clone, contiguous, nn.Identity) inside a pointwise region: the value itself
+        ExprOnly("identity", lambda t, a: t[0], ()),
+        # x with no gradient through it (its value is x's): `original = x.clone().detach()`
+        ExprOnly("detach", lambda t, a: f"detach({t[0]})", (Spelling("input", ("torch.detach",), ("detach",)),)),
         _torch_function("exp", text="exp({x})"),
         _torch_function("log", text="log({x})"),
         _torch_function("sqrt", text="sqrt({x})"),

@@ -371,6 +371,9 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     """Run the kernel on CUDA `x` (the layer's dtype) into `out` (allocated when None), on the current stream.
     A layer with statistic stages runs its sequence of kernels (specgen.tailrun); `stats` receives
     the batch statistics of its training-mode batch norms."""
+    # Every engine reads a parameter as C contiguous values: a view that is not (a scalar tensor
+    # expanded to every channel) is copied here, and the copy lives until the kernels are queued.
+    params = {name: _aligned(t) for name, t in params.items()}
     if sp.plan["engine"] == "sequence":
         from specgen import tailrun
 

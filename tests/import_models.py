@@ -797,13 +797,16 @@ class DoubleModel(nn.Module):
 
 
 class ScalarParam(nn.Module):
+    """Scalar tensors as operands: a one-element parameter and a 0-dim one (KernelBench 3, 50)."""
+
     def __init__(self):
         super().__init__()
         self.conv = conv2d()
         self.scale = nn.Parameter(torch.tensor([2.0]))
+        self.shift = nn.Parameter(torch.tensor(0.5))
 
     def forward(self, x):
-        return torch.relu(self.conv(x)) * self.scale
+        return torch.relu(self.conv(x)) * self.scale + self.shift
 
 
 class SizeOfIntermediate(nn.Module):
@@ -850,13 +853,34 @@ class EvenKernelSame(nn.Module):
 
 
 class SoftplusInsideExpr(nn.Module):
-    def __init__(self):
+    """Mish written out (KernelBench 52), and softplus with another beta, inside expressions."""
+
+    def __init__(self, threshold: float = 20.0):
         super().__init__()
         self.conv = conv2d()
+        self.threshold = threshold
 
     def forward(self, x):
         x = self.conv(x)
-        return x * F.softplus(x)
+        x = torch.multiply(torch.tanh(F.softplus(x)), x)
+        return x * F.softplus(x, beta=2.0, threshold=self.threshold)
+
+
+class CloneDetachResidual(nn.Module):
+    """A copy of the conv's value, detached, used three times (KernelBench 20)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.bias = nn.Parameter(torch.randn(C, 1, 1))
+
+    def forward(self, x):
+        x = self.conv(x)
+        original = x.clone().detach()
+        x = x + self.bias
+        x = x + original
+        x = x * original
+        return (x + original).clone()
 
 
 class UnpackedMax(nn.Module):
@@ -946,6 +970,9 @@ CASES: list[Case] = [
     Case(PowForms, IMG, [["expr", "expr", "add", "expr", "expr", "expr"]]),
     Case(MoreActivations, IMG, [["mul", "expr", "expr", "expr", "expr", "expr", "expr"]]),
     Case(ResidualExpr, IMG, [["expr"]]),
+    Case(ScalarParam, IMG, [["relu", "mul", "add"]]),
+    Case(SoftplusInsideExpr, IMG, [["expr", "expr"]]),
+    Case(CloneDetachResidual, IMG, [["expr"]]),
     Case(PoolModules, IMG, [["avg_pool", "relu", "max_pool"]]),
     Case(PoolFunctional3d, VOL, [["avg_pool", "max_pool"]]),
     Case(MaxPool1dFunctional, SEQ, [["avg_pool", "max_pool"]]),
@@ -1053,10 +1080,10 @@ FALLBACKS: list[FallbackCase] = [
     FallbackCase(EvenKernelSame, IMG, [], [("conv", "padding='same' with an even kernel span pads unevenly")]),
     FallbackCase(ReflectPadding, IMG, [], [("conv", "padding_mode='reflect'")]),
     FallbackCase(_double, IMG, [], [("conv", "only float32, bfloat16 and float16 layers are fused")], id="DoubleModel"),
-    FallbackCase(ScalarParam, IMG, [["relu"]], [("mul", "scale is a scalar tensor")]),
     FallbackCase(SizeOfIntermediate, IMG, [["relu"]], [("mul", "operand getitem is computed by the model")]),
     FallbackCase(
-        SoftplusInsideExpr, IMG, [], [("softplus", "softplus inside a larger pointwise expression has no expr form")]
+        lambda: SoftplusInsideExpr(threshold=10.0), IMG, [["expr"]],
+        [("softplus_1", "softplus inside a larger pointwise expression has no expr form")], id="SoftplusThreshold",
     ),
     FallbackCase(lambda: UnpackedMax(use_indices=True), IMG, [["relu"]], [("max_1", "its indices are used")], id="UsedIndices"),
     FallbackCase(

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Problems that import into one spec with no fallback in eval mode (a test keeps this true).
 FUSED = {
     "2_ConvTranspose2d_BiasAdd_Clamp_Scaling_Clamp_Divide",
+    "3_ConvTranspose3d_Sum_LayerNorm_AvgPool_GELU",
     "5_ConvTranspose2d_Subtract_Tanh",
     "6_Conv3d_Softmax_MaxPool_MaxPool",
     "10_ConvTranspose2d_MaxPool_Hardtanh_Mean_Tanh",
@@ -22,6 +23,7 @@ FUSED = {
     "16_ConvTranspose2d_Mish_Add_Hardtanh_Scaling",
     "17_Conv2d_InstanceNorm_Divide",
     "19_ConvTranspose2d_GELU_GroupNorm",
+    "20_ConvTranspose3d_Sum_ResidualAdd_Multiply_ResidualAdd",
     "21_Conv2d_Add_Scale_Sigmoid_GroupNorm",
     "23_Conv3d_GroupNorm_Mean",
     "24_Conv3d_Min_Softmax",
@@ -33,6 +35,8 @@ FUSED = {
     "43_Conv3d_Max_LogSumExp_ReLU",
     "44_ConvTranspose2d_Multiply_GlobalAvgPool_GlobalAvgPool_Mean",
     "49_ConvTranspose3d_Softmax_Sigmoid",
+    "50_ConvTranspose3d_Scaling_AvgPool_BiasAdd_Scaling",
+    "52_Conv2d_Activation_BatchNorm",
     "58_ConvTranspose3d_LogSumExp_HardSwish_Subtract_Clamp",
     "60_ConvTranspose3d_Swish_GroupNorm_HardSwish",
     "61_ConvTranspose3d_ReLU_GroupNorm",

@@ -105,7 +105,8 @@ def test_module_and_functional_forms_share_the_very_parameters():
     assert second.conv.weight is model.weight2 and second.conv.bias is None
 
 
-@pytest.mark.parametrize("make", [im.ParamArith, im.FunctionalConv, im.FlattenAfterPool, im.ParamExpr])
+@pytest.mark.parametrize("make", [im.ParamArith, im.FunctionalConv, im.FlattenAfterPool, im.ParamExpr, im.ScalarParam,
+                                  im.CloneDetachResidual])
 def test_training_the_fused_module_trains_the_original(make):
     torch.manual_seed(0)
     model = make()
@@ -122,9 +123,12 @@ def test_training_the_fused_module_trains_the_original(make):
         torch.testing.assert_close(fused(x), model(x))
 
 
-def test_gradients_match_the_original():
+@pytest.mark.parametrize("make", [im.ParamArith, im.ScalarParam, im.CloneDetachResidual, im.SoftplusInsideExpr])
+def test_gradients_match_the_original(make):
+    """Including a scalar parameter (its gradient summed over every channel) and a detached copy
+    (no gradient through it: treating it as the value itself would double the conv's)."""
     torch.manual_seed(0)
-    model = im.ParamArith()
+    model = make()
     x = torch.randn(im.IMG)
     fused = from_module(model, x)
     model(x).sin().sum().backward()
@@ -155,6 +159,26 @@ def test_module_defaults_and_arguments_are_read():
 def test_handwritten_hardswish_becomes_one_expression():
     (spec,) = explain(im.HardswishByHand(), torch.randn(im.IMG)).specs
     assert spec.epilogue[0].args.code == "x * clamp((x + 3.0) / 6.0, 0.0, 1.0)"
+
+
+def test_detached_copies_and_softplus_are_written_into_one_expression():
+    (spec,) = explain(im.CloneDetachResidual(), torch.randn(im.IMG)).specs
+    assert spec.epilogue[0].args.code == "(x + bias_param + detach(x)) * detach(x) + detach(x)"
+    (spec,) = explain(im.SoftplusInsideExpr(), torch.randn(im.IMG)).specs
+    assert [s.args.code for s in spec.epilogue] == ["tanh(softplus(x)) * x", "x * (softplus(2.0 * x) / 2.0)"]
+
+
+def test_a_scalar_parameter_is_shared_and_expanded():
+    torch.manual_seed(0)
+    model = im.ScalarParam()
+    x = torch.randn(im.IMG)
+    fused = from_module(model, x)
+    (layer,) = _fused_layers(fused)
+    assert layer.shift is model.shift and layer.scale is model.scale  # the model's tensors, not copies
+    assert layer.spec.params() == {"scale": (im.C, 1, 1), "shift": (im.C, 1, 1)}
+    with torch.no_grad():
+        model.shift.fill_(-1.25)  # a later change to the parameter is seen
+        torch.testing.assert_close(fused(x), model(x))
 
 
 def test_per_channel_parameters_are_named_after_their_attributes():

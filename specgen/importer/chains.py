@@ -343,7 +343,7 @@ class Analysis(Capture):
         gives it, and the layer can be planned in its precision (the tail engine computes in float32)."""
         wanted = {**spec.params(), **{name: shape for name, (shape, _, _) in spec.buffers().items()}}
         for name, tensor in chain.tensors.items():
-            if name in wanted and tensor.numel() != math.prod(wanted[name]):
+            if name in wanted and tensor.numel() not in (1, math.prod(wanted[name])):  # a scalar: expanded
                 raise Reject(f"{name} has shape {list(tensor.shape)}, the spec wants {list(wanted[name])}")
         if spec.precision in ("bf16", "fp16"):
             from specgen.plan import build_plan
@@ -398,7 +398,7 @@ class Analysis(Capture):
             saved = (dict(chain.names), dict(chain.tensors))
             try:
                 stage = self.regions.stage(chain, prev, cut, segment, members)
-                self._commit(chain, [stage], sorted(segment, key=self.order.get), cut)
+                self._commit(chain, [] if stage is None else [stage], sorted(segment, key=self.order.get), cut)
             except Reject as rej:
                 chain.names, chain.tensors = saved
                 chain.stop = rej.reason

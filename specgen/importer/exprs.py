@@ -16,7 +16,7 @@ from torch.fx import Node
 from specgen import ops
 from specgen.expr import RESERVED as EXPR_RESERVED
 from specgen.importer.graph import broadcasts_into, dtype_of, sanitize, shape_of, unique, value_users
-from specgen.importer.recognize import ConstantOp, Dim1, PW, Reject, ShapeOp, TensorRef, pointwise_row
+from specgen.importer.recognize import ConstantOp, Dim1, IdentityOp, PW, Reject, ShapeOp, TensorRef, pointwise_row
 from specgen.module import FusedLayer
 
 
@@ -89,6 +89,8 @@ class Regions:
             if not any(a is cur or a in members for a in node.all_input_nodes):
                 continue
             desc = self.classify(node)
+            if isinstance(desc, IdentityOp):  # a copy of a region value (x.clone()): the value itself
+                desc = PW("identity", (desc.input,))
             if not isinstance(desc, PW):
                 continue
             try:
@@ -258,10 +260,12 @@ class Regions:
             if numel != extent or (extent != 1 and dim != 1):
                 raise Reject(f"{ref.path} has {numel} values along dim 1, not the {extent} channels")
             return
+        if numel == 1:  # a scalar tensor (a 0-dim nn.Parameter): the layer sees it expanded to every channel
+            return
         if numel != extent:
-            kind = "is a scalar tensor" if numel == 1 else f"has shape {list(shape)}"
             raise Reject(
-                f"{ref.path} {kind}; only numbers and per-channel tensors ({extent} values along the channel dim) are fused"
+                f"{ref.path} has shape {list(shape)}; only numbers, scalar tensors and per-channel tensors "
+                f"({extent} values along the channel dim) are fused"
             )
         if not broadcasts_into(shape, view):
             raise Reject(f"{ref.path} of shape {list(shape)} would broadcast the chain to a larger shape")
@@ -271,9 +275,9 @@ class Regions:
 
     # -- a segment as one spec stage ----------------------------------------------------------
 
-    def stage(self, chain, x_node: Node, top: Node, segment: set, members: dict) -> dict:
+    def stage(self, chain, x_node: Node, top: Node, segment: set, members: dict) -> Optional[dict]:
         """The spec stage computing `top` from `x_node`: a named op when the segment is one node
-        with x once among its operands, else an expr."""
+        with x once among its operands, else an expr; None when the segment only copies x."""
         ir = members[top]
         if segment == {top}:
             terms = [self._direct_term(chain, o, x_node) for o in ir.operands]
@@ -282,7 +286,7 @@ class Regions:
                 if stage is not None:
                     return stage
         text = self._render(chain, top, x_node, members)
-        return {"expr": {"code": text}}
+        return None if text == "x" else {"expr": {"code": text}}
 
     def _direct_term(self, chain, term, x_node: Node):
         if term is x_node:

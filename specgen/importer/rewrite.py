@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import math
 import operator
 from typing import Any, Optional
 
@@ -26,7 +27,8 @@ class ImportedLayer(FusedLayer):
     Its `conv` (or `conv.weight` / `conv.bias`) and per-channel attributes are the original
     model's very tensors. A per-channel tensor keeps the shape the model gave it ((C, 1, 1),
     (1, C, 1, 1), or (C,) for norms' weights and batch norm statistics); the layer's op sees it
-    viewed in the spec's (C, 1, ...) shape, which keeps gradients flowing to the shared parameter.
+    viewed in the spec's (C, 1, ...) shape, which keeps gradients flowing to the shared parameter
+    (a scalar tensor, such as a 0-dim nn.Parameter, is seen expanded to every channel).
     A training-mode batch norm's running statistics and num_batches_tracked are the model's
     buffers under the spec's names, updated in place as nn.BatchNormNd updates them (a
     functional batch norm, which counts no batches, gets a counter of the layer's own).
@@ -52,7 +54,11 @@ class ImportedLayer(FusedLayer):
     def _spec_shaped(self, name: str) -> torch.Tensor:
         tensor = getattr(self, name)
         want = self._spec_shapes[name]
-        return tensor if tuple(tensor.shape) == want else tensor.reshape(want)
+        if tuple(tensor.shape) == want:
+            return tensor
+        if tensor.numel() == 1 and math.prod(want) != 1:  # a scalar tensor, the same for every channel
+            return tensor.reshape((1,) * len(want)).expand(want)
+        return tensor.reshape(want)
 
     def _op_tensors(self) -> list:
         """The op's tensor arguments after x: weight, bias (when the conv has one), then the
