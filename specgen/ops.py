@@ -1361,6 +1361,11 @@ class SoftmaxArgs(Args):
         return ()
 
 
+class CenterArgs(SoftmaxArgs):
+    """center over `dim` (numbered as PyTorch numbers it: batch is 0, negative from the end), which
+    must be trailing dims of the tensor it sees: x - x.mean(dim, keepdim=True)."""
+
+
 def _channel_first(shape, op: str) -> int:
     """The channel extent at dim 1, or a SpanError: the norms over channels need it there."""
     if not shape.axes or shape.axes[0].role != "c":
@@ -1414,6 +1419,18 @@ def _softmax_span(a: SoftmaxArgs, shape) -> Span:
     return Span(dims[0], dims[-1])
 
 
+def _center_span(a: CenterArgs, shape) -> Span:
+    span = _softmax_span(a, shape)
+    if span.last != len(shape.axes):
+        raise SpanError("dim", f"center subtracts the mean over trailing dims (the last one, {len(shape.axes)}, included); "
+                               f"dims {a.dim} stop before it")
+    return span
+
+
+def _center_ref(x, a, p, dims):
+    return x - x.mean(dim=tuple(dims), keepdim=True)
+
+
 def _batch_norm_span(a: BatchNormArgs, shape) -> Span:
     _channel_first(shape, "batch_norm")
     return Span(2, len(shape.axes), across_batch=True)
@@ -1463,6 +1480,8 @@ class Norm:
     # How PyTorch code writes the stage, for the importer (see Spelling); batch norm's spellings are
     # on its POINTWISE row (one call, either kind of stage)
     spellings: tuple[Spelling, ...] = ()
+    # what `prepare` computes, for the generated code's comments
+    prepare_comment: str = ""
 
     def params(self, args) -> tuple[str, ...]:
         return args.names()
@@ -1471,10 +1490,11 @@ class Norm:
         return {n: ParamInit(False, 1.0 if n == args.weight else 0.0) for n in args.names()}
 
     def constants(self, args) -> dict[str, float]:
-        return {"eps": args.eps} if self.statistic == "moments" else {}
+        return {"eps": args.eps} if "eps" in type(args).model_fields else {}
 
 
-_MOMENTS = dict(statistic="moments", prepare="1.0f / sqrtf(%(b)s + %(eps)s)", normalize="(%(x)s - %(a)s) * %(b)s")
+_MOMENTS = dict(statistic="moments", prepare="1.0f / sqrtf(%(b)s + %(eps)s)", normalize="(%(x)s - %(a)s) * %(b)s",
+                prepare_comment="1 / sqrt(variance + eps)")
 
 _AFFINE = ("input", "weight", "bias")
 _RUNNING = "running statistics ({why}): instance_norm is fused only as nn.InstanceNormNd's default, which normalizes every sample with its own statistics"
@@ -1523,9 +1543,14 @@ NORMS: dict[str, Norm] = {
         Norm("softmax", SoftmaxArgs, _softmax_span, "lse", "%(b)s", "expf(%(x)s - %(a)s) / %(b)s", _softmax_ref(False),
              "none", "exp(x - max) / sum(exp(x - max)) over dim",
              # nn.Softmax2d: the softmax over the channels of a [N, C, H, W] tensor
-             spellings=(*_softmax_spellings("softmax"), Spelling("input", modules=("Softmax2d",), fixed={"dim": -3}))),
+             spellings=(*_softmax_spellings("softmax"), Spelling("input", modules=("Softmax2d",), fixed={"dim": -3})),
+             prepare_comment="the sum"),
         Norm("log_softmax", SoftmaxArgs, _softmax_span, "lse", "logf(%(b)s)", "(%(x)s - %(a)s) - %(b)s", _softmax_ref(True),
-             "none", "x - max - log(sum(exp(x - max))) over dim", spellings=_softmax_spellings("log_softmax")),
+             "none", "x - max - log(sum(exp(x - max))) over dim", spellings=_softmax_spellings("log_softmax"),
+             prepare_comment="log of the sum"),
+        # x - x.mean(dim, keepdim=True): written as that pair of calls, which the importer matches itself
+        Norm("center", CenterArgs, _center_span, "moments", "%(b)s", "(%(x)s - %(a)s)", _center_ref, "none",
+             "x - mean over trailing dims", prepare_comment="the variance (unused: centering subtracts the mean only)"),
     ]
 }
 

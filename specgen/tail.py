@@ -187,6 +187,7 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> dict:
         "statistic": row.statistic,
         "prepare": row.prepare,  # %-format snippets of the op table, formatted by the template
         "normalize": row.normalize,
+        "prepare_comment": row.prepare_comment,
         "eps": eps_name,
         "affine": affine,
         "affine_index": row.affine if affine else None,

@@ -866,6 +866,21 @@ class SoftplusInsideExpr(nn.Module):
         return x * F.softplus(x, beta=2.0, threshold=self.threshold)
 
 
+class Centering(nn.Module):
+    """x - mean(x, spatial dims, keepdim) (KernelBench 15), as a function and as a method."""
+
+    def __init__(self, dims=(2, 3)):
+        super().__init__()
+        self.conv = conv2d()
+        self.dims = dims
+
+    def forward(self, x):
+        x = torch.relu(self.conv(x))
+        x = x - torch.mean(x, dim=self.dims, keepdim=True)
+        y = torch.sigmoid(x)
+        return y - y.mean([-1], keepdim=True)
+
+
 class CloneDetachResidual(nn.Module):
     """A copy of the conv's value, detached, used three times (KernelBench 20)."""
 
@@ -973,6 +988,7 @@ CASES: list[Case] = [
     Case(ScalarParam, IMG, [["relu", "mul", "add"]]),
     Case(SoftplusInsideExpr, IMG, [["expr", "expr"]]),
     Case(CloneDetachResidual, IMG, [["expr"]]),
+    Case(Centering, IMG, [["relu", "center", "sigmoid", "center"]]),
     Case(PoolModules, IMG, [["avg_pool", "relu", "max_pool"]]),
     Case(PoolFunctional3d, VOL, [["avg_pool", "max_pool"]]),
     Case(MaxPool1dFunctional, SEQ, [["avg_pool", "max_pool"]]),
@@ -1081,6 +1097,8 @@ FALLBACKS: list[FallbackCase] = [
     FallbackCase(ReflectPadding, IMG, [], [("conv", "padding_mode='reflect'")]),
     FallbackCase(_double, IMG, [], [("conv", "only float32, bfloat16 and float16 layers are fused")], id="DoubleModel"),
     FallbackCase(SizeOfIntermediate, IMG, [["relu"]], [("mul", "operand getitem is computed by the model")]),
+    FallbackCase(lambda: Centering(dims=(1,)), IMG, [["relu"]],
+                 [("mean", "center subtracts the mean over trailing dims")], id="CenteringOverChannels"),
     FallbackCase(
         lambda: SoftplusInsideExpr(threshold=10.0), IMG, [["expr"]],
         [("softplus_1", "softplus inside a larger pointwise expression has no expr form")], id="SoftplusThreshold",

@@ -20,6 +20,7 @@ FUSED = {
     "10_ConvTranspose2d_MaxPool_Hardtanh_Mean_Tanh",
     "11_ConvTranspose2d_BatchNorm_Tanh_MaxPool_GroupNorm",
     "13_ConvTranspose3d_Mean_Add_Softmax_Tanh_Scaling",
+    "15_ConvTranspose3d_BatchNorm_Subtract",
     "16_ConvTranspose2d_Mish_Add_Hardtanh_Scaling",
     "17_Conv2d_InstanceNorm_Divide",
     "19_ConvTranspose2d_GELU_GroupNorm",

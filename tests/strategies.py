@@ -102,7 +102,7 @@ def norm_stage(draw, shape, rank_with_batch):
     """A statistic stage that fits a tensor of per-sample `shape` (a StageShape), or None."""
     has_c = bool(shape.axes) and shape.axes[0].role == "c"
     sizes = list(shape.sizes)
-    choices = ["layer_norm", "softmax", "log_softmax"]
+    choices = ["layer_norm", "softmax", "log_softmax", "center"]
     if has_c:
         choices += ["group_norm", "batch_norm"]
         if len(sizes) > 1 and _prod(sizes[1:]) > 1:
@@ -121,7 +121,7 @@ def norm_stage(draw, shape, rank_with_batch):
         k = draw(st.integers(1, len(sizes)))
         return {"layer_norm": {"normalized_shape": sizes[-k:], "elementwise_affine": draw(st.booleans())}}
     first = draw(st.integers(1, rank_with_batch - 1))
-    last = draw(st.integers(first, rank_with_batch - 1))
+    last = rank_with_batch - 1 if op == "center" else draw(st.integers(first, rank_with_batch - 1))  # center: trailing dims
     dims = list(range(first, last + 1))
     return {op: {"dim": dims if len(dims) > 1 or draw(st.booleans()) else dims[0]}}
 

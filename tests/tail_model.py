@@ -24,6 +24,8 @@ def _channel_of(tp: dict, q: np.ndarray) -> np.ndarray:
 
 def _normalize(tp: dict, x, a, b):
     """The row's normalization of x with the group's raw statistic (a, b) (mean, variance or max, sum)."""
+    if tp["op"] == "center":
+        return x - a
     if tp["statistic"] == "moments":
         eps = float(next(c.value for c in tp["constants"] if c.name == tp["eps"]).rstrip("f"))
         return (x - a) / np.sqrt(b + eps)

@@ -65,6 +65,8 @@ VARIANTS = [
     spec_of("chain_1d", 3, [20], 6, [{"amax": {"dims": [2]}}, {"softmax": 1}, {"sum": {"dims": [1]}}]),
     spec_of("two_norms", 2, [12, 12], 8, [{"instance_norm": {"affine": True}}, {"amax": {"dims": [1], "keepdim": True}},
                                          {"log_softmax": [2, 3]}]),
+    spec_of("center_spatial", 3, [6, 9, 9], 8, [{"batch_norm": {"training": True}}, {"center": [2, 3, 4]}, "tanh"]),
+    spec_of("center_split", 2, [140, 140], 3, [{"center": [1, 2, 3]}]),
 ]
 IDS = [d["name"] for d in VARIANTS]
 
@@ -101,6 +103,8 @@ BASE = spec_of("t", 4, [8, 8], 8, [])
         ([{"log_softmax": [1, 3]}], "epilogue[0].log_softmax.dim: the dims [1, 3] must be consecutive"),
         ([{"softmax": [2, -2]}], "epilogue[0].softmax.dim: dim -2 is listed twice"),
         ([{"softmax": {"dim": 1.5}}], "epilogue[0].softmax.dim"),
+        ([{"center": 1}], "epilogue[0].center.dim: center subtracts the mean over trailing dims (the last one, 3, included)"),
+        ([{"center": {"dim": [2, 3], "eps": 1e-5}}], "epilogue[0].center.eps: Extra inputs are not permitted"),
         ([{"batch_norm": {"training": True, "momentum": 1.5}}], "epilogue[0].batch_norm.momentum: Input should be less than or equal to 1"),
         ([{"batch_norm": {"num_batches_tracked": "n"}}], "num_batches_tracked is counted only in training mode"),
         ([{"batch_norm": {"track_running_stats": False, "running_mean": "m"}}], "track_running_stats: false has no running_mean"),
@@ -178,7 +182,8 @@ def test_eval_twin_swaps_training_batch_norms_for_running_statistics():
     "name, expected",
     [("gn_one_pass", ["one_pass"]), ("gn_split", ["split"]), ("in_div", ["one_pass"]), ("ln_row", ["one_pass"]),
      ("sm_channels", ["strided"]), ("sm_spatial", ["one_pass"]), ("sm_split", ["split"]), ("lsm_middle", ["strided"]),
-     ("bn_train", ["split", "one_pass"]), ("two_norms", ["one_pass", "one_pass"])],
+     ("bn_train", ["split", "one_pass"]), ("two_norms", ["one_pass", "one_pass"]),
+     ("center_spatial", ["split", "one_pass"]), ("center_split", ["split"])],
 )
 def test_each_stage_gets_the_kernels_its_groups_need(name, expected):
     assert modes(validate(VARIANTS[IDS.index(name)])) == expected
@@ -416,6 +421,13 @@ def test_reference_matches_softmax_and_log_softmax():
     _check_against({**BASE, "epilogue": [{"log_softmax": -1}]}, lambda p: nn.LogSoftmax(dim=-1))
     flat = lambda y: torch.softmax(y.view(y.shape[0], y.shape[1], -1), dim=2).view(y.shape)  # noqa: E731  (KernelBench 38)
     _check_against({**BASE, "epilogue": [{"softmax": [2, 3]}]}, lambda p: flat)
+
+
+def test_reference_matches_centering():
+    """x - x.mean(dims, keepdim=True) (KernelBench 15), in the spec's numbering of the dims."""
+    center = lambda y: y - y.mean(dim=(2, 3), keepdim=True)  # noqa: E731
+    _check_against({**BASE, "epilogue": [{"center": [2, 3]}]}, lambda p: center)
+    _check_against({**BASE, "epilogue": [{"center": {"dim": [-1]}}]}, lambda p: lambda y: y - y.mean(-1, keepdim=True))
 
 
 @pytest.mark.parametrize("momentum", [0.1, 0.5, None])

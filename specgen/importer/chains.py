@@ -170,6 +170,15 @@ class Analysis(Capture):
         if not users:
             chain.stop = f"{cur.name} is not used"
             return False
+        centered = self._centering(cur, users)
+        if centered is not None:
+            try:
+                self._take_center(chain, *centered)
+            except Reject as rej:
+                chain.stop = rej.reason
+                self._record(list(centered[:2]), rej.reason)
+                return False
+            return True
         if len(users) > 1:
             names = ", ".join(u.name for u in users)
             reason = (
@@ -387,6 +396,35 @@ class Analysis(Capture):
             lo, hi = groups[n]
             dims.extend(range(lo, hi + 1))
         self._take_norm(chain, norm, desc, nodes=[node, norm, back], dims=dims)
+
+    # -- centering: x - x.mean(dims, keepdim=True) ----------------------------------------------
+
+    def _centering(self, cur: Node, users: list):
+        """(the mean, the subtraction, the mean's reduction) where `cur`'s only users are a mean of
+        it with keepdim and the subtraction of that mean from it; else None."""
+        if len(users) != 2:
+            return None
+        for mean, sub in (users, users[::-1]):
+            red, pw = self.classify(mean), self.classify(sub)
+            if not (isinstance(red, ReduceOp) and red.op == "mean" and red.input is cur and not red.tuple_out):
+                continue
+            if isinstance(pw, PW) and pw.op == "sub" and not pw.inplace and tuple(pw.operands[:2]) == (cur, mean) \
+                    and value_users(mean) == [sub]:
+                return mean, sub, red
+        return None
+
+    def _take_center(self, chain: _Chain, mean: Node, sub: Node, red: ReduceOp) -> None:
+        where = self.describe(mean)
+        if not red.keepdim:
+            raise Reject(f"{where}: x - x.mean(dims) without keepdim=True broadcasts the mean against other dims")
+        if dtype_of(sub) != chain.dtype or tuple(shape_of(sub) or ()) != tuple(chain.view):
+            raise Reject(f"{self.describe(sub)}: does not produce the chain's {chain.dtype} value of shape {list(chain.view)}")
+        try:
+            dims = _spec_dims(tuple(chain.view), tuple(chain.spec_out), list(red.dims))
+            self._commit(chain, [{"center": {"dim": dims}}], [mean, sub], sub,
+                         check=lambda spec: self._check_norm(chain, spec))
+        except Reject as rej:
+            raise Reject(f"{where}: {rej.reason}") from None
 
     # -- pointwise regions (found and written by exprs.Regions) -------------------------------
 
