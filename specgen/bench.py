@@ -117,8 +117,11 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
     plain.load_state_dict(fused.state_dict())
     x_sets = [torch.randn(batch, spec.input.channels, *spec.input.size, device="cuda").to(dtype) for _ in range(2)]
     cl_sets = [_channels_last(x) for x in x_sets]
+    # the spec's extra inputs (a shortcut): one random set, passed to every contender
+    extras = [torch.randn(spec.output_shape(batch), device="cuda").to(dtype) for _ in spec.inputs()]
     params = fused.spec_params()
-    ref64 = reference.forward64(spec, x_sets[0], fused.conv.weight, fused.conv.bias, params)
+    ref64 = reference.forward64(spec, x_sets[0], fused.conv.weight, fused.conv.bias,
+                                {**params, **dict(zip(spec.inputs(), extras))})
     norm = ref64.norm().item() or 1.0
 
     def rel_err(out):
@@ -176,7 +179,7 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
         model = setup()
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model(inputs[0])
+            out = model(inputs[0], *extras)
             torch.cuda.synchronize()
             first_call_s = time.perf_counter() - t0
             err = rel_err(out)
@@ -188,7 +191,7 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
 
             def run():
                 calls[0] += 1
-                return model(inputs[calls[0] % len(inputs)])
+                return model(inputs[calls[0] % len(inputs)], *extras)
 
             ms = _time(run, reps)
             peak = torch.cuda.max_memory_allocated() - base
@@ -199,7 +202,8 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
     plan = fused.specialize().plan
     flops = plan["flops_per_sample"] * batch
     elem = x_sets[0].element_size()
-    fewest_bytes = elem * (batch * (plan["in_per_sample"] + plan["out_per_sample"]) + sum(p.numel() for p in fused.parameters()))
+    fewest_bytes = elem * (batch * (plan["in_per_sample"] + (1 + len(extras)) * plan["out_per_sample"])
+                           + sum(p.numel() for p in fused.parameters()))
     # The floor of the engine the plan uses: FFMA at the fp32 rate; 3xTF32 (three tensor-core
     # products per multiply-add) or TF32 at the measured TF32 rate; bf16 / fp16 at the bf16 rate;
     # and never below moving the fewest bytes.

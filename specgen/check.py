@@ -17,10 +17,11 @@ def check_one(spec, batch: int, seed: int) -> dict:
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * (0.3 if p.dim() > 1 else 1.0))
     x = torch.randn((batch, spec.input.channels, *spec.input.size), generator=gen, device="cuda")
+    extras = {name: torch.randn(spec.output_shape(batch), generator=gen, device="cuda") for name in spec.inputs()}
     out = torch.full(spec.output_shape(batch), float("nan"), device="cuda")
     with torch.no_grad():
-        layer(x, out=out)
-    ref64 = reference.forward64(spec, x, layer.conv.weight, layer.conv.bias, layer.spec_params())
+        layer(x, *extras.values(), out=out)
+    ref64 = reference.forward64(spec, x, layer.conv.weight, layer.conv.bias, {**layer.spec_params(), **extras})
     diff = out.double() - ref64
     rel = (diff.norm() / ref64.norm().clamp_min(1e-30)).item()
     max_abs = diff.abs().max().item() if diff.numel() else 0.0

@@ -65,6 +65,8 @@ class FusedLayer(nn.Module):
         self._name = self.spec.name
         self._input_shape = (self.spec.input.channels, *self.spec.input.size)
         self._param_names = tuple(self.spec.params())
+        self._input_names = tuple(self.spec.inputs())  # extra inputs: forward(x, *inputs)
+        self._out_tail = tuple(self.spec.shapes()[-1].sizes)
         self._has_bias = self.spec.conv.bias
         self._stats_size = reference.stats_size(self.spec)  # batch statistics the op returns (training-mode batch norms)
         self._running_stats = reference.running_stats(self.spec)
@@ -193,7 +195,7 @@ class FusedLayer(nn.Module):
             tensors.append(tensor if tuple(tensor.shape) == want else tensor.reshape(want))
         return tensors
 
-    def _forward_eval(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    def _forward_eval(self, x: torch.Tensor, out: torch.Tensor | None, inputs: tuple = ()) -> torch.Tensor:
         """Eval mode of a layer with training-mode batch norms: its eval twin, on the running statistics."""
         if self._twin_op is None:
             self._bind_twin(specialize=x.is_cuda)
@@ -205,16 +207,17 @@ class FusedLayer(nn.Module):
                     self._bind_twin(specialize=True)
                 bias = tensors[1] if self._has_bias else None
                 params = dict(zip((name for name, _ in self._twin_params), tensors[1 + self._has_bias:]))
+                params.update(zip(self._input_names, inputs))
                 return torchop.launch(self._twin_specialized, x.contiguous(), tensors[0], bias, params, out)
         else:
             self._check_portable_input(x)
         if out is None:
-            return self._twin_op(x, *tensors)
+            return self._twin_op(x, *tensors, *inputs)
         with torch.no_grad():
-            y = self._twin_op(x, *tensors)
+            y = self._twin_op(x, *tensors, *inputs)
         return _copy_out(self._name, y, out)
 
-    def _forward_training(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    def _forward_training(self, x: torch.Tensor, out: torch.Tensor | None, inputs: tuple = ()) -> torch.Tensor:
         """Training mode of a layer with training-mode batch norms: the output, and nn.BatchNormNd's
         update of the running statistics from the batch statistics the op (or the launch) returns."""
         batch = x.shape[0]
@@ -226,6 +229,7 @@ class FusedLayer(nn.Module):
             conv = self._modules["conv"]
             bias = _tensor(conv, "bias") if self._has_bias else None
             params = {name: _tensor(self, name) for name in self._param_names}
+            params.update(zip(self._input_names, inputs))
             torchop.launch(self._specialized or self.specialize(), x.contiguous(), _tensor(conv, "weight"), bias, params, out, stats)
             y = out
         else:
@@ -234,10 +238,10 @@ class FusedLayer(nn.Module):
             else:
                 self._check_portable_input(x)
             if out is None:
-                y, stats = self._op(x, *self._op_tensors())
+                y, stats = self._op(x, *self._op_tensors(), *inputs)
             else:
                 with torch.no_grad():
-                    y, stats = self._op(x, *self._op_tensors())
+                    y, stats = self._op(x, *self._op_tensors(), *inputs)
                 y = _copy_out(self._name, y, out)
         if batch > 0:
             reference.update_running_stats(self, self._running_stats, stats, batch)
@@ -256,20 +260,23 @@ class FusedLayer(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer on `x`, through its custom op (differentiable).
+    def forward(self, x: torch.Tensor, *inputs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer on `x`, through its custom op (differentiable). `inputs`: the spec's extra
+        inputs (`spec.inputs()`, in that order), each of the output's shape and the layer's dtype.
 
         With `out` (a preallocated contiguous output of the right shape and the layer's dtype) the kernel fills
         it directly on CUDA (the raw launch) and no autograd graph is recorded, on any device.
         """
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self._name}: expected a torch.Tensor input, got {type(x).__name__}")
+        if inputs or self._input_names:
+            self._check_extra_inputs(x, inputs)
         if self._twin_spec is not None and not self.training:
-            return self._forward_eval(x, out)
+            return self._forward_eval(x, out, inputs)
         if self._stats_size:
-            return self._forward_training(x, out)
+            return self._forward_training(x, out, inputs)
         if out is not None:
-            return self._forward_into(x, out)
+            return self._forward_into(x, out, inputs)
         if x.is_cuda:
             conv = self._modules["conv"]
             weight = _tensor(conv, "weight")
@@ -277,19 +284,36 @@ class FusedLayer(nn.Module):
             if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
                 # Inference in eager mode: nothing for autograd to record, so skip the custom
                 # op's dispatch (tens of microseconds of host time) and launch directly.
-                return self._launch(x, None, conv, weight)
+                return self._launch(x, None, conv, weight, inputs)
         else:
             self._check_portable_input(x)
-        return self._op(x, *self._op_tensors())
+        return self._op(x, *self._op_tensors(), *inputs)
 
-    def _forward_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def _forward_into(self, x: torch.Tensor, out: torch.Tensor, inputs: tuple = ()) -> torch.Tensor:
         if x.is_cuda:
             self._check_input(x)
-            return self._launch(x, out)
+            return self._launch(x, out, inputs=inputs)
         self._check_portable_input(x)
         with torch.no_grad():
-            y = self._op(x, *self._op_tensors())
+            y = self._op(x, *self._op_tensors(), *inputs)
         return _copy_out(self._name, y, out)
+
+    def _check_extra_inputs(self, x: torch.Tensor, inputs: tuple) -> None:
+        """The extra inputs the spec names, each of the output's shape, x's dtype and device (the
+        raw launch reads them unchecked)."""
+        names = self._input_names
+        if len(inputs) != len(names):
+            want = f"the extra inputs {', '.join(names)}" if names else "no extra inputs"
+            raise TypeError(f"{self._name}: takes x and {want} (spec.inputs()), got {len(inputs)} extra argument(s)")
+        shape = (x.shape[0], *self._out_tail)
+        for name, t in zip(names, inputs):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{self._name}: extra input {name}: expected a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != shape or t.dtype != x.dtype or t.device != x.device:
+                raise ValueError(
+                    f"{self._name}: extra input {name}: expected a {x.dtype} tensor of shape {list(shape)} (the output's) "
+                    f"on {x.device}, got {t.dtype} {list(t.shape)} on {t.device}"
+                )
 
     def _check_portable_input(self, x: torch.Tensor) -> None:
         """Off the GPU any float dtype runs (the reference); a 16-bit dtype only in a 16-bit precision."""
@@ -332,7 +356,7 @@ class FusedLayer(nn.Module):
             )
         self._check_device_and_shape(x, weight)
 
-    def _launch(self, x: torch.Tensor, out: torch.Tensor | None, conv=None, weight=None) -> torch.Tensor:
+    def _launch(self, x: torch.Tensor, out: torch.Tensor | None, conv=None, weight=None, inputs: tuple = ()) -> torch.Tensor:
         """The raw kernel launch on torch's current stream (no checks of x, no autograd)."""
         if conv is None:
             conv = self._modules["conv"]
@@ -340,6 +364,8 @@ class FusedLayer(nn.Module):
             weight = _tensor(conv, "weight")
         bias = _tensor(conv, "bias") if self._has_bias else None
         params = {name: _tensor(self, name) for name in self._param_names} if self._param_names else {}
+        if inputs:
+            params.update(zip(self._input_names, inputs))
         return torchop.launch(self._specialized or self.specialize(), x, weight, bias, params, out)
 
 

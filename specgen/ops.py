@@ -78,6 +78,13 @@ class Param:
 
 
 @dataclass(frozen=True)
+class Input:
+    """An extra tensor operand the caller passes at run time, by its spec name (see OperandArgs.input)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
 class Spelling:
     """One way PyTorch code writes an op, for the model importer (specgen.importer).
 
@@ -211,13 +218,16 @@ class ScalarArgs(Args):
 
 
 class OperandArgs(Args):
-    """The other operand of add/sub/mul/div: a scalar `value` or a per-channel parameter `param`.
+    """The other operand of add/sub/mul/div: a scalar `value`, a per-channel parameter `param`, or
+    an extra tensor `input` that the caller passes at run time, of the layer's output shape
+    (`layer(x, shortcut)`: a residual's shortcut); only pointwise stages may follow an input's stage.
 
     Shorthands: `add: 2.0` means {value: 2.0}; `add: bias2` means {param: bias2}.
     """
 
     value: Optional[float] = None
     param: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
+    input: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
 
     @model_validator(mode="before")
     @classmethod
@@ -232,8 +242,9 @@ class OperandArgs(Args):
 
     @model_validator(mode="after")
     def _exactly_one(self):
-        if (self.value is None) == (self.param is None):
-            raise ValueError("give exactly one of value (a number) or param (a per-channel parameter name)")
+        if sum(v is not None for v in (self.value, self.param, self.input)) != 1:
+            raise ValueError("give exactly one of value (a number), param (a per-channel parameter name) or "
+                             "input (the name of an extra tensor passed at run time)")
         return self
 
     @classmethod
@@ -243,6 +254,8 @@ class OperandArgs(Args):
             return {"value": other}
         if isinstance(other, Param):
             return {"param": other.name}
+        if isinstance(other, Input):
+            return {"input": other.name}
         return None
 
 
@@ -443,11 +456,23 @@ class ParamInit:
 
 
 def _operand(args: OperandArgs, names: dict[str, str]) -> str:
+    if args.input is not None:
+        return names[args.input]
     return names["value"] if args.param is None else names[args.param]
 
 
 def _operand_ref(args: OperandArgs, x, params: dict):
+    if args.input is not None:
+        return params[args.input]
     return args.value if args.param is None else params[args.param]
+
+
+def _operand_params(a: OperandArgs) -> tuple[str, ...]:
+    return () if a.param is None else (a.param,)
+
+
+def _operand_inputs(a: OperandArgs) -> tuple[str, ...]:
+    return () if a.input is None else (a.input,)
 
 
 @dataclass(frozen=True)
@@ -459,6 +484,8 @@ class Pointwise:
     doc: str = ""
     # Names of the per-channel parameters an instance uses.
     params: Callable[[Any], tuple[str, ...]] = field(default=lambda a: ())
+    # Names of the extra tensors an instance reads, which the caller passes at run time.
+    inputs: Callable[[Any], tuple[str, ...]] = field(default=lambda a: ())
     # How a layer creates them, by name (left out: a parameter drawn from a standard normal).
     param_init: Callable[[Any], dict] = field(default=lambda a: {})
     # For the affine fold: `affine(args, scale, shift)` composes this op, as v -> a * v + b, onto
@@ -497,7 +524,7 @@ def _affine(step: Callable[[float, float, float], Optional[tuple[float, float]]]
     """An add/sub/mul/div row's affine composition: by a constant `value` only."""
 
     def compose(a: OperandArgs, scale: float, shift: float):
-        return None if a.param is not None else step(scale, shift, float(a.value))
+        return None if a.value is None else step(scale, shift, float(a.value))
 
     return compose
 
@@ -671,7 +698,8 @@ _POINTWISE_ROWS = [
         OperandArgs,
         lambda a, x, k: f"({x} + {_operand(a, k)})",
         lambda x, a, p: x + _operand_ref(a, x, p),
-        params=lambda a: () if a.param is None else (a.param,),
+        params=_operand_params,
+        inputs=_operand_inputs,
         affine=_affine(lambda s, t, v: (s, t + v)),
         spellings=(
             Spelling(
@@ -687,7 +715,8 @@ _POINTWISE_ROWS = [
         OperandArgs,
         lambda a, x, k: f"({x} - {_operand(a, k)})",
         lambda x, a, p: x - _operand_ref(a, x, p),
-        params=lambda a: () if a.param is None else (a.param,),
+        params=_operand_params,
+        inputs=_operand_inputs,
         affine=_affine(lambda s, t, v: (s, t - v)),
         spellings=(
             Spelling(
@@ -705,7 +734,8 @@ _POINTWISE_ROWS = [
         OperandArgs,
         lambda a, x, k: f"({x} * {_operand(a, k)})",
         lambda x, a, p: x * _operand_ref(a, x, p),
-        params=lambda a: () if a.param is None else (a.param,),
+        params=_operand_params,
+        inputs=_operand_inputs,
         affine=_affine(lambda s, t, v: (s * v, t * v)),
         spellings=(
             Spelling(
@@ -723,7 +753,8 @@ _POINTWISE_ROWS = [
         OperandArgs,
         lambda a, x, k: f"({x} / {_operand(a, k)})",
         lambda x, a, p: x / _operand_ref(a, x, p),
-        params=lambda a: () if a.param is None else (a.param,),
+        params=_operand_params,
+        inputs=_operand_inputs,
         affine=_affine(lambda s, t, v: None if v == 0.0 else (s / v, t / v)),
         spellings=(
             Spelling(

@@ -38,6 +38,10 @@ INT32_MAX = (1 << 31) - 1
 # Shared memory per block and per SM, registers and cluster sizes are the target's (specgen/target.py).
 
 
+# The engines whose epilogue reads an extra input (`add: {input: ...}`) at each output element.
+INPUT_ENGINES = ("tma", "igemm")
+
+
 class PlanError(SpecError):
     """A spec that validates but cannot be planned (e.g. a tile that does not fit)."""
 
@@ -86,6 +90,9 @@ def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], chan
         constants.append(Constant(cname, c_float(value), f"epilogue[{index}] {stage.op} {field} = {value!r}", "float"))
     for param in row.params(stage.args):
         names[param] = f"__ldg(p_{param} + {channel})"
+    inputs = list(row.inputs(stage.args))
+    for name in inputs:  # an extra input, read at the element's offset in the output (the engine's e_out)
+        names[name] = f"input_value(i_{name}, e_out)"
     detail = ", ".join(f"{k}={v!r}" for k, v in stage.args.model_dump().items() if v is not None)
     return {
         "index": index,
@@ -93,6 +100,7 @@ def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], chan
         "comment": f"epilogue[{index}] {stage.op}" + (f" ({detail})" if detail else ""),
         "code": row.cuda(stage.args, "v", names),
         "params": list(row.params(stage.args)),
+        "inputs": inputs,
     }
 
 
@@ -697,6 +705,10 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     tp = None if igemm_config is not None else _choose_tma(spec, levels, reductions, fold, tma_config, target)
     ig = None if tp is not None else _choose_igemm(spec, levels, reductions, fold, o3, taps, igemm_config, target)
     engine = "tma" if tp is not None else "igemm" if ig is not None else ("slab" if mma is not None else "ffma")
+    inputs = list(spec.inputs())
+    if inputs and engine not in INPUT_ENGINES:
+        raise PlanError([f"epilogue: an extra input ({', '.join(inputs)}) is read by the {' and '.join(INPUT_ENGINES)} "
+                         f"engines (and the tail engine after a statistic stage); this layer plans for the {engine} engine"])
     if tp is not None:
         threads, smem_bytes, min_blocks = tp.threads, tp.smem_bytes, 1
         cluster, cluster_at_launch = 1, False
@@ -771,6 +783,7 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         "out_per_sample": out_per_sample,
         "out_shape": list(out_shape),
         "params": [{"name": n, "shape": list(s), "channels": s[0]} for n, s in params],
+        "inputs": [{"name": n} for n in inputs],
         "constants": consts,
         # (a transposed conv: each output meets about taps / stride-volume of its taps)
         "flops_per_sample": 2 * math.prod(t1) * (cin // groups) * taps * math.prod(l.get("window", 1) for l in levels)

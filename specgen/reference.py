@@ -140,13 +140,15 @@ def _stages(spec: LayerSpec):
         if stage.kind == "pointwise":
             row, args = ops.POINTWISE[stage.op], stage.args
             names = tuple(row.params(args))
+            inputs = tuple(row.inputs(args))  # extra inputs: of the value's own shape, used as they come
             # one call on a dummy tensor warms whatever the op caches (e.g. a parsed expression),
             # so no parsing happens inside a traced forward
             channels = {n: s[0] for n, s in param_shapes.items() if n in names}
             c = next(iter(channels.values()), 1)
             dummy = torch.zeros((1, c) + (1,) * spec.ndim)
-            row.torch_ref(dummy, args, {n: torch.zeros((c,) + (1,) * spec.ndim) for n in names})
-            steps.append(functools.partial(_pointwise, row.torch_ref, args, names))
+            row.torch_ref(dummy, args, {**{n: torch.zeros((c,) + (1,) * spec.ndim) for n in names},
+                                        **{n: dummy for n in inputs}})
+            steps.append(functools.partial(_pointwise, row.torch_ref, args, names, inputs))
         elif stage.kind == "pool":
             geometry = spec.pool_geometry(stage, f"epilogue[{i}]")
             args = SimpleNamespace(**{**stage.args.model_dump(), **geometry})
@@ -178,8 +180,10 @@ def stages(spec: LayerSpec):
     return hit[1]
 
 
-def _pointwise(torch_ref, args, names, y, params, stats=None):
+def _pointwise(torch_ref, args, names, inputs, y, params, stats=None):
     views = {name: params[name].reshape(params[name].shape[0], *([1] * (y.dim() - 2))) for name in names}
+    for name in inputs:
+        views[name] = params[name]
     return torch_ref(y, args, views)
 
 
@@ -233,14 +237,18 @@ class Reference(nn.Module):
         self._running_stats = running_stats(self.spec)
         add_spec_params(self, self.spec)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        """The layer on x and the spec's extra inputs (spec.inputs(), in that order)."""
+        extra = dict(zip(self.spec.inputs(), inputs))
+        if len(extra) != len(inputs) or len(extra) != len(self.spec.inputs()):
+            raise TypeError(f"{self.spec.name}: takes x and {len(self.spec.inputs())} extra input(s), got {len(inputs)}")
         if self._twin is None:
-            return self._run(x, self.conv.weight, self.conv.bias, self.named_spec_params())
+            return self._run(x, self.conv.weight, self.conv.bias, {**self.named_spec_params(), **extra})
         if not self.training:
             params = {n: getattr(self, n) for n in self._twin.params()}
-            return forward(self._twin, x, self.conv.weight, self.conv.bias, params)
+            return forward(self._twin, x, self.conv.weight, self.conv.bias, {**params, **extra})
         check_batch_stats_size(self.spec, x.shape[0])
-        y, stats = forward_with_stats(self.spec, x, self.conv.weight, self.conv.bias, self.named_spec_params())
+        y, stats = forward_with_stats(self.spec, x, self.conv.weight, self.conv.bias, {**self.named_spec_params(), **extra})
         update_running_stats(self, self._running_stats, stats, x.shape[0])
         return y
 

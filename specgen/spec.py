@@ -315,6 +315,8 @@ class LayerSpec(Model):
                 data["epilogue"][i][stage.op].update(
                     {k: list(v) for k, v in geometry.items() if k in type(stage.args).model_fields}
                 )
+            if stage.kind == "pointwise" and data["epilogue"][i][stage.op].get("input", 0) is None:
+                del data["epilogue"][i][stage.op]["input"]  # an operand without an extra input hashes as before them
             if stage.kind == "reduce":
                 data["epilogue"][i][stage.op]["dims"] = list(reduce_dims[i])
             if stage.kind == "norm" and "dim" in type(stage.args).model_fields:  # softmax: dims from 1, in order
@@ -520,6 +522,27 @@ class LayerSpec(Model):
                 found[name] = value
         return found
 
+    def inputs(self) -> dict[str, tuple[int, ...]]:
+        """The extra tensors the caller passes at run time (`add: {input: shortcut}`), name -> shape
+        per sample (the layer's output's: only pointwise stages follow an input's stage), in order of first use."""
+        found: dict[str, tuple[int, ...]] = {}
+        for stage in self.epilogue:
+            if stage.kind == "pointwise":
+                for name in ops.POINTWISE[stage.op].inputs(stage.args):
+                    found.setdefault(name, tuple(self.shapes()[-1].sizes))
+        return found
+
+    def _check_inputs(self) -> None:
+        first = None
+        for i, stage in enumerate(self.epilogue):
+            if stage.kind == "pointwise" and ops.POINTWISE[stage.op].inputs(stage.args):
+                first = i if first is None else first
+            elif first is not None and stage.kind != "pointwise":
+                raise SpecShapeError(
+                    f"epilogue[{first}] ({self.epilogue[first].op}): an extra input is read at the layer's output shape, "
+                    f"so only pointwise stages may follow it; epilogue[{i}] is {stage.op} ({stage.kind})"
+                )
+
     def running_stat_stages(self) -> list[int]:
         """The training-mode batch norms that update running statistics (indices into the epilogue)."""
         return [i for i, s in enumerate(self.epilogue) if s.op == "batch_norm" and s.args.buffer_names()]
@@ -581,9 +604,14 @@ class LayerSpec(Model):
         names = self.params()
         self.param_inits()
         buffers = self.buffers()
-        for name in [*names, *buffers]:
+        self._check_inputs()
+        inputs = self.inputs()
+        for name in [*names, *buffers, *inputs]:
             if name in EXPR_RESERVED or name in RESERVED_PARAM_NAMES:
                 raise SpecShapeError(f"parameter name {name!r} is reserved; choose another")
+        for name in inputs:
+            if name in names or name in buffers:
+                raise SpecShapeError(f"{name!r} names an extra input and a tensor of the layer; give them different names")
         for name in buffers:
             if name in names:
                 raise SpecShapeError(

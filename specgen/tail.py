@@ -175,6 +175,8 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> dict:
     affine = _affine_code(row, args, "e_el" if row.affine == "element" else "c_el") if row.params(args) else ""
     needs_channel = bool(any(st["params"] for st in pointwise) or (affine and row.affine == "channel"))
     params = list(dict.fromkeys([*row.params(args), *(p for st in pointwise for p in st["params"])]))
+    inputs = list(dict.fromkeys(n for st in pointwise for n in st["inputs"]))
+    tensors = [*(f"p_{n}" for n in params), *(f"i_{n}" for n in inputs)]  # what an applying kernel reads besides its input
     trailing = span.last == len(sizes)
     base = {
         "version": __version__,
@@ -195,6 +197,7 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> dict:
         # what each value goes through after its normalization: the norm's weight and bias, the stages after it
         "steps": ([{"code": affine, "comment": "its weight and bias"}] if affine else []) + pointwise,
         "params": [{"name": n} for n in params],
+        "inputs": [{"name": n} for n in inputs],
         "constants": consts,
         "in_shape": sizes,
         "per_sample": per_sample,
@@ -215,7 +218,7 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> dict:
         threads_per_sample = outer * inner // vec
         kernel = {"name": f"{kernel_prefix}_softmax", "role": "strided", "threads": THREADS,
                   "grid_x": -(-threads_per_sample // THREADS), "once": False,
-                  "args": ["in", *(f"p_{n}" for n in params), "out"],
+                  "args": ["in", *tensors, "out"],
                   "bytes_per_sample": 4 * per_sample * (1 if registers else 2) + 4 * per_sample}
         return {**base, "family": "strided", "mode": "strided", "outer": outer, "elems": elems, "inner": inner,
                 "vec": vec, "registers": registers, "groups_t": threads_per_sample, "threads": THREADS,
@@ -232,7 +235,7 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> dict:
         items = -(-group_len // (team * vec))
         kernel = {"name": f"{kernel_prefix}_norm", "role": "one_pass", "threads": threads,
                   "grid_x": -(-groups // teams), "once": False,
-                  "args": ["in", *(f"p_{n}" for n in params), "out"], "bytes_per_sample": 8 * per_sample}
+                  "args": ["in", *tensors, "out"], "bytes_per_sample": 8 * per_sample}
         return {**base, "family": "runs", "mode": "one_pass", "groups": groups, "group_len": group_len, "vec": vec,
                 "team": team, "threads": threads, "teams": teams, "items": items, "lane_span": min(team, 32),
                 "team_warps": max(1, team // 32), "kernels": [kernel]}
@@ -247,7 +250,7 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> dict:
          "once": span.across_batch, "args": ["partials", "stat"],
          "bytes_per_sample": 4 * partials + 4 * stat_per_sample},
         {"name": f"{kernel_prefix}_apply", "role": "apply", "threads": THREADS, "grid_x": groups * chunks, "once": False,
-         "args": ["in", "stat", *(f"p_{n}" for n in params), "out"],
+         "args": ["in", "stat", *tensors, "out"],
          "bytes_per_sample": 8 * per_sample + 4 * stat_per_sample},
     ]
     return {**base, "family": "runs", "mode": "split", "groups": groups, "group_len": group_len, "vec": vec,

@@ -145,6 +145,9 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
             if arg.startswith("p_"):
                 pointers.append(torchop._aligned(params[arg[2:]]).data_ptr())
                 strides.append(0)
+            elif arg.startswith("i_"):  # an extra input, of the output's shape: advances with it per sample
+                pointers.append(params[arg[2:]].data_ptr())
+                strides.append(per_sample["out"])
             else:
                 pointers.append(buffers[arg].data_ptr())
                 strides.append(per_sample[arg])

@@ -161,6 +161,7 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
     if spec.conv.bias:
         values.append(_float(bias).data_ptr())
     values.extend(_float(params[p["name"]]).data_ptr() for p in plan["params"])
+    values.extend(params[i["name"]].data_ptr() for i in plan["inputs"])  # extra inputs, in the layer's dtype
     values += [out.data_ptr(), batch]
     kinds = ("map",) * (2 * planes) + ("ptr",) * (len(values) - 2 * planes - 1) + ("int",)
     pack = runtime.arg_pack((kernel.function.value, "main"), kinds)

@@ -6,7 +6,8 @@ specialized). Its schema lists the tensors the layer reads, in a fixed order, an
     specgen::kb90_1a2b3c4d5e6f(Tensor x, Tensor weight, Tensor bias, Tensor p_sum_tensor) -> Tensor
 
 (`bias` only when the conv has one; one `p_<name>` per per-channel parameter, in `spec.params()`
-order). The op mutates nothing and returns a fresh contiguous tensor of shape
+order; then one `i_<name>` per extra input, in `spec.inputs()` order, of the output's shape).
+The op mutates nothing and returns a fresh contiguous tensor of shape
 `spec.output_shape(batch)`. A layer whose training-mode batch norms keep running statistics
 returns `(Tensor, Tensor)`: the output and the batch statistics (`reference.forward_with_stats`),
 from which the layer updates its running statistics outside the op (an op that mutated them
@@ -56,6 +57,7 @@ class SpecOp:
     specialized: pipeline.Specialized | None
     opdef: object  # torch.library.CustomOpDef
     stats_size: int = 0  # floats of batch statistics the op returns after the output (0: it returns the output only)
+    input_names: tuple[str, ...] = ()  # extra inputs (spec.inputs() order), after the parameters, each [batch, *out_tail]
     one_value_batch_norm: bool = False  # a batch-statistics batch norm sees one value per channel and sample
 
     @property
@@ -82,13 +84,18 @@ class SpecOp:
         missing = [n for n in self.param_names if n not in params]
         if missing:
             raise ValueError(f"{self.spec.name}: missing per-channel parameters {missing}")
-        return (x, weight, *((bias,) if self.has_bias else ()), *(params[n] for n in self.param_names))
+        missing = [n for n in self.input_names if n not in params]
+        if missing:
+            raise ValueError(f"{self.spec.name}: missing extra inputs {missing}")
+        names = (*self.param_names, *self.input_names)
+        return (x, weight, *((bias,) if self.has_bias else ()), *(params[n] for n in names))
 
     def split(self, args) -> tuple:
-        """(x, weight, bias or None, {name: tensor}) from the op's positional arguments."""
+        """(x, weight, bias or None, {name: tensor}) from the op's positional arguments (the extra
+        inputs among the tensors by name, as the reference and the launch take them)."""
         x, weight, *rest = args
         bias = rest.pop(0) if self.has_bias else None
-        return x, weight, bias, dict(zip(self.param_names, rest))
+        return x, weight, bias, dict(zip((*self.param_names, *self.input_names), rest))
 
 
 _ops: dict[str, SpecOp] = {}
@@ -129,7 +136,9 @@ def registered() -> dict[str, SpecOp]:
 def _define(name: str, spec: LayerSpec, specialized, arch) -> SpecOp:
     has_bias = spec.conv.bias
     param_names = tuple(spec.params())
-    arg_names = ["x", "weight", *(["bias"] if has_bias else []), *(f"p_{n}" for n in param_names)]
+    input_names = tuple(spec.inputs())
+    arg_names = ["x", "weight", *(["bias"] if has_bias else []), *(f"p_{n}" for n in param_names),
+                 *(f"i_{n}" for n in input_names)]
     stats_size = reference.stats_size(spec)
     schema = "(" + ", ".join(f"Tensor {a}" for a in arg_names) + ") -> " + ("(Tensor, Tensor)" if stats_size else "Tensor")
     box: dict[str, SpecOp] = {}
@@ -165,6 +174,7 @@ def _define(name: str, spec: LayerSpec, specialized, arch) -> SpecOp:
         opdef=opdef,
         stats_size=stats_size,
         one_value_batch_norm=reference.one_value_batch_norm(spec),
+        input_names=input_names,
     )
     box["op"] = op
     return op
@@ -201,6 +211,11 @@ def _check_args(op: SpecOp, args) -> None:
     for name, t, want in zip(names, args[1:], op.arg_shapes):
         if tuple(t.shape) != want:
             raise ValueError(f"{label}: expected {name} of shape {list(want)}, got {list(t.shape)}")
+    want_input = (x.shape[0], *op.out_tail)
+    for name, t in zip(op.input_names, args[1 + len(op.arg_shapes):]):
+        if tuple(t.shape) != want_input:
+            raise ValueError(f"{label}: expected the extra input {name} of shape {list(want_input)} (the output's), "
+                             f"got {list(t.shape)}")
     if op.one_value_batch_norm and x.shape[0] == 1:
         reference.check_batch_stats_size(op.spec, 1)
 
@@ -301,6 +316,7 @@ class _LaunchPlan:
     strides: tuple  # bytes each pointer argument advances per sample
     param_names: tuple
     has_bias: bool
+    input_names: tuple = ()  # extra inputs: pointers after the parameters, advancing like the output
     # The implicit-GEMM engine: (positions per sample, block tile BM, blocks along N, the weight
     # layout (c_in, taps, padded c_in, padded taps)); its grid is one flat axis over batch x positions.
     igemm: tuple | None = None
@@ -315,16 +331,18 @@ def _launch_plan(sp: pipeline.Specialized) -> _LaunchPlan:
     if lp is None:
         plan = sp.plan
         names = tuple(p["name"] for p in plan["params"])
+        input_names = tuple(i["name"] for i in plan.get("inputs", ()))
         has_bias = sp.spec.conv.bias
         n_inputs = 2 + has_bias + len(names)
-        strides = (4 * plan["in_per_sample"],) + (0,) * (n_inputs - 1) + (4 * plan["out_per_sample"],)
+        out_stride = 4 * plan["out_per_sample"]
+        strides = (4 * plan["in_per_sample"],) + (0,) * (n_inputs - 1) + (out_stride,) * len(input_names) + (out_stride,)
         blocks = plan["f_tiles"] if plan["cluster_at_launch"] else plan["blocks_per_sample"]  # see runtime.launch
         ig = plan.get("igemm")
         flat = None
         if ig is not None:
             flat = (ig.positions, ig.bm, ig.n_tiles, (plan["cin"], plan["taps"], ig.cip, ig.taps_pad))
         lp = _launch_plans[sp.key] = _LaunchPlan(tuple(plan["out_shape"]), blocks, strides, names, has_bias, flat,
-                                                 plan["engine"] == "tma")
+                                                 plan["engine"] == "tma", input_names)
     return lp
 
 
@@ -403,8 +421,9 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
         # output rounded to the layer's dtype once.
         f32 = tmarun.derived
         wide = lambda t: f32(t, "float32", lambda v: v.float().contiguous())  # noqa: E731
+        # (an extra input is new on every call: widened afresh, never cached)
         y = _launch_fp32(sp, lp, kernel, x.float(), wide(weight), None if bias is None else wide(bias),
-                         {k: wide(v) for k, v in params.items()}, None, batch, stream)
+                         {k: v.float() if k in lp.input_names else wide(v) for k, v in params.items()}, None, batch, stream)
         out.copy_(y)
         return out
     return _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream)
@@ -419,6 +438,7 @@ def _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream):
     if lp.has_bias:
         pointers.append(_aligned(bias).data_ptr())
     pointers.extend(_aligned(params[name]).data_ptr() for name in lp.param_names)
+    pointers.extend(params[name].data_ptr() for name in lp.input_names)
     pointers.append(out.data_ptr())
     if lp.igemm is not None:
         positions, bm, n_tiles, _ = lp.igemm

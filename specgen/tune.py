@@ -421,6 +421,8 @@ def measure(spec: LayerSpec, cands: list[Candidate], batch: int, reps: int = REP
     torch.manual_seed(0)
     xs = _inputs(spec, batch, torch, device)
     weight, bias, params = _tensors(spec, torch, device)
+    # the spec's extra inputs: random, of the output's shape (the launch reads them among the tensors)
+    params.update({name: torch.randn(spec.output_shape(batch), device=device, dtype=xs[0].dtype) for name in spec.inputs()})
     live = [c for c in cands if c.item is not None]
     outs = [torch.empty(spec.output_shape(batch), device=device, dtype=xs[0].dtype) for _ in live]
     with torch.no_grad():

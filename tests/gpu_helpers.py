@@ -117,16 +117,23 @@ def assert_low(what: str, out: torch.Tensor, ref64: torch.Tensor, ref_low: torch
     return {"rel_l2": rel, "torch_rel_l2": torch_rel}
 
 
-def run(layer, batch: int, seed: int, channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Randomize `layer` and run it on a random input into a NaN-poisoned output: (input, output).
-    `channels_last`: the input in channels-last memory order (same values)."""
+def extra_inputs(spec, batch: int, gen: torch.Generator) -> dict:
+    """Fresh random extra inputs (spec.inputs()), each of the output's shape and the layer's dtype."""
+    shape = spec.output_shape(batch)
+    return {name: torch.randn(shape, generator=gen, device="cuda").to(DTYPE[spec.precision]) for name in spec.inputs()}
+
+
+def run(layer, batch: int, seed: int, channels_last: bool = False, extras: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Randomize `layer` and run it on a random input (and `extras`, its extra inputs by name) into
+    a NaN-poisoned output: (input, output). `channels_last`: the input in channels-last memory
+    order (same values)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     randomize(layer, gen)
     x = random_input(layer.spec, batch, gen)
     if channels_last:
         x = x.movedim(1, -1).contiguous().movedim(-1, 1)
     out = poisoned(layer.spec.output_shape(batch), DTYPE[layer.spec.precision])
-    layer(x, out=out)
+    layer(x, *(extras or {}).values(), out=out)
     torch.cuda.synchronize()
     return x, out
 
@@ -136,8 +143,9 @@ def compare(layer, batch: int, seed: int, channels_last: bool = False) -> dict:
     precision's bar (fp32: float64 and PyTorch fp32 with TF32 off; tf32: PyTorch's own TF32;
     bf16 / fp16: PyTorch's own in that dtype)."""
     spec = layer.spec
-    x, out = run(layer, batch, seed, channels_last)
-    params = layer.spec_params()
+    extras = extra_inputs(spec, batch, torch.Generator(device="cuda").manual_seed(seed + 7919))
+    x, out = run(layer, batch, seed, channels_last, extras)
+    params = {**layer.spec_params(), **extras}
     what = f"{spec.name} at batch {batch}"
     with torch.no_grad():
         ref64 = reference.forward64(spec, x, layer.conv.weight, layer.conv.bias, params)

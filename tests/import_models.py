@@ -912,7 +912,8 @@ class UnpackedMax(nn.Module):
 
 
 class ResidualBlock(nn.Module):
-    """conv-bn-relu twice with a skip connection: two chains; the residual add runs as PyTorch."""
+    """conv-bn-relu twice with a skip connection: two chains, the second adding the block's input
+    (an extra input of its fused layer) before its relu."""
 
     def __init__(self):
         super().__init__()
@@ -925,6 +926,50 @@ class ResidualBlock(nn.Module):
         y = torch.relu(self.bn1(self.conv1(x)))
         y = self.bn2(self.conv2(y))
         return torch.relu(y + x)
+
+
+class DownsampleBlock(nn.Module):
+    """ResNet's basic block with a projection shortcut computed after the main branch, added in
+    place: the shortcut's conv + bn is a chain of its own, whose output the main chain reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(C, 2 * C, 3, stride=2, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(2 * C)
+        self.conv2 = nn.Conv2d(2 * C, 2 * C, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(2 * C)
+        self.down = nn.Sequential(nn.Conv2d(C, 2 * C, 1, stride=2, bias=False), nn.BatchNorm2d(2 * C))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        identity = self.down(x)
+        out += identity
+        return F.relu(out)
+
+
+class ShortcutScaled(nn.Module):
+    """The other operand computed by the model in PyTorch (x * 0.5), then added: still one extra input."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(C, C, 3, padding=1)
+
+    def forward(self, x):
+        return torch.sigmoid(self.conv(x) - x * 0.5)
+
+
+class ShortcutInsideExpr(nn.Module):
+    def __init__(self, gate_shape=None):
+        super().__init__()
+        self.conv = nn.Conv2d(C, C, 3, padding=1)
+        self.gate_shape = gate_shape
+
+    def forward(self, x):
+        y = self.conv(x)
+        if self.gate_shape is not None:  # squeeze-and-excitation's gate: [N, C, 1, 1], not fused
+            return y * torch.sigmoid(x.mean((2, 3), keepdim=True))
+        return y * torch.sigmoid(y + x)
 
 
 class ControlFlow(nn.Module):
@@ -989,6 +1034,8 @@ CASES: list[Case] = [
     Case(SoftplusInsideExpr, IMG, [["expr", "expr"]]),
     Case(CloneDetachResidual, IMG, [["expr"]]),
     Case(Centering, IMG, [["relu", "center", "sigmoid", "center"]]),
+    Case(_bn(ResidualBlock), (2, C, 8, 8), [["batch_norm", "relu"], ["batch_norm", "add", "relu"]]),
+    Case(_bn(DownsampleBlock), (2, C, 8, 8), [["batch_norm", "relu"], ["batch_norm", "add", "relu"], ["batch_norm"]]),
     Case(PoolModules, IMG, [["avg_pool", "relu", "max_pool"]]),
     Case(PoolFunctional3d, VOL, [["avg_pool", "max_pool"]]),
     Case(MaxPool1dFunctional, SEQ, [["avg_pool", "max_pool"]]),
@@ -1104,9 +1151,10 @@ FALLBACKS: list[FallbackCase] = [
         [("softplus_1", "softplus inside a larger pointwise expression has no expr form")], id="SoftplusThreshold",
     ),
     FallbackCase(lambda: UnpackedMax(use_indices=True), IMG, [["relu"]], [("max_1", "its indices are used")], id="UsedIndices"),
-    FallbackCase(
-        _bn(ResidualBlock), (2, C, 8, 8), [["batch_norm", "relu"], ["batch_norm"]], [("add", "operand x is computed by the model")]
-    ),
+    FallbackCase(ShortcutScaled, (2, C, 8, 8), [["sub", "sigmoid"]], [("mul", "it does not follow a convolution")]),
+    FallbackCase(ShortcutInsideExpr, (2, C, 8, 8), [], [("add", "fused only as the other operand of one add, sub, mul or div")]),
+    FallbackCase(lambda: ShortcutInsideExpr(gate_shape=True), (2, C, 8, 8), [],
+                 [("mul", "computed by the model with shape [2, 4, 1, 1]")], id="SqueezeExciteGate"),
     FallbackCase(ControlFlow, IMG, [], [("ControlFlow", "torch.fx cannot trace")]),
     FallbackCase(lambda: TensorConstants(data=[[[0.5]]] * C), IMG, [["relu"]],
                  [("tensor", "only a number made into a tensor is read as a constant")], id="TensorOfAList"),

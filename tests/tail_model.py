@@ -209,7 +209,8 @@ def _apply_steps(spec, tp: dict, y: np.ndarray, params: dict, batch: int) -> np.
             t = t + params[a.bias].double().reshape(shape)
     for j in _segment(spec, i).apply:
         st = spec.epilogue[j]
-        t = reference._pointwise(ops.POINTWISE[st.op].torch_ref, st.args, ops.POINTWISE[st.op].params(st.args),
+        row_j = ops.POINTWISE[st.op]
+        t = reference._pointwise(row_j.torch_ref, st.args, row_j.params(st.args), row_j.inputs(st.args),
                                  t, {k: v.double() for k, v in params.items()})
     return t.reshape(batch, -1).numpy()
 

@@ -119,7 +119,7 @@ GRAD_SPECS = [
         "name": "batch_norm_training",
         "input": {"channels": 2, "size": [5, 5]},
         "conv": {"out_channels": 3, "kernel": 2},
-        "epilogue": [{"batch_norm": {"training": True, "eps": 0.1}}, {"max_pool": 2}, {"softmax": -1}],
+        "epilogue": [{"batch_norm": {"training": True, "eps": 0.1}}, {"max_pool": 2}, {"softmax": -1}, {"center": [2, 3]}],
     },
 ]
 

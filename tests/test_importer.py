@@ -168,6 +168,34 @@ def test_detached_copies_and_softplus_are_written_into_one_expression():
     assert [s.args.code for s in spec.epilogue] == ["tanh(softplus(x)) * x", "x * (softplus(2.0 * x) / 2.0)"]
 
 
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "training"])
+def test_residual_blocks_fuse_their_shortcut_and_match(training):
+    """The shortcut (the block's input, or the projection chain's output, computed after the main
+    branch) is an extra input of the main chain's layer; the fused model matches the original,
+    gradients and running statistics included."""
+    import copy
+
+    torch.manual_seed(0)
+    model = im._randomize_bn(im.DownsampleBlock()).train(training)
+    x = torch.randn(3, im.C, 8, 8, requires_grad=True)
+    plain = copy.deepcopy(model)
+    fused = from_module(model, x)
+    report = fused.specgen_report
+    assert not report.fallbacks and [list(s.inputs()) for s in report.specs] == [[], ["down_1"], []]
+    main = next(layer for layer in _fused_layers(fused) if layer.spec.inputs())
+    assert main.spec.epilogue[1].args.input == "down_1"
+    y, want = fused(x), plain(x)
+    torch.testing.assert_close(y, want)
+    if training:
+        grad = torch.randn_like(y)
+        got = torch.autograd.grad(y, [x, *model.parameters()], grad)
+        expected = torch.autograd.grad(want, [x, *plain.parameters()], grad)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b)
+        for a, b in zip(model.buffers(), plain.buffers()):
+            torch.testing.assert_close(a, b)
+
+
 def test_a_scalar_parameter_is_shared_and_expanded():
     torch.manual_seed(0)
     model = im.ScalarParam()

@@ -66,6 +66,7 @@ class _Chain:
     bias: Optional[TensorRef] = None
     names: dict = field(default_factory=dict)  # id(tensor) -> spec parameter name
     tensors: dict = field(default_factory=dict)  # spec parameter name -> tensor
+    inputs: dict = field(default_factory=dict)  # spec extra input name -> the model's node that computes it
     stop: Optional[str] = None  # why the chain ended
     rejected: dict = field(default_factory=dict)  # node -> why it did not join
     dtype: object = None  # the chain's dtype: float32, bfloat16 or float16 (every value of it)
@@ -101,9 +102,9 @@ class Analysis(Capture):
         super().__init__(model, inputs)
         recognizer = Recognizer(self.gm)
         self.describe, self.classify = recognizer.describe, recognizer.classify
+        self.covered: dict[Node, _Chain] = {}
         self.regions = Regions(self)
         self.chains: list[_Chain] = []
-        self.covered: dict[Node, _Chain] = {}
         self.reasons: dict[Node, str] = {}
         self.warn: set[Node] = set()  # fallbacks about a convolution chain (logged as warnings)
         self.spec_names: set[str] = set()
@@ -170,6 +171,10 @@ class Analysis(Capture):
         if not users:
             chain.stop = f"{cur.name} is not used"
             return False
+        taken = [u for u in users if u in self.covered]
+        if taken:  # another chain took it, with this value as its extra input
+            chain.stop = f"{cur.name} is an extra input of the fused chain {self.covered[taken[0]].spec.name}"
+            return False
         centered = self._centering(cur, users)
         if centered is not None:
             try:
@@ -228,6 +233,8 @@ class Analysis(Capture):
                 spec = validate(data)
             except SpecError as err:
                 raise Reject(f"the spec would not validate: {'; '.join(err.problems)}") from None
+            if spec.inputs() and not chain.spec.inputs():
+                _check_input_engine(spec)
             if check is not None:
                 check(spec)
         view = shape_of(out)
@@ -298,7 +305,7 @@ class Analysis(Capture):
         """A statistic stage at `node`; `dims` (the dims of the chain's view it normalizes over)
         where a flattening view before it decided them, and `nodes` then the views around it."""
         where = self.describe(node)
-        saved = (dict(chain.names), dict(chain.tensors))
+        saved = (dict(chain.names), dict(chain.tensors), dict(chain.inputs))
         try:
             if dtype_of(node) != chain.dtype:
                 raise Reject(f"produces {dtype_of(node)}, the chain is {chain.dtype}")
@@ -317,7 +324,7 @@ class Analysis(Capture):
                          check=lambda spec: self._check_norm(chain, spec))
             chain.mode = mode
         except Reject as rej:
-            chain.names, chain.tensors = saved
+            chain.names, chain.tensors, chain.inputs = saved
             raise Reject(f"{where}: {rej.reason}") from None
 
     def _norm_operand(self, chain: _Chain, value, operands: tuple) -> Optional[ops.Param]:
@@ -433,12 +440,12 @@ class Analysis(Capture):
         prev = cur
         for cut in cut_points(cur, exit_, members, deps, self.order):
             segment = ancestors(cut, deps, stop=prev)
-            saved = (dict(chain.names), dict(chain.tensors))
+            saved = (dict(chain.names), dict(chain.tensors), dict(chain.inputs))
             try:
                 stage = self.regions.stage(chain, prev, cut, segment, members)
                 self._commit(chain, [] if stage is None else [stage], sorted(segment, key=self.order.get), cut)
             except Reject as rej:
-                chain.names, chain.tensors = saved
+                chain.names, chain.tensors, chain.inputs = saved
                 chain.stop = rej.reason
                 self._record(sorted(segment, key=self.order.get), rej.reason, subject=True)
                 return False
@@ -565,6 +572,16 @@ def _start(imp: Analysis, conv: Node, desc: ConvOp) -> _Chain:
     if chain.view is None or tuple(chain.view) != tuple(chain.spec_out):
         raise Reject(f"{where}: the spec's output {list(chain.spec_out)} differs from the model's {chain.view}")
     return chain
+
+
+def _check_input_engine(spec: LayerSpec) -> None:
+    """A Reject where no engine this layer plans for reads an extra input (plan.INPUT_ENGINES)."""
+    from specgen.plan import build_plan
+
+    try:
+        build_plan(spec)
+    except SpecError as err:
+        raise Reject(f"with an extra input the layer cannot be planned: {err.problems[0]}") from None
 
 
 def _mode(chain: _Chain, desc: NormOp, args: dict) -> Optional[str]:

@@ -26,6 +26,17 @@ class _XTerm:
 
 
 X = _XTerm()  # the chain value, in direct-stage terms
+
+
+class InputRef:
+    """An operand the model computes (or takes as its input) of the chain value's shape and dtype:
+    an extra input of the fused layer, passed at run time (a residual's shortcut)."""
+
+    def __init__(self, node: Node):
+        self.node = node
+
+    def __repr__(self) -> str:
+        return f"InputRef({self.node.name})"
 _OPAQUE = object()  # an operand that is neither x, a number nor a parameter
 
 # Per-channel parameter names that a spec or a FusedLayer cannot take.
@@ -69,6 +80,7 @@ class Regions:
         self.nodes, self.order = analysis.nodes, analysis.order
         self.classify, self.describe, self.fetch = analysis.classify, analysis.describe, analysis.fetch
         self.leaf_nodes: set[Node] = set()
+        self.covered = analysis.covered  # nodes of the chains built so far: never in another
         self._param_only_memo: dict[Node, bool] = {}
 
     def find(self, chain):
@@ -86,7 +98,7 @@ class Regions:
         while i <= limit and i < len(self.nodes):
             node = self.nodes[i]
             i += 1
-            if not any(a is cur or a in members for a in node.all_input_nodes):
+            if node in self.covered or not any(a is cur or a in members for a in node.all_input_nodes):
                 continue
             desc = self.classify(node)
             if isinstance(desc, IdentityOp):  # a copy of a region value (x.clone()): the value itself
@@ -199,7 +211,8 @@ class Regions:
 
     def _leaf_node(self, chain, node: Node, along_dim1: bool):
         result = self._leaf_value(chain, node, along_dim1)
-        self.leaf_nodes.add(node)
+        if not isinstance(result, InputRef):  # an extra input stays the model's to compute
+            self.leaf_nodes.add(node)
         return result
 
     def _param_only(self, node: Node) -> bool:
@@ -221,8 +234,13 @@ class Regions:
 
     def _leaf_value(self, chain, node: Node, along_dim1: bool):
         if not self._param_only(node):
+            if not along_dim1 and shape_of(node) is not None and tuple(shape_of(node)) == tuple(chain.view):
+                if dtype_of(node) != chain.dtype:
+                    raise Reject(f"operand {node.name} is {dtype_of(node)}, the chain is {chain.dtype}")
+                return InputRef(node)  # of the chain value's shape: an extra input of the layer
             raise Reject(
-                f"operand {node.name} is computed by the model; only numbers and per-channel parameters can join a chain"
+                f"operand {node.name} is computed by the model with shape {shape_of(node) and list(shape_of(node))}; "
+                f"numbers, per-channel parameters and tensors of the chain value's shape {list(chain.view)} join a chain"
             )
         if node.op == "get_attr":
             obj = self.fetch(node.target)
@@ -295,6 +313,8 @@ class Regions:
             return term
         if isinstance(term, TensorRef):
             return ops.Param(self.param_name(chain, term))
+        if isinstance(term, InputRef):
+            return ops.Input(self.input_name(chain, term))
         return _OPAQUE
 
     def _render(self, chain, term, x_node: Node, members: dict) -> Optional[str]:
@@ -317,6 +337,9 @@ class Regions:
             return _num(term)
         if isinstance(term, TensorRef):
             return self.param_name(chain, term)
+        if isinstance(term, InputRef):
+            raise Reject(f"{term.node.name}, a tensor the model computes, is fused only as the other operand of one add, "
+                         f"sub, mul or div of the chain value, not inside a larger expression")
         raise Reject(f"cannot write {term!r} in an expression")  # pragma: no cover
 
     def param_name(self, chain, ref: TensorRef) -> str:
@@ -329,6 +352,19 @@ class Regions:
             chain.names[key] = name
             chain.tensors[name] = ref.tensor
         return chain.names[key]
+
+
+    def input_name(self, chain, ref: InputRef) -> str:
+        """The spec name of an extra input (the model's node name, made unique)."""
+        for name, node in chain.inputs.items():
+            if node is ref.node:
+                return name
+        name = sanitize(ref.node.name, "input")
+        if name in _RESERVED_PARAM_NAMES:
+            name = f"{name}_input"
+        name = unique(name, set(chain.tensors) | set(chain.inputs) | _RESERVED_PARAM_NAMES)
+        chain.inputs[name] = ref.node
+        return name
 
 
 def _not_shared(value) -> str:

@@ -46,10 +46,11 @@ class ImportedLayer(FusedLayer):
             return nn.Module.train(self, mode)
         return super().train(mode)
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *inputs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self._batch_stats_always and not self.training and isinstance(x, torch.Tensor):
-            return self._forward_training(x, out)
-        return super().forward(x, out)
+            self._check_extra_inputs(x, inputs)
+            return self._forward_training(x, out, inputs)
+        return super().forward(x, *inputs, out=out)
 
     def _spec_shaped(self, name: str) -> torch.Tensor:
         tensor = getattr(self, name)
@@ -88,14 +89,16 @@ def buffers_kept(*modules: nn.Module):
 
 def original(imp: Analysis, chain) -> Optional[fx.GraphModule]:
     """The chain as the model computes it (its nodes and the parameter reads they need), a
-    module of the conv's input; None when it reads any other value of the model."""
+    module of the conv's input and the chain's extra inputs; None when it reads any other value
+    of the model."""
     conv = chain.conv
     inp = conv.args[0] if conv.args else conv.kwargs["input"]
+    extras = list(chain.inputs.values())
     needed: set[Node] = set()
     todo = [chain.out]
     while todo:
         node = todo.pop()
-        if node in needed or node is inp:
+        if node in needed or node is inp or node in extras:
             continue
         if node.op == "placeholder":
             return None
@@ -103,6 +106,8 @@ def original(imp: Analysis, chain) -> Optional[fx.GraphModule]:
         todo.extend(node.all_input_nodes)
     graph = fx.Graph()
     env = {inp: graph.placeholder("x")}
+    for i, node in enumerate(extras):
+        env[node] = graph.placeholder(f"extra{i}")
     for node in imp.nodes:
         if node in needed:
             env[node] = graph.node_copy(node, lambda n: env[n])
@@ -129,11 +134,14 @@ def measure(imp: Analysis, chain) -> Choice:
         ms, pt = record["specgen_ms"], record["pytorch_ms"]
         return Choice(name, ms < pt, ms, pt, "cached")
     inp = chain.conv.args[0] if chain.conv.args else chain.conv.kwargs["input"]
-    shape = shape_of(inp)
+    shapes = [shape_of(inp), *(shape_of(n) for n in chain.inputs.values())]
     generator = torch.Generator(device=device).manual_seed(0)
-    inputs = [torch.randn(shape, device=device, generator=generator).to(chain.dtype) for _ in range(2)]
+    inputs = [[torch.randn(s, device=device, generator=generator).to(chain.dtype) for s in shapes] for _ in range(2)]
     with buffers_kept(imp.model, layer):  # a training-mode batch norm updates its running statistics on every call
-        ms, pt = measured.compare(layer, plain, inputs)
+        if chain.inputs:  # the extra inputs too, fresh random tensors of their shapes
+            ms, pt = measured.compare(lambda a: layer(*a), lambda a: plain(*a), [tuple(a) for a in inputs])
+        else:
+            ms, pt = measured.compare(layer, plain, [a[0] for a in inputs])
     measured.store(key, {"layer": name, "batch": chain.batch, "specgen_ms": ms, "pytorch_ms": pt})
     return Choice(name, ms < pt, ms, pt, "measured")
 
@@ -143,18 +151,23 @@ def fused_graph(imp: Analysis) -> fx.GraphModule:
     graph = imp.graph
     layers: dict[str, nn.Module] = {}
     taken = {n.target.split(".")[0] for n in imp.nodes if n.op in ("call_module", "get_attr")} | set(dir(imp.gm))
+    replaced: dict[Node, Node] = {}  # a fused chain's output -> what computes it now
     for chain in imp.chains:
         name = unique(chain.spec.name, taken | set(layers))
         layers[name] = fused_layer(imp, chain)
         imp.gm.add_submodule(name, layers[name])
         conv = chain.conv
         inp = conv.args[0] if conv.args else conv.kwargs["input"]
-        with graph.inserting_before(conv):
-            fused = graph.call_module(name, (inp,))
+        # extra inputs (a shortcut the model computes after the conv, perhaps another fused chain's
+        # output): the call goes where the chain's output was, after all of them
+        extras = [replaced.get(node, node) for node in chain.inputs.values()]
+        with graph.inserting_before(chain.out if extras else conv):
+            fused = graph.call_module(name, (inp, *extras))
             final = fused
             if tuple(chain.view) != tuple(chain.spec_out):
                 final = graph.call_method("reshape", (fused, -1, *chain.view[1:]))
         chain.out.replace_all_uses_with(final)
+        replaced[chain.out] = final
         covered = set(chain.nodes)
         for node in chain.nodes:  # uses that read only sizes: give them a stand-in
             readers = [u for u in node.users if u not in covered]

@@ -1,0 +1,122 @@
+"""Extra inputs on the GPU (marker `gpu`; skipped without CUDA): every engine that reads them, in
+every precision it has, against float64 at the mode's bar (fp32: rel. L2 <= 1e-5 and allclose to
+PyTorch fp32; tf32, bf16, fp16: within 2x PyTorch's own error). Outputs poisoned with NaN, fresh
+random inputs and extra inputs per check, batch 1 and odd batches, both input memory formats;
+gradients through the op; a residual block imported whole."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from specgen import FusedLayer, from_module, reference  # noqa: E402
+from specgen.spec import validate  # noqa: E402
+
+from gpu_helpers import compare as check  # noqa: E402
+from gpu_helpers import rel_l2, tf32_allowed  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
+
+RESIDUAL = ["batch_norm", {"add": {"input": "shortcut"}}, "relu"]
+# name -> (input channels, size, conv, epilogue, engine, precisions)
+CASES = {
+    "tma_3x3": (64, [14, 14], {"out_channels": 64, "kernel": 3, "padding": 1, "bias": False}, RESIDUAL, "tma",
+                ["fp32", "tf32", "bf16", "fp16"]),
+    "tma_1x1_gate": (64, [9, 11], {"out_channels": 96, "kernel": 1}, [{"add": {"input": "shortcut"}}, "relu", {"mul": {"input": "gate"}}],
+                     "tma", ["tf32", "bf16"]),
+    "igemm": (16, [10, 10], {"out_channels": 24, "kernel": 3, "padding": 1},
+              ["batch_norm", {"add": {"input": "shortcut"}}, {"mul": {"input": "gate"}}, "relu"], "igemm", ["fp32", "tf32"]),
+    "tail_train_bn": (16, [12, 12], {"out_channels": 32, "kernel": 3, "padding": 1, "bias": False},
+                      [{"batch_norm": {"training": True}}, {"sub": {"input": "shortcut"}}, "relu"], "sequence", ["fp32"]),
+    "tail_group_norm": (8, [9, 9], {"out_channels": 16, "kernel": 3}, [{"group_norm": 4}, {"div": {"input": "scale"}}], "sequence",
+                        ["fp32", "tf32"]),
+}
+
+
+def _layer(name: str, precision: str) -> FusedLayer:
+    cin, size, conv, epilogue, engine, _ = CASES[name]
+    data = {"name": f"in_{name}_{precision}", "input": {"channels": cin, "size": size}, "conv": conv, "epilogue": epilogue,
+            "precision": precision}
+    if engine in ("tma", "igemm"):
+        data["tile"] = {"engine": engine}
+    layer = FusedLayer(validate(data)).cuda()
+    assert layer.specialize().plan["engine"] == engine
+    return layer
+
+
+PARAMS = [pytest.param(name, p, id=f"{name}-{p}") for name, case in sorted(CASES.items()) for p in case[5]]
+
+
+@pytest.mark.parametrize("name, precision", PARAMS)
+def test_extra_inputs_match_float64(name, precision):
+    if CASES[name][4] == "tma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the TMA engine needs an sm_90 GPU")
+    layer = _layer(name, precision)
+    check(layer, 1, seed=1)
+    check(layer, 3, seed=2)
+    check(layer, 2, seed=3, channels_last=True)
+
+
+@pytest.mark.parametrize("name", ["tma_3x3", "igemm", "tail_train_bn"])
+def test_the_raw_launch_and_the_op_agree_and_gradients_reach_the_shortcut(name):
+    layer = _layer(name, "fp32")
+    spec = layer.spec
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn((3, spec.input.channels, *spec.input.size), generator=gen, device="cuda")
+    extras = [torch.randn(spec.output_shape(3), generator=gen, device="cuda", requires_grad=True) for _ in spec.inputs()]
+    layer.train()
+    y = layer(x, *extras)  # through the op: differentiable
+    with torch.no_grad():
+        raw = layer(x, *extras)  # the raw launch
+    torch.testing.assert_close(raw, y.detach(), rtol=0, atol=0)  # the same kernels: bit for bit
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    leaves = [e.detach().clone().requires_grad_() for e in extras]
+    want = reference.forward(spec, x, layer.conv.weight, layer.conv.bias, {**layer.spec_params(), **dict(zip(spec.inputs(), leaves))})
+    want.backward(grad)
+    for got, expected in zip(extras, leaves):
+        assert rel_l2(got.grad, expected.grad) <= 1e-5
+
+
+class Block(torch.nn.Module):
+    """ResNet's basic block with a projection shortcut, computed first (as torchvision writes it)."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        nn = torch.nn
+        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+        self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = self.down(x)
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + identity)
+
+
+def test_a_residual_block_imports_whole_and_matches_in_tf32():
+    """The shortcut's add joins a chain as an extra input; the block matches at the tf32 bar."""
+    torch.manual_seed(0)
+    model = Block(64, 128, stride=2).cuda().eval()
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            with torch.no_grad():
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 1.5)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(4, 64, 28, 28, device="cuda")
+    fused = from_module(copy.deepcopy(model), x, keep_slower=True, precision="tf32")
+    report = fused.specgen_report
+    assert any(spec.inputs() for spec in report.specs), str(report)
+    with torch.no_grad():
+        got = fused(x)
+        ref64 = copy.deepcopy(model).double()(x.double())
+        with tf32_allowed(True):
+            ref_tf32 = model(x)
+    assert bool(torch.isfinite(got).all())
+    assert rel_l2(got, ref64) <= 2 * max(rel_l2(ref_tf32, ref64), 2.0**-11)
