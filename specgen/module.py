@@ -22,6 +22,8 @@ of its own, specialized when the layer is switched to eval mode).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -191,8 +193,7 @@ class FusedLayer(nn.Module):
         statistics among them), each viewed in the twin's shape."""
         tensors = [self.conv.weight, *([self.conv.bias] if self._has_bias else [])]
         for name, want in self._twin_params:
-            tensor = _tensor(self, name)
-            tensors.append(tensor if tuple(tensor.shape) == want else tensor.reshape(want))
+            tensors.append(spec_shaped(_tensor(self, name), want))
         return tensors
 
     def _forward_eval(self, x: torch.Tensor, out: torch.Tensor | None, inputs: tuple = ()) -> torch.Tensor:
@@ -228,7 +229,7 @@ class FusedLayer(nn.Module):
             stats = torch.empty(self._stats_size, device=x.device, dtype=torch.float32)
             conv = self._modules["conv"]
             bias = _tensor(conv, "bias") if self._has_bias else None
-            params = {name: _tensor(self, name) for name in self._param_names}
+            params = self._launch_params()
             params.update(zip(self._input_names, inputs))
             torchop.launch(self._specialized or self.specialize(), x.contiguous(), _tensor(conv, "weight"), bias, params, out, stats)
             y = out
@@ -363,10 +364,25 @@ class FusedLayer(nn.Module):
         if weight is None:
             weight = _tensor(conv, "weight")
         bias = _tensor(conv, "bias") if self._has_bias else None
-        params = {name: _tensor(self, name) for name in self._param_names} if self._param_names else {}
+        params = self._launch_params() if self._param_names else {}
         if inputs:
             params.update(zip(self._input_names, inputs))
         return torchop.launch(self._specialized or self.specialize(), x, weight, bias, params, out)
+
+
+    def _launch_params(self) -> dict:
+        """The per-channel tensors by name, as the raw launch reads them."""
+        return {name: _tensor(self, name) for name in self._param_names}
+
+
+def spec_shaped(tensor: torch.Tensor, want: tuple) -> torch.Tensor:
+    """`tensor` viewed in the spec's shape `want`: reshaped, or a one-element tensor (a scalar
+    parameter) expanded to every channel; a view either way, so gradients reach the tensor."""
+    if tuple(tensor.shape) == want:
+        return tensor
+    if tensor.numel() == 1 and tensor.numel() != math.prod(want):
+        return tensor.reshape((1,) * len(want)).expand(want)
+    return tensor.reshape(want)
 
 
 def _copy_out(name: str, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

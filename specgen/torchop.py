@@ -341,8 +341,8 @@ def _launch_plan(sp: pipeline.Specialized) -> _LaunchPlan:
         flat = None
         if ig is not None:
             flat = (ig.positions, ig.bm, ig.n_tiles, (plan["cin"], plan["taps"], ig.cip, ig.taps_pad))
-        lp = _launch_plans[sp.key] = _LaunchPlan(tuple(plan["out_shape"]), blocks, strides, names, has_bias, flat,
-                                                 plan["engine"] == "tma", input_names)
+        lp = _launch_plans[sp.key] = _LaunchPlan(tuple(plan["out_shape"]), blocks, strides, names, has_bias, igemm=flat,
+                                                 tma=plan["engine"] == "tma", input_names=input_names)
     return lp
 
 

@@ -18,7 +18,7 @@ from specgen import measured
 from specgen.importer.chains import Analysis
 from specgen.importer.graph import META_METHODS, shape_of, unique
 from specgen.importer.report import Choice
-from specgen.module import FusedLayer
+from specgen.module import FusedLayer, _tensor, spec_shaped
 
 
 class ImportedLayer(FusedLayer):
@@ -39,6 +39,7 @@ class ImportedLayer(FusedLayer):
         which normalize with the batch's statistics (and update the running ones) in either mode."""
         super().__init__(spec_or_path, arch=arch)
         self._spec_shapes = dict(self.spec.params())
+        self._scalar_params: dict = {}  # names of one-element tensors the spec sees per channel (set by _share_scalar)
         self._batch_stats_always = batch_stats_always
 
     def train(self, mode: bool = True):
@@ -53,13 +54,15 @@ class ImportedLayer(FusedLayer):
         return super().forward(x, *inputs, out=out)
 
     def _spec_shaped(self, name: str) -> torch.Tensor:
-        tensor = getattr(self, name)
-        want = self._spec_shapes[name]
-        if tuple(tensor.shape) == want:
-            return tensor
-        if tensor.numel() == 1 and math.prod(want) != 1:  # a scalar tensor, the same for every channel
-            return tensor.reshape((1,) * len(want)).expand(want)
-        return tensor.reshape(want)
+        return spec_shaped(getattr(self, name), self._spec_shapes[name])
+
+    def _launch_params(self) -> dict:
+        # The kernels read C contiguous values whatever the tensor's shape: the model's own tensor
+        # as it is (a reshape per tensor and call costs microseconds of host time), a scalar expanded.
+        params = {name: _tensor(self, name) for name in self._spec_shapes}
+        for name, want in self._scalar_params.items():
+            params[name] = params[name].reshape((1,) * len(want)).expand(want)
+        return params
 
     def _op_tensors(self) -> list:
         """The op's tensor arguments after x: weight, bias (when the conv has one), then the
@@ -205,6 +208,9 @@ def _new_layer(imp: Analysis, chain) -> ImportedLayer:
             _share(layer.conv, "bias", chain.bias.tensor)
     for name, tensor in chain.tensors.items():
         _share(layer, name, tensor)
+        want = layer._spec_shapes.get(name)
+        if want is not None and tensor.numel() == 1 and math.prod(want) != 1:
+            layer._scalar_params[name] = want
     return layer
 
 
