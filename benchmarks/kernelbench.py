@@ -18,29 +18,12 @@ import importlib.util
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _time(fn, reps: int = 10) -> float:
-    import torch
-
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+REPS = 10  # timed calls per contender (median), after specgen.bench's warm-up
 
 
 def load(path: Path):
@@ -62,6 +45,7 @@ def main(argv=None) -> int:
     import torch
 
     from specgen import explain, from_module
+    from specgen.bench import _time
 
     paths = sorted(Path(args.dir).glob("*.py"), key=lambda p: int(p.name.split("_")[0]))
     if args.only:
@@ -85,11 +69,11 @@ def main(argv=None) -> int:
                 row["specialize_s"] = time.perf_counter() - t0
                 out = fused(*inputs)
                 row["rel_l2"] = ((out.double() - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
-                row["eager_ms"] = _time(lambda: model(*inputs))
-                row["specgen_ms"] = _time(lambda: fused(*inputs))
+                row["eager_ms"] = _time(lambda: model(*inputs), REPS)
+                row["specgen_ms"] = _time(lambda: fused(*inputs), REPS)
                 if args.compile:
                     compiled = torch.compile(model)
-                    row["compile_ms"] = _time(lambda: compiled(*inputs))
+                    row["compile_ms"] = _time(lambda: compiled(*inputs), REPS)
             final = getattr(fused, "specgen_report", report)
             row["fused_chains"] = sum(c.fused for c in final.choices) if final.choices else 0
             if final.whole_model and final.whole_model[0] >= final.whole_model[1]:

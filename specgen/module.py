@@ -369,7 +369,6 @@ class FusedLayer(nn.Module):
             params.update(zip(self._input_names, inputs))
         return torchop.launch(self._specialized or self.specialize(), x, weight, bias, params, out)
 
-
     def _launch_params(self) -> dict:
         """The per-channel tensors by name, as the raw launch reads them."""
         return {name: _tensor(self, name) for name in self._param_names}

@@ -233,15 +233,16 @@ class Reference(nn.Module):
         self.conv = make_conv(self.spec)
         self._run = stages(self.spec)
         self._param_names = tuple(self.spec.params())
+        self._input_names = tuple(self.spec.inputs())
         self._twin = self.spec.eval_twin()
         self._running_stats = running_stats(self.spec)
         add_spec_params(self, self.spec)
 
     def forward(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
         """The layer on x and the spec's extra inputs (spec.inputs(), in that order)."""
-        extra = dict(zip(self.spec.inputs(), inputs))
-        if len(extra) != len(inputs) or len(extra) != len(self.spec.inputs()):
-            raise TypeError(f"{self.spec.name}: takes x and {len(self.spec.inputs())} extra input(s), got {len(inputs)}")
+        if len(inputs) != len(self._input_names):
+            raise TypeError(f"{self.spec.name}: takes x and {len(self._input_names)} extra input(s), got {len(inputs)}")
+        extra = dict(zip(self._input_names, inputs))
         if self._twin is None:
             return self._run(x, self.conv.weight, self.conv.bias, {**self.named_spec_params(), **extra})
         if not self.training:

@@ -525,12 +525,11 @@ class LayerSpec(Model):
     def inputs(self) -> dict[str, tuple[int, ...]]:
         """The extra tensors the caller passes at run time (`add: {input: shortcut}`), name -> shape
         per sample (the layer's output's: only pointwise stages follow an input's stage), in order of first use."""
-        found: dict[str, tuple[int, ...]] = {}
-        for stage in self.epilogue:
-            if stage.kind == "pointwise":
-                for name in ops.POINTWISE[stage.op].inputs(stage.args):
-                    found.setdefault(name, tuple(self.shapes()[-1].sizes))
-        return found
+        names = [n for st in self.epilogue if st.kind == "pointwise" for n in ops.POINTWISE[st.op].inputs(st.args)]
+        if not names:
+            return {}
+        shape = tuple(self.shapes()[-1].sizes)
+        return {name: shape for name in names}
 
     def _check_inputs(self) -> None:
         first = None

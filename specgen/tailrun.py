@@ -143,7 +143,7 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
         pointers, strides = [], []
         for arg in step["args"]:
             if arg.startswith("p_"):
-                pointers.append(torchop._aligned(params[arg[2:]]).data_ptr())
+                pointers.append(params[arg[2:]].data_ptr())  # aligned by torchop.launch
                 strides.append(0)
             elif arg.startswith("i_"):  # an extra input, of the output's shape: advances with it per sample
                 pointers.append(params[arg[2:]].data_ptr())

@@ -389,8 +389,9 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     """Run the kernel on CUDA `x` (the layer's dtype) into `out` (allocated when None), on the current stream.
     A layer with statistic stages runs its sequence of kernels (specgen.tailrun); `stats` receives
     the batch statistics of its training-mode batch norms."""
-    # Every engine reads a parameter as C contiguous values: a view that is not (a scalar tensor
-    # expanded to every channel) is copied here, and the copy lives until the kernels are queued.
+    # Every engine reads a parameter as C contiguous values and an extra input as contiguous: a
+    # view that is not (a scalar tensor expanded to every channel) is copied here, once, and the
+    # copy lives until the kernels are queued.
     params = {name: _aligned(t) for name, t in params.items()}
     if sp.plan["engine"] == "sequence":
         from specgen import tailrun
@@ -434,11 +435,14 @@ def _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream):
         out = torch.empty((batch, *lp.out_tail), device=x.device, dtype=torch.float32)
     if lp.igemm is not None:
         weight = gemm_weight(weight, lp.igemm[3])
-    pointers = [_aligned(x).data_ptr(), _aligned(weight).data_ptr()]
+    # (aligned copies held here until the launch is queued: a copy dropped after taking its pointer
+    # could hand its memory to the next copy; `launch` aligned the parameters and inputs already)
+    x, weight = _aligned(x), _aligned(weight)
+    pointers = [x.data_ptr(), weight.data_ptr()]
     if lp.has_bias:
-        pointers.append(_aligned(bias).data_ptr())
-    pointers.extend(_aligned(params[name]).data_ptr() for name in lp.param_names)
-    pointers.extend(params[name].data_ptr() for name in lp.input_names)
+        bias = _aligned(bias)
+        pointers.append(bias.data_ptr())
+    pointers.extend(params[name].data_ptr() for name in (*lp.param_names, *lp.input_names))
     pointers.append(out.data_ptr())
     if lp.igemm is not None:
         positions, bm, n_tiles, _ = lp.igemm

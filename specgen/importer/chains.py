@@ -575,11 +575,13 @@ def _start(imp: Analysis, conv: Node, desc: ConvOp) -> _Chain:
 
 
 def _check_input_engine(spec: LayerSpec) -> None:
-    """A Reject where no engine this layer plans for reads an extra input (plan.INPUT_ENGINES)."""
+    """A Reject where no engine this layer plans for, on the GPU it will run on (the built-in sm_90
+    without one), reads an extra input (plan.INPUT_ENGINES)."""
+    from specgen import target
     from specgen.plan import build_plan
 
     try:
-        build_plan(spec)
+        build_plan(spec, target=target.resolve(None))
     except SpecError as err:
         raise Reject(f"with an extra input the layer cannot be planned: {err.problems[0]}") from None
 

@@ -26,6 +26,7 @@ class _XTerm:
 
 
 X = _XTerm()  # the chain value, in direct-stage terms
+_OPAQUE = object()  # an operand that is neither x, a number nor a parameter
 
 
 class InputRef:
@@ -37,7 +38,7 @@ class InputRef:
 
     def __repr__(self) -> str:
         return f"InputRef({self.node.name})"
-_OPAQUE = object()  # an operand that is neither x, a number nor a parameter
+
 
 # Per-channel parameter names that a spec or a FusedLayer cannot take.
 _RESERVED_PARAM_NAMES = (
@@ -234,12 +235,13 @@ class Regions:
 
     def _leaf_value(self, chain, node: Node, along_dim1: bool):
         if not self._param_only(node):
-            if not along_dim1 and shape_of(node) is not None and tuple(shape_of(node)) == tuple(chain.view):
+            shape = shape_of(node)
+            if not along_dim1 and shape is not None and tuple(shape) == tuple(chain.view):
                 if dtype_of(node) != chain.dtype:
                     raise Reject(f"operand {node.name} is {dtype_of(node)}, the chain is {chain.dtype}")
                 return InputRef(node)  # of the chain value's shape: an extra input of the layer
             raise Reject(
-                f"operand {node.name} is computed by the model with shape {shape_of(node) and list(shape_of(node))}; "
+                f"operand {node.name} is computed by the model with shape {shape and list(shape)}; "
                 f"numbers, per-channel parameters and tensors of the chain value's shape {list(chain.view)} join a chain"
             )
         if node.op == "get_attr":
@@ -352,7 +354,6 @@ class Regions:
             chain.names[key] = name
             chain.tensors[name] = ref.tensor
         return chain.names[key]
-
 
     def input_name(self, chain, ref: InputRef) -> str:
         """The spec name of an extra input (the model's node name, made unique)."""

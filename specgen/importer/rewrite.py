@@ -39,7 +39,7 @@ class ImportedLayer(FusedLayer):
         which normalize with the batch's statistics (and update the running ones) in either mode."""
         super().__init__(spec_or_path, arch=arch)
         self._spec_shapes = dict(self.spec.params())
-        self._scalar_params: dict = {}  # names of one-element tensors the spec sees per channel (set by _share_scalar)
+        self._scalar_params: dict = {}  # one-element tensors the spec sees per channel: name -> spec shape (_new_layer)
         self._batch_stats_always = batch_stats_always
 
     def train(self, mode: bool = True):
@@ -61,7 +61,7 @@ class ImportedLayer(FusedLayer):
         # as it is (a reshape per tensor and call costs microseconds of host time), a scalar expanded.
         params = {name: _tensor(self, name) for name in self._spec_shapes}
         for name, want in self._scalar_params.items():
-            params[name] = params[name].reshape((1,) * len(want)).expand(want)
+            params[name] = spec_shaped(params[name], want)
         return params
 
     def _op_tensors(self) -> list:
