@@ -323,6 +323,9 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     target = target or targets.DEFAULT
     if not target.has_cp_async:
         raise TargetError(f"{spec.name}: {target.arch} has no cp.async, which every specgen engine stages with")
+    if spec.rewrites and (plain := forward_equivalent(spec)) is not None:
+        # ---- rewrite: a transposed conv of stride 1 is a plain conv (every engine runs it) ---
+        return _as_transposed(build_plan(plain, igemm_config, target, tma_config), spec, plain)
     from specgen import tail
 
     if tail.is_sequence(spec):  # statistic stages: a sequence of kernels, each part planned on its own
@@ -805,6 +808,42 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         "target": target.summary(),
     }
     return plan
+
+
+def forward_equivalent(spec: LayerSpec) -> LayerSpec | None:
+    """The plain conv a stride-1 transposed conv equals, or None. With stride 1, output o of
+    nn.ConvTranspose sums x[o + padding - dilation * k] * w[ci, co, k] over taps k: read with the
+    taps reversed (k' = kernel - 1 - k) that is x[o - pad' + dilation * k'], a plain conv padded
+    pad' = dilation * (kernel - 1) - padding, whose weight is w with its two channel axes swapped
+    (per group) and its taps reversed (`specgen.torchop.forward_weight`). Output padding (only
+    allowed with a dilation) would pad one side only, and padding beyond dilation * (kernel - 1)
+    would crop: those stay transposed."""
+    if not spec.conv.transposed:
+        return None
+    geo = spec.conv_geometry()
+    if any(s != 1 for s in geo["stride"]) or any(geo["output_padding"]):
+        return None
+    pad = [d * (k - 1) - p for k, p, d in zip(geo["kernel"], geo["padding"], geo["dilation"])]
+    if min(pad) < 0:
+        return None
+    data = spec.model_dump(mode="json")
+    data["conv"].update(transposed=False, output_padding=0, padding=pad)
+    return LayerSpec.model_validate(data)
+
+
+def _as_transposed(plan: dict, spec: LayerSpec, plain: LayerSpec) -> dict:
+    """`plain`'s plan, presented as the user's transposed `spec`'s: its banner shows the user's spec
+    and the rewrite, and the launch hands the kernels the plain conv's weights."""
+    pad = "x".join(map(str, plain.conv_geometry()["padding"]))
+    note = (f"stride-1 transposed conv run as a plain conv (padding {pad}, the weights' channel axes swapped and "
+            f"their taps reversed at launch, once per weight version)")
+    return {
+        **plan,
+        "spec_hash": spec.shape_hash,
+        "spec_yaml": spec_yaml(spec),
+        "rewrites": [note, *plan["rewrites"]],
+        "weight_transform": {"kind": "transposed_to_plain", "groups": spec.conv.groups},
+    }
 
 
 def _tile_pins_other_engine(tile) -> bool:

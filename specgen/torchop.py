@@ -373,6 +373,15 @@ def gemm_weight(weight: torch.Tensor, layout: tuple) -> torch.Tensor:
     return w
 
 
+def forward_weight(weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """A transposed conv's weight [C_in, C_out / groups, k...] as the plain conv it equals at
+    stride 1 reads it: [C_out, C_in / groups, k...], channel axes swapped within each group and
+    the taps reversed along every spatial dim."""
+    cin, cout_g, *kernel = weight.shape
+    w = weight.reshape(groups, cin // groups, cout_g, *kernel).transpose(1, 2)
+    return w.reshape(groups * cout_g, cin // groups, *kernel).flip(list(range(2, 2 + len(kernel)))).contiguous()
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     # Contiguous, and 16-byte aligned: kernels read input rows and write outputs in vectors
     # (a contiguous view with a storage offset, such as x[1:], may start anywhere).
@@ -393,6 +402,9 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     # view that is not (a scalar tensor expanded to every channel) is copied here, once, and the
     # copy lives until the kernels are queued.
     params = {name: _aligned(t) for name, t in params.items()}
+    transform = sp.plan.get("weight_transform")
+    if transform is not None:  # a stride-1 transposed conv planned as a plain conv (specgen.plan.forward_equivalent)
+        weight = tmarun.derived(weight, "plain", lambda w: forward_weight(w, transform["groups"]))
     if sp.plan["engine"] == "sequence":
         from specgen import tailrun
 

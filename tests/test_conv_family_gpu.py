@@ -128,3 +128,30 @@ def test_kernelbench_problems_fused_whole_match_float64(path):
     assert torch.isfinite(got).all()
     rel = rel_l2(got, want)
     assert rel <= 1e-5, f"{path.stem}: rel L2 {rel:.3e}"
+
+
+# Stride-1 transposed convs run as the plain conv they equal (specgen.plan.forward_equivalent), on
+# whichever engine the plain conv gets: the weights reach the kernels swapped and reversed.
+STRIDE1 = {
+    "tma_tf32": ({"channels": 64, "size": [20, 24]}, {"out_channels": 64, "kernel": 4}, ["tanh"], "tf32", None),
+    "tma_bf16": ({"channels": 64, "size": [20, 24]}, {"out_channels": 64, "kernel": 3, "padding": 1}, ["relu"], "bf16", None),
+    "tma_fp32": ({"channels": 64, "size": [12, 10]}, {"out_channels": 96, "kernel": 3}, ["gelu"], "fp32", None),
+    "igemm_fp32": ({"channels": 32, "size": [9, 11]}, {"out_channels": 48, "kernel": 3, "padding": 1}, ["relu"], "fp32", "igemm"),
+    "slab_3d": ({"channels": 8, "size": [5, 6, 7]}, {"out_channels": 32, "kernel": 3, "padding": 1}, ["silu"], "fp32", None),
+    "ffma_groups_dil": ({"channels": 8, "size": [10, 12]}, {"out_channels": 6, "kernel": 3, "dilation": 2, "groups": 2}, ["tanh"], "fp32", None),
+    "avg_pool_fold": ({"channels": 8, "size": [12, 12]}, {"out_channels": 16, "kernel": 3}, [{"avg_pool": 2}], "fp32", None),
+    "then_group_norm": ({"channels": 32, "size": [16, 16]}, {"out_channels": 64, "kernel": 3}, [{"group_norm": 8}, "relu"], "tf32", None),
+}
+
+
+@pytest.mark.parametrize("name", list(STRIDE1))
+@pytest.mark.parametrize("batch", [1, 5])
+def test_stride_1_transposed_convs_run_as_plain_convs(name, batch):
+    inp, conv, epilogue, precision, engine = STRIDE1[name]
+    data = {"name": f"s1_{name}", "input": inp, "conv": {**conv, "transposed": True}, "epilogue": epilogue, "precision": precision}
+    if engine is not None:
+        data["tile"] = {"engine": engine}
+    layer = FusedLayer(validate(data)).cuda()
+    plan = layer.specialize().plan
+    assert plan["weight_transform"]["kind"] == "transposed_to_plain"
+    compare_to_reference(layer, batch, seed=batch + 11)
