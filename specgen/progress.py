@@ -66,7 +66,9 @@ class Tracker:
             self.done += n
             self.outstanding = max(0, self.outstanding - n)
             if self.bar is not None:
-                self.bar.update(n)
+                self.bar.update(n)  # (drawn at most every tenth of a second ...)
+                if self.done >= self.total:
+                    self.bar.refresh()  # ... but the last count always
 
 
 _active: list[Tracker] = []

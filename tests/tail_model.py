@@ -226,6 +226,11 @@ def run_sequence(spec, plan: dict, x: torch.Tensor, weight, bias, params: dict) 
     by the model, through the plan's named buffers. Everything in float64."""
     batch = x.shape[0]
     buffers = {"x": x.double()}
+    transform = plan.get("weight_transform")
+    if transform is not None:  # a stride-1 transposed conv planned as a plain one: the launch's weights
+        from specgen.torchop import forward_weight
+
+        weight = forward_weight(weight, transform["groups"])
     for step in plan["steps"]:
         part = plan["parts"][step["part"]]
         if step["kind"] == "layer":
