@@ -2,6 +2,7 @@
 in each precision asked, through `specgen.bench.bench` (peers measured in the same run).
 
     python benchmarks/layers.py --precision tf32 bf16 fp32 [--no-compile fp32] [--json out.json] [--name NAME ...]
+                                [--file examples/transposed.yaml]
 
 Prints one table per layer and precision, then a summary: specgen's time, its ratios to eager in
 the same precision (fp32: cuDNN with TF32 off), to eager on channels-last tensors and to
@@ -21,10 +22,10 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ROOT / "examples" / "layers.yaml"
 
 
-def batches() -> dict[str, int]:
+def batches(path: Path = LAYERS) -> dict[str, int]:
     """Each layer's batch, from its `- name: X   # batch N` line."""
     out = {}
-    for line in LAYERS.read_text().splitlines():
+    for line in path.read_text().splitlines():
         m = re.match(r"- name: (\w+)\s+# batch (\d+)", line)
         if m:
             out[m.group(1)] = int(m.group(2))
@@ -43,13 +44,14 @@ def main(argv=None) -> int:
     ap.add_argument("--name", nargs="*", default=None, help="only these layers")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--file", type=Path, default=LAYERS, help="the layers (default examples/layers.yaml)")
     args = ap.parse_args(argv)
 
     from specgen import bench
     from specgen.spec import load_specs
 
-    sizes = batches()
-    specs = [s for s in load_specs(LAYERS) if args.name is None or s.name in args.name]
+    sizes = batches(args.file)
+    specs = [s for s in load_specs(args.file) if args.name is None or s.name in args.name]
     ceil = bench.ceilings()
     print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, fp32 {ceil['fp32_flops_per_s'] / 1e12:.1f}, "
           f"tf32 {ceil['tf32_flops_per_s'] / 1e12:.0f}, bf16 {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)

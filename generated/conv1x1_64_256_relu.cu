@@ -79,6 +79,21 @@ constexpr int A_ITERS = 2;  // A copies per thread per chunk
 constexpr int B_ITERS = 2;  // 16-byte B copies per thread per chunk
 constexpr int A_STAGE = BK * LDA, B_STAGE = BN * LDB;  // floats per pipeline buffer
 
+// ---- the GEMM -----------------------------------------------------------------------------
+// What differs between the GEMMs a conv runs (one; a transposed conv one per stride phase): along each
+// dim, its taps, the input step per tap, the input of tap 0 at output (phase) position j
+// (j * in_step + in_off), the outputs it covers (o = out_off + out_step * j, j < op), and its K.
+struct Conv {
+  static constexpr int taps_d = K_D, taps_h = K_H, taps_w = K_W;
+  static constexpr int tap_d = DIL_D, tap_h = DIL_H, tap_w = DIL_W;
+  static constexpr int in_step_d = S_D, in_step_h = S_H, in_step_w = S_W;
+  static constexpr int in_off_d = -P_D, in_off_h = -P_H, in_off_w = -P_W;
+  static constexpr int op_d = OUT_D, op_h = OUT_H, op_w = OUT_W;
+  static constexpr int positions = POSITIONS;
+  static constexpr int taps = TAPS, taps_pad = TAPS_PAD, k_pad = K_PAD, k_tiles = K_TILES;
+  static constexpr size_t w_offset = 0;
+};
+
 // ---- op constants -------------------------------------------------------------------------------------
 // (none)
 
@@ -118,6 +133,7 @@ struct ARow {
 
 // Copy K chunk `kt` into pipeline buffer (a_s, b_s): A[r][m] = input of position m at K index
 // kt * BK + r, B[n][r] = permuted weight of channel n0 + n at that K index.
+template <class G>
 __device__ __forceinline__ void load_chunk(const ARow& row, const float* __restrict__ wp, int n0, int kt,
                                            float* __restrict__ a_s, float* __restrict__ b_s) {
   const int col = threadIdx.x % A_COLS * A_VEC, r0 = threadIdx.x / A_COLS;
@@ -125,8 +141,8 @@ __device__ __forceinline__ void load_chunk(const ARow& row, const float* __restr
   for (int i = 0; i < A_ITERS; ++i) {
     const int r = r0 + i * A_ROW_STEP;  // K row within the chunk
     const int tap = kt / CPT, ci = kt % CPT * BK + r;  // one tap per chunk
-    const int kd = tap / (K_H * K_W), kh = tap / K_W % K_H, kw = tap % K_W;
-    const int id = row.id0 + kd * DIL_D, ih = row.ih0 + kh * DIL_H, iw = row.iw0 + kw * DIL_W;
+    const int kd = tap / (G::taps_h * G::taps_w), kh = tap / G::taps_w % G::taps_h, kw = tap % G::taps_w;
+    const int id = row.id0 + kd * G::tap_d, ih = row.ih0 + kh * G::tap_h, iw = row.iw0 + kw * G::tap_w;
     const bool ok = row.ok && static_cast<unsigned>(id) < IN_D &&
                     static_cast<unsigned>(ih) < IN_H && static_cast<unsigned>(iw) < IN_W;
     const float* src = ok ? row.x_n + ((ci * IN_D + id) * IN_H + ih) * IN_W + iw : row.x_n;
@@ -137,7 +153,7 @@ __device__ __forceinline__ void load_chunk(const ARow& row, const float* __restr
     const int q = j * THREADS + threadIdx.x;  // 16-byte piece q of B: row n, K columns kc .. kc + 3
     const int n = q / (BK / 4), kc = q % (BK / 4) * 4;
     const bool ok = n0 + n < C_OUT;
-    cp_async_16(b_s + n * LDB + kc, ok ? wp + static_cast<size_t>(n0 + n) * K_PAD + kt * BK + kc : wp, ok);
+    cp_async_16(b_s + n * LDB + kc, ok ? wp + G::w_offset + static_cast<size_t>(n0 + n) * G::k_pad + kt * BK + kc : wp, ok);
   }
 }
 
@@ -174,10 +190,10 @@ __device__ __forceinline__ void compute_chunk(const float* __restrict__ a_s, con
   }
 }
 
-}  // namespace
-
-// One block: M tile blockIdx.x / N_TILES, N tile blockIdx.x % N_TILES.
-extern "C" __global__ void __launch_bounds__(THREADS) specgen_conv1x1_64_256_relu(
+// One GEMM's block (G: the conv, or one stride phase of a transposed conv): M tile blockIdx.x / N_TILES,
+// N tile blockIdx.x % N_TILES.
+template <class G>
+__device__ __forceinline__ void conv_tile(
     const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
     const float* __restrict__ wp,      // the weights permuted: [C_OUT][TAPS_PAD][CIP], k = tap * CIP + ci
     const float* __restrict__ bias,    // [C_OUT]
@@ -187,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) specgen_conv1x1_64_256_rel
   extern __shared__ float4 smem_f4[];
   float* const a_all = reinterpret_cast<float*>(smem_f4);  // STAGES x A[BK][LDA]
   float* const b_all = a_all + STAGES * A_STAGE;  // STAGES x B[BN][LDB]
-  const int m_total = batch * POSITIONS;
+  const int m_total = batch * G::positions;
   const int m0 = blockIdx.x / N_TILES * BM, n0 = blockIdx.x % N_TILES * BN;
 
   // This thread's A position: fixed for the whole K loop.
@@ -195,18 +211,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) specgen_conv1x1_64_256_rel
   {
     const int m = m0 + threadIdx.x % A_COLS * A_VEC;
     row.ok = m < m_total;
-    const int sample = m / POSITIONS, p = m % POSITIONS;
-    const int od = p / (OUT_H * OUT_W), oh = p / OUT_W % OUT_H, ow = p % OUT_W;
+    const int sample = m / G::positions, p = m % G::positions;
+    const int od = p / (G::op_h * G::op_w), oh = p / G::op_w % G::op_h, ow = p % G::op_w;
     row.x_n = x + static_cast<size_t>(row.ok ? sample : 0) * IN_PER_SAMPLE;
-    row.id0 = od * S_D - P_D;
-    row.ih0 = oh * S_H - P_H;
-    row.iw0 = ow * S_W - P_W;
+    row.id0 = od * G::in_step_d + G::in_off_d;
+    row.ih0 = oh * G::in_step_h + G::in_off_h;
+    row.iw0 = ow * G::in_step_w + G::in_off_w;
   }
 
   // The pipeline: chunks 0 .. AHEAD - 1 in flight, then one new chunk per chunk computed.
   #pragma unroll
   for (int s = 0; s < AHEAD; ++s) {
-    if (s < K_TILES) load_chunk(row, wp, n0, s, a_all + s * A_STAGE, b_all + s * B_STAGE);
+    if (s < G::k_tiles) load_chunk<G>(row, wp, n0, s, a_all + s * A_STAGE, b_all + s * B_STAGE);
     cp_async_commit();
   }
   const int warp = threadIdx.x / 32;
@@ -220,11 +236,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) specgen_conv1x1_64_256_rel
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
   #pragma unroll 1
-  for (int kt = 0; kt < K_TILES; ++kt) {
+  for (int kt = 0; kt < G::k_tiles; ++kt) {
     cp_async_wait<AHEAD - 1>();  // chunk kt has landed (for this thread's copies) ...
     __syncthreads();  // ... for every thread's, and every warp is done with the buffer refilled next
     const int next = kt + AHEAD;
-    if (next < K_TILES) load_chunk(row, wp, n0, next, a_all + next % STAGES * A_STAGE, b_all + next % STAGES * B_STAGE);
+    if (next < G::k_tiles) load_chunk<G>(row, wp, n0, next, a_all + next % STAGES * A_STAGE, b_all + next % STAGES * B_STAGE);
     cp_async_commit();
     // The tensor cores add with truncation, so a long K loop would drift: each chunk is summed on
     // its own and added to the running sums in fp32 (rounded to nearest).
@@ -268,4 +284,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) specgen_conv1x1_64_256_rel
       }
     }
   }
+}
+
+}  // namespace
+
+// One block of one GEMM.
+extern "C" __global__ void __launch_bounds__(THREADS) specgen_conv1x1_64_256_relu(
+    const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
+    const float* __restrict__ wp,      // the weights permuted: [C_OUT][TAPS_PAD][CIP], k = tap * CIP + ci
+    const float* __restrict__ bias,    // [C_OUT]
+    float* __restrict__ out,           // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
+    int batch)
+{
+  conv_tile<Conv>(x, wp, bias, out, batch);
 }

@@ -61,192 +61,463 @@ namespace body {
 //   tile: {min_blocks: 1}
 //   rewrites: true
 //
-// How this kernel works
-//   Every extent below is a compile-time constant, so every loop has a constant trip count and the
-//   compiler unrolls the convolution completely. Spatial extents are normalized to (D, H, W).
-//   * Body: conv. Its result is T1 = [64 x 31 x 63 x 63] per sample.
-//   * No reduction: a block computes a box of T1 = 64 x 1 x 8 x 63 (c x d x h x w) and writes it out.
-//   * The conv is transposed (as nn.ConvTranspose, output padding 0, 0, 0 in d, h, w): each output o
-//     gathers x[(o + P - k * DIL) / S] * W[ci][c][k] over the taps k where the division is exact and
-//     lands inside the input; no output is written twice and there are no atomics.
-//   * Each thread computes register tiles of 8 output channels x 4 consecutive W positions.
-//   * Weights are read through the read-only cache (they do not fit in shared memory).
-//   Grid: x = 248 blocks per sample, y = sample; 256 threads per block;
-//   0 bytes of dynamic shared memory.
+// How this kernel works (the implicit-GEMM engine)
+//   The conv is a GEMM: M = output positions of the whole batch (sample, d, h, w flattened; the
+//   batch is the only run-time value), N = the 64 output channels, K = taps x input channels.
+//   * A block owns a tile of BM = 192 positions x BN = 64 channels of one phase and walks that phase's K in chunks of BK = 32
+//     (8, 4, 4, 4, 2, 2, 2, 1 chunks in the 8 phases).
+//     Each chunk's input A[BK][BM] and weights B[BN][BK] are copied to shared memory with cp.async
+//     (4-byte copies for A, zeros where a tap falls in the padding; 16-byte copies for B)
+//     into one of 3 buffers: the copies of the next 2 chunks are in flight while the
+//     tensor cores work on the current one.
+//   * K is ordered tap-major, k = tap * CIP + ci (one tap per chunk: a chunk's padding check is one test per thread).
+//     The weights arrive permuted to that order, [C_OUT][TAPS_PAD][CIP] per phase, phase after phase (the launch prepares them).
+//   * 12 warps, each computing 16 positions x 64 channels with mma.sync m16n8k8
+//     in 3xTF32: each fp32 operand x is split into a TF32 part hi(x) and the remainder
+//     lo(x) = x - hi(x), and a*b is accumulated as lo(a)hi(b) + hi(a)lo(b) + hi(a)hi(b) in fp32
+//     (the dropped lo(a)lo(b) is below 2^-21 |a b|): fp32 accuracy on tensor cores.
+//   * Epilogue on the accumulators: bias; each value is stored straight to the output.
+//   * The conv is transposed (as nn.ConvTranspose, stride 2 x 2 x 2, output padding 0, 0, 0 in d, h, w). Output o
+//     meets tap k only where o + P - k is a multiple of the stride S, so the outputs split into 8
+//     stride phases: along each dim, phase phi holds the outputs o = phi + S * j, which all meet the
+//     same taps k = FIRST + S * t, reading input i = j + IN_OFF - t. Each phase is a plain GEMM with its
+//     own (fewer) taps: computed once per output, no scatter, no atomics, no multiply by an inserted zero.
+//     Grid y picks the phase; its weights are permuted phase by phase (the launch prepares them).
+//   Grid: one block per (M tile, N tile), per phase, N tiles fastest (blocks that read the same input run
+//   together); 384 threads per block; 118784 bytes of dynamic shared memory.
 // =====================================================================================================
 
 namespace {
 
 // ---- input, one sample ------------------------------------------------------------------------------
 constexpr int C_IN = 32;  // input channels
-constexpr int IN_D = 16;  // input depth
-constexpr int IN_H = 32;  // input height
-constexpr int IN_W = 32;  // input width
+constexpr int IN_D = 16, IN_H = 32, IN_W = 32;  // input extents (d, h, w; 1 for dims the conv lacks)
 constexpr int IN_PER_SAMPLE = 524288;  // C_IN * IN_D * IN_H * IN_W
 
 // ---- convolution ------------------------------------------------------------------------------------
 constexpr int C_OUT = 64;  // output channels
-constexpr int GROUPS = 1;  // channel groups
-constexpr int C_IN_G = 32;  // input channels per group
-constexpr int C_OUT_G = 64;  // output channels per group
 constexpr int K_D = 3, S_D = 2, P_D = 1, DIL_D = 1;  // depth: kernel, stride, padding, dilation
 constexpr int K_H = 3, S_H = 2, P_H = 1, DIL_H = 1;  // height: kernel, stride, padding, dilation
 constexpr int K_W = 3, S_W = 2, P_W = 1, DIL_W = 1;  // width: kernel, stride, padding, dilation
 constexpr int TAPS = 27;  // K_D * K_H * K_W
-constexpr int CONV_D = 31, CONV_H = 63, CONV_W = 63;  // conv output extents
+constexpr int OUT_D = 31, OUT_H = 63, OUT_W = 63;  // output extents
+constexpr int POSITIONS = 123039;  // OUT_D * OUT_H * OUT_W: outputs per sample and channel
 
-// ---- T1: the body's output, per sample ----------------------------------------------------------------
-constexpr int T1_C = 64, T1_D = 31, T1_H = 63, T1_W = 63;
-constexpr int OUT_PER_SAMPLE = 7874496;  // output elements per sample, shape [64, 31, 63, 63]
+// ---- the GEMM's tiling --------------------------------------------------------------------------------
+constexpr int CIP = 32;  // input channels
+constexpr int TAPS_PAD = 27;  // taps
+constexpr int K_PAD = 864;  // TAPS_PAD * CIP: K
+constexpr int BM = 192, BN = 64, BK = 32;  // block tile: positions, channels, K chunk
+constexpr int TPC = 1;  // taps per K chunk
+constexpr int CPT = 1;  // K chunks per tap
+constexpr int K_TILES = 27;  // K chunks: the main loop's trip count
+constexpr int N_TILES = 1;  // blocks along N
+constexpr int STAGES = 3;  // shared-memory buffers of the pipeline
+constexpr int AHEAD = STAGES - 1;  // chunks loading while one computes
+constexpr int THREADS = 384;  // threads per block
+constexpr int WARPS_M = 12, WARPS_N = 1;  // warps along M and N
+constexpr int WM = 1, WN = 8;  // m16-tiles and n8-tiles per warp
+constexpr int LDA = 200;  // row stride of A in shared memory (BM + 8: a fragment's lanes hit 32 banks)
+constexpr int LDB = 32;  // row stride of B (BK + 4: likewise)
+constexpr int A_VEC = 1;  // floats per A copy
+constexpr int A_COLS = BM / A_VEC;  // A copies per K row
+constexpr int A_ROW_STEP = 2;  // K rows between one thread's A copies (THREADS / A_COLS)
+constexpr int A_ITERS = 16;  // A copies per thread per chunk
+constexpr int B_ITERS = 2;  // 16-byte B copies per thread per chunk
+constexpr int A_STAGE = BK * LDA, B_STAGE = BN * LDB;  // floats per pipeline buffer
 
-// ---- tiling -------------------------------------------------------------------------------------------
-constexpr int THREADS = 256;  // threads per block
-constexpr int BOX_C = 64, BOX_D = 1, BOX_H = 8, BOX_W = 63;  // T1 box computed per step
-constexpr int CT = 8;  // channels per register tile
-constexpr int PT = 4;  // consecutive W positions per register tile
-constexpr int BOX_TILES_C = 8;  // register tiles along channels in a box
-constexpr int BOX_TILES_W = 16;  // register tiles along W in a box
-constexpr int THREAD_TILES = 1024;  // register tiles per box
-constexpr int TILE_ITERS = 4;  // register tiles per thread per box
-constexpr int TILES_C = 1, TILES_D = 31, TILES_H = 8, TILES_W = 1;  // blocks along each kept axis
-constexpr int WEIGHT_C = 64;  // channels whose weights a block needs
-constexpr int W_FLOATS = 55296;  // WEIGHT_C * C_IN_G * TAPS
-constexpr int W_STRIDE = 68;  // shared-memory row stride of the staged weights (WEIGHT_C, padded)
-constexpr int W_SMEM_FLOATS = 0;  // weights staged in shared memory
-constexpr int CONV_SPAN = 6;  // input W positions one register tile reads per kernel row
-constexpr int IN_VEC = 1;  // floats per input load (rows, tiles and boxes are aligned to it)
-constexpr int OUT_VEC = 1;  // floats per output store
+// ---- the GEMMs: one per stride phase -----------------------------------------------------------------------------
+// What differs between the GEMMs a conv runs (one; a transposed conv one per stride phase): along each
+// dim, its taps, the input step per tap, the input of tap 0 at output (phase) position j
+// (j * in_step + in_off), the outputs it covers (o = out_off + out_step * j, j < op), and its K.
+struct Phase0 {  // outputs (d, h, w) = (1, 1, 1) + stride x j; conv taps 0, 2, 6, 8, 18, 20, 24, 26
+  static constexpr int taps_d = 2, taps_h = 2, taps_w = 2;
+  static constexpr int tap_d = -1, tap_h = -1, tap_w = -1;
+  static constexpr int in_step_d = 1, in_step_h = 1, in_step_w = 1;
+  static constexpr int in_off_d = 1, in_off_h = 1, in_off_w = 1;
+  static constexpr int out_off_d = 1, out_off_h = 1, out_off_w = 1;
+  static constexpr int out_step_d = S_D, out_step_h = S_H, out_step_w = S_W;
+  static constexpr int op_d = 15, op_h = 31, op_w = 31;
+  static constexpr int positions = 14415;  // op_d * op_h * op_w: M per sample
+  static constexpr int taps = 8, taps_pad = 8;  // its taps (padded to a multiple of TPC)
+  static constexpr int k_pad = 256, k_tiles = 8;  // K (taps_pad * CIP) and its chunks
+  static constexpr size_t w_offset = 0;  // where its weights start, [C_OUT][taps_pad][CIP]
+};
+struct Phase1 {  // outputs (d, h, w) = (0, 1, 1) + stride x j; conv taps 9, 11, 15, 17
+  static constexpr int taps_d = 1, taps_h = 2, taps_w = 2;
+  static constexpr int tap_d = -1, tap_h = -1, tap_w = -1;
+  static constexpr int in_step_d = 1, in_step_h = 1, in_step_w = 1;
+  static constexpr int in_off_d = 0, in_off_h = 1, in_off_w = 1;
+  static constexpr int out_off_d = 0, out_off_h = 1, out_off_w = 1;
+  static constexpr int out_step_d = S_D, out_step_h = S_H, out_step_w = S_W;
+  static constexpr int op_d = 16, op_h = 31, op_w = 31;
+  static constexpr int positions = 15376;  // op_d * op_h * op_w: M per sample
+  static constexpr int taps = 4, taps_pad = 4;  // its taps (padded to a multiple of TPC)
+  static constexpr int k_pad = 128, k_tiles = 4;  // K (taps_pad * CIP) and its chunks
+  static constexpr size_t w_offset = 16384;  // where its weights start, [C_OUT][taps_pad][CIP]
+};
+struct Phase2 {  // outputs (d, h, w) = (1, 0, 1) + stride x j; conv taps 3, 5, 21, 23
+  static constexpr int taps_d = 2, taps_h = 1, taps_w = 2;
+  static constexpr int tap_d = -1, tap_h = -1, tap_w = -1;
+  static constexpr int in_step_d = 1, in_step_h = 1, in_step_w = 1;
+  static constexpr int in_off_d = 1, in_off_h = 0, in_off_w = 1;
+  static constexpr int out_off_d = 1, out_off_h = 0, out_off_w = 1;
+  static constexpr int out_step_d = S_D, out_step_h = S_H, out_step_w = S_W;
+  static constexpr int op_d = 15, op_h = 32, op_w = 31;
+  static constexpr int positions = 14880;  // op_d * op_h * op_w: M per sample
+  static constexpr int taps = 4, taps_pad = 4;  // its taps (padded to a multiple of TPC)
+  static constexpr int k_pad = 128, k_tiles = 4;  // K (taps_pad * CIP) and its chunks
+  static constexpr size_t w_offset = 24576;  // where its weights start, [C_OUT][taps_pad][CIP]
+};
+struct Phase3 {  // outputs (d, h, w) = (1, 1, 0) + stride x j; conv taps 1, 7, 19, 25
+  static constexpr int taps_d = 2, taps_h = 2, taps_w = 1;
+  static constexpr int tap_d = -1, tap_h = -1, tap_w = -1;
+  static constexpr int in_step_d = 1, in_step_h = 1, in_step_w = 1;
+  static constexpr int in_off_d = 1, in_off_h = 1, in_off_w = 0;
+  static constexpr int out_off_d = 1, out_off_h = 1, out_off_w = 0;
+  static constexpr int out_step_d = S_D, out_step_h = S_H, out_step_w = S_W;
+  static constexpr int op_d = 15, op_h = 31, op_w = 32;
+  static constexpr int positions = 14880;  // op_d * op_h * op_w: M per sample
+  static constexpr int taps = 4, taps_pad = 4;  // its taps (padded to a multiple of TPC)
+  static constexpr int k_pad = 128, k_tiles = 4;  // K (taps_pad * CIP) and its chunks
+  static constexpr size_t w_offset = 32768;  // where its weights start, [C_OUT][taps_pad][CIP]
+};
+struct Phase4 {  // outputs (d, h, w) = (0, 0, 1) + stride x j; conv taps 12, 14
+  static constexpr int taps_d = 1, taps_h = 1, taps_w = 2;
+  static constexpr int tap_d = -1, tap_h = -1, tap_w = -1;
+  static constexpr int in_step_d = 1, in_step_h = 1, in_step_w = 1;
+  static constexpr int in_off_d = 0, in_off_h = 0, in_off_w = 1;
+  static constexpr int out_off_d = 0, out_off_h = 0, out_off_w = 1;
+  static constexpr int out_step_d = S_D, out_step_h = S_H, out_step_w = S_W;
+  static constexpr int op_d = 16, op_h = 32, op_w = 31;
+  static constexpr int positions = 15872;  // op_d * op_h * op_w: M per sample
+  static constexpr int taps = 2, taps_pad = 2;  // its taps (padded to a multiple of TPC)
+  static constexpr int k_pad = 64, k_tiles = 2;  // K (taps_pad * CIP) and its chunks
+  static constexpr size_t w_offset = 40960;  // where its weights start, [C_OUT][taps_pad][CIP]
+};
+struct Phase5 {  // outputs (d, h, w) = (0, 1, 0) + stride x j; conv taps 10, 16
+  static constexpr int taps_d = 1, taps_h = 2, taps_w = 1;
+  static constexpr int tap_d = -1, tap_h = -1, tap_w = -1;
+  static constexpr int in_step_d = 1, in_step_h = 1, in_step_w = 1;
+  static constexpr int in_off_d = 0, in_off_h = 1, in_off_w = 0;
+  static constexpr int out_off_d = 0, out_off_h = 1, out_off_w = 0;
+  static constexpr int out_step_d = S_D, out_step_h = S_H, out_step_w = S_W;
+  static constexpr int op_d = 16, op_h = 31, op_w = 32;
+  static constexpr int positions = 15872;  // op_d * op_h * op_w: M per sample
+  static constexpr int taps = 2, taps_pad = 2;  // its taps (padded to a multiple of TPC)
+  static constexpr int k_pad = 64, k_tiles = 2;  // K (taps_pad * CIP) and its chunks
+  static constexpr size_t w_offset = 45056;  // where its weights start, [C_OUT][taps_pad][CIP]
+};
+struct Phase6 {  // outputs (d, h, w) = (1, 0, 0) + stride x j; conv taps 4, 22
+  static constexpr int taps_d = 2, taps_h = 1, taps_w = 1;
+  static constexpr int tap_d = -1, tap_h = -1, tap_w = -1;
+  static constexpr int in_step_d = 1, in_step_h = 1, in_step_w = 1;
+  static constexpr int in_off_d = 1, in_off_h = 0, in_off_w = 0;
+  static constexpr int out_off_d = 1, out_off_h = 0, out_off_w = 0;
+  static constexpr int out_step_d = S_D, out_step_h = S_H, out_step_w = S_W;
+  static constexpr int op_d = 15, op_h = 32, op_w = 32;
+  static constexpr int positions = 15360;  // op_d * op_h * op_w: M per sample
+  static constexpr int taps = 2, taps_pad = 2;  // its taps (padded to a multiple of TPC)
+  static constexpr int k_pad = 64, k_tiles = 2;  // K (taps_pad * CIP) and its chunks
+  static constexpr size_t w_offset = 49152;  // where its weights start, [C_OUT][taps_pad][CIP]
+};
+struct Phase7 {  // outputs (d, h, w) = (0, 0, 0) + stride x j; conv taps 13
+  static constexpr int taps_d = 1, taps_h = 1, taps_w = 1;
+  static constexpr int tap_d = -1, tap_h = -1, tap_w = -1;
+  static constexpr int in_step_d = 1, in_step_h = 1, in_step_w = 1;
+  static constexpr int in_off_d = 0, in_off_h = 0, in_off_w = 0;
+  static constexpr int out_off_d = 0, out_off_h = 0, out_off_w = 0;
+  static constexpr int out_step_d = S_D, out_step_h = S_H, out_step_w = S_W;
+  static constexpr int op_d = 16, op_h = 32, op_w = 32;
+  static constexpr int positions = 16384;  // op_d * op_h * op_w: M per sample
+  static constexpr int taps = 1, taps_pad = 1;  // its taps (padded to a multiple of TPC)
+  static constexpr int k_pad = 32, k_tiles = 1;  // K (taps_pad * CIP) and its chunks
+  static constexpr size_t w_offset = 53248;  // where its weights start, [C_OUT][taps_pad][CIP]
+};
 
 // ---- op constants -------------------------------------------------------------------------------------
 // (none)
 
-// W(c, r) for r = ci * TAPS + tap; 0 past the last channel. A transposed
-// conv's weights lie as [C_IN][C_OUT_G][taps]: input channel ci of c's group, then c within its group.
-__device__ __forceinline__ float conv_weight(const float* __restrict__ weight, int c, int r) {
-  const int group = c / C_OUT_G, ci = r / TAPS, tap = r % TAPS;
-  return c < C_OUT ? __ldg(weight + ((group * C_IN_G + ci) * C_OUT_G + c % C_OUT_G) * TAPS + tap) : 0.0f;
+// cp.async: copy global -> shared without a register round trip; zeros when !ok (padding, past M or N).
+__device__ __forceinline__ void cp_async_4(float* dst, const float* src, bool ok) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 4 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_16(float* dst, const float* src, bool ok) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// 3xTF32: x = hi + lo exactly, hi = x rounded to TF32 (10 mantissa bits, to nearest, ties away
+// from zero); the tensor core reads lo's top 19 bits.
+__device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
+  hi = (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u;
+  lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
-// Level 0: the convolution.
-// out_v[j][i] = value at channel c + j, conv-output position (d, h, w0 + i * STEP).
-__device__ __forceinline__ void level0(
-    const float* __restrict__ x_n, const float* __restrict__ weight, const float* __restrict__ w_s,
-    const float* __restrict__ bias, int c, int c_local, int d, int h, int w0,
-    float (&out_v)[CT][PT])
-{
-  constexpr int STEP = 1;  // conv-output W distance between a tile's positions
-  const int group = c / C_OUT_G;
-  const float* __restrict__ x_g = x_n + group * (C_IN_G * IN_D * IN_H * IN_W);
-  float acc[CT][PT];
+// Where this thread's A copies read: its output position(s) (fixed for the whole K loop).
+struct ARow {
+  const float* x_n;  // the sample's input
+  int id0, ih0, iw0;  // input coordinates of tap 0 (may lie in the padding)
+  bool ok;  // the position exists (m < batch * POSITIONS)
+};
+
+// Copy K chunk `kt` into pipeline buffer (a_s, b_s): A[r][m] = input of position m at K index
+// kt * BK + r, B[n][r] = permuted weight of channel n0 + n at that K index.
+template <class G>
+__device__ __forceinline__ void load_chunk(const ARow& row, const float* __restrict__ wp, int n0, int kt,
+                                           float* __restrict__ a_s, float* __restrict__ b_s) {
+  const int col = threadIdx.x % A_COLS * A_VEC, r0 = threadIdx.x / A_COLS;
   #pragma unroll
-  for (int j = 0; j < CT; ++j) {
-    const float b = __ldg(bias + c + j);
-    #pragma unroll
-    for (int i = 0; i < PT; ++i) acc[j][i] = b;
+  for (int i = 0; i < A_ITERS; ++i) {
+    const int r = r0 + i * A_ROW_STEP;  // K row within the chunk
+    const int tap = kt / CPT, ci = kt % CPT * BK + r;  // one tap per chunk
+    const int kd = tap / (G::taps_h * G::taps_w), kh = tap / G::taps_w % G::taps_h, kw = tap % G::taps_w;
+    const int id = row.id0 + kd * G::tap_d, ih = row.ih0 + kh * G::tap_h, iw = row.iw0 + kw * G::tap_w;
+    const bool ok = row.ok && (G::taps_pad == G::taps || tap < G::taps) && static_cast<unsigned>(id) < IN_D &&
+                    static_cast<unsigned>(ih) < IN_H && static_cast<unsigned>(iw) < IN_W;
+    const float* src = ok ? row.x_n + ((ci * IN_D + id) * IN_H + ih) * IN_W + iw : row.x_n;
+    cp_async_4(a_s + r * LDA + col, src, ok);
   }
-  // Transposed: output o reads input (o + P - k * DIL) / S for each tap k where that divides evenly
-  // and lies in the input (a gather: every output is computed once, by one thread).
-  const int nw0 = w0 + P_W - (K_W - 1) * DIL_W;  // numerator of the tile's first position with its last tap
-  #pragma unroll 1
-  for (int ci = 0; ci < C_IN_G; ++ci) {
+  #pragma unroll
+  for (int j = 0; j < B_ITERS; ++j) {
+    const int q = j * THREADS + threadIdx.x;  // 16-byte piece q of B: row n, K columns kc .. kc + 3
+    const int n = q / (BK / 4), kc = q % (BK / 4) * 4;
+    const bool ok = n0 + n < C_OUT;
+    if (q < BN * BK / 4)
+    // 128-byte swizzle (the layout wgmma reads): 16-byte piece kc / 4 of row n sits at piece (kc / 4) ^ (n % 8)
+    cp_async_16(b_s + n * BK + ((kc / 4) ^ (n % 8)) * 4, ok ? wp + G::w_offset + static_cast<size_t>(n0 + n) * G::k_pad + kt * BK + kc : wp, ok);
+  }
+}
+
+// ---- Hopper warpgroup MMA -------------------------------------------------------------------------
+// B lies in shared memory as [BN][BK] rows of 128 bytes, 128-byte swizzled, each buffer 1024-byte
+// aligned: the matrix descriptor gives its address, 1024 bytes between groups of 8 rows (the
+// stride byte offset) and the swizzle mode; a k-step 8 further along K starts 32 bytes on.
+__device__ __forceinline__ unsigned long long b_descriptor(const float* b, int kk) {
+  const unsigned long long address = static_cast<unsigned>(__cvta_generic_to_shared(b + kk));
+  return ((address & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Shared memory written by this thread's ordinary stores becomes visible to the tensor cores' reads.
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// d (+)= a * B for the warpgroup's 64 positions x BN channels and 8 of K: a in registers (this
+// warp's 16 rows, laid out as for mma.sync m16n8k8), B from shared memory. accumulate = 0 overwrites d.
+__device__ __forceinline__ void wgmma_tf32(float (&d)[WN][4], const unsigned (&a)[4], unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred acc;\nsetp.ne.b32 acc, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {"
+      "%0, "
+      "%1, "
+      "%2, "
+      "%3, "
+      "%4, "
+      "%5, "
+      "%6, "
+      "%7, "
+      "%8, "
+      "%9, "
+      "%10, "
+      "%11, "
+      "%12, "
+      "%13, "
+      "%14, "
+      "%15, "
+      "%16, "
+      "%17, "
+      "%18, "
+      "%19, "
+      "%20, "
+      "%21, "
+      "%22, "
+      "%23, "
+      "%24, "
+      "%25, "
+      "%26, "
+      "%27, "
+      "%28, "
+      "%29, "
+      "%30, "
+      "%31"
+      "}, {%32, %33, %34, %35}, %36, acc, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+"+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+"+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+"+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+"+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+"+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+"+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+"+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
+// Round (or split) the B pieces this thread copied for one chunk, in place: the tensor cores read
+// the top 19 bits of each float, so hi and lo go to two buffers.
+__device__ __forceinline__ void convert_b(float* __restrict__ b_s, float* __restrict__ b_lo) {
+  #pragma unroll
+  for (int j = 0; j < B_ITERS; ++j) {
+    const int q = j * THREADS + threadIdx.x, n = q / (BK / 4), kc = q % (BK / 4) * 4;
+    if (q >= BN * BK / 4) break;
+    float4* piece = reinterpret_cast<float4*>(b_s + n * BK + ((kc / 4) ^ (n % 8)) * 4);
+    float4 v = *piece;
+    unsigned hi[4], lo[4];
+    split_tf32(v.x, hi[0], lo[0]);
+    split_tf32(v.y, hi[1], lo[1]);
+    split_tf32(v.z, hi[2], lo[2]);
+    split_tf32(v.w, hi[3], lo[3]);
+    *piece = make_float4(__uint_as_float(hi[0]), __uint_as_float(hi[1]), __uint_as_float(hi[2]), __uint_as_float(hi[3]));
+    *reinterpret_cast<float4*>(b_lo + (piece - reinterpret_cast<float4*>(b_s)) * 4) =
+        make_float4(__uint_as_float(lo[0]), __uint_as_float(lo[1]), __uint_as_float(lo[2]), __uint_as_float(lo[3]));
+  }
+}
+
+// acc (+)= A x B over one K chunk: this warp's A fragments from shared memory into registers, then
+// BK / 8 wgmma per product, issued back to back and waited for once.
+__device__ __forceinline__ void compute_chunk_wgmma(const float* __restrict__ a_s, const float* __restrict__ b_s, const float* __restrict__ b_lo, int wm0,
+                                                    float (&acc)[WN][4]) {
+  const int lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+  unsigned a_hi[BK / 8][4], a_lo[BK / 8][4];
+  #pragma unroll
+  for (int s = 0; s < BK / 8; ++s) {
+    const float* a_k = a_s + (8 * s + tq) * LDA + wm0 + gq;
+    split_tf32(a_k[0], a_hi[s][0], a_lo[s][0]);
+    split_tf32(a_k[8], a_hi[s][1], a_lo[s][1]);
+    split_tf32(a_k[4 * LDA], a_hi[s][2], a_lo[s][2]);
+    split_tf32(a_k[4 * LDA + 8], a_hi[s][3], a_lo[s][3]);
+  }
+  wgmma_fence();
+  #pragma unroll
+  for (int s = 0; s < BK / 8; ++s) {
+    // small products first, into the chunk's own sums (acc is this chunk's part: overwritten at s = 0)
+    wgmma_tf32(acc, a_lo[s], b_descriptor(b_s, 8 * s), s > 0);
+    wgmma_tf32(acc, a_hi[s], b_descriptor(b_lo, 8 * s), 1);
+    wgmma_tf32(acc, a_hi[s], b_descriptor(b_s, 8 * s), 1);
+  }
+  wgmma_commit();
+  wgmma_wait_all();  // the chunk's sums are read next
+}
+
+// One GEMM's block (G: the conv, or one stride phase of a transposed conv): M tile blockIdx.x / N_TILES,
+// N tile blockIdx.x % N_TILES.
+template <class G>
+__device__ __forceinline__ void conv_tile(
+    const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
+    const float* __restrict__ wp,      // the weights permuted: [C_OUT][TAPS_PAD][CIP], k = tap * CIP + ci
+    const float* __restrict__ bias,    // [C_OUT]
+    float* __restrict__ out,           // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
+    int batch)
+{
+  extern __shared__ float4 smem_f4[];
+  // B first, 1024-byte aligned (the swizzle pattern repeats every 8 rows of 128 bytes).
+  unsigned char* const raw = reinterpret_cast<unsigned char*>(smem_f4);
+  float* const b_all = reinterpret_cast<float*>(raw + ((1024 - (__cvta_generic_to_shared(raw) & 1023)) & 1023));  // STAGES x B[BN][BK]
+  float* const b_lo_all = b_all + STAGES * B_STAGE;  // 2 x the lo parts of a chunk's B (chunks alternate)
+  float* const a_all = b_lo_all + 2 * B_STAGE;  // STAGES x A[BK][LDA]
+  const int m_total = batch * G::positions;
+  const int m0 = blockIdx.x / N_TILES * BM, n0 = blockIdx.x % N_TILES * BN;
+  if (m0 >= m_total) return;  // grid x covers the largest phase: this one has fewer tiles (the whole block leaves)
+
+  // This thread's A position: fixed for the whole K loop.
+  ARow row;
+  {
+    const int m = m0 + threadIdx.x % A_COLS * A_VEC;
+    row.ok = m < m_total;
+    const int sample = m / G::positions, p = m % G::positions;
+    const int od = p / (G::op_h * G::op_w), oh = p / G::op_w % G::op_h, ow = p % G::op_w;
+    row.x_n = x + static_cast<size_t>(row.ok ? sample : 0) * IN_PER_SAMPLE;
+    row.id0 = od * G::in_step_d + G::in_off_d;
+    row.ih0 = oh * G::in_step_h + G::in_off_h;
+    row.iw0 = ow * G::in_step_w + G::in_off_w;
+  }
+
+  // The pipeline: chunks 0 .. AHEAD - 1 in flight, then one new chunk per chunk computed.
+  #pragma unroll
+  for (int s = 0; s < AHEAD; ++s) {
+    if (s < G::k_tiles) load_chunk<G>(row, wp, n0, s, a_all + s * A_STAGE, b_all + s * B_STAGE);
+    cp_async_commit();
+  }
+  const int warp = threadIdx.x / 32;
+  const int wm0 = warp % WARPS_M * (16 * WM), wn0 = warp / WARPS_M * (8 * WN);  // this warp's tile in the block's
+  float acc[WM][WN][4];
+  #pragma unroll
+  for (int i = 0; i < WM; ++i)
     #pragma unroll
-    for (int kd = 0; kd < K_D; ++kd) {
-      const int nd = d + P_D - kd * DIL_D;  // S_D * (input depth), when it divides evenly
-      const int id = nd / S_D;
-      const bool d_ok = nd >= 0 && nd % S_D == 0 && id < IN_D;
+    for (int j = 0; j < WN; ++j)
       #pragma unroll
-      for (int kh = 0; kh < K_H; ++kh) {
-        const int nh = h + P_H - kh * DIL_H;
-        const int ih = nh / S_H;
-        const bool row_ok = d_ok && nh >= 0 && nh % S_H == 0 && ih < IN_H;
-        const float* __restrict__ row = x_g + (row_ok ? ((ci * IN_D + id) * IN_H + ih) * IN_W : 0);
-        // xin[o] = the input at numerator nw0 + o (zero where it does not divide evenly or lies
-        // outside): position i, tap kw uses xin[i * STEP + (K_W - 1 - kw) * DIL_W].
-        float xin[CONV_SPAN];
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+  #pragma unroll 1
+  for (int kt = 0; kt < G::k_tiles; ++kt) {
+    cp_async_wait<AHEAD - 1>();  // chunk kt has landed (for this thread's copies) ...
+    convert_b(b_all + kt % STAGES * B_STAGE, b_lo_all + kt % 2 * B_STAGE);  // ... rounded and split for the tensor cores
+    fence_async_shared();
+    __syncthreads();  // ... for every thread's, and every warp is done with the buffer refilled next
+    const int next = kt + AHEAD;
+    if (next < G::k_tiles) load_chunk<G>(row, wp, n0, next, a_all + next % STAGES * A_STAGE, b_all + next % STAGES * B_STAGE);
+    cp_async_commit();
+    // The tensor cores add with truncation, so a long K loop would drift: each chunk is summed on
+    // its own and added to the running sums in fp32 (rounded to nearest).
+    float part[WN][4];
+    compute_chunk_wgmma(a_all + kt % STAGES * A_STAGE, b_all + kt % STAGES * B_STAGE, b_lo_all + kt % 2 * B_STAGE, wm0, part);
+    #pragma unroll
+    for (int j = 0; j < WN; ++j)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) acc[0][j][e] += part[j][e];
+  }
+
+  // Epilogue: lane (gq, tq) holds, per m-tile i and n-tile j, rows gq and gq + 8 and columns 2 tq, 2 tq + 1.
+  const int lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+  #pragma unroll
+  for (int i = 0; i < WM; ++i) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + wm0 + i * 16 + gq + 8 * h;
+      if (m >= m_total) continue;
+      const int sample = m / G::positions, q = m % G::positions;  // q: the position in the phase's grid
+      const int p = ((q / (G::op_h * G::op_w) * G::out_step_d + G::out_off_d) * OUT_H + q / G::op_w % G::op_h * G::out_step_h + G::out_off_h) * OUT_W +
+                    q % G::op_w * G::out_step_w + G::out_off_w;  // ... and in the output
+      float* __restrict__ out_m = out + static_cast<size_t>(sample) * (C_OUT * POSITIONS) + p;
+      #pragma unroll
+      for (int j = 0; j < WN; ++j) {
         #pragma unroll
-        for (int o = 0; o < CONV_SPAN; ++o) {
-          const int nw = nw0 + o;
-          xin[o] = row_ok && nw >= 0 && nw % S_W == 0 && nw / S_W < IN_W ? __ldg(row + nw / S_W) : 0.0f;
-        }
-        #pragma unroll
-        for (int kw = 0; kw < K_W; ++kw) {
-          const int tap = ((ci * K_D + kd) * K_H + kh) * K_W + kw;
-          float wv[CT];  // this tap's weights for the tile's CT channels
-          #pragma unroll
-          for (int j = 0; j < CT; ++j) wv[j] = conv_weight(weight, c + j, tap);
-          #pragma unroll
-          for (int i = 0; i < PT; ++i) {
-            #pragma unroll
-            for (int j = 0; j < CT; ++j) acc[j][i] = fmaf(wv[j], xin[i * STEP + (K_W - 1 - kw) * DIL_W], acc[j][i]);
+        for (int e = 0; e < 2; ++e) {
+          const int cj = n0 + wn0 + j * 8 + 2 * tq + e;  // the output channel
+          if (cj < C_OUT) {
+            float v = acc[i][j][2 * h + e] + __ldg(bias + cj);  // the conv and its bias
+            out_m[static_cast<size_t>(cj) * POSITIONS] = v;
           }
         }
       }
-    }
-  }
-  #pragma unroll
-  for (int j = 0; j < CT; ++j) {
-    const int cj = c + j;  // this row's output channel
-    (void)cj;
-    #pragma unroll
-    for (int i = 0; i < PT; ++i) {
-      float v = acc[j][i];
-      out_v[j][i] = v;
     }
   }
 }
 
 }  // namespace
 
-// One block: one sample (blockIdx.y) x one tile of the kept axes (blockIdx.x).
+// One block of one GEMM: grid y picks the stride phase.
 extern "C" __global__ void __launch_bounds__(THREADS) specgen_kb49_body(
     const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
-    const float* __restrict__ weight,  // [C_IN, C_OUT_G, K_D, K_H, K_W]
+    const float* __restrict__ wp,      // the weights permuted: [C_OUT][TAPS_PAD][CIP], k = tap * CIP + ci
     const float* __restrict__ bias,    // [C_OUT]
-    float* __restrict__ out,           // [batch, 64, 31, 63, 63]
+    float* __restrict__ out,           // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
     int batch)
 {
-  extern __shared__ float4 smem_f4[];
-  float* const smem = reinterpret_cast<float*>(smem_f4);
-  float* const w_s = smem;  // weights, [C_IN_G * TAPS][W_STRIDE]: a tap's channels are contiguous
-  const int n = blockIdx.y;
-  if (n >= batch) return;
-  const float* __restrict__ x_n = x + static_cast<size_t>(n) * IN_PER_SAMPLE;
-  float* __restrict__ out_n = out + static_cast<size_t>(n) * OUT_PER_SAMPLE;
-
-  // Origin of this block's tile along each kept axis (0 along the others).
-  const int rank = 0;
-  int tile = blockIdx.x;
-  const int tile_w = tile % TILES_W; tile /= TILES_W;
-  const int tile_h = tile % TILES_H; tile /= TILES_H;
-  const int tile_d = tile % TILES_D;
-  const int tile_c = tile / TILES_D;
-  const int c_origin = tile_c * BOX_C, d_origin = tile_d * BOX_D, h_origin = tile_h * BOX_H, w_origin = tile_w * BOX_W;
-  const int c_weights = c_origin;  // first channel of w_s
-
-    #pragma unroll 1
-  for (int it = 0; it < TILE_ITERS; ++it) {
-    int tt = it * THREADS + threadIdx.x;  // register tile index
-    if (tt < THREAD_TILES) {
-      // W varies fastest: a warp writes contiguous output rows; its weights are a broadcast.
-      const int tw = tt % BOX_TILES_W; tt /= BOX_TILES_W;
-      const int th = tt % BOX_H; tt /= BOX_H;
-      const int td = tt % BOX_D;
-      const int tc = tt / BOX_D;
-      const int c = c_origin + tc * CT, d = d_origin + td, h = h_origin + th, w = w_origin + tw * PT;
-      if (c < T1_C && d < T1_D && h < T1_H && w < T1_W) {
-        float v[CT][PT];
-        level0(x_n, weight, w_s, bias, c, c - c_weights, d, h, w, v);
-        #pragma unroll
-        for (int j = 0; j < CT; ++j) {
-          #pragma unroll
-          for (int i = 0; i < PT; ++i) {
-            if (w + i < T1_W) out_n[((c + j) * T1_D + d) * T1_H * T1_W + h * T1_W + w + i] = v[j][i];
-          }
-        }
-      }
-    }
+  switch (blockIdx.y) {
+    case 0: conv_tile<Phase0>(x, wp, bias, out, batch); break;
+    case 1: conv_tile<Phase1>(x, wp, bias, out, batch); break;
+    case 2: conv_tile<Phase2>(x, wp, bias, out, batch); break;
+    case 3: conv_tile<Phase3>(x, wp, bias, out, batch); break;
+    case 4: conv_tile<Phase4>(x, wp, bias, out, batch); break;
+    case 5: conv_tile<Phase5>(x, wp, bias, out, batch); break;
+    case 6: conv_tile<Phase6>(x, wp, bias, out, batch); break;
+    case 7: conv_tile<Phase7>(x, wp, bias, out, batch); break;
   }
-
 }
 
 }  // namespace body

@@ -69,6 +69,64 @@ class IgemmConfig:
 
 
 @dataclass(frozen=True)
+class Phase:
+    """One stride phase of a transposed conv: the outputs o = OUT_OFF + S * j (per dim, j < OP)
+    see only the taps k = FIRST + S * t (t < KP), each reading input j + IN_OFF - t. The phase is a
+    plain stride-1 GEMM of its own: M = its positions, K = its taps x the input channels."""
+
+    index: int
+    out_off: tuple[int, int, int]  # the phase's first output (d, h, w)
+    op: tuple[int, int, int]  # outputs along each dim (the phase's grid)
+    first: tuple[int, int, int]  # its first tap along each dim
+    kp: tuple[int, int, int]  # its taps along each dim
+    in_off: tuple[int, int, int]  # input of tap 0 at j = 0
+    positions: int  # prod(op)
+    taps: int  # prod(kp)
+    taps_pad: int  # taps padded to a multiple of TPC
+    k_tiles: int  # K chunks (0: a phase no tap reaches: bias and epilogue only)
+    w_offset: int  # where its weights start in the permuted copy (floats)
+    tap_index: tuple[int, ...]  # the conv's flat tap (kd * K_H * K_W + kh * K_W + kw) of each of its taps
+
+
+def stride_phases(kernel3, stride3, padding3, out3, cip: int, tpc: int, bk: int, cout: int) -> tuple[Phase, ...]:
+    """The phases of a transposed conv (dilation 1) with 3-dim geometry, the most taps first, empty
+    ones (a dim with fewer outputs than its stride) left out. Output o = phi + S * j meets tap k
+    when (o + P - k) is a multiple of S, i.e. k = (phi + P) mod S + S * t, reading input
+    (o + P - k) / S = j + (phi + P - FIRST) / S - t."""
+    per_dim = []
+    for k, s, p, out in zip(kernel3, stride3, padding3, out3):
+        dim = []
+        for phi in range(s):
+            op = (out - phi + s - 1) // s
+            if op <= 0:
+                continue
+            first = (phi + p) % s
+            kp = max(0, -(-(k - first) // s))
+            dim.append((phi, op, first, kp, (phi + p - first) // s))
+        per_dim.append(dim)
+    # The phases with the most taps first: grid y runs in order, so the long GEMMs start first and
+    # the short ones fill the last wave.
+    combos = sorted(((d, h, w) for d in per_dim[0] for h in per_dim[1] for w in per_dim[2]),
+                    key=lambda c: -(c[0][3] * c[1][3] * c[2][3]))
+    phases, offset = [], 0
+    for d, h, w in combos:
+        kp = (d[3], h[3], w[3])
+        taps = kp[0] * kp[1] * kp[2]
+        taps_pad = -(-taps // tpc) * tpc
+        index = tuple(
+            ((d[2] + stride3[0] * td) * kernel3[1] + h[2] + stride3[1] * th) * kernel3[2] + w[2] + stride3[2] * tw
+            for td in range(kp[0]) for th in range(kp[1]) for tw in range(kp[2])
+        )
+        phases.append(Phase(
+            index=len(phases), out_off=(d[0], h[0], w[0]), op=(d[1], h[1], w[1]), first=(d[2], h[2], w[2]), kp=kp,
+            in_off=(d[4], h[4], w[4]), positions=d[1] * h[1] * w[1], taps=taps, taps_pad=taps_pad,
+            k_tiles=taps_pad * cip // bk, w_offset=offset, tap_index=index,
+        ))
+        offset += cout * taps_pad * cip
+    return tuple(phases)
+
+
+@dataclass(frozen=True)
 class IgemmPlan:
     """Everything the igemm template needs beyond the shared plan values."""
 
@@ -96,6 +154,10 @@ class IgemmPlan:
     min_blocks: int
     split: bool  # 3xTF32 (fp32 mode) rather than plain TF32
     wgmma: bool  # warpgroup MMA with B from 128-byte-swizzled shared memory (sm_90a)
+    # A transposed conv: one GEMM per stride phase (grid y), weights permuted phase by phase;
+    # `positions` is then the largest phase's (grid x covers it).
+    phases: tuple[Phase, ...] = ()
+    weight_floats: int = 0  # the permuted weights' size (every phase's)
 
 
 def why_not(spec: LayerSpec, levels: list, reductions: list) -> list[str]:
@@ -103,8 +165,8 @@ def why_not(spec: LayerSpec, levels: list, reductions: list) -> list[str]:
     reasons = []
     if spec.conv.groups > 1:
         reasons.append("the conv has groups")
-    if getattr(spec.conv, "transposed", False):
-        reasons.append("the conv is transposed")
+    if getattr(spec.conv, "transposed", False) and any(d != 1 for d in spec.conv_geometry()["dilation"]):
+        reasons.append("the transposed conv has a dilation")
     if len(levels) > 1:
         reasons.append("a pool follows the conv")
     if reductions:
@@ -190,7 +252,16 @@ def plan_igemm(
     positions = math.prod(conv_out)
     # 16-byte A copies: four consecutive positions of one output row read four consecutive inputs
     # (a 1-wide kernel, stride 1, no padding along W), rows and samples aligned to 4.
-    a_vec = 4 if (kw == 1 and sw == 1 and pw == 0 and in_w % 4 == 0 and ow == in_w and positions % 4 == 0
+    transposed = spec.conv.transposed
+    phases: tuple[Phase, ...] = ()
+    if transposed:
+        def three(v, fill):
+            return (fill,) * (3 - len(v)) + tuple(v)
+
+        phases = stride_phases(three(geo["kernel"], 1), three(geo["stride"], 1), three(geo["padding"], 0),
+                               conv_out, cip, tpc, bk, cout)
+        positions = max(ph.positions for ph in phases)
+    a_vec = 4 if (not transposed and kw == 1 and sw == 1 and pw == 0 and in_w % 4 == 0 and ow == in_w and positions % 4 == 0
                   and (bm // 4) <= threads and threads % (bm // 4) == 0 and bk % (threads // (bm // 4)) == 0) else 1
     if a_vec == 1 and threads % bm:
         raise ValueError(f"{threads} threads cannot split rows of {bm} positions")
@@ -221,13 +292,21 @@ def plan_igemm(
         config=cfg, bm=bm, bn=bn, bk=bk, stages=cfg.stages, threads=threads, cip=cip, taps_pad=taps_pad, tpc=tpc,
         cpt=cpt, k_pad=k_pad, k_tiles=k_pad // bk, n_tiles=-(-cout // bn), positions=positions, lda=lda, ldb=ldb,
         a_vec=a_vec, a_iters=a_iters, a_row_step=a_row_step, b_iters=b_iters, smem_bytes=smem_bytes,
-        min_blocks=min_blocks, split=spec.precision == "fp32", wgmma=cfg.wgmma,
+        min_blocks=min_blocks, split=spec.precision == "fp32", wgmma=cfg.wgmma, phases=phases,
+        weight_floats=sum(cout * ph.taps_pad * cip for ph in phases) if transposed else cout * k_pad,
     )
 
 
 def describe(ig: IgemmPlan) -> str:
     mode = "3xTF32" if ig.split else "TF32"
     instr = f"wgmma m64n{ig.bn}k8, {ig.threads // 128} warpgroups" if ig.wgmma else "mma.sync m16n8k8"
+    if ig.phases:
+        chunks = "/".join(str(ph.k_tiles) for ph in ig.phases)
+        return (
+            f"implicit GEMM on tensor cores ({mode} {instr}), one GEMM per stride phase of the transposed conv "
+            f"({len(ig.phases)} phases, grid y): block tile {ig.bm} positions x {ig.bn} channels, K chunks of {ig.bk} "
+            f"({chunks} chunks per phase, {ig.stages}-stage cp.async pipeline), {ig.threads} threads"
+        )
     return (
         f"implicit GEMM on tensor cores ({mode} {instr}): block tile {ig.bm} positions x {ig.bn} channels, "
         f"K chunks of {ig.bk} ({ig.k_tiles} chunks, {ig.stages}-stage cp.async pipeline), warp tile "

@@ -901,6 +901,8 @@ def _choose_igemm(spec: LayerSpec, levels: list, reductions: list, fold, conv_ou
         return None
     if asked is None and (_tile_pins_other_engine(tile) or (spec.input.channels < 16 and spec.precision == "fp32")):
         return None
+    if asked is None and spec.conv.transposed and spec.input.channels < 16:
+        return None  # a transposed conv of few channels: its phases' K is a handful of taps x channels (FFMA's)
     try:
         return igemm_engine.plan_igemm(spec, conv_out, taps, config, target=target)
     except ValueError as err:

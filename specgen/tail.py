@@ -266,14 +266,25 @@ def pool_split(spec: LayerSpec, target) -> int | None:
     would run on Hopper's TMA engine and is deep enough (K = input channels x taps of 128 or more),
     the conv and the pointwise ops before the pool run there and write T0, and the pool and what
     follows run as a further kernel over an identity conv that reads it (one more write and read
-    of T0). Left to the planner only: a tile that names an engine keeps the layer whole."""
+    of T0). A strided transposed conv of 16 input channels or more splits the same way before any
+    pool or reduction: its stride phases run on the implicit GEMM, where the FFMA gather that a
+    fused pool or reduction would keep it on ran 2-14x slower (benchmarks/NOTES.md, v19); a plain
+    conv before a reduction where the whole layer would run on FFMA (`_reduction_split_pays`). Left
+    to the planner only: a tile that names an engine keeps the layer whole."""
     from specgen import tma
     from specgen.plan import MMA_MIN_K
 
     if spec.tile is not None or is_sequence(spec):
         return None
     first = next((i for i, st in enumerate(spec.epilogue) if st.kind != "pointwise"), None)
-    if first is None or spec.epilogue[first].kind != "pool" or not ops.POOLS[spec.epilogue[first].op].windowed:
+    if first is None:
+        return None
+    if spec.conv.transposed:
+        if spec.input.channels < 16 or not spec.rewrites or spec.inputs():
+            return None
+        return first if split_engine(spec, first, target) == "igemm" else None
+    windowed = spec.epilogue[first].kind == "pool" and ops.POOLS[spec.epilogue[first].op].windowed
+    if not windowed and not _reduction_split_pays(spec, target):
         return None
     if first == 0 and spec.epilogue[0].op == "avg_pool" and spec.rewrites:
         return None  # an avg-pool right after the conv folds into it instead
@@ -288,6 +299,30 @@ def pool_split(spec: LayerSpec, target) -> int | None:
     if tma.why_not(body, [None], [], target) or not tma.worth_it(body):
         return None
     return first
+
+
+def _reduction_split_pays(spec: LayerSpec, target) -> bool:
+    """A reduction after a plain conv of 32 input channels or more that would otherwise run whole on
+    FFMA (the slab engine holds too few channels per block): the conv on tensor cores into T0 costs
+    one more write and read of T0, far less than the FFMA conv (KernelBench 42 and 77: v19)."""
+    from specgen.plan import build_plan
+    from specgen.spec import TileSpec
+
+    if spec.input.channels < 32 or spec.conv.groups > 1:
+        return False
+    whole = build_plan(spec.model_copy(update={"tile": TileSpec()}), target=target)  # (a tile: no split, no recursion)
+    return whole["engine"] == "ffma"
+
+
+def split_engine(spec: LayerSpec, at: int, target) -> str | None:
+    """The engine a split layer's body (the conv and stages [0, at)) runs on: the TMA engine for a
+    plain conv, the implicit GEMM's stride phases for a transposed one; None where it cannot."""
+    from specgen import igemm, tma
+
+    body = _cut(spec, at)
+    if body.conv.transposed:
+        return None if igemm.why_not(body, [None], []) else "igemm"
+    return None if tma.why_not(body, [None], [], target) else "tma"
 
 
 def _cut(spec: LayerSpec, end: int, engine: str | None = None) -> LayerSpec:
@@ -305,7 +340,7 @@ def plan_pool_split(spec: LayerSpec, at: int, target=None) -> dict:
     from specgen.plan import build_plan, spec_yaml
 
     prefix = f"specgen_{spec.name}"
-    body = _cut(spec, at, "tma")  # (few input channels in fp32 too: the FFMA engine is what the split avoids)
+    body = _cut(spec, at, split_engine(spec, at, target))  # (few input channels in fp32 too: the FFMA engine is what the split avoids)
     body_plan = build_plan(body, None, target)
     body_plan["kernel_name"] = f"{prefix}_body"
     seg = Segment(at - 1, (), tuple(range(at, len(spec.epilogue))))
@@ -320,7 +355,8 @@ def plan_pool_split(spec: LayerSpec, at: int, target=None) -> dict:
     steps = [{"kind": "layer", "part": 0, "in": "x", "out": "t0", "out_shape": t0},
              {"kind": "layer", "part": 1, "in": "t0", "out": "out", "out_shape": list(rest_out), "ones": rest.input.channels}]
     first = spec.epilogue[at]
-    why = [f"epilogue[{at}] {first.op} would keep the whole layer on FFMA (a pool between the conv and the output): "
+    what = "a pool between the conv and the output" if first.kind == "pool" and ops.POOLS[first.op].windowed else "a fused reduction"
+    why = [f"epilogue[{at}] {first.op} would keep the whole layer on FFMA ({what}): "
            f"the conv runs on the {body_plan['engine']} engine and writes T0, the pool and what follows read it "
            f"in a further kernel over an identity conv (1x1 depthwise, weights 1: exact)"]
     out_shape = list(spec.shapes()[-1].sizes)

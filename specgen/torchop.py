@@ -318,7 +318,8 @@ class _LaunchPlan:
     has_bias: bool
     input_names: tuple = ()  # extra inputs: pointers after the parameters, advancing like the output
     # The implicit-GEMM engine: (positions per sample, block tile BM, blocks along N, the weight
-    # layout (c_in, taps, padded c_in, padded taps)); its grid is one flat axis over batch x positions.
+    # layout (c_in, taps, padded c_in, padded taps), GEMMs); its grid is one flat axis over batch x
+    # positions, times the GEMMs along y (a transposed conv's stride phases).
     igemm: tuple | None = None
     tma: bool = False  # the TMA engine: launched by specgen.tmarun
 
@@ -338,9 +339,7 @@ def _launch_plan(sp: pipeline.Specialized) -> _LaunchPlan:
         strides = (4 * plan["in_per_sample"],) + (0,) * (n_inputs - 1) + (out_stride,) * len(input_names) + (out_stride,)
         blocks = plan["f_tiles"] if plan["cluster_at_launch"] else plan["blocks_per_sample"]  # see runtime.launch
         ig = plan.get("igemm")
-        flat = None
-        if ig is not None:
-            flat = (ig.positions, ig.bm, ig.n_tiles, (plan["cin"], plan["taps"], ig.cip, ig.taps_pad))
+        flat = None if ig is None else (ig.positions, ig.bm, ig.n_tiles, gemm_layout(plan), max(1, len(ig.phases)))
         lp = _launch_plans[sp.key] = _LaunchPlan(tuple(plan["out_shape"]), blocks, strides, names, has_bias, igemm=flat,
                                                  tma=plan["engine"] == "tma", input_names=input_names)
     return lp
@@ -353,19 +352,25 @@ def _launch_plan(sp: pipeline.Specialized) -> _LaunchPlan:
 _permuted: dict[int, tuple] = {}
 
 
+def gemm_layout(plan: dict) -> tuple:
+    """How an implicit-GEMM plan's kernel reads its weights: (c_in, taps, padded c_in, padded taps);
+    for a transposed conv ("phases", c_in, padded c_in, ((flat taps, padded count) per stride phase))."""
+    ig = plan["igemm"]
+    if ig.phases:
+        return ("phases", plan["cin"], ig.cip, tuple((ph.tap_index, ph.taps_pad) for ph in ig.phases))
+    return (plan["cin"], plan["taps"], ig.cip, ig.taps_pad)
+
+
 def gemm_weight(weight: torch.Tensor, layout: tuple) -> torch.Tensor:
-    """`weight` [C_OUT, C_IN, k...] as the implicit-GEMM kernel reads it: [C_OUT, TAPS_PAD, CIP]."""
-    cin, taps, cip, taps_pad = layout
+    """`weight` [C_OUT, C_IN, k...] as the implicit-GEMM kernel reads it: [C_OUT, TAPS_PAD, CIP];
+    for a transposed conv ([C_IN, C_OUT, k...]), each stride phase's taps so, phase after phase."""
     capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
     if not capturing:
         hit = _permuted.get(id(weight))
         if hit is not None and hit[0]() is weight and hit[1] == weight._version and hit[2] == layout:
             return hit[3]
     with torch.no_grad():
-        w = weight.detach().reshape(weight.shape[0], cin, taps).transpose(1, 2)
-        if cip != cin or taps_pad != taps:
-            w = torch.nn.functional.pad(w, (0, cip - cin, 0, taps_pad - taps))
-        w = w.contiguous()
+        w = _phase_weights(weight.detach(), layout) if layout[0] == "phases" else _permuted_weights(weight.detach(), layout)
     if not capturing:
         for k in [k for k, v in _permuted.items() if v[0]() is None]:  # forget weights that are gone
             del _permuted[k]
@@ -380,6 +385,28 @@ def forward_weight(weight: torch.Tensor, groups: int) -> torch.Tensor:
     cin, cout_g, *kernel = weight.shape
     w = weight.reshape(groups, cin // groups, cout_g, *kernel).transpose(1, 2)
     return w.reshape(groups * cout_g, cin // groups, *kernel).flip(list(range(2, 2 + len(kernel)))).contiguous()
+
+
+def _permuted_weights(weight: torch.Tensor, layout: tuple) -> torch.Tensor:
+    cin, taps, cip, taps_pad = layout
+    w = weight.reshape(weight.shape[0], cin, taps).transpose(1, 2)
+    if cip != cin or taps_pad != taps:
+        w = torch.nn.functional.pad(w, (0, cip - cin, 0, taps_pad - taps))
+    return w.contiguous()
+
+
+def _phase_weights(weight: torch.Tensor, layout: tuple) -> torch.Tensor:
+    """[C_IN, C_OUT, k...] -> per phase [C_OUT][its padded taps][CIP], the phases one after another."""
+    _, cin, cip, phases = layout
+    w = weight.reshape(cin, weight.shape[1], -1)
+    parts = []
+    for tap_index, taps_pad in phases:
+        if not tap_index:
+            continue  # a phase no tap reaches has no weights
+        p = w[:, :, list(tap_index)].permute(1, 2, 0)  # [C_OUT, taps, C_IN]
+        p = torch.nn.functional.pad(p, (0, cip - cin, 0, taps_pad - len(tap_index)))
+        parts.append(p.reshape(-1))
+    return torch.cat(parts).contiguous()
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -457,8 +484,8 @@ def _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream):
     pointers.extend(params[name].data_ptr() for name in (*lp.param_names, *lp.input_names))
     pointers.append(out.data_ptr())
     if lp.igemm is not None:
-        positions, bm, n_tiles, _ = lp.igemm
-        runtime.launch_flat(kernel, positions, bm, n_tiles, pointers, lp.strides, batch, stream)
+        positions, bm, n_tiles, _, gemms = lp.igemm
+        runtime.launch_flat(kernel, positions, bm, n_tiles, pointers, lp.strides, batch, stream, gemms)
     else:
         runtime.launch(kernel, lp.blocks_per_sample, pointers, lp.strides, batch, stream)
     return out

@@ -43,5 +43,6 @@ TRANSPOSED = {
         "input": {"channels": 96, "size": [5, 6]},
         "conv": {"out_channels": 192, "kernel": 3, "stride": 2, "transposed": True},
         "epilogue": ["silu"],
+        "tile": {"engine": "ffma"},  # (left to the planner: the implicit GEMM's stride phases)
     },
 }

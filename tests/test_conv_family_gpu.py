@@ -155,3 +155,64 @@ def test_stride_1_transposed_convs_run_as_plain_convs(name, batch):
     plan = layer.specialize().plan
     assert plan["weight_transform"]["kind"] == "transposed_to_plain"
     compare_to_reference(layer, batch, seed=batch + 11)
+
+
+# Strided transposed convs on the implicit-GEMM engine: one GEMM per stride phase (grid y).
+PHASES = {
+    "k3s2_op1_2d": ({"channels": 32, "size": [9, 11]}, {"out_channels": 48, "kernel": 3, "stride": 2, "padding": 1, "output_padding": 1}, ["relu"]),
+    "k4s2_2d": ({"channels": 64, "size": [8, 7]}, {"out_channels": 64, "kernel": 4, "stride": 2, "padding": 1}, ["tanh"]),
+    "k2s2_unet": ({"channels": 128, "size": [6, 10]}, {"out_channels": 64, "kernel": 2, "stride": 2}, [{"mul": 0.5}]),
+    "k1s2_empty_phases": ({"channels": 16, "size": [5, 6]}, {"out_channels": 24, "kernel": 1, "stride": 2}, ["gelu"]),
+    "k5s3_op2_1d": ({"channels": 24, "size": [13]}, {"out_channels": 40, "kernel": 5, "stride": 3, "padding": 2, "output_padding": 2}, ["silu"]),
+    "k3s2_3d": ({"channels": 32, "size": [4, 5, 6]}, {"out_channels": 64, "kernel": 3, "stride": 2, "padding": 1, "output_padding": 1},
+                [{"add": {"param": "b2"}}, "relu"]),
+    "mixed_strides_3d": ({"channels": 16, "size": [3, 4, 5]}, {"out_channels": 20, "kernel": [2, 3, 4], "stride": [1, 2, 3], "padding": [0, 1, 1]},
+                         [{"clamp": {"min": -0.5, "max": 0.5}}]),
+    "nobias_residual": ({"channels": 32, "size": [7, 7]}, {"out_channels": 32, "kernel": 3, "stride": 2, "padding": 1, "bias": False},
+                        [{"add": {"input": "skip"}}, "relu"]),
+}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("name", list(PHASES))
+def test_strided_transposed_convs_on_the_implicit_gemm(name, precision):
+    inp, conv, epilogue = PHASES[name]
+    data = {"name": f"ph_{name}_{precision}", "input": inp, "conv": {**conv, "transposed": True}, "epilogue": epilogue,
+            "precision": precision, "tile": {"engine": "igemm"}}
+    layer = FusedLayer(validate(data)).cuda()
+    plan = layer.specialize().plan
+    assert plan["engine"] == "igemm" and plan["igemm"].phases
+    for batch, seed in ((1, 1), (5, 2)):
+        compare_to_reference(layer, batch, seed=seed)
+
+
+def test_strided_transposed_conv_then_group_norm_runs_its_body_on_the_implicit_gemm():
+    data = {"name": "ph_gn", "input": {"channels": 32, "size": [8, 8]},
+            "conv": {"out_channels": 64, "kernel": 3, "stride": 2, "padding": 1, "output_padding": 1, "transposed": True},
+            "epilogue": ["gelu", {"group_norm": 8}], "precision": "tf32"}
+    layer = FusedLayer(validate(data)).cuda()
+    plan = layer.specialize().plan
+    assert plan["engine"] == "sequence" and plan["igemm"] is not None and plan["igemm"].phases
+    compare_to_reference(layer, 3, seed=4)
+
+
+SPLITS = {
+    "max_pool": ["relu", {"max_pool": 2}, "tanh"],
+    "mean_lse": [{"mul": 2.0}, {"mean": {"dims": [2, 3], "keepdim": True}}, {"logsumexp": {"dims": [1]}}],
+    # (amax, not amin: GELU of a min over 64 channels is GELU far into its negative tail, values
+    # near 0 whose float32 evaluation alone misses float64 by 1e-4 relative in PyTorch itself)
+    "amax_gelu": [{"amax": {"dims": [1], "keepdim": True}}, "gelu"],
+}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("name", list(SPLITS))
+def test_a_strided_transposed_conv_split_before_its_pool_or_reduction(name, precision):
+    data = {"name": f"tsplit_{name}_{precision}", "input": {"channels": 32, "size": [12, 10]},
+            "conv": {"out_channels": 64, "kernel": 3, "stride": 2, "padding": 1, "output_padding": 1, "transposed": True},
+            "epilogue": SPLITS[name], "precision": precision}
+    layer = FusedLayer(validate(data)).cuda()
+    plan = layer.specialize().plan
+    assert plan["engine"] == "sequence" and plan["parts"][0]["plan"]["igemm"].phases
+    compare_to_reference(layer, 1, seed=1)
+    compare_to_reference(layer, 3, seed=2)

@@ -94,7 +94,8 @@ def test_every_extent_is_a_literal():
     for line in ("constexpr int C_IN = 64;", "constexpr int C_OUT = 96;", "constexpr int K_TILES =",
                  "constexpr int OUT_D = 1, OUT_H = 10, OUT_W = 12;"):
         assert line in text
-    assert "#pragma unroll 1\n  for (int kt = 0; kt < K_TILES; ++kt)" in text
+    assert "static constexpr int taps = TAPS, taps_pad = TAPS_PAD, k_pad = K_PAD, k_tiles = K_TILES;" in text
+    assert "#pragma unroll 1\n  for (int kt = 0; kt < G::k_tiles; ++kt)" in text
 
 
 def test_a_tile_that_does_not_fit_is_refused():

@@ -159,3 +159,17 @@ def test_a_pool_after_a_deep_conv_runs_split(precision):
     check(layer, 1, seed=1)
     check(layer, 3, seed=2)
     check(layer, 2, seed=3, channels_last=True)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_a_reduction_after_a_deep_conv_runs_split(precision):
+    """The conv on the TMA engine into T0, the reductions over an identity conv."""
+    data = {"name": f"rsplit_{precision}", "input": {"channels": 64, "size": [15, 13]},
+            "conv": {"out_channels": 128, "kernel": 3, "padding": 1},
+            "epilogue": [{"mean": {"dims": [2, 3], "keepdim": True}}, {"add": {"param": "b2"}},
+                         {"logsumexp": {"dims": [1], "keepdim": True}}], "precision": precision}
+    layer = FusedLayer(validate(data)).cuda()
+    plan = layer.specialize().plan
+    assert plan["engine"] == "sequence" and plan["parts"][0]["plan"]["engine"] == "tma"
+    check(layer, 1, seed=1)
+    check(layer, 3, seed=2)
