@@ -288,7 +288,7 @@ __device__ __forceinline__ void conv_tile(
 
 }  // namespace
 
-// One block of one GEMM.
+// One block of the GEMM.
 extern "C" __global__ void __launch_bounds__(THREADS) specgen_conv1x1_64_256_relu(
     const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
     const float* __restrict__ wp,      // the weights permuted: [C_OUT][TAPS_PAD][CIP], k = tap * CIP + ci

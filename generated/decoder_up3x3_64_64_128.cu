@@ -44,7 +44,7 @@
 //     stride phases: along each dim, phase phi holds the outputs o = phi + S * j, which all meet the
 //     same taps k = FIRST + S * t, reading input i = j + IN_OFF - t. Each phase is a plain GEMM with its
 //     own (fewer) taps: computed once per output, no scatter, no atomics, no multiply by an inserted zero.
-//     Grid y picks the phase; its weights are permuted phase by phase (the launch prepares them).
+//     Each M tile's phases are neighbours in the grid; the weights are permuted phase by phase (the launch prepares them).
 //   Grid: one block per (M tile, N tile), per phase, N tiles fastest (blocks that read the same input run
 //   together); 384 threads per block; 118784 bytes of dynamic shared memory.
 // =====================================================================================================
@@ -74,6 +74,7 @@ constexpr int TPC = 1;  // taps per K chunk
 constexpr int CPT = 2;  // K chunks per tap
 constexpr int K_TILES = 18;  // K chunks: the main loop's trip count
 constexpr int N_TILES = 1;  // blocks along N
+constexpr int PHASES = 4;  // GEMMs: the stride phases of the transposed conv
 constexpr int STAGES = 3;  // shared-memory buffers of the pipeline
 constexpr int AHEAD = STAGES - 1;  // chunks loading while one computes
 constexpr int THREADS = 384;  // threads per block
@@ -330,8 +331,8 @@ __device__ __forceinline__ void conv_tile(
   float* const b_lo_all = b_all + STAGES * B_STAGE;  // 2 x the lo parts of a chunk's B (chunks alternate)
   float* const a_all = b_lo_all + 2 * B_STAGE;  // STAGES x A[BK][LDA]
   const int m_total = batch * G::positions;
-  const int m0 = blockIdx.x / N_TILES * BM, n0 = blockIdx.x % N_TILES * BN;
-  if (m0 >= m_total) return;  // grid x covers the largest phase: this one has fewer tiles (the whole block leaves)
+  const int m0 = blockIdx.x / (N_TILES * PHASES) * BM, n0 = blockIdx.x % N_TILES * BN;
+  if (m0 >= m_total) return;  // the grid covers the largest phase: this one has fewer tiles (the whole block leaves)
 
   // This thread's A position: fixed for the whole K loop.
   ARow row;
@@ -411,7 +412,10 @@ __device__ __forceinline__ void conv_tile(
 
 }  // namespace
 
-// One block of one GEMM: grid y picks the stride phase.
+// One block of one GEMM: blockIdx.x = (M tile x PHASES + phase) x N_TILES + N tile. The phases of
+// one M tile run side by side, so the L2 merges their interleaved (strided) stores into whole
+// lines before writing them back; one phase after another, each line would be written back half
+// full and read again for the next phase's half.
 extern "C" __global__ void __launch_bounds__(THREADS) specgen_decoder_up3x3_64_64_128(
     const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
     const float* __restrict__ wp,      // the weights permuted: [C_OUT][TAPS_PAD][CIP], k = tap * CIP + ci
@@ -419,7 +423,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) specgen_decoder_up3x3_64_6
     float* __restrict__ out,           // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
     int batch)
 {
-  switch (blockIdx.y) {
+  switch (blockIdx.x / N_TILES % PHASES) {
     case 0: conv_tile<Phase0>(x, wp, bias, out, batch); break;
     case 1: conv_tile<Phase1>(x, wp, bias, out, batch); break;
     case 2: conv_tile<Phase2>(x, wp, bias, out, batch); break;

@@ -104,8 +104,7 @@ def stride_phases(kernel3, stride3, padding3, out3, cip: int, tpc: int, bk: int,
             kp = max(0, -(-(k - first) // s))
             dim.append((phi, op, first, kp, (phi + p - first) // s))
         per_dim.append(dim)
-    # The phases with the most taps first: grid y runs in order, so the long GEMMs start first and
-    # the short ones fill the last wave.
+    # The phases with the most taps first (each M tile's phases are neighbours in the grid).
     combos = sorted(((d, h, w) for d in per_dim[0] for h in per_dim[1] for w in per_dim[2]),
                     key=lambda c: -(c[0][3] * c[1][3] * c[2][3]))
     phases, offset = [], 0
@@ -154,8 +153,8 @@ class IgemmPlan:
     min_blocks: int
     split: bool  # 3xTF32 (fp32 mode) rather than plain TF32
     wgmma: bool  # warpgroup MMA with B from 128-byte-swizzled shared memory (sm_90a)
-    # A transposed conv: one GEMM per stride phase (grid y), weights permuted phase by phase;
-    # `positions` is then the largest phase's (grid x covers it).
+    # A transposed conv: one GEMM per stride phase, weights permuted phase by phase; `positions` is
+    # then the largest phase's (the grid covers it).
     phases: tuple[Phase, ...] = ()
     weight_floats: int = 0  # the permuted weights' size (every phase's)
 
@@ -304,7 +303,7 @@ def describe(ig: IgemmPlan) -> str:
         chunks = "/".join(str(ph.k_tiles) for ph in ig.phases)
         return (
             f"implicit GEMM on tensor cores ({mode} {instr}), one GEMM per stride phase of the transposed conv "
-            f"({len(ig.phases)} phases, grid y): block tile {ig.bm} positions x {ig.bn} channels, K chunks of {ig.bk} "
+            f"({len(ig.phases)} phases, side by side in the grid): block tile {ig.bm} positions x {ig.bn} channels, K chunks of {ig.bk} "
             f"({chunks} chunks per phase, {ig.stages}-stage cp.async pipeline), {ig.threads} threads"
         )
     return (

@@ -336,11 +336,9 @@ def launch_flat(
     strides: list[int],
     batch: int,
     stream: int,
-    grid_y: int = 1,
 ) -> None:
     """Launch a kernel whose grid is one flat axis over (batch x `positions`) / `block_m` tiles times
-    `n_tiles` (the implicit-GEMM engine), `grid_y` GEMMs (a transposed conv's stride phases) along y.
-    A launch covers at most 2^31 - 1 positions (its M index is a 32-bit int); larger batches take
+    `n_tiles` (the implicit-GEMM engine; a transposed conv's stride phases multiply them). A launch covers at most 2^31 - 1 positions (its M index is a 32-bit int); larger batches take
     several launches, with `strides` as in `launch`."""
     lib = _libcuda
     values, batch_arg, argv = _prepare(kernel, len(pointers))
@@ -351,7 +349,7 @@ def launch_flat(
             values[i] = ptr + first * stride
         batch_arg.value = count
         blocks = -(-count * positions // block_m) * n_tiles
-        result = lib.cuLaunchKernel(kernel.function, blocks, grid_y, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream, argv, None)
+        result = lib.cuLaunchKernel(kernel.function, blocks, 1, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream, argv, None)
         if result != 0:
             _check(lib, result, "cuLaunchKernel")
 

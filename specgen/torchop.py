@@ -319,7 +319,7 @@ class _LaunchPlan:
     input_names: tuple = ()  # extra inputs: pointers after the parameters, advancing like the output
     # The implicit-GEMM engine: (positions per sample, block tile BM, blocks along N, the weight
     # layout (c_in, taps, padded c_in, padded taps), GEMMs); its grid is one flat axis over batch x
-    # positions, times the GEMMs along y (a transposed conv's stride phases).
+    # positions, times the blocks along N and the GEMMs (a transposed conv's stride phases).
     igemm: tuple | None = None
     tma: bool = False  # the TMA engine: launched by specgen.tmarun
 
@@ -485,7 +485,8 @@ def _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream):
     pointers.append(out.data_ptr())
     if lp.igemm is not None:
         positions, bm, n_tiles, _, gemms = lp.igemm
-        runtime.launch_flat(kernel, positions, bm, n_tiles, pointers, lp.strides, batch, stream, gemms)
+        # (a transposed conv's stride phases are blocks of their own along x, beside each M tile's N tiles)
+        runtime.launch_flat(kernel, positions, bm, n_tiles * gemms, pointers, lp.strides, batch, stream)
     else:
         runtime.launch(kernel, lp.blocks_per_sample, pointers, lp.strides, batch, stream)
     return out
