@@ -34,6 +34,9 @@ from specgen import target as targets
 from specgen.spec import LayerSpec
 
 BLOCK_RESERVED_SMEM = 1024  # shared memory the driver reserves per block on an SM
+# Left to the planner, a transposed conv runs its stride phases here from this many input channels;
+# with fewer, a phase's K is a handful of taps x channels and the FFMA gather is as fast.
+TRANSPOSED_MIN_CHANNELS = 16
 INT32_MAX = (1 << 31) - 1
 
 
@@ -77,7 +80,6 @@ class Phase:
     index: int
     out_off: tuple[int, int, int]  # the phase's first output (d, h, w)
     op: tuple[int, int, int]  # outputs along each dim (the phase's grid)
-    first: tuple[int, int, int]  # its first tap along each dim
     kp: tuple[int, int, int]  # its taps along each dim
     in_off: tuple[int, int, int]  # input of tap 0 at j = 0
     positions: int  # prod(op)
@@ -117,7 +119,7 @@ def stride_phases(kernel3, stride3, padding3, out3, cip: int, tpc: int, bk: int,
             for td in range(kp[0]) for th in range(kp[1]) for tw in range(kp[2])
         )
         phases.append(Phase(
-            index=len(phases), out_off=(d[0], h[0], w[0]), op=(d[1], h[1], w[1]), first=(d[2], h[2], w[2]), kp=kp,
+            index=len(phases), out_off=(d[0], h[0], w[0]), op=(d[1], h[1], w[1]), kp=kp,
             in_off=(d[4], h[4], w[4]), positions=d[1] * h[1] * w[1], taps=taps, taps_pad=taps_pad,
             k_tiles=taps_pad * cip // bk, w_offset=offset, tap_index=index,
         ))
@@ -156,7 +158,6 @@ class IgemmPlan:
     # A transposed conv: one GEMM per stride phase, weights permuted phase by phase; `positions` is
     # then the largest phase's (the grid covers it).
     phases: tuple[Phase, ...] = ()
-    weight_floats: int = 0  # the permuted weights' size (every phase's)
 
 
 def why_not(spec: LayerSpec, levels: list, reductions: list) -> list[str]:
@@ -254,10 +255,9 @@ def plan_igemm(
     transposed = spec.conv.transposed
     phases: tuple[Phase, ...] = ()
     if transposed:
-        def three(v, fill):
-            return (fill,) * (3 - len(v)) + tuple(v)
+        from specgen.plan import _spatial3  # (plan imports this module)
 
-        phases = stride_phases(three(geo["kernel"], 1), three(geo["stride"], 1), three(geo["padding"], 0),
+        phases = stride_phases(_spatial3(geo["kernel"], 1), _spatial3(geo["stride"], 1), _spatial3(geo["padding"], 0),
                                conv_out, cip, tpc, bk, cout)
         positions = max(ph.positions for ph in phases)
     a_vec = 4 if (not transposed and kw == 1 and sw == 1 and pw == 0 and in_w % 4 == 0 and ow == in_w and positions % 4 == 0
@@ -292,7 +292,6 @@ def plan_igemm(
         cpt=cpt, k_pad=k_pad, k_tiles=k_pad // bk, n_tiles=-(-cout // bn), positions=positions, lda=lda, ldb=ldb,
         a_vec=a_vec, a_iters=a_iters, a_row_step=a_row_step, b_iters=b_iters, smem_bytes=smem_bytes,
         min_blocks=min_blocks, split=spec.precision == "fp32", wgmma=cfg.wgmma, phases=phases,
-        weight_floats=sum(cout * ph.taps_pad * cip for ph in phases) if transposed else cout * k_pad,
     )
 
 

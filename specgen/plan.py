@@ -332,6 +332,14 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         return tail.plan_sequence(spec, igemm_config, target, tma_config)
     if igemm_config is None and tma_config is None and (at := tail.pool_split(spec, target)) is not None:
         return tail.plan_pool_split(spec, at, target)  # the conv on tensor cores, its pool in a second kernel
+    return plan_whole(spec, igemm_config, target, tma_config)
+
+
+def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" = None, target: Target | None = None,
+               tma_config: "tma_engine.TmaConfig | None" = None) -> dict:
+    """The plan of `spec` as one kernel, split nowhere: what `build_plan` returns for a layer it
+    does not rewrite, sequence or split (`tail.pool_split` asks it where the whole layer would run)."""
+    target = target or targets.DEFAULT
     nd = spec.ndim
     geo = spec.conv_geometry()
     consts: list[Constant] = []
@@ -901,7 +909,7 @@ def _choose_igemm(spec: LayerSpec, levels: list, reductions: list, fold, conv_ou
         return None
     if asked is None and (_tile_pins_other_engine(tile) or (spec.input.channels < 16 and spec.precision == "fp32")):
         return None
-    if asked is None and spec.conv.transposed and spec.input.channels < 16:
+    if asked is None and spec.conv.transposed and spec.input.channels < igemm_engine.TRANSPOSED_MIN_CHANNELS:
         return None  # a transposed conv of few channels: its phases' K is a handful of taps x channels (FFMA's)
     try:
         return igemm_engine.plan_igemm(spec, conv_out, taps, config, target=target)

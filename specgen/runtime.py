@@ -338,8 +338,9 @@ def launch_flat(
     stream: int,
 ) -> None:
     """Launch a kernel whose grid is one flat axis over (batch x `positions`) / `block_m` tiles times
-    `n_tiles` (the implicit-GEMM engine; a transposed conv's stride phases multiply them). A launch covers at most 2^31 - 1 positions (its M index is a 32-bit int); larger batches take
-    several launches, with `strides` as in `launch`."""
+    `n_tiles` (the implicit-GEMM engine; a transposed conv's stride phases multiply them). A launch
+    covers at most 2^31 - 1 positions (its M index is a 32-bit int); larger batches take several
+    launches, with `strides` as in `launch`."""
     lib = _libcuda
     values, batch_arg, argv = _prepare(kernel, len(pointers))
     per_launch = max(1, min(GRID_X_MAX // positions, GRID_X_MAX // n_tiles * block_m // positions))

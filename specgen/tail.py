@@ -268,10 +268,10 @@ def pool_split(spec: LayerSpec, target) -> int | None:
     follows run as a further kernel over an identity conv that reads it (one more write and read
     of T0). A strided transposed conv of 16 input channels or more splits the same way before any
     pool or reduction: its stride phases run on the implicit GEMM, where the FFMA gather that a
-    fused pool or reduction would keep it on ran 2-14x slower (benchmarks/NOTES.md, v19); a plain
-    conv before a reduction where the whole layer would run on FFMA (`_reduction_split_pays`). Left
+    fused pool or reduction would keep it on ran 2-14x slower (benchmarks/NOTES.md, v19); a deep
+    plain conv of 32+ input channels before a reduction, where the whole layer would run on FFMA. Left
     to the planner only: a tile that names an engine keeps the layer whole."""
-    from specgen import tma
+    from specgen import igemm, tma
     from specgen.plan import MMA_MIN_K
 
     if spec.tile is not None or is_sequence(spec):
@@ -280,11 +280,11 @@ def pool_split(spec: LayerSpec, target) -> int | None:
     if first is None:
         return None
     if spec.conv.transposed:
-        if spec.input.channels < 16 or not spec.rewrites or spec.inputs():
+        if spec.input.channels < igemm.TRANSPOSED_MIN_CHANNELS or not spec.rewrites or spec.inputs():
             return None
         return first if split_engine(spec, first, target) == "igemm" else None
     windowed = spec.epilogue[first].kind == "pool" and ops.POOLS[spec.epilogue[first].op].windowed
-    if not windowed and not _reduction_split_pays(spec, target):
+    if not windowed and spec.input.channels < 32:  # a reduction (or global pool) after a conv of few channels
         return None
     if first == 0 and spec.epilogue[0].op == "avg_pool" and spec.rewrites:
         return None  # an avg-pool right after the conv folds into it instead
@@ -298,20 +298,15 @@ def pool_split(spec: LayerSpec, target) -> int | None:
     body = _cut(spec, first)
     if tma.why_not(body, [None], [], target) or not tma.worth_it(body):
         return None
+    if not windowed:
+        # A reduction after a plain conv of 32 input channels or more: split only where the whole
+        # layer would run on FFMA (the slab engine fuses reductions on tensor cores when the block's
+        # weights fit); T0's extra write and read cost far less than the FFMA conv (KernelBench 42, 77: v19).
+        from specgen.plan import plan_whole
+
+        if plan_whole(spec, None, target)["engine"] != "ffma":
+            return None
     return first
-
-
-def _reduction_split_pays(spec: LayerSpec, target) -> bool:
-    """A reduction after a plain conv of 32 input channels or more that would otherwise run whole on
-    FFMA (the slab engine holds too few channels per block): the conv on tensor cores into T0 costs
-    one more write and read of T0, far less than the FFMA conv (KernelBench 42 and 77: v19)."""
-    from specgen.plan import build_plan
-    from specgen.spec import TileSpec
-
-    if spec.input.channels < 32 or spec.conv.groups > 1:
-        return False
-    whole = build_plan(spec.model_copy(update={"tile": TileSpec()}), target=target)  # (a tile: no split, no recursion)
-    return whole["engine"] == "ffma"
 
 
 def split_engine(spec: LayerSpec, at: int, target) -> str | None:

@@ -467,7 +467,8 @@ def _emulate_phases(plan: dict, x: torch.Tensor, weight: torch.Tensor, bias) -> 
     nd, cin, cout, cip = plan["ndim"], plan["cin"], plan["cout"], ig.cip
     x3 = x.reshape(x.shape[0], cin, *plan["in"])
     wp = gemm_weight(weight, gemm_layout(plan))
-    assert wp.numel() == ig.weight_floats
+    last = ig.phases[-1]
+    assert wp.numel() == last.w_offset + cout * last.taps_pad * cip == sum(cout * ph.taps_pad * cip for ph in ig.phases)
     out = torch.full((x.shape[0], cout, *plan["conv_out"]), float("nan"), dtype=x.dtype)
     stride = plan["stride"]
     for ph in ig.phases:
