@@ -686,7 +686,9 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         box[3] * level0_w_stride if (tiles["w"] > 1 or chunks["w"] > 1) else 0,
     )
     # (pool windows shift level 0's start by odd offsets: no vectors under a pool)
-    in_vec = min(in_vec, conv_span) if conv_span >= 2 and len(levels) == 1 else 1
+    # (and no wider than the span a tile reads: a power of two, since a load is a float4 or a float2 --
+    # a span of 3 once made IN_VEC 3, whose float2 loads left every third float unset)
+    in_vec = next(v for v in (4, 2, 1) if v <= min(in_vec, conv_span)) if conv_span >= 2 and len(levels) == 1 else 1
     if transposed:
         # A transposed conv gathers: output w reads input (w + P_W - kw * DIL_W) / S_W where that
         # divides evenly. Level 0 loads the span of numerators w + P_W - kw * DIL_W the tile needs

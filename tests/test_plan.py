@@ -272,3 +272,24 @@ def test_a_build_that_spills_is_rebuilt_with_one_block_per_sm(tmp_path, monkeypa
     assert item.plan["min_blocks"] == 1 and "__launch_bounds__(THREADS)" in item.source
     pinned = validate({**spec.model_dump(), "tile": {"tensor_cores": True, "min_blocks": 2}})
     assert pipeline.specialize(pinned).plan["min_blocks"] == 2  # what the user writes is kept
+
+
+def test_a_strided_1x1_row_loads_whole_vectors():
+    """Kernel 1, stride 2 along W, two positions per thread: the row segment is 3 floats. The load
+    width is a power of two no wider than it (a width of 3 once left every third float unset)."""
+    spec = validate({"name": "s2k1", "input": {"channels": 1, "size": [4]}, "conv": {"out_channels": 1, "kernel": 1, "stride": 2},
+                     "epilogue": [], "rewrites": False})
+    plan = build_plan(spec)
+    assert plan["conv_span"] == 3 and plan["in_vec"] == 2
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(random_specs())
+def test_input_vectors_are_float4_float2_or_single(data):
+    try:
+        spec = validate(data)
+    except SpecError:
+        return
+    plan = build_plan(spec)
+    if plan["engine"] == "ffma":
+        assert plan["in_vec"] in (1, 2, 4) and plan["in_vec"] <= max(plan["conv_span"], 1), plan["in_vec"]
