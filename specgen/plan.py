@@ -326,8 +326,11 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     if spec.rewrites and (plain := forward_equivalent(spec)) is not None:
         # ---- rewrite: a transposed conv of stride 1 is a plain conv (every engine runs it) ---
         return _as_transposed(build_plan(plain, igemm_config, target, tma_config), spec, plain)
-    from specgen import tail
+    from specgen import tail, tapsum
 
+    if igemm_config is None and tma_config is None and (fold := tapsum.find(spec)) is not None:
+        # ---- rewrite: a mean over whole spatial dims of the conv, taken before it -----------
+        return tapsum.plan_fold(spec, fold, None, target)
     if tail.is_sequence(spec):  # statistic stages: a sequence of kernels, each part planned on its own
         return tail.plan_sequence(spec, igemm_config, target, tma_config)
     if igemm_config is None and tma_config is None and (at := tail.pool_split(spec, target)) is not None:
@@ -852,7 +855,8 @@ def _as_transposed(plan: dict, spec: LayerSpec, plain: LayerSpec) -> dict:
         "spec_hash": spec.shape_hash,
         "spec_yaml": spec_yaml(spec),
         "rewrites": [note, *plan["rewrites"]],
-        "weight_transform": {"kind": "transposed_to_plain", "groups": spec.conv.groups},
+        # the user's weights first become the plain conv's, then whatever the plain conv's plan does to them
+        "weight_transforms": [{"kind": "transposed_to_plain", "groups": spec.conv.groups}, *plan.get("weight_transforms", [])],
     }
 
 

@@ -491,6 +491,12 @@ def describe(plan: dict) -> str:
             lines.append(f"  {n}. {p['kernel_name']}: {what}; reads {step['in']}, writes {step['out']} "
                          f"{step['out_shape'] or '(one value per sample)'}; {moved} bytes per sample")
             lines += [f"       {line}" for line in describe_plan(p).splitlines()]
+        elif part["role"] == "tapsum":
+            from specgen.tapsum import describe as describe_tapsum
+
+            moved = part["plan"]["bytes_per_sample"]
+            lines.append(f"  {n}. {step['name']}: {describe_tapsum(part['plan'])}; reads {step['args'][0]}, "
+                         f"writes {step['args'][-1]}; {moved} bytes per sample")
         else:
             tp = part["plan"]
             kernel = next(k for k in tp["kernels"] if k["name"] == step["name"])

@@ -3,7 +3,9 @@
 Every workspace comes from torch's caching allocator on the current stream (so a CUDA-graph
 capture takes them from the graph's pool), and every kernel runs on that stream in the plan's
 order: the body into T0 through the ordinary launch path (`torchop.launch`), then each tail
-kernel, and each rest over an identity conv (weights 1) through the ordinary path again. One
+kernel, and each rest over an identity conv (weights 1) through the ordinary path again. A layer
+whose reduction folds before the conv (specgen.tapsum) first runs its tap-sum kernel into S, which
+the body reads. One
 cubin holds every kernel; each is loaded once per device.
 """
 
@@ -45,7 +47,7 @@ def _sequence(sp: pipeline.Specialized) -> _Sequence:
     if seq is None:
         parts, in_shapes = {}, {}
         for index, part in enumerate(sp.plan["parts"]):
-            if part["role"] != "tail":
+            if part["role"] in ("body", "rest"):
                 parts[index] = Part(part["spec"], part["plan"], sp.source, sp.build, part["namespace"])
                 spec = part["spec"]
                 in_shapes[index] = (spec.input.channels, *spec.input.size)
@@ -133,7 +135,7 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
             part = seq.parts[step["part"]]
             src = buffers[step["in"]].view(batch, *seq.in_shapes[step["part"]])
             dst = buffers[step["out"]].view(batch, *step["out_shape"])
-            if step["part"] == 0:
+            if sp.plan["parts"][step["part"]]["role"] == "body":
                 torchop.launch(part, src, weight, bias, params, dst)
             else:
                 ones = _identity_weight(step["ones"], len(seq.in_shapes[step["part"]]) - 1, x.device)

@@ -28,7 +28,9 @@ with CUDA tensors.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -387,6 +389,37 @@ def forward_weight(weight: torch.Tensor, groups: int) -> torch.Tensor:
     return w.reshape(groups * cout_g, cin // groups, *kernel).flip(list(range(2, 2 + len(kernel)))).contiguous()
 
 
+def tap_fold_weight(weight: torch.Tensor, reduced: list, positions: int, transposed: bool, sets: list) -> torch.Tensor:
+    """The folded conv's weight (specgen.tapsum): along each reduced dim the weights of the taps that
+    read the same input set added up (`sets[i][k]`: the set tap k of reduced dim i reads, -1 none),
+    the sets moved to the first reduced dim in row-major order, where the tap sums hold them (the
+    other reduced dims 1), and all divided by the positions averaged: in double, rounded once. A
+    transposed conv's weight [C_in, C_out, k...] (one group) reads as [C_out, C_in, k...]."""
+    w = (weight.transpose(0, 1) if transposed else weight).double()
+    for r, of_tap in zip(reduced, sets):
+        taps = [k for k, j in enumerate(of_tap) if j >= 0]
+        index = torch.tensor([of_tap[k] for k in taps], device=w.device)
+        shape = list(w.shape)
+        shape[2 + r] = max(of_tap) + 1
+        w = w.new_zeros(shape).index_add_(2 + r, index, w.index_select(2 + r, torch.tensor(taps, device=w.device)))
+    cout, cin_g, *kernel = w.shape
+    r0 = reduced[0]
+    order = [*range(r0), *reduced, *[j for j in range(r0 + 1, len(kernel)) if j not in reduced]]
+    folded = [1 if j in reduced else k for j, k in enumerate(kernel)]
+    folded[r0] = math.prod(kernel[r] for r in reduced)
+    w = w.permute(0, 1, *[2 + j for j in order]).reshape(cout, cin_g, *folded)
+    return (w / positions).to(weight.dtype).contiguous()
+
+
+def transformed_weight(weight: torch.Tensor, transform: dict) -> torch.Tensor:
+    """One of a plan's `weight_transforms` applied to the conv weight it receives."""
+    if transform["kind"] == "transposed_to_plain":  # a stride-1 transposed conv planned as a plain conv
+        return forward_weight(weight, transform["groups"])
+    if transform["kind"] == "tap_fold":  # a mean over whole dims taken before the conv
+        return tap_fold_weight(weight, transform["reduced"], transform["positions"], transform["transposed"], transform["sets"])
+    raise ValueError(f"unknown weight transform {transform['kind']!r}")
+
+
 def _permuted_weights(weight: torch.Tensor, layout: tuple) -> torch.Tensor:
     cin, taps, cip, taps_pad = layout
     w = weight.reshape(weight.shape[0], cin, taps).transpose(1, 2)
@@ -429,9 +462,9 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     # view that is not (a scalar tensor expanded to every channel) is copied here, once, and the
     # copy lives until the kernels are queued.
     params = {name: _aligned(t) for name, t in params.items()}
-    transform = sp.plan.get("weight_transform")
-    if transform is not None:  # a stride-1 transposed conv planned as a plain conv (specgen.plan.forward_equivalent)
-        weight = tmarun.derived(weight, "plain", lambda w: forward_weight(w, transform["groups"]))
+    for transform in sp.plan.get("weight_transforms", ()):  # the plan's rewrites of the conv (in order)
+        # (keyed by the whole transform: one weight may serve layers of other sizes, folded otherwise)
+        weight = tmarun.derived(weight, repr(sorted(transform.items())), functools.partial(transformed_weight, transform=transform))
     if sp.plan["engine"] == "sequence":
         from specgen import tailrun
 

@@ -226,11 +226,11 @@ def run_sequence(spec, plan: dict, x: torch.Tensor, weight, bias, params: dict) 
     by the model, through the plan's named buffers. Everything in float64."""
     batch = x.shape[0]
     buffers = {"x": x.double()}
-    transform = plan.get("weight_transform")
-    if transform is not None:  # a stride-1 transposed conv planned as a plain one: the launch's weights
-        from specgen.torchop import forward_weight
+    from specgen.torchop import transformed_weight
 
-        weight = forward_weight(weight, transform["groups"])
+    weight = weight.double()  # (transformed in float64 too: the model checks the indexing, not the roundings)
+    for transform in plan.get("weight_transforms", ()):  # the launch's weights (the plan's rewrites of the conv)
+        weight = transformed_weight(weight, transform)
     for step in plan["steps"]:
         part = plan["parts"][step["part"]]
         if step["kind"] == "layer":
@@ -238,12 +238,19 @@ def run_sequence(spec, plan: dict, x: torch.Tensor, weight, bias, params: dict) 
             src = buffers[step["in"]].reshape(batch, pspec.input.channels, *pspec.input.size)
             if part["role"] == "body":
                 w, b = weight.double(), None if bias is None else bias.double()
+                for transform in part["plan"].get("weight_transforms", ()):
+                    w = transformed_weight(w, transform)
             else:
                 w, b = torch.ones(pspec.weight_shape(), dtype=torch.float64), None
             names = pspec.params()
             y = reference.forward(pspec, src, w, b, {n: params[n].double().reshape(names[n]) for n in names})
             assert tuple(y.shape[1:]) == tuple(step["out_shape"])
             buffers[step["out"]] = y.reshape(batch, -1)
+        elif part["role"] == "tapsum":  # the input's sums per tap (tests/tapsum_model.py)
+            import tapsum_model
+
+            buffers[step["args"][-1]] = torch.from_numpy(tapsum_model.run(part["plan"], buffers[step["args"][0]].reshape(batch, -1).numpy()))
+            spec = part["folded_spec"]  # the later parts' stage numbers are the folded layer's
         elif step["name"] == part["plan"]["kernels"][-1]["name"]:  # a tail's last kernel: run the whole tail
             tp = part["plan"]
             src = buffers[step["args"][0]].reshape(batch, -1).numpy()

@@ -103,7 +103,7 @@ def test_random_specs_on_tensor_cores_match_reference():
 
 NESTED = [
     {"name": "nested_a", "input": {"channels": 4, "size": [20, 23]}, "conv": {"out_channels": 12, "kernel": 3, "padding": 1},
-     "epilogue": [{"sum": {"dims": [2, 3], "keepdim": True}}, "tanh", {"amax": {"dims": [1]}}]},
+     "epilogue": ["relu", {"sum": {"dims": [2, 3], "keepdim": True}}, "tanh", {"amax": {"dims": [1]}}]},  # (relu: no tap-sum fold)
     {"name": "nested_b", "input": {"channels": 3, "size": [6, 9, 10]}, "conv": {"out_channels": 8, "kernel": 3},
      "epilogue": [{"logsumexp": {"dims": [1], "keepdim": True}}, {"mean": {"dims": [2, 3, 4]}}]},
     {"name": "nested_c", "input": {"channels": 8, "size": [33, 17]}, "conv": {"out_channels": 40, "kernel": [3, 2]},

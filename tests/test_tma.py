@@ -152,8 +152,9 @@ def test_a_pool_after_a_deep_conv_splits_the_layer(precision):
 @pytest.mark.parametrize("data", [
     {"cin": 3, "size": (12, 16, 16), "kernel": 3, "epilogue": [{"max_pool": {"kernel": 2}}, {"sum": {"dims": [1]}}]},  # K = 81
     {"epilogue": ["relu", {"max_pool": {"kernel": 2}}], "tile": {"engine": "ffma"}},  # an engine named
-    {"cin": 16, "epilogue": [{"sum": {"dims": [2, 3]}}]},  # a reduction after a conv of few channels: whole on FFMA
-    {"cin": 32, "cout": 32, "epilogue": [{"sum": {"dims": [2, 3]}}]},  # ... or on the slab engine, on tensor cores
+    # (a relu first: a sum right after the conv folds before it, specgen.tapsum)
+    {"cin": 16, "epilogue": ["relu", {"sum": {"dims": [2, 3]}}]},  # a reduction after a conv of few channels: whole on FFMA
+    {"cin": 32, "cout": 32, "epilogue": ["relu", {"sum": {"dims": [2, 3]}}]},  # ... or on the slab engine, on tensor cores
     {"cin": 16, "cout": 32, "padding": 0, "epilogue": [{"avg_pool": {"kernel": 2}}]},  # an avg-pool right after the conv folds into it
 ])
 def test_other_layers_stay_whole(data):
@@ -163,7 +164,8 @@ def test_other_layers_stay_whole(data):
 def test_a_reduction_after_a_deep_conv_that_would_run_on_ffma_splits_the_layer():
     """64 -> 128 channels, 3 x 3: too many weights for the slab engine, so the reduction would keep
     the whole layer on FFMA; split, the conv runs on the TMA engine and the reductions read T0."""
-    data = {"epilogue": [{"mean": {"dims": [2, 3], "keepdim": True}}, {"logsumexp": {"dims": [1]}}], "precision": "tf32"}
+    data = {"epilogue": ["relu", {"mean": {"dims": [2, 3], "keepdim": True}}, {"logsumexp": {"dims": [1]}}],  # (relu: no tap-sum fold)
+            "precision": "tf32"}
     whole = build_plan(spec_of(**data, tile={}), target=HOPPER)
     assert whole["engine"] == "ffma"
     plan = build_plan(spec_of(**data), target=HOPPER)

@@ -1,0 +1,75 @@
+"""The tap-sum fold on the GPU against float64 PyTorch (marker `gpu`): the layers of
+test_tapsum.py, wide rows and long sums, random foldable layers, in fp32 and tf32. Outputs are poisoned with NaN, inputs and parameters fresh per check
+(gpu_helpers.compare)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from specgen import tapsum  # noqa: E402
+from specgen.module import FusedLayer  # noqa: E402
+from specgen.plan import forward_equivalent  # noqa: E402
+from specgen.spec import SpecError, validate  # noqa: E402
+
+from gpu_helpers import compare  # noqa: E402
+from test_tapsum import FOLDS, foldable, layer  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
+
+LARGE = {
+    # a block of 512 threads per (channel), one row of W at a time (KernelBench 42's shape, smaller)
+    "wide_rows": layer(8, [96, 512], 16, [{"mean": {"dims": [2, 3], "keepdim": True}}, {"add": {"param": "b"}},
+                                          {"logsumexp": {"dims": [1], "keepdim": True}}], transposed=True),
+    # a thread per (channel, h, w) summing 40 depths (KernelBench 13's shape, smaller)
+    "long_depth": layer(4, [40, 32, 64], 16, [{"mean": {"dims": [2], "keepdim": True}}, {"softmax": 1}, "tanh"],
+                        padding=1, transposed=True),
+    # summed D and H with W kept, 96 * 20 positions per thread: the loop is not unrolled whole
+    "dh_keep_w": layer(3, [96, 20, 33], 5, [{"sum": {"dims": [2, 3]}}, "gelu"], kernel=[3, 2, 3], stride=[2, 1, 1]),
+    # strided transposed conv, 5^3 taps, global pool after a batch norm (KernelBench 77's kind)
+    "gap_t3d": layer(6, [6, 10, 12], 8, [{"mul": 2.0}, {"batch_norm": {}}, "global_avg_pool"], kernel=5, stride=2,
+                     transposed=True),
+}
+
+
+def fused(data, precision):
+    spec = validate({**data, "precision": precision})
+    plain = forward_equivalent(spec) or spec
+    assert tapsum.find(plain) is not None, spec.name
+    return FusedLayer(spec).cuda()
+
+
+@pytest.mark.parametrize("name", sorted(FOLDS) + sorted(LARGE))
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_folded_layers_match_float64(name, precision, batch):
+    data = {**FOLDS, **LARGE}[name]
+    layer = fused(data, precision)
+    assert layer.specialize().plan["parts"][0]["role"] == "tapsum"
+    compare(layer, batch, seed=batch + len(name))
+
+
+ran = {"cases": 0}
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(data=foldable(), batch=st.integers(1, 3), precision=st.sampled_from(["fp32", "tf32"]))
+def test_random_folds_on_the_gpu(data, batch, precision):
+    try:
+        spec = validate({**data, "precision": precision})
+    except SpecError:
+        assume(False)
+    assume(tapsum.find(forward_equivalent(spec) or spec) is not None)
+    compare(FusedLayer(spec).cuda(), batch, seed=batch)
+    ran["cases"] += 1
+
+
+def test_the_random_gpu_folds_ran():
+    if ran["cases"] == 0:
+        test_random_folds_on_the_gpu()
+    assert ran["cases"] >= 30, ran
+
