@@ -104,14 +104,17 @@ def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], chan
     }
 
 
-def _can_fold_avg_pool(levels: list[dict], conv_stride, conv_dilation) -> bool:
+def _can_fold_avg_pool(spec: LayerSpec, levels: list[dict], conv_stride, conv_dilation) -> bool:
     """avg_pool(conv(x)) == conv'(x) with kernel K + k - 1 and the pool's stride, when the pool
-    follows the conv directly, the conv has stride and dilation 1 and the pool has no padding.
+    follows the conv (or per-channel affine stages after it, which commute with the average and
+    move after the pool), the conv has stride and dilation 1 and the pool has no padding.
     conv' has weights W'(t) = sum over window offsets e of W(t - e) / window: exact in real
     arithmetic; in float32 it reorders the sums (a few ulps of the largest partial sum)."""
+    from specgen.tapsum import commutes_with_mean
+
     conv, pool = levels[0], levels[1]
     return (
-        not conv["pointwise"]
+        all(commutes_with_mean(spec, st["index"]) for st in conv["pointwise"])
         and pool["kind"] == "pool"
         and pool["reduce"] == "avg"
         and pool["op"] == "avg_pool"
@@ -326,8 +329,14 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     if spec.rewrites and (plain := forward_equivalent(spec)) is not None:
         # ---- rewrite: a transposed conv of stride 1 is a plain conv (every engine runs it) ---
         return _as_transposed(build_plan(plain, igemm_config, target, tma_config), spec, plain)
-    from specgen import tail, tapsum
+    from specgen import poolfold, tail, tapsum
 
+    if igemm_config is None and tma_config is None and (pf := poolfold.find(spec)) is not None:
+        # ---- rewrite: an avg pool after a strided transposed conv makes a plain conv with it --
+        plan = build_plan(pf.spec, None, target)
+        return {**plan, "spec_hash": spec.shape_hash, "spec_yaml": spec_yaml(spec),
+                "rewrites": [poolfold.note(spec, pf), *plan["rewrites"]],
+                "weight_transforms": [poolfold.transform(spec, pf), *plan.get("weight_transforms", [])]}
     if igemm_config is None and tma_config is None and (fold := tapsum.find(spec)) is not None:
         # ---- rewrite: a mean over whole spatial dims of the conv, taken before it -----------
         return tapsum.plan_fold(spec, fold, None, target)
@@ -405,7 +414,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     rewrites: list[str] = []
     fold = None
     transposed = spec.conv.transposed
-    if spec.rewrites and len(levels) > 1 and not transposed and _can_fold_avg_pool(levels, s3, d3):
+    if spec.rewrites and len(levels) > 1 and not transposed and _can_fold_avg_pool(spec, levels, s3, d3):
         pool = levels.pop(1)
         fold = {"orig_kernel": k3, "window": pool["kernel"], "window_size": pool["window"]}
         new_k = tuple(k + w - 1 for k, w in zip(k3, pool["kernel"]))
@@ -417,7 +426,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         )
         k3, s3, o3 = new_k, pool["stride"], pool["out"]
         levels[0]["out"] = o3
-        levels[0]["pointwise"] = pool["pointwise"]
+        levels[0]["pointwise"] = levels[0]["pointwise"] + pool["pointwise"]  # (the affine stages, now after the pool)
         for k, lvl in enumerate(levels):
             lvl["level"] = k
         taps = k3[0] * k3[1] * k3[2]

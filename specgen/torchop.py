@@ -411,12 +411,31 @@ def tap_fold_weight(weight: torch.Tensor, reduced: list, positions: int, transpo
     return (w / positions).to(weight.dtype).contiguous()
 
 
+def pool_fold_weight(weight: torch.Tensor, groups: int, dims: list) -> torch.Tensor:
+    """The plain conv a strided transposed conv and the avg pool after it make (specgen.poolfold):
+    the weight [C_in, C_out / groups, k...] read as [C_out, C_in / groups, k...] (channel axes
+    swapped per group), then along each dim its plain tap j' = the sum over (count, k) in
+    dims[r]["taps"][j'] of count * w[k], / the window; in double, rounded once."""
+    cin, cout_g, *kernel = weight.shape
+    w = weight.double().reshape(groups, cin // groups, cout_g, *kernel).transpose(1, 2)
+    w = w.reshape(groups * cout_g, cin // groups, *kernel)
+    for r, d in enumerate(dims):
+        a = torch.zeros(d["kernel"], kernel[r], dtype=torch.float64, device=w.device)
+        for j, pairs in enumerate(d["taps"]):
+            for count, k in pairs:
+                a[j, k] += count / d["window"]
+        w = torch.tensordot(w, a, dims=([2 + r], [1])).movedim(-1, 2 + r)
+    return w.to(weight.dtype).contiguous()
+
+
 def transformed_weight(weight: torch.Tensor, transform: dict) -> torch.Tensor:
     """One of a plan's `weight_transforms` applied to the conv weight it receives."""
     if transform["kind"] == "transposed_to_plain":  # a stride-1 transposed conv planned as a plain conv
         return forward_weight(weight, transform["groups"])
     if transform["kind"] == "tap_fold":  # a mean over whole dims taken before the conv
         return tap_fold_weight(weight, transform["reduced"], transform["positions"], transform["transposed"], transform["sets"])
+    if transform["kind"] == "transposed_pool_fold":  # an avg pool after a strided transposed conv
+        return pool_fold_weight(weight, transform["groups"], transform["dims"])
     raise ValueError(f"unknown weight transform {transform['kind']!r}")
 
 

@@ -1,5 +1,6 @@
-"""The tap-sum fold on the GPU against float64 PyTorch (marker `gpu`): the layers of
-test_tapsum.py, wide rows and long sums, random foldable layers, in fp32 and tf32. Outputs are poisoned with NaN, inputs and parameters fresh per check
+"""The tap-sum and transposed pool folds on the GPU against float64 PyTorch (marker `gpu`): the
+layers of test_tapsum.py and test_poolfold.py, wide rows and long sums, random foldable layers, in
+fp32 and tf32. Outputs are poisoned with NaN, inputs and parameters fresh per check
 (gpu_helpers.compare)."""
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ torch = pytest.importorskip("torch")
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from specgen import tapsum  # noqa: E402
+from specgen import poolfold, tapsum  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 from specgen.plan import forward_equivalent  # noqa: E402
 from specgen.spec import SpecError, validate  # noqa: E402
 
 from gpu_helpers import compare  # noqa: E402
+from test_poolfold import CASES as POOL_FOLDS, pooled  # noqa: E402
 from test_tapsum import FOLDS, foldable, layer  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
@@ -73,3 +75,34 @@ def test_the_random_gpu_folds_ran():
         test_random_folds_on_the_gpu()
     assert ran["cases"] >= 30, ran
 
+
+@pytest.mark.parametrize("name", sorted(POOL_FOLDS))
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_pool_folded_layers_match_float64(name, precision, batch):
+    spec = validate({**POOL_FOLDS[name], "precision": precision})
+    assert poolfold.find(spec) is not None
+    layer = FusedLayer(spec).cuda()
+    assert layer.specialize().plan["weight_transforms"][0]["kind"] == "transposed_pool_fold"
+    compare(layer, batch, seed=batch + len(name))
+
+
+pool_ran = {"cases": 0}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(data=pooled(), batch=st.integers(1, 3), precision=st.sampled_from(["fp32", "tf32"]))
+def test_random_pool_folds_on_the_gpu(data, batch, precision):
+    try:
+        spec = validate({**data, "precision": precision})
+    except SpecError:
+        assume(False)
+    assume(poolfold.find(spec) is not None)
+    compare(FusedLayer(spec).cuda(), batch, seed=batch)
+    pool_ran["cases"] += 1
+
+
+def test_the_random_gpu_pool_folds_ran():
+    if pool_ran["cases"] == 0:
+        test_random_pool_folds_on_the_gpu()
+    assert pool_ran["cases"] >= 25, pool_ran
