@@ -42,10 +42,11 @@ namespace tapsum {
 //   out): the tap sums. This kernel reads x [batch, C_IN, D, H, W] once and writes them to
 //   S [batch, C_IN, 3 dims], the TAPS sums of a channel and kept position TAPS_STRIDE apart;
 //   the kernel after it is the conv over S (the taps as the first summed dim), its weights / 196.
-//   W is summed: one block per (input channel, kept position), a thread per W position and
-//   ROWS_PAR rows at a time; each thread sums its rows per tap of the other summed dims in order,
-//   then the block adds the threads up in a fixed order (a butterfly in each warp, then the warps
-//   in order): no atomics, a run repeats bit for bit.
+//   W is summed: a team of whole warps per (input channel, kept position), TEAM_W threads across W
+//   (each W_SLOTS positions TEAM_W apart) times ROWS_PAR rows at a time, ITEMS teams per block;
+//   each thread sums its positions per tap of the other summed dims in order, then the team adds
+//   its threads up in a fixed order (a butterfly in each warp, then the warps in order): no
+//   atomics, a run repeats bit for bit.
 // =====================================================================================================
 
 constexpr int C_IN = 256;  // input channels
@@ -59,7 +60,8 @@ constexpr int TAPS = 9;  // sums per input channel and kept position
 constexpr int KEPT = 1;  // kept positions per input channel
 constexpr int S_CHANNEL = TAPS * KEPT;  // floats of S per input channel
 constexpr int TAPS_STRIDE = 1;  // floats between a kept position's sums in S
-constexpr int THREADS = 224;  // threads per block
+constexpr int THREADS = 256;  // threads per block
+typedef double ACC;  // the sums are taken in double and rounded to float once (the conv after them sees fp32-exact sums)
 
 // The input positions the taps read, per summed dim: the distinct sets (taps that read the same set
 // share its sum; the folded weights add theirs), each an arithmetic progression.
@@ -67,65 +69,87 @@ constexpr int THREADS = 224;  // threads per block
 //   W: set 0 = 0..12; set 1 = 0..13; set 2 = 1..13 (tap -> set: 0, 1, 2; -1: only padding)
 // The sum index t runs over the summed dims' sets in row-major order (H, W).
 
-constexpr int ROWS = 14;  // summed positions of the dims other than W, per block
-constexpr int ROWS_PAR = 14;  // rows a block reads at once (THREADS >= W * ROWS_PAR)
-constexpr int ROW_ITERS = 1;  // rows per thread: ROW_ITERS * ROWS_PAR >= ROWS
+constexpr int ROWS = 14;  // summed positions of the dims other than W, per (channel, kept position)
+constexpr int TEAM_W = 14;  // a team's threads across W
+constexpr int W_SLOTS = 1;  // W positions per thread: w0, w0 + TEAM_W, ...
+constexpr int ROWS_PAR = 1;  // rows a team reads at once
+constexpr int ROW_ITERS = 14;  // rows per thread: ROW_ITERS * ROWS_PAR >= ROWS
+constexpr int TEAM = 32;  // threads per team (whole warps, >= TEAM_W * ROWS_PAR)
+constexpr int TEAM_WARPS = 1;
+constexpr int ITEMS = 8;  // teams per block, one (channel, kept position) each
 constexpr int TAPS_W = 3;  // taps of W
 constexpr int REST_TAPS = 3;  // taps of the other summed dims: t = t_rest * TAPS_W + k_w
-constexpr int WARPS = 7;
-constexpr int TAP_ITERS = 1;  // sums per thread to write: TAP_ITERS * THREADS >= TAPS
+constexpr int TAP_ITERS = 1;  // sums per thread to write: TAP_ITERS * TEAM >= TAPS
 
 extern "C" __global__ void __launch_bounds__(THREADS) specgen_head_3x3_256_512_14_bn_gap_tapsum(
     const float* __restrict__ x,  // [batch, C_IN, D, H, W]
     float* __restrict__ s,  // [batch, PER_SAMPLE_S]
     int batch)
 {
-  __shared__ float red[WARPS][TAPS];  // each warp's sums
+  __shared__ ACC red[ITEMS][TEAM_WARPS][TAPS];  // each warp's sums
   const int n = blockIdx.y;
   if (n >= batch) return;
-  const int ci = blockIdx.x / KEPT;
-  const int kept = blockIdx.x % KEPT;
+  const int team = threadIdx.x / TEAM, lt = threadIdx.x % TEAM;
+  const int item = blockIdx.x * ITEMS + team;  // (input channel, kept position)
+  const int ci = item / KEPT;
+  const int kept = item % KEPT;
   const int d = kept / 1 % D;
-  const int w = threadIdx.x % W;
-  const int row0 = threadIdx.x / W;
-  const bool active = threadIdx.x < W * ROWS_PAR;  // (the last warp's spare lanes add zeros)
-  const float* __restrict__ src = x + (size_t)n * PER_SAMPLE_IN + ci * PLANE + d * 196 + w;
+  const int w0 = lt % TEAM_W;
+  const int row0 = lt / TEAM_W;
+  const bool active = lt < TEAM_W * ROWS_PAR && item < C_IN * KEPT;  // (spare lanes and teams add zeros)
+  const float* __restrict__ src = x + (size_t)n * PER_SAMPLE_IN + (active ? ci * PLANE + d * 196 + w0 : 0);
 
-  float acc[REST_TAPS];  // this thread's sums per tap of the other summed dims
+  ACC acc[W_SLOTS][REST_TAPS];  // this thread's sums per W slot and tap of the other summed dims
 #pragma unroll
-  for (int t = 0; t < REST_TAPS; ++t) acc[t] = 0.0f;
+  for (int j = 0; j < W_SLOTS; ++j)
+#pragma unroll
+    for (int t = 0; t < REST_TAPS; ++t) acc[j][t] = 0;
   if (active) {
 #pragma unroll
     for (int j = 0; j < ROW_ITERS; ++j) {
       const int row = row0 + j * ROWS_PAR;
       const int h = row / 1 % H;
-      const float v = __ldg(src + h * 14);
-      if ((h <= 12)) acc[0] += v;
-      if (true) acc[1] += v;
-      if ((h >= 1)) acc[2] += v;
+#pragma unroll
+      for (int slot = 0; slot < W_SLOTS; ++slot) {
+        const float v = __ldg(src + slot * TEAM_W + h * 14);
+        if ((h <= 12)) acc[slot][0] += v;
+        if (true) acc[slot][1] += v;
+        if ((h >= 1)) acc[slot][2] += v;
+      }
     }
   }
-  // The W taps this thread's position feeds; then every tap's sum over the block.
-  const bool in_w[TAPS_W] = { active && (w <= 12), active, active && (w >= 1) };
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // The W taps each of this thread's positions feeds; then every tap's sum over the team.
+  bool in_w[W_SLOTS][TAPS_W];
+#pragma unroll
+  for (int slot = 0; slot < W_SLOTS; ++slot) {
+    const int w = w0 + slot * TEAM_W;
+    const bool ok = active && w < W;
+    in_w[slot][0] = ok && (w <= 12);
+    in_w[slot][1] = ok && (true);
+    in_w[slot][2] = ok && (w >= 1);
+  }
+  const int lane = threadIdx.x & 31, warp = lt >> 5;
 #pragma unroll
   for (int tr = 0; tr < REST_TAPS; ++tr) {
 #pragma unroll
     for (int kw = 0; kw < TAPS_W; ++kw) {
-      float v = in_w[kw] ? acc[tr] : 0.0f;
+      ACC v = 0;
+#pragma unroll
+      for (int slot = 0; slot < W_SLOTS; ++slot) v += in_w[slot][kw] ? acc[slot][tr] : ACC(0);
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0) red[warp][tr * TAPS_W + kw] = v;
+      if (lane == 0) red[team][warp][tr * TAPS_W + kw] = v;
     }
   }
   __syncthreads();
+  if (item >= C_IN * KEPT) return;
   float* __restrict__ dst = s + (size_t)n * PER_SAMPLE_S + ci * S_CHANNEL + d * 9;
   for (int i = 0; i < TAP_ITERS; ++i) {
-    const int t = threadIdx.x + i * THREADS;
+    const int t = lt + i * TEAM;
     if (t < TAPS) {
-      float sum = 0.0f;
-      for (int k = 0; k < WARPS; ++k) sum += red[k][t];  // the warps in order
-      dst[t * TAPS_STRIDE] = sum;
+      ACC sum = 0;
+      for (int k = 0; k < TEAM_WARPS; ++k) sum += red[team][k][t];  // the team's warps in order
+      dst[t * TAPS_STRIDE] = static_cast<float>(sum);
     }
   }
 }

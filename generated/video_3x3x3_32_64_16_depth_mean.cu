@@ -63,6 +63,7 @@ constexpr int KEPT = 3136;  // kept positions per input channel
 constexpr int S_CHANNEL = TAPS * KEPT;  // floats of S per input channel
 constexpr int TAPS_STRIDE = 3136;  // floats between a kept position's sums in S
 constexpr int THREADS = 256;  // threads per block
+typedef double ACC;  // the sums are taken in double and rounded to float once (the conv after them sees fp32-exact sums)
 
 // The input positions the taps read, per summed dim: the distinct sets (taps that read the same set
 // share its sum; the folded weights add theirs), each an arithmetic progression.
@@ -85,9 +86,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) specgen_video_3x3x3_32_64_
   const int w = kept / 1 % W;
   const float* __restrict__ src = x + (size_t)n * PER_SAMPLE_IN + ci * PLANE + h * 56 + w * 1;
 
-  float acc[TAPS];  // the sums, per tap
+  ACC acc[TAPS];  // the sums, per tap
 #pragma unroll
-  for (int t = 0; t < TAPS; ++t) acc[t] = 0.0f;
+  for (int t = 0; t < TAPS; ++t) acc[t] = 0;
 #pragma unroll
   for (int r = 0; r < SUMMED; ++r) {
     const int d = r / 1 % D;
@@ -98,7 +99,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) specgen_video_3x3x3_32_64_
   }
   float* __restrict__ dst = s + (size_t)n * PER_SAMPLE_S + ci * S_CHANNEL + h * 56 + w * 1;
 #pragma unroll
-  for (int t = 0; t < TAPS; ++t) dst[t * TAPS_STRIDE] = acc[t];
+  for (int t = 0; t < TAPS; ++t) dst[t * TAPS_STRIDE] = static_cast<float>(acc[t]);
 }
 
 }  // namespace tapsum

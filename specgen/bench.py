@@ -211,7 +211,7 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
     floor_ffma_ms = 1e3 * max(flops / ceil["fp32_flops_per_s"], copy_s)
     engine = plan["engine"]
     if engine == "sequence":  # judged by its body's engine (the conv): the tails are memory-bound
-        engine = plan["parts"][0]["plan"]["engine"]
+        engine = next(p for p in plan["parts"] if p["role"] == "body")["plan"]["engine"]
     on_tensor_cores = plan["mma"] is not None or engine in ("igemm", "tma")
     sixteen = engine == "tma" and dtype != torch.float32  # only the TMA engine multiplies in 16 bits
     if not on_tensor_cores:

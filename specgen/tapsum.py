@@ -24,9 +24,9 @@ a constant or a per-channel parameter; an eval-mode batch norm), which commute w
 positions. The conv's multiply-adds shrink by the reduced positions over T (KernelBench 42:
 514^2 / 9); the bytes moved are x once and S.
 
-Exact in real arithmetic. In float32 the sums are taken in another order (each thread sums its
-positions in order, then a fixed tree: no atomics, a run repeats bit for bit) and the weights
-carry one more rounding (times 1 / count). The folded conv runs in fp32 (3xTF32) also for a tf32
+Exact in real arithmetic. The sums are taken in double (up to DOUBLE_TAPS per thread; float
+beyond) and rounded to float once: each thread sums its positions in order, then a fixed tree
+(no atomics, a run repeats bit for bit); the weights carry one more rounding (times 1 / count). The folded conv runs in fp32 (3xTF32) also for a tf32
 layer: its input, the sums, is no longer the data TF32 would round, and the conv is now small.
 """
 
@@ -38,10 +38,13 @@ from dataclasses import dataclass
 from specgen import __version__, ops
 from specgen.spec import LayerSpec
 
-THREADS = 256  # threads per block where a thread sums one (channel, kept position)
-MAX_ROW = 1024  # the widest W a block sums across (one thread per W position)
+THREADS = 256  # threads per block (at most)
+MAX_TEAM_W = 256  # where W is summed: threads across W per (channel, kept position), at most
+ROWS_PER_THREAD = 8  # ... and rows of the other summed dims per thread, at least, where there are that many
+MAX_ROW = 1024  # the widest W a team sums across
 MIN_GAIN = 4  # fold only where the conv's multiply-adds shrink at least this much (positions / T)
-MAX_TAPS = 512  # a thread keeps one sum per tap in registers
+MAX_TAPS = 256  # a thread keeps one sum per tap in registers (and a block one per warp in shared memory)
+DOUBLE_TAPS = 64  # up to this many, in double (the sums of many positions then round once)
 UNROLL_ALL = 64  # loops over at most this many reduced positions unroll fully (membership at compile time)
 AFFINE_OPS = ("add", "sub", "mul", "div")  # by a constant or a per-channel parameter: commute with a mean
 
@@ -162,10 +165,12 @@ def find(spec: LayerSpec) -> Fold | None:
     tap_count = math.prod(t.sets for t in taps)
     if positions < MIN_GAIN * tap_count or tap_count > MAX_TAPS or tap_count == 0:
         return None
+    if nd - 1 in reduced and -(-spec.input.size[-1] // MAX_TEAM_W) * tap_count // taps[-1].sets > MAX_TAPS // 4:
+        return None  # (a thread keeps a sum per W slot and tap of the other dims in registers)
     if nd - 1 in reduced and spec.input.size[-1] > MAX_ROW:
-        return None  # (a block sums a row of W with a thread per position)
+        return None  # (a team holds a row of W in at most MAX_ROW / MAX_TEAM_W positions per thread)
     folded = folded_spec(spec, at, reduced, tap_count, positions)
-    assert folded.shapes()[-1].sizes == spec.shapes()[-1].sizes, (folded.shapes(), spec.shapes())
+    assert math.prod(folded.shapes()[-1].sizes) == math.prod(spec.shapes()[-1].sizes), (folded.shapes(), spec.shapes())
     return Fold(at, reduced, positions, taps, folded)
 
 
@@ -191,7 +196,11 @@ def folded_spec(spec: LayerSpec, at: int, reduced: tuple[int, ...], tap_count: i
     stages = [_stage_data(spec, i) for i in range(len(spec.epilogue))]
     stage = spec.epilogue[at]
     keep = stage.op == "global_avg_pool" or stage.args.keepdim
-    replace = [] if keep else [{"mean": {"dims": [r + 2 for r in reduced], "keepdim": False}}]  # drops the single positions
+    # The folded conv's output keeps the reduced dims as 1s. Where the reduction dropped them and
+    # only pointwise stages follow, that is the same tensor (the output is a view of it); else a
+    # reduction over the single positions drops them (and numbers the later dims as the user's).
+    reshape_only = keep or all(st.kind == "pointwise" for st in spec.epilogue[at + 1:])
+    replace = [] if reshape_only else [{"mean": {"dims": [r + 2 for r in reduced], "keepdim": False}}]
     if stage.op == "sum":
         replace.insert(0, {"mul": {"value": float(positions)}})
     data["epilogue"] = stages[:at] + replace + stages[at + 1:]
@@ -310,16 +319,22 @@ def tapsum_plan(spec: LayerSpec, fold: Fold, kernel_name: str) -> dict:
     rows_mode = dims[2]["reduced"]  # W summed: a block per (channel, kept position), a thread per W position
     reduced_positions = math.prod(d["size"] for d in dims if d["reduced"])
     if rows_mode:
+        # A team of whole warps per (channel, kept position): TEAM_W threads across W (each taking
+        # W_SLOTS positions TEAM_W apart) times ROWS_PAR rows at once; ITEMS teams per block.
         width = dims[2]["size"]
         rows = reduced_positions // width  # the summed (D, H) positions of one item
-        rows_par = max(1, min(rows, THREADS // width))
-        threads = -(-width * rows_par // 32) * 32
-        grid_x = cin * kept_positions
+        team_w = min(width, MAX_TEAM_W)
+        w_slots = -(-width // team_w)
+        rows_par = max(1, min(rows // ROWS_PER_THREAD, THREADS // team_w))
+        team = -(-team_w * rows_par // 32) * 32
+        items = max(1, THREADS // team)
+        threads = items * team
+        grid_x = -(-cin * kept_positions // items)
         row_iters = -(-rows // rows_par)
     else:
         threads = THREADS
         grid_x = -(-cin * kept_positions // threads)
-        width = rows = rows_par = row_iters = 0
+        width = rows = rows_par = row_iters = team_w = w_slots = team = items = 0
     loop = reduced_positions if not rows_mode else row_iters
     taps_w = dims[2]["taps"] if rows_mode else 1
     rest_taps = tap_count // taps_w  # where W is summed: the taps of the other summed dims (t = t_rest * TAPS_W + k_w)
@@ -331,7 +346,7 @@ def tapsum_plan(spec: LayerSpec, fold: Fold, kernel_name: str) -> dict:
 
     tap_conds = [cond(digits, names) for digits in tap_digits]
     rest_conds = [cond(digits[:-1], names[:-1]) for digits in tap_digits[::taps_w]] if rows_mode else tap_conds
-    w_conds = [f"active && ({r})" if r != "true" else "active" for r in dims[2]["reads"]] if rows_mode else []
+    w_conds = dims[2]["reads"] if rows_mode else []
     return {
         "version": __version__, "name": spec.name, "spec_hash": spec.shape_hash, "kernel_name": kernel_name,
         "dims": dims, "cin": cin, "plane": plane, "per_sample_in": cin * plane,
@@ -342,7 +357,9 @@ def tapsum_plan(spec: LayerSpec, fold: Fold, kernel_name: str) -> dict:
         "threads": threads, "grid_x": grid_x, "unroll_all": loop <= UNROLL_ALL,
         "taps_w": taps_w, "rest_taps": rest_taps, "tap_conds": tap_conds, "rest_conds": rest_conds, "w_conds": w_conds,
         "rows_exact": rows_mode and rows % rows_par == 0, "warps": threads // 32,
-        "tap_iters": -(-tap_count // threads),
+        "team_w": team_w, "w_slots": w_slots, "w_exact": rows_mode and width % team_w == 0, "team": team,
+        "team_warps": team // 32, "items": items,
+        "tap_iters": -(-tap_count // (team if rows_mode else threads)), "acc_type": "double" if max(tap_count, w_slots * rest_taps) <= DOUBLE_TAPS else "float",
         "rest_names": [d["name"] for d in dims if d["reduced"] and (d["name"] != "w" or not rows_mode)],
         "positions": fold.positions, "op": spec.epilogue[fold.at].op, "at": fold.at,
         "adds_per_sample": cin * plane * tap_count,
@@ -369,7 +386,8 @@ def reads_expr(var: str, first: int, last: int, step: int, count: int, size: int
 def describe(tp: dict) -> str:
     """One line for `specgen show --plan`: what the tap-sum kernel does."""
     summed = "x".join(d["name"].upper() for d in tp["dims"] if d["reduced"])
-    how = (f"a block per (channel, kept position), a thread per W position ({tp['rows_par']} row(s) at once)"
+    how = (f"a team of {tp['team']} threads per (channel, kept position): {tp['team_w']} across W "
+           f"({tp['w_slots']} position(s) each) x {tp['rows_par']} row(s) at once, {tp['items']} team(s) per block"
            if tp["rows_mode"] else "a thread per (channel, kept position)")
     return (f"tap sums: the input summed over {summed} for each of the {tp['tap_count']} taps' index ranges, "
             f"{how}; {tp['threads']} threads/block, {tp['grid_x']} block(s) per sample")

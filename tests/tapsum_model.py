@@ -42,14 +42,16 @@ def run(tp: dict, x: np.ndarray) -> np.ndarray:
         rest = [_condition(c) for c in tp["rest_conds"]]
         wconds = [_condition(c) for c in tp["w_conds"]]
         rows_red = [d for d in red if d["name"] != "w"]
+        team_w, team, items_total = tp["team_w"], tp["team"], tp["cin"] * kept_total
         for n in range(batch):
             for block in range(tp["grid_x"]):
-                ci, kc = block // kept_total, coords(block % kept_total, "kept_div", kept)
-                total = np.zeros(taps)
+                totals = {}
                 for tx in range(threads):
-                    w, row0 = tx % size["w"], tx // size["w"]
-                    active = tx < size["w"] * tp["rows_par"]
-                    acc = np.zeros(tp["rest_taps"])
+                    item, lt = block * tp["items"] + tx // team, tx % team
+                    w0, row0 = lt % team_w, lt // team_w
+                    active = lt < team_w * tp["rows_par"] and item < items_total
+                    ci, kc = item // kept_total, coords(item % kept_total, "kept_div", kept)
+                    acc = np.zeros((tp["w_slots"], tp["rest_taps"]))
                     if active:
                         for j in range(tp["row_iters"]):
                             row = row0 + j * tp["rows_par"]
@@ -57,19 +59,31 @@ def run(tp: dict, x: np.ndarray) -> np.ndarray:
                                 assert not tp["rows_exact"]
                                 break
                             rc = coords(row, "row_div", rows_red)
-                            i = x_offset(ci, {**kc, **rc, "w": w})
-                            reads[n, i] += 1
-                            for t, cond in enumerate(rest):
-                                if cond(**{**kc, **rc, "w": w}):
-                                    acc[t] += x[n, i]
-                    for tr in range(tp["rest_taps"]):
-                        for kw in range(tp["taps_w"]):
-                            if wconds[kw](w=w, active=active):
-                                total[tr * tp["taps_w"] + kw] += acc[tr]
-                base = s_offset(ci, kc)
-                for t in range(taps):
-                    s[n, base + t * tp["s_tap_stride"]] = total[t]
-                    writes[n, base + t * tp["s_tap_stride"]] += 1
+                            for slot in range(tp["w_slots"]):
+                                w = w0 + slot * team_w
+                                if w >= size["w"]:
+                                    assert not tp["w_exact"]
+                                    break
+                                i = x_offset(ci, {**kc, **rc, "w": w})
+                                reads[n, i] += 1
+                                for t, cond in enumerate(rest):
+                                    if cond(**{**kc, **rc, "w": w}):
+                                        acc[slot, t] += x[n, i]
+                    total = totals.setdefault(item, np.zeros(taps))
+                    for slot in range(tp["w_slots"]):
+                        w = w0 + slot * team_w
+                        for tr in range(tp["rest_taps"]):
+                            for kw in range(tp["taps_w"]):
+                                if active and w < size["w"] and wconds[kw](w=w):
+                                    total[tr * tp["taps_w"] + kw] += acc[slot, tr]
+                for item, total in totals.items():
+                    if item >= items_total:
+                        continue
+                    ci, kc = item // kept_total, coords(item % kept_total, "kept_div", kept)
+                    base = s_offset(ci, kc)
+                    for t in range(taps):
+                        s[n, base + t * tp["s_tap_stride"]] = total[t]
+                        writes[n, base + t * tp["s_tap_stride"]] += 1
     else:
         conds = [_condition(c) for c in tp["tap_conds"]]
         for n in range(batch):

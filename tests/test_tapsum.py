@@ -80,6 +80,8 @@ FOLDS = {
     "grouped_mean": layer(4, [14, 14], 6, [{"mean": {"dims": [2, 3], "keepdim": True}}], groups=2, padding=2),
     "mean_h_keep_w": layer(3, [64, 5], 2, [{"mean": {"dims": [2], "keepdim": True}}, "sigmoid"], kernel=[4, 3], stride=[3, 1]),
     "conv1d_sum": layer(2, [40], 3, [{"sum": {"dims": [2], "keepdim": True}}], kernel=5, padding=2),
+    # a reduction that drops its dim, then a stage that numbers dims: the single positions are reduced away
+    "mean_drop_softmax": layer(3, [30, 9], 4, [{"mean": {"dims": [2]}}, {"softmax": 1}], padding=1),
 }
 
 
@@ -92,6 +94,13 @@ def test_the_folded_layer_is_the_layer(name, batch):
     got = folded_by_model(spec, x, w, b, params)
     assert got.shape == want.shape
     assert ((got - want).norm() / want.norm()).item() < 1e-12
+
+
+def test_a_dropped_dim_is_a_view_unless_a_later_stage_numbers_dims():
+    view = tapsum.find(validate(FOLDS["mean_w_drop"]))
+    assert not any(st.op == "mean" for st in view.spec.epilogue)  # only tanh after: the output is a view
+    kept = tapsum.find(validate(FOLDS["mean_drop_softmax"]))
+    assert [st.op for st in kept.spec.epilogue] == ["mean", "softmax"]  # the mean over the single positions
 
 
 def test_what_does_not_fold():
