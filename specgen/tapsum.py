@@ -180,7 +180,6 @@ def folded_spec(spec: LayerSpec, at: int, reduced: tuple[int, ...], tap_count: i
     reduced dim; the user's epilogue without the reduction."""
     from specgen.tail import _stage_data
 
-    nd = spec.ndim
     geo = spec.conv_geometry()
     r0 = reduced[0]
     size, kernel = list(spec.input.size), list(geo["kernel"])

@@ -13,6 +13,7 @@ from specgen import poolfold, reference
 from specgen.plan import build_plan, describe
 from specgen.spec import SpecError, validate
 from specgen.torchop import transformed_weight
+from test_tapsum import random_tensors
 
 
 def layer(cin, size, cout, epilogue, **conv):
@@ -22,12 +23,7 @@ def layer(cin, size, cout, epilogue, **conv):
 
 
 def tensors(spec, batch=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.rand(batch, spec.input.channels, *spec.input.size, generator=g, dtype=torch.float64)
-    w = torch.randn(spec.weight_shape(), generator=g, dtype=torch.float64)
-    b = torch.randn(spec.conv.out_channels, generator=g, dtype=torch.float64) if spec.conv.bias else None
-    params = {n: torch.rand(s, generator=g, dtype=torch.float64) + 0.5 for n, s in spec.params().items()}
-    return x, w, b, params
+    return random_tensors(spec, batch, seed)
 
 
 def folded(spec, x, w, b, params):

@@ -4,7 +4,6 @@ tap-sum kernel and the reference of the folded conv), rendering and nvcc."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
