@@ -41,7 +41,7 @@ namespace tapsum {
 //   A conv is linear, so that mean needs, per input channel and per tap of the summed dims, only the
 //   sum of the input over the positions that tap reads (every output position's, the padding left
 //   out): the tap sums. This kernel reads x [batch, C_IN, D, H, W] once and writes them to
-//   S [batch, C_IN, 3 dims], the TAPS sums of a channel and kept position TAPS_STRIDE apart;
+//   S [batch, PER_SAMPLE_S], the TAPS sums of a channel and kept position TAPS_STRIDE apart;
 //   the kernel after it is the conv over S (the taps as the first summed dim), its weights / 1024.
 //   W is summed: a team of whole warps per (input channel, kept position), TEAM_W threads across W
 //   (each W_SLOTS positions TEAM_W apart) times ROWS_PAR rows at a time, ITEMS teams per block;

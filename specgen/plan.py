@@ -333,13 +333,10 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
 
     if igemm_config is None and tma_config is None and (pf := poolfold.find(spec)) is not None:
         # ---- rewrite: an avg pool after a strided transposed conv makes a plain conv with it --
-        plan = build_plan(pf.spec, None, target)
-        return {**plan, "spec_hash": spec.shape_hash, "spec_yaml": spec_yaml(spec),
-                "rewrites": [poolfold.note(spec, pf), *plan["rewrites"]],
-                "weight_transforms": [poolfold.transform(spec, pf), *plan.get("weight_transforms", [])]}
+        return _presented_as(build_plan(pf.spec, None, target), spec, poolfold.note(spec, pf), poolfold.transform(spec, pf))
     if igemm_config is None and tma_config is None and (fold := tapsum.find(spec)) is not None:
         # ---- rewrite: a mean over whole spatial dims of the conv, taken before it -----------
-        return tapsum.plan_fold(spec, fold, None, target)
+        return tapsum.plan_fold(spec, fold, target)
     if tail.is_sequence(spec):  # statistic stages: a sequence of kernels, each part planned on its own
         return tail.plan_sequence(spec, igemm_config, target, tma_config)
     if igemm_config is None and tma_config is None and (at := tail.pool_split(spec, target)) is not None:
@@ -854,18 +851,23 @@ def forward_equivalent(spec: LayerSpec) -> LayerSpec | None:
 
 
 def _as_transposed(plan: dict, spec: LayerSpec, plain: LayerSpec) -> dict:
-    """`plain`'s plan, presented as the user's transposed `spec`'s: its banner shows the user's spec
-    and the rewrite, and the launch hands the kernels the plain conv's weights."""
+    """`plain`'s plan, presented as the user's transposed `spec`'s (`_presented_as`)."""
     pad = "x".join(map(str, plain.conv_geometry()["padding"]))
     note = (f"stride-1 transposed conv run as a plain conv (padding {pad}, the weights' channel axes swapped and "
             f"their taps reversed at launch, once per weight version)")
+    return _presented_as(plan, spec, note, {"kind": "transposed_to_plain", "groups": spec.conv.groups})
+
+
+def _presented_as(plan: dict, spec: LayerSpec, note: str, transform: dict) -> dict:
+    """The plan of the layer `spec` was rewritten to, presented as `spec`'s: its banner shows the
+    user's spec and the rewrite (`note`), and the launch hands the kernels the user's weights
+    through `transform` first, then through whatever the rewritten layer's plan does to them."""
     return {
         **plan,
         "spec_hash": spec.shape_hash,
         "spec_yaml": spec_yaml(spec),
         "rewrites": [note, *plan["rewrites"]],
-        # the user's weights first become the plain conv's, then whatever the plain conv's plan does to them
-        "weight_transforms": [{"kind": "transposed_to_plain", "groups": spec.conv.groups}, *plan.get("weight_transforms", [])],
+        "weight_transforms": [transform, *plan.get("weight_transforms", [])],
     }
 
 

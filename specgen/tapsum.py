@@ -4,7 +4,8 @@ output, taken before the conv.
 A convolution is linear, so the mean over a spatial dim r of its output needs no output position
 along r: for each tap k_r it only needs the sum of the input over the positions that tap reads,
 I_r(k_r), an arithmetic progression of input indices (of step `stride` for a plain conv, contiguous
-for a transposed one). With R the reduced dims and T = the product of their kernel extents,
+for a transposed one); taps that read the same positions share one sum. With R the reduced dims
+and T = the product of their distinct index sets,
 
     mean_R(conv(x))[co, kept] = sum over ci, t in T, kept taps of  w'[co, ci, t, kept taps] * S[ci, t, kept],
     S[ci, t, kept] = sum of x[ci] over the product of I_r(t_r), r in R     (the tap sums)
@@ -16,18 +17,20 @@ with w' = w / (the output positions reduced). The layer becomes two kernels:
 * the folded conv, an ordinary layer: the same conv over the kept dims, whose first reduced dim
   now holds the T taps as input and kernel extent (input T, kernel T, no padding: one output) and
   whose other reduced dims are 1. Its epilogue is the user's with the reduction taken out (a sum
-  becomes a multiplication by the positions' count; a reduction that drops its dims keeps a
-  reduction over the now single positions, which only reshapes).
+  becomes a multiplication by the positions' count; where the reduction drops its dims, the
+  output is a view of the folded conv's, or, where a later stage numbers dims, a reduction over
+  the now single positions drops them).
 
 What may stand between the conv and the reduction: per-channel affine stages (add, sub, mul, div by
 a constant or a per-channel parameter; an eval-mode batch norm), which commute with a mean over
 positions. The conv's multiply-adds shrink by the reduced positions over T (KernelBench 42:
-514^2 / 9); the bytes moved are x once and S.
+514^2 / 1, every tap reading the whole input); the bytes moved are x once and S.
 
 Exact in real arithmetic. The sums are taken in double (up to DOUBLE_TAPS per thread; float
 beyond) and rounded to float once: each thread sums its positions in order, then a fixed tree
-(no atomics, a run repeats bit for bit); the weights carry one more rounding (times 1 / count). The folded conv runs in fp32 (3xTF32) also for a tf32
-layer: its input, the sums, is no longer the data TF32 would round, and the conv is now small.
+(no atomics, a run repeats bit for bit); the weights carry one more rounding (times 1 / count).
+The folded conv runs in fp32 (3xTF32) also for a tf32 layer: its input, the sums, is no longer
+the data TF32 would round, and the conv is now small.
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ MIN_GAIN = 4  # fold only where the conv's multiply-adds shrink at least this mu
 MAX_TAPS = 256  # a thread keeps one sum per tap in registers (and a block one per warp in shared memory)
 DOUBLE_TAPS = 64  # up to this many, in double (the sums of many positions then round once)
 UNROLL_ALL = 64  # loops over at most this many reduced positions unroll fully (membership at compile time)
-AFFINE_OPS = ("add", "sub", "mul", "div")  # by a constant or a per-channel parameter: commute with a mean
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ def commutes_with_mean(spec: LayerSpec, i: int) -> bool:
         return False
     if stage.op == "batch_norm":  # eval mode: (x - mean) / sqrt(var + eps) * weight + bias, per channel
         return all(_per_channel(spec, n) for n in ops.POINTWISE["batch_norm"].params(stage.args))
-    if stage.op not in AFFINE_OPS:
+    if ops.POINTWISE[stage.op].affine is None:  # the op table's affine rows (add, sub, mul, div)
         return False
     a = stage.args
     if getattr(a, "input", None) is not None:
@@ -165,10 +167,10 @@ def find(spec: LayerSpec) -> Fold | None:
     tap_count = math.prod(t.sets for t in taps)
     if positions < MIN_GAIN * tap_count or tap_count > MAX_TAPS or tap_count == 0:
         return None
-    if nd - 1 in reduced and -(-spec.input.size[-1] // MAX_TEAM_W) * tap_count // taps[-1].sets > MAX_TAPS // 4:
-        return None  # (a thread keeps a sum per W slot and tap of the other dims in registers)
-    if nd - 1 in reduced and spec.input.size[-1] > MAX_ROW:
-        return None  # (a team holds a row of W in at most MAX_ROW / MAX_TEAM_W positions per thread)
+    if nd - 1 in reduced:  # W summed: a thread holds at most MAX_ROW / MAX_TEAM_W positions of a row,
+        w_slots = -(-spec.input.size[-1] // MAX_TEAM_W)  # and a sum per W slot and tap of the other dims
+        if spec.input.size[-1] > MAX_ROW or w_slots * tap_count // taps[-1].sets > MAX_TAPS // 4:
+            return None
     folded = folded_spec(spec, at, reduced, tap_count, positions)
     assert math.prod(folded.shapes()[-1].sizes) == math.prod(spec.shapes()[-1].sizes), (folded.shapes(), spec.shapes())
     return Fold(at, reduced, positions, taps, folded)
@@ -207,13 +209,13 @@ def folded_spec(spec: LayerSpec, at: int, reduced: tuple[int, ...], tap_count: i
     return LayerSpec.model_validate(data)
 
 
-def plan_fold(spec: LayerSpec, fold: Fold, igemm_config=None, target=None, tma_config=None) -> dict:
+def plan_fold(spec: LayerSpec, fold: Fold, target=None) -> dict:
     """The plan of a folded layer: the tap-sum kernel into S, then the folded conv's plan (itself a
     sequence where its epilogue needs one) reading S. The launch hands the folded conv the folded
     weights (`weight_transforms`, specgen.torchop.tap_fold_weight)."""
     from specgen.plan import build_plan, spec_yaml
 
-    inner = build_plan(fold.spec, igemm_config, target, tma_config)
+    inner = build_plan(fold.spec, None, target)
     prefix = f"specgen_{spec.name}"
     tp = tapsum_plan(spec, fold, f"{prefix}_tapsum")
     tap_part = {"role": "tapsum", "namespace": "tapsum", "plan": tp, "folded_spec": fold.spec}  # (the layer the later parts are of)
@@ -244,7 +246,7 @@ def plan_fold(spec: LayerSpec, fold: Fold, igemm_config=None, target=None, tma_c
     layer_plans = [p["plan"] for p in parts if p["role"] in ("body", "rest")]
     body_plan = next(p["plan"] for p in parts if p["role"] == "body")
     out_shape = list(spec.shapes()[-1].sizes)
-    rewrite = (f"tap-sum fold: epilogue[{fold.at}] {spec.epilogue[fold.at].op} over whole spatial dims, taken before "
+    rewrite = (f"tap-sum fold: epilogue[{fold.at}] {op} over whole spatial dims, taken before "
                f"the conv (the input summed per tap: {fold.tap_count} sums per input channel; the conv over them "
                f"in fp32, its weights / {fold.positions})")
     return {
@@ -337,29 +339,28 @@ def tapsum_plan(spec: LayerSpec, fold: Fold, kernel_name: str) -> dict:
     loop = reduced_positions if not rows_mode else row_iters
     taps_w = dims[2]["taps"] if rows_mode else 1
     rest_taps = tap_count // taps_w  # where W is summed: the taps of the other summed dims (t = t_rest * TAPS_W + k_w)
-    names = [d for d in dims if d["reduced"]]
+    summed = [d for d in dims if d["reduced"]]
 
     def cond(digits, dims_of):  # C: the position is one tap t reads, along each of `dims_of`
         terms = [f"({d['reads'][k]})" for d, k in zip(dims_of, digits) if d["reads"][k] != "true"]
         return " && ".join(terms) or "true"
 
-    tap_conds = [cond(digits, names) for digits in tap_digits]
-    rest_conds = [cond(digits[:-1], names[:-1]) for digits in tap_digits[::taps_w]] if rows_mode else tap_conds
+    tap_conds = [cond(digits, summed) for digits in tap_digits]
+    rest_conds = [cond(digits[:-1], summed[:-1]) for digits in tap_digits[::taps_w]] if rows_mode else tap_conds
     w_conds = dims[2]["reads"] if rows_mode else []
     return {
         "version": __version__, "name": spec.name, "spec_hash": spec.shape_hash, "kernel_name": kernel_name,
         "dims": dims, "cin": cin, "plane": plane, "per_sample_in": cin * plane,
-        "s_per_sample": cin * tap_count * kept_positions, "s_stride3": s_stride3, "s_tap_stride": s_stride3[r0],
+        "s_per_sample": cin * tap_count * kept_positions, "s_tap_stride": s_stride3[r0],
         "tap_count": tap_count, "reduced_names": [d["name"] for d in dims if d["reduced"]],
         "kept_positions": kept_positions, "reduced_positions": reduced_positions,
-        "rows_mode": rows_mode, "width": width, "rows": rows, "rows_par": rows_par, "row_iters": row_iters,
+        "rows_mode": rows_mode, "rows": rows, "rows_par": rows_par, "row_iters": row_iters,
         "threads": threads, "grid_x": grid_x, "unroll_all": loop <= UNROLL_ALL,
         "taps_w": taps_w, "rest_taps": rest_taps, "tap_conds": tap_conds, "rest_conds": rest_conds, "w_conds": w_conds,
-        "rows_exact": rows_mode and rows % rows_par == 0, "warps": threads // 32,
+        "rows_exact": rows_mode and rows % rows_par == 0,
         "team_w": team_w, "w_slots": w_slots, "w_exact": rows_mode and width % team_w == 0, "team": team,
         "team_warps": team // 32, "items": items,
         "tap_iters": -(-tap_count // (team if rows_mode else threads)), "acc_type": "double" if max(tap_count, w_slots * rest_taps) <= DOUBLE_TAPS else "float",
-        "rest_names": [d["name"] for d in dims if d["reduced"] and (d["name"] != "w" or not rows_mode)],
         "positions": fold.positions, "op": spec.epilogue[fold.at].op, "at": fold.at,
         "adds_per_sample": cin * plane * tap_count,
         "bytes_per_sample": 4 * (cin * plane + cin * tap_count * kept_positions),
@@ -391,22 +392,3 @@ def describe(tp: dict) -> str:
     return (f"tap sums: the input summed over {summed} for each of the {tp['tap_count']} taps' index ranges, "
             f"{how}; {tp['threads']} threads/block, {tp['grid_x']} block(s) per sample")
 
-
-def reference_sums(x, spec: LayerSpec, fold: Fold):
-    """S from x ([N, C_in, spatial...], any float dtype) by PyTorch indexing: what the kernel writes."""
-    import itertools
-
-    import torch
-
-    n, cin = x.shape[:2]
-    pieces = []
-    for combo in itertools.product(*[range(len(t.first)) for t in fold.taps]):
-        v = x
-        for r, k, t in zip(fold.reduced, combo, fold.taps):
-            idx = torch.arange(t.first[k], t.first[k] + t.count[k] * t.step, t.step, device=x.device)[: t.count[k]]
-            v = v.index_select(2 + r, idx)
-        pieces.append(v.sum(dim=[2 + r for r in fold.reduced], keepdim=True))
-    s = torch.stack(pieces, dim=2)  # [N, C_in, T, spatial...], the reduced dims 1
-    r0 = fold.reduced[0]
-    s = s.squeeze(3 + r0).movedim(2, 2 + r0)  # t where the first reduced dim was
-    return s.reshape(n, cin, *fold.spec.input.size)

@@ -380,13 +380,26 @@ def gemm_weight(weight: torch.Tensor, layout: tuple) -> torch.Tensor:
     return w
 
 
+def _plain_channel_axes(weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """A transposed conv's weight [C_in, C_out / groups, k...] with its channel axes swapped within
+    each group, as a plain conv holds them: [C_out, C_in / groups, k...]."""
+    cin, cout_g, *kernel = weight.shape
+    w = weight.reshape(groups, cin // groups, cout_g, *kernel).transpose(1, 2)
+    return w.reshape(groups * cout_g, cin // groups, *kernel)
+
+
+def _combined_taps(w: torch.Tensor, r: int, matrix: torch.Tensor) -> torch.Tensor:
+    """`w` [C_out, C_in / groups, k...] with spatial dim r's taps replaced by their combinations:
+    new tap j = sum over k of matrix[j, k] * w[..., k, ...]."""
+    return torch.tensordot(w, matrix.to(w), dims=([2 + r], [1])).movedim(-1, 2 + r)
+
+
 def forward_weight(weight: torch.Tensor, groups: int) -> torch.Tensor:
     """A transposed conv's weight [C_in, C_out / groups, k...] as the plain conv it equals at
     stride 1 reads it: [C_out, C_in / groups, k...], channel axes swapped within each group and
     the taps reversed along every spatial dim."""
-    cin, cout_g, *kernel = weight.shape
-    w = weight.reshape(groups, cin // groups, cout_g, *kernel).transpose(1, 2)
-    return w.reshape(groups * cout_g, cin // groups, *kernel).flip(list(range(2, 2 + len(kernel)))).contiguous()
+    w = _plain_channel_axes(weight, groups)
+    return w.flip(list(range(2, w.dim()))).contiguous()
 
 
 def tap_fold_weight(weight: torch.Tensor, reduced: list, positions: int, transposed: bool, sets: list) -> torch.Tensor:
@@ -395,13 +408,13 @@ def tap_fold_weight(weight: torch.Tensor, reduced: list, positions: int, transpo
     the sets moved to the first reduced dim in row-major order, where the tap sums hold them (the
     other reduced dims 1), and all divided by the positions averaged: in double, rounded once. A
     transposed conv's weight [C_in, C_out, k...] (one group) reads as [C_out, C_in, k...]."""
-    w = (weight.transpose(0, 1) if transposed else weight).double()
+    w = (_plain_channel_axes(weight, 1) if transposed else weight).double()
     for r, of_tap in zip(reduced, sets):
-        taps = [k for k, j in enumerate(of_tap) if j >= 0]
-        index = torch.tensor([of_tap[k] for k in taps], device=w.device)
-        shape = list(w.shape)
-        shape[2 + r] = max(of_tap) + 1
-        w = w.new_zeros(shape).index_add_(2 + r, index, w.index_select(2 + r, torch.tensor(taps, device=w.device)))
+        member = torch.zeros(max(of_tap) + 1, len(of_tap), dtype=torch.float64)
+        for k, j in enumerate(of_tap):
+            if j >= 0:
+                member[j, k] = 1.0
+        w = _combined_taps(w, r, member)
     cout, cin_g, *kernel = w.shape
     r0 = reduced[0]
     order = [*range(r0), *reduced, *[j for j in range(r0 + 1, len(kernel)) if j not in reduced]]
@@ -416,15 +429,13 @@ def pool_fold_weight(weight: torch.Tensor, groups: int, dims: list) -> torch.Ten
     the weight [C_in, C_out / groups, k...] read as [C_out, C_in / groups, k...] (channel axes
     swapped per group), then along each dim its plain tap j' = the sum over (count, k) in
     dims[r]["taps"][j'] of count * w[k], / the window; in double, rounded once."""
-    cin, cout_g, *kernel = weight.shape
-    w = weight.double().reshape(groups, cin // groups, cout_g, *kernel).transpose(1, 2)
-    w = w.reshape(groups * cout_g, cin // groups, *kernel)
+    w = _plain_channel_axes(weight.double(), groups)
     for r, d in enumerate(dims):
-        a = torch.zeros(d["kernel"], kernel[r], dtype=torch.float64, device=w.device)
+        a = torch.zeros(d["kernel"], w.shape[2 + r], dtype=torch.float64)
         for j, pairs in enumerate(d["taps"]):
             for count, k in pairs:
                 a[j, k] += count / d["window"]
-        w = torch.tensordot(w, a, dims=([2 + r], [1])).movedim(-1, 2 + r)
+        w = _combined_taps(w, r, a)
     return w.to(weight.dtype).contiguous()
 
 
@@ -437,6 +448,20 @@ def transformed_weight(weight: torch.Tensor, transform: dict) -> torch.Tensor:
     if transform["kind"] == "transposed_pool_fold":  # an avg pool after a strided transposed conv
         return pool_fold_weight(weight, transform["groups"], transform["dims"])
     raise ValueError(f"unknown weight transform {transform['kind']!r}")
+
+
+_transforms: dict[str, tuple] = {}
+
+
+def _weight_transforms(sp: pipeline.Specialized) -> tuple:
+    """The plan's weight transforms as (cache key, function) pairs, made once per layer: the key is
+    the whole transform (one weight may serve layers of other sizes, folded otherwise)."""
+    steps = _transforms.get(sp.key)
+    if steps is None:
+        steps = _transforms[sp.key] = tuple(
+            (repr(sorted(t.items())), functools.partial(transformed_weight, transform=t))
+            for t in sp.plan.get("weight_transforms", ()))
+    return steps
 
 
 def _permuted_weights(weight: torch.Tensor, layout: tuple) -> torch.Tensor:
@@ -481,9 +506,8 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     # view that is not (a scalar tensor expanded to every channel) is copied here, once, and the
     # copy lives until the kernels are queued.
     params = {name: _aligned(t) for name, t in params.items()}
-    for transform in sp.plan.get("weight_transforms", ()):  # the plan's rewrites of the conv (in order)
-        # (keyed by the whole transform: one weight may serve layers of other sizes, folded otherwise)
-        weight = tmarun.derived(weight, repr(sorted(transform.items())), functools.partial(transformed_weight, transform=transform))
+    for key, make in _weight_transforms(sp):  # the plan's rewrites of the conv, in order (kept per weight version)
+        weight = tmarun.derived(weight, key, make)
     if sp.plan["engine"] == "sequence":
         from specgen import tailrun
 

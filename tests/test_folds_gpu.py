@@ -56,18 +56,24 @@ def test_folded_layers_match_float64(name, precision, batch):
 
 
 ran = {"cases": 0}
+pool_ran = {"cases": 0}
+
+
+def check_random(data, batch, precision, folds, counter):
+    """A random layer that `folds` (its spec -> whether it folds), on the GPU against float64."""
+    try:
+        spec = validate({**data, "precision": precision})
+    except SpecError:
+        assume(False)
+    assume(folds(spec))
+    compare(FusedLayer(spec).cuda(), batch, seed=batch)
+    counter["cases"] += 1
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(data=foldable(), batch=st.integers(1, 3), precision=st.sampled_from(["fp32", "tf32"]))
 def test_random_folds_on_the_gpu(data, batch, precision):
-    try:
-        spec = validate({**data, "precision": precision})
-    except SpecError:
-        assume(False)
-    assume(tapsum.find(forward_equivalent(spec) or spec) is not None)
-    compare(FusedLayer(spec).cuda(), batch, seed=batch)
-    ran["cases"] += 1
+    check_random(data, batch, precision, lambda spec: tapsum.find(forward_equivalent(spec) or spec) is not None, ran)
 
 
 def test_the_random_gpu_folds_ran():
@@ -87,19 +93,10 @@ def test_pool_folded_layers_match_float64(name, precision, batch):
     compare(layer, batch, seed=batch + len(name))
 
 
-pool_ran = {"cases": 0}
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(data=pooled(), batch=st.integers(1, 3), precision=st.sampled_from(["fp32", "tf32"]))
 def test_random_pool_folds_on_the_gpu(data, batch, precision):
-    try:
-        spec = validate({**data, "precision": precision})
-    except SpecError:
-        assume(False)
-    assume(poolfold.find(spec) is not None)
-    compare(FusedLayer(spec).cuda(), batch, seed=batch)
-    pool_ran["cases"] += 1
+    check_random(data, batch, precision, lambda spec: poolfold.find(spec) is not None, pool_ran)
 
 
 def test_the_random_gpu_pool_folds_ran():
