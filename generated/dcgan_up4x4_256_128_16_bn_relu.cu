@@ -244,26 +244,28 @@ __device__ __forceinline__ void compute_chunk(const float* __restrict__ a_s, con
   }
 }
 
-// One GEMM's block (G: the conv, or one stride phase of a transposed conv): M tile blockIdx.x / N_TILES,
-// N tile blockIdx.x % N_TILES.
-template <class G>
-__device__ __forceinline__ void conv_tile(
-    const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
-    const float* __restrict__ wp,      // the weights permuted: [C_OUT][TAPS_PAD][CIP], k = tap * CIP + ci
-    const float* __restrict__ p_bn_running_mean,  // learnable bn_running_mean, 128 values
-    const float* __restrict__ p_bn_running_var,  // learnable bn_running_var, 128 values
-    const float* __restrict__ p_bn_weight,  // learnable bn_weight, 128 values
-    const float* __restrict__ p_bn_bias,  // learnable bn_bias, 128 values
-    float* __restrict__ out,           // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
-    int batch)
-{
-  extern __shared__ float4 smem_f4[];
-  float* const a_all = reinterpret_cast<float*>(smem_f4);  // STAGES x A[BK][LDA]
-  float* const b_all = a_all + STAGES * A_STAGE;  // STAGES x B[BN][LDB]
-  const int m_total = batch * G::positions;
-  const int m0 = blockIdx.x / (N_TILES * PHASES) * BM, n0 = blockIdx.x % N_TILES * BN;
-  if (m0 >= m_total) return;  // the grid covers the largest phase: this one has fewer tiles (the whole block leaves)
+// The shared-memory pipeline buffers (the same for every GEMM of the kernel).
+struct Buffers {
+  float* a;  // STAGES x A[BK][LDA]
+  float* b;  // STAGES x B[BN][LDB]
+};
 
+__device__ __forceinline__ Buffers buffers() {
+  extern __shared__ float4 smem_f4[];
+  Buffers buf;
+  buf.a = reinterpret_cast<float*>(smem_f4);
+  buf.b = buf.a + STAGES * A_STAGE;
+  return buf;
+}
+
+// One GEMM (G: the conv, or one stride phase of a transposed conv) for the block's tile of BM
+// positions from m0 and BN channels from n0: acc = its products. On return no copy is in flight
+// and no tensor-core operation reads the buffers of this thread's warp(group).
+template <class G>
+__device__ __forceinline__ void gemm(const float* __restrict__ x, const float* __restrict__ wp, const Buffers& buf,
+                                     int m_total, int m0, int n0, float (&acc)[WM][WN][4]) {
+  float* const a_all = buf.a;
+  float* const b_all = buf.b;
   // This thread's A position: fixed for the whole K loop.
   ARow row;
   {
@@ -285,7 +287,6 @@ __device__ __forceinline__ void conv_tile(
   }
   const int warp = threadIdx.x / 32;
   const int wm0 = warp % WARPS_M * (16 * WM), wn0 = warp / WARPS_M * (8 * WN);  // this warp's tile in the block's
-  float acc[WM][WN][4];
   #pragma unroll
   for (int i = 0; i < WM; ++i)
     #pragma unroll
@@ -317,9 +318,29 @@ __device__ __forceinline__ void conv_tile(
         #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][j][e] += part[i][j][e];
   }
+}
+
+// One GEMM's block: M tile blockIdx.x / N_TILES / PHASES, N tile blockIdx.x % N_TILES. The epilogue runs on its accumulators.
+template <class G>
+__device__ __forceinline__ void conv_tile(
+    const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
+    const float* __restrict__ wp,      // the weights permuted: [C_OUT][TAPS_PAD][CIP], k = tap * CIP + ci
+    const float* __restrict__ p_bn_running_mean,  // learnable bn_running_mean, 128 values
+    const float* __restrict__ p_bn_running_var,  // learnable bn_running_var, 128 values
+    const float* __restrict__ p_bn_weight,  // learnable bn_weight, 128 values
+    const float* __restrict__ p_bn_bias,  // learnable bn_bias, 128 values
+    float* __restrict__ out,           // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
+    int batch)
+{
+  const int m_total = batch * G::positions;
+  const int m0 = blockIdx.x / (N_TILES * PHASES) * BM, n0 = blockIdx.x % N_TILES * BN;
+  if (m0 >= m_total) return;  // the grid covers the largest phase: this one has fewer tiles (the whole block leaves)
+  float acc[WM][WN][4];
+  gemm<G>(x, wp, buffers(), m_total, m0, n0, acc);
 
   // Epilogue: lane (gq, tq) holds, per m-tile i and n-tile j, rows gq and gq + 8 and columns 2 tq, 2 tq + 1.
-  const int lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+  const int wm0 = warp % WARPS_M * (16 * WM), wn0 = warp / WARPS_M * (8 * WN);
   #pragma unroll
   for (int i = 0; i < WM; ++i) {
     #pragma unroll

@@ -27,7 +27,7 @@
 //   The conv is a GEMM: M = output positions of the whole batch (sample, d, h, w flattened; the
 //   batch is the only run-time value), N = the 64 output channels, K = taps x input channels.
 //   * A block owns a tile of BM = 192 positions x BN = 64 channels of one phase and walks that phase's K in chunks of BK = 32
-//     (8, 4, 4, 2 chunks in the 4 phases).
+//     (4, 8, 2, 4 chunks in the 4 phases).
 //     Each chunk's input A[BK][BM] and weights B[BN][BK] are copied to shared memory with cp.async
 //     (4-byte copies for A, zeros where a tap falls in the padding; 16-byte copies for B)
 //     into one of 3 buffers: the copies of the next 2 chunks are in flight while the
@@ -44,9 +44,10 @@
 //     stride phases: along each dim, phase phi holds the outputs o = phi + S * j, which all meet the
 //     same taps k = FIRST + S * t, reading input i = j + IN_OFF - t. Each phase is a plain GEMM with its
 //     own (fewer) taps: computed once per output, no scatter, no atomics, no multiply by an inserted zero.
-//     Each M tile's phases are neighbours in the grid; the weights are permuted phase by phase (the launch prepares them).
-//   Grid: one block per (M tile, N tile), per phase, N tiles fastest (blocks that read the same input run
-//   together); 384 threads per block; 118784 bytes of dynamic shared memory.
+//     A block runs the two W phases (outputs w = 2j and 2j + 1) of one (d, h) phase, one GEMM after the
+//     other, and stores each of its positions' two outputs side by side. The weights are permuted phase by phase (the launch prepares them).
+//   Grid: one block per (M tile, N tile), per W pair of phases, N tiles fastest (blocks that read the same input run
+//   together); 384 threads per block; 167936 bytes of dynamic shared memory.
 // =====================================================================================================
 
 namespace {
@@ -75,6 +76,7 @@ constexpr int CPT = 2;  // K chunks per tap
 constexpr int K_TILES = 18;  // K chunks: the main loop's trip count
 constexpr int N_TILES = 1;  // blocks along N
 constexpr int PHASES = 4;  // GEMMs: the stride phases of the transposed conv
+constexpr int GEMMS = PHASES / 2;  // blocks per M tile and N tile: the W pairs (a block runs both phases of one)
 constexpr int STAGES = 3;  // shared-memory buffers of the pipeline
 constexpr int AHEAD = STAGES - 1;  // chunks loading while one computes
 constexpr int THREADS = 384;  // threads per block
@@ -93,33 +95,7 @@ constexpr int A_STAGE = BK * LDA, B_STAGE = BN * LDB;  // floats per pipeline bu
 // What differs between the GEMMs a conv runs (one; a transposed conv one per stride phase): along each
 // dim, its taps, the input step per tap, the input of tap 0 at output (phase) position j
 // (j * in_step + in_off), the outputs it covers (o = out_off + out_step * j, j < op), and its K.
-struct Phase0 {  // outputs (d, h, w) = (0, 1, 1) + stride x j; conv taps 0, 2, 6, 8
-  static constexpr int taps_d = 1, taps_h = 2, taps_w = 2;
-  static constexpr int tap_d = -1, tap_h = -1, tap_w = -1;
-  static constexpr int in_step_d = 1, in_step_h = 1, in_step_w = 1;
-  static constexpr int in_off_d = 0, in_off_h = 1, in_off_w = 1;
-  static constexpr int out_off_d = 0, out_off_h = 1, out_off_w = 1;
-  static constexpr int out_step_d = S_D, out_step_h = S_H, out_step_w = S_W;
-  static constexpr int op_d = 1, op_h = 128, op_w = 128;
-  static constexpr int positions = 16384;  // op_d * op_h * op_w: M per sample
-  static constexpr int taps = 4, taps_pad = 4;  // its taps (padded to a multiple of TPC)
-  static constexpr int k_pad = 256, k_tiles = 8;  // K (taps_pad * CIP) and its chunks
-  static constexpr size_t w_offset = 0;  // where its weights start, [C_OUT][taps_pad][CIP]
-};
-struct Phase1 {  // outputs (d, h, w) = (0, 0, 1) + stride x j; conv taps 3, 5
-  static constexpr int taps_d = 1, taps_h = 1, taps_w = 2;
-  static constexpr int tap_d = -1, tap_h = -1, tap_w = -1;
-  static constexpr int in_step_d = 1, in_step_h = 1, in_step_w = 1;
-  static constexpr int in_off_d = 0, in_off_h = 0, in_off_w = 1;
-  static constexpr int out_off_d = 0, out_off_h = 0, out_off_w = 1;
-  static constexpr int out_step_d = S_D, out_step_h = S_H, out_step_w = S_W;
-  static constexpr int op_d = 1, op_h = 128, op_w = 128;
-  static constexpr int positions = 16384;  // op_d * op_h * op_w: M per sample
-  static constexpr int taps = 2, taps_pad = 2;  // its taps (padded to a multiple of TPC)
-  static constexpr int k_pad = 128, k_tiles = 4;  // K (taps_pad * CIP) and its chunks
-  static constexpr size_t w_offset = 16384;  // where its weights start, [C_OUT][taps_pad][CIP]
-};
-struct Phase2 {  // outputs (d, h, w) = (0, 1, 0) + stride x j; conv taps 1, 7
+struct Phase0 {  // outputs (d, h, w) = (0, 1, 0) + stride x j; conv taps 1, 7
   static constexpr int taps_d = 1, taps_h = 2, taps_w = 1;
   static constexpr int tap_d = -1, tap_h = -1, tap_w = -1;
   static constexpr int in_step_d = 1, in_step_h = 1, in_step_w = 1;
@@ -130,9 +106,22 @@ struct Phase2 {  // outputs (d, h, w) = (0, 1, 0) + stride x j; conv taps 1, 7
   static constexpr int positions = 16384;  // op_d * op_h * op_w: M per sample
   static constexpr int taps = 2, taps_pad = 2;  // its taps (padded to a multiple of TPC)
   static constexpr int k_pad = 128, k_tiles = 4;  // K (taps_pad * CIP) and its chunks
-  static constexpr size_t w_offset = 24576;  // where its weights start, [C_OUT][taps_pad][CIP]
+  static constexpr size_t w_offset = 0;  // where its weights start, [C_OUT][taps_pad][CIP]
 };
-struct Phase3 {  // outputs (d, h, w) = (0, 0, 0) + stride x j; conv taps 4
+struct Phase1 {  // outputs (d, h, w) = (0, 1, 1) + stride x j; conv taps 0, 2, 6, 8
+  static constexpr int taps_d = 1, taps_h = 2, taps_w = 2;
+  static constexpr int tap_d = -1, tap_h = -1, tap_w = -1;
+  static constexpr int in_step_d = 1, in_step_h = 1, in_step_w = 1;
+  static constexpr int in_off_d = 0, in_off_h = 1, in_off_w = 1;
+  static constexpr int out_off_d = 0, out_off_h = 1, out_off_w = 1;
+  static constexpr int out_step_d = S_D, out_step_h = S_H, out_step_w = S_W;
+  static constexpr int op_d = 1, op_h = 128, op_w = 128;
+  static constexpr int positions = 16384;  // op_d * op_h * op_w: M per sample
+  static constexpr int taps = 4, taps_pad = 4;  // its taps (padded to a multiple of TPC)
+  static constexpr int k_pad = 256, k_tiles = 8;  // K (taps_pad * CIP) and its chunks
+  static constexpr size_t w_offset = 8192;  // where its weights start, [C_OUT][taps_pad][CIP]
+};
+struct Phase2 {  // outputs (d, h, w) = (0, 0, 0) + stride x j; conv taps 4
   static constexpr int taps_d = 1, taps_h = 1, taps_w = 1;
   static constexpr int tap_d = -1, tap_h = -1, tap_w = -1;
   static constexpr int in_step_d = 1, in_step_h = 1, in_step_w = 1;
@@ -143,7 +132,20 @@ struct Phase3 {  // outputs (d, h, w) = (0, 0, 0) + stride x j; conv taps 4
   static constexpr int positions = 16384;  // op_d * op_h * op_w: M per sample
   static constexpr int taps = 1, taps_pad = 1;  // its taps (padded to a multiple of TPC)
   static constexpr int k_pad = 64, k_tiles = 2;  // K (taps_pad * CIP) and its chunks
-  static constexpr size_t w_offset = 32768;  // where its weights start, [C_OUT][taps_pad][CIP]
+  static constexpr size_t w_offset = 24576;  // where its weights start, [C_OUT][taps_pad][CIP]
+};
+struct Phase3 {  // outputs (d, h, w) = (0, 0, 1) + stride x j; conv taps 3, 5
+  static constexpr int taps_d = 1, taps_h = 1, taps_w = 2;
+  static constexpr int tap_d = -1, tap_h = -1, tap_w = -1;
+  static constexpr int in_step_d = 1, in_step_h = 1, in_step_w = 1;
+  static constexpr int in_off_d = 0, in_off_h = 0, in_off_w = 1;
+  static constexpr int out_off_d = 0, out_off_h = 0, out_off_w = 1;
+  static constexpr int out_step_d = S_D, out_step_h = S_H, out_step_w = S_W;
+  static constexpr int op_d = 1, op_h = 128, op_w = 128;
+  static constexpr int positions = 16384;  // op_d * op_h * op_w: M per sample
+  static constexpr int taps = 2, taps_pad = 2;  // its taps (padded to a multiple of TPC)
+  static constexpr int k_pad = 128, k_tiles = 4;  // K (taps_pad * CIP) and its chunks
+  static constexpr size_t w_offset = 28672;  // where its weights start, [C_OUT][taps_pad][CIP]
 };
 
 // ---- op constants -------------------------------------------------------------------------------------
@@ -314,26 +316,35 @@ __device__ __forceinline__ void compute_chunk_wgmma(const float* __restrict__ a_
   wgmma_wait_all();  // the chunk's sums are read next
 }
 
-// One GEMM's block (G: the conv, or one stride phase of a transposed conv): M tile blockIdx.x / N_TILES,
-// N tile blockIdx.x % N_TILES.
-template <class G>
-__device__ __forceinline__ void conv_tile(
-    const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
-    const float* __restrict__ wp,      // the weights permuted: [C_OUT][TAPS_PAD][CIP], k = tap * CIP + ci
-    const float* __restrict__ bias,    // [C_OUT]
-    float* __restrict__ out,           // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
-    int batch)
-{
+// The shared-memory pipeline buffers (the same for every GEMM of the kernel).
+struct Buffers {
+  float* a;  // STAGES x A[BK][LDA]
+  float* b;  // STAGES x B[BN][BK], rows 128-byte swizzled
+  float* b_lo;  // 2 x the lo parts of a chunk's B (chunks alternate)
+  float* stash;  // [WM * WN * 4][THREADS]: the first GEMM's sums while the second runs
+};
+
+__device__ __forceinline__ Buffers buffers() {
   extern __shared__ float4 smem_f4[];
+  Buffers buf;
   // B first, 1024-byte aligned (the swizzle pattern repeats every 8 rows of 128 bytes).
   unsigned char* const raw = reinterpret_cast<unsigned char*>(smem_f4);
-  float* const b_all = reinterpret_cast<float*>(raw + ((1024 - (__cvta_generic_to_shared(raw) & 1023)) & 1023));  // STAGES x B[BN][BK]
-  float* const b_lo_all = b_all + STAGES * B_STAGE;  // 2 x the lo parts of a chunk's B (chunks alternate)
-  float* const a_all = b_lo_all + 2 * B_STAGE;  // STAGES x A[BK][LDA]
-  const int m_total = batch * G::positions;
-  const int m0 = blockIdx.x / (N_TILES * PHASES) * BM, n0 = blockIdx.x % N_TILES * BN;
-  if (m0 >= m_total) return;  // the grid covers the largest phase: this one has fewer tiles (the whole block leaves)
+  buf.b = reinterpret_cast<float*>(raw + ((1024 - (__cvta_generic_to_shared(raw) & 1023)) & 1023));
+  buf.b_lo = buf.b + STAGES * B_STAGE;
+  buf.a = buf.b_lo + 2 * B_STAGE;
+  buf.stash = buf.a + STAGES * A_STAGE;
+  return buf;
+}
 
+// One GEMM (G: the conv, or one stride phase of a transposed conv) for the block's tile of BM
+// positions from m0 and BN channels from n0: acc = its products. On return no copy is in flight
+// and no tensor-core operation reads the buffers of this thread's warp(group).
+template <class G>
+__device__ __forceinline__ void gemm(const float* __restrict__ x, const float* __restrict__ wp, const Buffers& buf,
+                                     int m_total, int m0, int n0, float (&acc)[WM][WN][4]) {
+  float* const a_all = buf.a;
+  float* const b_all = buf.b;
+  float* const b_lo_all = buf.b_lo;
   // This thread's A position: fixed for the whole K loop.
   ARow row;
   {
@@ -355,7 +366,6 @@ __device__ __forceinline__ void conv_tile(
   }
   const int warp = threadIdx.x / 32;
   const int wm0 = warp % WARPS_M * (16 * WM), wn0 = warp / WARPS_M * (8 * WN);  // this warp's tile in the block's
-  float acc[WM][WN][4];
   #pragma unroll
   for (int i = 0; i < WM; ++i)
     #pragma unroll
@@ -381,28 +391,78 @@ __device__ __forceinline__ void conv_tile(
       #pragma unroll
       for (int e = 0; e < 4; ++e) acc[0][j][e] += part[j][e];
   }
+  cp_async_wait<0>();  // (the groups still open are empty: no copy lands in a buffer the next GEMM fills)
+}
+
+// One block of a W pair: the GEMMs of W phases 0 and 1 (G0, G1: outputs w = 2j and 2j + 1 of the
+// same (d, h) phase) for one M tile of their common grid (j < G0::op_w; G1 may have a column
+// less) and N tile. G0's sums wait in shared memory while G1's run; then each thread stores the two
+// outputs w = 2j, 2j + 1 of its positions and channels side by side, so every 32-byte sector of
+// the output reaches the L2 whole from one block.
+template <class G0, class G1>
+__device__ __forceinline__ void conv_pair(
+    const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
+    const float* __restrict__ wp,      // the weights permuted: [C_OUT][TAPS_PAD][CIP], k = tap * CIP + ci
+    const float* __restrict__ bias,    // [C_OUT]
+    float* __restrict__ out,           // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
+    int batch)
+{
+  static_assert(G0::positions == G1::positions && G0::out_off_w == 0 && G1::out_off_w == 1, "a W pair shares its grid");
+  const int m_total = batch * G0::positions;
+  const int m0 = blockIdx.x / (N_TILES * GEMMS) * BM, n0 = blockIdx.x % N_TILES * BN;
+  if (m0 >= m_total) return;  // the grid covers the largest pair: this one has fewer tiles (the whole block leaves)
+  const Buffers buf = buffers();
+  float acc[WM][WN][4];
+  gemm<G0>(x, wp, buf, m_total, m0, n0, acc);
+  // G0's sums wait in shared memory (each thread its own column: no bank conflicts), so that a
+  // thread needs the registers of one GEMM only.
+  #pragma unroll
+  for (int i = 0; i < WM; ++i)
+    #pragma unroll
+    for (int j = 0; j < WN; ++j)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) buf.stash[((i * WN + j) * 4 + e) * THREADS + threadIdx.x] = acc[i][j][e];
+  __syncthreads();  // every warp is done with the buffers G1's first chunks land in
+  gemm<G1>(x, wp, buf, m_total, m0, n0, acc);
 
   // Epilogue: lane (gq, tq) holds, per m-tile i and n-tile j, rows gq and gq + 8 and columns 2 tq, 2 tq + 1.
-  const int lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+  const int wm0 = warp % WARPS_M * (16 * WM), wn0 = warp / WARPS_M * (8 * WN);
   #pragma unroll
   for (int i = 0; i < WM; ++i) {
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int m = m0 + wm0 + i * 16 + gq + 8 * h;
       if (m >= m_total) continue;
-      const int sample = m / G::positions, q = m % G::positions;  // q: the position in the phase's grid
-      const int p = ((q / (G::op_h * G::op_w) * G::out_step_d + G::out_off_d) * OUT_H + q / G::op_w % G::op_h * G::out_step_h + G::out_off_h) * OUT_W +
-                    q % G::op_w * G::out_step_w + G::out_off_w;  // ... and in the output
-      float* __restrict__ out_m = out + static_cast<size_t>(sample) * (C_OUT * POSITIONS) + p;
+      const int sample = m / G0::positions, q = m % G0::positions;  // q: the position in the pair's grid
+      const int jw = q % G0::op_w;
+      const int p = ((q / (G0::op_h * G0::op_w) * G0::out_step_d + G0::out_off_d) * OUT_H + q / G0::op_w % G0::op_h * G0::out_step_h + G0::out_off_h) * OUT_W +
+                    2 * jw;  // G0's output; G1's is the next one
+      const bool second = 2 * jw + 1 < OUT_W;  // (G1's grid has a column past its last output where OUT_W is odd)
       #pragma unroll
       for (int j = 0; j < WN; ++j) {
         #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int cj = n0 + wn0 + j * 8 + 2 * tq + e;  // the output channel
           if (cj < C_OUT) {
-            float v = acc[i][j][2 * h + e] + __ldg(bias + cj);  // the conv and its bias
-            v = fmaxf(v, 0.0f);  // epilogue[0] relu
-            out_m[static_cast<size_t>(cj) * POSITIONS] = v;
+            const size_t e0 = static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p;  // in the output
+            float v0, v1;
+            {
+              float v = buf.stash[((i * WN + j) * 4 + 2 * h + e) * THREADS + threadIdx.x] + __ldg(bias + cj);  // the conv and its bias
+              v = fmaxf(v, 0.0f);  // epilogue[0] relu
+              v0 = v;
+            }
+            {
+              float v = acc[i][j][2 * h + e] + __ldg(bias + cj);  // the conv and its bias
+              v = fmaxf(v, 0.0f);  // epilogue[0] relu
+              v1 = v;
+            }
+            if (second && (reinterpret_cast<size_t>(out + e0) & 7) == 0) {
+              *reinterpret_cast<float2*>(out + e0) = make_float2(v0, v1);
+            } else {
+              out[e0] = v0;
+              if (second) out[e0 + 1] = v1;
+            }
           }
         }
       }
@@ -412,10 +472,8 @@ __device__ __forceinline__ void conv_tile(
 
 }  // namespace
 
-// One block of one GEMM: blockIdx.x = (M tile x PHASES + phase) x N_TILES + N tile. The phases of
-// one M tile run side by side, so the L2 merges their interleaved (strided) stores into whole
-// lines before writing them back; one phase after another, each line would be written back half
-// full and read again for the next phase's half.
+// One block of one W pair: blockIdx.x = (M tile x GEMMS + pair) x N_TILES + N tile. The pairs of
+// one M tile run side by side (blocks that read the same input run together).
 extern "C" __global__ void __launch_bounds__(THREADS) specgen_decoder_up3x3_64_64_128(
     const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
     const float* __restrict__ wp,      // the weights permuted: [C_OUT][TAPS_PAD][CIP], k = tap * CIP + ci
@@ -423,10 +481,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) specgen_decoder_up3x3_64_6
     float* __restrict__ out,           // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
     int batch)
 {
-  switch (blockIdx.x / N_TILES % PHASES) {
-    case 0: conv_tile<Phase0>(x, wp, bias, out, batch); break;
-    case 1: conv_tile<Phase1>(x, wp, bias, out, batch); break;
-    case 2: conv_tile<Phase2>(x, wp, bias, out, batch); break;
-    case 3: conv_tile<Phase3>(x, wp, bias, out, batch); break;
+  switch (blockIdx.x / N_TILES % GEMMS) {
+    case 0: conv_pair<Phase0, Phase1>(x, wp, bias, out, batch); break;
+    case 1: conv_pair<Phase2, Phase3>(x, wp, bias, out, batch); break;
   }
 }

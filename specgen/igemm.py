@@ -57,6 +57,9 @@ class IgemmConfig:
     # channels per instruction, B read straight from (swizzled) shared memory; warps_m = 4 x the
     # warpgroups, wm = 1, warps_n = 1, wn = BN / 8, bk = 32.
     wgmma: bool = False
+    # A transposed conv with stride 2 along W: 0 lets the planner decide (`pairs_w`: pairs where
+    # shared memory holds their stash), 1 runs one stride phase per block, 2 a W pair per block.
+    phases_per_block: int = 0
 
     @property
     def bm(self) -> int:
@@ -88,13 +91,24 @@ class Phase:
     k_tiles: int  # K chunks (0: a phase no tap reaches: bias and epilogue only)
     w_offset: int  # where its weights start in the permuted copy (floats)
     tap_index: tuple[int, ...]  # the conv's flat tap (kd * K_H * K_W + kh * K_W + kw) of each of its taps
+    # The width of its M grid: op[2], or in a W pair (`IgemmPlan.w_pairs`) the pair's wider phase's
+    # (the narrower one computes a column past its last output and does not store it).
+    grid_w: int = 0
+
+    @property
+    def grid_positions(self) -> int:
+        """M per sample: the positions of its grid."""
+        return self.op[0] * self.op[1] * (self.grid_w or self.op[2])
 
 
-def stride_phases(kernel3, stride3, padding3, out3, cip: int, tpc: int, bk: int, cout: int) -> tuple[Phase, ...]:
+def stride_phases(kernel3, stride3, padding3, out3, cip: int, tpc: int, bk: int, cout: int,
+                  w_pairs: bool = False) -> tuple[Phase, ...]:
     """The phases of a transposed conv (dilation 1) with 3-dim geometry, the most taps first, empty
     ones (a dim with fewer outputs than its stride) left out. Output o = phi + S * j meets tap k
     when (o + P - k) is a multiple of S, i.e. k = (phi + P) mod S + S * t, reading input
-    (o + P - k) / S = j + (phi + P - FIRST) / S - t."""
+    (o + P - k) / S = j + (phi + P - FIRST) / S - t. With `w_pairs` (stride 2 along W, see
+    `pairs_w`) the two W phases of each (d, h) phase are neighbours, W phase 0 first, on one M grid
+    (the wider one's), the pairs with the most taps first."""
     per_dim = []
     for k, s, p, out in zip(kernel3, stride3, padding3, out3):
         dim = []
@@ -107,8 +121,15 @@ def stride_phases(kernel3, stride3, padding3, out3, cip: int, tpc: int, bk: int,
             dim.append((phi, op, first, kp, (phi + p - first) // s))
         per_dim.append(dim)
     # The phases with the most taps first (each M tile's phases are neighbours in the grid).
-    combos = sorted(((d, h, w) for d in per_dim[0] for h in per_dim[1] for w in per_dim[2]),
-                    key=lambda c: -(c[0][3] * c[1][3] * c[2][3]))
+    if w_pairs:
+        groups = sorted(([(d, h, w) for w in per_dim[2]] for d in per_dim[0] for h in per_dim[1]),
+                        key=lambda g: -sum(c[0][3] * c[1][3] * c[2][3] for c in g))
+        combos = [c for g in groups for c in g]
+        grid_w = max(w[1] for w in per_dim[2])
+    else:
+        combos = sorted(((d, h, w) for d in per_dim[0] for h in per_dim[1] for w in per_dim[2]),
+                        key=lambda c: -(c[0][3] * c[1][3] * c[2][3]))
+        grid_w = 0
     phases, offset = [], 0
     for d, h, w in combos:
         kp = (d[3], h[3], w[3])
@@ -121,10 +142,38 @@ def stride_phases(kernel3, stride3, padding3, out3, cip: int, tpc: int, bk: int,
         phases.append(Phase(
             index=len(phases), out_off=(d[0], h[0], w[0]), op=(d[1], h[1], w[1]), kp=kp,
             in_off=(d[4], h[4], w[4]), positions=d[1] * h[1] * w[1], taps=taps, taps_pad=taps_pad,
-            k_tiles=taps_pad * cip // bk, w_offset=offset, tap_index=index,
+            k_tiles=taps_pad * cip // bk, w_offset=offset, tap_index=index, grid_w=grid_w,
         ))
         offset += cout * taps_pad * cip
     return tuple(phases)
+
+
+def _lds(cfg: "IgemmConfig") -> tuple[int, int]:
+    """Row strides of A and B in shared memory: BM + 8 and BK + 4 (a fragment's lanes hit 32
+    banks); wgmma's B rows are 128 bytes, swizzled, unpadded."""
+    return cfg.bm + 8, (cfg.bk if cfg.wgmma else cfg.bk + 4)
+
+
+def _smem_bytes(cfg: "IgemmConfig", split: bool, w_pairs: bool) -> int:
+    """The pipeline's buffers; wgmma's B stages (and 3xTF32's lo parts) 1024-byte aligned (one
+    more KB to align the base); a W pair's stash of the first GEMM's BM x BN sums."""
+    lda, ldb = _lds(cfg)
+    smem = 4 * cfg.stages * (cfg.bk * lda + cfg.bn * ldb)
+    if cfg.wgmma:
+        smem += 1024 + (2 * 4 * cfg.bn * ldb if split else 0)
+    return smem + (4 * cfg.bm * cfg.bn if w_pairs else 0)
+
+
+def pairs_w(stride3, out3, cfg: "IgemmConfig") -> bool:
+    """Whether a transposed conv's two W phases run in one block: stride 2 along W and at least 2
+    outputs there, and the config asks for pairs or leaves it to the planner (which also wants
+    their stash to fit: the first GEMM's BM x BN sums wait in shared memory while the second runs).
+    Each thread then stores its positions' outputs 2j and 2j + 1 side by side (8 bytes). A phase
+    alone writes every other float of a line: its 32-byte sectors reach the L2 half written and
+    lean on the other phase's half arriving before the line leaves (where the phases' grids differ
+    by a column, as with an odd output width, they never meet and each sector costs a read of DRAM
+    as well). Measured on KernelBench's stride-2 layers: 1.1-1.7x in TF32, up to 1.1x in 3xTF32."""
+    return cfg.phases_per_block != 1 and stride3[2] == 2 and out3[2] >= 2
 
 
 @dataclass(frozen=True)
@@ -158,6 +207,12 @@ class IgemmPlan:
     # A transposed conv: one GEMM per stride phase, weights permuted phase by phase; `positions` is
     # then the largest phase's (the grid covers it).
     phases: tuple[Phase, ...] = ()
+    w_pairs: bool = False  # each block runs the two W phases of a (d, h) phase (`pairs_w`)
+
+    @property
+    def grid_gemms(self) -> int:
+        """What multiplies a M tile's blocks along N in the grid: the phases, or their W pairs."""
+        return max(1, len(self.phases) // (2 if self.w_pairs else 1))
 
 
 def why_not(spec: LayerSpec, levels: list, reductions: list) -> list[str]:
@@ -229,6 +284,10 @@ def plan_igemm(
     bound the tile and the blocks per SM; Hopper targets (sm_90, built as sm_90a) get wgmma."""
     cin, cout = spec.input.channels, spec.conv.out_channels
     cfg = config or default_config(cout, cin, taps, spec.precision == "fp32", has_wgmma(target))
+    if config is None and spec.conv.transposed and spec.conv_geometry()["stride"][-1] == 2 and spec.precision != "fp32":
+        # W pairs of stride phases (`pairs_w`): 128 positions x up to 64 channels, 8 warps (the
+        # fastest tile on KernelBench's stride-2 layers, v21)
+        cfg = wgmma_config(cout, 2, 3, 64) if has_wgmma(target) and wgmma_fits(cin) else IgemmConfig(4, 2, 2, 4, _cip_and_bk(cin)[1], 3)
     if cfg.wgmma and not has_wgmma(target):
         raise ValueError(f"wgmma needs an sm_90 target, not {target.arch}")
     cip, _ = _cip_and_bk(cin)
@@ -254,12 +313,18 @@ def plan_igemm(
     # (a 1-wide kernel, stride 1, no padding along W), rows and samples aligned to 4.
     transposed = spec.conv.transposed
     phases: tuple[Phase, ...] = ()
+    w_pairs = False
     if transposed:
         from specgen.plan import _spatial3  # (plan imports this module)
 
-        phases = stride_phases(_spatial3(geo["kernel"], 1), _spatial3(geo["stride"], 1), _spatial3(geo["padding"], 0),
-                               conv_out, cip, tpc, bk, cout)
-        positions = max(ph.positions for ph in phases)
+        stride3 = _spatial3(geo["stride"], 1)
+        # Left to the planner, pairs also need their stash to fit and 160 registers a thread (a 16-warp
+        # tile's 128 spilled in 3xTF32: the pair's code holds two GEMMs and the stash's moves).
+        w_pairs = pairs_w(stride3, conv_out, cfg) and (cfg.phases_per_block == 2 or (
+            _smem_bytes(cfg, spec.precision == "fp32", True) <= target.smem_per_block and target.regs_per_sm // threads >= 160))
+        phases = stride_phases(_spatial3(geo["kernel"], 1), stride3, _spatial3(geo["padding"], 0),
+                               conv_out, cip, tpc, bk, cout, w_pairs)
+        positions = max(ph.grid_positions for ph in phases)
     a_vec = 4 if (not transposed and kw == 1 and sw == 1 and pw == 0 and in_w % 4 == 0 and ow == in_w and positions % 4 == 0
                   and (bm // 4) <= threads and threads % (bm // 4) == 0 and bk % (threads // (bm // 4)) == 0) else 1
     if a_vec == 1 and threads % bm:
@@ -271,16 +336,13 @@ def plan_igemm(
     a_iters = bk // a_row_step
     b_chunks = bn * bk // 4
     b_iters = -(-b_chunks // threads)
-    lda, ldb = bm + 8, bk + 4
+    lda, ldb = _lds(cfg)
     if cfg.wgmma:
         if bk != 32 or cfg.wm != 1 or cfg.warps_n != 1 or cfg.warps_m % 4 or bn > 256 or bn % 8:
             raise ValueError("a wgmma tile needs K chunks of 32, one m16 row per warp, whole warpgroups and <= 256 channels")
         if spec.precision != "fp32" and cfg.stages < 3:
             raise ValueError("a TF32 wgmma pipeline needs 3 stages or more (one buffer stays with the tensor cores)")
-        ldb = bk  # rows of 128 bytes, swizzled: no padding
-    smem_bytes = 4 * cfg.stages * (bk * lda + bn * ldb)
-    if cfg.wgmma:  # B stages (and 3xTF32's lo parts) 1024-byte aligned: one more KB to align the base
-        smem_bytes += 1024 + (2 * 4 * bn * ldb if spec.precision == "fp32" else 0)
+    smem_bytes = _smem_bytes(cfg, spec.precision == "fp32", w_pairs)
     if smem_bytes > target.smem_per_block:
         raise ValueError(f"{smem_bytes} bytes of shared memory exceed the {target.smem_per_block} of a block on {target.arch}")
     regs = 4 * cfg.wm * cfg.wn + (2 if spec.precision == "fp32" else 1) * (4 * cfg.wm + 2 * cfg.wn) + 48
@@ -291,7 +353,7 @@ def plan_igemm(
         config=cfg, bm=bm, bn=bn, bk=bk, stages=cfg.stages, threads=threads, cip=cip, taps_pad=taps_pad, tpc=tpc,
         cpt=cpt, k_pad=k_pad, k_tiles=k_pad // bk, n_tiles=-(-cout // bn), positions=positions, lda=lda, ldb=ldb,
         a_vec=a_vec, a_iters=a_iters, a_row_step=a_row_step, b_iters=b_iters, smem_bytes=smem_bytes,
-        min_blocks=min_blocks, split=spec.precision == "fp32", wgmma=cfg.wgmma, phases=phases,
+        min_blocks=min_blocks, split=spec.precision == "fp32", wgmma=cfg.wgmma, phases=phases, w_pairs=w_pairs,
     )
 
 
@@ -300,9 +362,10 @@ def describe(ig: IgemmPlan) -> str:
     instr = f"wgmma m64n{ig.bn}k8, {ig.threads // 128} warpgroups" if ig.wgmma else "mma.sync m16n8k8"
     if ig.phases:
         chunks = "/".join(str(ph.k_tiles) for ph in ig.phases)
+        pairs = "; a block runs both W phases and stores their outputs side by side" if ig.w_pairs else ""
         return (
             f"implicit GEMM on tensor cores ({mode} {instr}), one GEMM per stride phase of the transposed conv "
-            f"({len(ig.phases)} phases, side by side in the grid): block tile {ig.bm} positions x {ig.bn} channels, K chunks of {ig.bk} "
+            f"({len(ig.phases)} phases, side by side in the grid{pairs}): block tile {ig.bm} positions x {ig.bn} channels, K chunks of {ig.bk} "
             f"({chunks} chunks per phase, {ig.stages}-stage cp.async pipeline), {ig.threads} threads"
         )
     return (

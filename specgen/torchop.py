@@ -341,7 +341,7 @@ def _launch_plan(sp: pipeline.Specialized) -> _LaunchPlan:
         strides = (4 * plan["in_per_sample"],) + (0,) * (n_inputs - 1) + (out_stride,) * len(input_names) + (out_stride,)
         blocks = plan["f_tiles"] if plan["cluster_at_launch"] else plan["blocks_per_sample"]  # see runtime.launch
         ig = plan.get("igemm")
-        flat = None if ig is None else (ig.positions, ig.bm, ig.n_tiles, gemm_layout(plan), max(1, len(ig.phases)))
+        flat = None if ig is None else (ig.positions, ig.bm, ig.n_tiles, gemm_layout(plan), ig.grid_gemms)
         lp = _launch_plans[sp.key] = _LaunchPlan(tuple(plan["out_shape"]), blocks, strides, names, has_bias, igemm=flat,
                                                  tma=plan["engine"] == "tma", input_names=input_names)
     return lp

@@ -42,7 +42,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 from specgen import cache, igemm, measured, pipeline, target as targets, tma
 from specgen.compile import CompileError
@@ -95,7 +95,8 @@ def label(cfg) -> str:
     if isinstance(cfg, TmaConfig):
         return f"tma {cfg.bm}x{cfg.bn} s{cfg.stages} kb{cfg.kb_per_stage}"
     mb = f" {cfg.min_blocks} blocks/SM" if cfg.min_blocks else ""
-    return f"{cfg.bm}x{cfg.bn} w{16 * cfg.wm}x{8 * cfg.wn} {cfg.threads // 32} warps k{cfg.bk} s{cfg.stages}{mb}"
+    single = {0: "", 1: " one phase per block", 2: " W pairs"}[cfg.phases_per_block]
+    return f"{cfg.bm}x{cfg.bn} w{16 * cfg.wm}x{8 * cfg.wn} {cfg.threads // 32} warps k{cfg.bk} s{cfg.stages}{mb}{single}"
 
 
 def config_record(cfg) -> dict | None:
@@ -108,7 +109,8 @@ def config_record(cfg) -> dict | None:
 def config_from(data: dict):
     """The config a `config_record` describes; raises KeyError/TypeError/ValueError on a bad one."""
     cls = TmaConfig if data.get("engine") == "tma" else IgemmConfig
-    return cls(**{f.name: int(data[f.name]) for f in fields(cls)})
+    # (a field added since the record was written takes its default)
+    return cls(**{f.name: int(data[f.name] if f.name in data or f.default is MISSING else f.default) for f in fields(cls)})
 
 
 def plan_with(spec: LayerSpec, cfg, target=None) -> dict:
@@ -143,6 +145,8 @@ def candidates(spec: LayerSpec) -> list:
         return []
     own = plan[engine].config
     out = [own]
+    if engine == "igemm" and plan["igemm"].w_pairs:  # a strided transposed conv: also one phase per block
+        out.append(replace(own, phases_per_block=1))
     target = _tuning_target()
     if tma.has_tma_engine(target):
         for cfg in tma.configs(spec, target):

@@ -529,9 +529,11 @@ def test_transposed_convs_of_enough_channels_take_the_implicit_gemm():
             "conv": {"out_channels": 64, "kernel": 3, "stride": 2, "padding": 1, "output_padding": 1, "transposed": True},
             "epilogue": ["relu"], "precision": "tf32"}
     plan = build_plan(validate(data))
-    assert plan["engine"] == "igemm" and len(plan["igemm"].phases) == 4
+    assert plan["engine"] == "igemm" and len(plan["igemm"].phases) == 4 and plan["igemm"].w_pairs
+    assert plan["igemm"].grid_gemms == 2
     text = render(validate(data))
-    assert "case 3: conv_tile<Phase3>" in text and "stride phases" in text and "atomicAdd" not in text and "atom." not in text
+    assert "case 1: conv_pair<Phase2, Phase3>" in text and "stride phases" in text and "atomicAdd" not in text and "atom." not in text
+    assert "make_float2(v0, v1)" in text
     # few input channels (KernelBench's 3-channel upsamplers), a dilation, groups: the FFMA gather
     for other in ({"input": {"channels": 3, "size": [32, 32]}}, {"conv": {**data["conv"], "dilation": 2}},
                   {"conv": {**data["conv"], "groups": 2}}):
@@ -575,3 +577,56 @@ def test_a_strided_transposed_conv_splits_before_a_pool_or_reduction(epilogue, w
     assert plan["out_shape"] == list(validate(data).shapes()[-1].sizes)
     # 3 input channels (KernelBench's small upsamplers, fused well on FFMA): whole
     assert build_plan(validate({**data, "input": {"channels": 3, "size": [12, 12]}}))["engine"] == "ffma"
+
+
+@pytest.mark.parametrize("stride, size, pairs", [
+    (2, [5, 7], True),  # W outputs 14 and 13 (odd): phase 1's grid column past its last output is computed, not stored
+    ([2, 3], [5, 7], False),  # stride 3 along W: one phase per block
+    ([1, 2], [4, 2], True),  # 3 outputs along W (2 and 1 per phase)
+])
+def test_w_pairs_share_one_grid_and_keep_every_phase_s_taps(stride, size, pairs):
+    from specgen.igemm import IgemmConfig
+
+    spec = validate({"name": "wp", "input": {"channels": 32, "size": size},
+                     "conv": {"out_channels": 64, "kernel": 3, "stride": stride, "padding": 1, "transposed": True},
+                     "precision": "tf32", "tile": {"engine": "igemm"}})
+    ig = build_plan(spec)["igemm"]
+    assert ig.w_pairs == pairs
+    out_w = spec.shapes()[0].sizes[-1]
+    if pairs:
+        for a, b in zip(ig.phases[0::2], ig.phases[1::2]):
+            assert (a.out_off[2], b.out_off[2]) == (0, 1) and a.out_off[:2] == b.out_off[:2]
+            assert a.grid_positions == b.grid_positions and a.grid_w == b.grid_w == -(-out_w // 2)
+            assert (a.op[2], b.op[2]) == (-(-out_w // 2), out_w // 2)  # the true extents (what each phase stores)
+        assert ig.grid_gemms == len(ig.phases) // 2
+        assert ig.positions == max(ph.grid_positions for ph in ig.phases)
+    else:
+        assert ig.grid_gemms == len(ig.phases)
+    # the layer's weights, phase after phase in the plan's order, are every tap once
+    assert sorted(t for ph in ig.phases for t in ph.tap_index) == list(range(9))
+    offsets = [ph.w_offset for ph in ig.phases]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    # asking for one phase per block turns the pairs off
+    single = build_plan(spec, IgemmConfig(4, 2, 2, 4, 32, 3, phases_per_block=1))["igemm"]
+    assert not single.w_pairs and single.grid_gemms == len(single.phases)
+
+
+def test_w_pairs_stash_the_first_gemm_s_sums_where_shared_memory_allows():
+    from specgen import target as targets
+    from specgen.igemm import IgemmConfig
+
+    spec = validate({"name": "wp", "input": {"channels": 64, "size": [8, 8]},
+                     "conv": {"out_channels": 64, "kernel": 4, "stride": 2, "padding": 1, "transposed": True},
+                     "precision": "tf32"})
+    cfg = IgemmConfig(4, 2, 2, 4, 32, 3)  # 128 x 64: 78 KB of pipeline, 32 KB of stash
+    paired = build_plan(spec, cfg)["igemm"]
+    single = build_plan(spec, IgemmConfig(4, 2, 2, 4, 32, 3, phases_per_block=1))["igemm"]
+    assert paired.w_pairs and not single.w_pairs and paired.smem_bytes == single.smem_bytes + 4 * 128 * 64
+    # sm_86 has 99 KB per block: the planner's pairs give way to one phase per block
+    assert not build_plan(spec, cfg, targets.get("sm_86"))["igemm"].w_pairs
+    # nor do 16 warps (128 registers a thread)
+    assert not build_plan(spec, IgemmConfig(4, 4, 2, 4, 32, 3))["igemm"].w_pairs
+    assert build_plan(spec, IgemmConfig(4, 4, 2, 4, 32, 3, phases_per_block=2))["igemm"].w_pairs
+    # asked for, pairs are kept even where they do not fit (the plan then refuses the tile)
+    with pytest.raises(ValueError, match="shared memory"):
+        build_plan(spec, IgemmConfig(4, 2, 2, 4, 32, 3, phases_per_block=2), targets.get("sm_86"))

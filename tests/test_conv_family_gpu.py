@@ -170,6 +170,9 @@ PHASES = {
                          [{"clamp": {"min": -0.5, "max": 0.5}}]),
     "nobias_residual": ({"channels": 32, "size": [7, 7]}, {"out_channels": 32, "kernel": 3, "stride": 2, "padding": 1, "bias": False},
                         [{"add": {"input": "skip"}}, "relu"]),
+    # odd output extents (7, 9, 11): W phase 1 has a column less than its pair's grid
+    "odd_3d_residual": ({"channels": 32, "size": [3, 4, 5]}, {"out_channels": 40, "kernel": 3, "stride": 2},
+                        [{"add": {"input": "skip"}}, "gelu"]),
 }
 
 
@@ -184,6 +187,27 @@ def test_strided_transposed_convs_on_the_implicit_gemm(name, precision):
     assert plan["engine"] == "igemm" and plan["igemm"].phases
     for batch, seed in ((1, 1), (5, 2)):
         compare_to_reference(layer, batch, seed=seed)
+
+
+@pytest.mark.parametrize("single", [False, True])
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("name", ["k3s2_op1_2d", "k4s2_2d", "odd_3d_residual", "nobias_residual"])
+def test_w_pairs_and_single_phases_compute_the_same_layer(name, precision, single):
+    """Each tile config both ways: a block per W pair of phases (stored side by side) and a block per phase."""
+    from specgen import pipeline
+    from specgen.igemm import IgemmConfig, pairs_w
+
+    inp, conv, epilogue = PHASES[name]
+    data = {"name": f"pair_{name}_{precision}", "input": inp, "conv": {**conv, "transposed": True}, "epilogue": epilogue,
+            "precision": precision}
+    spec = validate(data)
+    for cfg in (IgemmConfig(8, 1, 1, 8, 32, 3, 1, True), IgemmConfig(4, 2, 2, 4, 32, 3)):
+        cfg = IgemmConfig(**{**cfg.__dict__, "phases_per_block": 1 if single else 2})
+        layer = FusedLayer(spec).cuda()
+        layer._specialized = pipeline.specialize(spec, igemm_config=cfg)
+        layer._bind_op()
+        assert layer._specialized.plan["igemm"].w_pairs == (not single)
+        compare_to_reference(layer, 3, seed=5)
 
 
 def test_strided_transposed_conv_then_group_norm_runs_its_body_on_the_implicit_gemm():

@@ -79,6 +79,19 @@ def test_few_channels_get_the_narrow_tile_and_a_fitting_k_chunk():
     assert all(c.bk <= 16 for c in cands if isinstance(c, IgemmConfig) and not c.wgmma)  # mma.sync K chunks of at most 16
 
 
+def test_a_strided_transposed_conv_s_candidates_include_one_phase_per_block():
+    spec = validate({**layer(precision="tf32"), "conv": {"out_channels": 64, "kernel": 3, "stride": 2, "padding": 1,
+                                                          "transposed": True}})
+    cands = tune.candidates(spec)
+    own = cands[0]
+    assert tune.heuristic(spec)["igemm"].w_pairs and own.phases_per_block == 0
+    single = [c for c in cands if isinstance(c, IgemmConfig) and c.phases_per_block == 1]
+    assert single and not tune.plan_with(spec, single[0])["igemm"].w_pairs
+    # a stored choice written before the field existed reads back with its default
+    record = {k: v for k, v in tune.config_record(own).items() if k != "phases_per_block"}
+    assert tune.config_from(record) == own
+
+
 def test_layers_off_the_implicit_gemm_engine_have_no_candidates():
     spec = validate({**layer(), "conv": {"out_channels": 64, "kernel": 3, "padding": 1, "groups": 64}})
     assert tune.heuristic(spec)["engine"] not in ("igemm", "tma")
