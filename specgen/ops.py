@@ -85,6 +85,13 @@ class Input:
 
 
 @dataclass(frozen=True)
+class Saved:
+    """The layer's value where a `save` stage named it: an operand as `Args.from_operands` sees it."""
+
+    name: str
+
+
+@dataclass(frozen=True)
 class Spelling:
     """One way PyTorch code writes an op, for the model importer (specgen.importer).
 
@@ -228,6 +235,8 @@ class OperandArgs(Args):
     value: Optional[float] = None
     param: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
     input: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
+    # the layer's own value where a `save` stage named it (see SaveArgs)
+    saved: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
 
     @model_validator(mode="before")
     @classmethod
@@ -242,9 +251,9 @@ class OperandArgs(Args):
 
     @model_validator(mode="after")
     def _exactly_one(self):
-        if sum(v is not None for v in (self.value, self.param, self.input)) != 1:
-            raise ValueError("give exactly one of value (a number), param (a per-channel parameter name) or "
-                             "input (the name of an extra tensor passed at run time)")
+        if sum(v is not None for v in (self.value, self.param, self.input, self.saved)) != 1:
+            raise ValueError("give exactly one of value (a number), param (a per-channel parameter name), "
+                             "input (the name of an extra tensor passed at run time) or saved (the name of a save stage)")
         return self
 
     @classmethod
@@ -256,7 +265,24 @@ class OperandArgs(Args):
             return {"param": other.name}
         if isinstance(other, Input):
             return {"input": other.name}
+        if isinstance(other, Saved):
+            return {"saved": other.name}
         return None
+
+
+class SaveArgs(Args):
+    """`save: conv_out` names the value at this point of the epilogue (the stage itself passes it
+    on unchanged), for a later add/sub/mul/div to read as `{saved: conv_out}`: a residual such as
+    `x + f(group_norm(x))`. A saved value is the input of the statistic stage right after the save
+    and is read by the pointwise stages right after that statistic stage (the tail kernel reads it
+    back from the body's output, which it is)."""
+
+    name: str = Field(pattern=IDENTIFIER_PATTERN)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data):
+        return {"name": data} if isinstance(data, str) else data
 
 
 class ExprArgs(Args):
@@ -456,14 +482,16 @@ class ParamInit:
 
 
 def _operand(args: OperandArgs, names: dict[str, str]) -> str:
-    if args.input is not None:
-        return names[args.input]
+    for name in (args.input, args.saved):
+        if name is not None:
+            return names[name]
     return names["value"] if args.param is None else names[args.param]
 
 
 def _operand_ref(args: OperandArgs, x, params: dict):
-    if args.input is not None:
-        return params[args.input]
+    for name in (args.input, args.saved):
+        if name is not None:
+            return params[name]
     return args.value if args.param is None else params[args.param]
 
 
@@ -473,6 +501,10 @@ def _operand_params(a: OperandArgs) -> tuple[str, ...]:
 
 def _operand_inputs(a: OperandArgs) -> tuple[str, ...]:
     return () if a.input is None else (a.input,)
+
+
+def _operand_saved(a: OperandArgs) -> tuple[str, ...]:
+    return () if a.saved is None else (a.saved,)
 
 
 @dataclass(frozen=True)
@@ -486,6 +518,8 @@ class Pointwise:
     params: Callable[[Any], tuple[str, ...]] = field(default=lambda a: ())
     # Names of the extra tensors an instance reads, which the caller passes at run time.
     inputs: Callable[[Any], tuple[str, ...]] = field(default=lambda a: ())
+    # Names of the saved values (`save` stages) an instance reads.
+    saved: Callable[[Any], tuple[str, ...]] = field(default=lambda a: ())
     # How a layer creates them, by name (left out: a parameter drawn from a standard normal).
     param_init: Callable[[Any], dict] = field(default=lambda a: {})
     # For the affine fold: `affine(args, scale, shift)` composes this op, as v -> a * v + b, onto
@@ -574,6 +608,13 @@ _BINARY = ("input", "other")
 
 
 _POINTWISE_ROWS = [
+    Pointwise(
+        "save",
+        SaveArgs,
+        lambda a, x, k: x,
+        lambda x, a, p: x,
+        "x (and names it, for a later {saved: name} operand)",
+    ),
     Pointwise(
         "relu",
         NoArgs,
@@ -700,6 +741,7 @@ _POINTWISE_ROWS = [
         lambda x, a, p: x + _operand_ref(a, x, p),
         params=_operand_params,
         inputs=_operand_inputs,
+        saved=_operand_saved,
         affine=_affine(lambda s, t, v: (s, t + v)),
         spellings=(
             Spelling(
@@ -717,6 +759,7 @@ _POINTWISE_ROWS = [
         lambda x, a, p: x - _operand_ref(a, x, p),
         params=_operand_params,
         inputs=_operand_inputs,
+        saved=_operand_saved,
         affine=_affine(lambda s, t, v: (s, t - v)),
         spellings=(
             Spelling(
@@ -736,6 +779,7 @@ _POINTWISE_ROWS = [
         lambda x, a, p: x * _operand_ref(a, x, p),
         params=_operand_params,
         inputs=_operand_inputs,
+        saved=_operand_saved,
         affine=_affine(lambda s, t, v: (s * v, t * v)),
         spellings=(
             Spelling(
@@ -755,6 +799,7 @@ _POINTWISE_ROWS = [
         lambda x, a, p: x / _operand_ref(a, x, p),
         params=_operand_params,
         inputs=_operand_inputs,
+        saved=_operand_saved,
         affine=_affine(lambda s, t, v: None if v == 0.0 else (s / v, t / v)),
         spellings=(
             Spelling(

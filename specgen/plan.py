@@ -90,8 +90,10 @@ def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], chan
         constants.append(Constant(cname, c_float(value), f"epilogue[{index}] {stage.op} {field} = {value!r}", "float"))
     for param in row.params(stage.args):
         names[param] = f"__ldg(p_{param} + {channel})"
-    inputs = list(row.inputs(stage.args))
-    for name in inputs:  # an extra input, read at the element's offset in the output (the engine's e_out)
+    # An extra input, read at the element's offset in the output (the engine's e_out); a saved
+    # value likewise, from the tensor that holds it (the sequence binds i_<name> to it).
+    inputs = list(row.inputs(stage.args)) + list(row.saved(stage.args))
+    for name in inputs:
         names[name] = f"input_value(i_{name}, e_out)"
     detail = ", ".join(f"{k}={v!r}" for k, v in stage.args.model_dump().items() if v is not None)
     return {

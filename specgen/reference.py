@@ -137,10 +137,13 @@ def _stages(spec: LayerSpec):
     steps = []
     param_shapes = spec.params()
     for i, stage in enumerate(spec.epilogue):
-        if stage.kind == "pointwise":
+        if stage.op == "save":  # the value here, by name, for a later {saved: name} operand
+            steps.append(functools.partial(_save, stage.args.name))
+        elif stage.kind == "pointwise":
             row, args = ops.POINTWISE[stage.op], stage.args
             names = tuple(row.params(args))
-            inputs = tuple(row.inputs(args))  # extra inputs: of the value's own shape, used as they come
+            # extra inputs and saved values: of the value's own shape, used as they come
+            inputs = tuple(row.inputs(args)) + tuple(row.saved(args))
             # one call on a dummy tensor warms whatever the op caches (e.g. a parsed expression),
             # so no parsing happens inside a traced forward
             channels = {n: s[0] for n, s in param_shapes.items() if n in names}
@@ -162,6 +165,7 @@ def _stages(spec: LayerSpec):
 
     def run(x, weight, bias, params, stats=None):
         y = conv(x, weight, bias, stride, padding, dilation, groups)
+        params = dict(params)  # (a save stage adds its value)
         for step in steps:
             y = step(y, params, stats)
         return y
@@ -185,6 +189,11 @@ def _pointwise(torch_ref, args, names, inputs, y, params, stats=None):
     for name in inputs:
         views[name] = params[name]
     return torch_ref(y, args, views)
+
+
+def _save(name, y, params, stats=None):
+    params[name] = y
+    return y
 
 
 def _pool(torch_ref, args, ndim, y, params, stats=None):

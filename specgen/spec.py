@@ -542,6 +542,36 @@ class LayerSpec(Model):
                     f"so only pointwise stages may follow it; epilogue[{i}] is {stage.op} ({stage.kind})"
                 )
 
+    def _check_saved(self) -> list[str]:
+        """The saved values' names. Where a `save` stage's value may be read: by the pointwise stages
+        right after the statistic stage that comes right after the save (the statistic stage's input
+        is what its kernels read back: `x + f(group_norm(x))`)."""
+        saves: dict[str, int] = {}
+        for i, stage in enumerate(self.epilogue):
+            if stage.op == "save":
+                name = stage.args.name
+                if name in saves:
+                    raise SpecShapeError(f"epilogue[{i}].save: {name!r} is saved twice (epilogue[{saves[name]}] and here); "
+                                         f"give each saved value its own name")
+                saves[name] = i
+                continue
+            if stage.kind != "pointwise":
+                continue
+            for name in ops.POINTWISE[stage.op].saved(stage.args):
+                where = f"epilogue[{i}].{stage.op}.saved"
+                if name not in saves:
+                    raise SpecShapeError(f"{where}: no earlier `save: {name}` stage")
+                k = saves[name]
+                nxt = self.epilogue[k + 1]
+                between = [j for j in range(k + 2, i) if self.epilogue[j].kind != "pointwise"]
+                if nxt.kind != "norm" or between:
+                    raise SpecShapeError(
+                        f"{where}: a saved value is read by the pointwise stages right after the statistic stage "
+                        f"that follows its save (the statistic stage's input); epilogue[{k + 1}] is {nxt.op} ({nxt.kind})"
+                        + (f" and epilogue[{between[0]}] ({self.epilogue[between[0]].op}) comes between" if nxt.kind == "norm" else "")
+                    )
+        return list(saves)
+
     def running_stat_stages(self) -> list[int]:
         """The training-mode batch norms that update running statistics (indices into the epilogue)."""
         return [i for i, s in enumerate(self.epilogue) if s.op == "batch_norm" and s.args.buffer_names()]
@@ -611,6 +641,10 @@ class LayerSpec(Model):
         for name in inputs:
             if name in names or name in buffers:
                 raise SpecShapeError(f"{name!r} names an extra input and a tensor of the layer; give them different names")
+        for name in self._check_saved():
+            if name in names or name in buffers or name in inputs or name in EXPR_RESERVED or name in RESERVED_PARAM_NAMES:
+                raise SpecShapeError(f"{name!r} names a saved value and a tensor of the layer (or a reserved name); "
+                                     f"give them different names")
         for name in buffers:
             if name in names:
                 raise SpecShapeError(

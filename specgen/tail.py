@@ -400,6 +400,9 @@ def plan_sequence(spec: LayerSpec, igemm_config=None, target=None, tma_config=No
         if u != "out":
             buffers[u] = tp["per_sample"]
         names = {"in": current, "out": u}
+        # a saved value is this statistic stage's input (LayerSpec._check_saved): read back from it
+        saved = list(dict.fromkeys(n for j in seg.apply for n in ops.POINTWISE[spec.epilogue[j].op].saved(spec.epilogue[j].args)))
+        names.update({f"i_{n}": current for n in saved})
         if tp["mode"] == "split":
             names["partials"] = f"partials{seg.index}"
             buffers[names["partials"]] = tp["partials"]
@@ -418,6 +421,9 @@ def plan_sequence(spec: LayerSpec, igemm_config=None, target=None, tma_config=No
         why.append(f"epilogue[{seg.index}] {tp['op']} normalizes each value with a statistic of its group "
                    f"({_group_text(spec, seg.index)}), which no block of the kernel before it computes whole: "
                    f"the layer is split there")
+        if saved:
+            why.append(f"the saved value{'s' if len(saved) > 1 else ''} {', '.join(saved)} (epilogue[{seg.index}]'s input) "
+                       f"{'are' if len(saved) > 1 else 'is'} read back from {current} by its tail kernel")
         current = u
         if seg.rest:
             rest, rest_out = rest_spec(spec, seg)

@@ -53,6 +53,7 @@ FUSED = {
     "89_ConvTranspose3d_MaxPool_Softmax_Subtract_Swish_Max",
     "90_Conv3d_LeakyReLU_Sum_Clamp_GELU",
     "91_ConvTranspose2d_Softmax_BiasAdd_Scaling_Sigmoid",
+    "92_Conv2d_GroupNorm_Tanh_HardSwish_ResidualAdd_LogSumExp",
     "93_ConvTranspose2d_Add_Min_GELU_Multiply",
     "96_ConvTranspose3d_Multiply_Max_GlobalAvgPool_Clamp",
     "100_ConvTranspose3d_Clamp_Min_Divide",

@@ -149,14 +149,20 @@ def norm_specs(draw, max_size=10):
         assume(False)
     stages = list(data["epilogue"])
     reduced = any(spec.epilogue[i].kind == "reduce" for i in range(len(stages)))
-    for _ in range(draw(st.integers(1, 2))):
+    for k in range(draw(st.integers(1, 2))):
         shape = spec.shapes()[-1]
         if not shape.axes:  # one value per sample: nothing to normalize over
             break
+        saved = draw(st.booleans())  # the norm's input saved and read again after it (x + f(norm(x)))
+        if saved:
+            stages.append({"save": f"saved{k}"})
         stages.append(draw(norm_stage(shape, 1 + len(shape.axes))))
         channels = shape.axes[0].extent if shape.axes and shape.axes[0].role == "c" else None
         allow = channels == spec.conv.out_channels
-        stages += [draw(pointwise_stage(allow_params=allow)) for _ in range(draw(st.integers(0, 2)))]
+        after_norm = [draw(pointwise_stage(allow_params=allow)) for _ in range(draw(st.integers(0, 2)))]
+        if saved:
+            after_norm.insert(draw(st.integers(0, len(after_norm))), {draw(st.sampled_from(["add", "sub", "mul"])): {"saved": f"saved{k}"}})
+        stages += after_norm
         after = draw(st.sampled_from([None, None, "pool", "reduce"]))
         if after == "pool" and not reduced and len(shape.axes) == 1 + spec.ndim:
             k = draw(st.integers(1, max(1, min(2, *shape.sizes[1:]))))

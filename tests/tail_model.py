@@ -195,7 +195,8 @@ def run_tail(tp: dict, x: np.ndarray, params: dict, coverage: Coverage | None = 
 
 
 def _apply_steps(spec, tp: dict, y: np.ndarray, params: dict, batch: int) -> np.ndarray:
-    """The norm's weight and bias and the pointwise stages after it, with the PyTorch reference."""
+    """The norm's weight and bias and the pointwise stages after it, with the PyTorch reference
+    (`params` holds the saved values too, as the step's buffers bound to them)."""
     i = tp["index"]
     stage = spec.epilogue[i]
     t = torch.from_numpy(y).reshape(batch, *tp["in_shape"])
@@ -210,7 +211,7 @@ def _apply_steps(spec, tp: dict, y: np.ndarray, params: dict, batch: int) -> np.
     for j in _segment(spec, i).apply:
         st = spec.epilogue[j]
         row_j = ops.POINTWISE[st.op]
-        t = reference._pointwise(row_j.torch_ref, st.args, row_j.params(st.args), row_j.inputs(st.args),
+        t = reference._pointwise(row_j.torch_ref, st.args, row_j.params(st.args), row_j.inputs(st.args) + row_j.saved(st.args),
                                  t, {k: v.double() for k, v in params.items()})
     return t.reshape(batch, -1).numpy()
 
@@ -255,6 +256,10 @@ def run_sequence(spec, plan: dict, x: torch.Tensor, weight, bias, params: dict) 
             tp = part["plan"]
             src = buffers[step["args"][0]].reshape(batch, -1).numpy()
             y = run_tail(tp, src, {})
-            buffers[step["args"][-1]] = torch.from_numpy(_apply_steps(spec, tp, y, params, batch))
+            # an extra input the plan binds to one of its buffers (a saved value) reads that buffer
+            kernel = next(k for k in tp["kernels"] if k["name"] == step["name"])
+            bound = {a[2:]: buffers[b].reshape(batch, *tp["in_shape"]) for a, b in zip(kernel["args"], step["args"])
+                     if a.startswith("i_") and b in buffers}
+            buffers[step["args"][-1]] = torch.from_numpy(_apply_steps(spec, tp, y, {**params, **bound}, batch))
     return buffers["out"].reshape(batch, *plan["out_shape"])
 

@@ -106,8 +106,10 @@ GRAD_SPECS = [
         "input": {"channels": 2, "size": [4, 5]},
         "conv": {"out_channels": 4, "kernel": 2},
         "epilogue": [
+            {"save": "pre"},  # read again after the norm: gradients flow through both uses
             {"group_norm": 2},
             "tanh",
+            {"add": {"saved": "pre"}},
             {"instance_norm": {"affine": True}},
             {"layer_norm": 4},
             {"softmax": 1},

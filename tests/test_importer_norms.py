@@ -431,3 +431,47 @@ def test_the_readme_names_the_norm_spellings():
     for name in ("nn.GroupNorm", "F.group_norm", "nn.InstanceNormNd", "nn.LayerNorm", "nn.Softmax2d", "F.log_softmax"):
         assert name in text, name
     assert re.search(r"training mode", text)
+
+
+class NormResidual(nn.Module):
+    """x + f(group_norm(x)) (KernelBench 92's pattern): the conv's value is read again after the norm."""
+
+    def __init__(self, other_use: bool = False):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.gn = nn.GroupNorm(4, 8)
+        self.other_use = other_use
+
+    def forward(self, a, b=None):
+        x = self.conv(a)
+        y = F.hardswish(torch.tanh(self.gn(x)))
+        if self.other_use:  # x also meets another input of the model: a use no chain can take
+            return y + x * b
+        return torch.logsumexp(x + y, dim=1, keepdim=True)
+
+
+def test_a_value_read_again_after_its_norm_is_saved_and_fused():
+    torch.manual_seed(0)
+    model = NormResidual().eval()
+    a = torch.randn(2, 3, 10, 10)
+    report = explain(model, a)
+    assert len(report.specs) == 1 and not report.fallbacks, str(report)
+    (spec,) = report.specs
+    ops_ = [st.op for st in spec.epilogue]
+    assert ops_ == ["save", "group_norm", "tanh", "hardswish", "add", "logsumexp"]
+    assert spec.epilogue[4].args.saved == spec.epilogue[0].args.name and not spec.inputs()
+    fused = from_module(copy.deepcopy(model), a)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(a), model(a))
+
+
+def test_a_saved_value_with_a_use_outside_the_chain_ends_the_chain_there():
+    torch.manual_seed(0)
+    model = NormResidual(other_use=True).eval()
+    a, b = torch.randn(2, 3, 10, 10), torch.randn(2, 8, 8, 8)
+    report = explain(model, a, b)
+    assert not any(st.op == "save" for spec in report.specs for st in spec.epilogue)
+    assert any("used again after a statistic stage" in f.reason or "used by 2 nodes" in f.reason for f in report.fallbacks), str(report)
+    fused = from_module(copy.deepcopy(model), a, b)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(a, b), model(a, b))

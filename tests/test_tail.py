@@ -67,6 +67,13 @@ VARIANTS = [
                                          {"log_softmax": [2, 3]}]),
     spec_of("center_spatial", 3, [6, 9, 9], 8, [{"batch_norm": {"training": True}}, {"center": [2, 3, 4]}, "tanh"]),
     spec_of("center_split", 2, [140, 140], 3, [{"center": [1, 2, 3]}]),
+    # saved values: a statistic stage's input read again after it (one pass, split, strided, a second norm)
+    spec_of("gn_saved", 4, [12, 12], 16, [{"save": "xc"}, {"group_norm": 4}, "tanh", "hardswish", {"add": {"saved": "xc"}},
+                                         {"logsumexp": {"dims": [1], "keepdim": True}}]),
+    spec_of("split_saved", 4, [70, 70], 16, ["relu", {"save": "r"}, {"group_norm": 2}, {"mul": {"saved": "r"}}, "tanh"]),
+    spec_of("sm_saved", 3, [8, 10, 10], 16, [{"save": "s"}, {"softmax": 1}, {"sub": {"saved": "s"}}]),
+    spec_of("second_norm_saved", 2, [12, 12], 8, [{"group_norm": 4}, {"amax": {"dims": [1], "keepdim": True}}, {"save": "m"},
+                                                 {"log_softmax": [2, 3]}, {"add": {"saved": "m"}}, {"div": {"saved": "m"}}]),
 ]
 IDS = [d["name"] for d in VARIANTS]
 
@@ -117,6 +124,13 @@ BASE = spec_of("t", 4, [8, 8], 8, [])
         ([{"batch_norm": {"training": True}}, {"batch_norm": {"training": True}}], "updated by an earlier training-mode batch norm"),
         ([{"batch_norm": {"training": True}}, {"add": {"param": "bn_running_mean"}}], "a tensor another stage reads"),
         ([{"group_norm": 2}, {"layer_norm": {"normalized_shape": 6, "name": "gn"}}], "parameter 'gn_weight' is used with shape [6]"),
+        ([{"save": "a"}, "relu", {"add": {"saved": "a"}}],
+         "epilogue[2].add.saved: a saved value is read by the pointwise stages right after the statistic stage"),
+        ([{"add": {"saved": "zz"}}], "epilogue[0].add.saved: no earlier `save: zz` stage"),
+        ([{"save": "a"}, {"save": "a"}], "epilogue[1].save: 'a' is saved twice"),
+        ([{"save": "a"}, {"group_norm": 2}, {"max_pool": 2}, {"add": {"saved": "a"}}], "epilogue[2] (max_pool) comes between"),
+        ([{"save": "scale"}, {"group_norm": 2}, {"mul": {"param": "scale"}}], "'scale' names a saved value and a tensor"),
+        ([{"save": "a"}, {"group_norm": 2}, {"add": {"saved": "a", "value": 1.0}}], "give exactly one of value"),
     ],
 )
 def test_bad_statistic_stages_name_the_field(epilogue, expected):

@@ -74,6 +74,10 @@ class _Chain:
     # "module" (the layer's mode: after .eval() the running statistics) or "call" (F.batch_norm's
     # training=True: the batch's statistics in either mode)
     mode: Optional[str] = None
+    # the chain's own values that a save stage names (node -> name), each with the chain's state
+    # before it (to go back to where a use of the value does not join the chain after all)
+    saves: dict = field(default_factory=dict)
+    before_save: dict = field(default_factory=dict)
 
     @property
     def stages(self) -> list:
@@ -134,6 +138,7 @@ class Analysis(Capture):
             return
         while self._extend(chain):
             pass
+        self._settle_saves(chain)
         if not chain.stages:
             why = chain.stop or "its output is not followed by a fusable op"
             self.reasons[conv] = f"{self.describe(conv)}: nothing to fuse after this convolution: {why}"
@@ -183,6 +188,8 @@ class Analysis(Capture):
                 chain.stop = rej.reason
                 self._record(list(centered[:2]), rej.reason)
                 return False
+            return True
+        if len(users) > 1 and self._save_for_norm(chain, cur, users):
             return True
         if len(users) > 1:
             names = ", ".join(u.name for u in users)
@@ -298,6 +305,55 @@ class Analysis(Capture):
                 f"inserted or merged (and the batch must stay dim 0)"
             )
         self._commit(chain, [], [node], node)
+
+    # -- a value used again after a statistic stage: x + f(norm(x)) ---------------------------
+
+    def _save_for_norm(self, chain: _Chain, cur: Node, users: list) -> bool:
+        """Where `cur` feeds one statistic stage and pointwise ops after it (a residual around a
+        norm, as in `x = conv(x); y = f(group_norm(x)); x + y`), a save stage names it and the
+        chain goes on through the norm; the pointwise ops read it as `{saved: name}`. False (and
+        nothing changed) where the pattern does not hold."""
+        descs = {u: self.classify(u) for u in users}
+        norms = [u for u in users if isinstance(descs[u], NormOp) and descs[u].input is cur]
+        if len(norms) != 1 or cur in chain.saves:
+            return False
+        norm = norms[0]
+        if not all(isinstance(descs[u], PW) and self.order[u] > self.order[norm] for u in users if u is not norm):
+            return False
+        name = unique(sanitize(f"{cur.name}_saved", "saved"), set(chain.tensors) | set(chain.inputs) | set(chain.saves.values()))
+        state = (dict(chain.data), chain.spec, chain.out, chain.view, len(chain.nodes), dict(chain.names),
+                 dict(chain.tensors), dict(chain.inputs), chain.mode, chain.stop)
+        try:
+            self._commit(chain, [{"save": name}], [], cur)
+            self._take_norm(chain, norm, descs[norm])
+        except Reject:
+            self._restore(chain, state)
+            return False
+        chain.saves[cur] = name
+        chain.before_save[cur] = state
+        return True
+
+    def _restore(self, chain: _Chain, state: tuple) -> None:
+        (chain.data, chain.spec, chain.out, chain.view, n, chain.names, chain.tensors, chain.inputs,
+         chain.mode, chain.stop) = state
+        del chain.nodes[n:]
+
+    def _settle_saves(self, chain: _Chain) -> None:
+        """A saved value whose every use joined the chain stays inside it; otherwise the chain goes
+        back to end at that value (a fused chain's inner values are not the model's to read)."""
+        for node in list(chain.saves):
+            covered = set(chain.nodes)
+            outside = [u for u in value_users(node) if u not in covered]
+            if node in chain.before_save and outside:
+                self._restore(chain, chain.before_save[node])
+                for later in [n for n in chain.saves if n not in set(chain.nodes) | {chain.out}]:
+                    chain.saves.pop(later)
+                chain.saves.pop(node, None)
+                names = ", ".join(u.name for u in value_users(node))
+                chain.stop = f"{node.name} is used by {len(value_users(node))} nodes ({names})"
+                self._record(outside, f"its input {node.name} is used again after a statistic stage, where the fused "
+                                      f"chain could not take that use", subject=True)
+                return
 
     # -- statistic stages: normalizations and softmax ------------------------------------------
 

@@ -316,6 +316,8 @@ class Regions:
         if isinstance(term, TensorRef):
             return ops.Param(self.param_name(chain, term))
         if isinstance(term, InputRef):
+            if term.node in chain.saves:  # the chain's own earlier value, named by a save stage
+                return ops.Saved(chain.saves[term.node])
             return ops.Input(self.input_name(chain, term))
         return _OPAQUE
 
