@@ -563,6 +563,10 @@ class LayerSpec(Model):
                     raise SpecShapeError(f"{where}: no earlier `save: {name}` stage")
                 k = saves[name]
                 nxt = self.epilogue[k + 1]
+                if k + 1 in self.running_stat_stages():
+                    raise SpecShapeError(
+                        f"{where}: epilogue[{k + 1}] is a training-mode batch norm with running statistics, which "
+                        f"normalizes per channel with them in eval mode: pointwise, where a saved value is not read")
                 between = [j for j in range(k + 2, i) if self.epilogue[j].kind != "pointwise"]
                 if nxt.kind != "norm" or between:
                     raise SpecShapeError(

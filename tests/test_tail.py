@@ -131,6 +131,8 @@ BASE = spec_of("t", 4, [8, 8], 8, [])
         ([{"save": "a"}, {"group_norm": 2}, {"max_pool": 2}, {"add": {"saved": "a"}}], "epilogue[2] (max_pool) comes between"),
         ([{"save": "scale"}, {"group_norm": 2}, {"mul": {"param": "scale"}}], "'scale' names a saved value and a tensor"),
         ([{"save": "a"}, {"group_norm": 2}, {"add": {"saved": "a", "value": 1.0}}], "give exactly one of value"),
+        ([{"save": "a"}, {"batch_norm": {"training": True}}, {"add": {"saved": "a"}}],
+         "epilogue[2].add.saved: epilogue[1] is a training-mode batch norm with running statistics"),
     ],
 )
 def test_bad_statistic_stages_name_the_field(epilogue, expected):
