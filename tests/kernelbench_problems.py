@@ -28,6 +28,7 @@ FUSED = {
     "21_Conv2d_Add_Scale_Sigmoid_GroupNorm",
     "23_Conv3d_GroupNorm_Mean",
     "24_Conv3d_Min_Softmax",
+    "26_ConvTranspose3d_Add_HardSwish",
     "27_Conv3d_HardSwish_GroupNorm_Mean",
     "31_Conv2d_Min_Add_Multiply",
     "34_ConvTranspose3d_LayerNorm_GELU_Scaling",
