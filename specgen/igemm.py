@@ -164,16 +164,22 @@ def _smem_bytes(cfg: "IgemmConfig", split: bool, w_pairs: bool) -> int:
     return smem + (4 * cfg.bm * cfg.bn if w_pairs else 0)
 
 
-def pairs_w(stride3, out3, cfg: "IgemmConfig") -> bool:
+def pairs_w(stride3, out3, cfg: "IgemmConfig", split: bool, target: targets.Target) -> bool:
     """Whether a transposed conv's two W phases run in one block: stride 2 along W and at least 2
-    outputs there, and the config asks for pairs or leaves it to the planner (which also wants
-    their stash to fit: the first GEMM's BM x BN sums wait in shared memory while the second runs).
+    outputs there, and the config asks for pairs or leaves it to the planner, which also wants
+    their stash to fit (the first GEMM's BM x BN sums wait in shared memory while the second runs)
+    and 160 registers a thread (a 16-warp tile's 128 spilled in 3xTF32: the pair's code holds two
+    GEMMs and the stash's moves).
     Each thread then stores its positions' outputs 2j and 2j + 1 side by side (8 bytes). A phase
     alone writes every other float of a line: its 32-byte sectors reach the L2 half written and
     lean on the other phase's half arriving before the line leaves (where the phases' grids differ
     by a column, as with an odd output width, they never meet and each sector costs a read of DRAM
     as well). Measured on KernelBench's stride-2 layers: 1.1-1.7x in TF32, up to 1.1x in 3xTF32."""
-    return cfg.phases_per_block != 1 and stride3[2] == 2 and out3[2] >= 2
+    if cfg.phases_per_block == 1 or stride3[2] != 2 or out3[2] < 2:
+        return False
+    if cfg.phases_per_block == 2:
+        return True
+    return _smem_bytes(cfg, split, True) <= target.smem_per_block and target.regs_per_sm // cfg.threads >= 160
 
 
 @dataclass(frozen=True)
@@ -276,6 +282,16 @@ def default_config(cout: int, cin: int, taps: int, split: bool, wgmma: bool = Tr
     return IgemmConfig(2, 4, 4, 4, min(bk, 16), 4, min_blocks=2)  # 128 x 128, two blocks per SM
 
 
+def planner_config(spec: LayerSpec, taps: int, target: targets.Target) -> IgemmConfig:
+    """The tile the planner takes for `spec` on `target`: `default_config`, except that a transposed
+    conv of stride 2 along W in TF32 or 16 bits runs its W pairs of stride phases (`pairs_w`) on
+    128 positions x up to 64 channels, 8 warps (the fastest tile on KernelBench's stride-2 layers, v21)."""
+    cin, cout = spec.input.channels, spec.conv.out_channels
+    if spec.conv.transposed and spec.conv_geometry()["stride"][-1] == 2 and spec.precision != "fp32":
+        return wgmma_config(cout, 2, 3, 64) if has_wgmma(target) and wgmma_fits(cin) else IgemmConfig(4, 2, 2, 4, _cip_and_bk(cin)[1], 3)
+    return default_config(cout, cin, taps, spec.precision == "fp32", has_wgmma(target))
+
+
 def plan_igemm(
     spec: LayerSpec, conv_out: tuple[int, int, int], taps: int, config: IgemmConfig | None = None,
     target: targets.Target = targets.DEFAULT,
@@ -283,11 +299,7 @@ def plan_igemm(
     """The tiling for `config`, or the planner's guess. `target`'s shared memory per block and per SM
     bound the tile and the blocks per SM; Hopper targets (sm_90, built as sm_90a) get wgmma."""
     cin, cout = spec.input.channels, spec.conv.out_channels
-    cfg = config or default_config(cout, cin, taps, spec.precision == "fp32", has_wgmma(target))
-    if config is None and spec.conv.transposed and spec.conv_geometry()["stride"][-1] == 2 and spec.precision != "fp32":
-        # W pairs of stride phases (`pairs_w`): 128 positions x up to 64 channels, 8 warps (the
-        # fastest tile on KernelBench's stride-2 layers, v21)
-        cfg = wgmma_config(cout, 2, 3, 64) if has_wgmma(target) and wgmma_fits(cin) else IgemmConfig(4, 2, 2, 4, _cip_and_bk(cin)[1], 3)
+    cfg = config or planner_config(spec, taps, target)
     if cfg.wgmma and not has_wgmma(target):
         raise ValueError(f"wgmma needs an sm_90 target, not {target.arch}")
     cip, _ = _cip_and_bk(cin)
@@ -318,10 +330,7 @@ def plan_igemm(
         from specgen.plan import _spatial3  # (plan imports this module)
 
         stride3 = _spatial3(geo["stride"], 1)
-        # Left to the planner, pairs also need their stash to fit and 160 registers a thread (a 16-warp
-        # tile's 128 spilled in 3xTF32: the pair's code holds two GEMMs and the stash's moves).
-        w_pairs = pairs_w(stride3, conv_out, cfg) and (cfg.phases_per_block == 2 or (
-            _smem_bytes(cfg, spec.precision == "fp32", True) <= target.smem_per_block and target.regs_per_sm // threads >= 160))
+        w_pairs = pairs_w(stride3, conv_out, cfg, spec.precision == "fp32", target)
         phases = stride_phases(_spatial3(geo["kernel"], 1), stride3, _spatial3(geo["padding"], 0),
                                conv_out, cip, tpc, bk, cout, w_pairs)
         positions = max(ph.grid_positions for ph in phases)

@@ -936,8 +936,7 @@ def _choose_igemm(spec: LayerSpec, levels: list, reductions: list, fold, conv_ou
         if asked is None and target != targets.DEFAULT and _fits_default(spec, conv_out, taps, config):
             # Left to the planner, a tile too large for this target's shared memory: fewer pipeline
             # stages (the same tile), else the other engines.
-            base = igemm_engine.default_config(spec.conv.out_channels, spec.input.channels, taps, spec.precision == "fp32",
-                                               igemm_engine.has_wgmma(target))
+            base = igemm_engine.planner_config(spec, taps, target)
             for stages in range(base.stages - 1, 1, -1):
                 try:
                     return igemm_engine.plan_igemm(spec, conv_out, taps, replace(base, stages=stages), target=target)

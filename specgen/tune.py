@@ -95,8 +95,8 @@ def label(cfg) -> str:
     if isinstance(cfg, TmaConfig):
         return f"tma {cfg.bm}x{cfg.bn} s{cfg.stages} kb{cfg.kb_per_stage}"
     mb = f" {cfg.min_blocks} blocks/SM" if cfg.min_blocks else ""
-    single = {0: "", 1: " one phase per block", 2: " W pairs"}[cfg.phases_per_block]
-    return f"{cfg.bm}x{cfg.bn} w{16 * cfg.wm}x{8 * cfg.wn} {cfg.threads // 32} warps k{cfg.bk} s{cfg.stages}{mb}{single}"
+    phases = {0: "", 1: " one phase per block", 2: " W pairs"}[cfg.phases_per_block]
+    return f"{cfg.bm}x{cfg.bn} w{16 * cfg.wm}x{8 * cfg.wn} {cfg.threads // 32} warps k{cfg.bk} s{cfg.stages}{mb}{phases}"
 
 
 def config_record(cfg) -> dict | None:
@@ -109,8 +109,8 @@ def config_record(cfg) -> dict | None:
 def config_from(data: dict):
     """The config a `config_record` describes; raises KeyError/TypeError/ValueError on a bad one."""
     cls = TmaConfig if data.get("engine") == "tma" else IgemmConfig
-    # (a field added since the record was written takes its default)
-    return cls(**{f.name: int(data[f.name] if f.name in data or f.default is MISSING else f.default) for f in fields(cls)})
+    # (a field added since the record was written takes its default; one without a default is required)
+    return cls(**{f.name: int(data[f.name] if f.default is MISSING else data.get(f.name, f.default)) for f in fields(cls)})
 
 
 def plan_with(spec: LayerSpec, cfg, target=None) -> dict:

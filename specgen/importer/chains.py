@@ -74,10 +74,9 @@ class _Chain:
     # "module" (the layer's mode: after .eval() the running statistics) or "call" (F.batch_norm's
     # training=True: the batch's statistics in either mode)
     mode: Optional[str] = None
-    # the chain's own values that a save stage names (node -> name), each with the chain's state
-    # before it (to go back to where a use of the value does not join the chain after all)
+    # the chain's own values that a save stage names, in chain order: node -> (name, the chain's
+    # state before the save, to go back to where a use of the value does not join the chain after all)
     saves: dict = field(default_factory=dict)
-    before_save: dict = field(default_factory=dict)
 
     @property
     def stages(self) -> list:
@@ -320,7 +319,7 @@ class Analysis(Capture):
         norm = norms[0]
         if not all(isinstance(descs[u], PW) and self.order[u] > self.order[norm] for u in users if u is not norm):
             return False
-        name = unique(sanitize(f"{cur.name}_saved", "saved"), set(chain.tensors) | set(chain.inputs) | set(chain.saves.values()))
+        name = unique(sanitize(f"{cur.name}_saved", "saved"), set(chain.tensors) | set(chain.inputs) | {n for n, _ in chain.saves.values()})
         state = (dict(chain.data), chain.spec, chain.out, chain.view, len(chain.nodes), dict(chain.names),
                  dict(chain.tensors), dict(chain.inputs), chain.mode, chain.stop)
         try:
@@ -329,8 +328,7 @@ class Analysis(Capture):
         except Reject:
             self._restore(chain, state)
             return False
-        chain.saves[cur] = name
-        chain.before_save[cur] = state
+        chain.saves[cur] = (name, state)
         return True
 
     def _restore(self, chain: _Chain, state: tuple) -> None:
@@ -340,20 +338,23 @@ class Analysis(Capture):
 
     def _settle_saves(self, chain: _Chain) -> None:
         """A saved value whose every use joined the chain stays inside it; otherwise the chain goes
-        back to end at that value (a fused chain's inner values are not the model's to read)."""
-        for node in list(chain.saves):
+        back to end at that value (a fused chain's inner values are not the model's to read). Going
+        back drops the later saves and may drop an earlier value's use: checked again until none is
+        left outside."""
+        while True:
             covered = set(chain.nodes)
-            outside = [u for u in value_users(node) if u not in covered]
-            if node in chain.before_save and outside:
-                self._restore(chain, chain.before_save[node])
-                for later in [n for n in chain.saves if n not in set(chain.nodes) | {chain.out}]:
-                    chain.saves.pop(later)
-                chain.saves.pop(node, None)
-                names = ", ".join(u.name for u in value_users(node))
-                chain.stop = f"{node.name} is used by {len(value_users(node))} nodes ({names})"
-                self._record(outside, f"its input {node.name} is used again after a statistic stage, where the fused "
-                                      f"chain could not take that use", subject=True)
+            for k, (node, (_, state)) in enumerate(chain.saves.items()):
+                outside = [u for u in value_users(node) if u not in covered]
+                if outside:
+                    break
+            else:
                 return
+            self._restore(chain, state)
+            chain.saves = dict(list(chain.saves.items())[:k])
+            users = value_users(node)
+            chain.stop = f"{node.name} is used by {len(users)} nodes ({', '.join(u.name for u in users)})"
+            self._record(outside, f"its input {node.name} is used again after a statistic stage, where the fused "
+                                  f"chain could not take that use", subject=True)
 
     # -- statistic stages: normalizations and softmax ------------------------------------------
 

@@ -317,7 +317,7 @@ class Regions:
             return ops.Param(self.param_name(chain, term))
         if isinstance(term, InputRef):
             if term.node in chain.saves:  # the chain's own earlier value, named by a save stage
-                return ops.Saved(chain.saves[term.node])
+                return ops.Saved(chain.saves[term.node][0])
             return ops.Input(self.input_name(chain, term))
         return _OPAQUE
 
