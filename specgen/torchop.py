@@ -388,10 +388,32 @@ def _plain_channel_axes(weight: torch.Tensor, groups: int) -> torch.Tensor:
     return w.reshape(groups * cout_g, cin // groups, *kernel)
 
 
-def _combined_taps(w: torch.Tensor, r: int, matrix: torch.Tensor) -> torch.Tensor:
-    """`w` [C_out, C_in / groups, k...] with spatial dim r's taps replaced by their combinations:
-    new tap j = sum over k of matrix[j, k] * w[..., k, ...]."""
-    return torch.tensordot(w, matrix.to(w), dims=([2 + r], [1])).movedim(-1, 2 + r)
+_matrices: dict[tuple, torch.Tensor] = {}
+
+
+def _tap_matrix(rows: tuple, like: torch.Tensor) -> torch.Tensor:
+    """The float64 matrix `rows` (a tuple of tuples) on `like`'s device, kept per device: it depends
+    on the plan only. Under CUDA-graph capture, where a host-to-device copy is not allowed, a
+    matrix not yet kept is built on the device by fills (the graph owns it then)."""
+    key = (rows, like.device)
+    hit = _matrices.get(key)
+    if hit is not None:
+        return hit
+    if like.is_cuda and torch.cuda.is_current_stream_capturing():
+        m = torch.zeros(len(rows), len(rows[0]), dtype=torch.float64, device=like.device)
+        for j, row in enumerate(rows):
+            for k, v in enumerate(row):
+                if v:
+                    m[j, k] = v
+        return m
+    m = _matrices[key] = torch.tensor(rows, dtype=torch.float64).to(like.device)
+    return m
+
+
+def _combined_taps(w: torch.Tensor, r: int, rows: tuple) -> torch.Tensor:
+    """`w` [C_out, C_in / groups, k...] (float64) with spatial dim r's taps replaced by their
+    combinations: new tap j = sum over k of rows[j][k] * w[..., k, ...]."""
+    return torch.tensordot(w, _tap_matrix(rows, w), dims=([2 + r], [1])).movedim(-1, 2 + r)
 
 
 def forward_weight(weight: torch.Tensor, groups: int) -> torch.Tensor:
@@ -410,10 +432,7 @@ def tap_fold_weight(weight: torch.Tensor, reduced: list, positions: int, transpo
     transposed conv's weight [C_in, C_out, k...] (one group) reads as [C_out, C_in, k...]."""
     w = (_plain_channel_axes(weight, 1) if transposed else weight).double()
     for r, of_tap in zip(reduced, sets):
-        member = torch.zeros(max(of_tap) + 1, len(of_tap), dtype=torch.float64)
-        for k, j in enumerate(of_tap):
-            if j >= 0:
-                member[j, k] = 1.0
+        member = tuple(tuple(1.0 if of == j else 0.0 for of in of_tap) for j in range(max(of_tap) + 1))
         w = _combined_taps(w, r, member)
     cout, cin_g, *kernel = w.shape
     r0 = reduced[0]
@@ -431,11 +450,11 @@ def pool_fold_weight(weight: torch.Tensor, groups: int, dims: list) -> torch.Ten
     dims[r]["taps"][j'] of count * w[k], / the window; in double, rounded once."""
     w = _plain_channel_axes(weight.double(), groups)
     for r, d in enumerate(dims):
-        a = torch.zeros(d["kernel"], w.shape[2 + r], dtype=torch.float64)
+        a = [[0.0] * w.shape[2 + r] for _ in range(d["kernel"])]
         for j, pairs in enumerate(d["taps"]):
             for count, k in pairs:
-                a[j, k] += count / d["window"]
-        w = _combined_taps(w, r, a)
+                a[j][k] += count / d["window"]
+        w = _combined_taps(w, r, tuple(map(tuple, a)))
     return w.to(weight.dtype).contiguous()
 
 

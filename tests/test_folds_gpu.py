@@ -103,3 +103,38 @@ def test_the_random_gpu_pool_folds_ran():
     if pool_ran["cases"] == 0:
         test_random_pool_folds_on_the_gpu()
     assert pool_ran["cases"] >= 25, pool_ran
+
+
+def _captured(layer, x):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(x)  # load the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = layer(x)
+    return graph, out
+
+
+@pytest.mark.parametrize("kind", ["tap_fold", "transposed_pool_fold"])
+def test_folded_layers_replay_in_a_cuda_graph_with_new_weights(kind):
+    """The folds' weight transforms run inside the capture (no host-to-device copy there), so each
+    replay folds the weights as they are then: an in-place update between replays shows."""
+    from specgen import reference
+
+    data = FOLDS["global_mean_2d"] if kind == "tap_fold" else POOL_FOLDS["window4_2d"]
+    layer = FusedLayer(validate({**data, "precision": "fp32"})).cuda()
+    assert layer.specialize().plan["weight_transforms"][0]["kind"] == kind
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(2, layer.spec.input.channels, *layer.spec.input.size, device="cuda", generator=gen)
+    graph, out = _captured(layer, x)
+    for _ in range(2):
+        with torch.no_grad():
+            layer.conv.weight.copy_(torch.randn(layer.conv.weight.shape, device="cuda", generator=gen))
+        x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference.forward(layer.spec, x, layer.conv.weight, layer.conv.bias, layer.spec_params())
+        torch.testing.assert_close(out, want.detach(), atol=1e-4, rtol=1e-4)
