@@ -2,11 +2,14 @@
 
 Its parameters have the names and shapes of the plain PyTorch model (`conv.weight`,
 `conv.bias`, one parameter per per-channel name), so `load_state_dict` works both ways.
-Every forward is one call of the layer's custom op `torch.ops.specgen.<name>_<key[:12]>` (see
+Every forward computes what the layer's custom op `torch.ops.specgen.<name>_<key[:12]>` does (see
 `specgen.torchop`): on CUDA tensors the specialized kernel on torch's current stream, on CPU
-tensors the PyTorch reference, so a model stays portable. Through the op the layer works with
-autograd (the backward recomputes with PyTorch ops), `torch.compile(fullgraph=True)` and CUDA
-graphs. `forward(x, out=...)` is the raw launch: it fills `out` and records no autograd graph.
+tensors the PyTorch reference, so a model stays portable. The layer works with autograd (the
+backward recomputes with PyTorch ops), `torch.compile(fullgraph=True)` (which traces the op) and
+CUDA graphs. Eager CUDA calls skip the op's dispatch, which costs more host time than a small
+layer's kernel: under no_grad they launch directly, with autograd on they record the op's own
+formula (`torchop.eager_autograd`). `forward(x, out=...)` is the raw launch: it fills `out` and
+records no autograd graph.
 
 The layer's dtype follows its spec's precision: float32 for `fp32` and `tf32`, bfloat16 for
 `bf16`, float16 for `fp16`. Converting the layer (`.half()`, `.bfloat16()`, `.to(dtype)`, or a
@@ -76,7 +79,7 @@ class FusedLayer(nn.Module):
         self._twin_params = tuple(self._twin_spec.params().items()) if self._twin_spec is not None else ()
         self._one_value_batch_norm = reference.one_value_batch_norm(self.spec)
         self._twin_specialized: pipeline.Specialized | None = None
-        self._twin_op = None
+        self._twin_op = self._twin_spec_op = None
         self._specialized: pipeline.Specialized | None = None
         self._op = None
         if torch.cuda.is_available():
@@ -114,7 +117,8 @@ class FusedLayer(nn.Module):
 
     def _bind_op(self) -> None:
         """Register (once per process) and remember this layer's custom op."""
-        self._op = torchop.register(self.spec, self._specialized, self.arch).overload
+        self._spec_op = torchop.register(self.spec, self._specialized, self.arch)
+        self._op = self._spec_op.overload
 
     @property
     def op(self) -> torchop.SpecOp:
@@ -125,7 +129,7 @@ class FusedLayer(nn.Module):
         tensors = [self.conv.weight]
         if self._has_bias:
             tensors.append(self.conv.bias)
-        tensors.extend(getattr(self, name) for name in self._param_names)
+        tensors.extend(_tensor(self, name) for name in self._param_names)
         return tensors
 
     # -- precision and devices -----------------------------------------------------------------
@@ -160,7 +164,7 @@ class FusedLayer(nn.Module):
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_op"] = state["_twin_op"] = None  # OpOverloads; bound again on unpickling
+        state["_op"] = state["_twin_op"] = state["_spec_op"] = state["_twin_spec_op"] = None  # bound again on unpickling
         return state
 
     def __setstate__(self, state):
@@ -186,7 +190,8 @@ class FusedLayer(nn.Module):
             if weight.is_cuda and weight.dtype == torch.float32:
                 torchop.load_kernel(self._twin_specialized, weight.device.index if weight.device.index is not None
                                     else torch.cuda.current_device())
-        self._twin_op = torchop.register(self._twin_spec, self._twin_specialized, self.arch).overload
+        self._twin_spec_op = torchop.register(self._twin_spec, self._twin_specialized, self.arch)
+        self._twin_op = self._twin_spec_op.overload
 
     def _twin_tensors(self) -> list[torch.Tensor]:
         """The eval twin's tensors after x: weight, bias, then its params() (batch norms' running
@@ -203,9 +208,11 @@ class FusedLayer(nn.Module):
         tensors = self._twin_tensors()
         if x.is_cuda:
             self._check_input(x)
-            if out is not None or (not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+            if out is not None or not torch.compiler.is_compiling():
                 if self._twin_specialized is None:
                     self._bind_twin(specialize=True)
+                if out is None and torch.is_grad_enabled():  # eager autograd, without the op's dispatch
+                    return torchop.eager_autograd(self._twin_spec_op, self._twin_specialized, (x, *tensors, *inputs))
                 bias = tensors[1] if self._has_bias else None
                 params = dict(zip((name for name, _ in self._twin_params), tensors[1 + self._has_bias:]))
                 params.update(zip(self._input_names, inputs))
@@ -282,10 +289,13 @@ class FusedLayer(nn.Module):
             conv = self._modules["conv"]
             weight = _tensor(conv, "weight")
             self._check_input(x, weight)
-            if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-                # Inference in eager mode: nothing for autograd to record, so skip the custom
-                # op's dispatch (tens of microseconds of host time) and launch directly.
-                return self._launch(x, None, conv, weight, inputs)
+            if not torch.compiler.is_compiling():
+                # Eager mode: skip the custom op's dispatch (tens of microseconds of host time).
+                # Inference launches directly; with autograd on, the op's own formula records it.
+                if not torch.is_grad_enabled():
+                    return self._launch(x, None, conv, weight, inputs)
+                sp = self._specialized or self.specialize()  # (binds the op of its key)
+                return torchop.eager_autograd(self._spec_op, sp, (x, *self._op_tensors(), *inputs))
         else:
             self._check_portable_input(x)
         return self._op(x, *self._op_tensors(), *inputs)

@@ -19,7 +19,9 @@ so that a replay recomputes them from the current weights.
 
 from __future__ import annotations
 
+import functools
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -57,17 +59,25 @@ def map_dtype(precision: str, dtype: torch.dtype) -> str:
 _derived: dict[tuple[int, str], tuple] = {}
 
 
+_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)  # (absent from CPU builds)
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether a CUDA-graph capture is underway on the current stream (for CUDA `t`), cheaply."""
+    return t.is_cuda and _is_capturing is not None and _is_capturing()
+
+
 def derived(t: torch.Tensor, what: str, make):
     """`make(t)`, kept while `t` lives and is unchanged (its version counter), remade under capture."""
-    capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
+    capturing_now = capturing(t)
     key = (id(t), what)
-    if not capturing:
+    if not capturing_now:
         hit = _derived.get(key)
         if hit is not None and hit[0]() is t and hit[1] == t._version:
             return hit[2]
     with torch.no_grad():
         value = make(t.detach())
-    if not capturing:
+    if not capturing_now:
         for k in [k for k, v in _derived.items() if v[0]() is None]:  # forget tensors that are gone
             del _derived[k]
         _derived[key] = (weakref.ref(t), t._version, value)
@@ -127,44 +137,87 @@ def _input_map(ws: torch.Tensor, tp: TmaPlan, spatial: tuple[int, ...], batch: i
     return tmap
 
 
+@dataclass(frozen=True)
+class _Call:
+    """What every launch of one TMA layer needs, worked out once per layer (its cache key)."""
+
+    tp: TmaPlan
+    precision: str
+    weights_key: str  # the prepared weights' key among the derived tensors
+    cin: int
+    taps: int
+    size: tuple  # the input's spatial extents
+    planes: int  # operand planes: 2 (hi, lo) in fp32 mode, else 1
+    in_place_cl: bool  # a channels-last input is read as it is (no padding, one plane)
+    operand_dtype: torch.dtype
+    prep: str  # the layout pass from a contiguous input
+    prep_cl: str  # ... from a channels-last one
+    param_names: tuple
+    input_names: tuple
+    has_bias: bool
+    main_kinds: tuple  # the main kernel's argument kinds
+    make_weights: functools.partial  # the weights' planes and tensor maps from the conv weight
+
+
+_calls: dict[str, _Call] = {}
+
+
+def _call(sp) -> _Call:
+    call = _calls.get(sp.key)
+    if call is None:
+        plan, spec = sp.plan, sp.spec
+        tp: TmaPlan = plan["tma"]
+        planes = 2 if tp.split else 1
+        names = tuple(p["name"] for p in plan["params"])
+        inputs = tuple(i["name"] for i in plan["inputs"])
+        n_ptrs = spec.conv.bias + len(names) + len(inputs) + 1
+        name = plan["kernel_name"]
+        call = _calls[sp.key] = _Call(
+            tp, spec.precision, f"tma:{sp.key}", spec.input.channels, plan["taps"], tuple(spec.input.size), planes,
+            tp.cip == spec.input.channels and not tp.split, OPERAND_DTYPE[spec.precision], f"{name}_prep",
+            f"{name}_prep_cl", names, inputs, spec.conv.bias, ("map",) * (2 * planes) + ("ptr",) * n_ptrs + ("int",),
+            functools.partial(_weights, tp=tp, cin=spec.input.channels, taps=plan["taps"], precision=spec.precision),
+        )
+    return call
+
+
 def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, params: dict, out: torch.Tensor, stream: int):
     """Run the layer on CUDA `x` into `out` ([batch, C_OUT, ...] contiguous, the layer's dtype)."""
-    plan, spec = sp.plan, sp.spec
-    tp: TmaPlan = plan["tma"]
+    c = _call(sp)
+    tp = c.tp
     batch = x.shape[0]
     per_launch = max(1, INT32_MAX // tp.positions)
     if batch > per_launch:  # M is a 32-bit index: several launches, each on its samples
         for first in range(0, batch, per_launch):
             launch(sp, kernel, x[first:first + per_launch], weight, bias, params, out[first:first + per_launch], stream)
         return out
-    precision = spec.precision
-    _planes_w, maps_w = derived(weight, f"tma:{sp.key}", lambda w: _weights(w, tp, spec.input.channels, plan["taps"], precision))
-    name = plan["kernel_name"]
-    planes = 2 if tp.split else 1
+    precision = c.precision
+    _planes_w, maps_w = derived(weight, c.weights_key, c.make_weights)
     cl = _channels_last(x)
-    if cl and tp.cip == spec.input.channels and not tp.split:
+    if cl and c.in_place_cl:
         ws_planes = [x]  # read in place: already the layout (and tf32 maps round on the way)
     else:
         if not cl:
             x = x.contiguous()
         shape = (batch, tp.in_positions, tp.cip)
-        ws_planes = [torch.empty(shape, device=x.device, dtype=OPERAND_DTYPE[precision]) for _ in range(planes)]
+        ws_planes = [torch.empty(shape, device=x.device, dtype=c.operand_dtype) for _ in range(c.planes)]
         if cl:
-            fn, blocks = f"{name}_prep_cl", -(-batch * tp.in_positions * tp.cip // _PREP_THREADS)
+            fn, blocks = c.prep_cl, -(-batch * tp.in_positions * tp.cip // _PREP_THREADS)
         else:
-            fn, blocks = f"{name}_prep", batch * tp.prep_tiles
-        pack = runtime.arg_pack((kernel.function.value, fn), ("ptr",) * (1 + planes) + ("int",))
+            fn, blocks = c.prep, batch * tp.prep_tiles
+        pack = runtime.arg_pack((kernel.function.value, fn), ("ptr",) * (1 + c.planes) + ("int",))
         pack.set([x.data_ptr(), *(w.data_ptr() for w in ws_planes), batch])
         runtime.launch_packed(kernel, kernel.extra[fn], blocks, _PREP_THREADS, 0, pack, stream)
-    values = [_input_map(w, tp, spec.input.size, batch, precision) for w in ws_planes]
+    values = [_input_map(w, tp, c.size, batch, precision) for w in ws_planes]
     values += maps_w
-    if spec.conv.bias:
+    if c.has_bias:
         values.append(_float(bias).data_ptr())
-    values.extend(_float(params[p["name"]]).data_ptr() for p in plan["params"])
-    values.extend(params[i["name"]].data_ptr() for i in plan["inputs"])  # extra inputs, in the layer's dtype
+    for name in c.param_names:
+        values.append(_float(params[name]).data_ptr())
+    for name in c.input_names:  # extra inputs, in the layer's dtype
+        values.append(params[name].data_ptr())
     values += [out.data_ptr(), batch]
-    kinds = ("map",) * (2 * planes) + ("ptr",) * (len(values) - 2 * planes - 1) + ("int",)
-    pack = runtime.arg_pack((kernel.function.value, "main"), kinds)
+    pack = runtime.arg_pack((kernel.function.value, "main"), c.main_kinds)
     grid = -(-batch * tp.positions // tp.bm) * tp.n_tiles
     runtime.launch_packed(kernel, kernel.function, grid, tp.threads, tp.smem_bytes, pack.set(values), stream)
     return out

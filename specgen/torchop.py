@@ -255,15 +255,55 @@ def _setup_context(ctx, inputs, output) -> None:
         ctx.mark_non_differentiable(output[1])
 
 
-def _backward(op: SpecOp, ctx, grad):
+def _backward(op: SpecOp, ctx, grad, needs=None):
     saved = ctx.saved_tensors
-    needs = ctx.needs_input_grad
+    needs = ctx.needs_input_grad if needs is None else needs
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_(bool(n)) for t, n in zip(saved, needs)]
         y = _reference(op, leaves)
         wanted = [t for t, n in zip(leaves, needs) if n]
         got = iter(torch.autograd.grad(y, wanted, grad, allow_unused=True)) if wanted else iter(())
     return tuple(next(got) if n else None for n in needs)
+
+
+class _Eager(torch.autograd.Function):
+    """The op's autograd formula without the op's dispatch, for eager CUDA calls with autograd on
+    (the dispatch of a Python custom op costs tens of microseconds of host time a call; under
+    torch.compile the layer calls the op, which the compiler traces). The same launch forward and
+    the same recomputing backward as the op: results are identical either way. Written with `ctx`
+    in `forward`: a Function with a separate setup_context binds its arguments through
+    inspect.signature on every call, several times the cost of the rest."""
+
+    @staticmethod
+    def forward(ctx, op: SpecOp, sp: pipeline.Specialized, *args):
+        ctx.op = op
+        ctx.save_for_backward(*args)
+        x, weight, bias, params = op.split(args)
+        return launch(sp, x, weight, bias, params, None)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, None, *_backward(ctx.op, ctx, grad, ctx.needs_input_grad[2:]))
+
+
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+# Function.apply's own work past the checks above (torch.func's transforms, which go to the op
+# instead): the autograd node, the forward, the outputs' grad_fn. Skipping its Python wrapper
+# saves several microseconds a call.
+_apply = super(torch.autograd.Function, _Eager).apply
+
+
+def eager_autograd(op: SpecOp, sp: pipeline.Specialized, args: tuple) -> torch.Tensor:
+    """The op on CUDA `args` (its positional arguments, checked by the caller as the raw launch
+    needs) outside torch.compile: the kernel, recorded for autograd when any argument needs a
+    gradient (under torch.func's transforms, the op itself). Not for ops that return batch
+    statistics."""
+    if any(t.requires_grad for t in args):
+        if _functorch_active():
+            return op.overload(*args)
+        return _apply(op, sp, *args)
+    x, weight, bias, params = op.split(args)
+    return launch(sp, x, weight, bias, params, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,7 +406,7 @@ def gemm_layout(plan: dict) -> tuple:
 def gemm_weight(weight: torch.Tensor, layout: tuple) -> torch.Tensor:
     """`weight` [C_OUT, C_IN, k...] as the implicit-GEMM kernel reads it: [C_OUT, TAPS_PAD, CIP];
     for a transposed conv ([C_IN, C_OUT, k...]), each stride phase's taps so, phase after phase."""
-    capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
+    capturing = tmarun.capturing(weight)
     if not capturing:
         hit = _permuted.get(id(weight))
         if hit is not None and hit[0]() is weight and hit[1] == weight._version and hit[2] == layout:
@@ -399,7 +439,7 @@ def _tap_matrix(rows: tuple, like: torch.Tensor) -> torch.Tensor:
     hit = _matrices.get(key)
     if hit is not None:
         return hit
-    if like.is_cuda and torch.cuda.is_current_stream_capturing():
+    if tmarun.capturing(like):
         m = torch.zeros(len(rows), len(rows[0]), dtype=torch.float64, device=like.device)
         for j, row in enumerate(rows):
             for k, v in enumerate(row):

@@ -113,3 +113,39 @@ def test_nothing_saved_for_backward_in_inference(mode):
     with SaveCounter() as saved, context:
         y = fused(x)
     assert saved.count == 0 and y.grad_fn is None
+
+
+@pytest.mark.parametrize("spec", all_specs()[:6])
+def test_eager_calls_record_the_ops_own_formula(spec):
+    """An eager forward with autograd on skips the custom op's dispatch (specgen.torchop._Eager):
+    its output and gradients are bit for bit those of a call of the op itself."""
+    fused, _ = pair(spec, seed=11)
+    x = cuda_input(spec, 2, seed=12)
+    g = torch.randn(spec.output_shape(2), generator=torch.Generator(device="cuda").manual_seed(13), device="cuda")
+    results = []
+    for call in ("layer", "op"):
+        xi = x.clone().requires_grad_()
+        fused.zero_grad()
+        y = fused(xi) if call == "layer" else fused._op(xi, *fused._op_tensors())
+        assert ("_Eager" in type(y.grad_fn).__name__) == (call == "layer"), type(y.grad_fn).__name__
+        (y * g).sum().backward()
+        results.append([y.detach(), xi.grad, *(p.grad for p in fused.parameters())])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_eval_twin_records_gradients_eagerly():
+    """A layer with a training-mode batch norm, in eval mode with autograd on: its eval twin's kernel,
+    differentiable, against the plain model in eval mode."""
+    spec = validate({"name": "bn_twin", "input": {"channels": 3, "size": [10, 12]}, "conv": {"out_channels": 8, "kernel": 3},
+                     "epilogue": [{"batch_norm": {"training": True}}, "relu"]})
+    fused, plain = pair(spec, seed=21)
+    fused.eval(), plain.eval()
+    x1 = cuda_input(spec, 3, seed=22).requires_grad_()
+    x2 = x1.detach().clone().requires_grad_()
+    y1, y2 = fused(x1), plain(x2)
+    assert y1.grad_fn is not None and "_Eager" in type(y1.grad_fn).__name__
+    assert rel(y1, y2) <= 1e-5
+    y1.sum().backward(), y2.sum().backward()
+    assert rel(x1.grad, x2.grad) <= 1e-5
+    assert rel(fused.conv.weight.grad, plain.conv.weight.grad) <= 1e-5
