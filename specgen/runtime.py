@@ -1,8 +1,9 @@
 """Load cubins into the GPU and launch them on torch's current stream, through the CUDA driver API.
 
 The driver is called through ctypes on libcuda: a launch is two foreign calls (current context,
-cuLaunchKernel) on pre-packed argument buffers, a few microseconds of host time. One module is
-loaded per (cache key, device) and kept for the life of the process.
+cuLaunchKernelEx) on pre-packed argument buffers and a launch configuration kept per grid, a few
+microseconds of host time. One module is loaded per (cache key, device) and kept for the life of
+the process.
 
 Kernels whose blocks fill an SM each and share a sample's boxes through a thread-block cluster
 are launched with the cluster size that finishes the batch soonest (cuLaunchKernelEx): large
@@ -263,6 +264,39 @@ class _ClusterConfigs(threading.local):
 _configs = _ClusterConfigs()
 
 
+class _PlainConfigs(threading.local):
+    """Per-thread launch configurations of plain launches, by (function, grid, block, shared
+    memory): cuLaunchKernelEx on a packed configuration takes four arguments where cuLaunchKernel
+    takes eleven, each converted by ctypes on every call (about a microsecond a launch)."""
+
+    def __init__(self):
+        self.by_key: dict[tuple, tuple] = {}
+
+
+_plain = _PlainConfigs()
+
+
+def _launch_kernel(lib, function: ctypes.c_void_p, grid_x: int, grid_y: int, threads: int, smem_bytes: int,
+                   stream: int, argv) -> None:
+    """One launch of `function` on a (grid_x, grid_y) grid of `threads`-thread blocks."""
+    key = (function.value, grid_x, grid_y, threads, smem_bytes)
+    packed = _plain.by_key.get(key)
+    if packed is None:
+        config = _LaunchConfig()
+        config.grid[0], config.grid[1], config.grid[2] = grid_x, grid_y, 1
+        config.block[0], config.block[1], config.block[2] = threads, 1, 1
+        config.shared_mem_bytes = smem_bytes
+        config.num_attrs = 0
+        if len(_plain.by_key) >= 4096:  # grids that come and go with the batch: keep the table small
+            _plain.by_key.clear()
+        packed = _plain.by_key[key] = (config, ctypes.byref(config))
+    config, ref = packed
+    config.stream = stream
+    result = lib.cuLaunchKernelEx(ref, function, argv, None)
+    if result != 0:
+        _check(lib, result, "cuLaunchKernelEx")
+
+
 def _make_current(kernel: LoadedKernel) -> None:
     """Make the kernel's context current (if it is not)."""
     lib, args = _libcuda, _args
@@ -297,11 +331,7 @@ def launch(
     if batch <= GRID_Y_MAX and kernel.cluster_at_launch is None:  # one plain launch: no offsets to apply
         values[: len(pointers)] = pointers
         batch_arg.value = batch
-        result = lib.cuLaunchKernel(
-            kernel.function, blocks_per_sample, batch, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream, argv, None
-        )
-        if result != 0:
-            _check(lib, result, "cuLaunchKernel")
+        _launch_kernel(lib, kernel.function, blocks_per_sample, batch, kernel.threads, kernel.smem_bytes, stream, argv)
         return
     for first in range(0, batch, GRID_Y_MAX):
         count = min(GRID_Y_MAX, batch - first)
@@ -309,11 +339,7 @@ def launch(
             values[i] = ptr + first * stride
         batch_arg.value = count
         if kernel.cluster_at_launch is None:
-            result = lib.cuLaunchKernel(
-                kernel.function, blocks_per_sample, count, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream, argv, None
-            )
-            if result != 0:
-                _check(lib, result, "cuLaunchKernel")
+            _launch_kernel(lib, kernel.function, blocks_per_sample, count, kernel.threads, kernel.smem_bytes, stream, argv)
         else:
             cluster = kernel.cluster_size(blocks_per_sample * count)
             key = (kernel.function.value, blocks_per_sample * cluster, count, cluster)
@@ -350,9 +376,7 @@ def launch_flat(
             values[i] = ptr + first * stride
         batch_arg.value = count
         blocks = -(-count * positions // block_m) * n_tiles
-        result = lib.cuLaunchKernel(kernel.function, blocks, 1, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream, argv, None)
-        if result != 0:
-            _check(lib, result, "cuLaunchKernel")
+        _launch_kernel(lib, kernel.function, blocks, 1, kernel.threads, kernel.smem_bytes, stream, argv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,9 +507,7 @@ def launch_packed(kernel: LoadedKernel, function: ctypes.c_void_p, grid: int, th
     """Launch `function` (of `kernel`'s module) over a flat grid with a packed argument array."""
     lib = _libcuda
     _make_current(kernel)
-    result = lib.cuLaunchKernel(function, grid, 1, 1, threads, 1, 1, smem_bytes, stream, pack.argv, None)
-    if result != 0:
-        _check(lib, result, "cuLaunchKernel")
+    _launch_kernel(lib, function, grid, 1, threads, smem_bytes, stream, pack.argv)
 
 
 def launch_once(kernel: LoadedKernel, grid_x: int, pointers: list[int], batch: int, stream: int) -> None:
@@ -495,6 +517,4 @@ def launch_once(kernel: LoadedKernel, grid_x: int, pointers: list[int], batch: i
     values, batch_arg, argv = _prepare(kernel, len(pointers))
     values[: len(pointers)] = pointers
     batch_arg.value = batch
-    result = lib.cuLaunchKernel(kernel.function, grid_x, 1, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream, argv, None)
-    if result != 0:
-        _check(lib, result, "cuLaunchKernel")
+    _launch_kernel(lib, kernel.function, grid_x, 1, kernel.threads, kernel.smem_bytes, stream, argv)

@@ -33,9 +33,41 @@ class Part(pipeline.Specialized):
 
 
 @dataclass(frozen=True)
+class _Layer:
+    """A body or rest step: `part` reads buffer `src` (viewed [batch, *in_shape]) and writes `dst`."""
+
+    part: Part
+    body: bool
+    src: str
+    dst: str
+    in_shape: tuple
+    out_shape: tuple
+    ones: int  # a rest's identity conv: its channels (0 for the body)
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """A tail kernel step: its loaded-kernel key and its arguments, each (source, name, bytes per
+    sample): source "p" a parameter, "i" an extra input, "b" a buffer."""
+
+    key: str
+    step: dict
+    args: tuple
+    once: bool
+    grid_x: int
+
+
+@dataclass(frozen=True)
 class _Sequence:
+    """What every launch of one sequence needs, worked out once per layer (its cache key)."""
+
     parts: dict  # step index of a body-engine part -> its Part
     in_shapes: dict  # step index -> the per-sample input shape of that part
+    steps: tuple  # _Layer and _Kernel, in order
+    buffers: tuple  # (name, kind, values): kind "sample" (values per sample), "stats" (offset), "once"
+    out_shape: tuple
+    stats_floats: int
+    dtype: torch.dtype
 
 
 _sequences: dict[str, _Sequence] = {}
@@ -45,13 +77,44 @@ _lock = threading.Lock()
 def _sequence(sp: pipeline.Specialized) -> _Sequence:
     seq = _sequences.get(sp.key)
     if seq is None:
+        plan = sp.plan
         parts, in_shapes = {}, {}
-        for index, part in enumerate(sp.plan["parts"]):
+        for index, part in enumerate(plan["parts"]):
             if part["role"] in ("body", "rest"):
                 parts[index] = Part(part["spec"], part["plan"], sp.source, sp.build, part["namespace"])
                 spec = part["spec"]
                 in_shapes[index] = (spec.input.channels, *spec.input.size)
-        seq = _sequences[sp.key] = _Sequence(parts, in_shapes)
+        dtype = torchop.PRECISION_DTYPE[sp.spec.precision]
+        item = torch.empty((), dtype=dtype).element_size()
+        buffers, per_sample = [], {"x": 4 * plan["in_per_sample"], "out": 4 * math.prod(plan["out_shape"])}
+        for name, size in plan["buffers"].items():
+            if isinstance(size, int):  # values per sample
+                buffers.append((name, "sample", size))
+                per_sample[name] = item * size
+            elif size[0] == "stats":  # a slice of the batch statistics the layer returns
+                buffers.append((name, "stats", size[1]))
+                per_sample[name] = 0
+            else:  # ("once", floats): one for the whole batch
+                buffers.append((name, "once", size[1]))
+                per_sample[name] = 0
+        steps = []
+        for step in plan["steps"]:
+            if step["kind"] == "layer":
+                index = step["part"]
+                steps.append(_Layer(parts[index], plan["parts"][index]["role"] == "body", step["in"], step["out"],
+                                    in_shapes[index], tuple(step["out_shape"]), step.get("ones", 0)))
+                continue
+            args = []
+            for arg in step["args"]:
+                if arg.startswith("p_"):
+                    args.append(("p", arg[2:], 0))
+                elif arg.startswith("i_"):  # an extra input, of the output's shape: advances with it per sample
+                    args.append(("i", arg[2:], per_sample["out"]))
+                else:
+                    args.append(("b", arg, per_sample[arg]))
+            steps.append(_Kernel(f"{sp.key}:{step['name']}", step, tuple(args), step["once"], step["grid_x"]))
+        seq = _sequences[sp.key] = _Sequence(parts, in_shapes, tuple(steps), tuple(buffers), tuple(plan["out_shape"]),
+                                             plan["stats_floats"], dtype)
     return seq
 
 
@@ -95,12 +158,12 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     """Run the sequence on contiguous float32 CUDA `x` into `out` (allocated when None). `stats`: where
     the training-mode batch norms with running statistics write their batch statistics
     (reference.forward_with_stats' layout); allocated (and dropped) when None."""
-    plan = sp.plan
+    seq = _sequence(sp)
     batch = x.shape[0]
-    shape = (batch, *plan["out_shape"])
+    shape = (batch, *seq.out_shape)
     # The layer's dtype (float32, or a pool split's 16-bit one): its output and the tensors its
     # parts hand on (the statistic stages' tails compute in float32 only).
-    dtype = torchop.PRECISION_DTYPE[sp.spec.precision]
+    dtype = seq.dtype
     if out is None:
         out = torch.empty(shape, device=x.device, dtype=dtype)
     elif tuple(out.shape) != shape or out.dtype != dtype or out.device != x.device or not out.is_contiguous():
@@ -108,53 +171,40 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
             f"{sp.spec.name}: out must be a contiguous {dtype} tensor of shape {list(shape)} on {x.device}, "
             f"got {out.dtype} {list(out.shape)} on {out.device}"
         )
-    if plan["stats_floats"] and (stats is None or stats.numel() != plan["stats_floats"] or stats.device != x.device):
+    floats = seq.stats_floats
+    if floats and (stats is None or stats.numel() != floats or stats.device != x.device):
         if stats is not None:
-            raise ValueError(f"{sp.spec.name}: stats must be a float32 tensor of {plan['stats_floats']} values on {x.device}")
-        stats = torch.empty(plan["stats_floats"], device=x.device, dtype=torch.float32)
+            raise ValueError(f"{sp.spec.name}: stats must be a float32 tensor of {floats} values on {x.device}")
+        stats = torch.empty(floats, device=x.device, dtype=torch.float32)
     if batch == 0:
         return out
     if out.data_ptr() % 16:
         raise ValueError(f"{sp.spec.name}: out must start at a 16-byte aligned address (got a view with an offset)")
     device_index = x.get_device()
     stream = torchop._current_stream(device_index)
-    seq = _sequence(sp)
-    buffers, per_sample = {"x": x, "out": out}, {"x": 4 * plan["in_per_sample"], "out": 4 * math.prod(plan["out_shape"])}
-    for name, size in plan["buffers"].items():
-        if isinstance(size, int):  # values per sample
+    buffers = {"x": x, "out": out}
+    for name, kind, size in seq.buffers:
+        if kind == "sample":
             buffers[name] = torch.empty(batch * size, device=x.device, dtype=dtype)
-            per_sample[name] = buffers[name].element_size() * size
-        elif size[0] == "stats":  # a slice of the batch statistics the layer returns
-            buffers[name] = stats[size[1]:]
-            per_sample[name] = 0
-        else:  # ("once", floats): one for the whole batch
-            buffers[name] = torch.empty(size[1], device=x.device, dtype=torch.float32)
-            per_sample[name] = 0
-    for step in plan["steps"]:
-        if step["kind"] == "layer":
-            part = seq.parts[step["part"]]
-            src = buffers[step["in"]].view(batch, *seq.in_shapes[step["part"]])
-            dst = buffers[step["out"]].view(batch, *step["out_shape"])
-            if sp.plan["parts"][step["part"]]["role"] == "body":
-                torchop.launch(part, src, weight, bias, params, dst)
-            else:
-                ones = _identity_weight(step["ones"], len(seq.in_shapes[step["part"]]) - 1, x.device)
-                torchop.launch(part, src, ones, None, params, dst)
-            continue
-        kernel = _kernel(sp, step, device_index)
-        pointers, strides = [], []
-        for arg in step["args"]:
-            if arg.startswith("p_"):
-                pointers.append(params[arg[2:]].data_ptr())  # aligned by torchop.launch
-                strides.append(0)
-            elif arg.startswith("i_"):  # an extra input, of the output's shape: advances with it per sample
-                pointers.append(params[arg[2:]].data_ptr())
-                strides.append(per_sample["out"])
-            else:
-                pointers.append(buffers[arg].data_ptr())
-                strides.append(per_sample[arg])
-        if step["once"]:
-            runtime.launch_once(kernel, step["grid_x"], pointers, batch, stream)
+        elif kind == "stats":
+            buffers[name] = stats[size:]
         else:
-            runtime.launch(kernel, step["grid_x"], pointers, strides, batch, stream)
+            buffers[name] = torch.empty(size, device=x.device, dtype=torch.float32)
+    for step in seq.steps:
+        if type(step) is _Layer:
+            src = buffers[step.src].view(batch, *step.in_shape)
+            dst = buffers[step.dst].view(batch, *step.out_shape)
+            if step.body:
+                torchop.launch(step.part, src, weight, bias, params, dst)
+            else:
+                ones = _identity_weight(step.ones, len(step.in_shape) - 1, x.device)
+                torchop.launch(step.part, src, ones, None, params, dst)
+            continue
+        kernel = runtime.lookup(step.key, device_index) or _kernel(sp, step.step, device_index)
+        # (parameters and extra inputs aligned by torchop.launch)
+        pointers = [(buffers[name] if source == "b" else params[name]).data_ptr() for source, name, _ in step.args]
+        if step.once:
+            runtime.launch_once(kernel, step.grid_x, pointers, batch, stream)
+        else:
+            runtime.launch(kernel, step.grid_x, pointers, [stride for _, _, stride in step.args], batch, stream)
     return out

@@ -124,6 +124,10 @@ class FakeDriver:
         self.set_current += 1
         return 0
 
+    def cuLaunchKernelEx(self, config_ref, function, argv, extra):
+        config = config_ref._obj  # the CUlaunchConfig the launch packed
+        return self.cuLaunchKernel(function, *config.grid, *config.block, config.shared_mem_bytes, config.stream, argv, extra)
+
     def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
         values = [ctypes.cast(argv[i], ctypes.POINTER(ctypes.c_uint64))[0] for i in range(self.n)]
         batch = ctypes.cast(argv[self.n], ctypes.POINTER(ctypes.c_int))[0]
@@ -169,3 +173,37 @@ def test_the_implicit_gemm_splits_batches_past_32_bit_positions(monkeypatch):
     assert [launch["batch"] for launch in driver.launches] == [2047, 1]
     assert all(launch["batch"] * positions <= runtime.GRID_X_MAX for launch in driver.launches)
     assert driver.launches[1]["pointers"] == [4096 + 64 * 2047, 8192, 16384 + 32 * 2047]
+
+
+def test_eager_autograd_records_the_ops_backward(monkeypatch):
+    """With autograd on, an eager call runs the launch inside an autograd.Function whose backward is
+    the op's (recompute with the reference): checked on CPU with the kernel stood in for by the
+    reference's detached result."""
+    from specgen import reference
+
+    spec = validate(SPEC)
+    layer = FusedLayer(spec)
+    op = layer.op
+
+    grad_mode = []
+
+    def kernel(sp, x, weight, bias, params, out):
+        assert out is None
+        grad_mode.append(torch.is_grad_enabled())
+        return reference.forward(spec, x, weight, bias, params).detach()
+
+    monkeypatch.setattr(torchop, "launch", kernel)
+    x = torch.randn(2, 2, 8, 8, requires_grad=True)
+    tensors = layer._op_tensors()
+    y = torchop.eager_autograd(op, None, (x, *tensors))
+    assert "_Eager" in type(y.grad_fn).__name__ and grad_mode == [False]  # the Function's forward records nothing
+    g = torch.randn(y.shape)
+    got = torch.autograd.grad(y, [x, *tensors], g)
+    y_ref = reference.forward(spec, x, tensors[0], tensors[1], {"shift": tensors[2]})
+    want = torch.autograd.grad(y_ref, [x, *tensors], g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    # nothing needs a gradient: the launch alone, no graph
+    with torch.no_grad():
+        frozen = [t.detach() for t in tensors]
+    assert torchop.eager_autograd(op, None, (x.detach(), *frozen)).grad_fn is None

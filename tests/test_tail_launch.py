@@ -39,6 +39,10 @@ class Recorder:
     def cuCtxSetCurrent(self, ctx):
         return 0
 
+    def cuLaunchKernelEx(self, config_ref, function, argv, extra):
+        config = config_ref._obj  # the CUlaunchConfig the launch packed
+        return self.cuLaunchKernel(function, *config.grid, *config.block, config.shared_mem_bytes, config.stream, argv, extra)
+
     def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
         function = function.value  # the kernel's c_void_p, as the launch passes it
         n = self.n_pointers[function]
