@@ -20,6 +20,8 @@ from specgen import reference
 
 FP32_REL_L2 = 1e-5
 """fp32 kernels against float64: relative L2 error at most this."""
+FP32_ILL_CONDITIONED_FACTOR = 2.0
+"""... or at most this times PyTorch fp32's own error, where that is already past FP32_REL_L2."""
 FP32_ATOL = FP32_RTOL = 1e-4
 """fp32 kernels against PyTorch fp32: torch.allclose with these tolerances."""
 TF32_FACTOR = 2.0
@@ -82,11 +84,16 @@ def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def assert_fp32(what: str, out: torch.Tensor, ref64: torch.Tensor, ref32: torch.Tensor) -> float:
-    """The fp32 bars: finite (no unwritten NaN), rel. L2 to float64 <= 1e-5, allclose to PyTorch fp32."""
+    """The fp32 bars: finite (no unwritten NaN), rel. L2 to float64 <= 1e-5, allclose to PyTorch fp32.
+
+    Where PyTorch's own fp32 result is already further than 1e-5 from float64 (an ill-conditioned
+    draw: a norm over two nearly equal values, then a difference of what it normalized, loses
+    digits in any fp32 arithmetic), the bar is 2x PyTorch fp32's error on those very inputs."""
     assert out.shape == ref64.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(ref64.shape)}"
     assert bool(torch.isfinite(out).all()), f"{what}: unwritten (NaN) or non-finite outputs"
-    rel = rel_l2(out, ref64)
-    assert rel <= FP32_REL_L2, f"{what}: rel L2 {rel:.3e} > {FP32_REL_L2:.0e} against float64"
+    rel, torch_rel = rel_l2(out, ref64), rel_l2(ref32, ref64)
+    bar = max(FP32_REL_L2, FP32_ILL_CONDITIONED_FACTOR * torch_rel)
+    assert rel <= bar, f"{what}: rel L2 {rel:.3e} > {bar:.1e} against float64 (PyTorch fp32: {torch_rel:.3e})"
     close = torch.allclose(out, ref32, atol=FP32_ATOL, rtol=FP32_RTOL)
     assert close, f"{what}: not allclose to PyTorch fp32 (max abs diff {(out - ref32).abs().max().item():.3e})"
     return rel
