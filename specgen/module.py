@@ -295,7 +295,10 @@ class FusedLayer(nn.Module):
                 if not torch.is_grad_enabled():
                     return self._launch(x, None, conv, weight, inputs)
                 sp = self._specialized or self.specialize()  # (binds the op of its key)
-                return torchop.eager_autograd(self._spec_op, sp, (x, *self._op_tensors(), *inputs))
+                bias = (_tensor(conv, "bias"),) if self._has_bias else ()
+                params = self._launch_params() if self._param_names else {}
+                return torchop.eager_autograd(self._spec_op, sp, (x, weight, *bias, *(params[n] for n in self._param_names),
+                                                                  *inputs))
         else:
             self._check_portable_input(x)
         return self._op(x, *self._op_tensors(), *inputs)

@@ -255,12 +255,28 @@ def _setup_context(ctx, inputs, output) -> None:
         ctx.mark_non_differentiable(output[1])
 
 
-def _backward(op: SpecOp, ctx, grad, needs=None):
+def _in_shape(t: torch.Tensor, want: tuple) -> torch.Tensor:
+    """`t` viewed in the op's argument shape `want` (a one-element tensor expanded to every channel)."""
+    if tuple(t.shape) == want:
+        return t
+    if t.numel() == 1 and math.prod(want) != 1:
+        return t.reshape((1,) * len(want)).expand(want)
+    return t.reshape(want)
+
+
+def _backward(op: SpecOp, ctx, grad, needs=None, reshape: bool = False):
+    """The gradients of the saved arguments: the reference recomputed on them and differentiated.
+    `reshape`: the saved per-channel tensors are as the model holds them (C values in any shape),
+    viewed in the op's shapes for the reference, so their gradients come back in their own."""
     saved = ctx.saved_tensors
     needs = ctx.needs_input_grad if needs is None else needs
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_(bool(n)) for t, n in zip(saved, needs)]
-        y = _reference(op, leaves)
+        args = leaves
+        if reshape:
+            args = [leaves[0], *(_in_shape(t, want) for t, want in zip(leaves[1:], op.arg_shapes)),
+                    *leaves[1 + len(op.arg_shapes):]]
+        y = _reference(op, args)
         wanted = [t for t, n in zip(leaves, needs) if n]
         got = iter(torch.autograd.grad(y, wanted, grad, allow_unused=True)) if wanted else iter(())
     return tuple(next(got) if n else None for n in needs)
@@ -283,7 +299,7 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (None, None, *_backward(ctx.op, ctx, grad, ctx.needs_input_grad[2:]))
+        return (None, None, *_backward(ctx.op, ctx, grad, ctx.needs_input_grad[2:], reshape=True))
 
 
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
@@ -296,11 +312,14 @@ _apply = super(torch.autograd.Function, _Eager).apply
 def eager_autograd(op: SpecOp, sp: pipeline.Specialized, args: tuple) -> torch.Tensor:
     """The op on CUDA `args` (its positional arguments, checked by the caller as the raw launch
     needs) outside torch.compile: the kernel, recorded for autograd when any argument needs a
-    gradient (under torch.func's transforms, the op itself). Not for ops that return batch
-    statistics."""
+    gradient (under torch.func's transforms, the op itself). The per-channel tensors may be as the
+    model holds them (C contiguous values, the raw launch's reading; a view in the op's shape per
+    tensor and call costs microseconds); the backward views them in the op's shapes. Not for ops
+    that return batch statistics."""
     if any(t.requires_grad for t in args):
         if _functorch_active():
-            return op.overload(*args)
+            return op.overload(args[0], *(_in_shape(t, want) for t, want in zip(args[1:], op.arg_shapes)),
+                               *args[1 + len(op.arg_shapes):])
         return _apply(op, sp, *args)
     x, weight, bias, params = op.split(args)
     return launch(sp, x, weight, bias, params, None)

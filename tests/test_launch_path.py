@@ -190,7 +190,8 @@ def test_eager_autograd_records_the_ops_backward(monkeypatch):
     def kernel(sp, x, weight, bias, params, out):
         assert out is None
         grad_mode.append(torch.is_grad_enabled())
-        return reference.forward(spec, x, weight, bias, params).detach()
+        shaped = {name: t.reshape(spec.params()[name]) for name, t in params.items()}  # C values, as the kernel reads them
+        return reference.forward(spec, x, weight, bias, shaped).detach()
 
     monkeypatch.setattr(torchop, "launch", kernel)
     x = torch.randn(2, 2, 8, 8, requires_grad=True)
@@ -201,6 +202,17 @@ def test_eager_autograd_records_the_ops_backward(monkeypatch):
     got = torch.autograd.grad(y, [x, *tensors], g)
     y_ref = reference.forward(spec, x, tensors[0], tensors[1], {"shift": tensors[2]})
     want = torch.autograd.grad(y_ref, [x, *tensors], g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    # the per-channel tensors as a model holds them (C values, here 1-D; the raw launch reads them so):
+    # their gradients come back in their own shape
+    flat = tensors[2].detach().reshape(-1).clone().requires_grad_()
+    assert tuple(flat.shape) != tuple(tensors[2].shape)
+    y = torchop.eager_autograd(op, None, (x, tensors[0], tensors[1], flat))
+    got = torch.autograd.grad(y, [x, flat], g)
+    y_ref = reference.forward(spec, x, tensors[0], tensors[1], {"shift": flat.reshape(tensors[2].shape)})
+    want = torch.autograd.grad(y_ref, [x, flat], g)
+    assert got[1].shape == flat.shape
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
     # nothing needs a gradient: the launch alone, no graph
