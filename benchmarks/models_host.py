@@ -8,19 +8,14 @@ torchop.eager_autograd), all in one run.
 import sys, time, io, cProfile, pstats, torch
 sys.path.insert(0, "examples")
 import models
+sys.path.insert(0, "benchmarks")
+from host import host as host_time
 from specgen import torchop
 from specgen.importer import from_module
 
-def host(fn, n=30):
-    for _ in range(10): fn()
-    torch.cuda.synchronize()
-    best = []
-    for _ in range(15):
-        t = time.perf_counter()
-        for _ in range(n): fn()
-        best.append((time.perf_counter() - t) / n)
-        torch.cuda.synchronize()
-    return min(best) * 1e6
+def host(fn, n=30):  # host time per forward: no sync in the loop
+    return host_time(fn, n)
+
 
 def timed(fn, n=30):  # wall per forward with sync: what a user sees
     for _ in range(10): fn()
@@ -35,7 +30,7 @@ def timed(fn, n=30):  # wall per forward with sync: what a user sees
 
 fast = torchop.eager_autograd
 def via_op(op, sp, args):
-    return op.overload(*args)
+    return op.overload(*torchop.in_op_shapes(op, args))
 
 for cls, batch in [(models.ResNet18, 1), (models.ResNet18, 8), (models.MobileNetV2, 1)]:
     torch.manual_seed(0)

@@ -264,6 +264,12 @@ def _in_shape(t: torch.Tensor, want: tuple) -> torch.Tensor:
     return t.reshape(want)
 
 
+def in_op_shapes(op: SpecOp, args) -> list:
+    """The op's positional arguments with each per-channel tensor viewed in the op's shape."""
+    n = len(op.arg_shapes)
+    return [args[0], *(_in_shape(t, want) for t, want in zip(args[1:], op.arg_shapes)), *args[1 + n:]]
+
+
 def _backward(op: SpecOp, ctx, grad, needs=None, reshape: bool = False):
     """The gradients of the saved arguments: the reference recomputed on them and differentiated.
     `reshape`: the saved per-channel tensors are as the model holds them (C values in any shape),
@@ -272,11 +278,7 @@ def _backward(op: SpecOp, ctx, grad, needs=None, reshape: bool = False):
     needs = ctx.needs_input_grad if needs is None else needs
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_(bool(n)) for t, n in zip(saved, needs)]
-        args = leaves
-        if reshape:
-            args = [leaves[0], *(_in_shape(t, want) for t, want in zip(leaves[1:], op.arg_shapes)),
-                    *leaves[1 + len(op.arg_shapes):]]
-        y = _reference(op, args)
+        y = _reference(op, in_op_shapes(op, leaves) if reshape else leaves)
         wanted = [t for t, n in zip(leaves, needs) if n]
         got = iter(torch.autograd.grad(y, wanted, grad, allow_unused=True)) if wanted else iter(())
     return tuple(next(got) if n else None for n in needs)
@@ -318,8 +320,7 @@ def eager_autograd(op: SpecOp, sp: pipeline.Specialized, args: tuple) -> torch.T
     that return batch statistics."""
     if any(t.requires_grad for t in args):
         if _functorch_active():
-            return op.overload(args[0], *(_in_shape(t, want) for t, want in zip(args[1:], op.arg_shapes)),
-                               *args[1 + len(op.arg_shapes):])
+            return op.overload(*in_op_shapes(op, args))
         return _apply(op, sp, *args)
     x, weight, bias, params = op.split(args)
     return launch(sp, x, weight, bias, params, None)

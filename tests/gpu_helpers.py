@@ -167,3 +167,17 @@ def compare(layer, batch: int, seed: int, channels_last: bool = False) -> dict:
             ref_tf32 = reference.forward(spec, x, layer.conv.weight, layer.conv.bias, params)
         emulated = reference.forward64(spec, tf32_rounded(x), tf32_rounded(layer.conv.weight), layer.conv.bias, params)
         return assert_tf32(what, out, ref64, ref_tf32, emulated)
+
+
+def captured(layer, x: torch.Tensor, grad: bool = True):
+    """`layer(x)` captured in a CUDA graph, its kernels loaded by a first call on a side stream
+    outside the capture: (graph, the graph's output tensor). `grad=False` captures under no_grad."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.set_grad_enabled(grad), torch.cuda.graph(graph):
+        out = layer(x)
+    return graph, out

@@ -17,7 +17,7 @@ from specgen.module import FusedLayer  # noqa: E402
 from specgen.plan import forward_equivalent  # noqa: E402
 from specgen.spec import SpecError, validate  # noqa: E402
 
-from gpu_helpers import compare  # noqa: E402
+from gpu_helpers import captured, compare  # noqa: E402
 from test_poolfold import CASES as POOL_FOLDS, pooled  # noqa: E402
 from test_tapsum import FOLDS, foldable, layer  # noqa: E402
 
@@ -105,18 +105,6 @@ def test_the_random_gpu_pool_folds_ran():
     assert pool_ran["cases"] >= 25, pool_ran
 
 
-def _captured(layer, x):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer(x)  # load the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
-        out = layer(x)
-    return graph, out
-
-
 @pytest.mark.parametrize("kind", ["tap_fold", "transposed_pool_fold"])
 def test_folded_layers_replay_in_a_cuda_graph_with_new_weights(kind):
     """The folds' weight transforms run inside the capture (no host-to-device copy there), so each
@@ -128,7 +116,7 @@ def test_folded_layers_replay_in_a_cuda_graph_with_new_weights(kind):
     assert layer.specialize().plan["weight_transforms"][0]["kind"] == kind
     gen = torch.Generator(device="cuda").manual_seed(11)
     x = torch.randn(2, layer.spec.input.channels, *layer.spec.input.size, device="cuda", generator=gen)
-    graph, out = _captured(layer, x)
+    graph, out = captured(layer, x, grad=False)
     for _ in range(2):
         with torch.no_grad():
             layer.conv.weight.copy_(torch.randn(layer.conv.weight.shape, device="cuda", generator=gen))

@@ -19,7 +19,7 @@ from specgen import reference  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 from specgen.spec import SpecError, load_specs, validate  # noqa: E402
 
-from gpu_helpers import compare, randomize, rel_l2  # noqa: E402
+from gpu_helpers import captured, compare, randomize, rel_l2  # noqa: E402
 from strategies import specs as random_specs  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
@@ -166,14 +166,7 @@ def test_only_the_output_is_allocated():
 def test_cuda_graph_capture_and_replay():
     layer = FusedLayer(shrink(load_specs(EXAMPLES / "kb90.yaml")[0])).cuda()
     static_x = torch.randn(4, 8, 8, 10, 12, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer(static_x)  # warm-up: load the module outside capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = layer(static_x)
+    graph, static_out = captured(layer, static_x)
     replays_match_reference(graph, layer, static_x, static_out)
 
 

@@ -19,7 +19,7 @@ from specgen import reference  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 from specgen.spec import SpecError, validate  # noqa: E402
 
-from gpu_helpers import compare, poisoned, random_input, randomize, rel_l2  # noqa: E402
+from gpu_helpers import captured, compare, poisoned, random_input, randomize, rel_l2  # noqa: E402
 from strategies import norm_specs  # noqa: E402
 from test_tail import BN_TRAIN, IDS, VARIANTS, modes  # noqa: E402
 
@@ -132,14 +132,7 @@ def test_cuda_graph_capture_and_replay_of_a_sequence():
     gen = torch.Generator(device="cuda").manual_seed(3)
     randomize(layer, gen)
     static_x = random_input(layer.spec, 3, gen)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer(static_x)  # load every kernel outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = layer(static_x)
+    graph, static_out = captured(layer, static_x)
     for seed in range(3):
         static_x.copy_(torch.randn(static_x.shape, generator=torch.Generator("cuda").manual_seed(seed), device="cuda"))
         static_out.fill_(float("nan"))

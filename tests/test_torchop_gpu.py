@@ -14,6 +14,7 @@ from specgen import reference, runtime  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 from specgen.spec import load_specs  # noqa: E402
 
+from gpu_helpers import captured  # noqa: E402
 from test_torchop import EXAMPLES, example_specs as _example_specs, first_output, shrink  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
@@ -138,14 +139,7 @@ def test_capture_and_replay_through_the_op_with_autograd_enabled(name):
     spec = kb(name)
     layer = cuda_layer(spec)
     static_x = cuda_input(spec, 3)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = layer(static_x)  # parameters require grad: the op records its autograd node
+    graph, static_out = captured(layer, static_x)  # parameters require grad: the layer records its autograd node
     for seed in range(3):
         static_x.copy_(cuda_input(spec, 3, seed=20 + seed))
         graph.replay()
