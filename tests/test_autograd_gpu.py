@@ -149,3 +149,31 @@ def test_eval_twin_records_gradients_eagerly():
     y1.sum().backward(), y2.sum().backward()
     assert rel(x1.grad, x2.grad) <= 1e-5
     assert rel(fused.conv.weight.grad, plain.conv.weight.grad) <= 1e-5
+
+
+def test_imported_batch_norm_gradients_reach_the_models_own_tensors():
+    """An imported conv + batch norm + ReLU in eval mode with autograd on: the kernel reads the
+    model's 1-D batch-norm tensors as they are and the backward views them in the spec's shapes,
+    so each gradient lands on the model's parameter in its own shape, equal to PyTorch's."""
+    from specgen.importer import from_module
+
+    torch.manual_seed(31)
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-0.5, 0.5)
+        model[1].running_var.uniform_(0.5, 2.0)
+        model[1].weight.uniform_(0.5, 1.5)
+        model[1].bias.uniform_(-0.5, 0.5)
+    model = model.cuda().eval()
+    plain = copy.deepcopy(model)
+    x = torch.randn(2, 4, 12, 12, device="cuda")
+    fused = from_module(model, x, keep_slower=True)
+    assert len(fused.specgen_report.specs) == 1
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn(2, 8, 12, 12, device="cuda")
+    (fused(x1) * g).sum().backward()
+    (plain(x2) * g).sum().backward()
+    assert rel(x1.grad, x2.grad) <= 1e-5
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert p.grad is not None and p.grad.shape == q.grad.shape, name
+        assert rel(p.grad, q.grad) <= 1e-5, name
