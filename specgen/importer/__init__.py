@@ -182,7 +182,10 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, pr
     Example-input shapes are baked into the fused layers (the batch size stays free). On a GPU the
     whole fused model is timed once more against the original, and the original is returned
     (with `specgen_report` set, `.whole_model` holding both times) unless the fused one is faster
-    by 3% (WHOLE_MODEL_MARGIN)."""
+    by 3% (WHOLE_MODEL_MARGIN). All timing runs under torch.no_grad(): a forward with autograd on
+    records each fused chain for the backward (host time that counts at small batches, where
+    a fused model can then be slower than the original), and a backward recomputes each chain
+    with PyTorch ops before differentiating it."""
     log = get_logger()
     imp = _importer(model, example_inputs, precision)
     if isinstance(imp, str):
