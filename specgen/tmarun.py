@@ -173,10 +173,13 @@ def _call(sp) -> _Call:
         n_ptrs = spec.conv.bias + len(names) + len(inputs) + 1
         name = plan["kernel_name"]
         call = _calls[sp.key] = _Call(
-            tp, spec.precision, f"tma:{sp.key}", spec.input.channels, plan["taps"], tuple(spec.input.size), planes,
-            tp.cip == spec.input.channels and not tp.split, OPERAND_DTYPE[spec.precision], f"{name}_prep",
-            f"{name}_prep_cl", names, inputs, spec.conv.bias, ("map",) * (2 * planes) + ("ptr",) * n_ptrs + ("int",),
-            functools.partial(_weights, tp=tp, cin=spec.input.channels, taps=plan["taps"], precision=spec.precision),
+            tp=tp, precision=spec.precision, weights_key=f"tma:{sp.key}", cin=spec.input.channels, taps=plan["taps"],
+            size=tuple(spec.input.size), planes=planes, in_place_cl=tp.cip == spec.input.channels and not tp.split,
+            operand_dtype=OPERAND_DTYPE[spec.precision], prep=f"{name}_prep", prep_cl=f"{name}_prep_cl",
+            param_names=names, input_names=inputs, has_bias=spec.conv.bias,
+            main_kinds=("map",) * (2 * planes) + ("ptr",) * n_ptrs + ("int",),
+            make_weights=functools.partial(_weights, tp=tp, cin=spec.input.channels, taps=plan["taps"],
+                                           precision=spec.precision),
         )
     return call
 
