@@ -9,13 +9,9 @@ import sys, time, io, cProfile, pstats, torch
 sys.path.insert(0, "examples")
 import models
 sys.path.insert(0, "benchmarks")
-from host import host as host_time
+from host import host  # host time per forward: no sync in the loop
 from specgen import torchop
 from specgen.importer import from_module
-
-def host(fn, n=30):  # host time per forward: no sync in the loop
-    return host_time(fn, n)
-
 
 def timed(fn, n=30):  # wall per forward with sync: what a user sees
     for _ in range(10): fn()
@@ -41,10 +37,10 @@ for cls, batch in [(models.ResNet18, 1), (models.ResNet18, 8), (models.MobileNet
     name = f"{cls.__name__} b{batch}"
     print(f"{name}: from_module {time.perf_counter() - t:.1f} s", flush=True)
     with torch.no_grad():
-        print(f"  no_grad   host us: eager {host(lambda: m(x)):8.1f}  fused {host(lambda: f(x)):8.1f}   wall us: eager {timed(lambda: m(x)):8.1f}  fused {timed(lambda: f(x)):8.1f}", flush=True)
-    e, n = host(lambda: m(x)), host(lambda: f(x))
+        print(f"  no_grad   host us: eager {host(lambda: m(x), 30):8.1f}  fused {host(lambda: f(x), 30):8.1f}   wall us: eager {timed(lambda: m(x)):8.1f}  fused {timed(lambda: f(x)):8.1f}", flush=True)
+    e, n = host(lambda: m(x), 30), host(lambda: f(x), 30)
     torchop.eager_autograd = via_op
-    o = host(lambda: f(x))
+    o = host(lambda: f(x), 30)
     torchop.eager_autograd = fast
     print(f"  autograd  host us: eager {e:8.1f}  fused {n:8.1f}  fused through the custom op {o:8.1f}", flush=True)
     if batch == 8:

@@ -547,6 +547,7 @@ class LayerSpec(Model):
         right after the statistic stage that comes right after the save (the statistic stage's input
         is what its kernels read back: `x + f(group_norm(x))`)."""
         saves: dict[str, int] = {}
+        running = self.running_stat_stages()
         for i, stage in enumerate(self.epilogue):
             if stage.op == "save":
                 name = stage.args.name
@@ -563,7 +564,7 @@ class LayerSpec(Model):
                     raise SpecShapeError(f"{where}: no earlier `save: {name}` stage")
                 k = saves[name]
                 nxt = self.epilogue[k + 1]
-                if k + 1 in self.running_stat_stages():
+                if k + 1 in running:
                     raise SpecShapeError(
                         f"{where}: epilogue[{k + 1}] is a training-mode batch norm with running statistics, which "
                         f"normalizes per channel with them in eval mode: pointwise, where a saved value is not read")

@@ -47,12 +47,13 @@ class _Layer:
 
 @dataclass(frozen=True)
 class _Kernel:
-    """A tail kernel step: its loaded-kernel key and its arguments, each (source, name, bytes per
-    sample): source "p" a parameter, "i" an extra input, "b" a buffer."""
+    """A tail kernel step: its loaded-kernel key, its arguments, each (source, name): source "p" a
+    parameter, "i" an extra input, "b" a buffer, and the bytes each advances per sample."""
 
     key: str
     step: dict
     args: tuple
+    strides: tuple
     once: bool
     grid_x: int
 
@@ -62,7 +63,6 @@ class _Sequence:
     """What every launch of one sequence needs, worked out once per layer (its cache key)."""
 
     parts: dict  # step index of a body-engine part -> its Part
-    in_shapes: dict  # step index -> the per-sample input shape of that part
     steps: tuple  # _Layer and _Kernel, in order
     buffers: tuple  # (name, kind, values): kind "sample" (values per sample), "stats" (offset), "once"
     out_shape: tuple
@@ -104,16 +104,19 @@ def _sequence(sp: pipeline.Specialized) -> _Sequence:
                 steps.append(_Layer(parts[index], plan["parts"][index]["role"] == "body", step["in"], step["out"],
                                     in_shapes[index], tuple(step["out_shape"]), step.get("ones", 0)))
                 continue
-            args = []
+            args, strides = [], []
             for arg in step["args"]:
                 if arg.startswith("p_"):
-                    args.append(("p", arg[2:], 0))
+                    args.append(("p", arg[2:]))
+                    strides.append(0)
                 elif arg.startswith("i_"):  # an extra input, of the output's shape: advances with it per sample
-                    args.append(("i", arg[2:], per_sample["out"]))
+                    args.append(("i", arg[2:]))
+                    strides.append(per_sample["out"])
                 else:
-                    args.append(("b", arg, per_sample[arg]))
-            steps.append(_Kernel(f"{sp.key}:{step['name']}", step, tuple(args), step["once"], step["grid_x"]))
-        seq = _sequences[sp.key] = _Sequence(parts, in_shapes, tuple(steps), tuple(buffers), tuple(plan["out_shape"]),
+                    args.append(("b", arg))
+                    strides.append(per_sample[arg])
+            steps.append(_Kernel(f"{sp.key}:{step['name']}", step, tuple(args), tuple(strides), step["once"], step["grid_x"]))
+        seq = _sequences[sp.key] = _Sequence(parts, tuple(steps), tuple(buffers), tuple(plan["out_shape"]),
                                              plan["stats_floats"], dtype)
     return seq
 
@@ -202,9 +205,9 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
             continue
         kernel = runtime.lookup(step.key, device_index) or _kernel(sp, step.step, device_index)
         # (parameters and extra inputs aligned by torchop.launch)
-        pointers = [(buffers[name] if source == "b" else params[name]).data_ptr() for source, name, _ in step.args]
+        pointers = [(buffers[name] if source == "b" else params[name]).data_ptr() for source, name in step.args]
         if step.once:
             runtime.launch_once(kernel, step.grid_x, pointers, batch, stream)
         else:
-            runtime.launch(kernel, step.grid_x, pointers, [stride for _, _, stride in step.args], batch, stream)
+            runtime.launch(kernel, step.grid_x, pointers, step.strides, batch, stream)
     return out

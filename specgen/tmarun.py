@@ -144,8 +144,6 @@ class _Call:
     tp: TmaPlan
     precision: str
     weights_key: str  # the prepared weights' key among the derived tensors
-    cin: int
-    taps: int
     size: tuple  # the input's spatial extents
     planes: int  # operand planes: 2 (hi, lo) in fp32 mode, else 1
     in_place_cl: bool  # a channels-last input is read as it is (no padding, one plane)
@@ -173,7 +171,7 @@ def _call(sp) -> _Call:
         n_ptrs = spec.conv.bias + len(names) + len(inputs) + 1
         name = plan["kernel_name"]
         call = _calls[sp.key] = _Call(
-            tp=tp, precision=spec.precision, weights_key=f"tma:{sp.key}", cin=spec.input.channels, taps=plan["taps"],
+            tp=tp, precision=spec.precision, weights_key=f"tma:{sp.key}",
             size=tuple(spec.input.size), planes=planes, in_place_cl=tp.cip == spec.input.channels and not tp.split,
             operand_dtype=OPERAND_DTYPE[spec.precision], prep=f"{name}_prep", prep_cl=f"{name}_prep_cl",
             param_names=names, input_names=inputs, has_bias=spec.conv.bias,

@@ -296,8 +296,7 @@ class _Eager(torch.autograd.Function):
     def forward(ctx, op: SpecOp, sp: pipeline.Specialized, *args):
         ctx.op = op
         ctx.save_for_backward(*args)
-        x, weight, bias, params = op.split(args)
-        return launch(sp, x, weight, bias, params, None)
+        return _launch_args(op, sp, args)
 
     @staticmethod
     def backward(ctx, grad):
@@ -322,6 +321,11 @@ def eager_autograd(op: SpecOp, sp: pipeline.Specialized, args: tuple) -> torch.T
         if _functorch_active():
             return op.overload(*in_op_shapes(op, args))
         return _apply(op, sp, *args)
+    return _launch_args(op, sp, args)
+
+
+def _launch_args(op: SpecOp, sp: pipeline.Specialized, args) -> torch.Tensor:
+    """The kernel on the op's positional arguments, into a new output."""
     x, weight, bias, params = op.split(args)
     return launch(sp, x, weight, bias, params, None)
 

@@ -320,8 +320,7 @@ class Analysis(Capture):
         if not all(isinstance(descs[u], PW) and self.order[u] > self.order[norm] for u in users if u is not norm):
             return False
         name = unique(sanitize(f"{cur.name}_saved", "saved"), set(chain.tensors) | set(chain.inputs) | {n for n, _ in chain.saves.values()})
-        state = (dict(chain.data), chain.spec, chain.out, chain.view, len(chain.nodes), dict(chain.names),
-                 dict(chain.tensors), dict(chain.inputs), chain.mode, chain.stop)
+        state = self._snapshot(chain)
         try:
             self._commit(chain, [{"save": name}], [], cur)
             self._take_norm(chain, norm, descs[norm])
@@ -330,6 +329,12 @@ class Analysis(Capture):
             return False
         chain.saves[cur] = (name, state)
         return True
+
+    @staticmethod
+    def _snapshot(chain: _Chain) -> tuple:
+        """What `_restore` brings back: the chain as it is now."""
+        return (dict(chain.data), chain.spec, chain.out, chain.view, len(chain.nodes), dict(chain.names),
+                dict(chain.tensors), dict(chain.inputs), chain.mode, chain.stop)
 
     def _restore(self, chain: _Chain, state: tuple) -> None:
         (chain.data, chain.spec, chain.out, chain.view, n, chain.names, chain.tensors, chain.inputs,
