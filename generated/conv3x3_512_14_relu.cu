@@ -42,6 +42,11 @@
 //     tensor cores add with truncation, so each stage is summed apart and added to the total in fp32.
 //   * Epilogue on the accumulators: bias, relu; each value is stored straight to
 //     the [batch][C_OUT][d][h][w] output.
+//   * Split K, for batches too small to fill the GPU with tiles: specgen_conv3x3_512_14_relu_split runs the same
+//     K loop over one of SPLIT_K = 12 equal parts of K per block (12 stages; grid y = the part) and
+//     writes its sums to a workspace; specgen_conv3x3_512_14_relu_reduce adds the parts up in order (the same sum
+//     on every run, whichever block finished first) and runs the epilogue. The launch picks the
+//     kernel by the batch.
 //   Grid: one block per (M tile, N tile), N tiles fastest (blocks that read the same input run
 //   together); 384 threads per block; 197632 bytes of dynamic shared memory.
 // =====================================================================================================
@@ -68,6 +73,7 @@ constexpr int BKC = 32;  // channels per K-block: one 128-byte row of an A or B 
 constexpr int CB = 16;  // K-blocks per tap (CIP / BKC)
 constexpr int KB_PER_STAGE = 1;  // K-blocks per pipeline stage
 constexpr int K_ITERS = 144;  // stages walked: TAPS * CB / KB_PER_STAGE (the main loop's trip count)
+constexpr int SPLIT_K = 12;  // parts of K in the split kernel, K_ITERS / SPLIT_K = 12 stages each
 constexpr int K_TOTAL = 4608;  // TAPS * CIP: a row of the permuted weights
 constexpr int BM = 128, BN = 128;  // block tile: positions, channels
 constexpr int WM = 1;  // m64 tiles per consumer warpgroup (BM / 128)
@@ -229,16 +235,23 @@ extern "C" __global__ void __launch_bounds__(256) specgen_conv3x3_512_14_relu_pr
 }
 
 // ---- the conv --------------------------------------------------------------------------------------------
-// One block: M tile blockIdx.x / N_TILES, N tile blockIdx.x % N_TILES.
-extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_conv3x3_512_14_relu(
-    const __grid_constant__ TensorMap map_a_hi,  // im2col map of the channels-last input: its hi part
-    const __grid_constant__ TensorMap map_a_lo,  // im2col map of the channels-last input: its lo part
-    const __grid_constant__ TensorMap map_b_hi,  // tiled map of the weights [C_OUT][K_TOTAL]: its hi part
-    const __grid_constant__ TensorMap map_b_lo,  // tiled map of the weights [C_OUT][K_TOTAL]: its lo part
+// One block: M tile blockIdx.x / N_TILES, N tile blockIdx.x % N_TILES. SPLIT = 1: the block walks
+// all of K and runs the epilogue (specgen_conv3x3_512_14_relu); SPLIT = SPLIT_K: part blockIdx.y of K, its sums
+// written to `partial` (specgen_conv3x3_512_14_relu_split).
+namespace {
+template <int SPLIT>
+__device__ __forceinline__ void conv_block(
+    const TensorMap& map_a_hi,
+    const TensorMap& map_a_lo,
+    const TensorMap& map_b_hi,
+    const TensorMap& map_b_lo,
     const float* __restrict__ bias,    // [C_OUT]
     float* __restrict__ out,  // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
+    float* __restrict__ partial,  // SPLIT > 1: [SPLIT][C_OUT][batch * POSITIONS]
     int batch)
 {
+  constexpr int ITERS = K_ITERS / SPLIT;  // stages this block walks
+  const int k_first = SPLIT > 1 ? blockIdx.y * ITERS : 0;  // its first stage
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
   // Stage s, plane q, K-block j: A tile at s * STAGE_BYTES + q * PLANE_BYTES + j * A_BYTES, its
@@ -267,14 +280,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_conv3x3_512_14_
       const int od = p / (OUT_H * OUT_W), oh = p / OUT_W % OUT_H, ow = p % OUT_W;
       const int w0 = ow * S_W - P_W, h0 = oh * S_H - P_H, d0 = od * S_D - P_D;
       #pragma unroll 1
-      for (int kt = 0; kt < K_ITERS; ++kt) {
+      for (int kt = 0; kt < ITERS; ++kt) {
         const int s = kt % STAGES;
         mbar_wait(smem_u32(&empty_bar[s]), ((kt / STAGES) & 1) ^ 1);  // the consumers are done with it (passes at once on the first round)
         const unsigned full = smem_u32(&full_bar[s]);
         mbar_expect_tx(full, STAGE_TX);
         #pragma unroll
         for (int j = 0; j < KB_PER_STAGE; ++j) {
-          const int kb = kt * KB_PER_STAGE + j;  // K-block: tap kb / CB, channels kb % CB * BKC ..
+          const int kb = (k_first + kt) * KB_PER_STAGE + j;  // K-block: tap kb / CB, channels kb % CB * BKC ..
           const int tap = kb / CB, c = kb % CB * BKC;
           const int kd = tap / (K_H * K_W), kh = tap / K_W % K_H, kw = tap % K_W;
           const unsigned a = tiles + s * STAGE_BYTES + j * A_BYTES, b = tiles + s * STAGE_BYTES + KB_PER_STAGE * A_BYTES + j * B_BYTES;
@@ -298,7 +311,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_conv3x3_512_14_
     for (int e = 0; e < ACC; ++e) acc[i][e] = 0.0f;
 
   #pragma unroll 1
-  for (int kt = 0; kt < K_ITERS; ++kt) {
+  for (int kt = 0; kt < ITERS; ++kt) {
     const int s = kt % STAGES;
     mbar_wait(smem_u32(&full_bar[s]), (kt / STAGES) & 1);  // the stage's bytes have landed
     const unsigned stage = tiles + s * STAGE_BYTES;
@@ -348,6 +361,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_conv3x3_512_14_
         for (int e = 0; e < 2; ++e) {
           const int cj = n0 + 8 * j + 2 * tq + e;  // the output channel
           if (cj < C_OUT) {
+            if constexpr (SPLIT > 1) {  // this part's sum, for specgen_conv3x3_512_14_relu_reduce
+              partial[(static_cast<size_t>(blockIdx.y) * C_OUT + cj) * m_total + m] = acc[i][4 * j + 2 * h + e];
+              continue;
+            }
             float v = acc[i][4 * j + 2 * h + e] + __ldg(bias + cj);  // the conv and its bias
             v = fmaxf(v, 0.0f);  // epilogue[0] relu
             out_m[static_cast<size_t>(cj) * POSITIONS] = v;
@@ -356,4 +373,52 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_conv3x3_512_14_
       }
     }
   }
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_conv3x3_512_14_relu(
+    const __grid_constant__ TensorMap map_a_hi,  // im2col map of the channels-last input: its hi part
+    const __grid_constant__ TensorMap map_a_lo,  // im2col map of the channels-last input: its lo part
+    const __grid_constant__ TensorMap map_b_hi,  // tiled map of the weights [C_OUT][K_TOTAL]: its hi part
+    const __grid_constant__ TensorMap map_b_lo,  // tiled map of the weights [C_OUT][K_TOTAL]: its lo part
+    const float* __restrict__ bias,    // [C_OUT]
+    float* __restrict__ out,  // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
+    int batch)
+{
+  conv_block<1>(map_a_hi, map_a_lo, map_b_hi, map_b_lo, bias, out, nullptr, batch);
+}
+
+// Split K: block (tile, part) walks part blockIdx.y of K and writes its sums to `partial`.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_conv3x3_512_14_relu_split(
+    const __grid_constant__ TensorMap map_a_hi,
+    const __grid_constant__ TensorMap map_a_lo,
+    const __grid_constant__ TensorMap map_b_hi,
+    const __grid_constant__ TensorMap map_b_lo,
+    float* __restrict__ partial,  // [SPLIT_K][C_OUT][batch * POSITIONS]
+    int batch)
+{
+  conv_block<SPLIT_K>(map_a_hi, map_a_lo, map_b_hi, map_b_lo, nullptr, nullptr, partial, batch);
+}
+
+// The parts added up in order, 0 to SPLIT_K - 1 (so the result is the same on every run), and the
+// epilogue: one thread per output value, positions fastest (as the output and the parts lie).
+extern "C" __global__ void __launch_bounds__(256) specgen_conv3x3_512_14_relu_reduce(
+    const float* __restrict__ partial,  // [SPLIT_K][C_OUT][batch * POSITIONS]
+    const float* __restrict__ bias,    // [C_OUT]
+    float* __restrict__ out,  // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
+    int batch)
+{
+  const size_t m_total = static_cast<size_t>(batch) * POSITIONS;
+  const size_t i = static_cast<size_t>(blockIdx.x) * 256 + threadIdx.x;  // in the output
+  if (i >= m_total * C_OUT) return;
+  const int p = static_cast<int>(i % POSITIONS), cj = static_cast<int>(i / POSITIONS % C_OUT);
+  const int sample = static_cast<int>(i / (static_cast<size_t>(C_OUT) * POSITIONS));
+  const size_t m = static_cast<size_t>(sample) * POSITIONS + p;
+  float sum = 0.0f;
+  #pragma unroll
+  for (int part = 0; part < SPLIT_K; ++part) sum += __ldg(partial + (static_cast<size_t>(part) * C_OUT + cj) * m_total + m);
+  float* __restrict__ out_m = out + static_cast<size_t>(sample) * (C_OUT * POSITIONS) + p;
+  float v = sum + __ldg(bias + cj);  // the conv and its bias
+  v = fmaxf(v, 0.0f);  // epilogue[0] relu
+  out_m[static_cast<size_t>(cj) * POSITIONS] = v;
 }

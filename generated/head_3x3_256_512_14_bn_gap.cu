@@ -203,6 +203,11 @@ namespace body {
 //     tensor cores add with truncation, so each stage is summed apart and added to the total in fp32.
 //   * Epilogue on the accumulators: no bias, batch_norm; each value is stored straight to
 //     the [batch][C_OUT][d][h][w] output.
+//   * Split K, for batches too small to fill the GPU with tiles: specgen_head_3x3_256_512_14_bn_gap_split runs the same
+//     K loop over one of SPLIT_K = 12 equal parts of K per block (6 stages; grid y = the part) and
+//     writes its sums to a workspace; specgen_head_3x3_256_512_14_bn_gap_reduce adds the parts up in order (the same sum
+//     on every run, whichever block finished first) and runs the epilogue. The launch picks the
+//     kernel by the batch.
 //   Grid: one block per (M tile, N tile), N tiles fastest (blocks that read the same input run
 //   together); 384 threads per block; 197632 bytes of dynamic shared memory.
 // =====================================================================================================
@@ -229,6 +234,7 @@ constexpr int BKC = 32;  // channels per K-block: one 128-byte row of an A or B 
 constexpr int CB = 8;  // K-blocks per tap (CIP / BKC)
 constexpr int KB_PER_STAGE = 1;  // K-blocks per pipeline stage
 constexpr int K_ITERS = 72;  // stages walked: TAPS * CB / KB_PER_STAGE (the main loop's trip count)
+constexpr int SPLIT_K = 12;  // parts of K in the split kernel, K_ITERS / SPLIT_K = 6 stages each
 constexpr int K_TOTAL = 2304;  // TAPS * CIP: a row of the permuted weights
 constexpr int BM = 128, BN = 64;  // block tile: positions, channels
 constexpr int WM = 1;  // m64 tiles per consumer warpgroup (BM / 128)
@@ -382,19 +388,26 @@ extern "C" __global__ void __launch_bounds__(256) specgen_head_3x3_256_512_14_bn
 }
 
 // ---- the conv --------------------------------------------------------------------------------------------
-// One block: M tile blockIdx.x / N_TILES, N tile blockIdx.x % N_TILES.
-extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_head_3x3_256_512_14_bn_gap(
-    const __grid_constant__ TensorMap map_a_hi,  // im2col map of the channels-last input: its hi part
-    const __grid_constant__ TensorMap map_a_lo,  // im2col map of the channels-last input: its lo part
-    const __grid_constant__ TensorMap map_b_hi,  // tiled map of the weights [C_OUT][K_TOTAL]: its hi part
-    const __grid_constant__ TensorMap map_b_lo,  // tiled map of the weights [C_OUT][K_TOTAL]: its lo part
+// One block: M tile blockIdx.x / N_TILES, N tile blockIdx.x % N_TILES. SPLIT = 1: the block walks
+// all of K and runs the epilogue (specgen_head_3x3_256_512_14_bn_gap); SPLIT = SPLIT_K: part blockIdx.y of K, its sums
+// written to `partial` (specgen_head_3x3_256_512_14_bn_gap_split).
+namespace {
+template <int SPLIT>
+__device__ __forceinline__ void conv_block(
+    const TensorMap& map_a_hi,
+    const TensorMap& map_a_lo,
+    const TensorMap& map_b_hi,
+    const TensorMap& map_b_lo,
     const float* __restrict__ p_bn_running_mean,  // learnable bn_running_mean, 512 values
     const float* __restrict__ p_bn_running_var,  // learnable bn_running_var, 512 values
     const float* __restrict__ p_bn_weight,  // learnable bn_weight, 512 values
     const float* __restrict__ p_bn_bias,  // learnable bn_bias, 512 values
     float* __restrict__ out,  // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
+    float* __restrict__ partial,  // SPLIT > 1: [SPLIT][C_OUT][batch * POSITIONS]
     int batch)
 {
+  constexpr int ITERS = K_ITERS / SPLIT;  // stages this block walks
+  const int k_first = SPLIT > 1 ? blockIdx.y * ITERS : 0;  // its first stage
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
   // Stage s, plane q, K-block j: A tile at s * STAGE_BYTES + q * PLANE_BYTES + j * A_BYTES, its
@@ -423,14 +436,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_head_3x3_256_51
       const int od = p / (OUT_H * OUT_W), oh = p / OUT_W % OUT_H, ow = p % OUT_W;
       const int w0 = ow * S_W - P_W, h0 = oh * S_H - P_H, d0 = od * S_D - P_D;
       #pragma unroll 1
-      for (int kt = 0; kt < K_ITERS; ++kt) {
+      for (int kt = 0; kt < ITERS; ++kt) {
         const int s = kt % STAGES;
         mbar_wait(smem_u32(&empty_bar[s]), ((kt / STAGES) & 1) ^ 1);  // the consumers are done with it (passes at once on the first round)
         const unsigned full = smem_u32(&full_bar[s]);
         mbar_expect_tx(full, STAGE_TX);
         #pragma unroll
         for (int j = 0; j < KB_PER_STAGE; ++j) {
-          const int kb = kt * KB_PER_STAGE + j;  // K-block: tap kb / CB, channels kb % CB * BKC ..
+          const int kb = (k_first + kt) * KB_PER_STAGE + j;  // K-block: tap kb / CB, channels kb % CB * BKC ..
           const int tap = kb / CB, c = kb % CB * BKC;
           const int kd = tap / (K_H * K_W), kh = tap / K_W % K_H, kw = tap % K_W;
           const unsigned a = tiles + s * STAGE_BYTES + j * A_BYTES, b = tiles + s * STAGE_BYTES + KB_PER_STAGE * A_BYTES + j * B_BYTES;
@@ -454,7 +467,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_head_3x3_256_51
     for (int e = 0; e < ACC; ++e) acc[i][e] = 0.0f;
 
   #pragma unroll 1
-  for (int kt = 0; kt < K_ITERS; ++kt) {
+  for (int kt = 0; kt < ITERS; ++kt) {
     const int s = kt % STAGES;
     mbar_wait(smem_u32(&full_bar[s]), (kt / STAGES) & 1);  // the stage's bytes have landed
     const unsigned stage = tiles + s * STAGE_BYTES;
@@ -504,6 +517,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_head_3x3_256_51
         for (int e = 0; e < 2; ++e) {
           const int cj = n0 + 8 * j + 2 * tq + e;  // the output channel
           if (cj < C_OUT) {
+            if constexpr (SPLIT > 1) {  // this part's sum, for specgen_head_3x3_256_512_14_bn_gap_reduce
+              partial[(static_cast<size_t>(blockIdx.y) * C_OUT + cj) * m_total + m] = acc[i][4 * j + 2 * h + e];
+              continue;
+            }
             float v = acc[i][4 * j + 2 * h + e];  // the conv
             v = (((v) - __ldg(p_bn_running_mean + cj)) * __frsqrt_rn(__ldg(p_bn_running_var + cj) + S0_EPS) * __ldg(p_bn_weight + cj) + __ldg(p_bn_bias + cj));  // epilogue[0] batch_norm (eps=1e-05, affine=True, weight='bn_weight', bias='bn_bias', running_mean='bn_running_mean', running_var='bn_running_var')
             out_m[static_cast<size_t>(cj) * POSITIONS] = v;
@@ -512,6 +529,60 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_head_3x3_256_51
       }
     }
   }
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_head_3x3_256_512_14_bn_gap(
+    const __grid_constant__ TensorMap map_a_hi,  // im2col map of the channels-last input: its hi part
+    const __grid_constant__ TensorMap map_a_lo,  // im2col map of the channels-last input: its lo part
+    const __grid_constant__ TensorMap map_b_hi,  // tiled map of the weights [C_OUT][K_TOTAL]: its hi part
+    const __grid_constant__ TensorMap map_b_lo,  // tiled map of the weights [C_OUT][K_TOTAL]: its lo part
+    const float* __restrict__ p_bn_running_mean,  // learnable bn_running_mean, 512 values
+    const float* __restrict__ p_bn_running_var,  // learnable bn_running_var, 512 values
+    const float* __restrict__ p_bn_weight,  // learnable bn_weight, 512 values
+    const float* __restrict__ p_bn_bias,  // learnable bn_bias, 512 values
+    float* __restrict__ out,  // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
+    int batch)
+{
+  conv_block<1>(map_a_hi, map_a_lo, map_b_hi, map_b_lo, p_bn_running_mean, p_bn_running_var, p_bn_weight, p_bn_bias, out, nullptr, batch);
+}
+
+// Split K: block (tile, part) walks part blockIdx.y of K and writes its sums to `partial`.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_head_3x3_256_512_14_bn_gap_split(
+    const __grid_constant__ TensorMap map_a_hi,
+    const __grid_constant__ TensorMap map_a_lo,
+    const __grid_constant__ TensorMap map_b_hi,
+    const __grid_constant__ TensorMap map_b_lo,
+    float* __restrict__ partial,  // [SPLIT_K][C_OUT][batch * POSITIONS]
+    int batch)
+{
+  conv_block<SPLIT_K>(map_a_hi, map_a_lo, map_b_hi, map_b_lo, nullptr, nullptr, nullptr, nullptr, nullptr, partial, batch);
+}
+
+// The parts added up in order, 0 to SPLIT_K - 1 (so the result is the same on every run), and the
+// epilogue: one thread per output value, positions fastest (as the output and the parts lie).
+extern "C" __global__ void __launch_bounds__(256) specgen_head_3x3_256_512_14_bn_gap_reduce(
+    const float* __restrict__ partial,  // [SPLIT_K][C_OUT][batch * POSITIONS]
+    const float* __restrict__ p_bn_running_mean,  // learnable bn_running_mean, 512 values
+    const float* __restrict__ p_bn_running_var,  // learnable bn_running_var, 512 values
+    const float* __restrict__ p_bn_weight,  // learnable bn_weight, 512 values
+    const float* __restrict__ p_bn_bias,  // learnable bn_bias, 512 values
+    float* __restrict__ out,  // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
+    int batch)
+{
+  const size_t m_total = static_cast<size_t>(batch) * POSITIONS;
+  const size_t i = static_cast<size_t>(blockIdx.x) * 256 + threadIdx.x;  // in the output
+  if (i >= m_total * C_OUT) return;
+  const int p = static_cast<int>(i % POSITIONS), cj = static_cast<int>(i / POSITIONS % C_OUT);
+  const int sample = static_cast<int>(i / (static_cast<size_t>(C_OUT) * POSITIONS));
+  const size_t m = static_cast<size_t>(sample) * POSITIONS + p;
+  float sum = 0.0f;
+  #pragma unroll
+  for (int part = 0; part < SPLIT_K; ++part) sum += __ldg(partial + (static_cast<size_t>(part) * C_OUT + cj) * m_total + m);
+  float* __restrict__ out_m = out + static_cast<size_t>(sample) * (C_OUT * POSITIONS) + p;
+  float v = sum;  // the conv
+  v = (((v) - __ldg(p_bn_running_mean + cj)) * __frsqrt_rn(__ldg(p_bn_running_var + cj) + S0_EPS) * __ldg(p_bn_weight + cj) + __ldg(p_bn_bias + cj));  // epilogue[0] batch_norm (eps=1e-05, affine=True, weight='bn_weight', bias='bn_bias', running_mean='bn_running_mean', running_var='bn_running_var')
+  out_m[static_cast<size_t>(cj) * POSITIONS] = v;
 }
 
 }  // namespace body

@@ -260,16 +260,22 @@ extern "C" __global__ void __launch_bounds__(256) specgen_stem7x7_relu_maxpool_b
 }
 
 // ---- the conv --------------------------------------------------------------------------------------------
-// One block: M tile blockIdx.x / N_TILES, N tile blockIdx.x % N_TILES.
-extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_stem7x7_relu_maxpool_body(
-    const __grid_constant__ TensorMap map_a_hi,  // im2col map of the channels-last input: its hi part
-    const __grid_constant__ TensorMap map_a_lo,  // im2col map of the channels-last input: its lo part
-    const __grid_constant__ TensorMap map_b_hi,  // tiled map of the weights [C_OUT][K_TOTAL]: its hi part
-    const __grid_constant__ TensorMap map_b_lo,  // tiled map of the weights [C_OUT][K_TOTAL]: its lo part
+// One block: M tile blockIdx.x / N_TILES, N tile blockIdx.x % N_TILES. SPLIT = 1: the block walks
+// all of K and runs the epilogue (specgen_stem7x7_relu_maxpool_body).
+namespace {
+template <int SPLIT>
+__device__ __forceinline__ void conv_block(
+    const TensorMap& map_a_hi,
+    const TensorMap& map_a_lo,
+    const TensorMap& map_b_hi,
+    const TensorMap& map_b_lo,
     const float* __restrict__ bias,    // [C_OUT]
     float* __restrict__ out,  // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
+    float* __restrict__ partial,  // SPLIT > 1: [SPLIT][C_OUT][batch * POSITIONS]
     int batch)
 {
+  constexpr int ITERS = K_ITERS / SPLIT;  // stages this block walks
+  const int k_first = SPLIT > 1 ? blockIdx.y * ITERS : 0;  // its first stage
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
   // Stage s, plane q, K-block j: A tile at s * STAGE_BYTES + q * PLANE_BYTES + j * A_BYTES, its
@@ -298,14 +304,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_stem7x7_relu_ma
       const int od = p / (OUT_H * OUT_W), oh = p / OUT_W % OUT_H, ow = p % OUT_W;
       const int w0 = ow * S_W - P_W, h0 = oh * S_H - P_H, d0 = od * S_D - P_D;
       #pragma unroll 1
-      for (int kt = 0; kt < K_ITERS; ++kt) {
+      for (int kt = 0; kt < ITERS; ++kt) {
         const int s = kt % STAGES;
         mbar_wait(smem_u32(&empty_bar[s]), ((kt / STAGES) & 1) ^ 1);  // the consumers are done with it (passes at once on the first round)
         const unsigned full = smem_u32(&full_bar[s]);
         mbar_expect_tx(full, STAGE_TX);
         #pragma unroll
         for (int j = 0; j < KB_PER_STAGE; ++j) {
-          const int kb = kt * KB_PER_STAGE + j;  // K-block: tap kb / CB, channels kb % CB * BKC ..
+          const int kb = (k_first + kt) * KB_PER_STAGE + j;  // K-block: tap kb / CB, channels kb % CB * BKC ..
           const int tap = kb / CB, c = kb % CB * BKC;
           const int kd = tap / (K_H * K_W), kh = tap / K_W % K_H, kw = tap % K_W;
           const unsigned a = tiles + s * STAGE_BYTES + j * A_BYTES, b = tiles + s * STAGE_BYTES + KB_PER_STAGE * A_BYTES + j * B_BYTES;
@@ -329,7 +335,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_stem7x7_relu_ma
     for (int e = 0; e < ACC; ++e) acc[i][e] = 0.0f;
 
   #pragma unroll 1
-  for (int kt = 0; kt < K_ITERS; ++kt) {
+  for (int kt = 0; kt < ITERS; ++kt) {
     const int s = kt % STAGES;
     mbar_wait(smem_u32(&full_bar[s]), (kt / STAGES) & 1);  // the stage's bytes have landed
     const unsigned stage = tiles + s * STAGE_BYTES;
@@ -387,6 +393,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_stem7x7_relu_ma
       }
     }
   }
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_stem7x7_relu_maxpool_body(
+    const __grid_constant__ TensorMap map_a_hi,  // im2col map of the channels-last input: its hi part
+    const __grid_constant__ TensorMap map_a_lo,  // im2col map of the channels-last input: its lo part
+    const __grid_constant__ TensorMap map_b_hi,  // tiled map of the weights [C_OUT][K_TOTAL]: its hi part
+    const __grid_constant__ TensorMap map_b_lo,  // tiled map of the weights [C_OUT][K_TOTAL]: its lo part
+    const float* __restrict__ bias,    // [C_OUT]
+    float* __restrict__ out,  // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
+    int batch)
+{
+  conv_block<1>(map_a_hi, map_a_lo, map_b_hi, map_b_lo, bias, out, nullptr, batch);
 }
 
 }  // namespace body

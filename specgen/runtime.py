@@ -181,10 +181,12 @@ def load(
     device_index: int,
     cluster_at_launch: tuple[int, int] | None = None,
     extra_functions: tuple[str, ...] = (),
+    big_smem: tuple[str, ...] = (),
 ) -> LoadedKernel:
     """The kernel of `cubin` in device `device_index`'s primary context (the one torch uses).
     `cluster_at_launch`: (largest cluster, boxes per kept tile) when the cluster is sized at launch.
-    `extra_functions`: other kernels of the module to look up (in `LoadedKernel.extra`)."""
+    `extra_functions`: other kernels of the module to look up (in `LoadedKernel.extra`); those in
+    `big_smem` take the main kernel's dynamic shared memory (a split kernel), the others none."""
     memo = _loaded.get((key, device_index))
     if memo is not None:
         return memo
@@ -221,6 +223,12 @@ def load(
             for name in extra_functions:
                 f = ctypes.c_void_p()
                 _check(lib, lib.cuModuleGetFunction(ctypes.byref(f), module, name.encode()), f"cuModuleGetFunction({name})")
+                if name in big_smem and smem_bytes > _DEFAULT_SMEM_LIMIT:
+                    _check(
+                        lib,
+                        lib.cuFuncSetAttribute(f, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
+                        f"cuFuncSetAttribute({name}, max dynamic shared memory)",
+                    )
                 extra[name] = f
         finally:
             if previous.value:
@@ -503,11 +511,11 @@ def arg_pack(key, kinds: tuple[str, ...]) -> ArgPack:
 
 
 def launch_packed(kernel: LoadedKernel, function: ctypes.c_void_p, grid: int, threads: int, smem_bytes: int,
-                  pack: ArgPack, stream: int) -> None:
-    """Launch `function` (of `kernel`'s module) over a flat grid with a packed argument array."""
+                  pack: ArgPack, stream: int, grid_y: int = 1) -> None:
+    """Launch `function` (of `kernel`'s module) over a (grid, grid_y) grid with a packed argument array."""
     lib = _libcuda
     _make_current(kernel)
-    _launch_kernel(lib, function, grid, 1, threads, smem_bytes, stream, pack.argv)
+    _launch_kernel(lib, function, grid, grid_y, threads, smem_bytes, stream, pack.argv)
 
 
 def launch_once(kernel: LoadedKernel, grid_x: int, pointers: list[int], batch: int, stream: int) -> None:

@@ -9,7 +9,11 @@ Per forward (on torch's current stream, so it also runs under CUDA-graph capture
    mode the tensor maps are of the TFLOAT32 type: the copy engine rounds each value to TF32 as it
    loads it (measured on an H200: the same results as rounding first), so nothing is rounded ahead.
 2. The workspace's im2col tensor map (the TMA's description of it) is encoded, and the main kernel
-   runs with it, the weights' tiled map, the bias, the parameters and the output.
+   runs with it, the weights' tiled map, the bias, the parameters and the output. Where the batch
+   is too small for its tiles to fill the GPU and the plan has a split kernel (`TmaPlan.split_k`,
+   chosen by `tma.split_pays` for this batch and this GPU's SM count), `<kernel>_split` runs
+   instead, one block per (tile, part of K), into a workspace of partial sums, and
+   `<kernel>_reduce` adds them up in order and runs the epilogue.
 
 The weights are kept permuted to [C_OUT][TAPS][CIP] and prepared like the input, with their
 tensor maps, per weight tensor, and remade when the tensor changes (its version counter moves on
@@ -26,11 +30,12 @@ from dataclasses import dataclass
 import torch
 
 from specgen import runtime
-from specgen.tma import INT32_MAX, TmaPlan
+from specgen.tma import INT32_MAX, TmaPlan, split_pays
 
 OPERAND_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAP_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _PREP_THREADS = 256
+_REDUCE_THREADS = 256  # the split kernel's reduction (its __launch_bounds__)
 _MAP_CACHE = 256  # input tensor maps kept (by address, batch and layer): torch's allocator hands back few addresses
 
 
@@ -84,14 +89,20 @@ def derived(t: torch.Tensor, what: str, make):
     return value
 
 
-def _weights(weight: torch.Tensor, tp: TmaPlan, cin: int, taps: int, precision: str):
-    """(planes, tensor maps) of the weights as [C_OUT][TAPS * CIP]."""
+def weight_layout(weight: torch.Tensor, tp: TmaPlan, cin: int, taps: int) -> torch.Tensor:
+    """The weights [C_OUT][C_IN][taps] as the main loop reads them, [C_OUT][TAPS x CIP]: K tap-major,
+    the channels padded with zeros."""
     cout = weight.shape[0]
     w = weight.reshape(cout, cin, taps).transpose(1, 2)
     if tp.cip != cin:
         w = torch.nn.functional.pad(w, (0, tp.cip - cin))
-    w = w.reshape(cout, taps * tp.cip).contiguous()
-    planes = operand_planes(w, precision)
+    return w.reshape(cout, taps * tp.cip).contiguous()
+
+
+def _weights(weight: torch.Tensor, tp: TmaPlan, cin: int, taps: int, precision: str):
+    """(planes, tensor maps) of the weights in `weight_layout`; a map's box is one B tile."""
+    cout = weight.shape[0]
+    planes = operand_planes(weight_layout(weight, tp, cin, taps), precision)
     maps = [
         runtime.encode_tiled(map_dtype(precision, p.dtype), p.data_ptr(), (tp.k_total, cout), (tp.k_total * tp.elem_bytes,),
                              (tp.bkc, tp.bn), tp.swizzle_tma, p.numel() * p.element_size())
@@ -137,6 +148,36 @@ def _input_map(ws: torch.Tensor, tp: TmaPlan, spatial: tuple[int, ...], batch: i
     return tmap
 
 
+def extra_functions(plan: dict) -> tuple[str, ...]:
+    """The module's kernels besides the main one: the layout passes, and the split kernel and its
+    reduction where the plan has them."""
+    name, tp = plan["kernel_name"], plan["tma"]
+    return (f"{name}_prep", f"{name}_prep_cl") + ((f"{name}_split", f"{name}_reduce") if tp.split_k > 1 else ())
+
+
+def big_smem_functions(plan: dict) -> tuple[str, ...]:
+    """The extra kernels that take the main kernel's dynamic shared memory: the split kernel."""
+    return (f"{plan['kernel_name']}_split",) if plan["tma"].split_k > 1 else ()
+
+
+_sm_counts: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """The SMs of a CUDA device (asked once per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _sm_counts.get(index)
+    if count is None:
+        count = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
+def uses_split(tp: TmaPlan, batch: int, sms: int) -> bool:
+    """Whether a launch of `batch` samples runs the split kernel."""
+    tiles = -(-batch * tp.positions // tp.bm) * tp.n_tiles
+    return tp.split_k > 1 and split_pays(tiles, tp.k_iters, tp.split_k, sms, batch * tp.positions * tp.cout)
+
+
 @dataclass(frozen=True)
 class _Call:
     """What every launch of one TMA layer needs, worked out once per layer (its cache key)."""
@@ -154,6 +195,8 @@ class _Call:
     input_names: tuple
     has_bias: bool
     main_kinds: tuple  # the main kernel's argument kinds
+    split: str  # the split kernel ("" where the plan has none)
+    reduce: str  # ... and its reduction
     make_weights: functools.partial  # the weights' planes and tensor maps from the conv weight
 
 
@@ -176,6 +219,7 @@ def _call(sp) -> _Call:
             operand_dtype=OPERAND_DTYPE[spec.precision], prep=f"{name}_prep", prep_cl=f"{name}_prep_cl",
             param_names=names, input_names=inputs, has_bias=spec.conv.bias,
             main_kinds=("map",) * (2 * planes) + ("ptr",) * n_ptrs + ("int",),
+            split=f"{name}_split" if tp.split_k > 1 else "", reduce=f"{name}_reduce" if tp.split_k > 1 else "",
             make_weights=functools.partial(_weights, tp=tp, cin=spec.input.channels, taps=plan["taps"],
                                            precision=spec.precision),
         )
@@ -218,7 +262,19 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
     for name in c.input_names:  # extra inputs, in the layer's dtype
         values.append(params[name].data_ptr())
     values += [out.data_ptr(), batch]
-    pack = runtime.arg_pack((kernel.function.value, "main"), c.main_kinds)
     grid = -(-batch * tp.positions // tp.bm) * tp.n_tiles
+    if c.split and uses_split(tp, batch, sm_count(x.device)):
+        maps = 2 * c.planes
+        m_total = batch * tp.positions
+        partial = torch.empty(tp.split_k * tp.cout * m_total, device=x.device, dtype=torch.float32)
+        pack = runtime.arg_pack((kernel.function.value, "split"), ("map",) * maps + ("ptr", "int"))
+        pack.set(values[:maps] + [partial.data_ptr(), batch])
+        runtime.launch_packed(kernel, kernel.extra[c.split], grid, tp.threads, tp.smem_bytes, pack, stream, tp.split_k)
+        pack = runtime.arg_pack((kernel.function.value, "reduce"), ("ptr",) + c.main_kinds[maps:])
+        pack.set([partial.data_ptr(), *values[maps:]])
+        runtime.launch_packed(kernel, kernel.extra[c.reduce], -(-m_total * tp.cout // _REDUCE_THREADS), _REDUCE_THREADS,
+                              0, pack, stream)
+        return out
+    pack = runtime.arg_pack((kernel.function.value, "main"), c.main_kinds)
     runtime.launch_packed(kernel, kernel.function, grid, tp.threads, tp.smem_bytes, pack.set(values), stream)
     return out

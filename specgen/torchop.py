@@ -357,9 +357,10 @@ def load_kernel(sp: pipeline.Specialized, device_index: int):
         return tailrun.load(sp, device_index)
     cluster = (plan["cluster"], plan["r1_chunks"]) if plan["cluster_at_launch"] else None
     name = plan["kernel_name"]
-    extra = (f"{name}_prep", f"{name}_prep_cl") if plan["engine"] == "tma" else ()
+    tma = plan["engine"] == "tma"
     return runtime.load(
-        sp.key, cubin_bytes(sp), name, plan["threads"], plan["smem_bytes"], device_index, cluster, extra
+        sp.key, cubin_bytes(sp), name, plan["threads"], plan["smem_bytes"], device_index, cluster,
+        tmarun.extra_functions(plan) if tma else (), tmarun.big_smem_functions(plan) if tma else (),
     )
 
 

@@ -93,7 +93,8 @@ def _templates(split: bool, cout: int, wgmma_ok: bool = False) -> list[tuple[str
 
 def label(cfg) -> str:
     if isinstance(cfg, TmaConfig):
-        return f"tma {cfg.bm}x{cfg.bn} s{cfg.stages} kb{cfg.kb_per_stage}"
+        split = {0: "", 1: " no split"}.get(cfg.split_k, f" split {cfg.split_k}")
+        return f"tma {cfg.bm}x{cfg.bn} s{cfg.stages} kb{cfg.kb_per_stage}{split}"
     mb = f" {cfg.min_blocks} blocks/SM" if cfg.min_blocks else ""
     phases = {0: "", 1: " one phase per block", 2: " W pairs"}[cfg.phases_per_block]
     return f"{cfg.bm}x{cfg.bn} w{16 * cfg.wm}x{8 * cfg.wn} {cfg.threads // 32} warps k{cfg.bk} s{cfg.stages}{mb}{phases}"

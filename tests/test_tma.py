@@ -121,6 +121,23 @@ def test_default_tiles_compile_without_spills(precision, cin, cout, kernel, size
     assert sp.build.spill_bytes == 0, f"{sp.build.spill_bytes} bytes spilled"
 
 
+def test_the_weights_are_laid_out_tap_major_with_the_channels_padded():
+    """[C_OUT][TAPS x CIP]: element (co, tap x CIP + ci) is weight (co, ci, tap), zeros in the padding."""
+    torch = pytest.importorskip("torch")
+    from specgen import tmarun
+
+    cin, cout, taps = 20, 12, 9
+    tp = build_plan(spec_of(cin=cin, cout=cout, precision="tf32", tile={"engine": "tma"}), target=HOPPER)["tma"]
+    w = torch.randn(cout, cin, 3, 3)
+    laid = tmarun.weight_layout(w, tp, cin, taps)
+    assert laid.shape == (cout, tp.k_total) and laid.is_contiguous() and tp.k_total == taps * tp.cip
+    flat = w.reshape(cout, cin, taps)
+    for tap in range(taps):
+        for ci in range(tp.cip):
+            want = flat[:, ci, tap] if ci < cin else torch.zeros(cout)
+            torch.testing.assert_close(laid[:, tap * tp.cip + ci], want, rtol=0, atol=0)
+
+
 def test_the_launch_prepares_the_weights_tap_major_padded_and_split():
     torch = pytest.importorskip("torch")
     from specgen import tmarun
@@ -173,3 +190,88 @@ def test_a_reduction_after_a_deep_conv_that_would_run_on_ffma_splits_the_layer()
     assert "mean would keep the whole layer on FFMA (a fused reduction)" in plan["why"][0]
     # few input channels: the FFMA conv is cheap, the layer stays whole
     assert build_plan(spec_of(cin=16, **data), target=HOPPER)["engine"] != "sequence"
+
+
+# ---- split K: small batches of deep layers ------------------------------------------------------------
+
+def test_a_deep_layer_with_few_positions_gets_a_split_kernel_that_divides_k():
+    """ResNet's last stage at batch 1: 49 positions x 512 channels are a handful of tiles for 132 SMs."""
+    tp = build_plan(spec_of(cin=512, cout=512, size=(7, 7), precision="tf32"), target=HOPPER)["tma"]
+    assert tp.split_k > 1 and tp.k_iters % tp.split_k == 0 and tp.split_iters == tp.k_iters // tp.split_k
+    assert tp.split_iters >= tma.MIN_SPLIT_STAGES
+    tiles = -(-49 // tp.bm) * tp.n_tiles
+    assert tiles * tp.split_k <= 132  # one sample's split grid is one wave
+    assert "K split" in describe(build_plan(spec_of(cin=512, cout=512, size=(7, 7), precision="tf32"), target=HOPPER))
+
+
+def test_layers_that_fill_the_gpu_get_no_split_kernel():
+    plan = build_plan(spec_of(cin=64, cout=64, size=(224, 224), precision="tf32"), target=HOPPER)
+    assert plan["tma"].split_k == 1
+    text = render_plan(plan)
+    assert "_split(" not in text and "_reduce(" not in text and "SPLIT_K" not in text
+
+
+def test_the_launch_takes_the_split_kernel_only_where_it_pays():
+    from specgen import tmarun
+
+    tp = build_plan(spec_of(cin=512, cout=512, size=(7, 7), precision="tf32"), target=HOPPER)["tma"]
+    assert tmarun.uses_split(tp, 1, 132)
+    assert not tmarun.uses_split(tp, 256, 132)  # 256 samples: hundreds of tiles already
+    # the choice is the cost model's: split where it is a tenth cheaper
+    for batch in (1, 2, 4, 8, 16, 32, 64):
+        tiles, outputs = -(-batch * 49 // tp.bm) * tp.n_tiles, batch * 49 * 512
+        split, plain = (tma.split_cost(tiles, tp.k_iters, s, 132, outputs) for s in (tp.split_k, 1))
+        assert tmarun.uses_split(tp, batch, 132) == (split * 10 <= plain * 9)
+
+
+def test_the_split_cost_model_follows_the_measured_choices():
+    """Kernel times measured on an H200 (benchmarks/NOTES.md, v23), tf32: the model picks the faster
+    of the two kernels on these (tiles, stages, parts, outputs) rows."""
+    rows = [  # tiles, k_iters, parts, outputs, split faster?
+        (4, 144, 24, 49 * 512, True),  # 512 ch at 7x7, batch 1: 8.5 against 44.7 us
+        (8, 144, 24, 4 * 49 * 512, True),  # batch 4: 16.3 against 47.1
+        (28, 72, 24, 16 * 49 * 512, False),  # 3x3 s2 256 -> 512 to 7x7, batch 16: 38.2 against 28.6
+        (32, 48, 16, 16 * 64 * 512, False),  # conv1d 512 ch, length 64, batch 16: 26.7 against 19.2
+        (8, 48, 16, 4 * 64 * 512, True),  # ... batch 4: 8.6 against 18.2
+        (25, 36, 12, 4 * 784 * 128, False),  # 128 ch at 28x28, batch 4: 17.3 against 15.8
+        (7, 36, 12, 784 * 128, True),  # ... batch 1: 7.5 against 14.8
+    ]
+    for tiles, k_iters, parts, outputs, faster in rows:
+        assert tma.split_pays(tiles, k_iters, parts, 132, outputs) == faster, (tiles, k_iters, parts, outputs)
+
+
+def test_a_tile_config_can_ask_for_a_split_or_none():
+    spec = spec_of(cin=512, cout=512, size=(7, 7), precision="tf32")
+    base = build_plan(spec, target=HOPPER)["tma"].config
+    none = build_plan(spec, None, HOPPER, tma.TmaConfig(base.bm, base.bn, base.stages, base.kb_per_stage, 1))["tma"]
+    assert none.split_k == 1
+    four = build_plan(spec, None, HOPPER, tma.TmaConfig(base.bm, base.bn, base.stages, base.kb_per_stage, 4))["tma"]
+    assert four.split_k == 4 and four.split_iters == four.k_iters // 4
+    with pytest.raises(PlanError, match="does not divide"):
+        build_plan(spec, None, HOPPER, tma.TmaConfig(base.bm, base.bn, base.stages, base.kb_per_stage, 7))
+    with pytest.raises(ValueError, match="split_k"):
+        tma.TmaConfig(128, 128, 4, 1, -1)
+
+
+def test_the_split_kernels_walk_their_part_of_k_and_reduce_in_order():
+    text = render_plan(build_plan(spec_of(cin=512, cout=512, size=(7, 7), precision="tf32",
+                                          epilogue=[{"add": {"input": "shortcut"}}, "relu"]), target=HOPPER))
+    tp = build_plan(spec_of(cin=512, cout=512, size=(7, 7), precision="tf32"), target=HOPPER)["tma"]
+    assert f"constexpr int SPLIT_K = {tp.split_k};" in text
+    assert "conv_block<1>(" in text and "conv_block<SPLIT_K>(" in text
+    split = text[text.index("_split(\n"):text.index("_reduce(\n")]
+    assert "partial" in split and "i_shortcut" not in split  # no epilogue in the split kernel
+    reduce = text[text.index("_reduce(\n"):]
+    assert "for (int part = 0; part < SPLIT_K; ++part) sum +=" in reduce  # a fixed order: the same sum every run
+    assert "input_value(i_shortcut, e_out)" in reduce and "fmaxf(v, 0.0f)" in reduce
+    assert "atomic" not in text
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_split_kernels_compile_without_spills(precision):
+    spec = spec_of(cin=256, cout=256, size=(14, 14), precision=precision, tile={"engine": "tma"},
+                   epilogue=[{"add": {"input": "shortcut"}}, "relu"])
+    sp = pipeline.specialize(spec, "sm_90")
+    assert sp.plan["tma"].split_k > 1
+    assert sp.build.spill_bytes == 0, f"{sp.build.spill_bytes} bytes spilled"

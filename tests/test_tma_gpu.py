@@ -173,3 +173,62 @@ def test_a_reduction_after_a_deep_conv_runs_split(precision):
     assert plan["engine"] == "sequence" and plan["parts"][0]["plan"]["engine"] == "tma"
     check(layer, 1, seed=1)
     check(layer, 3, seed=2)
+
+
+# ---- split K ---------------------------------------------------------------------------------------------
+
+SPLIT_CASES = {
+    # deep layers with few positions: at small batches their tiles leave most SMs idle
+    "resnet_stage4_shortcut": (512, [7, 7], {"out_channels": 512, "kernel": 3, "padding": 1},
+                               [{"add": {"input": "shortcut"}}, "relu"]),
+    "c256_14_param": (256, [14, 14], {"out_channels": 200, "kernel": 3, "padding": 1, "bias": False},
+                      [{"mul": {"param": "scale"}}, {"add": {"param": "shift"}}, "relu"]),
+    "conv1d_deep": (384, [20], {"out_channels": 96, "kernel": 3, "padding": 1}, [{"gelu": {"approximate": "none"}}]),
+}
+
+
+def _split_layer(name: str, precision: str) -> FusedLayer:
+    cin, size, conv, epilogue = SPLIT_CASES[name]
+    layer = layer_of({"name": f"split_{name}_{precision}", "input": {"channels": cin, "size": size}, "conv": conv,
+                      "epilogue": epilogue, "precision": precision})
+    assert layer.specialize().plan["tma"].split_k > 1
+    return layer
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(SPLIT_CASES))
+def test_split_k_small_batches(name, precision):
+    """Batch 1, 2 and 5 run the split kernel and its reduction (asserted); a batch whose tiles fill the
+    GPU runs the plain kernel; both at the mode's bar."""
+    from specgen import tmarun
+
+    layer = _split_layer(name, precision)
+    tp, sms = layer.specialize().plan["tma"], tmarun.sm_count(torch.device("cuda"))
+    for batch, seed in ((1, 1), (2, 2), (5, 3)):
+        assert tmarun.uses_split(tp, batch, sms), f"batch {batch} did not take the split kernel"
+        check(layer, batch, seed=seed)
+    check(layer, 2, seed=4, channels_last=True)
+    big = next(b for b in range(8, 4096) if not tmarun.uses_split(tp, b, sms))
+    check(layer, big, seed=5)
+
+
+def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
+    """The parts are added in a fixed order: two runs agree bit for bit, and a graph replays it with a
+    fresh input."""
+    from gpu_helpers import captured, extra_inputs, randomize
+
+    layer = _split_layer("c256_14_param", "tf32")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    randomize(layer, gen)
+    x = torch.randn((1, 256, 14, 14), device="cuda", generator=gen)
+    assert not extra_inputs(layer.spec, 1, gen)
+    with torch.no_grad():
+        first, second = layer(x).clone(), layer(x).clone()
+        torch.testing.assert_close(first, second, rtol=0, atol=0)
+        graph, got = captured(layer, x, grad=False)
+        x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = layer(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(got, first)
