@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from specgen import target as targets
+from specgen import splitk, target as targets
 from specgen.spec import LayerSpec
 
 THREADS = 384  # one producer warpgroup, two consumer warpgroups
@@ -58,7 +58,7 @@ SWIZZLE = {128: {"desc": 1, "tma": 3}, 64: {"desc": 2, "tma": 2}, 32: {"desc": 3
 @dataclass(frozen=True)
 class TmaConfig:
     """The tunable shape: BM positions (two warpgroups of BM / 2), BN channels, pipeline depth,
-    K-blocks per stage, and the split kernel's parts of K (0: the planner's `split_k`, 1: no split
+    K-blocks per stage, and the split kernel's parts of K (0: the planner's, `splitk.choose`; 1: no split
     kernel; otherwise a divisor of the stages walked)."""
 
     bm: int
@@ -121,7 +121,7 @@ class TmaPlan:
     prep_tp: int  # ... positions
     prep_tiles: int  # tiles per sample
     acc_regs: int  # accumulator floats per consumer thread
-    # Split K (see `split_k`): a second main kernel walks 1/SPLIT_K of K per block and writes its
+    # Split K (`specgen.splitk`): a second main kernel walks 1/SPLIT_K of K per block and writes its
     # sums to a workspace, `_reduce` adds them in order and runs the epilogue; 1: no such kernel.
     split_k: int = 1
     split_iters: int = 0  # stages walked per block of the split kernel (k_iters / split_k)
@@ -321,7 +321,8 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     in_positions = math.prod(spec.input.size)
     k_iters = kb_total // cfg.kb_per_stage
     n_tiles = -(-cout // cfg.bn)
-    split_parts = cfg.split_k or split_k(math.prod(conv_out), cout, cfg.bm, n_tiles, k_iters, target.sm_count)
+    # one block per SM (the pipeline's shared memory)
+    split_parts = cfg.split_k or splitk.choose(math.prod(conv_out), cout, cfg.bm, n_tiles, k_iters, target.sm_count or 132)
     if k_iters % split_parts:
         raise ValueError(f"split_k {split_parts} does not divide the {k_iters} stages walked")
     prep_tc = next(c for c in (32, 16, 8) if cip % c == 0)  # a power of two: the tile is 1024 values
@@ -338,46 +339,6 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         prep_tiles=-(-in_positions // prep_tp) * -(-cip // prep_tc), acc_regs=acc,
         split_k=split_parts, split_iters=k_iters // split_parts,
     )
-
-
-# The split kernel's cost model, in main-loop stages of one block (about 0.3 us for a 128 x 128 tf32
-# tile on an H200), fitted to kernel times measured there (benchmarks/NOTES.md, v23): a block's
-# pipeline fill and setup, the reduction's launch and the partial sums' traffic (written, then read
-# back: about 0.9 MB of it per stage's time).
-BLOCK_FILL_STAGES = 5
-REDUCE_STAGES = 7
-PARTIAL_BYTES_PER_STAGE = 900_000
-MIN_SPLIT_STAGES = 3  # a split block walks at least this many stages
-
-
-def split_cost(tiles: int, k_iters: int, split: int, sms: int, outputs: int) -> float:
-    """A launch's time in main-loop stages: waves of blocks (one block per SM: the engine's shared
-    memory) x the stages each walks and its fill; with `split` > 1 parts of K, also the reduction and
-    the traffic of the `outputs` (batch x positions x C_OUT) partial sums of each part."""
-    if split <= 1:
-        return -(-tiles // sms) * (k_iters + BLOCK_FILL_STAGES)
-    waves = -(-tiles * split // sms)
-    return (waves * (k_iters // split + BLOCK_FILL_STAGES) + REDUCE_STAGES
-            + split * outputs * 8 / PARTIAL_BYTES_PER_STAGE)
-
-
-def split_k(positions: int, cout: int, bm: int, n_tiles: int, k_iters: int, sm_count: int | None) -> int:
-    """How many parts to split K into for the split kernel, or 1 (none): planned for one sample,
-    the smallest batch (the batch is a run-time value; `tmarun` takes the split kernel for the
-    batches where `split_pays`). The divisor of the stages with the cheapest `split_cost`."""
-    sms = sm_count or 132
-    tiles = -(-positions // bm) * n_tiles
-    best, best_cost = 1, split_cost(tiles, k_iters, 1, sms, positions * cout)
-    for s in range(2, k_iters // MIN_SPLIT_STAGES + 1):
-        if k_iters % s == 0 and (cost := split_cost(tiles, k_iters, s, sms, positions * cout)) < best_cost:
-            best, best_cost = s, cost
-    return best if split_pays(tiles, k_iters, best, sms, positions * cout) else 1
-
-
-def split_pays(tiles: int, k_iters: int, split: int, sms: int, outputs: int) -> bool:
-    """Whether `tiles` tiles (of `outputs` output values) run faster as the split kernel than as the
-    plain one, by a tenth (`split_cost`; the second launch's host time is not in it)."""
-    return split > 1 and split_cost(tiles, k_iters, split, sms, outputs) * 10 <= split_cost(tiles, k_iters, 1, sms, outputs) * 9
 
 
 def describe(tp: TmaPlan) -> str:

@@ -11,7 +11,7 @@ Per forward (on torch's current stream, so it also runs under CUDA-graph capture
 2. The workspace's im2col tensor map (the TMA's description of it) is encoded, and the main kernel
    runs with it, the weights' tiled map, the bias, the parameters and the output. Where the batch
    is too small for its tiles to fill the GPU and the plan has a split kernel (`TmaPlan.split_k`,
-   chosen by `tma.split_pays` for this batch and this GPU's SM count), `<kernel>_split` runs
+   chosen by `splitk.pays` for this batch and this GPU's SM count), `<kernel>_split` runs
    instead, one block per (tile, part of K), into a workspace of partial sums, and
    `<kernel>_reduce` adds them up in order and runs the epilogue.
 
@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from specgen import runtime
-from specgen.tma import INT32_MAX, TmaPlan, split_pays
+from specgen import splitk
+from specgen.tma import INT32_MAX, TmaPlan
 
 OPERAND_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAP_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -175,7 +176,7 @@ def sm_count(device: torch.device) -> int:
 def uses_split(tp: TmaPlan, batch: int, sms: int) -> bool:
     """Whether a launch of `batch` samples runs the split kernel."""
     tiles = -(-batch * tp.positions // tp.bm) * tp.n_tiles
-    return tp.split_k > 1 and split_pays(tiles, tp.k_iters, tp.split_k, sms, batch * tp.positions * tp.cout)
+    return tp.split_k > 1 and splitk.pays(tiles, tp.k_iters, tp.split_k, sms, batch * tp.positions * tp.cout)
 
 
 @dataclass(frozen=True)

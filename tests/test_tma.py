@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from specgen import pipeline, tma
+from specgen import pipeline, splitk, tma
 from specgen.plan import PlanError, build_plan, describe
 from specgen.render import render_plan
 from specgen.spec import validate
@@ -198,7 +198,7 @@ def test_a_deep_layer_with_few_positions_gets_a_split_kernel_that_divides_k():
     """ResNet's last stage at batch 1: 49 positions x 512 channels are a handful of tiles for 132 SMs."""
     tp = build_plan(spec_of(cin=512, cout=512, size=(7, 7), precision="tf32"), target=HOPPER)["tma"]
     assert tp.split_k > 1 and tp.k_iters % tp.split_k == 0 and tp.split_iters == tp.k_iters // tp.split_k
-    assert tp.split_iters >= tma.MIN_SPLIT_STAGES
+    assert tp.split_iters >= splitk.MIN_ITERATIONS
     tiles = -(-49 // tp.bm) * tp.n_tiles
     assert tiles * tp.split_k <= 132  # one sample's split grid is one wave
     assert "K split" in describe(build_plan(spec_of(cin=512, cout=512, size=(7, 7), precision="tf32"), target=HOPPER))
@@ -220,7 +220,7 @@ def test_the_launch_takes_the_split_kernel_only_where_it_pays():
     # the choice is the cost model's: split where it is a tenth cheaper
     for batch in (1, 2, 4, 8, 16, 32, 64):
         tiles, outputs = -(-batch * 49 // tp.bm) * tp.n_tiles, batch * 49 * 512
-        split, plain = (tma.split_cost(tiles, tp.k_iters, s, 132, outputs) for s in (tp.split_k, 1))
+        split, plain = (splitk.cost(tiles, tp.k_iters, s, 132, outputs) for s in (tp.split_k, 1))
         assert tmarun.uses_split(tp, batch, 132) == (split * 10 <= plain * 9)
 
 
@@ -237,7 +237,7 @@ def test_the_split_cost_model_follows_the_measured_choices():
         (7, 36, 12, 784 * 128, True),  # ... batch 1: 7.5 against 14.8
     ]
     for tiles, k_iters, parts, outputs, faster in rows:
-        assert tma.split_pays(tiles, k_iters, parts, 132, outputs) == faster, (tiles, k_iters, parts, outputs)
+        assert splitk.pays(tiles, k_iters, parts, 132, outputs) == faster, (tiles, k_iters, parts, outputs)
 
 
 def test_a_tile_config_can_ask_for_a_split_or_none():
