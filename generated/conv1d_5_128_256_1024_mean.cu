@@ -196,6 +196,10 @@ namespace body {
 //     lo(x) = x - hi(x), and a*b is accumulated as lo(a)hi(b) + hi(a)lo(b) + hi(a)hi(b) in fp32
 //     (the dropped lo(a)lo(b) is below 2^-21 |a b|): fp32 accuracy on tensor cores.
 //   * Epilogue on the accumulators: bias, sigmoid; each value is stored straight to the output.
+//   * Split K, for batches too small to fill the GPU with tiles: specgen_conv1d_5_128_256_1024_mean_split runs the same
+//     K loop over one of SPLIT_K = 5 equal parts of K per block (4 chunks; grid y = the part) and
+//     writes its sums to a workspace; specgen_conv1d_5_128_256_1024_mean_reduce adds the parts up in order (the same sum
+//     on every run) and runs the epilogue. The launch picks the kernel by the batch.
 //   Grid: one block per (M tile, N tile), N tiles fastest (blocks that read the same input run
 //   together); 512 threads per block; 107520 bytes of dynamic shared memory.
 // =====================================================================================================
@@ -224,6 +228,7 @@ constexpr int BM = 128, BN = 128, BK = 32;  // block tile: positions, channels, 
 constexpr int TPC = 1;  // taps per K chunk
 constexpr int CPT = 4;  // K chunks per tap
 constexpr int K_TILES = 20;  // K chunks: the main loop's trip count
+constexpr int SPLIT_K = 5;  // parts of K in the split kernel, K_TILES / SPLIT_K = 4 chunks each
 constexpr int N_TILES = 2;  // blocks along N
 constexpr int STAGES = 3;  // shared-memory buffers of the pipeline
 constexpr int AHEAD = STAGES - 1;  // chunks loading while one computes
@@ -365,11 +370,14 @@ __device__ __forceinline__ Buffers buffers() {
 }
 
 // One GEMM (G: the conv, or one stride phase of a transposed conv) for the block's tile of BM
-// positions from m0 and BN channels from n0: acc = its products. On return no copy is in flight
-// and no tensor-core operation reads the buffers of this thread's warp(group).
-template <class G>
+// positions from m0 and BN channels from n0: acc = its products (PARTS > 1: over part blockIdx.y
+// of PARTS equal parts of K). On return no copy is in flight and no tensor-core operation reads
+// the buffers of this thread's warp(group).
+template <class G, int PARTS = 1>
 __device__ __forceinline__ void gemm(const float* __restrict__ x, const float* __restrict__ wp, const Buffers& buf,
                                      int m_total, int m0, int n0, float (&acc)[WM][WN][4]) {
+  constexpr int ITERS = G::k_tiles / PARTS;  // K chunks this block walks
+  const int k0 = PARTS > 1 ? blockIdx.y * ITERS : 0;  // its first chunk
   float* const a_all = buf.a;
   float* const b_all = buf.b;
   // This thread's A position: fixed for the whole K loop.
@@ -388,7 +396,7 @@ __device__ __forceinline__ void gemm(const float* __restrict__ x, const float* _
   // The pipeline: chunks 0 .. AHEAD - 1 in flight, then one new chunk per chunk computed.
   #pragma unroll
   for (int s = 0; s < AHEAD; ++s) {
-    if (s < G::k_tiles) load_chunk<G>(row, wp, n0, s, a_all + s * A_STAGE, b_all + s * B_STAGE);
+    if (s < ITERS) load_chunk<G>(row, wp, n0, k0 + s, a_all + s * A_STAGE, b_all + s * B_STAGE);
     cp_async_commit();
   }
   const int warp = threadIdx.x / 32;
@@ -401,11 +409,11 @@ __device__ __forceinline__ void gemm(const float* __restrict__ x, const float* _
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
   #pragma unroll 1
-  for (int kt = 0; kt < G::k_tiles; ++kt) {
+  for (int kt = 0; kt < ITERS; ++kt) {
     cp_async_wait<AHEAD - 1>();  // chunk kt has landed (for this thread's copies) ...
     __syncthreads();  // ... for every thread's, and every warp is done with the buffer refilled next
     const int next = kt + AHEAD;
-    if (next < G::k_tiles) load_chunk<G>(row, wp, n0, next, a_all + next % STAGES * A_STAGE, b_all + next % STAGES * B_STAGE);
+    if (next < ITERS) load_chunk<G>(row, wp, n0, k0 + next, a_all + next % STAGES * A_STAGE, b_all + next % STAGES * B_STAGE);
     cp_async_commit();
     // The tensor cores add with truncation, so a long K loop would drift: each chunk is summed on
     // its own and added to the running sums in fp32 (rounded to nearest).
@@ -478,6 +486,60 @@ extern "C" __global__ void __launch_bounds__(THREADS) specgen_conv1d_5_128_256_1
     int batch)
 {
   conv_tile<Conv>(x, wp, bias, out, batch);
+}
+
+// Split K: block (tile, part) walks part blockIdx.y of K and writes its sums to `partial`,
+// [SPLIT_K][C_OUT][batch * POSITIONS] (the fragment layout of conv_tile's epilogue).
+extern "C" __global__ void __launch_bounds__(THREADS) specgen_conv1d_5_128_256_1024_mean_split(
+    const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
+    const float* __restrict__ wp,      // the weights permuted: [C_OUT][TAPS_PAD][CIP]
+    float* __restrict__ partial,       // [SPLIT_K][C_OUT][batch * POSITIONS]
+    int batch)
+{
+  const int m_total = batch * POSITIONS;
+  const int m0 = blockIdx.x / N_TILES * BM, n0 = blockIdx.x % N_TILES * BN;
+  float acc[WM][WN][4];
+  gemm<Conv, SPLIT_K>(x, wp, buffers(), m_total, m0, n0, acc);
+  float* __restrict__ part = partial + static_cast<size_t>(blockIdx.y) * C_OUT * m_total;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+  const int wm0 = warp % WARPS_M * (16 * WM), wn0 = warp / WARPS_M * (8 * WN);
+  #pragma unroll
+  for (int i = 0; i < WM; ++i) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + wm0 + i * 16 + gq + 8 * h;
+      if (m >= m_total) continue;
+      #pragma unroll
+      for (int j = 0; j < WN; ++j) {
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int cj = n0 + wn0 + j * 8 + 2 * tq + e;
+          if (cj < C_OUT) part[static_cast<size_t>(cj) * m_total + m] = acc[i][j][2 * h + e];
+        }
+      }
+    }
+  }
+}
+
+// The parts added up in order, 0 to SPLIT_K - 1 (so the result is the same on every run), and the
+// epilogue: one thread per output value, positions fastest (as the output and the parts lie).
+extern "C" __global__ void __launch_bounds__(256) specgen_conv1d_5_128_256_1024_mean_reduce(
+    const float* __restrict__ partial,  // [SPLIT_K][C_OUT][batch * POSITIONS]
+    const float* __restrict__ bias,    // [C_OUT]
+    float* __restrict__ out,           // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
+    int batch)
+{
+  const size_t m_total = static_cast<size_t>(batch) * POSITIONS;
+  const size_t e_out = static_cast<size_t>(blockIdx.x) * 256 + threadIdx.x;  // in the output
+  if (e_out >= m_total * C_OUT) return;
+  const int p = static_cast<int>(e_out % POSITIONS), cj = static_cast<int>(e_out / POSITIONS % C_OUT);
+  const size_t m = e_out / (static_cast<size_t>(C_OUT) * POSITIONS) * POSITIONS + p;
+  float sum = 0.0f;
+  #pragma unroll
+  for (int part = 0; part < SPLIT_K; ++part) sum += __ldg(partial + (static_cast<size_t>(part) * C_OUT + cj) * m_total + m);
+  float v = sum + __ldg(bias + cj);  // the conv and its bias
+  v = (1.0f / (1.0f + expf(-(v))));  // epilogue[0] sigmoid
+  out[e_out] = v;
 }
 
 }  // namespace body

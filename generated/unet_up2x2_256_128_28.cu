@@ -257,11 +257,14 @@ __device__ __forceinline__ Buffers buffers() {
 }
 
 // One GEMM (G: the conv, or one stride phase of a transposed conv) for the block's tile of BM
-// positions from m0 and BN channels from n0: acc = its products. On return no copy is in flight
-// and no tensor-core operation reads the buffers of this thread's warp(group).
-template <class G>
+// positions from m0 and BN channels from n0: acc = its products (PARTS > 1: over part blockIdx.y
+// of PARTS equal parts of K). On return no copy is in flight and no tensor-core operation reads
+// the buffers of this thread's warp(group).
+template <class G, int PARTS = 1>
 __device__ __forceinline__ void gemm(const float* __restrict__ x, const float* __restrict__ wp, const Buffers& buf,
                                      int m_total, int m0, int n0, float (&acc)[WM][WN][4]) {
+  constexpr int ITERS = G::k_tiles / PARTS;  // K chunks this block walks
+  const int k0 = PARTS > 1 ? blockIdx.y * ITERS : 0;  // its first chunk
   float* const a_all = buf.a;
   float* const b_all = buf.b;
   // This thread's A position: fixed for the whole K loop.
@@ -280,7 +283,7 @@ __device__ __forceinline__ void gemm(const float* __restrict__ x, const float* _
   // The pipeline: chunks 0 .. AHEAD - 1 in flight, then one new chunk per chunk computed.
   #pragma unroll
   for (int s = 0; s < AHEAD; ++s) {
-    if (s < G::k_tiles) load_chunk<G>(row, wp, n0, s, a_all + s * A_STAGE, b_all + s * B_STAGE);
+    if (s < ITERS) load_chunk<G>(row, wp, n0, k0 + s, a_all + s * A_STAGE, b_all + s * B_STAGE);
     cp_async_commit();
   }
   const int warp = threadIdx.x / 32;
@@ -293,11 +296,11 @@ __device__ __forceinline__ void gemm(const float* __restrict__ x, const float* _
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
   #pragma unroll 1
-  for (int kt = 0; kt < G::k_tiles; ++kt) {
+  for (int kt = 0; kt < ITERS; ++kt) {
     cp_async_wait<AHEAD - 1>();  // chunk kt has landed (for this thread's copies) ...
     __syncthreads();  // ... for every thread's, and every warp is done with the buffer refilled next
     const int next = kt + AHEAD;
-    if (next < G::k_tiles) load_chunk<G>(row, wp, n0, next, a_all + next % STAGES * A_STAGE, b_all + next % STAGES * B_STAGE);
+    if (next < ITERS) load_chunk<G>(row, wp, n0, k0 + next, a_all + next % STAGES * A_STAGE, b_all + next % STAGES * B_STAGE);
     cp_async_commit();
     // The tensor cores add with truncation, so a long K loop would drift: each chunk is summed on
     // its own and added to the running sums in fp32 (rounded to nearest).

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from specgen import target as targets
+from specgen import splitk, target as targets
 from specgen.spec import LayerSpec
 
 BLOCK_RESERVED_SMEM = 1024  # shared memory the driver reserves per block on an SM
@@ -60,6 +60,9 @@ class IgemmConfig:
     # A transposed conv with stride 2 along W: 0 lets the planner decide (`pairs_w`: pairs where
     # shared memory holds their stash), 1 runs one stride phase per block, 2 a W pair per block.
     phases_per_block: int = 0
+    # The split kernel's parts of K (`specgen.splitk`): 0 lets the planner decide, 1 has none,
+    # otherwise a divisor of the K chunks (a plain conv only: a transposed conv's phases have none).
+    split_k: int = 0
 
     @property
     def bm(self) -> int:
@@ -214,6 +217,11 @@ class IgemmPlan:
     # then the largest phase's (the grid covers it).
     phases: tuple[Phase, ...] = ()
     w_pairs: bool = False  # each block runs the two W phases of a (d, h) phase (`pairs_w`)
+    # Split K (`specgen.splitk`): `<kernel>_split` walks 1 / split_k of the K chunks per block into
+    # a workspace, `<kernel>_reduce` adds the parts in order and runs the epilogue; 1: no such kernel.
+    split_k: int = 1
+    split_iters: int = 0  # K chunks per block of the split kernel
+    cout: int = 0
 
     @property
     def grid_gemms(self) -> int:
@@ -358,11 +366,21 @@ def plan_igemm(
     min_blocks = cfg.min_blocks or (
         2 if 2 * (smem_bytes + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and 2 * threads * max(regs, 64) <= target.regs_per_sm else 1
     )
+    k_tiles, n_tiles = k_pad // bk, -(-cout // bn)
+    if phases:
+        if cfg.split_k > 1:
+            raise ValueError("a transposed conv's stride phases have no split kernel")
+        parts = 1
+    else:
+        parts = cfg.split_k or splitk.choose(positions, cout, bm, n_tiles, k_tiles, (target.sm_count or 132) * min_blocks)
+        if k_tiles % parts:
+            raise ValueError(f"split_k {parts} does not divide the {k_tiles} K chunks")
     return IgemmPlan(
         config=cfg, bm=bm, bn=bn, bk=bk, stages=cfg.stages, threads=threads, cip=cip, taps_pad=taps_pad, tpc=tpc,
-        cpt=cpt, k_pad=k_pad, k_tiles=k_pad // bk, n_tiles=-(-cout // bn), positions=positions, lda=lda, ldb=ldb,
+        cpt=cpt, k_pad=k_pad, k_tiles=k_tiles, n_tiles=n_tiles, positions=positions, lda=lda, ldb=ldb,
         a_vec=a_vec, a_iters=a_iters, a_row_step=a_row_step, b_iters=b_iters, smem_bytes=smem_bytes,
         min_blocks=min_blocks, split=spec.precision == "fp32", wgmma=cfg.wgmma, phases=phases, w_pairs=w_pairs,
+        split_k=parts, split_iters=k_tiles // parts, cout=cout,
     )
 
 
@@ -381,4 +399,6 @@ def describe(ig: IgemmPlan) -> str:
         f"implicit GEMM on tensor cores ({mode} {instr}): block tile {ig.bm} positions x {ig.bn} channels, "
         f"K chunks of {ig.bk} ({ig.k_tiles} chunks, {ig.stages}-stage cp.async pipeline), warp tile "
         f"{16 * ig.config.wm} x {8 * ig.config.wn}, {ig.threads} threads"
+        + (f"; for small batches K split {ig.split_k} ways ({ig.split_iters} chunks a block), the parts added in "
+           f"order by a second kernel" if ig.split_k > 1 else "")
     )

@@ -361,6 +361,17 @@ def launch(
                 _check(lib, result, "cuLaunchKernelEx")
 
 
+def launch_function(kernel: LoadedKernel, function: ctypes.c_void_p, grid_x: int, grid_y: int, threads: int,
+                    smem_bytes: int, pointers: list[int], batch: int, stream: int) -> None:
+    """One launch of another kernel of `kernel`'s module (pointer arguments, then the batch): a
+    split kernel over (tiles, parts) or its reduction."""
+    lib = _libcuda
+    values, batch_arg, argv = _prepare(kernel, len(pointers))
+    values[: len(pointers)] = pointers
+    batch_arg.value = batch
+    _launch_kernel(lib, function, grid_x, grid_y, threads, smem_bytes, stream, argv)
+
+
 def launch_flat(
     kernel: LoadedKernel,
     positions: int,

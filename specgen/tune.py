@@ -97,7 +97,8 @@ def label(cfg) -> str:
         return f"tma {cfg.bm}x{cfg.bn} s{cfg.stages} kb{cfg.kb_per_stage}{split}"
     mb = f" {cfg.min_blocks} blocks/SM" if cfg.min_blocks else ""
     phases = {0: "", 1: " one phase per block", 2: " W pairs"}[cfg.phases_per_block]
-    return f"{cfg.bm}x{cfg.bn} w{16 * cfg.wm}x{8 * cfg.wn} {cfg.threads // 32} warps k{cfg.bk} s{cfg.stages}{mb}{phases}"
+    split = {0: "", 1: " no split"}.get(cfg.split_k, f" split {cfg.split_k}")
+    return f"{cfg.bm}x{cfg.bn} w{16 * cfg.wm}x{8 * cfg.wn} {cfg.threads // 32} warps k{cfg.bk} s{cfg.stages}{mb}{phases}{split}"
 
 
 def config_record(cfg) -> dict | None:

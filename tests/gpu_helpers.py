@@ -181,3 +181,18 @@ def captured(layer, x: torch.Tensor, grad: bool = True):
     with torch.set_grad_enabled(grad), torch.cuda.graph(graph):
         out = layer(x)
     return graph, out
+
+
+def assert_repeatable_and_replayed(layer, x: torch.Tensor, gen: torch.Generator) -> None:
+    """Two calls of `layer` on `x` agree bit for bit (a fixed order of sums: no atomics), and a CUDA
+    graph of it replays with a fresh input in `x` to what an eager call gives."""
+    with torch.no_grad():
+        first, second = layer(x).clone(), layer(x).clone()
+        torch.testing.assert_close(first, second, rtol=0, atol=0)
+        graph, got = captured(layer, x, grad=False)
+        x.copy_(torch.randn(x.shape, device=x.device, generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = layer(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(got, first)

@@ -95,7 +95,8 @@ def test_every_extent_is_a_literal():
                  "constexpr int OUT_D = 1, OUT_H = 10, OUT_W = 12;"):
         assert line in text
     assert "static constexpr int taps = TAPS, taps_pad = TAPS_PAD, k_pad = K_PAD, k_tiles = K_TILES;" in text
-    assert "#pragma unroll 1\n  for (int kt = 0; kt < G::k_tiles; ++kt)" in text
+    assert "constexpr int ITERS = G::k_tiles / PARTS;" in text  # (PARTS: 1, or SPLIT_K in the split kernel)
+    assert "#pragma unroll 1\n  for (int kt = 0; kt < ITERS; ++kt)" in text
 
 
 def test_a_tile_that_does_not_fit_is_refused():
@@ -132,3 +133,56 @@ def test_the_launch_permutes_the_weights_tap_major_with_zero_padding():
         w.add_(1.0)
     q = torchop.gemm_weight(w, layout)
     assert q is not p and torch.equal(q[:, :9, :3], w.reshape(8, 3, 9).transpose(1, 2))
+
+
+# ---- split K ------------------------------------------------------------------------------------------
+
+def test_a_deep_layer_with_few_positions_gets_a_split_kernel():
+    """512 channels at 7x7 (49 positions): one M tile, a few N tiles, K = 4608."""
+    plan = build_plan(spec_of(cin=512, cout=512, size=(7, 7)), target=AMPERE)
+    ig = plan["igemm"]
+    assert ig.split_k > 1 and ig.k_tiles % ig.split_k == 0 and ig.split_iters == ig.k_tiles // ig.split_k
+    assert ig.cout == 512 and "K split" in describe(plan)
+    text = render_plan(plan)
+    assert f"constexpr int SPLIT_K = {ig.split_k};" in text
+    assert "gemm<Conv, SPLIT_K>(" in text and "_reduce(" in text
+    reduce = text[text.index("_reduce(\n"):]
+    assert "for (int part = 0; part < SPLIT_K; ++part) sum +=" in reduce and "fmaxf(v, 0.0f)" in reduce
+    assert "atomic" not in text
+
+
+def test_wide_layers_and_transposed_convs_get_no_split_kernel():
+    wide = build_plan(spec_of(cin=64, cout=64, size=(112, 112)), target=AMPERE)
+    assert wide["igemm"].split_k == 1 and "SPLIT_K" not in render_plan(wide)
+    up = validate({"name": "up", "input": {"channels": 256, "size": [7, 7]},
+                   "conv": {"out_channels": 256, "kernel": 4, "stride": 2, "padding": 1, "transposed": True},
+                   "epilogue": ["relu"], "tile": {"engine": "igemm"}})
+    plan = build_plan(up, target=AMPERE)
+    assert plan["igemm"].phases and plan["igemm"].split_k == 1
+
+
+def test_an_igemm_config_can_ask_for_a_split_or_none():
+    spec = spec_of(cin=512, cout=512, size=(7, 7))
+    base = build_plan(spec, target=AMPERE)["igemm"].config
+    none = igemm.IgemmConfig(**{**base.__dict__, "split_k": 1})
+    assert build_plan(spec, none, AMPERE)["igemm"].split_k == 1
+    two = igemm.IgemmConfig(**{**base.__dict__, "split_k": 2})
+    assert build_plan(spec, two, AMPERE)["igemm"].split_k == 2
+    with pytest.raises(PlanError, match="does not divide"):
+        build_plan(spec, igemm.IgemmConfig(**{**base.__dict__, "split_k": 7}), AMPERE)
+
+
+def test_the_launch_takes_the_igemm_split_kernel_where_it_pays():
+    pytest.importorskip("torch")
+    from specgen import splitk, torchop
+
+    sp = pipeline.specialize(spec_of(cin=512, cout=512, size=(7, 7), tile={"engine": "igemm"}), "sm_80")
+    lp = torchop._launch_plan(sp)
+    ig = sp.plan["igemm"]
+    assert lp.igemm_split[0] == ig.split_k and lp.igemm_split[4].endswith("_split")
+    slots = 132 * sp.plan["min_blocks"]
+    for batch in (1, 2, 8, 64, 512):
+        tiles = -(-batch * 49 // ig.bm) * ig.n_tiles
+        want = splitk.pays(tiles, ig.k_tiles, ig.split_k, slots, batch * 49 * 512)
+        assert torchop.igemm_uses_split(lp, batch, 132) == want
+    assert torchop.igemm_uses_split(lp, 1, 132) and not torchop.igemm_uses_split(lp, 512, 132)

@@ -152,3 +152,48 @@ def test_igemm_random_specs():
     _RANDOM_CHECKED.clear()
     _igemm_random_spec()
     assert len(_RANDOM_CHECKED) >= 0.8 * 80, f"only {len(_RANDOM_CHECKED)} of 80 random specs were checked"
+
+
+# ---- split K ---------------------------------------------------------------------------------------------
+
+SPLIT_CASES = {
+    # deep layers with few positions: at small batches their tiles leave most SMs idle
+    "c512_7_shortcut": (512, [7, 7], {"out_channels": 512, "kernel": 3, "padding": 1},
+                        [{"add": {"input": "shortcut"}}, "relu"]),
+    "c1x1_576_96_param": (576, [14, 14], {"out_channels": 96, "kernel": 1, "bias": False},
+                          [{"mul": {"param": "scale"}}, {"add": {"param": "shift"}}]),
+    "conv1d_deep": (384, [20], {"out_channels": 100, "kernel": 3, "padding": 1}, [{"gelu": {"approximate": "none"}}]),
+    "c256_14_to_64": (256, [14, 14], {"out_channels": 64, "kernel": 3, "padding": 1}, ["relu"]),  # wgmma in 3xTF32 too
+}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("name", sorted(SPLIT_CASES))
+def test_igemm_split_k_small_batches(name, precision):
+    """Batch 1, 2 and 5 run the split kernel and its reduction (asserted); a batch whose tiles fill the
+    GPU runs the plain kernel; both at the mode's bar."""
+    from specgen import tmarun, torchop
+
+    cin, size, conv, epilogue = SPLIT_CASES[name]
+    layer = layer_of({"name": f"igsplit_{name}_{precision}", "input": {"channels": cin, "size": size}, "conv": conv,
+                      "epilogue": epilogue, "precision": precision})
+    sp = layer.specialize()
+    assert sp.plan["igemm"].split_k > 1
+    lp, sms = torchop._launch_plan(sp), tmarun.sm_count(torch.device("cuda"))
+    for batch, seed in ((1, 1), (2, 2), (5, 3)):
+        assert torchop.igemm_uses_split(lp, batch, sms), f"batch {batch} did not take the split kernel"
+        check(layer, batch, seed=seed)
+    big = next(b for b in range(8, 4096) if not torchop.igemm_uses_split(lp, b, sms))
+    check(layer, big, seed=5)
+
+
+def test_igemm_split_k_is_deterministic_and_replays_in_a_cuda_graph():
+    from gpu_helpers import assert_repeatable_and_replayed, randomize
+
+    cin, size, conv, epilogue = SPLIT_CASES["c1x1_576_96_param"]
+    layer = layer_of({"name": "igsplit_graph", "input": {"channels": cin, "size": size}, "conv": conv,
+                      "epilogue": epilogue, "precision": "fp32"})
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    randomize(layer, gen)
+    x = torch.randn((1, cin, *size), device="cuda", generator=gen)
+    assert_repeatable_and_replayed(layer, x, gen)

@@ -215,20 +215,11 @@ def test_split_k_small_batches(name, precision):
 def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
     """The parts are added in a fixed order: two runs agree bit for bit, and a graph replays it with a
     fresh input."""
-    from gpu_helpers import captured, extra_inputs, randomize
+    from gpu_helpers import assert_repeatable_and_replayed, extra_inputs, randomize
 
     layer = _split_layer("c256_14_param", "tf32")
     gen = torch.Generator(device="cuda").manual_seed(11)
     randomize(layer, gen)
     x = torch.randn((1, 256, 14, 14), device="cuda", generator=gen)
     assert not extra_inputs(layer.spec, 1, gen)
-    with torch.no_grad():
-        first, second = layer(x).clone(), layer(x).clone()
-        torch.testing.assert_close(first, second, rtol=0, atol=0)
-        graph, got = captured(layer, x, grad=False)
-        x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = layer(x)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert not torch.equal(got, first)
+    assert_repeatable_and_replayed(layer, x, gen)
