@@ -21,8 +21,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import models  # noqa: E402
+from host import kernels  # noqa: E402  (GPU time per call: the kernels' durations, from the profiler)
 
 from specgen.importer import from_module  # noqa: E402
 
@@ -41,18 +43,6 @@ def wall_us(fn, calls: int = 20, loops: int = 10) -> float:
         torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - t) / calls)
     return best * 1e6
-
-
-def kernel_us(fn, calls: int = 20) -> float:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / calls
 
 
 def main(argv=None) -> int:
@@ -83,7 +73,7 @@ def main(argv=None) -> int:
                 want, got = model(x), fused(x)
                 err = ((got.double() - want.double()).norm() / want.double().norm()).item()
                 we, wf = wall_us(lambda: model(x)), wall_us(lambda: fused(x))
-                ke, kf = kernel_us(lambda: model(x)), kernel_us(lambda: fused(x))
+                ke, kf = kernels(lambda: model(x)), kernels(lambda: fused(x))
             walls.append(we / wf)
             gpus.append(ke / kf)
             print(f"  {name:14} {batch:3}  {sum(c.fused for c in choices):3} / {len(choices):3}  {built:5.1f}  "

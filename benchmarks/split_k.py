@@ -1,11 +1,13 @@
-"""Deep layers at small batches: the TMA engine's split kernel against its plain kernel and cuDNN.
+"""Deep layers at small batches: the split kernel against the plain kernel and cuDNN.
 
-    python benchmarks/split_k.py [--precision tf32 bf16 fp32] [--batch 1 4 16]
+    python benchmarks/split_k.py [--precision tf32 bf16 fp32] [--batch 1 4 16] [--engine tma|igemm]
 
 At batch 1 a deep layer late in a CNN (ResNet's 512 channels at 7 x 7) is a handful of output tiles
-for 132 SMs; the split kernel spreads K over more blocks. Each row: GPU time per call, the kernels'
-durations summed by the profiler over 30 calls (no host time, no gaps), for specgen as the launch chooses (split where
-`tma.split_pays`), specgen with the plain kernel forced, eager PyTorch (contiguous and channels-last
+for 132 SMs; the split kernel spreads K over more blocks. `--engine igemm` runs every layer on the
+implicit-GEMM engine (what fp32 layers of few multiply-adds per input byte, and other GPUs, get). Each row: GPU time per call, the kernels'
+durations summed by the profiler over 50 calls (no host time, no gaps; unlike a CUDA-graph replay,
+which remakes specgen's prepared weights on every replay, this keeps them cached as eager use does), for specgen as the launch chooses (split where
+`splitk.pays`), specgen with the plain kernel forced, eager PyTorch (contiguous and channels-last
 tensors) in the same precision; and the floor (the larger of the FLOPs at the measured tensor-core
 rate and the fewest bytes at the measured copy rate). Needs a CUDA GPU (sm_90).
 """
@@ -14,12 +16,17 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
 
 import torch
 
-from specgen import bench, tmarun
-from specgen.module import FusedLayer
-from specgen.spec import validate
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host import kernels  # noqa: E402  (GPU time per call: the kernels' durations, from the profiler)
+
+from specgen import bench, tmarun, torchop  # noqa: E402
+from specgen.module import FusedLayer  # noqa: E402
+from specgen.spec import validate  # noqa: E402
 
 # name: (input channels, size, conv)
 LAYERS = {
@@ -35,32 +42,19 @@ DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}
 RATE = {"fp32": "tf32_flops_per_s", "tf32": "tf32_flops_per_s", "bf16": "bf16_flops_per_s"}
 
 
-def kernel_us(fn, calls: int = 30) -> float:
-    """GPU time per call: the summed durations of the kernels `calls` calls run, from the profiler
-    (no host time, no gaps). Unlike a CUDA-graph replay this keeps specgen's prepared weights cached,
-    as in eager use (under capture they are remade on every replay)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / calls
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--precision", nargs="+", default=["tf32", "bf16", "fp32"], choices=sorted(DTYPE))
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 4, 16])
+    ap.add_argument("--engine", default="tma", choices=["tma", "igemm"])
     args = ap.parse_args(argv)
+    if args.engine == "igemm":
+        args.precision = [p for p in args.precision if p != "bf16"]  # (no 16-bit implicit GEMM)
     ceil = bench.ceilings()
     print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, tf32 {ceil['tf32_flops_per_s'] / 1e12:.0f}, "
           f"bf16 {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s; times: us of kernels per call (profiler)", flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    chosen = tmarun.uses_split
+    chosen, chosen_ig = tmarun.uses_split, torchop.igemm_uses_split
     ratios = {p: [] for p in args.precision}
     for precision in args.precision:
         dtype = DTYPE[precision]
@@ -68,10 +62,10 @@ def main(argv=None) -> int:
               f"x eager (best layout), % of floor", flush=True)
         for name, (cin, size, conv) in LAYERS.items():
             spec = validate({"name": "split_bench", "input": {"channels": cin, "size": size}, "conv": conv,
-                             "epilogue": ["relu"], "precision": precision})
+                             "epilogue": ["relu"], "precision": precision, "tile": {"engine": args.engine}})
             layer = FusedLayer(spec).cuda()
             sp = layer.specialize()
-            tp = sp.plan.get("tma")
+            tp = sp.plan.get(args.engine)
             ref = (torch.nn.Conv1d if len(size) == 1 else torch.nn.Conv2d)(
                 cin, conv["out_channels"], conv["kernel"], conv.get("stride", 1), conv.get("padding", 0)).cuda().to(dtype)
             with torch.no_grad():
@@ -92,15 +86,19 @@ def main(argv=None) -> int:
                     got = layer(x)
                     want = torch.relu(ref(x))
                     err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-                    used = tp is not None and chosen(tp, batch, sms)
-                    t_auto = kernel_us(lambda: layer(x))
-                    tmarun.uses_split = lambda *a: False
+                    if args.engine == "tma":
+                        used = tp is not None and chosen(tp, batch, sms)
+                    else:
+                        lp = torchop._launch_plan(sp)
+                        used = lp.igemm_split is not None and chosen_ig(lp, batch, sms)
+                    t_auto = kernels(lambda: layer(x))
+                    tmarun.uses_split = torchop.igemm_uses_split = lambda *a: False
                     try:
-                        t_plain = kernel_us(lambda: layer(x))
+                        t_plain = kernels(lambda: layer(x))
                     finally:
-                        tmarun.uses_split = chosen
-                    t_eager = kernel_us(lambda: torch.relu(ref(x)))
-                    t_cl = kernel_us(lambda: torch.relu(ref_cl(x_cl))) if ref_cl is not None else float("nan")
+                        tmarun.uses_split, torchop.igemm_uses_split = chosen, chosen_ig
+                    t_eager = kernels(lambda: torch.relu(ref(x)))
+                    t_cl = kernels(lambda: torch.relu(ref_cl(x_cl))) if ref_cl is not None else float("nan")
                 flops = 2 * math.prod(got.shape) * cin * math.prod([conv["kernel"]] * len(size))
                 nbytes = (x.numel() + got.numel() + layer.conv.weight.numel()) * x.element_size()
                 floor = max(flops * (3 if precision == "fp32" else 1) / ceil[RATE[precision]],
