@@ -6,9 +6,9 @@ import threading
 from dataclasses import dataclass
 
 from specgen import cache, target as targets, tma
-from specgen.plan import PlanError, build_plan
+from specgen.plan import DEFAULT_SETTINGS, PlanError, Settings, build_plan
 from specgen.render import render_plan
-from specgen.spec import LayerSpec, TileSpec
+from specgen.spec import LayerSpec
 
 
 @dataclass(frozen=True)
@@ -29,16 +29,18 @@ _memo: dict[tuple[str, str | None], Specialized] = {}
 _memo_lock = threading.Lock()
 
 
-def request(spec: LayerSpec, arch: str | None = None, runtime_dims: bool = False, igemm_config=None) -> tuple[dict, str, cache.BuildRequest]:
+def request(spec: LayerSpec, arch: str | None = None, runtime_dims: bool = False, igemm_config=None,
+            settings: Settings = DEFAULT_SETTINGS) -> tuple[dict, str, cache.BuildRequest]:
     """Plan `spec` for `arch`'s target (None: this GPU's, else sm_90) and render it. The banner names
     the target and every limit of it the plan used, so they are part of the source and the cache key.
     A `target.TargetError` (an arch older than sm_80 or unknown, or a spec that cannot fit it) comes
     before anything is compiled. `igemm_config` is a planner setting for a tile: an
-    `igemm.IgemmConfig` or a `tma.TmaConfig` (either makes its engine run). A plan on Hopper's
+    `igemm.IgemmConfig` or a `tma.TmaConfig` (either makes its engine run); `settings` the other
+    planner settings (`plan.Settings`: never written into the spec). A plan on Hopper's
     wgmma (the TMA engine, or the implicit GEMM's wgmma tiles) is built for sm_90a (its instruction set)."""
     tma_config = igemm_config if isinstance(igemm_config, tma.TmaConfig) else None
     ig_config = None if tma_config is not None else igemm_config
-    plan = build_plan(spec, ig_config, targets.resolve(arch), tma_config)
+    plan = build_plan(spec, ig_config, targets.resolve(arch), tma_config, settings)
     ig = plan.get("igemm")
     if plan["engine"] == "tma" or plan.get("tma") is not None or (ig is not None and ig.wgmma):  # (a sequence's body too)
         if arch not in (None, "sm_90", "sm_90a"):
@@ -56,13 +58,13 @@ def specialize_runtime_dims(spec: LayerSpec, arch: str | None = None) -> Special
 
 def _without_spills(item: Specialized, arch: str | None, igemm_config=None) -> Specialized:
     """A build that spilled registers under the planner's occupancy hint (two blocks per SM caps a
-    thread's registers) is built again with one block per SM, and kept if it spills less. A
-    `tile.min_blocks` the user wrote is left alone."""
+    thread's registers) is built again with one block per SM (a planner setting: the spec, its
+    banner and its cache key stay the user's), and kept if it spills less. A `tile.min_blocks` the
+    user wrote is left alone."""
     spec = item.spec
     if item.build.spill_bytes == 0 or item.plan["min_blocks"] <= 1 or (spec.tile is not None and spec.tile.min_blocks):
         return item
-    tile = (spec.tile or TileSpec()).model_copy(update={"min_blocks": 1})
-    plan, source, req = request(spec.model_copy(update={"tile": tile}), arch, igemm_config=igemm_config)
+    plan, source, req = request(spec, arch, igemm_config=igemm_config, settings=Settings(min_blocks=1))
     build = cache.get_or_build(req)
     return Specialized(spec, plan, source, build) if build.spill_bytes < item.build.spill_bytes else item
 

@@ -318,39 +318,58 @@ def _affine_fold(spec: LayerSpec, level0: dict, consts: list[Constant]) -> dict 
     }
 
 
+@dataclass(frozen=True)
+class Settings:
+    """Planner settings: inputs of a plan beside the spec, never written into it (the spec, its
+    banner and its cache key stay the user's)."""
+
+    min_blocks: int | None = None  # blocks per SM asked of the compiler (None: the planner's; a tile's wins)
+    rewrites: bool = True  # False: no rewrite applies (the re-plan when a fold finds no room)
+
+    def summary(self) -> str:
+        parts = ([f"min_blocks {self.min_blocks}"] if self.min_blocks else []) + ([] if self.rewrites else ["no rewrites"])
+        return ", ".join(parts)
+
+
+DEFAULT_SETTINGS = Settings()
+
+
 def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" = None, target: Target | None = None,
-               tma_config: "tma_engine.TmaConfig | None" = None) -> dict:
+               tma_config: "tma_engine.TmaConfig | None" = None, settings: Settings = DEFAULT_SETTINGS) -> dict:
     """Everything the template needs, as plain Python values. `igemm_config` / `tma_config`: a
     planner setting (a tuner's candidate) for the implicit-GEMM or the TMA engine's tile shape; it
-    makes that engine run.
+    makes that engine run. `settings`: the other planner settings (`Settings`).
     `target`: the GPU planned for (default: the built-in sm_90); the plan fits its shared memory,
     uses clusters only where it has them, or refuses with a `TargetError`."""
     target = target or targets.DEFAULT
     if not target.has_cp_async:
         raise TargetError(f"{spec.name}: {target.arch} has no cp.async, which every specgen engine stages with")
-    if spec.rewrites and (plain := forward_equivalent(spec)) is not None:
+    may_rewrite = spec.rewrites and settings.rewrites
+    if may_rewrite and (plain := forward_equivalent(spec)) is not None:
         # ---- rewrite: a transposed conv of stride 1 is a plain conv (every engine runs it) ---
-        return _as_transposed(build_plan(plain, igemm_config, target, tma_config), spec, plain)
+        return _as_transposed(build_plan(plain, igemm_config, target, tma_config, settings), spec, plain)
     from specgen import poolfold, tail, tapsum
 
-    if igemm_config is None and tma_config is None and (pf := poolfold.find(spec)) is not None:
+    if igemm_config is None and tma_config is None and (pf := poolfold.find(spec, may_rewrite)) is not None:
         # ---- rewrite: an avg pool after a strided transposed conv makes a plain conv with it --
-        return _presented_as(build_plan(pf.spec, None, target), spec, poolfold.note(spec, pf), poolfold.transform(spec, pf))
-    if igemm_config is None and tma_config is None and (fold := tapsum.find(spec)) is not None:
+        return _presented_as(build_plan(pf.spec, None, target, settings=settings), spec, poolfold.note(spec, pf),
+                             poolfold.transform(spec, pf))
+    if igemm_config is None and tma_config is None and (fold := tapsum.find(spec, may_rewrite)) is not None:
         # ---- rewrite: a mean over whole spatial dims of the conv, taken before it -----------
-        return tapsum.plan_fold(spec, fold, target)
+        return tapsum.plan_fold(spec, fold, target, settings)
     if tail.is_sequence(spec):  # statistic stages: a sequence of kernels, each part planned on its own
-        return tail.plan_sequence(spec, igemm_config, target, tma_config)
-    if igemm_config is None and tma_config is None and (at := tail.pool_split(spec, target)) is not None:
-        return tail.plan_pool_split(spec, at, target)  # the conv on tensor cores, its pool in a second kernel
-    return plan_whole(spec, igemm_config, target, tma_config)
+        return tail.plan_sequence(spec, igemm_config, target, tma_config, settings)
+    if igemm_config is None and tma_config is None and (at := tail.pool_split(spec, target, may_rewrite)) is not None:
+        return tail.plan_pool_split(spec, at, target, settings)  # the conv on tensor cores, its pool in a second kernel
+    return plan_whole(spec, igemm_config, target, tma_config, settings)
 
 
 def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" = None, target: Target | None = None,
-               tma_config: "tma_engine.TmaConfig | None" = None) -> dict:
+               tma_config: "tma_engine.TmaConfig | None" = None, settings: Settings = DEFAULT_SETTINGS) -> dict:
     """The plan of `spec` as one kernel, split nowhere: what `build_plan` returns for a layer it
     does not rewrite, sequence or split (`tail.pool_split` asks it where the whole layer would run)."""
     target = target or targets.DEFAULT
+    may_rewrite = spec.rewrites and settings.rewrites
     nd = spec.ndim
     geo = spec.conv_geometry()
     consts: list[Constant] = []
@@ -413,7 +432,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     rewrites: list[str] = []
     fold = None
     transposed = spec.conv.transposed
-    if spec.rewrites and len(levels) > 1 and not transposed and _can_fold_avg_pool(spec, levels, s3, d3):
+    if may_rewrite and len(levels) > 1 and not transposed and _can_fold_avg_pool(spec, levels, s3, d3):
         pool = levels.pop(1)
         fold = {"orig_kernel": k3, "window": pool["kernel"], "window_size": pool["window"]}
         new_k = tuple(k + w - 1 for k, w in zip(k3, pool["kernel"]))
@@ -430,7 +449,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
             lvl["level"] = k
         taps = k3[0] * k3[1] * k3[2]
     # ---- rewrite: scalar affine ops right after the conv fold into its weights and bias ------
-    affine = _affine_fold(spec, levels[0], consts) if spec.rewrites else None
+    affine = _affine_fold(spec, levels[0], consts) if may_rewrite else None
     if affine is not None:
         rewrites.append(affine["summary"])
     t1 = (cout, *levels[-1]["out"])  # T1 extents (c, d, h, w)
@@ -633,7 +652,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         x_floats = 0
         weights_in_smem = 4 * (w_smem_floats + box_floats + red_floats) <= target.smem_per_block and weight_channels % ct == 0
     if fold is not None and not weights_in_smem:  # the fold builds W' while staging: no room, no fold
-        return build_plan(spec.model_copy(update={"rewrites": False}), igemm_config, target, tma_config)
+        return build_plan(spec, igemm_config, target, tma_config, replace(settings, rewrites=False))
     smem_floats = (w_smem_floats if weights_in_smem else 0) + x_floats + box_floats + red_floats
     # Tensor cores stage their weights through x_s (free until the first slab): channels' weights
     # copied as they lie in memory, then written out as B a (c, ci) pair per thread. RAW_STRIDE is
@@ -723,6 +742,8 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         min_blocks = next((mb for mb in (3, 2) if mb <= fit and target.regs_per_sm // (mb * threads) // 8 * 8 >= 96), 1)
     if tile is not None and tile.min_blocks:
         min_blocks = tile.min_blocks
+    elif settings.min_blocks:
+        min_blocks = settings.min_blocks
     params = list(spec.params().items())
 
     # ---- engine: the implicit GEMM where it can run and pays -----------------------------------
@@ -740,6 +761,8 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         threads, smem_bytes, min_blocks = ig.threads, ig.smem_bytes, ig.min_blocks
         if tile is not None and tile.min_blocks:
             min_blocks = tile.min_blocks
+        elif settings.min_blocks:
+            min_blocks = settings.min_blocks
         cluster, cluster_at_launch = 1, False
     plan = {
         "version": __version__,
@@ -827,6 +850,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         "pointwise": levels[0]["pointwise"],
         "precision": spec.precision,
         "target": target.summary(),
+        "settings": settings,
     }
     return plan
 
@@ -971,7 +995,14 @@ def _engine_summary(plan: dict) -> str:
 
 
 def describe(plan: dict) -> str:
-    """A short human summary of the plan (used by `specgen show`)."""
+    """A short human summary of the plan (used by `specgen show`), with the planner settings where
+    they are not the defaults."""
+    settings = plan.get("settings")
+    extra = settings.summary() if settings is not None else ""
+    return _describe(plan) + (f"\nplanner settings: {extra}" if extra else "")
+
+
+def _describe(plan: dict) -> str:
     if plan["engine"] == "sequence":
         from specgen import tail
 

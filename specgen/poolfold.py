@@ -75,11 +75,12 @@ class PoolFold:
     spec: LayerSpec  # the plain conv's layer
 
 
-def find(spec: LayerSpec) -> PoolFold | None:
-    """The fold of a strided transposed conv into the avg pool after it, or None."""
+def find(spec: LayerSpec, rewrites: bool = True) -> PoolFold | None:
+    """The fold of a strided transposed conv into the avg pool after it, or None (`rewrites`: the
+    planner's setting, beside the spec's own)."""
     from specgen import tapsum
 
-    if not spec.rewrites or spec.tile is not None or not spec.conv.transposed or not spec.epilogue:
+    if not (spec.rewrites and rewrites) or spec.tile is not None or not spec.conv.transposed or not spec.epilogue:
         return None
     geo = spec.conv_geometry()
     if all(s == 1 for s in geo["stride"]):

@@ -259,7 +259,7 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> dict:
             "fin_iters": -(-chunks // fin_threads), "kernels": kernels}
 
 
-def pool_split(spec: LayerSpec, target) -> int | None:
+def pool_split(spec: LayerSpec, target, rewrites: bool = True) -> int | None:
     """Where a layer without statistic stages is better split in two (the index of its first
     windowed pool), or None. A pool between the conv and the output keeps the whole layer off the
     tensor cores (the FFMA engine pulls each window's values through the conv); when the conv alone
@@ -280,13 +280,13 @@ def pool_split(spec: LayerSpec, target) -> int | None:
     if first is None:
         return None
     if spec.conv.transposed:
-        if spec.input.channels < igemm.TRANSPOSED_MIN_CHANNELS or not spec.rewrites or spec.inputs():
+        if spec.input.channels < igemm.TRANSPOSED_MIN_CHANNELS or not (spec.rewrites and rewrites) or spec.inputs():
             return None
         return first if split_engine(spec, first, target) == "igemm" else None
     windowed = spec.epilogue[first].kind == "pool" and ops.POOLS[spec.epilogue[first].op].windowed
     if not windowed and spec.input.channels < 32:  # a reduction (or global pool) after a conv of few channels
         return None
-    if first == 0 and spec.epilogue[0].op == "avg_pool" and spec.rewrites:
+    if first == 0 and spec.epilogue[0].op == "avg_pool" and spec.rewrites and rewrites:
         return None  # an avg-pool right after the conv folds into it instead
     conv = spec.conv
     taps = math.prod(spec.conv_geometry()["kernel"])
@@ -302,9 +302,9 @@ def pool_split(spec: LayerSpec, target) -> int | None:
         # A reduction after a plain conv of 32 input channels or more: split only where the whole
         # layer would run on FFMA (the slab engine fuses reductions on tensor cores when the block's
         # weights fit); T0's extra write and read cost far less than the FFMA conv (KernelBench 42, 77: v19).
-        from specgen.plan import plan_whole
+        from specgen.plan import Settings, plan_whole
 
-        if plan_whole(spec, None, target)["engine"] != "ffma":
+        if plan_whole(spec, None, target, settings=Settings(rewrites=rewrites))["engine"] != "ffma":
             return None
     return first
 
@@ -329,20 +329,21 @@ def _cut(spec: LayerSpec, end: int, engine: str | None = None) -> LayerSpec:
     return LayerSpec.model_validate(data)
 
 
-def plan_pool_split(spec: LayerSpec, at: int, target=None) -> dict:
+def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None) -> dict:
     """The plan of a layer split before its first windowed pool (`pool_split`): the body (the conv
     and the pointwise ops before it) into T0, then the rest over an identity conv."""
-    from specgen.plan import build_plan, spec_yaml
+    from specgen.plan import DEFAULT_SETTINGS, build_plan, spec_yaml
 
     prefix = f"specgen_{spec.name}"
     body = _cut(spec, at, split_engine(spec, at, target))  # (few input channels in fp32 too: the FFMA engine is what the split avoids)
-    body_plan = build_plan(body, None, target)
+    settings = settings or DEFAULT_SETTINGS
+    body_plan = build_plan(body, None, target, settings=settings)
     body_plan["kernel_name"] = f"{prefix}_body"
     seg = Segment(at - 1, (), tuple(range(at, len(spec.epilogue))))
     rest, rest_out = rest_spec(spec, seg)
     if spec.precision in ("bf16", "fp16"):  # T0 is in the layer's dtype: the rest widens it (exactly) and rounds once
         rest = rest.model_copy(update={"precision": spec.precision})
-    rest_plan = build_plan(rest, None, target)
+    rest_plan = build_plan(rest, None, target, settings=settings)
     rest_plan["kernel_name"] = f"{prefix}_rest"
     parts = [{"role": "body", "namespace": "body", "spec": body, "plan": body_plan},
              {"role": "rest", "namespace": "rest", "spec": rest, "plan": rest_plan, "segment": seg}]
@@ -373,10 +374,11 @@ def plan_pool_split(spec: LayerSpec, at: int, target=None) -> dict:
     }
 
 
-def plan_sequence(spec: LayerSpec, igemm_config=None, target=None, tma_config=None) -> dict:
+def plan_sequence(spec: LayerSpec, igemm_config=None, target=None, tma_config=None, settings=None) -> dict:
     """The plan of a layer with statistic stages: its parts in order and the steps that launch them.
-    The planner settings (`igemm_config`, `tma_config`) are the body's."""
-    from specgen.plan import PlanError, build_plan, spec_yaml
+    The planner settings (`igemm_config`, `tma_config`) are the body's; `settings` (`plan.Settings`)
+    every part's."""
+    from specgen.plan import DEFAULT_SETTINGS, PlanError, build_plan, spec_yaml
 
     if spec.precision not in ("fp32", "tf32"):
         raise PlanError([f"precision: the tail engine's kernels compute in float32; a layer with statistic stages "
@@ -384,7 +386,8 @@ def plan_sequence(spec: LayerSpec, igemm_config=None, target=None, tma_config=No
     _, segments = split(spec)
     prefix = f"specgen_{spec.name}"
     body = body_spec(spec)
-    body_plan = build_plan(body, igemm_config, target, tma_config)
+    settings = settings or DEFAULT_SETTINGS
+    body_plan = build_plan(body, igemm_config, target, tma_config, settings)
     body_plan["kernel_name"] = f"{prefix}_body"
     parts = [{"role": "body", "namespace": "body", "spec": body, "plan": body_plan}]
     steps = [{"kind": "layer", "part": 0, "in": "x", "out": "t0", "out_shape": list(body.shapes()[-1].sizes)}]
@@ -427,7 +430,7 @@ def plan_sequence(spec: LayerSpec, igemm_config=None, target=None, tma_config=No
         current = u
         if seg.rest:
             rest, rest_out = rest_spec(spec, seg)
-            rest_plan = build_plan(rest, None, target)
+            rest_plan = build_plan(rest, None, target, settings=settings)
             rest_plan["kernel_name"] = f"{prefix}_e{seg.index}_rest"
             out = "out" if last else f"t{seg.rest[-1] + 1}"
             if out != "out":

@@ -139,9 +139,10 @@ def _reduction(spec: LayerSpec, i: int) -> tuple[int, ...] | None:
     return None
 
 
-def find(spec: LayerSpec) -> Fold | None:
-    """The fold of `spec`, or None where it does not apply or would not pay."""
-    if not spec.rewrites or spec.tile is not None or spec.precision not in ("fp32", "tf32") or not spec.epilogue:
+def find(spec: LayerSpec, rewrites: bool = True) -> Fold | None:
+    """The fold of `spec`, or None where it does not apply or would not pay (`rewrites`: the
+    planner's setting, beside the spec's own)."""
+    if not (spec.rewrites and rewrites) or spec.tile is not None or spec.precision not in ("fp32", "tf32") or not spec.epilogue:
         return None
     at = next((i for i, st in enumerate(spec.epilogue) if st.kind != "pointwise"), None)
     if at is None or not all(commutes_with_mean(spec, i) for i in range(at)):
@@ -209,13 +210,13 @@ def folded_spec(spec: LayerSpec, at: int, reduced: tuple[int, ...], tap_count: i
     return LayerSpec.model_validate(data)
 
 
-def plan_fold(spec: LayerSpec, fold: Fold, target=None) -> dict:
+def plan_fold(spec: LayerSpec, fold: Fold, target=None, settings=None) -> dict:
     """The plan of a folded layer: the tap-sum kernel into S, then the folded conv's plan (itself a
     sequence where its epilogue needs one) reading S. The launch hands the folded conv the folded
     weights (`weight_transforms`, specgen.torchop.tap_fold_weight)."""
-    from specgen.plan import build_plan, spec_yaml
+    from specgen.plan import DEFAULT_SETTINGS, build_plan, spec_yaml
 
-    inner = build_plan(fold.spec, None, target)
+    inner = build_plan(fold.spec, None, target, settings=settings or DEFAULT_SETTINGS)
     prefix = f"specgen_{spec.name}"
     tp = tapsum_plan(spec, fold, f"{prefix}_tapsum")
     tap_part = {"role": "tapsum", "namespace": "tapsum", "plan": tp, "folded_spec": fold.spec}  # (the layer the later parts are of)

@@ -293,3 +293,56 @@ def test_input_vectors_are_float4_float2_or_single(data):
     plan = build_plan(spec)
     if plan["engine"] == "ffma":
         assert plan["in_vec"] in (1, 2, 4) and plan["in_vec"] <= max(plan["conv_span"], 1), plan["in_vec"]
+
+
+# ---- planner settings: plan inputs, never a modified spec -------------------------------------------------
+
+def test_planner_settings_change_the_plan_not_the_spec():
+    from specgen.plan import Settings
+
+    spec = load_specs(Path(__file__).resolve().parent.parent / "examples" / "kb65.yaml")[0]
+    base = build_plan(spec)
+    assert base["rewrites"] and "planner settings" not in describe(base)
+    plain = build_plan(spec, settings=Settings(rewrites=False))
+    assert plain["rewrites"] == [] and plain["fold"] is None and plain["affine"] is None
+    assert plain["spec_yaml"] == base["spec_yaml"]  # the banner shows the spec the user wrote
+    assert "planner settings: no rewrites" in describe(plain)
+    one = build_plan(spec, settings=Settings(min_blocks=1))
+    assert one["min_blocks"] == 1 and one["spec_yaml"] == base["spec_yaml"]
+    assert spec.tile is None and spec.rewrites  # untouched
+
+
+def test_a_tile_min_blocks_the_user_wrote_wins_over_the_setting():
+    from specgen.plan import Settings
+
+    spec = validate({"name": "mb", "input": {"channels": 16, "size": [20, 20]}, "conv": {"out_channels": 16, "kernel": 3},
+                     "epilogue": ["relu"], "tile": {"min_blocks": 2}})
+    assert build_plan(spec, settings=Settings(min_blocks=1))["min_blocks"] == 2
+
+
+def test_the_spill_retry_keeps_the_users_spec_in_the_cache_key(monkeypatch):
+    """pipeline._without_spills rebuilds with one block per SM as a setting: the request's spec JSON
+    (the cache key's and `specgen cache ls`'s) is the user's, and so is the banner."""
+    from specgen import pipeline
+
+    spec = validate({"name": "sp", "input": {"channels": 8, "size": [64, 64]}, "conv": {"out_channels": 16, "kernel": 3},
+                     "epilogue": ["relu"]})
+    plan = build_plan(spec)
+    assert plan["min_blocks"] > 1
+    seen = []
+
+    class Built:
+        def __init__(self, spill_bytes):
+            self.spill_bytes = spill_bytes
+
+    def fake_build(req):
+        seen.append(req)
+        return Built(0)
+
+    monkeypatch.setattr(pipeline.cache, "get_or_build", fake_build)
+    out = pipeline._without_spills(pipeline.Specialized(spec, plan, render_plan(plan), Built(64)), None)
+    assert len(seen) == 1 and seen[0].canonical_spec == spec.canonical_json()
+    assert out.plan["min_blocks"] == 1 and out.spec is spec and out.build.spill_bytes == 0
+    assert out.plan["spec_yaml"] == plan["spec_yaml"] and "min_blocks" not in out.plan["spec_yaml"]
+    assert f"__launch_bounds__(THREADS, {plan['min_blocks']})" in render_plan(plan)
+    assert f"__launch_bounds__(THREADS, {plan['min_blocks']})" not in seen[0].source
