@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import yaml
 
 from specgen import __version__, igemm as igemm_engine, ops, target as targets, tma as tma_engine
+from specgen.kernelplan import KernelPlan, SlabTiling, with_changes
 from specgen.literals import FLOAT32_MAX, c_float
 from specgen.spec import LayerSpec, SpecError
 from specgen.target import Target, TargetError
@@ -175,7 +176,7 @@ def _bank_spread_stride(plane: int, s_w: int, multiple: int) -> int:
 
 
 def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, s3, p3, d3, c_kept: bool,
-                target: Target = targets.DEFAULT) -> dict | None:
+                target: Target = targets.DEFAULT) -> SlabTiling | None:
     """Box, slab and warp tiling of the tensor-core engine, or None if nothing fits in shared memory.
     `role` sizes the box (axes "F" and "R1" are in it); c_kept: the channels are kept (a block
     stages only its box's weights)."""
@@ -260,14 +261,14 @@ def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, 
             # 1.5x on a full reduction. The slab stays; the warp tiles are dealt out again.
             warps = MMA_WARPS_ONE_BLOCK
             wm, wn, units = _warp_tiles(mt, _ceil_div(box[0], 8), warps) or (wm, wn, units)
-        return {
-            "box": box, "threads": 32 * warps, "warps": warps, "wm": wm, "wn": wn, "units": units,
-            "unit_iters": _ceil_div(units, warps), "n_groups": _ceil_div(_ceil_div(box[0], 8), wn),
-            "slab": (sd, sh), "slabs": (_ceil_div(box[1], sd), _ceil_div(box[2], sh)), "m_slab": m_slab, "mt": mt,
-            "cip": cip, "k_pad": k_pad, "ksteps": k_pad // 8, "ws": ws, "swizzle": swizzle, "xs": xs, "xs_wp": xs_wp,
-            "ci_stride": ci_stride, "stage": stage, "stage_batch": min(MMA_STAGE_BATCH, _ceil_div(cip * xs[0] * xs[1] * xs_wp // 4, 32 * warps)),
-            "x_floats": floats["x"], "w_floats": floats["w"], "direct_fold": direct,
-        }
+        return SlabTiling(
+            box=box, threads=32 * warps, warps=warps, wm=wm, wn=wn, units=units,
+            unit_iters=_ceil_div(units, warps), n_groups=_ceil_div(_ceil_div(box[0], 8), wn),
+            slab=(sd, sh), slabs=(_ceil_div(box[1], sd), _ceil_div(box[2], sh)), m_slab=m_slab, mt=mt,
+            cip=cip, k_pad=k_pad, ksteps=k_pad // 8, ws=ws, swizzle=swizzle, xs=xs, xs_wp=xs_wp,
+            ci_stride=ci_stride, stage=stage, stage_batch=min(MMA_STAGE_BATCH, _ceil_div(cip * xs[0] * xs[1] * xs_wp // 4, 32 * warps)),
+            x_floats=floats["x"], w_floats=floats["w"], direct_fold=direct,
+        )
     return None
 
 
@@ -553,9 +554,9 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
             raise PlanError(["tile.tensor_cores: the staged input and weights do not fit in shared memory"])
     split_channels = False
     if mma is not None:
-        box = mma["box"]
+        box = mma.box
         ct, pt = 8, 16
-        threads = mma["threads"]
+        threads = mma.threads
         thread_tiles = tile_iters = 0
     else:
         ct_default = next(c for c in (8, 4, 2, 1) if cout_g % c == 0 and c <= cout) if c_in_box else 1
@@ -639,11 +640,11 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     # ---- shared memory ------------------------------------------------------------------------
     weight_channels = box[0] if (role["c"] == "F" or split_channels) else cout
     weight_floats = weight_channels * (cin // groups) * taps
-    direct_fold = bool(mma and mma["direct_fold"] and nf == 1 and lanes == threads)
+    direct_fold = bool(mma is not None and mma.direct_fold and nf == 1 and lanes == threads)
     box_floats = math.prod(box) if reductions and not direct_fold else 0
     red_floats = 2 * max(nf * lanes, threads if batched else 0) if reductions else 0
     if mma is not None:  # [K_PAD][WS] weights, then the staged input slab
-        w_stride, w_smem_floats, x_floats, weights_in_smem = mma["ws"], mma["w_floats"], mma["x_floats"], True
+        w_stride, w_smem_floats, x_floats, weights_in_smem = mma.ws, mma.w_floats, mma.x_floats, True
     else:
         # Row stride of the staged weights: padded off multiples of 32 so that the transposing
         # stores spread over banks, and kept a multiple of 4 for 16-byte loads.
@@ -734,7 +735,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     # an SM (when shared memory allows): measured faster than fewer blocks with more registers.
     min_blocks = 1
     if mma is not None:  # two blocks per SM when shared memory and registers allow: one stages while the other computes
-        regs = 4 * mma["wm"] * mma["wn"] + 64  # accumulators + fragments, addresses and the epilogue
+        regs = 4 * mma.wm * mma.wn + 64  # accumulators + fragments, addresses and the epilogue
         min_blocks = 2 if 2 * (smem_bytes + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and 2 * threads * max(regs, 128) <= target.regs_per_sm else 1
     elif not reductions and len(levels) == 1:
         fit = min(target.smem_per_block // max(1, smem_bytes), 2048 // threads)
@@ -764,95 +765,94 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         elif settings.min_blocks:
             min_blocks = settings.min_blocks
         cluster, cluster_at_launch = 1, False
-    plan = {
-        "version": __version__,
-        "name": spec.name,
-        "kernel_name": f"specgen_{spec.name}",
-        "spec_hash": spec.shape_hash,
-        "spec_yaml": spec_yaml(spec),
-        "ndim": nd,
-        "cin": cin,
-        "cout": cout,
-        "groups": groups,
-        "cin_g": cin // groups,
-        "cout_g": cout_g,
-        "in": in3,
-        "kernel": k3,
-        "stride": s3,
-        "padding": p3,
-        "dilation": d3,
-        "conv_out": o3,
-        "taps": taps,
-        "has_bias": spec.conv.bias,
-        "levels": levels,
-        "t1": t1,
-        "reductions": reductions,
-        "role": role,
-        "f_axes": f_axes,
-        "f1_axes": f1_axes,
-        "batched": batched,
-        "tree_top": 1 << max(0, (threads - 1).bit_length() - 1),  # the largest power of two below threads
-        "r1_axes": r1_axes,
-        "box": box,
-        "tiles": tiles,
-        "chunks": chunks,
-        "ct": ct,
-        "pt": pt,
-        "threads": threads,
-        "thread_tiles": thread_tiles,
-        "tile_iters": tile_iters,
-        "blocks_per_sample": blocks_per_sample,
-        "cluster": cluster,
-        "r1_chunks": r1_chunks,
-        "cluster_at_launch": cluster_at_launch,
-        "chunk_iters": _ceil_div(r1_chunks, cluster),
-        "f_tiles": f_tiles,
-        "nf": nf,
-        "nr": nr,
-        "lanes": lanes,
-        "owner_iters": owner_iters,
-        "weights_in_smem": weights_in_smem,
-        "weight_channels": weight_channels,
-        "weight_floats": weight_floats,
-        "w_stride": w_stride,
-        "w_smem_floats": w_smem_floats if weights_in_smem else 0,
-        "box_floats": box_floats,
-        "red_floats": red_floats,
-        "smem_bytes": smem_bytes,
-        "conv_span": conv_span,
-        "in_vec": in_vec,
-        "out_vec": out_vec,
-        "channels_fastest": bool(reductions),
-        "split_channels": split_channels,
-        "min_blocks": min_blocks,
-        "unroll_cin": unroll_cin,
-        "in_per_sample": in_per_sample,
-        "out_per_sample": out_per_sample,
-        "out_shape": list(out_shape),
-        "params": [{"name": n, "shape": list(s), "channels": s[0]} for n, s in params],
-        "inputs": [{"name": n} for n in inputs],
-        "constants": consts,
+    return KernelPlan(
+        version=__version__,
+        name=spec.name,
+        kernel_name=f"specgen_{spec.name}",
+        spec_hash=spec.shape_hash,
+        spec_yaml=spec_yaml(spec),
+        ndim=nd,
+        cin=cin,
+        cout=cout,
+        groups=groups,
+        cin_g=cin // groups,
+        cout_g=cout_g,
+        in_=in3,
+        kernel=k3,
+        stride=s3,
+        padding=p3,
+        dilation=d3,
+        conv_out=o3,
+        taps=taps,
+        has_bias=spec.conv.bias,
+        levels=levels,
+        t1=t1,
+        reductions=reductions,
+        role=role,
+        f_axes=f_axes,
+        f1_axes=f1_axes,
+        batched=batched,
+        tree_top=1 << max(0, (threads - 1).bit_length() - 1),  # the largest power of two below threads
+        r1_axes=r1_axes,
+        box=box,
+        tiles=tiles,
+        chunks=chunks,
+        ct=ct,
+        pt=pt,
+        threads=threads,
+        thread_tiles=thread_tiles,
+        tile_iters=tile_iters,
+        blocks_per_sample=blocks_per_sample,
+        cluster=cluster,
+        r1_chunks=r1_chunks,
+        cluster_at_launch=cluster_at_launch,
+        chunk_iters=_ceil_div(r1_chunks, cluster),
+        f_tiles=f_tiles,
+        nf=nf,
+        nr=nr,
+        lanes=lanes,
+        owner_iters=owner_iters,
+        weights_in_smem=weights_in_smem,
+        weight_channels=weight_channels,
+        weight_floats=weight_floats,
+        w_stride=w_stride,
+        w_smem_floats=w_smem_floats if weights_in_smem else 0,
+        box_floats=box_floats,
+        red_floats=red_floats,
+        smem_bytes=smem_bytes,
+        conv_span=conv_span,
+        in_vec=in_vec,
+        out_vec=out_vec,
+        channels_fastest=bool(reductions),
+        split_channels=split_channels,
+        min_blocks=min_blocks,
+        unroll_cin=unroll_cin,
+        in_per_sample=in_per_sample,
+        out_per_sample=out_per_sample,
+        out_shape=list(out_shape),
+        params=[{"name": n, "shape": list(s), "channels": s[0]} for n, s in params],
+        inputs=[{"name": n} for n in inputs],
+        constants=consts,
         # (a transposed conv: each output meets about taps / stride-volume of its taps)
-        "flops_per_sample": 2 * math.prod(t1) * (cin // groups) * taps * math.prod(l.get("window", 1) for l in levels)
+        flops_per_sample=2 * math.prod(t1) * (cin // groups) * taps * math.prod(l.get("window", 1) for l in levels)
         // (math.prod(s3) if transposed else 1),
-        "transposed": transposed,
-        "output_padding": _spatial3(geo["output_padding"], 0) if transposed else (0, 0, 0),
-        "rewrites": rewrites,
-        "fold": fold,
-        "mma": mma,
-        "affine": affine,
-        "direct_fold": direct_fold,
-        "x_floats": x_floats,
-        "w_raw": w_raw,
-        "engine": engine,
-        "igemm": ig,
-        "tma": tp,
-        "pointwise": levels[0]["pointwise"],
-        "precision": spec.precision,
-        "target": target.summary(),
-        "settings": settings,
-    }
-    return plan
+        transposed=transposed,
+        output_padding=_spatial3(geo["output_padding"], 0) if transposed else (0, 0, 0),
+        rewrites=rewrites,
+        fold=fold,
+        mma=mma,
+        affine=affine,
+        direct_fold=direct_fold,
+        x_floats=x_floats,
+        w_raw=w_raw,
+        engine=engine,
+        igemm=ig,
+        tma=tp,
+        pointwise=levels[0]["pointwise"],
+        precision=spec.precision,
+        target=target.summary(),
+        settings=settings,
+    )
 
 
 def forward_equivalent(spec: LayerSpec) -> LayerSpec | None:
@@ -888,13 +888,13 @@ def _presented_as(plan: dict, spec: LayerSpec, note: str, transform: dict) -> di
     """The plan of the layer `spec` was rewritten to, presented as `spec`'s: its banner shows the
     user's spec and the rewrite (`note`), and the launch hands the kernels the user's weights
     through `transform` first, then through whatever the rewritten layer's plan does to them."""
-    return {
-        **plan,
-        "spec_hash": spec.shape_hash,
-        "spec_yaml": spec_yaml(spec),
-        "rewrites": [note, *plan["rewrites"]],
-        "weight_transforms": [transform, *plan.get("weight_transforms", [])],
-    }
+    return with_changes(
+        plan,
+        spec_hash=spec.shape_hash,
+        spec_yaml=spec_yaml(spec),
+        rewrites=[note, *plan["rewrites"]],
+        weight_transforms=(transform, *plan.get("weight_transforms", ())),
+    )
 
 
 def _tile_pins_other_engine(tile) -> bool:
@@ -987,10 +987,10 @@ def _engine_summary(plan: dict) -> str:
     mma = plan["mma"]
     if mma is None:
         return f"fp32 FFMA, register tile {plan['ct']} channels x {plan['pt']} positions"
-    sd, sh = mma["slab"]
+    sd, sh = mma.slab
     return (
         f"tensor cores (3xTF32 mma.sync m16n8k8): slabs of {sd}x{sh}x{plan['box'][3]} positions, warp tile "
-        f"{16 * mma['wm']} positions x {8 * mma['wn']} channels, {mma['units']} warp tiles per slab"
+        f"{16 * mma.wm} positions x {8 * mma.wn} channels, {mma.units} warp tiles per slab"
     )
 
 

@@ -332,19 +332,18 @@ def _cut(spec: LayerSpec, end: int, engine: str | None = None) -> LayerSpec:
 def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None) -> dict:
     """The plan of a layer split before its first windowed pool (`pool_split`): the body (the conv
     and the pointwise ops before it) into T0, then the rest over an identity conv."""
+    from specgen.kernelplan import with_changes
     from specgen.plan import DEFAULT_SETTINGS, build_plan, spec_yaml
 
     prefix = f"specgen_{spec.name}"
     body = _cut(spec, at, split_engine(spec, at, target))  # (few input channels in fp32 too: the FFMA engine is what the split avoids)
     settings = settings or DEFAULT_SETTINGS
-    body_plan = build_plan(body, None, target, settings=settings)
-    body_plan["kernel_name"] = f"{prefix}_body"
+    body_plan = with_changes(build_plan(body, None, target, settings=settings), kernel_name=f"{prefix}_body")
     seg = Segment(at - 1, (), tuple(range(at, len(spec.epilogue))))
     rest, rest_out = rest_spec(spec, seg)
     if spec.precision in ("bf16", "fp16"):  # T0 is in the layer's dtype: the rest widens it (exactly) and rounds once
         rest = rest.model_copy(update={"precision": spec.precision})
-    rest_plan = build_plan(rest, None, target, settings=settings)
-    rest_plan["kernel_name"] = f"{prefix}_rest"
+    rest_plan = with_changes(build_plan(rest, None, target, settings=settings), kernel_name=f"{prefix}_rest")
     parts = [{"role": "body", "namespace": "body", "spec": body, "plan": body_plan},
              {"role": "rest", "namespace": "rest", "spec": rest, "plan": rest_plan, "segment": seg}]
     t0 = list(body.shapes()[-1].sizes)
@@ -378,6 +377,7 @@ def plan_sequence(spec: LayerSpec, igemm_config=None, target=None, tma_config=No
     """The plan of a layer with statistic stages: its parts in order and the steps that launch them.
     The planner settings (`igemm_config`, `tma_config`) are the body's; `settings` (`plan.Settings`)
     every part's."""
+    from specgen.kernelplan import with_changes
     from specgen.plan import DEFAULT_SETTINGS, PlanError, build_plan, spec_yaml
 
     if spec.precision not in ("fp32", "tf32"):
@@ -387,8 +387,7 @@ def plan_sequence(spec: LayerSpec, igemm_config=None, target=None, tma_config=No
     prefix = f"specgen_{spec.name}"
     body = body_spec(spec)
     settings = settings or DEFAULT_SETTINGS
-    body_plan = build_plan(body, igemm_config, target, tma_config, settings)
-    body_plan["kernel_name"] = f"{prefix}_body"
+    body_plan = with_changes(build_plan(body, igemm_config, target, tma_config, settings), kernel_name=f"{prefix}_body")
     parts = [{"role": "body", "namespace": "body", "spec": body, "plan": body_plan}]
     steps = [{"kind": "layer", "part": 0, "in": "x", "out": "t0", "out_shape": list(body.shapes()[-1].sizes)}]
     buffers = {"t0": math.prod(body.shapes()[-1].sizes)}
@@ -430,8 +429,8 @@ def plan_sequence(spec: LayerSpec, igemm_config=None, target=None, tma_config=No
         current = u
         if seg.rest:
             rest, rest_out = rest_spec(spec, seg)
-            rest_plan = build_plan(rest, None, target, settings=settings)
-            rest_plan["kernel_name"] = f"{prefix}_e{seg.index}_rest"
+            rest_plan = with_changes(build_plan(rest, None, target, settings=settings),
+                                     kernel_name=f"{prefix}_e{seg.index}_rest")
             out = "out" if last else f"t{seg.rest[-1] + 1}"
             if out != "out":
                 buffers[out] = math.prod(rest_out)
