@@ -176,7 +176,7 @@ class KernelPlan(TemplateValues):
     tma: Any  # a tma.TmaPlan, or None
     settings: Any  # the plan.Settings it was built with
     # how the launch hands the kernel the user's weights, in order (a rewrite to another layer)
-    weight_transforms: tuple = field(default=())
+    weight_transforms: list = field(default_factory=list)
 
 
 def with_changes(plan, **changes):

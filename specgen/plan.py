@@ -893,7 +893,7 @@ def _presented_as(plan: dict, spec: LayerSpec, note: str, transform: dict) -> di
         spec_hash=spec.shape_hash,
         spec_yaml=spec_yaml(spec),
         rewrites=[note, *plan["rewrites"]],
-        weight_transforms=(transform, *plan.get("weight_transforms", ())),
+        weight_transforms=[transform, *plan.get("weight_transforms", [])],
     )
 
 
