@@ -532,8 +532,4 @@ def launch_packed(kernel: LoadedKernel, function: ctypes.c_void_p, grid: int, th
 def launch_once(kernel: LoadedKernel, grid_x: int, pointers: list[int], batch: int, stream: int) -> None:
     """One launch of `grid_x` blocks whose kernel walks the whole batch itself (a training-mode batch
     norm's finalize kernel: its statistics span the batch); `batch` is its argument, never split."""
-    lib = _libcuda
-    values, batch_arg, argv = _prepare(kernel, len(pointers))
-    values[: len(pointers)] = pointers
-    batch_arg.value = batch
-    _launch_kernel(lib, kernel.function, grid_x, 1, kernel.threads, kernel.smem_bytes, stream, argv)
+    launch_function(kernel, kernel.function, grid_x, 1, kernel.threads, kernel.smem_bytes, pointers, batch, stream)

@@ -21,6 +21,12 @@ BLOCK_FILL = 5  # a block's setup and pipeline fill, in iterations
 REDUCE = 7  # the reduction kernel's launch and run, beyond its traffic
 PARTIAL_BYTES_PER_ITERATION = 900_000
 MIN_ITERATIONS = 3  # a split block walks at least this many iterations
+REDUCE_THREADS = 256  # threads per block of `<kernel>_reduce` (its __launch_bounds__ in the templates)
+
+
+def kernel_names(kernel_name: str) -> tuple[str, str]:
+    """The split kernel and its reduction, beside the main kernel `kernel_name` in its module."""
+    return f"{kernel_name}_split", f"{kernel_name}_reduce"
 
 
 def cost(tiles: int, k_iters: int, parts: int, slots: int, outputs: int) -> float:
@@ -37,6 +43,13 @@ def pays(tiles: int, k_iters: int, parts: int, slots: int, outputs: int) -> bool
     """Whether the split kernel beats the plain one by a tenth (`cost`; the second launch's host
     time is not in it)."""
     return parts > 1 and cost(tiles, k_iters, parts, slots, outputs) * 10 <= cost(tiles, k_iters, 1, slots, outputs) * 9
+
+
+def takes(batch: int, positions: int, bm: int, n_tiles: int, k_iters: int, parts: int, cout: int, slots: int) -> bool:
+    """Whether a launch of `batch` samples (`positions` each, in tiles of `bm` x `n_tiles` along N)
+    runs the split kernel of `parts` parts (1: none planned)."""
+    tiles = -(-batch * positions // bm) * n_tiles
+    return pays(tiles, k_iters, parts, slots, batch * positions * cout)
 
 
 def choose(positions: int, cout: int, bm: int, n_tiles: int, k_iters: int, slots: int) -> int:

@@ -36,7 +36,6 @@ from specgen.tma import INT32_MAX, TmaPlan
 OPERAND_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAP_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _PREP_THREADS = 256
-_REDUCE_THREADS = 256  # the split kernel's reduction (its __launch_bounds__)
 _MAP_CACHE = 256  # input tensor maps kept (by address, batch and layer): torch's allocator hands back few addresses
 
 
@@ -152,21 +151,15 @@ def _input_map(ws: torch.Tensor, tp: TmaPlan, spatial: tuple[int, ...], batch: i
 def extra_functions(plan: dict) -> tuple[str, ...]:
     """The module's kernels besides the main one: the layout passes, and the split kernel and its
     reduction where the plan has them."""
-    name, tp = plan["kernel_name"], plan["tma"]
-    return (f"{name}_prep", f"{name}_prep_cl") + ((f"{name}_split", f"{name}_reduce") if tp.split_k > 1 else ())
-
-
-def big_smem_functions(plan: dict) -> tuple[str, ...]:
-    """The extra kernels that take the main kernel's dynamic shared memory: the split kernel."""
-    return (f"{plan['kernel_name']}_split",) if plan["tma"].split_k > 1 else ()
+    name = plan["kernel_name"]
+    return (f"{name}_prep", f"{name}_prep_cl") + (splitk.kernel_names(name) if plan["tma"].split_k > 1 else ())
 
 
 _sm_counts: dict[int, int] = {}
 
 
-def sm_count(device: torch.device) -> int:
-    """The SMs of a CUDA device (asked once per device)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+def sm_count(index: int) -> int:
+    """The SMs of CUDA device `index` (asked once per device)."""
     count = _sm_counts.get(index)
     if count is None:
         count = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
@@ -175,8 +168,7 @@ def sm_count(device: torch.device) -> int:
 
 def uses_split(tp: TmaPlan, batch: int, sms: int) -> bool:
     """Whether a launch of `batch` samples runs the split kernel."""
-    tiles = -(-batch * tp.positions // tp.bm) * tp.n_tiles
-    return tp.split_k > 1 and splitk.pays(tiles, tp.k_iters, tp.split_k, sms, batch * tp.positions * tp.cout)
+    return splitk.takes(batch, tp.positions, tp.bm, tp.n_tiles, tp.k_iters, tp.split_k, tp.cout, sms)
 
 
 @dataclass(frozen=True)
@@ -196,8 +188,7 @@ class _Call:
     input_names: tuple
     has_bias: bool
     main_kinds: tuple  # the main kernel's argument kinds
-    split: str  # the split kernel ("" where the plan has none)
-    reduce: str  # ... and its reduction
+    split: tuple  # the split kernel and its reduction (`splitk.kernel_names`), () where the plan has none
     make_weights: functools.partial  # the weights' planes and tensor maps from the conv weight
 
 
@@ -220,7 +211,7 @@ def _call(sp) -> _Call:
             operand_dtype=OPERAND_DTYPE[spec.precision], prep=f"{name}_prep", prep_cl=f"{name}_prep_cl",
             param_names=names, input_names=inputs, has_bias=spec.conv.bias,
             main_kinds=("map",) * (2 * planes) + ("ptr",) * n_ptrs + ("int",),
-            split=f"{name}_split" if tp.split_k > 1 else "", reduce=f"{name}_reduce" if tp.split_k > 1 else "",
+            split=splitk.kernel_names(name) if tp.split_k > 1 else (),
             make_weights=functools.partial(_weights, tp=tp, cin=spec.input.channels, taps=plan["taps"],
                                            precision=spec.precision),
         )
@@ -264,17 +255,17 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
         values.append(params[name].data_ptr())
     values += [out.data_ptr(), batch]
     grid = -(-batch * tp.positions // tp.bm) * tp.n_tiles
-    if c.split and uses_split(tp, batch, sm_count(x.device)):
+    if c.split and uses_split(tp, batch, sm_count(x.get_device())):
         maps = 2 * c.planes
         m_total = batch * tp.positions
         partial = torch.empty(tp.split_k * tp.cout * m_total, device=x.device, dtype=torch.float32)
         pack = runtime.arg_pack((kernel.function.value, "split"), ("map",) * maps + ("ptr", "int"))
         pack.set(values[:maps] + [partial.data_ptr(), batch])
-        runtime.launch_packed(kernel, kernel.extra[c.split], grid, tp.threads, tp.smem_bytes, pack, stream, tp.split_k)
+        runtime.launch_packed(kernel, kernel.extra[c.split[0]], grid, tp.threads, tp.smem_bytes, pack, stream, tp.split_k)
         pack = runtime.arg_pack((kernel.function.value, "reduce"), ("ptr",) + c.main_kinds[maps:])
         pack.set([partial.data_ptr(), *values[maps:]])
-        runtime.launch_packed(kernel, kernel.extra[c.reduce], -(-m_total * tp.cout // _REDUCE_THREADS), _REDUCE_THREADS,
-                              0, pack, stream)
+        runtime.launch_packed(kernel, kernel.extra[c.split[1]], -(-m_total * tp.cout // splitk.REDUCE_THREADS),
+                              splitk.REDUCE_THREADS, 0, pack, stream)
         return out
     pack = runtime.arg_pack((kernel.function.value, "main"), c.main_kinds)
     runtime.launch_packed(kernel, kernel.function, grid, tp.threads, tp.smem_bytes, pack.set(values), stream)

@@ -357,14 +357,12 @@ def load_kernel(sp: pipeline.Specialized, device_index: int):
         return tailrun.load(sp, device_index)
     cluster = (plan["cluster"], plan["r1_chunks"]) if plan["cluster_at_launch"] else None
     name = plan["kernel_name"]
-    if plan["engine"] == "tma":
-        extra, big = tmarun.extra_functions(plan), tmarun.big_smem_functions(plan)
-    elif plan["engine"] == "igemm" and plan["igemm"].split_k > 1:  # the split kernel and its reduction
-        extra, big = (f"{name}_split", f"{name}_reduce"), (f"{name}_split",)
-    else:
-        extra = big = ()
+    engine = plan[plan["engine"]] if plan["engine"] in ("tma", "igemm") else None
+    split = splitk.kernel_names(name) if engine is not None and engine.split_k > 1 else ()
+    extra = tmarun.extra_functions(plan) if plan["engine"] == "tma" else split
+    # (the split kernel takes the main kernel's dynamic shared memory)
     return runtime.load(sp.key, cubin_bytes(sp), name, plan["threads"], plan["smem_bytes"], device_index, cluster,
-                        extra, big)
+                        extra, split[:1])
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -393,7 +391,7 @@ class _LaunchPlan:
     igemm: tuple | None = None
     tma: bool = False  # the TMA engine: launched by specgen.tmarun
     # The implicit GEMM's split kernel (`specgen.splitk`): (parts, K chunks, blocks per SM, C_OUT,
-    # split kernel, reduction); None where the plan has none.
+    # (split kernel, reduction)); None where the plan has none.
     igemm_split: tuple | None = None
 
 
@@ -403,8 +401,8 @@ _launch_plans: dict[str, _LaunchPlan] = {}
 def igemm_uses_split(lp: _LaunchPlan, batch: int, sms: int) -> bool:
     """Whether an implicit-GEMM launch of `batch` samples runs the split kernel (`splitk.pays`)."""
     positions, bm, n_tiles, _, _ = lp.igemm
-    parts, k_tiles, blocks_per_sm, cout, _, _ = lp.igemm_split
-    return splitk.pays(-(-batch * positions // bm) * n_tiles, k_tiles, parts, sms * blocks_per_sm, batch * positions * cout)
+    parts, k_tiles, blocks_per_sm, cout, _ = lp.igemm_split
+    return splitk.takes(batch, positions, bm, n_tiles, k_tiles, parts, cout, sms * blocks_per_sm)
 
 
 def _launch_plan(sp: pipeline.Specialized) -> _LaunchPlan:
@@ -422,8 +420,7 @@ def _launch_plan(sp: pipeline.Specialized) -> _LaunchPlan:
         flat = None if ig is None else (ig.positions, ig.bm, ig.n_tiles, gemm_layout(plan), ig.grid_gemms)
         split = None
         if ig is not None and ig.split_k > 1:
-            split = (ig.split_k, ig.k_tiles, plan["min_blocks"], ig.cout, f"{plan['kernel_name']}_split",
-                     f"{plan['kernel_name']}_reduce")
+            split = (ig.split_k, ig.k_tiles, plan["min_blocks"], ig.cout, splitk.kernel_names(plan["kernel_name"]))
         lp = _launch_plans[sp.key] = _LaunchPlan(tuple(plan["out_shape"]), blocks, strides, names, has_bias, igemm=flat,
                                                  tma=plan["engine"] == "tma", input_names=input_names, igemm_split=split)
     return lp
@@ -662,14 +659,14 @@ def _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream):
     pointers.append(out.data_ptr())
     if lp.igemm is not None:
         positions, bm, n_tiles, _, gemms = lp.igemm
-        if lp.igemm_split is not None and igemm_uses_split(lp, batch, tmarun.sm_count(x.device)):
-            parts, _, _, cout, split, reduce = lp.igemm_split
+        if lp.igemm_split is not None and igemm_uses_split(lp, batch, tmarun.sm_count(x.get_device())):
+            parts, _, _, cout, (split, reduce) = lp.igemm_split
             m_total = batch * positions
             partial = torch.empty(parts * cout * m_total, device=x.device, dtype=torch.float32)
             runtime.launch_function(kernel, kernel.extra[split], -(-m_total // bm) * n_tiles, parts, kernel.threads,
                                     kernel.smem_bytes, [pointers[0], pointers[1], partial.data_ptr()], batch, stream)
-            runtime.launch_function(kernel, kernel.extra[reduce], -(-m_total * cout // 256), 1, 256, 0,
-                                    [partial.data_ptr(), *pointers[2:]], batch, stream)
+            runtime.launch_function(kernel, kernel.extra[reduce], -(-m_total * cout // splitk.REDUCE_THREADS), 1,
+                                    splitk.REDUCE_THREADS, 0, [partial.data_ptr(), *pointers[2:]], batch, stream)
             return out
         # (a transposed conv's stride phases are blocks of their own along x, beside each M tile's N tiles)
         runtime.launch_flat(kernel, positions, bm, n_tiles * gemms, pointers, lp.strides, batch, stream)

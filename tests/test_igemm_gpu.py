@@ -179,7 +179,7 @@ def test_igemm_split_k_small_batches(name, precision):
                       "epilogue": epilogue, "precision": precision})
     sp = layer.specialize()
     assert sp.plan["igemm"].split_k > 1
-    lp, sms = torchop._launch_plan(sp), tmarun.sm_count(torch.device("cuda"))
+    lp, sms = torchop._launch_plan(sp), tmarun.sm_count(torch.cuda.current_device())
     for batch, seed in ((1, 1), (2, 2), (5, 3)):
         assert torchop.igemm_uses_split(lp, batch, sms), f"batch {batch} did not take the split kernel"
         check(layer, batch, seed=seed)

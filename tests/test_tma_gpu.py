@@ -203,7 +203,7 @@ def test_split_k_small_batches(name, precision):
     from specgen import tmarun
 
     layer = _split_layer(name, precision)
-    tp, sms = layer.specialize().plan["tma"], tmarun.sm_count(torch.device("cuda"))
+    tp, sms = layer.specialize().plan["tma"], tmarun.sm_count(torch.cuda.current_device())
     for batch, seed in ((1, 1), (2, 2), (5, 3)):
         assert tmarun.uses_split(tp, batch, sms), f"batch {batch} did not take the split kernel"
         check(layer, batch, seed=seed)
