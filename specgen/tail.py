@@ -259,11 +259,20 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> dict:
             "fin_iters": -(-chunks // fin_threads), "kernels": kernels}
 
 
+# A plain conv splits before a windowed pool where the planner would put the conv alone on tensor
+# cores (plan.MMA_MIN_K and MMA_MIN_CHANNELS): K (input channels x taps) of at least this and at
+# least that many output channels. Measured whole (FFMA) against split (benchmarks/pool_split.py,
+# NOTES v24): 8 -> 64 channels 3x3 (K 72) before a 4x4 max pool 10.8 -> 2.7 ms, before a 2x2 one
+# 1.28 -> 0.67 ms, 3 -> 64 3x3x3 (81) 1.31 -> 0.85 ms; but 3 -> 16 3x3x3 (16 output channels)
+# 0.32 -> 0.54 ms: there T0 is as large as the conv's work, and FFMA ran at about half its floor.
+POOL_SPLIT_MIN_K = 64
+
+
 def pool_split(spec: LayerSpec, target, rewrites: bool = True) -> int | None:
     """Where a layer without statistic stages is better split in two (the index of its first
     windowed pool), or None. A pool between the conv and the output keeps the whole layer off the
     tensor cores (the FFMA engine pulls each window's values through the conv); when the conv alone
-    would run on Hopper's TMA engine and is deep enough (K = input channels x taps of 128 or more),
+    would run on Hopper's TMA engine and on tensor cores by the planner's own bar (POOL_SPLIT_MIN_K),
     the conv and the pointwise ops before the pool run there and write T0, and the pool and what
     follows run as a further kernel over an identity conv that reads it (one more write and read
     of T0). A strided transposed conv of 16 input channels or more splits the same way before any
@@ -272,7 +281,7 @@ def pool_split(spec: LayerSpec, target, rewrites: bool = True) -> int | None:
     plain conv of 32+ input channels before a reduction, where the whole layer would run on FFMA. Left
     to the planner only: a tile that names an engine keeps the layer whole."""
     from specgen import igemm, tma
-    from specgen.plan import MMA_MIN_K
+    from specgen.plan import MMA_MIN_CHANNELS
 
     if spec.tile is not None or is_sequence(spec):
         return None
@@ -289,11 +298,10 @@ def pool_split(spec: LayerSpec, target, rewrites: bool = True) -> int | None:
     if first == 0 and spec.epilogue[0].op == "avg_pool" and spec.rewrites and rewrites:
         return None  # an avg-pool right after the conv folds into it instead
     conv = spec.conv
-    taps = math.prod(spec.conv_geometry()["kernel"])
-    # Deep enough that the tensor cores' time saved exceeds T0's extra write and read: twice the
-    # planner's bar for tensor cores (a 3x3x3 conv of 3 channels into a 2x2x2 max pool, 81, ran
-    # 0.235 ms whole on FFMA, 46% of its floor: not worth splitting; a 7x7 stem conv of 3, 147, is).
-    if conv.groups > 1 or conv.transposed or spec.input.channels * taps < 2 * MMA_MIN_K:
+    k = spec.input.channels * math.prod(spec.conv_geometry()["kernel"])
+    # (before a reduction the bar stays twice as high: only windowed pools were measured at 64-127)
+    if conv.groups > 1 or conv.transposed or conv.out_channels < MMA_MIN_CHANNELS \
+            or k < (POOL_SPLIT_MIN_K if windowed else 2 * POOL_SPLIT_MIN_K):
         return None
     body = _cut(spec, first)
     if tma.why_not(body, [None], [], target) or not tma.worth_it(body):

@@ -166,8 +166,20 @@ def test_a_pool_after_a_deep_conv_splits_the_layer(precision):
     assert build_plan(stem, target=AMPERE)["engine"] == "ffma"  # no TMA engine there: whole
 
 
+def test_a_pool_after_a_shallow_conv_into_many_channels_splits_too():
+    """K = 72 (8 channels, 3 x 3) into 64 channels before a max pool: whole, the layer would run
+    on FFMA at a fraction of its floor (benchmarks/pool_split.py); split, its conv runs on tensor cores."""
+    layer = spec_of(cin=8, cout=64, size=(32, 32), precision="tf32", epilogue=["tanh", {"max_pool": {"kernel": 4}}])
+    plan = build_plan(layer, target=HOPPER)
+    assert plan["engine"] == "sequence" and plan["parts"][0]["plan"]["engine"] == "tma"
+    assert build_plan(spec_of(cin=8, cout=16, size=(32, 32), precision="tf32",
+                              epilogue=["tanh", {"max_pool": {"kernel": 4}}]), target=HOPPER)["engine"] == "ffma"
+
+
 @pytest.mark.parametrize("data", [
-    {"cin": 3, "size": (12, 16, 16), "kernel": 3, "epilogue": [{"max_pool": {"kernel": 2}}, {"sum": {"dims": [1]}}]},  # K = 81
+    # K = 81 into 16 output channels: too few for tensor cores (tail.POOL_SPLIT_MIN_K)
+    {"cin": 3, "cout": 16, "size": (12, 16, 16), "kernel": 3, "epilogue": [{"max_pool": {"kernel": 2}}, {"sum": {"dims": [1]}}]},
+    {"cin": 2, "size": (12, 16, 16), "kernel": 3, "epilogue": [{"max_pool": {"kernel": 2}}]},  # K = 54: too shallow
     {"epilogue": ["relu", {"max_pool": {"kernel": 2}}], "tile": {"engine": "ffma"}},  # an engine named
     # (a relu first: a sum right after the conv folds before it, specgen.tapsum)
     {"cin": 16, "epilogue": ["relu", {"sum": {"dims": [2, 3]}}]},  # a reduction after a conv of few channels: whole on FFMA
