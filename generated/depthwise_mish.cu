@@ -139,7 +139,7 @@ __device__ __forceinline__ void level0(
     #pragma unroll
     for (int i = 0; i < PT; ++i) {
       float v = acc[j][i];
-      v = ((v) * tanhf((v) > 20.0f ? (v) : log1pf(expf(v))));  // epilogue[0] mish
+      v = ((v) > 20.0f ? (v) : (v) * (expf(v) * (expf(v) + 2.0f)) / fmaf(expf(v), expf(v) + 2.0f, 2.0f));  // epilogue[0] mish
       v = (v - __ldg(p_offset + cj));  // epilogue[1] sub (param='offset')
       out_v[j][i] = v;
     }

@@ -576,6 +576,15 @@ def _softplus_text(t, a):
     return f"(softplus({beta} * {t[0]}) / {beta})"
 
 
+def _mish_c(a, x, k):
+    # x * tanh(softplus(x)) with tanh(log1p(e)) = n / (n + 2), e = exp(x), n = e (e + 2): one expf
+    # (the compiler computes the repeated call once) and a division instead of expf, log1pf and
+    # tanhf, about a third of the instructions. As accurate: nothing cancels (n / (n + 2) tends to e
+    # as x -> -inf and rounds to 1 well before x = 20, past which mish(x) is x in float32, as in PyTorch).
+    e = f"expf({x})"
+    return f"(({x}) > 20.0f ? ({x}) : ({x}) * ({e} * ({e} + 2.0f)) / fmaf({e}, {e} + 2.0f, 2.0f))"
+
+
 def _clamp_c(a, x, k):
     out = x
     if a.min is not None:
@@ -671,7 +680,7 @@ _POINTWISE_ROWS = [
     Pointwise(
         "mish",
         NoArgs,
-        lambda a, x, k: f"(({x}) * tanhf(({x}) > 20.0f ? ({x}) : log1pf(expf({x}))))",
+        _mish_c,
         lambda x, a, p: _F().mish(x),
         "x * tanh(softplus(x))",
         spellings=(Spelling(_INPLACE, ("F.mish",), (), ("Mish",)),),
