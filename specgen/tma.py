@@ -21,7 +21,11 @@ in hardware:
   and give the stage back through a second mbarrier. The producer runs on few registers
   (`setmaxnreg`), the consumers on many (the accumulators).
 * The epilogue (bias, the pointwise ops) runs on the accumulators, which are stored straight to
-  the [batch][C_OUT][d][h][w] output.
+  the [batch][C_OUT][d][h][w] output. A reduction over the channels alone (sum, mean, amax, amin,
+  logsumexp, and pointwise ops after it) is taken there too, when one block holds every channel
+  (BN >= C_OUT, at most 256): each thread folds the channels it holds for a row, the four lanes that
+  share the row join theirs by shuffles, and one of them writes the row's single value -- the conv's
+  output never leaves the registers (`channel_reduction`).
 
 Precision modes: `tf32` (operands rounded to TF32 as PyTorch's default convolutions), `fp32`
 (3xTF32: lo*hi + hi*lo + hi*hi, each stage summed apart and added to the total in fp32: the
@@ -125,6 +129,7 @@ class TmaPlan:
     # sums to a workspace, `_reduce` adds them in order and runs the epilogue; 1: no such kernel.
     split_k: int = 1
     split_iters: int = 0  # stages walked per block of the split kernel (k_iters / split_k)
+    channel_reduction: bool = False  # the epilogue reduces over the channels (one N tile, no split K)
     threads: int = THREADS
     producer_regs: int = PRODUCER_REGS
     consumer_regs: int = CONSUMER_REGS
@@ -142,7 +147,12 @@ def why_not(spec: LayerSpec, levels: list, reductions: list, target: targets.Tar
     if len(levels) > 1:
         reasons.append("a pool follows the conv")
     if reductions:
-        reasons.append("the epilogue reduces")
+        if not (len(reductions) == 1 and reductions[0]["axes"] == ["c"]):
+            reasons.append("the epilogue reduces over positions (only a reduction over the channels alone runs here)")
+        elif spec.conv.out_channels > MAX_REDUCED_CHANNELS:
+            reasons.append(f"a reduction over more than {MAX_REDUCED_CHANNELS} channels (one block must hold them all)")
+        elif spec.inputs():
+            reasons.append("an extra input before a reduction over the channels")
     rank = spec.ndim + 2
     geo = spec.conv_geometry()
     for k, p, d in zip(geo["kernel"], geo["padding"], geo["dilation"]):
@@ -156,6 +166,16 @@ def why_not(spec: LayerSpec, levels: list, reductions: list, target: targets.Tar
     if any(s > 8 for s in geo["stride"]):
         reasons.append("a stride above 8 (the TMA traversal stride limit)")
     return reasons
+
+
+MAX_REDUCED_CHANNELS = 256  # a reduction over the channels: one block's BN holds them all
+
+
+def channel_reduction(spec: LayerSpec) -> bool:
+    """Whether the layer's only stage that is not pointwise reduces over the channels alone (the
+    epilogue can then reduce the accumulators: see the module docstring)."""
+    others = [i for i, st in enumerate(spec.epilogue) if st.kind != "pointwise"]
+    return len(others) == 1 and spec.epilogue[others[0]].kind == "reduce" and tuple(spec.reduce_dims(others[0])) == (1,)
 
 
 # Below this many multiply-adds per input byte the layout pass (a full read and write of the input)
@@ -213,13 +233,15 @@ def _kb_options(kb_total: int, row_bytes: int) -> list[int]:
     return [first] + sorted((d for d in divisors if d < first), reverse=True)
 
 
-def candidates(cout: int, m_total: int, split: bool, sm_count: int) -> list[tuple[int, int]]:
+def candidates(cout: int, m_total: int, split: bool, sm_count: int, whole_n: bool = False) -> list[tuple[int, int]]:
     """(BM, BN) shapes worth trying, best guess first: the accumulators must fit (at most 128
     floats per consumer thread, twice as many registers in 3xTF32: the stage's part and the sum),
-    and the fewest waves of tiles over the SMs, then the larger tile, win."""
+    and the fewest waves of tiles over the SMs, then the larger tile, win. `whole_n`: only tiles
+    holding every channel (a reduction over them)."""
     n_pad = -(-cout // 8) * 8
     shapes = []
-    for bn in sorted({min(256, n_pad), min(128, n_pad), min(64, n_pad)}, reverse=True):
+    widths = {n_pad} if whole_n else {min(256, n_pad), min(128, n_pad), min(64, n_pad)}
+    for bn in sorted(widths, reverse=True):
         for bm in (256, 128):
             acc = (bm // 128) * bn // 2 * (2 if split else 1)
             if acc <= MAX_ACC:
@@ -249,7 +271,7 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64) -> 
     kb_total = taps * (cip // bkc)
     row = bkc * eb
     positions = math.prod(spec.conv_output().sizes[1:])
-    shapes = candidates(spec.conv.out_channels, batch * positions, split, target.sm_count)
+    shapes = candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, channel_reduction(spec))
     planes = 2 if split else 1
     budget = target.smem_per_block - SMEM_ALIGN
     want = 3 if split else 4
@@ -278,7 +300,7 @@ def configs(spec: LayerSpec, target: targets.Target, batch: int = 64) -> list[Tm
     kps = _kb_options(kb_total, row)[0]
     positions = math.prod(spec.conv_output().sizes[1:])
     out = [default_config(spec, target, batch)]
-    for bm, bn in candidates(spec.conv.out_channels, batch * positions, split, target.sm_count):
+    for bm, bn in candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, channel_reduction(spec)):
         stage = _smem(TmaConfig(bm, bn, 2, kps), row, 2 if split else 1)[2]
         deepest = min(8, (target.smem_per_block - SMEM_ALIGN) // stage)
         for stages in sorted({deepest, min(4, deepest)}, reverse=True):
@@ -321,8 +343,15 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     in_positions = math.prod(spec.input.size)
     k_iters = kb_total // cfg.kb_per_stage
     n_tiles = -(-cout // cfg.bn)
-    # one block per SM (the pipeline's shared memory)
-    split_parts = cfg.split_k or splitk.choose(math.prod(conv_out), cout, cfg.bm, n_tiles, k_iters, target.sm_count or 132)
+    reduces = channel_reduction(spec)
+    if reduces and n_tiles > 1:
+        raise ValueError(f"BN {cfg.bn} does not hold the {cout} channels the epilogue reduces over")
+    # one block per SM (the pipeline's shared memory); the split kernel's parts would each hold
+    # part of K of every channel: a reduction over the channels needs them added first (none)
+    split_parts = 1 if reduces else cfg.split_k or splitk.choose(
+        math.prod(conv_out), cout, cfg.bm, n_tiles, k_iters, target.sm_count or 132)
+    if reduces and cfg.split_k > 1:
+        raise ValueError("split K with a reduction over the channels")
     if k_iters % split_parts:
         raise ValueError(f"split_k {split_parts} does not divide the {k_iters} stages walked")
     prep_tc = next(c for c in (32, 16, 8) if cip % c == 0)  # a power of two: the tile is 1024 values
@@ -337,7 +366,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         n_tiles=n_tiles, cout=cout, positions=math.prod(conv_out), in_positions=in_positions, rank=nd + 2,
         lower=lower, upper=upper, elem_strides=rev(tuple(geo["stride"])), prep_tc=prep_tc, prep_tp=prep_tp,
         prep_tiles=-(-in_positions // prep_tp) * -(-cip // prep_tc), acc_regs=acc,
-        split_k=split_parts, split_iters=k_iters // split_parts,
+        split_k=split_parts, split_iters=k_iters // split_parts, channel_reduction=reduces,
     )
 
 
@@ -350,4 +379,6 @@ def describe(tp: TmaPlan) -> str:
         f"warpgroups; a layout pass lays the input out channels-last ({tp.cip} channels)"
         + (f"; for small batches K split {tp.split_k} ways ({tp.split_iters} stages a block), "
            f"the parts added in order by a second kernel" if tp.split_k > 1 else "")
+        + ("; the reduction over the channels taken on the accumulators (shuffles among the 4 lanes of a row)"
+           if tp.channel_reduction else "")
     )

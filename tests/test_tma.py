@@ -36,7 +36,8 @@ def test_hopper_takes_the_tma_engine_for_deep_layers(precision):
 
 @pytest.mark.parametrize("data,why", [
     ({"epilogue": ["relu", {"max_pool": {"kernel": 2}}]}, "a pool follows the conv"),
-    ({"epilogue": ["relu", {"sum": {"dims": [1]}}]}, "the epilogue reduces"),
+    ({"epilogue": ["relu", {"sum": {"dims": [2, 3]}}]}, "the epilogue reduces over positions"),
+    ({"cout": 300, "epilogue": ["relu", {"sum": {"dims": [1]}}]}, "more than 256 channels"),
     ({"conv": {"groups": 4}}, "the conv has groups"),
     ({"conv": {"transposed": True, "stride": 2}, "padding": 0}, "the conv is transposed"),  # (stride 1 runs as a plain conv)
 ])
@@ -118,6 +119,50 @@ def test_default_tiles_compile_without_spills(precision, cin, cout, kernel, size
                    tile={"engine": "tma"})
     sp = pipeline.specialize(spec, "sm_90")
     assert sp.plan["engine"] == "tma" and sp.build.arch == "sm_90a"
+    assert sp.build.spill_bytes == 0, f"{sp.build.spill_bytes} bytes spilled"
+
+
+# ---- a reduction over the channels, on the accumulators ------------------------------------------------
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("op", ["sum", "mean", "amax", "amin", "logsumexp"])
+def test_a_reduction_over_the_channels_runs_in_the_epilogue(op, precision):
+    """One block holds every channel (one N tile, no split K), so the reduction is taken on the
+    accumulators and only the reduced output is written: the layer stays whole on tensor cores."""
+    spec = spec_of(cin=16, cout=72, size=(20, 22), precision=precision,
+                   epilogue=[{"mul": 2.0}, {op: {"dims": [1], "keepdim": op != "sum"}}, "tanh"])
+    assert tma.channel_reduction(spec)
+    plan = build_plan(spec, target=HOPPER)
+    assert plan["engine"] == "tma", describe(plan)
+    tp = plan["tma"]
+    assert tp.channel_reduction and tp.n_tiles == 1 and tp.bn >= 72 and tp.split_k == 1
+    assert plan["out_shape"] == ([20, 22] if op == "sum" else [1, 20, 22])
+    assert "reduction over the channels" in describe(plan)
+    source = render_plan(plan)
+    assert source.count("__shfl_xor_sync") == 2 and "out[m] = " in source and "_reduce(" not in source
+    # a deep layer at batch 1 would take split K; with the reduction it has none
+    deep = spec_of(cin=512, cout=128, size=(7, 7), precision=precision, epilogue=[{op: {"dims": [1]}}])
+    assert build_plan(deep, target=HOPPER)["tma"].split_k == 1
+
+
+@pytest.mark.parametrize("data", [
+    {"epilogue": [{"amax": {"dims": [1, 2]}}]},  # channels and a spatial dim
+    {"epilogue": [{"amax": {"dims": [1]}}, {"sum": {"dims": [1]}}]},  # two reductions
+    {"epilogue": [{"max_pool": {"kernel": 2}}, {"amax": {"dims": [1]}}]},  # a pool first
+    {"cout": 300, "epilogue": [{"amin": {"dims": [1]}}], "precision": "tf32"},  # more than one block's channels
+    {"cout": 200, "epilogue": [{"amin": {"dims": [1]}}], "precision": "fp32"},  # 3xTF32: no tile holds 200 channels
+])
+def test_other_reductions_over_the_channels_stay_off_the_tma_engine(data):
+    assert build_plan(spec_of(**data), target=HOPPER)["engine"] != "tma"
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_channel_reductions_compile_without_spills(precision):
+    spec = spec_of(cin=16, cout=128 if precision == "fp32" else 256, size=(20, 22), precision=precision,
+                   epilogue=[{"add": {"param": "shift"}}, {"logsumexp": {"dims": [1]}}, "relu"])
+    sp = pipeline.specialize(spec, "sm_90")
+    assert sp.plan["engine"] == "tma" and sp.plan["tma"].channel_reduction and sp.build.arch == "sm_90a"
     assert sp.build.spill_bytes == 0, f"{sp.build.spill_bytes} bytes spilled"
 
 

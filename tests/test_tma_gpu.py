@@ -54,6 +54,12 @@ CASES = {
     "wide_k": (256, [7, 7], {"out_channels": 128, "kernel": 3, "padding": 1}, ["relu"]),
     "cout_8": (64, [16, 16], {"out_channels": 8, "kernel": 3}, ["relu"]),
     "cout_300": (32, [9, 7], {"out_channels": 300, "kernel": 3, "padding": 1}, ["relu"]),
+    # reductions over the channels, on the accumulators (one block holds every channel)
+    "min_channels": (16, [11, 13], {"out_channels": 64, "kernel": 3}, [{"mul": 2.0}, {"amin": {"dims": [1], "keepdim": True}}, "tanh"]),
+    "lse_channels": (32, [9, 10], {"out_channels": 40, "kernel": 3, "padding": 1}, [{"add": {"param": "shift"}}, {"logsumexp": {"dims": [1]}}]),
+    "mean_channels_3d": (8, [5, 6, 7], {"out_channels": 24, "kernel": 3, "padding": 1}, ["relu", {"mean": {"dims": [1], "keepdim": True}}]),
+    "max_channels_odd": (20, [13, 7], {"out_channels": 100, "kernel": 3}, ["gelu", {"amax": {"dims": [1]}}, {"sub": 0.5}]),
+    "sum_channels_1d": (64, [200], {"out_channels": 128, "kernel": 5, "padding": 2}, [{"sum": {"dims": [1]}}]),
 }
 
 
@@ -70,6 +76,18 @@ def test_tma_cases(name, precision):
     check(layer, 1, seed=1)
     check(layer, 3, seed=2)
     check(layer, 2, seed=3, channels_last=True)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_tma_reduction_over_256_channels(precision):
+    """The widest tile a reduction over the channels takes: BN = 256 (not in fp32 mode: its two
+    planes' accumulators would not fit)."""
+    layer = layer_of({"name": f"tma_amin256_{precision}", "input": {"channels": 48, "size": [10, 11]},
+                      "conv": {"out_channels": 256, "kernel": 3, "padding": 1},
+                      "epilogue": [{"amin": {"dims": [1], "keepdim": True}}], "precision": precision})
+    assert layer.specialize().plan["tma"].bn == 256
+    check(layer, 3, seed=4)
+    check(layer, 37, seed=5)
 
 
 @pytest.mark.parametrize("precision", ["tf32", "fp32"])
