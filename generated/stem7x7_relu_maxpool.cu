@@ -71,7 +71,7 @@ namespace body {
 //     A K-block's A tile (BM positions x BKC channels) is one im2col TMA load: the hardware walks the
 //     positions across rows and samples, adds the tap's offset and fills zeros in the padding; its
 //     B tile is one TMA load of the weights. Both land 32-byte-swizzled, as wgmma reads them.
-//   * Warpgroup 0 is the producer: one thread issues the loads up to 8 stages ahead; a stage's
+//   * Warpgroup 0 is the producer: one thread issues the loads up to 4 stages ahead; a stage's
 //     "full" mbarrier counts its 20480 bytes in. Warpgroups 1 and 2 are the consumers: each multiplies
 //     its 128 positions by BN channels with wgmma.mma_async m64n64k8 (tf32, both operands from
 //     shared memory), keeps one stage's products in flight, and gives a stage back through its
@@ -82,7 +82,7 @@ namespace body {
 //   * Epilogue on the accumulators: bias, relu; each value is stored straight to
 //     the [batch][C_OUT][d][h][w] output.
 //   Grid: one block per (M tile, N tile), N tiles fastest (blocks that read the same input run
-//   together); 384 threads per block; 164864 bytes of dynamic shared memory.
+//   together); 384 threads per block; 82944 bytes of dynamic shared memory.
 // =====================================================================================================
 
 namespace {
@@ -111,7 +111,7 @@ constexpr int K_TOTAL = 392;  // TAPS * CIP: a row of the permuted weights
 constexpr int BM = 256, BN = 64;  // block tile: positions, channels
 constexpr int WM = 2;  // m64 tiles per consumer warpgroup (BM / 128)
 constexpr int N_TILES = 1;  // blocks along N
-constexpr int STAGES = 8;  // shared-memory pipeline stages
+constexpr int STAGES = 4;  // shared-memory pipeline stages
 constexpr int ROW_BYTES = 32;  // bytes of K per tile row: the swizzle width
 constexpr int KSTEPS = 1;  // wgmma per row (each reads 32 bytes of K: 8 values)
 constexpr unsigned A_BYTES = 8192, B_BYTES = 2048;  // one K-block's A and B tiles in shared memory (1024-byte aligned)

@@ -756,7 +756,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         raise PlanError([f"epilogue: an extra input ({', '.join(inputs)}) is read by the {' and '.join(INPUT_ENGINES)} "
                          f"engines (and the tail engine after a statistic stage); this layer plans for the {engine} engine"])
     if tp is not None:
-        threads, smem_bytes, min_blocks = tp.threads, tp.smem_bytes, 1
+        threads, smem_bytes, min_blocks = tp.threads, tp.smem_bytes, tp.blocks_per_sm
         cluster, cluster_at_launch = 1, False
     if ig is not None:
         threads, smem_bytes, min_blocks = ig.threads, ig.smem_bytes, ig.min_blocks

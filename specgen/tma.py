@@ -46,6 +46,17 @@ from specgen.spec import LayerSpec
 THREADS = 384  # one producer warpgroup, two consumer warpgroups
 CONSUMER_THREADS = 256
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: 128 x 40 + 256 x 232 <= 64 K registers
+# Two blocks per SM (one's epilogue overlaps the other's loads and products): each is launched on
+# 80 registers a thread (2 x 384 x 80 <= 64 K), the producer gives back 40, the consumers take 96
+# (128 x 40 + 256 x 96 <= 384 x 80), which holds at most 64 accumulators a thread, in wgmma of at
+# most n64 (ptxas cannot fit an m64n128 instruction's 64 operand registers under the cap of 80).
+REGS_TWO_BLOCKS = {"producer": 40, "consumer": 96, "max_acc": 64, "max_bn": 64}
+
+
+def two_blocks_fit(bm: int, bn: int, split: bool) -> bool:
+    """Whether a tile's accumulators fit the registers of two blocks per SM."""
+    return bn <= REGS_TWO_BLOCKS["max_bn"] and (bm // 128) * bn // 2 * (2 if split else 1) <= REGS_TWO_BLOCKS["max_acc"]
+BLOCK_RESERVED_SMEM = 1024  # shared memory the driver reserves per block on an SM
 SMEM_ALIGN = 1024  # a swizzle pattern repeats every 8 rows of up to 128 bytes
 MAX_ACC = 128  # accumulator registers per consumer thread
 # TMA im2col limits on the bounding box corners, by tensor rank (CUDA driver API).
@@ -70,6 +81,7 @@ class TmaConfig:
     stages: int
     kb_per_stage: int
     split_k: int = 0
+    blocks_per_sm: int = 1  # 2: smaller pipelines and fewer registers, two blocks sharing an SM
 
     def __post_init__(self):
         if self.bm not in (128, 256):
@@ -80,6 +92,8 @@ class TmaConfig:
             raise ValueError("a TMA pipeline needs 2 or more stages of 1 or more K-blocks")
         if self.split_k < 0:
             raise ValueError(f"split_k must be 0 (the planner's), 1 (none) or more, got {self.split_k}")
+        if self.blocks_per_sm not in (1, 2):
+            raise ValueError(f"blocks_per_sm must be 1 or 2, got {self.blocks_per_sm}")
 
 
 @dataclass(frozen=True)
@@ -133,6 +147,7 @@ class TmaPlan:
     threads: int = THREADS
     producer_regs: int = PRODUCER_REGS
     consumer_regs: int = CONSUMER_REGS
+    blocks_per_sm: int = 1  # the __launch_bounds__ occupancy: 2 where registers and shared memory allow
 
 
 def why_not(spec: LayerSpec, levels: list, reductions: list, target: targets.Target) -> list[str]:
@@ -260,10 +275,21 @@ def candidates(cout: int, m_total: int, split: bool, sm_count: int, whole_n: boo
     return sorted(dict.fromkeys(shapes), key=cost)
 
 
+# The planner's deepest pipeline: `specgen tune` measured 5-8 stages 4-41% slower than 4 on every
+# layer of benchmarks/tma_blocks.yaml but a 3-D one (1.07 against 1.02x: NOTES v24); 512 channels
+# prefer 4 too (v17).
+MAX_STAGES = 4
+
+
 def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64) -> TmaConfig:
     """The planner's guess for `batch` samples (the grid depends on the batch; the tile is chosen
-    for a typical one): the first tile shape (see `candidates`) whose stages of about 128 bytes of
-    K fit 4 deep (3 in fp32 mode, whose stages hold two planes), else with fewer K-blocks per stage."""
+    for a typical one). Up to 64 channels outside fp32 mode: 256 x N tiles, two blocks per SM
+    (`specgen tune` measured them 1.05-1.89x the former one-block 256 x N tiles of 5-8 stages on
+    13 layers at batch 32 and 128, the most on shallow convs whose epilogue is most of a block's
+    time, and the fastest TMA tile or within 1% of it at batch 128; 128 x N two-block tiles lost on
+    light epilogues and 16 channels: NOTES v24). Otherwise the first tile shape (see `candidates`)
+    whose stages of about 128 bytes of K fit 4 deep (3 in fp32 mode, whose stages hold two planes),
+    else with fewer K-blocks per stage."""
     eb = ELEM_BYTES[spec.precision]
     split = spec.precision == "fp32"
     cip, bkc = _channels(spec.input.channels, eb)
@@ -271,6 +297,13 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64) -> 
     kb_total = taps * (cip // bkc)
     row = bkc * eb
     positions = math.prod(spec.conv_output().sizes[1:])
+    n_pad = -(-spec.conv.out_channels // 8) * 8
+    if not split and two_blocks_fit(256, n_pad, split):
+        for kps in _kb_options(kb_total, row):
+            stage = _smem(TmaConfig(256, n_pad, 2, kps), row, 1)[2]
+            stages = min(MAX_STAGES, kb_total // kps, _two_block_stages(target, stage))
+            if stages >= 2:
+                return TmaConfig(256, n_pad, stages, kps, blocks_per_sm=2)
     shapes = candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, channel_reduction(spec))
     planes = 2 if split else 1
     budget = target.smem_per_block - SMEM_ALIGN
@@ -279,7 +312,7 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64) -> 
     for kps in _kb_options(kb_total, row):
         for bm, bn in shapes:
             stage = _smem(TmaConfig(bm, bn, 2, kps), row, planes)[2]
-            stages = min(8, budget // stage)
+            stages = min(MAX_STAGES, budget // stage)
             if stages >= want:
                 return TmaConfig(bm, bn, stages, kps)
             if stages >= 2 and fallback is None:
@@ -300,15 +333,22 @@ def configs(spec: LayerSpec, target: targets.Target, batch: int = 64) -> list[Tm
     kps = _kb_options(kb_total, row)[0]
     positions = math.prod(spec.conv_output().sizes[1:])
     out = [default_config(spec, target, batch)]
+    planes = 2 if split else 1
+    k_iters = kb_total // kps
     for bm, bn in candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, channel_reduction(spec)):
-        stage = _smem(TmaConfig(bm, bn, 2, kps), row, 2 if split else 1)[2]
+        stage = _smem(TmaConfig(bm, bn, 2, kps), row, planes)[2]
         deepest = min(8, (target.smem_per_block - SMEM_ALIGN) // stage)
-        for stages in sorted({deepest, min(4, deepest)}, reverse=True):
-            if stages >= 2:
-                cfg = TmaConfig(bm, bn, stages, kps)
-                if cfg not in out:
-                    out.append(cfg)
+        options = [TmaConfig(bm, bn, stages, kps) for stages in sorted({deepest, min(4, deepest)}, reverse=True) if stages >= 2]
+        if two_blocks_fit(bm, bn, split):
+            options.append(TmaConfig(bm, bn, min(k_iters, _two_block_stages(target, stage)), kps, blocks_per_sm=2))
+        out += [cfg for cfg in options if cfg.stages >= 2 and cfg not in out]
     return out
+
+
+def _two_block_stages(target: targets.Target, stage_bytes: int) -> int:
+    """The deepest pipeline (at most 8 stages) of which two blocks fit in one SM's shared memory."""
+    per_block = min(target.smem_per_block, target.smem_per_sm // 2 - BLOCK_RESERVED_SMEM)
+    return min(8, (per_block - SMEM_ALIGN) // stage_bytes)
 
 
 def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None = None) -> TmaPlan:
@@ -335,6 +375,12 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     acc = wm * cfg.bn // 2 * (2 if split else 1)
     if acc > MAX_ACC:
         raise ValueError(f"{acc} accumulator registers per thread: more than {MAX_ACC}")
+    two = cfg.blocks_per_sm == 2
+    if two and not two_blocks_fit(cfg.bm, cfg.bn, split):
+        raise ValueError(f"a {cfg.bm} x {cfg.bn} tile ({acc} accumulators a thread) does not fit the registers of two "
+                         f"blocks per SM (at most {REGS_TWO_BLOCKS['max_acc']} in wgmma of n{REGS_TWO_BLOCKS['max_bn']})")
+    if two and 2 * (smem + BLOCK_RESERVED_SMEM) > target.smem_per_sm:
+        raise ValueError(f"two blocks of {smem} bytes of shared memory do not fit the {target.smem_per_sm} of an SM")
     conv_out = spec.conv_output().sizes[1:]
     nd = spec.ndim
     rev = lambda t: tuple(reversed(t))  # noqa: E731  (W first, as the tensor map orders dims)
@@ -349,7 +395,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     # one block per SM (the pipeline's shared memory); the split kernel's parts would each hold
     # part of K of every channel: a reduction over the channels needs them added first (none)
     split_parts = 1 if reduces else cfg.split_k or splitk.choose(
-        math.prod(conv_out), cout, cfg.bm, n_tiles, k_iters, target.sm_count or 132)
+        math.prod(conv_out), cout, cfg.bm, n_tiles, k_iters, (target.sm_count or 132) * cfg.blocks_per_sm)
     if reduces and cfg.split_k > 1:
         raise ValueError("split K with a reduction over the channels")
     if k_iters % split_parts:
@@ -367,6 +413,9 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         lower=lower, upper=upper, elem_strides=rev(tuple(geo["stride"])), prep_tc=prep_tc, prep_tp=prep_tp,
         prep_tiles=-(-in_positions // prep_tp) * -(-cip // prep_tc), acc_regs=acc,
         split_k=split_parts, split_iters=k_iters // split_parts, channel_reduction=reduces,
+        blocks_per_sm=cfg.blocks_per_sm,
+        producer_regs=REGS_TWO_BLOCKS["producer"] if two else PRODUCER_REGS,
+        consumer_regs=REGS_TWO_BLOCKS["consumer"] if two else CONSUMER_REGS,
     )
 
 
@@ -376,7 +425,8 @@ def describe(tp: TmaPlan) -> str:
         f"implicit GEMM on Hopper ({mode} wgmma m64n{tp.bn}k{tp.kstep}, both operands from shared memory, fed by TMA "
         f"im2col loads): block tile {tp.bm} positions x {tp.bn} channels, {tp.k_iters} stages of {tp.kb_per_stage} "
         f"K-block(s) of {tp.bkc} channels, {tp.stages}-stage mbarrier pipeline, 1 producer warp + 2 consumer "
-        f"warpgroups; a layout pass lays the input out channels-last ({tp.cip} channels)"
+        f"warpgroups{', two blocks per SM' if tp.blocks_per_sm == 2 else ''}; a layout pass lays the input out "
+        f"channels-last ({tp.cip} channels)"
         + (f"; for small batches K split {tp.split_k} ways ({tp.split_iters} stages a block), "
            f"the parts added in order by a second kernel" if tp.split_k > 1 else "")
         + ("; the reduction over the channels taken on the accumulators (shuffles among the 4 lanes of a row)"

@@ -168,7 +168,7 @@ def sm_count(index: int) -> int:
 
 def uses_split(tp: TmaPlan, batch: int, sms: int) -> bool:
     """Whether a launch of `batch` samples runs the split kernel."""
-    return splitk.takes(batch, tp.positions, tp.bm, tp.n_tiles, tp.k_iters, tp.split_k, tp.cout, sms)
+    return splitk.takes(batch, tp.positions, tp.bm, tp.n_tiles, tp.k_iters, tp.split_k, tp.cout, sms * tp.blocks_per_sm)
 
 
 @dataclass(frozen=True)

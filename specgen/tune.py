@@ -94,7 +94,8 @@ def _templates(split: bool, cout: int, wgmma_ok: bool = False) -> list[tuple[str
 def label(cfg) -> str:
     if isinstance(cfg, TmaConfig):
         split = {0: "", 1: " no split"}.get(cfg.split_k, f" split {cfg.split_k}")
-        return f"tma {cfg.bm}x{cfg.bn} s{cfg.stages} kb{cfg.kb_per_stage}{split}"
+        two = " 2 blocks/SM" if cfg.blocks_per_sm == 2 else ""
+        return f"tma {cfg.bm}x{cfg.bn} s{cfg.stages} kb{cfg.kb_per_stage}{two}{split}"
     mb = f" {cfg.min_blocks} blocks/SM" if cfg.min_blocks else ""
     phases = {0: "", 1: " one phase per block", 2: " W pairs"}[cfg.phases_per_block]
     split = {0: "", 1: " no split"}.get(cfg.split_k, f" split {cfg.split_k}")
