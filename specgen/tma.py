@@ -47,18 +47,14 @@ THREADS = 384  # one producer warpgroup, two consumer warpgroups
 CONSUMER_THREADS = 256
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: 128 x 40 + 256 x 232 <= 64 K registers
 # Two blocks per SM (one's epilogue overlaps the other's loads and products): each is launched on
-# 80 registers a thread (2 x 384 x 80 <= 64 K), the producer gives back 40, the consumers take 96
-# (128 x 40 + 256 x 96 <= 384 x 80), which holds at most 64 accumulators a thread, in wgmma of at
-# most n64 (ptxas cannot fit an m64n128 instruction's 64 operand registers under the cap of 80).
+# at most 80 registers a thread (2 x 384 x 80 <= 64 K), the producer drops to 40 and the consumers
+# rise to 96 (128 x 40 + 256 x 96 <= 384 x 80), which hold at most 64 accumulators a thread, in
+# wgmma of at most n64 (ptxas cannot fit an m64n128 instruction's 64 operand registers under 80).
 REGS_TWO_BLOCKS = {"producer": 40, "consumer": 96, "max_acc": 64, "max_bn": 64}
-
-
-def two_blocks_fit(bm: int, bn: int, split: bool) -> bool:
-    """Whether a tile's accumulators fit the registers of two blocks per SM."""
-    return bn <= REGS_TWO_BLOCKS["max_bn"] and (bm // 128) * bn // 2 * (2 if split else 1) <= REGS_TWO_BLOCKS["max_acc"]
 BLOCK_RESERVED_SMEM = 1024  # shared memory the driver reserves per block on an SM
 SMEM_ALIGN = 1024  # a swizzle pattern repeats every 8 rows of up to 128 bytes
 MAX_ACC = 128  # accumulator registers per consumer thread
+MAX_REDUCED_CHANNELS = 256  # a reduction over the channels: one block's BN holds them all
 # TMA im2col limits on the bounding box corners, by tensor rank (CUDA driver API).
 CORNER_LIMIT = {3: 1 << 15, 4: 1 << 7, 5: 1 << 4}
 INT32_MAX = (1 << 31) - 1
@@ -181,9 +177,6 @@ def why_not(spec: LayerSpec, levels: list, reductions: list, target: targets.Tar
     if any(s > 8 for s in geo["stride"]):
         reasons.append("a stride above 8 (the TMA traversal stride limit)")
     return reasons
-
-
-MAX_REDUCED_CHANNELS = 256  # a reduction over the channels: one block's BN holds them all
 
 
 def channel_reduction(spec: LayerSpec) -> bool:
@@ -345,6 +338,11 @@ def configs(spec: LayerSpec, target: targets.Target, batch: int = 64) -> list[Tm
     return out
 
 
+def two_blocks_fit(bm: int, bn: int, split: bool) -> bool:
+    """Whether a tile's accumulators fit the registers of two blocks per SM (REGS_TWO_BLOCKS)."""
+    return bn <= REGS_TWO_BLOCKS["max_bn"] and (bm // 128) * bn // 2 * (2 if split else 1) <= REGS_TWO_BLOCKS["max_acc"]
+
+
 def _two_block_stages(target: targets.Target, stage_bytes: int) -> int:
     """The deepest pipeline (at most 8 stages) of which two blocks fit in one SM's shared memory."""
     per_block = min(target.smem_per_block, target.smem_per_sm // 2 - BLOCK_RESERVED_SMEM)
@@ -392,8 +390,8 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     reduces = channel_reduction(spec)
     if reduces and n_tiles > 1:
         raise ValueError(f"BN {cfg.bn} does not hold the {cout} channels the epilogue reduces over")
-    # one block per SM (the pipeline's shared memory); the split kernel's parts would each hold
-    # part of K of every channel: a reduction over the channels needs them added first (none)
+    # split K counts the blocks an SM holds at once; a reduction over the channels has none (the
+    # split kernel's parts would each hold part of K of every channel, to be added before it)
     split_parts = 1 if reduces else cfg.split_k or splitk.choose(
         math.prod(conv_out), cout, cfg.bm, n_tiles, k_iters, (target.sm_count or 132) * cfg.blocks_per_sm)
     if reduces and cfg.split_k > 1:

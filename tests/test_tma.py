@@ -122,6 +122,37 @@ def test_default_tiles_compile_without_spills(precision, cin, cout, kernel, size
     assert sp.build.spill_bytes == 0, f"{sp.build.spill_bytes} bytes spilled"
 
 
+# ---- two blocks per SM, and the pipeline's depth ---------------------------------------------------------
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("cout", [16, 37, 64])
+def test_up_to_64_channels_two_256_row_blocks_share_an_sm(cout, precision):
+    """Measured 1.05-1.89x the one-block tiles (benchmarks/NOTES.md v24): 80 registers a thread at
+    launch, the producer down to 40, the consumers up to 96; two blocks' shared memory fits an SM."""
+    plan = build_plan(spec_of(cin=8, cout=cout, size=(40, 40), precision=precision), target=HOPPER)
+    tp = plan["tma"]
+    assert tp.blocks_per_sm == 2 and tp.bm == 256 and tp.bn == -(-cout // 8) * 8 and plan["min_blocks"] == 2
+    assert (tp.producer_regs, tp.consumer_regs) == (40, 96) and tp.acc_regs <= 64
+    assert 2 * (tp.smem_bytes + tma.BLOCK_RESERVED_SMEM) <= HOPPER.smem_per_sm and 2 <= tp.stages <= tma.MAX_STAGES
+    source = render_plan(plan)
+    assert "__launch_bounds__(THREADS, 2)" in source and "setmaxnreg.inc.sync.aligned.u32 96" in source
+    assert "two blocks per SM" in describe(plan)
+
+
+@pytest.mark.parametrize("cout,precision", [(128, "tf32"), (64, "fp32"), (256, "bf16")])
+def test_wider_tiles_and_3xtf32_keep_one_block_of_at_most_4_stages(cout, precision):
+    tp = build_plan(spec_of(cin=64, cout=cout, size=(40, 40), precision=precision), target=HOPPER)["tma"]
+    assert tp.blocks_per_sm == 1 and (tp.producer_regs, tp.consumer_regs) == (40, 232) and tp.stages <= tma.MAX_STAGES
+
+
+def test_a_two_block_tile_that_does_not_fit_is_refused():
+    spec = spec_of(cin=64, cout=128, size=(20, 20), precision="tf32")
+    with pytest.raises(PlanError, match="does not fit the registers of two blocks"):
+        build_plan(spec_of(cin=64, cout=128, size=(20, 20), precision="tf32", tile={"engine": "tma"}), target=HOPPER,
+                   tma_config=tma.TmaConfig(128, 128, 2, 1, blocks_per_sm=2))
+    assert all(c.bn <= 64 for c in tma.configs(spec, HOPPER) if c.blocks_per_sm == 2)
+
+
 # ---- a reduction over the channels, on the accumulators ------------------------------------------------
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
