@@ -748,7 +748,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     params = list(spec.params().items())
 
     # ---- engine: the implicit GEMM where it can run and pays -----------------------------------
-    tp = None if igemm_config is not None else _choose_tma(spec, levels, reductions, fold, tma_config, target)
+    tp = None if igemm_config is not None else _choose_tma(spec, levels, reductions, fold, tma_config, target, settings)
     ig = None if tp is not None else _choose_igemm(spec, levels, reductions, fold, o3, taps, igemm_config, target)
     engine = "tma" if tp is not None else "igemm" if ig is not None else ("slab" if mma is not None else "ffma")
     inputs = list(spec.inputs())
@@ -905,7 +905,8 @@ def _tile_pins_other_engine(tile) -> bool:
     )
 
 
-def _choose_tma(spec: LayerSpec, levels: list, reductions: list, fold, config, target: Target):
+def _choose_tma(spec: LayerSpec, levels: list, reductions: list, fold, config, target: Target,
+                settings: Settings = DEFAULT_SETTINGS):
     """The TMA engine's plan (Hopper), or None for the other engines. A tile that names an engine
     decides; left to the planner, the TMA engine takes every layer it can run, except fp32 layers
     with few input channels (the seeds' 8 channels run on the slab engine) and layers with too few
@@ -927,7 +928,8 @@ def _choose_tma(spec: LayerSpec, levels: list, reductions: list, fold, config, t
     elif not tma_engine.worth_it(spec):
         return None
     try:
-        return tma_engine.plan_tma(spec, target, config)
+        # (the spill retry's one block per SM: the planner's tile without two blocks sharing an SM)
+        return tma_engine.plan_tma(spec, target, config, two_blocks=settings.min_blocks != 1)
     except ValueError as err:
         if asked is None:
             return None

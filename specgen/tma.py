@@ -274,13 +274,15 @@ def candidates(cout: int, m_total: int, split: bool, sm_count: int, whole_n: boo
 MAX_STAGES = 4
 
 
-def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64) -> TmaConfig:
+def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two_blocks: bool = True) -> TmaConfig:
     """The planner's guess for `batch` samples (the grid depends on the batch; the tile is chosen
     for a typical one). Up to 64 channels outside fp32 mode: 256 x N tiles, two blocks per SM
     (`specgen tune` measured them 1.05-1.89x the former one-block 256 x N tiles of 5-8 stages on
     13 layers at batch 32 and 128, the most on shallow convs whose epilogue is most of a block's
     time, and the fastest TMA tile or within 1% of it at batch 128; 128 x N two-block tiles lost on
-    light epilogues and 16 channels: NOTES v24). Otherwise the first tile shape (see `candidates`)
+    light epilogues and 16 channels: NOTES v24) -- not with extra inputs, whose reads need more
+    registers (a residual's add spilled 16 bytes under the cap), nor when `two_blocks` is False (the
+    pipeline's retry of a build that spilled). Otherwise the first tile shape (see `candidates`)
     whose stages of about 128 bytes of K fit 4 deep (3 in fp32 mode, whose stages hold two planes),
     else with fewer K-blocks per stage."""
     eb = ELEM_BYTES[spec.precision]
@@ -291,7 +293,7 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64) -> 
     row = bkc * eb
     positions = math.prod(spec.conv_output().sizes[1:])
     n_pad = -(-spec.conv.out_channels // 8) * 8
-    if not split and two_blocks_fit(256, n_pad, split):
+    if two_blocks and not split and not spec.inputs() and two_blocks_fit(256, n_pad, split):
         for kps in _kb_options(kb_total, row):
             stage = _smem(TmaConfig(256, n_pad, 2, kps), row, 1)[2]
             stages = min(MAX_STAGES, kb_total // kps, _two_block_stages(target, stage))
@@ -349,12 +351,14 @@ def _two_block_stages(target: targets.Target, stage_bytes: int) -> int:
     return min(8, (per_block - SMEM_ALIGN) // stage_bytes)
 
 
-def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None = None) -> TmaPlan:
-    """The TMA engine's plan for `config` (or the planner's guess); ValueError when it does not fit."""
+def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None = None,
+             two_blocks: bool = True) -> TmaPlan:
+    """The TMA engine's plan for `config` (or the planner's guess, `default_config`); ValueError
+    when it does not fit."""
     precision = spec.precision
     eb = ELEM_BYTES[precision]
     split = precision == "fp32"
-    cfg = config or default_config(spec, target)
+    cfg = config or default_config(spec, target, two_blocks=two_blocks)
     cin, cout = spec.input.channels, spec.conv.out_channels
     cip, bkc = _channels(cin, eb)
     geo = spec.conv_geometry()

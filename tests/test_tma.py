@@ -145,6 +145,19 @@ def test_wider_tiles_and_3xtf32_keep_one_block_of_at_most_4_stages(cout, precisi
     assert tp.blocks_per_sm == 1 and (tp.producer_regs, tp.consumer_regs) == (40, 232) and tp.stages <= tma.MAX_STAGES
 
 
+def test_extra_inputs_and_the_spill_retry_keep_one_block():
+    """A residual's extra input needs registers the two-block cap does not leave (16 bytes spilled);
+    the pipeline's retry of a build that spilled (one block per SM, `plan.Settings`) gets one block."""
+    from specgen.plan import Settings
+
+    residual = spec_of(cin=16, cout=32, size=(20, 20), precision="tf32", epilogue=[{"add": {"input": "shortcut"}}, "relu"])
+    assert build_plan(residual, target=HOPPER)["tma"].blocks_per_sm == 1
+    plain = spec_of(cin=16, cout=32, size=(20, 20), precision="tf32")
+    assert build_plan(plain, target=HOPPER)["tma"].blocks_per_sm == 2
+    retry = build_plan(plain, target=HOPPER, settings=Settings(min_blocks=1))
+    assert retry["tma"].blocks_per_sm == 1 and retry["min_blocks"] == 1
+
+
 def test_a_two_block_tile_that_does_not_fit_is_refused():
     spec = spec_of(cin=64, cout=128, size=(20, 20), precision="tf32")
     with pytest.raises(PlanError, match="does not fit the registers of two blocks"):
