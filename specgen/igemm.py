@@ -31,9 +31,9 @@ import math
 from dataclasses import dataclass
 
 from specgen import splitk, target as targets
+from specgen.target import BLOCK_RESERVED_SMEM
 from specgen.spec import LayerSpec
 
-BLOCK_RESERVED_SMEM = 1024  # shared memory the driver reserves per block on an SM
 # Left to the planner, a transposed conv runs its stride phases here from this many input channels;
 # with fewer, a phase's K is a handful of taps x channels and the FFMA gather is as fast.
 TRANSPOSED_MIN_CHANNELS = 16

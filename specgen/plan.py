@@ -31,7 +31,7 @@ from specgen import __version__, igemm as igemm_engine, ops, target as targets, 
 from specgen.kernelplan import KernelPlan, SlabTiling, with_changes
 from specgen.literals import FLOAT32_MAX, c_float
 from specgen.spec import LayerSpec, SpecError
-from specgen.target import Target, TargetError
+from specgen.target import BLOCK_RESERVED_SMEM, Target, TargetError
 
 AXES = ("c", "d", "h", "w")
 AXIS_NAMES = {"c": "channels", "d": "depth", "h": "height", "w": "width"}
@@ -140,7 +140,6 @@ MMA_STAGE_BATCH = 8  # 16-byte input loads in flight per thread while staging th
 MMA_MAX_TILES = 8  # m-tiles x n-tiles per warp: 32 accumulators, so two blocks of 8 warps fit an SM's registers
 MMA_MIN_K = 64  # taps x input channels, for the planner to pick tensor cores by itself
 MMA_MIN_CHANNELS = 32  # output channels, likewise
-BLOCK_RESERVED_SMEM = 1024  # shared memory the driver reserves per block on an SM
 
 
 def _warp_tiles(mt: int, nt: int, warps: int = MMA_WARPS) -> tuple[int, int, int] | None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from specgen.spec import SpecError
 
 KB = 1024
+BLOCK_RESERVED_SMEM = 1024  # shared memory the driver reserves per block on an SM (every target here)
 MIN_CC = 80  # cp.async and TF32 mma.sync: compute capability 8.0 and newer
 _ARCH_RE = re.compile(r"sm_([1-9][0-9]{1,2})(a?)")
 

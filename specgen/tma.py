@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass
 
 from specgen import splitk, target as targets
+from specgen.target import BLOCK_RESERVED_SMEM
 from specgen.spec import LayerSpec
 
 THREADS = 384  # one producer warpgroup, two consumer warpgroups
@@ -51,7 +52,6 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: 128 x 40 + 256 x 232 <= 64
 # rise to 96 (128 x 40 + 256 x 96 <= 384 x 80), which hold at most 64 accumulators a thread, in
 # wgmma of at most n64 (ptxas cannot fit an m64n128 instruction's 64 operand registers under 80).
 REGS_TWO_BLOCKS = {"producer": 40, "consumer": 96, "max_acc": 64, "max_bn": 64}
-BLOCK_RESERVED_SMEM = 1024  # shared memory the driver reserves per block on an SM
 SMEM_ALIGN = 1024  # a swizzle pattern repeats every 8 rows of up to 128 bytes
 MAX_ACC = 128  # accumulator registers per consumer thread
 MAX_REDUCED_CHANNELS = 256  # a reduction over the channels: one block's BN holds them all

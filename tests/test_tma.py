@@ -159,10 +159,9 @@ def test_extra_inputs_and_the_spill_retry_keep_one_block():
 
 
 def test_a_two_block_tile_that_does_not_fit_is_refused():
-    spec = spec_of(cin=64, cout=128, size=(20, 20), precision="tf32")
+    spec = spec_of(cin=64, cout=128, size=(20, 20), precision="tf32", tile={"engine": "tma"})
     with pytest.raises(PlanError, match="does not fit the registers of two blocks"):
-        build_plan(spec_of(cin=64, cout=128, size=(20, 20), precision="tf32", tile={"engine": "tma"}), target=HOPPER,
-                   tma_config=tma.TmaConfig(128, 128, 2, 1, blocks_per_sm=2))
+        build_plan(spec, target=HOPPER, tma_config=tma.TmaConfig(128, 128, 2, 1, blocks_per_sm=2))
     assert all(c.bn <= 64 for c in tma.configs(spec, HOPPER) if c.blocks_per_sm == 2)
 
 
