@@ -112,7 +112,8 @@ class KernelPlan(TemplateValues):
     output_padding: tuple
     # ---- the body levels (conv + pointwise, then each pool) and the tail's reductions -------------
     levels: list
-    pointwise: list  # level 0's pointwise stages
+    pointwise: list  # level 0's pointwise stages (before a channel_norm)
+    channel_norm: Optional[dict]  # a softmax over the channels in the TMA epilogue, with its pointwise stages after it
     t1: tuple  # the body's result, (c, d, h, w) per sample
     reductions: list
     role: dict  # axis -> F (kept), R1, R2 (reduced at that level)

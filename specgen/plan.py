@@ -47,6 +47,11 @@ class PlanError(SpecError):
     """A spec that validates but cannot be planned (e.g. a tile that does not fit)."""
 
 
+class NotOneKernel(PlanError):
+    """A layer that runs as one kernel only on an engine the planner did not take (a softmax over
+    the channels off the TMA engine): `build_plan` plans it as a sequence instead."""
+
+
 @dataclass(frozen=True)
 class Constant:
     name: str
@@ -104,6 +109,23 @@ def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], chan
         "code": row.cuda(stage.args, "v", names),
         "params": list(row.params(stage.args)),
         "inputs": inputs,
+    }
+
+
+def _channel_norm_code(spec: LayerSpec, index: int) -> dict:
+    """A softmax or log-softmax over the channels, as the TMA epilogue takes it: the row's statistic
+    (max a, sum of exp(x - a) b), then `prepare` (b's factor) and `normalize` (each value) from the
+    op table, and the pointwise stages after it (filled in by the caller)."""
+    stage = spec.epilogue[index]
+    row = ops.NORMS[stage.op]
+    return {
+        "index": index,
+        "op": stage.op,
+        "comment": f"epilogue[{index}] {stage.op} over the channels",
+        "prepare": row.prepare % {"a": "mx", "b": "sum"},
+        "prepare_comment": row.prepare_comment,
+        "normalize": row.normalize % {"x": "v", "a": "mx", "b": "nb"},
+        "pointwise": [],
     }
 
 
@@ -358,6 +380,8 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         # ---- rewrite: a mean over whole spatial dims of the conv, taken before it -----------
         return tapsum.plan_fold(spec, fold, target, settings)
     if tail.is_sequence(spec):  # statistic stages: a sequence of kernels, each part planned on its own
+        if igemm_config is None and (fused := tail.plan_channel_norm(spec, target, tma_config, settings)) is not None:
+            return fused  # a softmax over the channels in the TMA epilogue (with what it can take after it)
         return tail.plan_sequence(spec, igemm_config, target, tma_config, settings)
     if igemm_config is None and tma_config is None and (at := tail.pool_split(spec, target, may_rewrite)) is not None:
         return tail.plan_pool_split(spec, at, target, settings)  # the conv on tensor cores, its pool in a second kernel
@@ -389,6 +413,10 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     later_windowed = [
         any(s.kind == "pool" and ops.POOLS[s.op].windowed for s in spec.epilogue[i + 1 :]) for i in range(len(spec.epilogue))
     ]
+    # A softmax over the channels alone, after nothing but pointwise ops: the TMA engine's epilogue
+    # normalizes its accumulators (`tma.channel_norm`); the pointwise ops after it are its own.
+    channel_norm = None
+    norm_at = tma_engine.channel_norm(spec)
     for i, stage in enumerate(spec.epilogue):
         # A global pool with no windowed pool after it is a reduction over the spatial dims
         # (keepdim): the tail computes it with a whole block instead of one thread per window.
@@ -397,8 +425,14 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
             tail_start = i
             break
         if stage.kind == "pointwise":
-            levels[-1]["pointwise"].append(_pointwise_code(spec, i, consts, "cj"))
+            (channel_norm["pointwise"] if channel_norm else levels[-1]["pointwise"]).append(_pointwise_code(spec, i, consts, "cj"))
             continue
+        if i == norm_at:
+            channel_norm = _channel_norm_code(spec, i)
+            continue
+        if stage.kind == "norm" or channel_norm is not None:
+            raise PlanError([f"epilogue[{i}] {stage.op}: a statistic stage, or a pool after a softmax over the channels, "
+                             f"runs in a sequence of kernels (specgen.tail), not in one"])
         pool = ops.POOLS[stage.op]
         prev = levels[-1]["out"]
         if pool.windowed:
@@ -750,6 +784,9 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     tp = None if igemm_config is not None else _choose_tma(spec, levels, reductions, fold, tma_config, target, settings)
     ig = None if tp is not None else _choose_igemm(spec, levels, reductions, fold, o3, taps, igemm_config, target)
     engine = "tma" if tp is not None else "igemm" if ig is not None else ("slab" if mma is not None else "ffma")
+    if channel_norm is not None and engine != "tma":
+        raise NotOneKernel([f"epilogue[{norm_at}] {spec.epilogue[norm_at].op}: a softmax over the channels runs in the TMA "
+                            f"engine's epilogue only, and this layer plans for the {engine} engine"])
     inputs = list(spec.inputs())
     if inputs and engine not in INPUT_ENGINES:
         raise PlanError([f"epilogue: an extra input ({', '.join(inputs)}) is read by the {' and '.join(INPUT_ENGINES)} "
@@ -848,6 +885,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         igemm=ig,
         tma=tp,
         pointwise=levels[0]["pointwise"],
+        channel_norm=channel_norm,
         precision=spec.precision,
         target=target.summary(),
         settings=settings,

@@ -337,16 +337,64 @@ def _cut(spec: LayerSpec, end: int, engine: str | None = None) -> LayerSpec:
     return LayerSpec.model_validate(data)
 
 
-def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None) -> dict:
-    """The plan of a layer split before its first windowed pool (`pool_split`): the body (the conv
-    and the pointwise ops before it) into T0, then the rest over an identity conv."""
+def channel_norm_end(spec: LayerSpec) -> int | None:
+    """Where the part of a layer that Hopper's TMA engine runs as one kernel ends when the layer's
+    first statistic stage is a softmax over the channels alone after nothing but pointwise ops
+    (`tma.channel_norm`): after the softmax, the pointwise ops after it and a reduction over the
+    channels that ends the layer (with its pointwise ops); None when there is no such softmax or a
+    further statistic stage follows (the whole layer then runs as a sequence)."""
+    from specgen import tma
+
+    at = tma.channel_norm(spec)
+    if at is None:
+        return None
+    n = len(spec.epilogue)
+    end = at + 1
+    while end < n and spec.epilogue[end].kind == "pointwise":
+        end += 1
+    if end < n and spec.epilogue[end].kind == "reduce" and tuple(spec.reduce_dims(end)) == (1,):
+        last = end + 1
+        while last < n and spec.epilogue[last].kind == "pointwise":
+            last += 1
+        if last == n:
+            return n
+    if any(st.kind == "norm" for st in spec.epilogue[end:]):
+        return None
+    return end
+
+
+def plan_channel_norm(spec: LayerSpec, target=None, tma_config=None, settings=None) -> dict | None:
+    """The plan of a layer whose softmax over the channels the TMA engine's epilogue takes
+    (`channel_norm_end`): one kernel, or that kernel writing T0 and the stages after it over an
+    identity conv (as `plan_pool_split`); None where the TMA engine does not take the layer (the
+    planner's bar, the target, a tile that names another engine): it then runs as a sequence."""
+    from specgen.plan import DEFAULT_SETTINGS, NotOneKernel, plan_whole
+
+    end = channel_norm_end(spec)
+    if end is None:
+        return None
+    try:
+        if end == len(spec.epilogue):
+            return plan_whole(spec, None, target, tma_config, settings or DEFAULT_SETTINGS)
+        return plan_pool_split(spec, end, target, settings, engine=None, tma_config=tma_config)
+    except NotOneKernel:
+        return None
+
+
+def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None, engine: str | None = "auto",
+                    tma_config=None) -> dict:
+    """The plan of a layer split before its first windowed pool (`pool_split`), or after a softmax
+    over the channels that the TMA epilogue takes (`plan_channel_norm`, engine None: the planner's
+    choice, which must be the TMA engine): the body (the conv and the stages before `at`) into T0,
+    then the rest over an identity conv."""
     from specgen.kernelplan import with_changes
     from specgen.plan import DEFAULT_SETTINGS, build_plan, spec_yaml
 
     prefix = f"specgen_{spec.name}"
-    body = _cut(spec, at, split_engine(spec, at, target))  # (few input channels in fp32 too: the FFMA engine is what the split avoids)
+    # (few input channels in fp32 too: the FFMA engine is what the split avoids)
+    body = _cut(spec, at, split_engine(spec, at, target) if engine == "auto" else engine)
     settings = settings or DEFAULT_SETTINGS
-    body_plan = with_changes(build_plan(body, None, target, settings=settings), kernel_name=f"{prefix}_body")
+    body_plan = with_changes(build_plan(body, None, target, tma_config, settings=settings), kernel_name=f"{prefix}_body")
     seg = Segment(at - 1, (), tuple(range(at, len(spec.epilogue))))
     rest, rest_out = rest_spec(spec, seg)
     if spec.precision in ("bf16", "fp16"):  # T0 is in the layer's dtype: the rest widens it (exactly) and rounds once
@@ -358,10 +406,16 @@ def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None) -> dic
     steps = [{"kind": "layer", "part": 0, "in": "x", "out": "t0", "out_shape": t0},
              {"kind": "layer", "part": 1, "in": "t0", "out": "out", "out_shape": list(rest_out), "ones": rest.input.channels}]
     first = spec.epilogue[at]
-    what = "a pool between the conv and the output" if first.kind == "pool" and ops.POOLS[first.op].windowed else "a fused reduction"
-    why = [f"epilogue[{at}] {first.op} would keep the whole layer on FFMA ({what}): "
-           f"the conv runs on the {body_plan['engine']} engine and writes T0, the pool and what follows read it "
-           f"in a further kernel over an identity conv (1x1 depthwise, weights 1: exact)"]
+    if engine is None:
+        norm = next(i for i in range(at) if spec.epilogue[i].kind == "norm")
+        why = [f"epilogue[{norm}] {spec.epilogue[norm].op} over the channels is taken in the TMA engine's epilogue "
+               f"(a block holds every channel); epilogue[{at}] {first.op} and what follows read its output T0 "
+               f"in a further kernel over an identity conv (1x1 depthwise, weights 1: exact)"]
+    else:
+        what = "a pool between the conv and the output" if first.kind == "pool" and ops.POOLS[first.op].windowed else "a fused reduction"
+        why = [f"epilogue[{at}] {first.op} would keep the whole layer on FFMA ({what}): "
+               f"the conv runs on the {body_plan['engine']} engine and writes T0, the pool and what follows read it "
+               f"in a further kernel over an identity conv (1x1 depthwise, weights 1: exact)"]
     out_shape = list(spec.shapes()[-1].sizes)
     layer_plans = [body_plan, rest_plan]
     return {

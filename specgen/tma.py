@@ -25,7 +25,12 @@ in hardware:
   logsumexp, and pointwise ops after it) is taken there too, when one block holds every channel
   (BN >= C_OUT, at most 256): each thread folds the channels it holds for a row, the four lanes that
   share the row join theirs by shuffles, and one of them writes the row's single value -- the conv's
-  output never leaves the registers (`channel_reduction`).
+  output never leaves the registers (`channel_reduction`). A softmax or log-softmax over the
+  channels alone (`channel_norm`), after the pointwise ops and before any others, is taken there
+  the same way: the row's max and sum of exponentials joined by shuffles among the quad, then
+  every value normalized in its register and carried on through the ops after it (a reduction over
+  the channels included) -- where the tail engine would write the conv's output, read it back for
+  the statistics and again to normalize.
 
 Precision modes: `tf32` (operands rounded to TF32 as PyTorch's default convolutions), `fp32`
 (3xTF32: lo*hi + hi*lo + hi*hi, each stage summed apart and added to the total in fp32: the
@@ -140,6 +145,7 @@ class TmaPlan:
     split_k: int = 1
     split_iters: int = 0  # stages walked per block of the split kernel (k_iters / split_k)
     channel_reduction: bool = False  # the epilogue reduces over the channels (one N tile, no split K)
+    channel_norm: bool = False  # the epilogue takes a softmax over the channels (one N tile, no split K)
     threads: int = THREADS
     producer_regs: int = PRODUCER_REGS
     consumer_regs: int = CONSUMER_REGS
@@ -164,6 +170,12 @@ def why_not(spec: LayerSpec, levels: list, reductions: list, target: targets.Tar
             reasons.append(f"a reduction over more than {MAX_REDUCED_CHANNELS} channels (one block must hold them all)")
         elif spec.inputs():
             reasons.append("an extra input before a reduction over the channels")
+    norm = channel_norm(spec)
+    if norm is not None:
+        if spec.conv.out_channels > MAX_REDUCED_CHANNELS:
+            reasons.append(f"a softmax over more than {MAX_REDUCED_CHANNELS} channels (one block must hold them all)")
+        if spec.inputs():
+            reasons.append("an extra input or saved value around a softmax over the channels")
     rank = spec.ndim + 2
     geo = spec.conv_geometry()
     for k, p, d in zip(geo["kernel"], geo["padding"], geo["dilation"]):
@@ -179,11 +191,32 @@ def why_not(spec: LayerSpec, levels: list, reductions: list, target: targets.Tar
     return reasons
 
 
+NORMS_ON_CHANNELS = ("softmax", "log_softmax")  # statistic stages the epilogue can take over one block's channels
+
+
+def channel_norm(spec: LayerSpec) -> int | None:
+    """The index of a softmax or log-softmax over the channels alone that comes after nothing but
+    pointwise stages (the epilogue can then normalize the accumulators: see the module
+    docstring), or None."""
+    first = next((i for i, st in enumerate(spec.epilogue) if st.kind != "pointwise"), None)
+    if first is None or spec.epilogue[first].kind != "norm" or spec.epilogue[first].op not in NORMS_ON_CHANNELS:
+        return None
+    span = spec.norm_span(first)
+    return first if (span.first, span.last) == (1, 1) else None
+
+
 def channel_reduction(spec: LayerSpec) -> bool:
-    """Whether the layer's only stage that is not pointwise reduces over the channels alone (the
-    epilogue can then reduce the accumulators: see the module docstring)."""
-    others = [i for i, st in enumerate(spec.epilogue) if st.kind != "pointwise"]
+    """Whether the layer's only stage that is not pointwise (besides a `channel_norm` before it)
+    reduces over the channels alone (the epilogue can then reduce the accumulators: see the module
+    docstring)."""
+    norm = channel_norm(spec)
+    others = [i for i, st in enumerate(spec.epilogue) if st.kind != "pointwise" and i != norm]
     return len(others) == 1 and spec.epilogue[others[0]].kind == "reduce" and tuple(spec.reduce_dims(others[0])) == (1,)
+
+
+def one_n_tile(spec: LayerSpec) -> bool:
+    """Whether a block must hold every channel: the epilogue reduces or normalizes over them."""
+    return channel_reduction(spec) or channel_norm(spec) is not None
 
 
 # Below this many multiply-adds per input byte the layout pass (a full read and write of the input)
@@ -299,7 +332,7 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
             stages = min(MAX_STAGES, kb_total // kps, _two_block_stages(target, stage))
             if stages >= 2:
                 return TmaConfig(256, n_pad, stages, kps, blocks_per_sm=2)
-    shapes = candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, channel_reduction(spec))
+    shapes = candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, one_n_tile(spec))
     planes = 2 if split else 1
     budget = target.smem_per_block - SMEM_ALIGN
     want = 3 if split else 4
@@ -330,7 +363,7 @@ def configs(spec: LayerSpec, target: targets.Target, batch: int = 64) -> list[Tm
     out = [default_config(spec, target, batch)]
     planes = 2 if split else 1
     k_iters = kb_total // kps
-    for bm, bn in candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, channel_reduction(spec)):
+    for bm, bn in candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, one_n_tile(spec)):
         stage = _smem(TmaConfig(bm, bn, 2, kps), row, planes)[2]
         deepest = min(8, (target.smem_per_block - SMEM_ALIGN) // stage)
         options = [TmaConfig(bm, bn, stages, kps) for stages in sorted({deepest, min(4, deepest)}, reverse=True) if stages >= 2]
@@ -391,15 +424,15 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     in_positions = math.prod(spec.input.size)
     k_iters = kb_total // cfg.kb_per_stage
     n_tiles = -(-cout // cfg.bn)
-    reduces = channel_reduction(spec)
-    if reduces and n_tiles > 1:
-        raise ValueError(f"BN {cfg.bn} does not hold the {cout} channels the epilogue reduces over")
-    # split K counts the blocks an SM holds at once; a reduction over the channels has none (the
-    # split kernel's parts would each hold part of K of every channel, to be added before it)
-    split_parts = 1 if reduces else cfg.split_k or splitk.choose(
+    reduces, whole_n = channel_reduction(spec), one_n_tile(spec)
+    if whole_n and n_tiles > 1:
+        raise ValueError(f"BN {cfg.bn} does not hold the {cout} channels the epilogue reduces or normalizes over")
+    # split K counts the blocks an SM holds at once; a reduction or softmax over the channels has
+    # none (the split kernel's parts would each hold part of K of every channel, to be added before it)
+    split_parts = 1 if whole_n else cfg.split_k or splitk.choose(
         math.prod(conv_out), cout, cfg.bm, n_tiles, k_iters, (target.sm_count or 132) * cfg.blocks_per_sm)
-    if reduces and cfg.split_k > 1:
-        raise ValueError("split K with a reduction over the channels")
+    if whole_n and cfg.split_k > 1:
+        raise ValueError("split K with a reduction or softmax over the channels")
     if k_iters % split_parts:
         raise ValueError(f"split_k {split_parts} does not divide the {k_iters} stages walked")
     prep_tc = next(c for c in (32, 16, 8) if cip % c == 0)  # a power of two: the tile is 1024 values
@@ -415,6 +448,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         lower=lower, upper=upper, elem_strides=rev(tuple(geo["stride"])), prep_tc=prep_tc, prep_tp=prep_tp,
         prep_tiles=-(-in_positions // prep_tp) * -(-cip // prep_tc), acc_regs=acc,
         split_k=split_parts, split_iters=k_iters // split_parts, channel_reduction=reduces,
+        channel_norm=channel_norm(spec) is not None,
         blocks_per_sm=cfg.blocks_per_sm,
         producer_regs=REGS_TWO_BLOCKS["producer"] if two else PRODUCER_REGS,
         consumer_regs=REGS_TWO_BLOCKS["consumer"] if two else CONSUMER_REGS,
@@ -431,6 +465,8 @@ def describe(tp: TmaPlan) -> str:
         f"channels-last ({tp.cip} channels)"
         + (f"; for small batches K split {tp.split_k} ways ({tp.split_iters} stages a block), "
            f"the parts added in order by a second kernel" if tp.split_k > 1 else "")
+        + ("; the softmax over the channels taken on the accumulators (shuffles among the 4 lanes of a row)"
+           if tp.channel_norm else "")
         + ("; the reduction over the channels taken on the accumulators (shuffles among the 4 lanes of a row)"
            if tp.channel_reduction else "")
     )

@@ -209,6 +209,100 @@ def test_channel_reductions_compile_without_spills(precision):
     assert sp.build.spill_bytes == 0, f"{sp.build.spill_bytes} bytes spilled"
 
 
+# ---- a softmax over the channels, on the accumulators -----------------------------------------------------
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_a_softmax_over_the_channels_runs_in_the_epilogue(op, precision):
+    """One block holds every channel, so the row's max and sum of exponentials are taken on the
+    accumulators (two shuffles each): one kernel writes the normalized values, where the tail
+    engine would write the conv's output, read it for the statistics and again to normalize."""
+    spec = spec_of(cin=16, cout=72, size=(20, 22), precision=precision,
+                   epilogue=["relu", {op: 1}, {"mul": {"param": "w"}}, "tanh"])
+    assert tma.channel_norm(spec) == 1 and not tma.channel_reduction(spec)
+    plan = build_plan(spec, target=HOPPER)
+    assert plan["engine"] == "tma", describe(plan)
+    tp = plan["tma"]
+    assert tp.channel_norm and not tp.channel_reduction and tp.n_tiles == 1 and tp.bn >= 72 and tp.split_k == 1
+    assert [p["op"] for p in plan["pointwise"]] == ["relu"]
+    assert [p["op"] for p in plan["channel_norm"]["pointwise"]] == ["mul", "tanh"]
+    assert plan["out_shape"] == [72, 20, 22]
+    assert "softmax over the channels taken on the accumulators" in describe(plan)
+    source = render_plan(plan)
+    assert source.count("__shfl_xor_sync") == 2 and "const float nb = " in source and "_reduce(" not in source
+    assert ("logf(sum)" in source) == (op == "log_softmax")
+    # a deep layer at batch 1 would take split K; with the softmax it has none
+    deep = spec_of(cin=512, cout=128, size=(7, 7), precision=precision, epilogue=[{op: 1}])
+    assert build_plan(deep, target=HOPPER)["tma"].split_k == 1
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_a_softmax_then_a_reduction_over_the_channels_is_one_kernel(precision):
+    """KernelBench-style softmax(conv) * w, then its sum over the channels: both on the accumulators."""
+    spec = spec_of(cin=32, cout=64, size=(16, 16), precision=precision,
+                   epilogue=[{"softmax": {"dim": [-3]}}, {"mul": {"param": "w"}}, {"sum": {"dims": [1], "keepdim": True}},
+                             {"add": 1.0}])
+    assert tma.channel_norm(spec) == 0 and tma.channel_reduction(spec)
+    plan = build_plan(spec, target=HOPPER)
+    assert plan["engine"] == "tma" and plan["tma"].channel_norm and plan["tma"].channel_reduction
+    assert plan["out_shape"] == [1, 16, 16]
+    source = render_plan(plan)
+    assert source.count("__shfl_xor_sync") == 4 and "out[m] = " in source
+
+
+@pytest.mark.parametrize("rest", [
+    [{"mean": {"dims": [2, 3]}}],  # a reduction over the positions
+    [{"max_pool": {"kernel": 2}}, "sigmoid"],  # a pool
+    [{"amax": {"dims": [1], "keepdim": True}}, {"mean": {"dims": [2, 3]}}],  # a reduction over the channels, then more
+])
+def test_what_follows_a_softmax_over_the_channels_reads_its_output(rest):
+    """The TMA kernel writes the normalized values as T0; the rest runs over an identity conv, as
+    after a pool split: no tail kernel."""
+    spec = spec_of(cin=32, cout=64, size=(16, 16), precision="tf32", epilogue=["relu", {"softmax": 1}, *rest])
+    plan = build_plan(spec, target=HOPPER)
+    assert plan["engine"] == "sequence" and [p["role"] for p in plan["parts"]] == ["body", "rest"]
+    body = plan["parts"][0]["plan"]
+    assert body["engine"] == "tma" and body["tma"].channel_norm
+    assert "softmax over the channels is taken in the TMA engine's epilogue" in plan["why"][0]
+    assert plan["out_shape"] == list(spec.shapes()[-1].sizes)
+
+
+@pytest.mark.parametrize("data", [
+    {"epilogue": [{"softmax": 2}]},  # over a spatial dim
+    {"epilogue": [{"softmax": [1, 2]}]},  # over the channels and a spatial dim
+    {"epilogue": [{"max_pool": {"kernel": 2}}, {"softmax": 1}]},  # after a pool
+    {"epilogue": [{"softmax": 1}, {"group_norm": 8}]},  # a further statistic stage
+    {"epilogue": [{"group_norm": 8}, {"softmax": 1}]},  # after a statistic stage
+    {"cout": 300, "epilogue": [{"softmax": 1}], "precision": "tf32"},  # more than one block's channels
+    {"cout": 200, "epilogue": [{"softmax": 1}], "precision": "fp32"},  # 3xTF32: no tile holds 200 channels
+    {"cin": 8, "epilogue": [{"softmax": 1}], "precision": "fp32"},  # fp32 with few input channels: not on the TMA engine
+    {"epilogue": [{"softmax": 1}], "tile": {"engine": "igemm"}},  # another engine named
+])
+def test_other_softmaxes_run_as_a_sequence_with_a_tail_kernel(data):
+    plan = build_plan(spec_of(**data), target=HOPPER)
+    assert plan["engine"] == "sequence" and "tail" in [p["role"] for p in plan["parts"]]
+
+
+def test_a_softmax_over_the_channels_runs_as_a_sequence_without_the_tma_engine():
+    assert build_plan(spec_of(epilogue=[{"softmax": 1}], precision="tf32"), target=AMPERE)["engine"] == "sequence"
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_channel_softmaxes_compile_without_spills(precision):
+    spec = spec_of(cin=16, cout=128 if precision == "fp32" else 256, size=(20, 22), precision=precision,
+                   epilogue=[{"add": {"param": "shift"}}, {"log_softmax": 1}, "gelu", {"mul": {"param": "w"}}])
+    sp = pipeline.specialize(spec, "sm_90")
+    assert sp.plan["engine"] == "tma" and sp.plan["tma"].channel_norm and sp.build.arch == "sm_90a"
+    assert sp.build.spill_bytes == 0, f"{sp.build.spill_bytes} bytes spilled"
+    # two blocks per SM (64 channels), with a reduction over the channels after the softmax
+    small = spec_of(cin=32, cout=64, size=(20, 22), precision=precision,
+                    epilogue=["relu", {"softmax": 1}, {"mul": {"param": "w"}}, {"sum": {"dims": [1]}}])
+    sp = pipeline.specialize(small, "sm_90")
+    assert sp.plan["tma"].channel_norm and sp.plan["tma"].channel_reduction
+    assert sp.build.spill_bytes == 0, f"{sp.build.spill_bytes} bytes spilled"
+
+
 def test_the_weights_are_laid_out_tap_major_with_the_channels_padded():
     """[C_OUT][TAPS x CIP]: element (co, tap x CIP + ci) is weight (co, ci, tap), zeros in the padding."""
     torch = pytest.importorskip("torch")

@@ -60,6 +60,13 @@ CASES = {
     "mean_channels_3d": (8, [5, 6, 7], {"out_channels": 24, "kernel": 3, "padding": 1}, ["relu", {"mean": {"dims": [1], "keepdim": True}}]),
     "max_channels_odd": (20, [13, 7], {"out_channels": 100, "kernel": 3}, ["gelu", {"amax": {"dims": [1]}}, {"sub": 0.5}]),
     "sum_channels_1d": (64, [200], {"out_channels": 128, "kernel": 5, "padding": 2}, [{"sum": {"dims": [1]}}]),
+    # a softmax over the channels, on the accumulators (one block holds every channel)
+    "softmax_channels": (32, [11, 13], {"out_channels": 64, "kernel": 3, "padding": 1},
+                         ["relu", {"softmax": 1}, {"mul": {"param": "w"}}, "tanh"]),
+    "log_softmax_channels_odd": (20, [9, 7], {"out_channels": 100, "kernel": 3}, [{"mul": 3.0}, {"log_softmax": 1}]),
+    "softmax_sum_channels_3d": (8, [5, 6, 7], {"out_channels": 24, "kernel": 3, "padding": 1},
+                                [{"softmax": 1}, {"mul": {"param": "w"}}, {"sum": {"dims": [1], "keepdim": True}}, "sigmoid"]),
+    "softmax_channels_1d": (64, [200], {"out_channels": 40, "kernel": 5, "padding": 2}, [{"softmax": -2}, {"sub": 0.01}]),
 }
 
 
@@ -88,6 +95,32 @@ def test_tma_reduction_over_256_channels(precision):
     assert layer.specialize().plan["tma"].bn == 256
     check(layer, 3, seed=4)
     check(layer, 37, seed=5)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_tma_softmax_over_256_channels(precision):
+    """The widest tile a softmax over the channels takes: BN = 256, at a batch whose last tile is partly past the end."""
+    layer = layer_of({"name": f"tma_softmax256_{precision}", "input": {"channels": 48, "size": [10, 11]},
+                      "conv": {"out_channels": 256, "kernel": 3, "padding": 1},
+                      "epilogue": [{"log_softmax": 1}, "silu"], "precision": precision})
+    assert layer.specialize().plan["tma"].bn == 256
+    check(layer, 3, seed=4)
+    check(layer, 37, seed=5)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_a_pool_after_a_softmax_over_the_channels_reads_its_output(precision):
+    """The TMA kernel writes the normalized values (T0); the pools and the mean read them over an identity conv."""
+    data = {"name": f"smpool_{precision}", "input": {"channels": 16, "size": [6, 12, 13]},
+            "conv": {"out_channels": 48, "kernel": 3, "padding": 1},
+            "epilogue": ["hardswish", {"softmax": 1}, {"max_pool": {"kernel": 2}}, {"max_pool": {"kernel": 2}},
+                         {"mean": {"dims": [2, 3, 4]}}], "precision": precision}
+    layer = FusedLayer(validate(data)).cuda()
+    plan = layer.specialize().plan
+    assert [p["role"] for p in plan["parts"]] == ["body", "rest"] and plan["parts"][0]["plan"]["tma"].channel_norm
+    check(layer, 1, seed=1)
+    check(layer, 3, seed=2)
+    check(layer, 2, seed=3, channels_last=True)
 
 
 @pytest.mark.parametrize("precision", ["tf32", "fp32"])
