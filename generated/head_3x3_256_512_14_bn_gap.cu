@@ -503,28 +503,34 @@ __device__ __forceinline__ void conv_block(
   // Thread (warp w, lane: gq = lane / 4, tq = lane % 4) holds, per m64 tile i and n8 block j, rows
   // 16 w + gq and 16 w + gq + 8 and channels 8 j + 2 tq, 8 j + 2 tq + 1.
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+  // Channels outer, rows inner, and every row computed (a row past the end on the last row's
+  // coordinates) with only its store skipped: a channel's bias and per-channel parameters are then
+  // read once for the thread's 2 x WM rows, the compiler keeping them in registers across the rows.
   #pragma unroll
-  for (int i = 0; i < WM; ++i) {
+  for (int j = 0; j < BN / 8; ++j) {
     #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = m0 + (wg * WM + i) * 64 + 16 * warp + gq + 8 * h;
-      if (m >= m_total) continue;
-      const int sample = m / POSITIONS, p = m % POSITIONS;
-      float* __restrict__ out_m = out + static_cast<size_t>(sample) * (C_OUT * POSITIONS) + p;
+    for (int e = 0; e < 2; ++e) {
+      const int cj = n0 + 8 * j + 2 * tq + e;  // the output channel
+      if (cj >= C_OUT) continue;
+      const float pc_bn_running_mean = __ldg(p_bn_running_mean + cj);  // the channel's bn_running_mean
+      const float pc_bn_running_var = __ldg(p_bn_running_var + cj);  // the channel's bn_running_var
+      const float pc_bn_weight = __ldg(p_bn_weight + cj);  // the channel's bn_weight
+      const float pc_bn_bias = __ldg(p_bn_bias + cj);  // the channel's bn_bias
+      const float pc0_invstd = __frsqrt_rn(pc_bn_running_var + S0_EPS);  // epilogue[0] batch_norm: the channel's invstd
       #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
+      for (int i = 0; i < WM; ++i) {
         #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int cj = n0 + 8 * j + 2 * tq + e;  // the output channel
-          if (cj < C_OUT) {
-            if constexpr (SPLIT > 1) {  // this part's sum, for specgen_head_3x3_256_512_14_bn_gap_reduce
-              partial[(static_cast<size_t>(blockIdx.y) * C_OUT + cj) * m_total + m] = acc[i][4 * j + 2 * h + e];
-              continue;
-            }
-            float v = acc[i][4 * j + 2 * h + e];  // the conv
-            v = (((v) - __ldg(p_bn_running_mean + cj)) * __frsqrt_rn(__ldg(p_bn_running_var + cj) + S0_EPS) * __ldg(p_bn_weight + cj) + __ldg(p_bn_bias + cj));  // epilogue[0] batch_norm (eps=1e-05, affine=True, weight='bn_weight', bias='bn_bias', running_mean='bn_running_mean', running_var='bn_running_var')
-            out_m[static_cast<size_t>(cj) * POSITIONS] = v;
+        for (int h = 0; h < 2; ++h) {
+          const int m = m0 + (wg * WM + i) * 64 + 16 * warp + gq + 8 * h;
+          if constexpr (SPLIT > 1) {  // this part's sum, for specgen_head_3x3_256_512_14_bn_gap_reduce
+            if (m < m_total) partial[(static_cast<size_t>(blockIdx.y) * C_OUT + cj) * m_total + m] = acc[i][4 * j + 2 * h + e];
+            continue;
           }
+          const int row = m < m_total ? m : m_total - 1;
+          const int sample = row / POSITIONS, p = row % POSITIONS;
+          float v = acc[i][4 * j + 2 * h + e];  // the conv
+          v = (((v) - pc_bn_running_mean) * pc0_invstd * pc_bn_weight + pc_bn_bias);  // epilogue[0] batch_norm (eps=1e-05, affine=True, weight='bn_weight', bias='bn_bias', running_mean='bn_running_mean', running_var='bn_running_var')
+          if (m < m_total) out[static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p] = v;
         }
       }
     }

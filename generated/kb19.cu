@@ -370,24 +370,26 @@ __device__ __forceinline__ void conv_block(
   // Thread (warp w, lane: gq = lane / 4, tq = lane % 4) holds, per m64 tile i and n8 block j, rows
   // 16 w + gq and 16 w + gq + 8 and channels 8 j + 2 tq, 8 j + 2 tq + 1.
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+  // Channels outer, rows inner, and every row computed (a row past the end on the last row's
+  // coordinates) with only its store skipped: a channel's bias and per-channel parameters are then
+  // read once for the thread's 2 x WM rows, the compiler keeping them in registers across the rows.
   #pragma unroll
-  for (int i = 0; i < WM; ++i) {
+  for (int j = 0; j < BN / 8; ++j) {
     #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = m0 + (wg * WM + i) * 64 + 16 * warp + gq + 8 * h;
-      if (m >= m_total) continue;
-      const int sample = m / POSITIONS, p = m % POSITIONS;
-      float* __restrict__ out_m = out + static_cast<size_t>(sample) * (C_OUT * POSITIONS) + p;
+    for (int e = 0; e < 2; ++e) {
+      const int cj = n0 + 8 * j + 2 * tq + e;  // the output channel
+      if (cj >= C_OUT) continue;
+      const float bias_c = __ldg(bias + cj);  // the channel's bias
       #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
+      for (int i = 0; i < WM; ++i) {
         #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int cj = n0 + 8 * j + 2 * tq + e;  // the output channel
-          if (cj < C_OUT) {
-            float v = acc[i][4 * j + 2 * h + e] + __ldg(bias + cj);  // the conv and its bias
-            v = (0.5f * (v) * (1.0f + erff((v) * 0.707106781186547524f)));  // epilogue[0] gelu (approximate='none')
-            out_m[static_cast<size_t>(cj) * POSITIONS] = v;
-          }
+        for (int h = 0; h < 2; ++h) {
+          const int m = m0 + (wg * WM + i) * 64 + 16 * warp + gq + 8 * h;
+          const int row = m < m_total ? m : m_total - 1;
+          const int sample = row / POSITIONS, p = row % POSITIONS;
+          float v = acc[i][4 * j + 2 * h + e] + bias_c;  // the conv and its bias
+          v = (0.5f * (v) * (1.0f + erff((v) * 0.707106781186547524f)));  // epilogue[0] gelu (approximate='none')
+          if (m < m_total) out[static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p] = v;
         }
       }
     }

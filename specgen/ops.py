@@ -443,8 +443,15 @@ def _batch_norm_text(t, a):
     return f"({text})"
 
 
+def _batch_norm_channel(a, k) -> dict:
+    """The channel's 1 / sqrt(running_var + eps), once per channel where the engine reads a
+    channel's parameters before its values (`Pointwise.channel_values`)."""
+    return {"invstd": f"__frsqrt_rn({k[a.running_var]} + {k['eps']})"}
+
+
 def _batch_norm_c(a, x, k):
-    text = f"(({x}) - {k[a.running_mean]}) * __frsqrt_rn({k[a.running_var]} + {k['eps']})"
+    invstd = k.get("invstd") or _batch_norm_channel(a, k)["invstd"]
+    text = f"(({x}) - {k[a.running_mean]}) * {invstd}"
     if a.weight is not None:
         text = f"{text} * {k[a.weight]}"
     if a.bias is not None:
@@ -540,6 +547,10 @@ class Pointwise:
     expr_text: Optional[Callable[[list, dict], Optional[str]]] = None
     # Whether x may be either operand of the op's own stage (2 + x is add: 2.0, 2 - x an expr).
     commutative: bool = False
+    # Values that depend on the channel alone, `channel_values(args, k)` -> {name: CUDA over k's
+    # parameters and constants}: an engine that reads a channel's parameters before its values
+    # computes them once there and hands `cuda` their names in k (the same arithmetic: same bits).
+    channel_values: Optional[Callable[[Any, dict], dict]] = None
 
     def constants(self, args: Args) -> dict[str, float]:
         """The float fields of `args` that become named constexprs (None means 'not used')."""
@@ -871,6 +882,7 @@ _POINTWISE_ROWS = [
             ),
         ),
         expr_text=_batch_norm_text,
+        channel_values=_batch_norm_channel,
     ),
 ]
 POINTWISE: dict[str, Pointwise] = {row.name: row for row in _POINTWISE_ROWS}

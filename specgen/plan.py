@@ -94,19 +94,28 @@ def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], chan
         cname = f"S{index}_{field.upper()}"
         names[field] = cname
         constants.append(Constant(cname, c_float(value), f"epilogue[{index}] {stage.op} {field} = {value!r}", "float"))
+    preloaded = dict(names)  # the same stage where the channel's parameters are read into pc_<name> beforehand
     for param in row.params(stage.args):
         names[param] = f"__ldg(p_{param} + {channel})"
+        preloaded[param] = f"pc_{param}"
     # An extra input, read at the element's offset in the output (the engine's e_out); a saved
     # value likewise, from the tensor that holds it (the sequence binds i_<name> to it).
     inputs = list(row.inputs(stage.args)) + list(row.saved(stage.args))
     for name in inputs:
-        names[name] = f"input_value(i_{name}, e_out)"
+        names[name] = preloaded[name] = f"input_value(i_{name}, e_out)"
+    channel_values = []  # (local, CUDA): computed once per channel where the parameters are preloaded
+    if row.channel_values is not None:
+        for key, code in row.channel_values(stage.args, preloaded).items():
+            channel_values.append((f"pc{index}_{key}", code))
+            preloaded[key] = f"pc{index}_{key}"
     detail = ", ".join(f"{k}={v!r}" for k, v in stage.args.model_dump().items() if v is not None)
     return {
         "index": index,
         "op": stage.op,
         "comment": f"epilogue[{index}] {stage.op}" + (f" ({detail})" if detail else ""),
         "code": row.cuda(stage.args, "v", names),
+        "code_preloaded": row.cuda(stage.args, "v", preloaded),
+        "channel_values": channel_values,
         "params": list(row.params(stage.args)),
         "inputs": inputs,
     }
