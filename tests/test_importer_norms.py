@@ -191,6 +191,14 @@ def test_a_flattened_softmax_whose_view_is_not_undone_is_not_fused():
     assert "reshapes [2, 4, 6, 6] to [2, 4, 36]" in dict(report.fallbacks)["view"]
 
 
+def test_a_16_bit_softmax_over_the_channels_imports_whole():
+    """The tail engine computes in float32 only, but a softmax over the channels alone runs in the
+    TMA engine's epilogue, which has every precision: a .half() model imports it into its spec."""
+    report = explain(im.Norms(lambda: nn.Softmax(dim=1)).half(), torch.randn(im.IMG).half())
+    assert [[s.op for s in spec.epilogue] for spec in report.specs] == [["relu", "softmax"]]
+    assert report.specs[0].precision == "fp16" and not report.fallbacks
+
+
 @pytest.mark.filterwarnings("ignore:Implicit dimension choice")
 def test_softmax_without_a_dim_is_refused_with_the_reason():
     report = explain(im.Norms(lambda: nn.Softmax()), torch.randn(im.IMG))

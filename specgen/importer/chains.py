@@ -424,10 +424,11 @@ class Analysis(Capture):
             if name in wanted and tensor.numel() not in (1, math.prod(wanted[name])):  # a scalar: expanded
                 raise Reject(f"{name} has shape {list(tensor.shape)}, the spec wants {list(wanted[name])}")
         if spec.precision in ("bf16", "fp16"):
+            from specgen import target as targets
             from specgen.plan import build_plan
 
-            try:
-                build_plan(spec)
+            try:  # (on the GPU it will run on: a softmax over the channels is fused in 16 bits on Hopper only)
+                build_plan(spec, target=targets.resolve(None))
             except SpecError as err:
                 raise Reject(f"a {spec.precision} layer with it cannot be planned: {'; '.join(err.problems)}") from None
 
