@@ -185,7 +185,17 @@ def _cuda(node: ast.expr, value: str, param_value: dict[str, str]) -> str:
         right = _cuda(node.right, value, param_value)
         return f"({left} {_C_OPS[type(node.op)]} {right})"
     name = node.func.id
+    inner = node.args[0] if len(node.args) == 1 else None
+    if name == "tanh" and isinstance(inner, ast.Call) and inner.func.id == "softplus":
+        return TANH_SOFTPLUS.replace("ARG", _cuda(inner.args[0], value, param_value))
     return FUNCTIONS[name][1].format(*(_cuda(a, value, param_value) for a in node.args))
+
+
+# tanh(softplus(t)) (mish's factor, often written out): tanh(log1p(e)) = n / (n + 2) with e = exp(t),
+# n = e (e + 2), one expf and a division for expf, log1pf and tanhf (as ops' mish). Nothing cancels:
+# n / (n + 2) tends to e as t -> -inf; past softplus' threshold (20) it is tanh(t), 1.0f in float32.
+TANH_SOFTPLUS = ("([](const float t) { const float e = expf(t), n = e * (e + 2.0f); "
+                 "return t > 20.0f ? 1.0f : n / (n + 2.0f); }(ARG))")
 
 
 _compiled: dict[str, object] = {}

@@ -184,3 +184,24 @@ def test_a_wrong_arity_is_caught(monkeypatch):
     rows = [dataclasses.replace(r, expr_operands=("min",)) if r.name == "clamp" else r for r in ops._POINTWISE_ROWS]
     monkeypatch.setattr(ops, "_POINTWISE_ROWS", rows)
     assert ops.expr_function_mismatches() == ["pointwise 'clamp' / expr function 'clamp': expr takes 3 argument(s), the row gives 1 + 1"]
+
+
+def test_tanh_of_softplus_is_one_exp_and_a_division():
+    """mish written out (tanh(softplus(x)) * x, as KernelBench 52 writes it) gets mish's cheap form:
+    tanh(log1p(e)) = n / (n + 2), n = e (e + 2), e = exp(x); checked here in float32 on a sweep
+    against float64 (the relative error stays at a few float32 roundings, as PyTorch's own)."""
+    torch = pytest.importorskip("torch")
+    from specgen.expr import parse
+
+    code = parse("tanh(softplus(x)) * x").to_cuda("v", {})
+    assert code.count("expf") == 1 and "tanhf" not in code and "log1pf" not in code and "20.0f" in code
+    assert parse("tanh(x) + softplus(x)").to_cuda("v", {}).count("tanhf") == 1  # only the composition
+    t = torch.linspace(-80, 25, 400001, dtype=torch.float32)
+    e = torch.exp(t)
+    n = e * (e + 2)
+    got = torch.where(t > 20, torch.ones_like(t), n / (n + 2))
+    want = torch.tanh(torch.nn.functional.softplus(t.double()))
+    torch_own = torch.tanh(torch.nn.functional.softplus(t))
+    rel = ((got.double() - want).abs() / want.abs()).max().item()
+    rel_torch = ((torch_own.double() - want).abs() / want.abs()).max().item()
+    assert rel < 1e-6 and rel <= 2 * rel_torch + 1e-7, (rel, rel_torch)
