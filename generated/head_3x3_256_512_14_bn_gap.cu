@@ -503,15 +503,26 @@ __device__ __forceinline__ void conv_block(
   // Thread (warp w, lane: gq = lane / 4, tq = lane % 4) holds, per m64 tile i and n8 block j, rows
   // 16 w + gq and 16 w + gq + 8 and channels 8 j + 2 tq, 8 j + 2 tq + 1.
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-  // Channels outer, rows inner, and every row computed (a row past the end on the last row's
-  // coordinates) with only its store skipped: a channel's bias and per-channel parameters are then
-  // read once for the thread's 2 x WM rows, the compiler keeping them in registers across the rows.
+  // Channels outer, rows inner, and every value computed (a row past the end on the last row's
+  // coordinates, a channel past the end on the last channel's) with only its store skipped: the
+  // code is straight-line, so a channel's bias and per-channel parameters are read once for the
+  // thread's 2 x WM rows. A row's (sample, position) is worked out once, before the channels.
+  int row_sample[WM][2], row_p[WM][2];
+  #pragma unroll
+  for (int i = 0; i < WM; ++i) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + (wg * WM + i) * 64 + 16 * warp + gq + 8 * h, row = m < m_total ? m : m_total - 1;
+      row_sample[i][h] = row / POSITIONS;
+      row_p[i][h] = row % POSITIONS;
+    }
+  }
   #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
     #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int cj = n0 + 8 * j + 2 * tq + e;  // the output channel
-      if (cj >= C_OUT) continue;
+      const bool c_stored = n0 + 8 * j + 2 * tq + e < C_OUT;
+      const int cj = c_stored ? n0 + 8 * j + 2 * tq + e : C_OUT - 1;  // the output channel
       const float pc_bn_running_mean = __ldg(p_bn_running_mean + cj);  // the channel's bn_running_mean
       const float pc_bn_running_var = __ldg(p_bn_running_var + cj);  // the channel's bn_running_var
       const float pc_bn_weight = __ldg(p_bn_weight + cj);  // the channel's bn_weight
@@ -523,14 +534,13 @@ __device__ __forceinline__ void conv_block(
         for (int h = 0; h < 2; ++h) {
           const int m = m0 + (wg * WM + i) * 64 + 16 * warp + gq + 8 * h;
           if constexpr (SPLIT > 1) {  // this part's sum, for specgen_head_3x3_256_512_14_bn_gap_reduce
-            if (m < m_total) partial[(static_cast<size_t>(blockIdx.y) * C_OUT + cj) * m_total + m] = acc[i][4 * j + 2 * h + e];
+            if (c_stored && m < m_total) partial[(static_cast<size_t>(blockIdx.y) * C_OUT + cj) * m_total + m] = acc[i][4 * j + 2 * h + e];
             continue;
           }
-          const int row = m < m_total ? m : m_total - 1;
-          const int sample = row / POSITIONS, p = row % POSITIONS;
+          const int sample = row_sample[i][h], p = row_p[i][h];
           float v = acc[i][4 * j + 2 * h + e];  // the conv
           v = (((v) - pc_bn_running_mean) * pc0_invstd * pc_bn_weight + pc_bn_bias);  // epilogue[0] batch_norm (eps=1e-05, affine=True, weight='bn_weight', bias='bn_bias', running_mean='bn_running_mean', running_var='bn_running_var')
-          if (m < m_total) out[static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p] = v;
+          if (c_stored && m < m_total) out[static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p] = v;
         }
       }
     }

@@ -371,26 +371,36 @@ __device__ __forceinline__ void conv_block(
   // Thread (warp w, lane: gq = lane / 4, tq = lane % 4) holds, per m64 tile i and n8 block j, rows
   // 16 w + gq and 16 w + gq + 8 and channels 8 j + 2 tq, 8 j + 2 tq + 1.
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-  // Channels outer, rows inner, and every row computed (a row past the end on the last row's
-  // coordinates) with only its store skipped: a channel's bias and per-channel parameters are then
-  // read once for the thread's 2 x WM rows, the compiler keeping them in registers across the rows.
+  // Channels outer, rows inner, and every value computed (a row past the end on the last row's
+  // coordinates, a channel past the end on the last channel's) with only its store skipped: the
+  // code is straight-line, so a channel's bias and per-channel parameters are read once for the
+  // thread's 2 x WM rows. A row's (sample, position) is worked out once, before the channels.
+  int row_sample[WM][2], row_p[WM][2];
+  #pragma unroll
+  for (int i = 0; i < WM; ++i) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + (wg * WM + i) * 64 + 16 * warp + gq + 8 * h, row = m < m_total ? m : m_total - 1;
+      row_sample[i][h] = row / POSITIONS;
+      row_p[i][h] = row % POSITIONS;
+    }
+  }
   #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
     #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int cj = n0 + 8 * j + 2 * tq + e;  // the output channel
-      if (cj >= C_OUT) continue;
+      const bool c_stored = n0 + 8 * j + 2 * tq + e < C_OUT;
+      const int cj = c_stored ? n0 + 8 * j + 2 * tq + e : C_OUT - 1;  // the output channel
       const float bias_c = __ldg(bias + cj);  // the channel's bias
       #pragma unroll
       for (int i = 0; i < WM; ++i) {
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int m = m0 + (wg * WM + i) * 64 + 16 * warp + gq + 8 * h;
-          const int row = m < m_total ? m : m_total - 1;
-          const int sample = row / POSITIONS, p = row % POSITIONS;
+          const int sample = row_sample[i][h], p = row_p[i][h];
           float v = acc[i][4 * j + 2 * h + e] + bias_c;  // the conv and its bias
           v = fmaxf(v, 0.0f);  // epilogue[0] relu
-          if (m < m_total) out[static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p] = v;
+          if (c_stored && m < m_total) out[static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p] = v;
         }
       }
     }
