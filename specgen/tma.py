@@ -367,9 +367,10 @@ def configs(spec: LayerSpec, target: targets.Target, batch: int = 64) -> list[Tm
         stage = _smem(TmaConfig(bm, bn, 2, kps), row, planes)[2]
         deepest = min(8, (target.smem_per_block - SMEM_ALIGN) // stage)
         options = [TmaConfig(bm, bn, stages, kps) for stages in sorted({deepest, min(4, deepest)}, reverse=True) if stages >= 2]
-        if two_blocks_fit(bm, bn, split):
-            options.append(TmaConfig(bm, bn, min(k_iters, _two_block_stages(target, stage)), kps, blocks_per_sm=2))
-        out += [cfg for cfg in options if cfg.stages >= 2 and cfg not in out]
+        two_stages = min(k_iters, _two_block_stages(target, stage))
+        if two_blocks_fit(bm, bn, split) and two_stages >= 2:
+            options.append(TmaConfig(bm, bn, two_stages, kps, blocks_per_sm=2))
+        out += [cfg for cfg in options if cfg not in out]
     return out
 
 

@@ -165,6 +165,16 @@ def test_a_two_block_tile_that_does_not_fit_is_refused():
     assert all(c.bn <= 64 for c in tma.configs(spec, HOPPER) if c.blocks_per_sm == 2)
 
 
+def test_tune_candidates_leave_out_two_block_tiles_without_two_stages():
+    """bf16, 32 input channels: a stage of 3 K-blocks of a 256 x 64 tile (61 KB) fits two blocks of
+    an SM only once; that candidate is left out (it used to raise while the list was built)."""
+    spec = spec_of(cin=32, cout=64, size=(16, 16), precision="bf16")
+    cands = tma.configs(spec, HOPPER)
+    assert cands and all(c.stages >= 2 for c in cands)
+    assert (256, 64, 3, 2) not in {(c.bm, c.bn, c.kb_per_stage, c.blocks_per_sm) for c in cands}
+    assert (128, 64, 3, 2) in {(c.bm, c.bn, c.kb_per_stage, c.blocks_per_sm) for c in cands}  # half the rows: fits twice
+
+
 # ---- a reduction over the channels, on the accumulators ------------------------------------------------
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
