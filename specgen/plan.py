@@ -103,10 +103,11 @@ def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], chan
     inputs = list(row.inputs(stage.args)) + list(row.saved(stage.args))
     for name in inputs:
         names[name] = preloaded[name] = f"input_value(i_{name}, e_out)"
-    channel_values = []  # (local, CUDA): computed once per channel where the parameters are preloaded
+    channel_values = []  # computed once per channel where the parameters are preloaded
     if row.channel_values is not None:
         for key, code in row.channel_values(stage.args, preloaded).items():
-            channel_values.append((f"pc{index}_{key}", code))
+            channel_values.append({"name": f"pc{index}_{key}", "code": code,
+                                   "comment": f"epilogue[{index}] {stage.op}: the channel's {key}"})
             preloaded[key] = f"pc{index}_{key}"
     detail = ", ".join(f"{k}={v!r}" for k, v in stage.args.model_dump().items() if v is not None)
     return {

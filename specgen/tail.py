@@ -366,33 +366,55 @@ def channel_norm_end(spec: LayerSpec) -> int | None:
 def plan_channel_norm(spec: LayerSpec, target=None, tma_config=None, settings=None) -> dict | None:
     """The plan of a layer whose softmax over the channels the TMA engine's epilogue takes
     (`channel_norm_end`): one kernel, or that kernel writing T0 and the stages after it over an
-    identity conv (as `plan_pool_split`); None where the TMA engine does not take the layer (the
-    planner's bar, the target, a tile that names another engine): it then runs as a sequence."""
+    identity conv (`plan_split`, the body left to the planner, which must take the TMA engine);
+    None where it does not (the planner's bar, the target, a tile that names another engine): the
+    layer then runs as a sequence."""
+    from specgen import tma
     from specgen.plan import DEFAULT_SETTINGS, NotOneKernel, plan_whole
 
     end = channel_norm_end(spec)
     if end is None:
         return None
-    try:
-        if end == len(spec.epilogue):
+    if end == len(spec.epilogue):
+        try:
             return plan_whole(spec, None, target, tma_config, settings or DEFAULT_SETTINGS)
-        return plan_pool_split(spec, end, target, settings, engine=None, tma_config=tma_config)
+        except NotOneKernel:
+            return None
+    norm, first = tma.channel_norm(spec), spec.epilogue[end]
+    why = (f"epilogue[{norm}] {spec.epilogue[norm].op} over the channels is taken in the TMA engine's epilogue "
+           f"(a block holds every channel); epilogue[{end}] {first.op} and what follows read its output T0 "
+           f"in a further kernel over an identity conv (1x1 depthwise, weights 1: exact)")
+    try:
+        return plan_split(spec, end, None, lambda body_plan: why, target, settings, tma_config)
     except NotOneKernel:
         return None
 
 
-def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None, engine: str | None = "auto",
-                    tma_config=None) -> dict:
-    """The plan of a layer split before its first windowed pool (`pool_split`), or after a softmax
-    over the channels that the TMA epilogue takes (`plan_channel_norm`, engine None: the planner's
-    choice, which must be the TMA engine): the body (the conv and the stages before `at`) into T0,
-    then the rest over an identity conv."""
+def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None) -> dict:
+    """The plan of a layer split before its first windowed pool (`pool_split`): the body (the conv
+    and the pointwise ops before it, on `split_engine`'s engine) into T0, then the rest."""
+    first = spec.epilogue[at]
+    what = "a pool between the conv and the output" if first.kind == "pool" and ops.POOLS[first.op].windowed else "a fused reduction"
+
+    def why(body_plan) -> str:
+        return (f"epilogue[{at}] {first.op} would keep the whole layer on FFMA ({what}): "
+                f"the conv runs on the {body_plan['engine']} engine and writes T0, the pool and what follows read it "
+                f"in a further kernel over an identity conv (1x1 depthwise, weights 1: exact)")
+
+    # (few input channels in fp32 too: the FFMA engine is what the split avoids)
+    return plan_split(spec, at, split_engine(spec, at, target), why, target, settings)
+
+
+def plan_split(spec: LayerSpec, at: int, body_engine: str | None, why, target=None, settings=None,
+               tma_config=None) -> dict:
+    """A layer as two kernels: the body (the conv and stages [0, at), on `body_engine`, or the
+    planner's choice when None) writes T0; the rest reads it over an identity conv. `why(body_plan)`
+    says why the layer is split."""
     from specgen.kernelplan import with_changes
     from specgen.plan import DEFAULT_SETTINGS, build_plan, spec_yaml
 
     prefix = f"specgen_{spec.name}"
-    # (few input channels in fp32 too: the FFMA engine is what the split avoids)
-    body = _cut(spec, at, split_engine(spec, at, target) if engine == "auto" else engine)
+    body = _cut(spec, at, body_engine)
     settings = settings or DEFAULT_SETTINGS
     body_plan = with_changes(build_plan(body, None, target, tma_config, settings=settings), kernel_name=f"{prefix}_body")
     seg = Segment(at - 1, (), tuple(range(at, len(spec.epilogue))))
@@ -405,23 +427,12 @@ def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None, engine
     t0 = list(body.shapes()[-1].sizes)
     steps = [{"kind": "layer", "part": 0, "in": "x", "out": "t0", "out_shape": t0},
              {"kind": "layer", "part": 1, "in": "t0", "out": "out", "out_shape": list(rest_out), "ones": rest.input.channels}]
-    first = spec.epilogue[at]
-    if engine is None:
-        norm = next(i for i in range(at) if spec.epilogue[i].kind == "norm")
-        why = [f"epilogue[{norm}] {spec.epilogue[norm].op} over the channels is taken in the TMA engine's epilogue "
-               f"(a block holds every channel); epilogue[{at}] {first.op} and what follows read its output T0 "
-               f"in a further kernel over an identity conv (1x1 depthwise, weights 1: exact)"]
-    else:
-        what = "a pool between the conv and the output" if first.kind == "pool" and ops.POOLS[first.op].windowed else "a fused reduction"
-        why = [f"epilogue[{at}] {first.op} would keep the whole layer on FFMA ({what}): "
-               f"the conv runs on the {body_plan['engine']} engine and writes T0, the pool and what follows read it "
-               f"in a further kernel over an identity conv (1x1 depthwise, weights 1: exact)"]
     out_shape = list(spec.shapes()[-1].sizes)
     layer_plans = [body_plan, rest_plan]
     return {
         "version": __version__, "name": spec.name, "engine": "sequence", "kernel_name": body_plan["kernel_name"],
         "spec_hash": spec.shape_hash, "spec_yaml": spec_yaml(spec), "target": body_plan["target"],
-        "parts": parts, "steps": steps, "buffers": {"t0": math.prod(t0)}, "stats_floats": 0, "why": why,
+        "parts": parts, "steps": steps, "buffers": {"t0": math.prod(t0)}, "stats_floats": 0, "why": [why(body_plan)],
         "smem_bytes": max(p.get("smem_bytes", 0) for p in layer_plans),
         "cluster": max(p["cluster"] for p in layer_plans),
         "cluster_at_launch": any(p["cluster_at_launch"] for p in layer_plans),

@@ -425,7 +425,8 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     in_positions = math.prod(spec.input.size)
     k_iters = kb_total // cfg.kb_per_stage
     n_tiles = -(-cout // cfg.bn)
-    reduces, whole_n = channel_reduction(spec), one_n_tile(spec)
+    norm_at, reduces = channel_norm(spec), channel_reduction(spec)
+    whole_n = reduces or norm_at is not None
     if whole_n and n_tiles > 1:
         raise ValueError(f"BN {cfg.bn} does not hold the {cout} channels the epilogue reduces or normalizes over")
     # split K counts the blocks an SM holds at once; a reduction or softmax over the channels has
@@ -449,7 +450,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         lower=lower, upper=upper, elem_strides=rev(tuple(geo["stride"])), prep_tc=prep_tc, prep_tp=prep_tp,
         prep_tiles=-(-in_positions // prep_tp) * -(-cip // prep_tc), acc_regs=acc,
         split_k=split_parts, split_iters=k_iters // split_parts, channel_reduction=reduces,
-        channel_norm=channel_norm(spec) is not None,
+        channel_norm=norm_at is not None,
         blocks_per_sm=cfg.blocks_per_sm,
         producer_regs=REGS_TWO_BLOCKS["producer"] if two else PRODUCER_REGS,
         consumer_regs=REGS_TWO_BLOCKS["consumer"] if two else CONSUMER_REGS,
