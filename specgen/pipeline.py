@@ -60,13 +60,23 @@ def _without_spills(item: Specialized, arch: str | None, igemm_config=None) -> S
     """A build that spilled registers under the planner's occupancy hint (two blocks per SM caps a
     thread's registers) is built again with one block per SM (a planner setting: the spec, its
     banner and its cache key stay the user's), and kept if it spills less. A `tile.min_blocks` the
-    user wrote is left alone."""
+    user wrote is left alone. One that still spills with a tf32 layer's exact sums
+    (`plan.Settings.exact_sums`) is built once more with the running sum (its accuracy is fp32
+    mode's), and kept if it spills less."""
     spec = item.spec
-    if item.build.spill_bytes == 0 or item.plan["min_blocks"] <= 1 or (spec.tile is not None and spec.tile.min_blocks):
-        return item
-    plan, source, req = request(spec, arch, igemm_config=igemm_config, settings=Settings(min_blocks=1))
-    build = cache.get_or_build(req)
-    return Specialized(spec, plan, source, build) if build.spill_bytes < item.build.spill_bytes else item
+    retries = []
+    if item.plan["min_blocks"] > 1 and not (spec.tile is not None and spec.tile.min_blocks):
+        retries.append(Settings(min_blocks=1))
+    if getattr(item.plan.get("settings"), "exact_sums", False):
+        retries.append(Settings(min_blocks=retries[0].min_blocks if retries else None, exact_sums=False))
+    for settings in retries:
+        if item.build.spill_bytes == 0:
+            break
+        plan, source, req = request(spec, arch, igemm_config=igemm_config, settings=settings)
+        build = cache.get_or_build(req)
+        if build.spill_bytes < item.build.spill_bytes:
+            item = Specialized(spec, plan, source, build)
+    return item
 
 
 def _tuned_config(spec: LayerSpec, arch: str | None):

@@ -357,9 +357,15 @@ class Settings:
 
     min_blocks: int | None = None  # blocks per SM asked of the compiler (None: the planner's; a tile's wins)
     rewrites: bool = True  # False: no rewrite applies (the re-plan when a fold finds no room)
+    # 3xTF32 on mma.sync: each k-step's products summed apart, then added rounded to nearest (the
+    # tensor cores add with truncation). Measured on kb90: rel. L2 7.9e-7 -> 8.3e-8, 18% slower; taken
+    # for a tf32 layer computed exactly (`exact_tf32`), held to PyTorch's fp32-level error.
+    # None: the planner's choice (exact sums for such a layer); False: the running sum (the spill retry).
+    exact_sums: bool | None = None
 
     def summary(self) -> str:
         parts = ([f"min_blocks {self.min_blocks}"] if self.min_blocks else []) + ([] if self.rewrites else ["no rewrites"])
+        parts += ["exact sums"] if self.exact_sums else []
         return ", ".join(parts)
 
 
@@ -376,6 +382,14 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     target = target or targets.DEFAULT
     if not target.has_cp_async:
         raise TargetError(f"{spec.name}: {target.arch} has no cp.async, which every specgen engine stages with")
+    if exact_tf32(spec):
+        # ---- a tf32 layer of few input channels computes in 3xTF32, as cuDNN computes it in fp32 -
+        try:
+            exact = build_plan(spec.model_copy(update={"precision": "fp32"}), igemm_config, target, tma_config,
+                               replace(settings, exact_sums=settings.exact_sums is not False))
+            return _presented_as(exact, spec, EXACT_TF32_NOTE, None)
+        except PlanError:
+            pass  # the engines fp32 takes cannot run it (an extra input on FFMA): TF32 as before
     may_rewrite = spec.rewrites and settings.rewrites
     if may_rewrite and (plain := forward_equivalent(spec)) is not None:
         # ---- rewrite: a transposed conv of stride 1 is a plain conv (every engine runs it) ---
@@ -923,6 +937,31 @@ def forward_equivalent(spec: LayerSpec) -> LayerSpec | None:
     return LayerSpec.model_validate(data)
 
 
+# In TF32 mode cuDNN computes the convs of a few input channels in fp32: measured on an H200
+# (benchmarks/NOTES.md v26), contiguous inputs of 1-8 channels give rel. L2 3e-8..3e-7 against
+# float64 where TF32 operands give 3e-4, except larger kernels with more output channels (a 7x7
+# stem of 64 channels: TF32). "PyTorch's own TF32 error" there is fp32's, so specgen computes
+# such layers in 3xTF32 (or FFMA), on the engines the fp32 mode takes. They are memory-bound: the
+# same measurement found them 0.6-1.7x the time of the TF32 kernels (8 channels slower, 3 faster:
+# a TF32 kernel pads 3 channels to 8). Transposed and grouped convs keep TF32, as cuDNN does.
+EXACT_TF32_MAX_CHANNELS = 8
+EXACT_TF32_MAX_TAPS = 27  # up to 3x3x3 / 5x5 always; larger kernels only with few output channels
+EXACT_TF32_MAX_OUT_CHANNELS = 32
+EXACT_TF32_NOTE = (f"tf32 layer of at most {EXACT_TF32_MAX_CHANNELS} input channels computed to fp32 accuracy "
+                   f"(3xTF32 or FFMA, as cuDNN computes such convs in TF32 mode)")
+
+
+def exact_tf32(spec: LayerSpec) -> bool:
+    """Whether a `tf32` layer computes as an `fp32` one: a plain, ungrouped conv of at most
+    EXACT_TF32_MAX_CHANNELS input channels, whose kernel has at most EXACT_TF32_MAX_TAPS taps or
+    whose output has at most EXACT_TF32_MAX_OUT_CHANNELS channels."""
+    if spec.precision != "tf32" or spec.conv.groups != 1 or spec.conv.transposed:
+        return False
+    taps = math.prod(spec.conv_geometry()["kernel"])
+    small_kernel = taps <= EXACT_TF32_MAX_TAPS or spec.conv.out_channels <= EXACT_TF32_MAX_OUT_CHANNELS
+    return spec.input.channels <= EXACT_TF32_MAX_CHANNELS and small_kernel
+
+
 def _as_transposed(plan: dict, spec: LayerSpec, plain: LayerSpec) -> dict:
     """`plain`'s plan, presented as the user's transposed `spec`'s (`_presented_as`)."""
     pad = "x".join(map(str, plain.conv_geometry()["padding"]))
@@ -940,7 +979,7 @@ def _presented_as(plan: dict, spec: LayerSpec, note: str, transform: dict) -> di
         spec_hash=spec.shape_hash,
         spec_yaml=spec_yaml(spec),
         rewrites=[note, *plan["rewrites"]],
-        weight_transforms=[transform, *plan.get("weight_transforms", [])],
+        weight_transforms=[*([transform] if transform else []), *plan.get("weight_transforms", [])],
     )
 
 

@@ -206,14 +206,14 @@ def _call(sp) -> _Call:
         n_ptrs = spec.conv.bias + len(names) + len(inputs) + 1
         name = plan["kernel_name"]
         call = _calls[sp.key] = _Call(
-            tp=tp, precision=spec.precision, weights_key=f"tma:{sp.key}",
+            tp=tp, precision=tp.precision, weights_key=f"tma:{sp.key}",
             size=tuple(spec.input.size), planes=planes, in_place_cl=tp.cip == spec.input.channels and not tp.split,
-            operand_dtype=OPERAND_DTYPE[spec.precision], prep=f"{name}_prep", prep_cl=f"{name}_prep_cl",
+            operand_dtype=OPERAND_DTYPE[tp.precision], prep=f"{name}_prep", prep_cl=f"{name}_prep_cl",
             param_names=names, input_names=inputs, has_bias=spec.conv.bias,
             main_kinds=("map",) * (2 * planes) + ("ptr",) * n_ptrs + ("int",),
             split=splitk.kernel_names(name) if tp.split_k > 1 else (),
             make_weights=functools.partial(_weights, tp=tp, cin=spec.input.channels, taps=plan["taps"],
-                                           precision=spec.precision),
+                                           precision=tp.precision),
         )
     return call
 

@@ -349,3 +349,48 @@ def test_the_spill_retry_keeps_the_users_spec_in_the_cache_key(monkeypatch):
     assert out.plan["spec_yaml"] == plan["spec_yaml"] and "min_blocks" not in out.plan["spec_yaml"]
     assert f"__launch_bounds__(THREADS, {plan['min_blocks']})" in render_plan(plan)
     assert f"__launch_bounds__(THREADS, {plan['min_blocks']})" not in seen[0].source
+
+
+def _tf32_conv(cin, cout=64, kernel=3, **conv):
+    return validate({"name": "e", "input": {"channels": cin, "size": [9] * (len(kernel) if isinstance(kernel, list) else 2)},
+                     "conv": {"out_channels": cout, "kernel": kernel, **conv}, "epilogue": ["relu"], "precision": "tf32"})
+
+
+@pytest.mark.parametrize("cin,cout,kernel,conv,exact", [
+    (3, 64, 3, {}, True), (8, 64, 3, {}, True), (8, 64, [3, 3, 3], {}, True), (9, 64, 3, {}, False),
+    (16, 64, 3, {}, False), (3, 64, 7, {"stride": 2, "padding": 3}, False),  # the stem: cuDNN in TF32 too
+    (3, 16, 7, {}, True), (3, 16, [4, 4, 4], {}, True), (8, 64, 3, {"groups": 2}, False),
+    (3, 64, 4, {"transposed": True, "stride": 2}, False),
+])
+def test_tf32_layers_of_few_input_channels_compute_in_fp32(cin, cout, kernel, conv, exact):
+    """Measured: cuDNN runs such convs in fp32 in TF32 mode (benchmarks/NOTES.md v26)."""
+    from specgen.plan import EXACT_TF32_NOTE, exact_tf32
+
+    spec = _tf32_conv(cin, cout, kernel, **conv)
+    assert exact_tf32(spec) is exact
+    plan = build_plan(spec)
+    assert plan["precision"] == ("fp32" if exact else "tf32")
+    assert (EXACT_TF32_NOTE in plan["rewrites"]) is exact
+    assert plan["spec_hash"] == spec.shape_hash  # the banner and key stay the user's tf32 spec
+    if exact:
+        source = render_plan(plan)
+        assert "precision: tf32" in source and "TF32 wgmma" not in source
+    other = spec.model_copy(update={"precision": "fp32"})
+    assert not exact_tf32(other) and not exact_tf32(spec.model_copy(update={"precision": "bf16"}))
+
+
+@pytest.mark.parametrize("arch,tile", [("sm_90", None), ("sm_80", {"engine": "igemm"})])
+def test_exact_tf32_layers_sum_each_k_step_apart_on_mma_sync(arch, tile):
+    """mma.sync adds with truncation: a tf32 layer computed exactly sums each k-step's three
+    products apart (measured on kb90's layer: rel. L2 7.9e-7 -> 8.3e-8); fp32 layers keep the faster
+    running sum (its 7.9e-7 is well inside the fp32 bar of 1e-5)."""
+    from specgen.target import BUILTIN
+
+    data = {"name": "e", "input": {"channels": 8, "size": [6, 10, 12]}, "conv": {"out_channels": 64, "kernel": 3},
+            "epilogue": ["relu"], **({"tile": tile} if tile else {})}
+    exact = build_plan(validate({**data, "precision": "tf32"}), target=BUILTIN[arch])
+    plain = build_plan(validate({**data, "precision": "fp32"}), target=BUILTIN[arch])
+    assert exact["engine"] == plain["engine"] == ("slab" if tile is None else "igemm")
+    assert exact["settings"].exact_sums and not plain["settings"].exact_sums
+    assert "acc[i][j][e] += part[e]" in render_plan(exact)
+    assert "part[4]" not in render_plan(plain)
