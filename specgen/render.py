@@ -64,7 +64,10 @@ def render_plan(plan: dict, template: str | None = None, runtime_dims: bool = Fa
         parts = [render_plan(p["plan"], part_templates.get(p["role"])) for p in plan["parts"]]
         return _checked(tail.join(plan, parts), plan)
     if template is None:
-        template = TEMPLATES.get(plan.get("engine"), "kernel.cu.j2")
+        engine = plan.get("engine")
+        if engine not in TEMPLATES:
+            raise TemplateError(f"no template for the engine {engine!r}; known: {', '.join(TEMPLATES)}")
+        template = TEMPLATES[engine]
     if runtime_dims and template in ("igemm.cu.j2", "tma.cu.j2"):
         raise TemplateError(f"{template}: the {plan.get('engine')} engine has no run-time-dimensions rendering")
     try:

@@ -105,6 +105,13 @@ def test_template_errors_name_the_template_line():
         render_plan(plan)
 
 
+def test_an_unknown_engine_has_no_template():
+    plan = dict(build_plan(next(s for s in SPECS if s.name == "kb90")))
+    plan["engine"] = "warp_specialized"
+    with pytest.raises(TemplateError, match="no template for the engine 'warp_specialized'"):
+        render_plan(plan)
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)
 def test_the_reference_compiles_without_graph_breaks(spec):
     """`specgen bench` compares against torch.compile of the reference: it must be one graph."""
