@@ -14,7 +14,7 @@ _PACKAGE = Path(__file__).resolve().parent
 def templates_dir() -> Path:
     """The Jinja2 templates: inside the installed wheel, else the source checkout's `templates/`."""
     for candidate in (_PACKAGE / "templates", _PACKAGE.parent / "templates"):
-        if (candidate / "kernel.cu.j2").is_file():
+        if (candidate / "box.cu.j2").is_file():
             return candidate
     raise FileNotFoundError(f"specgen templates not found next to {_PACKAGE}")
 

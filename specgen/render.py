@@ -17,8 +17,9 @@ from specgen.spec import LayerSpec, SpecError
 MAX_SOURCE_BYTES = 2 << 20
 
 
-# One template per engine family (the slab and FFMA engines share kernel.cu.j2).
-TEMPLATES = {"tma": "tma.cu.j2", "igemm": "igemm.cu.j2", "slab": "kernel.cu.j2", "ffma": "kernel.cu.j2"}
+# One template per engine. The slab and FFMA engines extend box.cu.j2, the box kernel they share
+# (its banner, constants, signature, tiles, pools and reductions).
+TEMPLATES = {"tma": "tma.cu.j2", "igemm": "igemm.cu.j2", "slab": "slab.cu.j2", "ffma": "ffma.cu.j2"}
 
 
 class SourceTooLarge(SpecError):
@@ -42,7 +43,7 @@ def environment() -> jinja2.Environment:
 
 
 def _template_location(err: BaseException) -> str:
-    """'kernel.cu.j2:42' from the traceback of an error raised while rendering."""
+    """'box.cu.j2:42' from the traceback of an error raised while rendering."""
     tb, where = err.__traceback__, ""
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename

@@ -105,6 +105,27 @@ def test_template_errors_name_the_template_line():
         render_plan(plan)
 
 
+ENGINE_EXAMPLES = {"slab": "kb90", "ffma": "depthwise3x3_144_relu6", "igemm": "conv1x1_256_64_relu", "tma": "conv3x3_64_56_relu"}
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINE_EXAMPLES))
+def test_each_engine_renders_from_its_own_template(engine, monkeypatch):
+    from specgen.render import TEMPLATES, environment
+
+    plan = build_plan(next(s for s in SPECS if s.name == ENGINE_EXAMPLES[engine]))
+    assert plan["engine"] == engine and TEMPLATES[engine] == f"{engine}.cu.j2"
+    env, asked = environment(), []
+    get_template = env.get_template
+    monkeypatch.setattr(env, "get_template", lambda name, *a, **kw: asked.append(name) or get_template(name, *a, **kw))
+    render_plan(plan)
+    assert asked[0] == f"{engine}.cu.j2", asked
+    if engine in ("slab", "ffma"):  # both extend the box kernel, and nothing there switches on the engine
+        assert "box.cu.j2" in asked, asked
+        for name in ("box.cu.j2", f"{engine}.cu.j2"):
+            source = env.loader.get_source(env, name)[0]
+            assert not re.search(r"\{%-?\s*(el)?if\s+(not\s+)?mma(\s+and\s+[^%]*)?\s*-?%\}", source), name
+
+
 def test_an_unknown_engine_has_no_template():
     plan = dict(build_plan(next(s for s in SPECS if s.name == "kb90")))
     plan["engine"] = "warp_specialized"
