@@ -32,6 +32,13 @@ invalid entry is reported with one WARNING and rebuilt. When the cache cannot be
 (read-only, full) the kernel is built in a private temporary directory outside the cache, removed
 at exit, with a WARNING.
 
+Request index: `<cache>/requests/<k[:2]>/<k>`, one JSON file per request key of
+`specgen.planindex` (what `pipeline.specialize` was asked for, known before planning): the build
+key and checksums it compiled to, its plan and launch shape. Written by `write_index` (staged as a
+`tmp.*` file, flushed, renamed over the old one), read by `read_index` (never through a link,
+capped in size); `lookup` then checks the build entry as any hit does. `prune` removes the index
+entries whose build entry it removed, `clear` the whole index.
+
 Environment: `SPECGEN_ALWAYS_COMPILE=1` rebuilds and republishes every request;
 `SPECGEN_DUMP_DIR=<dir>` receives `<name>-<key[:12]>.cu` and `.log` for each request (a private
 dir only; files are replaced, never written through a link); `SPECGEN_LOCK_TIMEOUT` (seconds,
@@ -423,6 +430,7 @@ class _Probe(NamedTuple):
     meta: dict | None
     cubin: bytes | None
     problem: str | None  # None with meta None: no entry at all
+    cu: bytes | None = None
 
 
 def _sha256(data: bytes) -> str:
@@ -529,7 +537,7 @@ def _read_entry(dir_fd: int, key: str, source: str | None) -> _Probe:
         return _Probe(None, None, f"{_CU} is not the source rendered for this request")
     if problem := elf_problem(data[_CUBIN]):
         return _Probe(None, None, f"{_CUBIN} is not a whole cubin ({problem})")
-    return _Probe(meta, data[_CUBIN], None)
+    return _Probe(meta, data[_CUBIN], None, data[_CU])
 
 
 def _still_published(entry: Path, dir_fd: int) -> bool:
@@ -641,6 +649,11 @@ def _count_compile(plan: _Plan) -> None:
 
 
 def _dump(plan: _Plan, log: str) -> None:
+    """Copy the source and compiler log to SPECGEN_DUMP_DIR, if set (see `_dump_files`)."""
+    _dump_files(plan.req.name, plan.key, plan.req.source, log)
+
+
+def _dump_files(name: str, key: str, source: str, log: str) -> None:
     """Copy the source and compiler log to SPECGEN_DUMP_DIR, if set.
 
     The dir must be private (ours, not group- or world-writable); each file is written under a new
@@ -648,7 +661,7 @@ def _dump(plan: _Plan, log: str) -> None:
     """
     if not (dump := os.environ.get(ENV_DUMP_DIR)):
         return
-    stem = f"{plan.req.name}-{plan.key[:12]}"
+    stem = f"{name}-{key[:12]}"
     try:
         Path(dump).mkdir(mode=0o700, parents=True, exist_ok=True)
         dir_fd = os.open(dump, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
@@ -662,15 +675,15 @@ def _dump(plan: _Plan, log: str) -> None:
                 "(chmod 700)", ENV_DUMP_DIR, dump, why
             )
             return
-        for name, text in ((f"{stem}.cu", plan.req.source), (f"{stem}.log", log)):
-            part = f".{name}.{uuid.uuid4().hex}"
+        for file_name, text in ((f"{stem}.cu", source), (f"{stem}.log", log)):
+            part = f".{file_name}.{uuid.uuid4().hex}"
             try:
                 fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o600, dir_fd=dir_fd)
                 try:
                     _write_fd(fd, text.encode())
                 finally:
                     os.close(fd)
-                os.replace(part, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                os.replace(part, file_name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             except OSError:
                 with suppress(OSError):
                     os.unlink(part, dir_fd=dir_fd)
@@ -1033,6 +1046,167 @@ def load_cubin_bytes(result_or_key: BuildResult | str) -> bytes:
     return probe.cubin
 
 
+# ---------------------------------------------------------------------------- the request index
+#
+# `<cache>/requests/<k[:2]>/<k>`: one JSON file per request key (`specgen.planindex`), naming the
+# build entry a request compiled to and holding its plan. It is staged as a `tmp.*` file in the
+# cache dir (swept like a staging dir when its writer is gone), flushed, and published by a rename
+# over the old one, so a reader sees the old file or the new one. It holds no cubin: a hit still
+# reads and checks the build entry (`lookup`).
+
+_INDEX = "requests"
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+
+
+def always_compile() -> bool:
+    """Whether `SPECGEN_ALWAYS_COMPILE` asks for every request to be built again."""
+    return _env_flag(ENV_ALWAYS_COMPILE)
+
+
+def _index_shard_fd(root: Path, key: str) -> int:
+    """A descriptor of the index shard of `key`, reached without following a link."""
+    index_fd = _open_dir(root / _INDEX)
+    try:
+        return os.open(key[:2], os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=index_fd)
+    finally:
+        os.close(index_fd)
+
+
+def read_index(key: str) -> tuple[object | None, str | None]:
+    """The index entry of request key `key` as parsed JSON, or (None, why not); (None, None) when
+    there is none. Never raises for a missing, unreadable or malformed entry, nor for an unusable
+    cache dir."""
+    if not _KEY_RE.fullmatch(key):
+        raise ValueError(f"key: expected 64 lowercase hex digits, got {key!r}")
+    try:
+        root = cache_dir()
+        shard_fd = _index_shard_fd(root, key)
+    except (OSError, CacheDirError):
+        return None, None
+    try:
+        raw, why = _read_regular(key, shard_fd, MAX_INDEX_BYTES)
+    finally:
+        os.close(shard_fd)
+    if raw is None:
+        return None, None if why == "is missing" else f"the index entry {why}"
+    try:
+        return json.loads(raw), None
+    except (ValueError, RecursionError):
+        return None, "the index entry is unreadable"
+
+
+def _real_subdir(root: Path, parent: Path, name: str) -> Path:
+    """`parent/name` as a real directory: anything else there (a planted link) is removed first."""
+    path = parent / name
+    with suppress(FileNotFoundError):
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            _discard_dir(root, path)
+    with suppress(FileExistsError):
+        os.mkdir(path, _dir_mode())
+    return path
+
+
+def write_index(key: str, record: dict) -> bool:
+    """Publish the index entry of request key `key` (staged, flushed, renamed into place). False,
+    with nothing written, when the cache cannot be written; never raises for that."""
+    if not _KEY_RE.fullmatch(key):
+        raise ValueError(f"key: expected 64 lowercase hex digits, got {key!r}")
+    staged = None
+    try:
+        root = cache_dir()
+        shard = _real_subdir(root, _real_subdir(root, root, _INDEX), key[:2])
+        staged = root / _tmp_name()
+        _write_file(staged, json.dumps(record).encode())
+        os.replace(staged, shard / key)
+        staged = None
+        _fsync_path(shard, directory=True)
+        return True
+    except (OSError, CacheDirError) as error:
+        get_logger().debug("could not write the request index entry %s: %s", key[:12], error)
+        return False
+    finally:
+        if staged is not None:
+            with suppress(OSError):
+                os.unlink(staged)
+
+
+def entry_checksums(result: BuildResult) -> tuple[str, str] | None:
+    """The (kernel.cu, cubin) sha256 of a published cache entry, from its manifest; None for a build
+    outside the cache (a temporary dir) or an entry that is not whole."""
+    try:
+        root = cache_dir()
+    except (OSError, CacheDirError):
+        return None
+    entry = _entry_dir(root, result.key)
+    if result.entry_dir != entry:
+        return None
+    probe = _probe(entry, result.key)
+    if probe.meta is None:
+        return None
+    return probe.meta["cu_sha256"], probe.meta["cubin_sha256"]
+
+
+def lookup(key: str, cu_sha256: str, cubin_sha256: str) -> tuple[BuildResult, str] | None:
+    """The cached build of `key` and its source, checked as any hit is (manifest, checksums, a
+    whole cubin) and against the checksums an index entry recorded; None otherwise (no entry, an
+    invalid one, another build), so that the caller plans and builds as on a miss."""
+    if not _KEY_RE.fullmatch(key) or always_compile():
+        return None
+    try:
+        root = cache_dir()
+    except (OSError, CacheDirError):
+        return None
+    entry = _entry_dir(root, key)
+    probe = _probe(entry, key)
+    if probe.meta is None or probe.cu is None:
+        return None
+    if (probe.meta["cu_sha256"], probe.meta["cubin_sha256"]) != (cu_sha256, cubin_sha256):
+        return None
+    try:
+        source = probe.cu.decode()
+    except UnicodeDecodeError:
+        return None
+    _touch(entry)
+    _dump_files(probe.meta["name"], key, source, probe.meta["log"])
+    progress.expect(1)
+    progress.advance()
+    return _result(probe.meta, entry, "hit", 0.0), source
+
+
+def _index_files(root: Path) -> Iterator[Path]:
+    for shard in _real_dirs(root / _INDEX):
+        if len(shard.name) != 2:
+            continue
+        with suppress(OSError), os.scandir(shard.path) as it:
+            for item in list(it):
+                if _KEY_RE.fullmatch(item.name) and item.is_file(follow_symlinks=False):
+                    yield Path(item.path)
+
+
+def index_stats() -> tuple[int, int]:
+    """The request index's (entries, bytes)."""
+    count = size = 0
+    for path in _index_files(cache_dir()):
+        with suppress(OSError):
+            size += path.lstat().st_size
+            count += 1
+    return count, size
+
+
+def _prune_index(root: Path) -> None:
+    """Remove the index entries whose build entry is gone."""
+    for path in list(_index_files(root)):
+        with suppress(OSError):
+            raw = path.read_bytes() if path.lstat().st_size <= MAX_INDEX_BYTES else b""
+            try:
+                build_key = json.loads(raw).get("build_key", "")
+            except (ValueError, AttributeError, RecursionError):
+                build_key = ""
+            if not (isinstance(build_key, str) and _KEY_RE.fullmatch(build_key)
+                    and _entry_dir(root, build_key).is_dir()):
+                path.unlink()
+
+
 def _real_dirs(path: Path) -> Iterator[os.DirEntry]:
     """The directories in `path` that are directories themselves, not links to one."""
     try:
@@ -1147,6 +1321,8 @@ def prune(max_bytes: int) -> list[dict]:
         if _forget(root, row["key"], Path(row["path"])):
             total -= row["size"]
             removed.append(row)
+    if removed:
+        _prune_index(root)
     return removed
 
 
@@ -1158,6 +1334,12 @@ def clear() -> int:
     root = cache_dir()
     _sweep_tmp(root)
     count = sum(_forget(root, entry.name, entry) for entry in list(_entries(root)))
+    index = root / _INDEX
+    with suppress(OSError):
+        if os.path.islink(index):
+            index.unlink()
+        elif index.is_dir():
+            _discard_dir(root, index)
     for lock in root.glob("locks/*.lock"):
         if _KEY_RE.fullmatch(lock.stem):
             _forget(root, lock.stem, None)
