@@ -1,11 +1,18 @@
-"""spec -> plan -> .cu -> cubin, through the cache. No torch: this is what `specgen build` runs."""
+"""spec -> plan -> .cu -> cubin, through the cache. No torch: this is what `specgen build` runs.
+
+`specialize` and `specialize_many` look a request up in the request index first
+(`specgen.planindex`): on a hit the stored plan and the cached build are returned without planning
+or rendering; on a miss the spec is planned, rendered and built, and the index entry written.
+"""
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
-from specgen import cache, target as targets, tma
+from specgen import cache, planindex, target as targets, tma
+from specgen.log import get_logger
 from specgen.plan import DEFAULT_SETTINGS, PlanError, Settings, build_plan
 from specgen.render import render_plan
 from specgen.spec import LayerSpec
@@ -23,6 +30,11 @@ class Specialized:
     @property
     def key(self) -> str:
         return self.build.key
+
+    @functools.cached_property
+    def launch(self) -> planindex.LaunchSpec:
+        """How the runtime launches the plan's kernel (grid, block, shared memory, cluster policy)."""
+        return planindex.launch_spec(self.plan)
 
 
 _memo: dict[tuple[str, str | None], Specialized] = {}
@@ -92,6 +104,57 @@ def _tuned_config(spec: LayerSpec, arch: str | None):
     return None if record is None else record["config"]
 
 
+def _request_key(spec: LayerSpec, arch: str | None, config, canonical: str | None = None) -> str | None:
+    """The request index key of `specialize(spec, arch)` with tile `config` (`planindex.request_key`),
+    or None where it cannot be had without planning (an arch specgen has no target for, no
+    compiler): that request takes the planning path, which reports why."""
+    try:
+        canonical = spec.canonical_json() if canonical is None else canonical
+        return planindex.request_key(canonical, arch, targets.resolve(arch), DEFAULT_SETTINGS, config)
+    except Exception as error:  # noqa: BLE001  (planning reports it, in its order)
+        get_logger().debug("%s: no request key (%s); planning", spec.name, error)
+        return None
+
+
+def _indexed(spec: LayerSpec, rkey: str | None) -> Specialized | None:
+    """The request's stored plan and cached build, or None (no entry, a damaged or mismatching one,
+    a build entry gone): then it is planned, rendered and built as on a miss."""
+    if rkey is None or cache.always_compile():
+        return None
+    record, problem = cache.read_index(rkey)
+    if record is not None:
+        problem = planindex.check_record(record, rkey)
+    plan = None
+    if record is not None and problem is None:
+        try:
+            plan = planindex.record_plan(record)
+        except Exception as error:  # noqa: BLE001  (a damaged entry, whatever the damage)
+            problem = f"its plan cannot be read ({error})"
+    if problem is not None:
+        get_logger().warning("request index entry %s for %s is invalid (%s); planning again", rkey[:12], spec.name,
+                             problem)
+    if plan is None:
+        return None
+    found = cache.lookup(record["build_key"], record["cu_sha256"], record["cubin_sha256"])
+    if found is None:
+        return None
+    build, source = found
+    return Specialized(spec, plan, source, build)
+
+
+def _remember(rkey: str | None, item: Specialized) -> None:
+    """Write the request's index entry, so that the next process finds it without planning."""
+    if rkey is None:
+        return
+    try:
+        record = planindex.entry_record(rkey, item.spec.name, item.plan, item.build)
+    except Exception as error:  # noqa: BLE001  (a plan that cannot be stored is planned every time)
+        get_logger().debug("%s: plan not stored in the request index (%s)", item.spec.name, error)
+        return
+    if record is not None:
+        cache.write_index(rkey, record)
+
+
 def forget(spec: LayerSpec) -> None:
     """Drop this spec's memoized kernels (a new tuned choice was stored)."""
     key = spec.canonical_json()
@@ -118,8 +181,12 @@ def specialize(spec: LayerSpec, arch: str | None = None, igemm_config=None, tune
         with _memo_lock:
             hit = _memo.get(memo_key)
             if hit is None:
-                plan, source, req = request(spec, arch, igemm_config=config)
-                hit = _without_spills(Specialized(spec, plan, source, cache.get_or_build(req)), arch, config)
+                rkey = _request_key(spec, arch, config, memo_key[0])
+                hit = _indexed(spec, rkey)
+                if hit is None:
+                    plan, source, req = request(spec, arch, igemm_config=config)
+                    hit = _without_spills(Specialized(spec, plan, source, cache.get_or_build(req)), arch, config)
+                    _remember(rkey, hit)
                 _memo[memo_key] = hit
     return hit
 
@@ -136,11 +203,26 @@ def specialize_many(specs: list[LayerSpec], arch: str | None = None, tuned: bool
                 tune.ensure_tuned(list(specs), arch=arch)
             records = [tune.stored_choice(s, arch) for s in specs]
             configs = [None if r is None else r["config"] for r in records]
-    prepared = [request(s, arch, igemm_config=c) for s, c in zip(specs, configs)]
-    builds = cache.build_many([req for _, _, req in prepared])
+    canonical = [s.canonical_json() for s in specs]
+    rkeys = [_request_key(s, arch, c, j) for s, c, j in zip(specs, configs, canonical)]
+    found: dict[str, Specialized | None] = {}
+    for spec, rkey in zip(specs, rkeys):
+        if rkey is not None and rkey not in found:
+            found[rkey] = _indexed(spec, rkey)
+    missing = [i for i, rkey in enumerate(rkeys) if rkey is None or found[rkey] is None]
+    prepared = {i: request(specs[i], arch, igemm_config=configs[i]) for i in missing}
+    builds = dict(zip(missing, cache.build_many([prepared[i][2] for i in missing])))
     out = []
-    for spec, config, (plan, source, _), build in zip(specs, configs, prepared, builds):
-        item = _without_spills(Specialized(spec, plan, source, build), arch, config)
-        _memo.setdefault((spec.canonical_json(), arch) if tuned else (spec.canonical_json(), arch, None), item)
+    for i, (spec, config, rkey, canon) in enumerate(zip(specs, configs, rkeys, canonical)):
+        item = found.get(rkey) if rkey is not None else None
+        if item is None:
+            plan, source, _ = prepared[i]
+            item = _without_spills(Specialized(spec, plan, source, builds[i]), arch, config)
+            if rkey is not None and found.get(rkey) is None:
+                _remember(rkey, item)
+                found[rkey] = item
+        elif item.spec is not spec:
+            item = Specialized(spec, item.plan, item.source, item.build)
+        _memo.setdefault((canon, arch) if tuned else (canon, arch, None), item)
         out.append(item)
     return out
