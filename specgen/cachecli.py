@@ -65,7 +65,9 @@ def _ls(args: argparse.Namespace) -> int:
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     total = sum(r["size"] for r in rows)
-    print(f"{len(rows)} {'entry' if len(rows) == 1 else 'entries'}, {_human_size(total)} in {cache.cache_dir()}")
+    indexed, index_bytes = cache.index_stats()
+    index = f"; {indexed} {'request' if indexed == 1 else 'requests'} indexed, {_human_size(index_bytes)}" if indexed else ""
+    print(f"{len(rows)} {'entry' if len(rows) == 1 else 'entries'}, {_human_size(total)} in {cache.cache_dir()}{index}")
     _ls_tuned()
     return 0
 
