@@ -5,7 +5,7 @@ and warm (every kernel a cache hit), for a target arch, without loading anything
 
 The model comes from examples/models.py in eval mode, in tf32 (PyTorch's default for convs). The
 cold and the warm pass each run in a fresh process, so the warm one pays what a new Python process
-pays on a cache hit (planning and rendering included, nothing memoized).
+pays on a cache hit (the request index: no planning or rendering, nothing memoized).
 """
 
 from __future__ import annotations
