@@ -76,11 +76,11 @@ def _without_spills(item: Specialized, arch: str | None, igemm_config=None) -> S
     (`plan.Settings.exact_sums`) is built once more with the running sum (its accuracy is fp32
     mode's), and kept if it spills less."""
     spec = item.spec
-    retries = []
-    if item.plan["min_blocks"] > 1 and not (spec.tile is not None and spec.tile.min_blocks):
-        retries.append(Settings(min_blocks=1))
+    pinned = spec.tile is not None and spec.tile.min_blocks
+    one_block = 1 if item.plan["min_blocks"] > 1 and not pinned else None
+    retries = [Settings(min_blocks=one_block)] if one_block else []
     if getattr(item.plan.get("settings"), "exact_sums", False):
-        retries.append(Settings(min_blocks=retries[0].min_blocks if retries else None, exact_sums=False))
+        retries.append(Settings(min_blocks=one_block, exact_sums=False))
     for settings in retries:
         if item.build.spill_bytes == 0:
             break
