@@ -263,13 +263,13 @@ def format_table(result: dict) -> str:
     lines = [
         f"{result['spec']} ({result.get('precision', 'fp32')}) batch {result['batch']}: {result['flops'] / 1e9:.1f} GFLOP, {result['fewest_bytes'] / 1e9:.2f} GB fewest bytes;"
         f" {result['engine']}, floor {result['floor_ms']:.3f} ms (FFMA floor {result['floor_ffma_ms']:.3f} ms)",
-        f"{'':26}{'ms':>9}{'x eager':>9}{'x compile':>10}{'rel L2':>10}{'peak MB':>9}{'% floor':>9}",
+        f"{'':31}{'ms':>9}{'x eager':>9}{'x compile':>10}{'rel L2':>10}{'peak MB':>9}{'% floor':>9}",
     ]
     for r in result["rows"]:
         vc = f"{r['vs_compile']:.2f}" if r.get("vs_compile") else "-"
         pf = f"{r['pct_of_floor']:.0f}" if "pct_of_floor" in r else ""
         lines.append(
-            f"{r['name']:26}{r['ms']:9.3f}{r['vs_eager']:9.2f}{vc:>10}{r['rel_l2']:10.1e}{r['peak_bytes'] / 1e6:9.0f}{pf:>9}"
+            f"{r['name']:31}{r['ms']:9.3f}{r['vs_eager']:9.2f}{vc:>10}{r['rel_l2']:10.1e}{r['peak_bytes'] / 1e6:9.0f}{pf:>9}"
             + (SLOWER_MARK if r.get("slower_than_eager") else "")
         )
     if result["folding_speedup"] is not None:
@@ -280,8 +280,11 @@ def format_table(result: dict) -> str:
 SLOWER_MARK = "  << slower than eager"
 
 
-def bench_model(model, x: torch.Tensor, reps: int = 20, compile: bool = True, label: str | None = None) -> dict:
-    """A whole model on `x` (CUDA): eager, torch.compile, from_module and torch.compile of it.
+def bench_model(model, x: torch.Tensor, reps: int = 20, compile: bool = True, label: str | None = None,
+                compile_fused: bool = True) -> dict:
+    """A whole model on `x` (CUDA): eager, torch.compile (default and reduce-overhead, its CUDA
+    graphs), from_module (and, where it replays a CUDA graph, the fused model without it) and
+    torch.compile of the fused model (`compile_fused`).
 
     Each row: ms per forward (median), x eager, x compile, rel. L2 against the float64 model and
     the first call's seconds (compilation included). `chains`: one row per fusable chain with the
@@ -289,6 +292,7 @@ def bench_model(model, x: torch.Tensor, reps: int = 20, compile: bool = True, la
     import copy
 
     from specgen.importer import from_module
+    from specgen.replay import GraphReplay
 
     model = model.cuda()
     x = x.cuda()
@@ -303,12 +307,18 @@ def bench_model(model, x: torch.Tensor, reps: int = 20, compile: bool = True, la
     specialize_s = time.perf_counter() - t0
     report = getattr(fused, "specgen_report", None)
 
+    # from_module's result may replay a CUDA graph (specgen.replay): torch.compile's own CUDA-graph
+    # mode is a contender beside its default, and torch.compile runs on the fused model it wraps
+    plain_fused = getattr(fused, "module", fused) if isinstance(fused, GraphReplay) else fused
     contenders = [("eager", lambda: model)]
     if compile:
         contenders.append(("torch.compile", lambda: torch.compile(model)))
+        contenders.append(("torch.compile reduce-overhead", lambda: torch.compile(model, mode="reduce-overhead")))
     contenders.append(("specgen", lambda: fused))
-    if compile:
-        contenders.append(("specgen + torch.compile", lambda: torch.compile(fused)))
+    if isinstance(fused, GraphReplay):
+        contenders.append(("specgen, no CUDA graph", lambda: fused.fallback))
+    if compile and compile_fused:
+        contenders.append(("specgen + torch.compile", lambda: torch.compile(plain_fused)))
     rows = []
     for name, setup in contenders:
         row = {"name": name}
@@ -373,15 +383,15 @@ def format_model_table(result: dict) -> str:
     lines = [
         f"{result['model']} input {shape}: {result['chains_fused']} of {result['chains_fusable']} chain(s) fused"
         f" ({kept} kept as PyTorch: not faster fused); from_module took {result['specialize_s']:.2f} s",
-        f"{'':26}{'ms':>9}{'x eager':>9}{'x compile':>10}{'rel L2':>10}{'first s':>9}",
+        f"{'':31}{'ms':>9}{'x eager':>9}{'x compile':>10}{'rel L2':>10}{'first s':>9}",
     ]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"{r['name']:26}  failed: {r['error']}")
+            lines.append(f"{r['name']:31}  failed: {r['error']}")
             continue
         vc = f"{r['vs_compile']:.2f}" if r.get("vs_compile") else "-"
         lines.append(
-            f"{r['name']:26}{r['ms']:9.3f}{r['vs_eager']:9.2f}{vc:>10}{r['rel_l2']:10.1e}{r['first_call_s']:9.2f}"
+            f"{r['name']:31}{r['ms']:9.3f}{r['vs_eager']:9.2f}{vc:>10}{r['rel_l2']:10.1e}{r['first_call_s']:9.2f}"
             + (SLOWER_MARK if r.get("slower_than_eager") else "")
         )
     if result["chains"]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specgen import pipeline, runtime, torchop
+from specgen import pipeline, runtime, tmarun, torchop
 
 
 @dataclass(frozen=True)
@@ -146,10 +146,11 @@ def _identity_weight(channels: int, ndim: int, device: torch.device) -> torch.Te
     """The weights of a rest's identity conv (1x1, depthwise): ones, [C, 1, 1...]. Kept per device
     outside a CUDA-graph capture; made afresh inside one (the graph owns what it allocates)."""
     shape = (channels, 1, *([1] * ndim))
-    if torch.cuda.is_current_stream_capturing():
-        return torch.ones(shape, device=device)
     key = (device, shape)
-    ones = _ones.get(key)
+    capturing = torch.cuda.is_current_stream_capturing()
+    ones = _ones.get(key) if not capturing or tmarun.reusing() else None
+    if ones is None and capturing:
+        return torch.ones(shape, device=device)
     if ones is None:
         with _lock:
             ones = _ones.setdefault(key, torch.ones(shape, device=device))

@@ -23,6 +23,7 @@ so that a replay recomputes them from the current weights.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from dataclasses import dataclass
@@ -72,17 +73,48 @@ def capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and _is_capturing is not None and _is_capturing()
 
 
+_reusing = [0]  # > 0 inside reusing_caches()
+
+
+@contextlib.contextmanager
+def reusing_caches():
+    """Within: a capture reads the derived tensors already kept (their source unchanged) instead
+    of recomputing them inside the graph; what is not kept is still made inside it, not kept.
+    For a capture whose owner checks the sources' versions before every replay
+    (`specgen.replay.GraphReplay`); any other capture remakes them, so that a replay follows the
+    weights' current values."""
+    _reusing[0] += 1
+    try:
+        yield
+    finally:
+        _reusing[0] -= 1
+
+
+def reusing() -> bool:
+    """Whether a `reusing_caches` block is open."""
+    return _reusing[0] > 0
+
+
+def cache_readable(t: torch.Tensor) -> tuple[bool, bool]:
+    """(may a kept derived tensor of `t` be read, may a new one be kept): (True, True) outside a
+    capture, (False, False) inside one, (True, False) inside one under `reusing_caches`."""
+    if not capturing(t):
+        return True, True
+    return reusing(), False
+
+
 def derived(t: torch.Tensor, what: str, make):
-    """`make(t)`, kept while `t` lives and is unchanged (its version counter), remade under capture."""
-    capturing_now = capturing(t)
+    """`make(t)`, kept while `t` lives and is unchanged (its version counter), remade under capture
+    (but see `reusing_caches`)."""
+    read, keep = cache_readable(t)
     key = (id(t), what)
-    if not capturing_now:
+    if read:
         hit = _derived.get(key)
         if hit is not None and hit[0]() is t and hit[1] == t._version:
             return hit[2]
     with torch.no_grad():
         value = make(t.detach())
-    if not capturing_now:
+    if keep:
         for k in [k for k, v in _derived.items() if v[0]() is None]:  # forget tensors that are gone
             del _derived[k]
         _derived[key] = (weakref.ref(t), t._version, value)

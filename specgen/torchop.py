@@ -445,14 +445,14 @@ def gemm_layout(plan: dict) -> tuple:
 def gemm_weight(weight: torch.Tensor, layout: tuple) -> torch.Tensor:
     """`weight` [C_OUT, C_IN, k...] as the implicit-GEMM kernel reads it: [C_OUT, TAPS_PAD, CIP];
     for a transposed conv ([C_IN, C_OUT, k...]), each stride phase's taps so, phase after phase."""
-    capturing = tmarun.capturing(weight)
-    if not capturing:
+    read, keep = tmarun.cache_readable(weight)
+    if read:
         hit = _permuted.get(id(weight))
         if hit is not None and hit[0]() is weight and hit[1] == weight._version and hit[2] == layout:
             return hit[3]
     with torch.no_grad():
         w = _phase_weights(weight.detach(), layout) if layout[0] == "phases" else _permuted_weights(weight.detach(), layout)
-    if not capturing:
+    if keep:
         for k in [k for k, v in _permuted.items() if v[0]() is None]:  # forget weights that are gone
             del _permuted[k]
         _permuted[id(weight)] = (weakref.ref(weight), weight._version, layout, w)

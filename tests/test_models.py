@@ -113,7 +113,8 @@ def test_bench_model_rows_and_chains(cpu_as_gpu):
     bench = cpu_as_gpu
     cls = models.Conv3dStack
     result = bench.bench_model(cls.make(), cls.example_input(batch=2, small=True), reps=2, compile=False)
-    assert [r["name"] for r in result["rows"]] == ["eager", "specgen"]
+    names = [r["name"] for r in result["rows"]]  # (a CUDA graph taken: the fused model without it too)
+    assert names in (["eager", "specgen"], ["eager", "specgen", "specgen, no CUDA graph"])
     assert result["chains_fusable"] == result["chains_fused"] == CHAINS["Conv3dStack"]
     eager, fused = result["rows"]
     assert "error" not in eager and "error" not in fused, result["rows"]
@@ -189,7 +190,8 @@ def test_bench_model_on_the_gpu():
 
     cls = models.Conv3dStack
     result = bench.bench_model(cls.make(), cls.example_input(batch=2, small=True), reps=5, compile=False)
-    assert [r["name"] for r in result["rows"]] == ["eager", "specgen"]
+    names = [r["name"] for r in result["rows"]]  # (a CUDA graph taken: the fused model without it too)
+    assert names in (["eager", "specgen"], ["eager", "specgen", "specgen, no CUDA graph"])
     assert all(r["ms"] > 0 and r["rel_l2"] < 1e-4 for r in result["rows"])
     assert all(c["how"] in ("measured", "cached") and c["specgen_ms"] > 0 for c in result["chains"])
     print(bench.format_model_table(result))

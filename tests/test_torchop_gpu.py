@@ -11,6 +11,7 @@ import torch.nn as nn  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from specgen import reference, runtime  # noqa: E402
+from specgen.ops import NORMS  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 from specgen.spec import load_specs  # noqa: E402
 
@@ -59,10 +60,12 @@ def test_opcheck_with_the_kernel(spec):
     assert layer.key is not None and layer.op.name == f"{spec.name}_{layer.key[:12]}"
     x = cuda_input(spec, 2).requires_grad_()
     args = layer.op.arguments(x, layer.conv.weight, layer.conv.bias, layer.spec_params())
-    # Gradients through batch statistics sum over the whole batch: eager's cuDNN batch norm and the
-    # decomposition AOTAutograd traces round differently (measured 1.05e-4 on one element of 64)
-    batch_stats = any(st.op == "batch_norm" and getattr(st.args, "training", False) for st in spec.epilogue)
-    tol = 1e-3 if batch_stats else 1e-4
+    # Gradients through statistics sum over many values: eager's kernels (cuDNN's batch norm, the
+    # norms') and the decompositions AOTAutograd traces round differently (measured 1.05e-4 on one
+    # element of 64 through batch statistics; 1.2e-4 on a conv bias ahead of a layer norm over W,
+    # whose exact gradient is 0, so that only rounding is left)
+    stats = any((st.op == "batch_norm" and getattr(st.args, "training", False)) or st.op in NORMS for st in spec.epilogue)
+    tol = 1e-3 if stats else 1e-4
     torch.library.opcheck(layer.op.opdef, args, atol=tol, rtol=tol)
 
 

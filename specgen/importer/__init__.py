@@ -167,7 +167,8 @@ def explain(model: nn.Module, *example_inputs, measure: bool = False, precision:
     return imp.report(_choices(imp, keep_slower=False))
 
 
-def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, precision: Optional[str] = None) -> nn.Module:
+def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, precision: Optional[str] = None,
+                cuda_graph: Optional[bool] = None) -> nn.Module:
     """`model` with every fusable chain run by a FusedLayer sharing the model's parameters.
 
     Precision as in `explain`: 16-bit chains in their dtype, float32 chains in `tf32` while cuDNN's
@@ -185,7 +186,14 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, pr
     by 3% (WHOLE_MODEL_MARGIN). All timing runs under torch.no_grad(): a forward with autograd on
     records each fused chain for the backward (host time that counts at small batches, where
     a fused model can then be slower than the original), and a backward recomputes each chain
-    with PyTorch ops before differentiating it."""
+    with PyTorch ops before differentiating it.
+
+    CUDA graph (`cuda_graph`): an eval-mode model on CUDA inputs is also captured whole in a CUDA
+    graph for the example inputs' shapes (`specgen.replay.GraphReplay`: one launch per forward,
+    no host time per kernel). With None (the default) the graph is timed against the model
+    chosen above and returned, wrapping it, when faster by the same margin (the report's
+    `.graph` holds both times); True takes it untimed, False never. Calls that cannot replay
+    (autograd on, other shapes, training mode) run the chosen model."""
     log = get_logger()
     imp = _importer(model, example_inputs, precision)
     if isinstance(imp, str):
@@ -205,7 +213,9 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, pr
     imp.chains = [chain for chain, choice in zip(imp.chains, choices) if choice.fused]
     fused = rewrite.fused_graph(imp)
     fused.specgen_report = report
-    if imp.chains and not keep_slower and _unmeasurable(imp) is None:
+    chosen: nn.Module = fused
+    measurable = imp.chains and not keep_slower and _unmeasurable(imp) is None
+    if measurable:
         # Chains that win alone can still lose together (caches, launch gaps): the whole model is
         # timed once more, and the original is kept unless the fused one is faster by a margin
         # (a launch-bound model's times move by a few percent from run to run).
@@ -214,10 +224,56 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, pr
             fused_ms, plain_ms = measured.compare(lambda a: fused(*a), lambda a: model(*a), inputs)
         report.whole_model = (fused_ms, plain_ms)
         if fused_ms >= plain_ms * WHOLE_MODEL_MARGIN:
-            log.warning(
-                "%s: the fused model (%.3f ms) is not faster than the original (%.3f ms) at this batch: "
-                "keeping the original (keep_slower=True fuses anyway)", imp.name, fused_ms, plain_ms,
-            )
-            model.specgen_report = report  # the original, with the report that says why
-            return model
+            chosen = model
+    if imp.chains and cuda_graph is not False:
+        graphed = _graph_choice(imp, model, fused, chosen, example_inputs, cuda_graph, measurable, report)
+        if graphed is not None:
+            graphed.specgen_report = report
+            return graphed
+    if chosen is model:
+        fused_ms, plain_ms = report.whole_model
+        log.warning(
+            "%s: the fused model (%.3f ms) is not faster than the original (%.3f ms) at this batch: "
+            "keeping the original (keep_slower=True fuses anyway)", imp.name, fused_ms, plain_ms,
+        )
+        model.specgen_report = report  # the original, with the report that says why
+        return model
     return fused
+
+
+def _graph_choice(imp: Analysis, model: nn.Module, fused: nn.Module, chosen: nn.Module, example_inputs: tuple,
+                  cuda_graph: Optional[bool], measurable: bool, report: ImportReport):
+    """The fused model replayed from a CUDA graph (`specgen.replay`), its other calls running
+    `chosen`; or None where no graph is taken: asked not to, the inputs or model do not allow one
+    (CPU tensors, training mode, a forward that cannot be captured), or (`cuda_graph=None`) the
+    graph is not faster than `chosen` by WHOLE_MODEL_MARGIN."""
+    from specgen.replay import GraphReplay
+
+    log = get_logger()
+    why = None
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
+        why = "the example inputs are not all CUDA tensors"
+    elif any(m.training for m in model.modules()):
+        why = "the model is in training mode"
+    elif cuda_graph is None and not measurable:
+        why = "not measured (keep_slower=True)" if imp.chains and _unmeasurable(imp) is None else "not measured"
+    if why is None:
+        try:  # (an eval-mode forward changes no buffer: nothing to restore, no version moved)
+            graphed = GraphReplay(fused, *example_inputs, fallback=chosen)
+        except Exception as err:  # noqa: BLE001  (a forward that syncs or allocates on the host cannot be captured)
+            why = f"the forward cannot be captured: {type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
+    if why is not None:
+        if cuda_graph:
+            log.warning("%s: no CUDA graph: %s", imp.name, why)
+        else:
+            log.info("%s: no CUDA graph: %s", imp.name, why)
+        return None
+    if cuda_graph is None:
+        inputs = [tuple(example_inputs)]
+        graph_ms, plain_ms = measured.compare(lambda a: graphed(*a), lambda a: chosen(*a), inputs)
+        report.graph = (graph_ms, plain_ms)
+        if graph_ms >= plain_ms * WHOLE_MODEL_MARGIN:
+            log.info("%s: the CUDA graph (%.3f ms) is not faster than the %s model (%.3f ms): not taken",
+                     imp.name, graph_ms, "fused" if chosen is fused else "original", plain_ms)
+            return None
+    return graphed

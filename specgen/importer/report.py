@@ -53,6 +53,8 @@ class ImportReport:
     choices: list[Choice] = field(default_factory=list)
     # from_module's last check: (fused, original) milliseconds of the whole model; None: not timed
     whole_model: tuple | None = None
+    # from_module's CUDA-graph check: (graph replay, the model it would replace) milliseconds; None: not timed
+    graph: tuple | None = None
 
     @property
     def fused_specs(self) -> list[LayerSpec]:
@@ -77,6 +79,10 @@ class ImportReport:
             fused_ms, plain_ms = self.whole_model
             verdict = "fused" if fused_ms < plain_ms else "kept the original (not faster fused)"
             lines.append(f"  whole model: fused {fused_ms:.3f} ms, original {plain_ms:.3f} ms: {verdict}")
+        if self.graph is not None:
+            graph_ms, plain_ms = self.graph
+            verdict = "replayed from the graph" if graph_ms < plain_ms else "not taken (not faster)"
+            lines.append(f"  CUDA graph: {graph_ms:.3f} ms against {plain_ms:.3f} ms: {verdict}")
         return "\n".join(lines)
 
     def yaml(self) -> str:

@@ -1,0 +1,172 @@
+"""specgen.replay: a fused model replayed from one CUDA graph, and from_module's choice of it.
+
+Without a GPU: the wrapper refuses inputs it cannot capture, the capture caches' switch, and
+from_module never wraps a model whose inputs are not on a GPU. On the GPU: replays match the
+float64 model, return fresh tensors, write every output element (poisoned first), and every call
+that cannot replay (autograd on, another batch, training mode, another capture underway) runs the
+plain model; an in-place weight update captures again."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+from specgen import tmarun  # noqa: E402
+from specgen.importer import WHOLE_MODEL_MARGIN, from_module  # noqa: E402
+from specgen.replay import GraphReplay  # noqa: E402
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+    )
+    with torch.no_grad():
+        bn = model[1]
+        bn.running_mean.normal_(0, 0.2)
+        bn.running_var.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def test_refuses_inputs_that_are_not_cuda_tensors():
+    with pytest.raises(ValueError, match=r"example inputs must be CUDA tensors \(argument 0 is Tensor on cpu\)"):
+        GraphReplay(_model(), torch.randn(2, 3, 8, 8))
+    with pytest.raises(ValueError, match="example inputs must be CUDA tensors"):
+        GraphReplay(_model())
+
+
+def test_reusing_caches_nests_and_reads_only_under_capture():
+    t = torch.randn(3)
+    assert tmarun.cache_readable(t) == (True, True)  # no capture (a CPU tensor never is)
+    assert not tmarun.reusing()
+    with tmarun.reusing_caches():
+        with tmarun.reusing_caches():
+            assert tmarun.reusing()
+        assert tmarun.reusing()
+        assert tmarun.cache_readable(t) == (True, True)
+    assert not tmarun.reusing()
+    with pytest.raises(RuntimeError):
+        with tmarun.reusing_caches():
+            raise RuntimeError("boom")
+    assert not tmarun.reusing()  # closed on the way out of an error
+
+
+def test_from_module_on_cpu_inputs_takes_no_graph():
+    model, x = _model(), torch.randn(2, 3, 16, 16)
+    for cuda_graph in (None, True):
+        fused = from_module(model, x, cuda_graph=cuda_graph)
+        assert not isinstance(fused, GraphReplay)
+        assert fused.specgen_report.graph is None
+
+
+# -- on the GPU ----------------------------------------------------------------------------------
+
+
+def _rel_l2(got, want) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def _reference(model, x):
+    import copy
+
+    with torch.no_grad():
+        return copy.deepcopy(model).double()(x.double())
+
+
+@pytest.fixture
+def graphed():
+    model = _model().cuda()
+    x = torch.randn(2, 3, 16, 16, device="cuda")
+    fused = from_module(model, x, precision="fp32", cuda_graph=True)
+    assert isinstance(fused, GraphReplay) and fused.captures == 1
+    return model, fused
+
+
+@pytest.mark.gpu
+def test_replays_match_float64_and_write_every_element(graphed):
+    model, fused = graphed
+    for _ in range(3):
+        x = torch.randn(2, 3, 16, 16, device="cuda")
+        fused._static_out.fill_(float("nan"))  # poisoned: the replay must write all of it
+        before = fused.replays
+        with torch.no_grad():
+            y = fused(x)
+        assert fused.replays == before + 1
+        assert torch.isfinite(y).all()
+        assert _rel_l2(y, _reference(model, x)) <= 1e-5
+        with torch.no_grad():
+            torch.testing.assert_close(y, model(x), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_each_call_returns_a_fresh_tensor(graphed):
+    model, fused = graphed
+    x1, x2 = (torch.randn(2, 3, 16, 16, device="cuda") for _ in range(2))
+    with torch.inference_mode():
+        y1 = fused(x1)
+        kept = y1.clone()
+        y2 = fused(x2)
+    assert fused.replays == 2
+    assert y1.data_ptr() != y2.data_ptr() and torch.equal(y1, kept)  # the second call did not overwrite the first
+    assert not torch.equal(y1, y2)
+
+
+@pytest.mark.gpu
+def test_calls_that_cannot_replay_run_the_plain_model(graphed):
+    model, fused = graphed
+    x = torch.randn(2, 3, 16, 16, device="cuda")
+    y = fused(x)  # autograd on: the plain path, differentiable
+    assert fused.replays == 0 and y.requires_grad
+    y.sum().backward()
+    assert model[0].weight.grad is not None
+    with torch.no_grad():
+        other = torch.randn(5, 3, 16, 16, device="cuda")  # another batch
+        assert _rel_l2(fused(other), _reference(model, other)) <= 1e-5
+        assert fused.replays == 0
+        graph = torch.cuda.CUDAGraph()  # a caller's own capture records the plain path
+        with torch.cuda.graph(graph):
+            captured = fused(x)
+        graph.replay()
+        assert fused.replays == 0
+        assert _rel_l2(captured, _reference(model, x)) <= 1e-5
+        model.train()
+        fused.train()
+        fused(x)
+        assert fused.replays == 0
+        model.eval()
+        fused.eval()
+        fused(x)
+        assert fused.replays == 1
+
+
+@pytest.mark.gpu
+def test_an_in_place_weight_update_captures_again(graphed):
+    model, fused = graphed
+    x = torch.randn(2, 3, 16, 16, device="cuda")
+    with torch.no_grad():
+        fused(x)
+        model[0].weight.mul_(-0.5)  # the parameter object from_module shares with the fused layer
+        model[3].bias.add_(1.0)
+        y = fused(x)
+    assert fused.captures == 2 and fused.replays == 2
+    assert _rel_l2(y, _reference(model, x)) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_from_module_keeps_the_graph_only_where_it_measures_faster():
+    model = _model().cuda()
+    x = torch.randn(2, 3, 16, 16, device="cuda")
+    fused = from_module(model, x, precision="fp32")
+    report = fused.specgen_report
+    assert report.graph is not None
+    graph_ms, plain_ms = report.graph
+    assert isinstance(fused, GraphReplay) == (graph_ms < plain_ms * WHOLE_MODEL_MARGIN)
+    assert "CUDA graph:" in str(report)
+    with torch.no_grad():
+        x2 = torch.randn(2, 3, 16, 16, device="cuda")
+        assert _rel_l2(fused(x2), _reference(model, x2)) <= 1e-5
+    assert not isinstance(from_module(model, x, precision="fp32", cuda_graph=False), GraphReplay)
