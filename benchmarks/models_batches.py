@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     results = []
+    env = bench.environment()
     for name in args.model:
         cls = getattr(models, name)
         for batch in args.batch:
@@ -49,6 +50,8 @@ def main(argv=None) -> int:
             result = bench.bench_model(cls.make(), cls.example_input(batch, seed=batch), label=name, compile_fused=False)
             print(bench.format_model_table(result), flush=True)
             results.append(result)
+            if args.json:  # (after every model: a run cut short keeps what it measured)
+                Path(args.json).write_text(json.dumps({"environment": env, "results": results}, indent=1, default=str))
             torch.compiler.reset()
             torch.cuda.empty_cache()
     print("\nmodel           batch   eager ms  compile  c.r-o   specgen  x eager  x compile  x c.r-o  graph")
@@ -66,8 +69,6 @@ def main(argv=None) -> int:
         print(f"{r['model']:15} {r['batch']:5} {fmt(ms.get('eager'))} {fmt(ms.get('torch.compile'))} "
               f"{fmt(ms.get('torch.compile reduce-overhead'))} {fmt(s)} {'  '.join(cells)}  {graph}")
     print("geomean: " + ", ".join(f"{geomean(v):.2f}x {k}" for k, v in ratios.items()))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"environment": bench.environment(), "results": results}, indent=1, default=str))
     return 0
 
 
