@@ -142,3 +142,49 @@ def _calls_per_rep(fn, inputs: list) -> int:
     end.synchronize()
     once = max(start.elapsed_time(end), 1e-3)
     return max(1, min(MAX_INNER, int(TARGET_REP_MS / once)))
+
+
+GRAPH_CALLS = 20  # calls captured in each contender's graph (compare_graphed)
+
+
+def compare_graphed(first, second, inputs: list, reps: int = REPS, warmup: int = WARMUP) -> tuple[float, float]:
+    """Median milliseconds per call of `first(x)` and `second(x)` on the GPU alone: each
+    contender's GRAPH_CALLS calls (the inputs cycled through) captured in a CUDA graph, the
+    replays timed between CUDA events, the contenders alternating rep by rep. What a call costs
+    inside a CUDA graph, where the host's launch time is gone (`specgen.replay`). Warm-up calls
+    first, on a side stream; the captures read the derived weights the warm-up kept
+    (`tmarun.reusing_caches`). Runs under torch.no_grad(); raises what a capture raises."""
+    import torch
+
+    from specgen import tmarun
+
+    first_input = inputs[0][0] if isinstance(inputs[0], (tuple, list)) else inputs[0]
+    graphs = []
+    with torch.no_grad(), torch.cuda.device(first_input.device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for fn in (first, second):
+                for i in range(warmup):
+                    fn(inputs[i % len(inputs)])
+        torch.cuda.current_stream().wait_stream(side)
+        for fn in (first, second):
+            graph = torch.cuda.CUDAGraph()
+            with tmarun.reusing_caches(), torch.cuda.graph(graph):
+                for i in range(GRAPH_CALLS):
+                    fn(inputs[i % len(inputs)])
+            graphs.append(graph)
+        for graph in graphs:
+            graph.replay()
+        torch.cuda.synchronize()
+        times: tuple[list, list] = ([], [])
+        for _ in range(reps):
+            for which, graph in enumerate(graphs):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times[which].append(start.elapsed_time(end) / GRAPH_CALLS)
+    return statistics.median(times[0]), statistics.median(times[1])

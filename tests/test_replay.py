@@ -16,6 +16,8 @@ nn = torch.nn
 from specgen import tmarun  # noqa: E402
 from specgen.importer import WHOLE_MODEL_MARGIN, from_module  # noqa: E402
 from specgen.replay import GraphReplay  # noqa: E402
+from test_importer_measured import _fused, _names, gpu  # noqa: E402,F401  (gpu: the fixture)
+from test_importer_measured import _model as _measured_model  # noqa: E402
 
 
 def _model() -> nn.Module:
@@ -61,6 +63,88 @@ def test_from_module_on_cpu_inputs_takes_no_graph():
         fused = from_module(model, x, cuda_graph=cuda_graph)
         assert not isinstance(fused, GraphReplay)
         assert fused.specgen_report.graph is None
+
+
+# -- from_module's choice, with the GPU stood in for (test_importer_measured's FakeGPU) ----------
+
+
+class FakeReplay(nn.Module):
+    """GraphReplay's stand-in: runs the module it would replay."""
+
+    def __init__(self, module, *example_inputs, fallback=None):
+        super().__init__()
+        self.module = module
+        object.__setattr__(self, "fallback", fallback)
+
+    def forward(self, *args):
+        return self.module(*args)
+
+
+@pytest.fixture
+def graph_gpu(gpu, monkeypatch):
+    import specgen.importer as importer_pkg
+    from specgen import measured, replay
+
+    gpu.graph_times = {}
+    gpu.graph_timed = []
+
+    def compare_graphed(fused, original, inputs):
+        gpu.graph_timed.append(fused.spec.name)
+        with torch.no_grad():
+            for x in inputs:
+                torch.testing.assert_close(fused(x), original(x))
+        return gpu.graph_times[fused.spec.name]
+
+    monkeypatch.setattr(importer_pkg, "_graph_possible", lambda model, inputs: None)
+    monkeypatch.setattr(measured, "compare_graphed", compare_graphed)
+    monkeypatch.setattr(replay, "GraphReplay", FakeReplay)
+    return gpu
+
+
+def test_inside_the_graph_each_chain_is_decided_by_its_gpu_time(graph_gpu):
+    model, x = _measured_model(), torch.randn(2, 3, 10, 10)
+    first, second = _names(model, x)
+    graph_gpu.times = {first: (0.5, 1.0), second: (0.5, 1.0)}  # both win with the host's time in
+    graph_gpu.graph_times = {first: (2.0, 1.0), second: (0.25, 1.0)}  # the first loses on the GPU alone
+    graph_gpu.whole = [(1.0, 2.0), (0.5, 1.0)] * 2  # fused beats the original; the graph beats the fused model
+    result = from_module(model, x)
+    assert isinstance(result, FakeReplay) and graph_gpu.graph_timed == [first, second]
+    assert [layer.spec.name for layer in _fused(result.module)] == [second]  # what the graph replays
+    assert [layer.spec.name for layer in _fused(result.fallback)] == [first, second]  # what other calls run
+    report = result.specgen_report
+    assert [c.fused for c in report.graph_choices] == [False, True] and report.graph == (0.5, 1.0)
+    text = str(report)
+    assert "[in the CUDA graph: kept as PyTorch: specgen 2.0000 ms, PyTorch 1.0000 ms (graph measured)]" in text
+    assert "CUDA graph: 0.500 ms against 1.000 ms: replayed from the graph" in text
+    with torch.no_grad():
+        torch.testing.assert_close(result(x), model(x))
+    from_module(model, x)  # a second import: the decisions come from the cache
+    assert graph_gpu.graph_timed == [first, second]
+
+
+def test_agreeing_decisions_replay_the_fused_model_itself(graph_gpu):
+    model, x = _measured_model(), torch.randn(2, 3, 10, 10)
+    names = _names(model, x)
+    graph_gpu.times = {name: (0.5, 1.0) for name in names}
+    graph_gpu.graph_times = {name: (0.5, 1.0) for name in names}
+    graph_gpu.whole = [(1.0, 2.0), (0.5, 1.0)]
+    result = from_module(model, x)
+    assert isinstance(result, FakeReplay) and result.module is result.fallback
+
+
+def test_a_graph_not_faster_is_not_taken(graph_gpu):
+    model, x = _measured_model(), torch.randn(2, 3, 10, 10)
+    names = _names(model, x)
+    graph_gpu.times = {name: (0.5, 1.0) for name in names}
+    graph_gpu.graph_times = {name: (0.5, 1.0) for name in names}
+    graph_gpu.whole = [(1.0, 2.0), (0.99, 1.0)]  # inside the 3% margin
+    result = from_module(model, x)
+    assert not isinstance(result, FakeReplay) and len(_fused(result)) == 2
+    assert result.specgen_report.graph == (0.99, 1.0)
+    assert "CUDA graph: 0.990 ms against 1.000 ms: replayed from the graph" not in str(result.specgen_report)
+    graph_gpu.whole = [(1.0, 2.0)]
+    assert not isinstance(from_module(model, x, cuda_graph=False), FakeReplay)
+    assert graph_gpu.whole == []  # (no graph timed)
 
 
 # -- on the GPU ----------------------------------------------------------------------------------
@@ -164,7 +248,11 @@ def test_from_module_keeps_the_graph_only_where_it_measures_faster():
     report = fused.specgen_report
     assert report.graph is not None
     graph_ms, plain_ms = report.graph
-    assert isinstance(fused, GraphReplay) == (graph_ms < plain_ms * WHOLE_MODEL_MARGIN)
+    assert isinstance(fused, GraphReplay) == (graph_ms < plain_ms * WHOLE_MODEL_MARGIN) == report.graph_taken
+    # each chain timed again inside a CUDA graph (GPU time alone), with positive times
+    assert [c.layer for c in report.graph_choices] == [c.layer for c in report.choices]
+    assert all(c.how in ("graph measured", "graph cached") and c.specgen_ms > 0 and c.pytorch_ms > 0
+               for c in report.graph_choices)
     assert "CUDA graph:" in str(report)
     with torch.no_grad():
         x2 = torch.randn(2, 3, 16, 16, device="cuda")

@@ -226,7 +226,10 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, pr
         if fused_ms >= plain_ms * WHOLE_MODEL_MARGIN:
             chosen = model
     if imp.chains and cuda_graph is not False:
-        graphed = _graph_choice(imp, model, fused, chosen, example_inputs, cuda_graph, measurable, report)
+        target = fused
+        if measurable and _graph_possible(model, example_inputs) is None:
+            target = _graph_fused(model, example_inputs, precision, fused, choices, report)
+        graphed = _graph_choice(imp, model, target, chosen, example_inputs, cuda_graph, measurable, report)
         if graphed is not None:
             graphed.specgen_report = report
             return graphed
@@ -241,21 +244,51 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, pr
     return fused
 
 
+def _graph_possible(model: nn.Module, example_inputs: tuple) -> Optional[str]:
+    """Why the model cannot be replayed from a CUDA graph on these inputs, or None."""
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
+        return "the example inputs are not all CUDA tensors"
+    if any(m.training for m in model.modules()):
+        return "the model is in training mode"
+    return None
+
+
+def _graph_fused(model: nn.Module, example_inputs: tuple, precision, fused: nn.Module, choices: list[Choice],
+                 report: ImportReport) -> nn.Module:
+    """The fused model a CUDA graph replays. Inside a graph a chain costs its GPU time alone, so
+    each chain is decided again by that (`rewrite.measure(gpu_only=True)`, cached apart): a kernel
+    that wins only by launching faster than PyTorch's several kernels loses there, and one that
+    loses only on the host wins. `fused` itself where the decisions agree (or cannot be made)."""
+    log = get_logger()
+    imp = _importer(model, example_inputs, precision)
+    if isinstance(imp, str) or [c.spec.name for c in imp.chains] != [c.layer for c in choices]:
+        return fused
+    try:
+        gpu = [rewrite.measure(imp, chain, gpu_only=True) for chain in imp.chains]
+    except Exception as err:  # noqa: BLE001  (a chain that cannot be captured: keep the other decisions)
+        log.info("%s: chains not timed inside a CUDA graph: %s: %s", imp.name, type(err).__name__, err)
+        return fused
+    report.graph_choices = gpu
+    if [c.fused for c in gpu] == [c.fused for c in choices]:
+        return fused
+    imp.chains = [chain for chain, choice in zip(imp.chains, gpu) if choice.fused]
+    log.info("%s: inside the CUDA graph, %d chain(s) run as kernels: %s", imp.name, len(imp.chains),
+             ", ".join(c.spec.name for c in imp.chains) or "none")
+    graph_fused = rewrite.fused_graph(imp)
+    graph_fused.specgen_report = report
+    return graph_fused
+
+
 def _graph_choice(imp: Analysis, model: nn.Module, fused: nn.Module, chosen: nn.Module, example_inputs: tuple,
                   cuda_graph: Optional[bool], measurable: bool, report: ImportReport):
-    """The fused model replayed from a CUDA graph (`specgen.replay`), its other calls running
-    `chosen`; or None where no graph is taken: asked not to, the inputs or model do not allow one
+    """`fused` replayed from a CUDA graph (`specgen.replay`), its other calls running `chosen`; or None where no graph is taken: asked not to, the inputs or model do not allow one
     (CPU tensors, training mode, a forward that cannot be captured), or (`cuda_graph=None`) the
     graph is not faster than `chosen` by WHOLE_MODEL_MARGIN."""
     from specgen.replay import GraphReplay
 
     log = get_logger()
-    why = None
-    if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
-        why = "the example inputs are not all CUDA tensors"
-    elif any(m.training for m in model.modules()):
-        why = "the model is in training mode"
-    elif cuda_graph is None and not measurable:
+    why = _graph_possible(model, example_inputs)
+    if why is None and cuda_graph is None and not measurable:
         why = "not measured (keep_slower=True)" if imp.chains and _unmeasurable(imp) is None else "not measured"
     if why is None:
         try:  # (an eval-mode forward changes no buffer: nothing to restore, no version moved)
@@ -276,4 +309,5 @@ def _graph_choice(imp: Analysis, model: nn.Module, fused: nn.Module, chosen: nn.
             log.info("%s: the CUDA graph (%.3f ms) is not faster than the %s model (%.3f ms): not taken",
                      imp.name, graph_ms, "fused" if chosen is fused else "original", plain_ms)
             return None
+    report.graph_taken = True
     return graphed

@@ -55,6 +55,9 @@ class ImportReport:
     whole_model: tuple | None = None
     # from_module's CUDA-graph check: (graph replay, the model it would replace) milliseconds; None: not timed
     graph: tuple | None = None
+    graph_taken: bool = False  # whether from_module returned the graph (times within its margin are not taken)
+    # from_module's decisions for the CUDA graph: one Choice per spec, timed inside a graph (empty: none made)
+    graph_choices: list[Choice] = field(default_factory=list)
 
     @property
     def fused_specs(self) -> list[LayerSpec]:
@@ -67,11 +70,14 @@ class ImportReport:
         also = f" ({kept} more kept as PyTorch: not faster fused)" if kept else ""
         lines = [f"{self.model}: {len(self.specs) - kept} fused layer(s){also}, {len(self.fallbacks)} node(s) run as PyTorch"]
         choice = {c.layer: c for c in self.choices}
+        in_graph = {c.layer: c for c in self.graph_choices}
         for spec in self.specs:
             stages = ", ".join(stage.op for stage in spec.epilogue)
             line = f"  {spec.name}: conv{spec.ndim}d {spec.input.channels}->{spec.conv.out_channels} | {stages}"
             if spec.name in choice and choice[spec.name].specgen_ms is not None:
                 line += f"  [{choice[spec.name]}]"
+            if spec.name in in_graph and in_graph[spec.name].specgen_ms is not None:
+                line += f"  [in the CUDA graph: {in_graph[spec.name]}]"
             lines.append(line)
         for fb in self.fallbacks:
             lines.append(f"  not fused: {fb.node}: {fb.reason}")
@@ -81,7 +87,7 @@ class ImportReport:
             lines.append(f"  whole model: fused {fused_ms:.3f} ms, original {plain_ms:.3f} ms: {verdict}")
         if self.graph is not None:
             graph_ms, plain_ms = self.graph
-            verdict = "replayed from the graph" if graph_ms < plain_ms else "not taken (not faster)"
+            verdict = "replayed from the graph" if self.graph_taken else "not taken (not faster by the margin)"
             lines.append(f"  CUDA graph: {graph_ms:.3f} ms against {plain_ms:.3f} ms: {verdict}")
         return "\n".join(lines)
 

@@ -119,8 +119,10 @@ def original(imp: Analysis, chain) -> Optional[fx.GraphModule]:
     return fx.GraphModule(root, graph, class_name=f"Original_{chain.spec.name}")
 
 
-def measure(imp: Analysis, chain) -> Choice:
-    """Time the chain as PyTorch and as its kernel on its GPU (or take the cached decision)."""
+def measure(imp: Analysis, chain, gpu_only: bool = False) -> Choice:
+    """Time the chain as PyTorch and as its kernel on its GPU (or take the cached decision).
+    `gpu_only`: each inside a CUDA graph (`measured.compare_graphed`: no host time, as a chain
+    costs in `specgen.replay`'s graph), cached apart; how="graph measured" / "graph cached"."""
     name = chain.spec.name
     device = chain.weight.tensor.device
     if not _is_gpu(device):
@@ -129,24 +131,27 @@ def measure(imp: Analysis, chain) -> Choice:
     plain = original(imp, chain)
     if plain is None or layer.key is None:
         return Choice(name, True, how="not measured (the chain reads another model input)")
-    key = measured.decision_key(
-        layer.key, measured.gpu_identity(device), measured.batch_bucket(chain.batch), measured.torch_context()
-    )
+    context = measured.torch_context()
+    if gpu_only:
+        context["graph"] = True
+    key = measured.decision_key(layer.key, measured.gpu_identity(device), measured.batch_bucket(chain.batch), context)
+    prefix = "graph " if gpu_only else ""
     record = measured.load(key)
     if record is not None:
         ms, pt = record["specgen_ms"], record["pytorch_ms"]
-        return Choice(name, ms < pt, ms, pt, "cached")
+        return Choice(name, ms < pt, ms, pt, prefix + "cached")
     inp = chain.conv.args[0] if chain.conv.args else chain.conv.kwargs["input"]
     shapes = [shape_of(inp), *(shape_of(n) for n in chain.inputs.values())]
     generator = torch.Generator(device=device).manual_seed(0)
     inputs = [[torch.randn(s, device=device, generator=generator).to(chain.dtype) for s in shapes] for _ in range(2)]
+    compare = measured.compare_graphed if gpu_only else measured.compare
     with buffers_kept(imp.model, layer):  # a training-mode batch norm updates its running statistics on every call
         if chain.inputs:  # the extra inputs too, fresh random tensors of their shapes
-            ms, pt = measured.compare(lambda a: layer(*a), lambda a: plain(*a), [tuple(a) for a in inputs])
+            ms, pt = compare(lambda a: layer(*a), lambda a: plain(*a), [tuple(a) for a in inputs])
         else:
-            ms, pt = measured.compare(layer, plain, [a[0] for a in inputs])
+            ms, pt = compare(layer, plain, [a[0] for a in inputs])
     measured.store(key, {"layer": name, "batch": chain.batch, "specgen_ms": ms, "pytorch_ms": pt})
-    return Choice(name, ms < pt, ms, pt, "measured")
+    return Choice(name, ms < pt, ms, pt, prefix + "measured")
 
 
 def fused_graph(imp: Analysis) -> fx.GraphModule:
