@@ -14,8 +14,10 @@ A call replays the graph when all of these hold, and otherwise runs the model as
 - no CUDA-graph capture is underway on the current stream (a caller's own graph captures the
   plain path);
 - the model's parameters and buffers are unchanged since the capture (their version counters):
-  an in-place update (an optimizer step, `load_state_dict`) makes the next call capture again.
-  A parameter replaced by another tensor object is not seen: call `recapture()` after that.
+  an in-place update (an optimizer step, `load_state_dict`) makes the next call capture again, and
+  so do a conversion (`.to()`, `.half()`, ...), `copy.deepcopy` and pickling (the copy captures
+  its own graph on its first call that can replay). A parameter replaced by another tensor object
+  is not seen: call `recapture()` after that.
 
 Each call copies its inputs into the graph's input tensors and clones the outputs out of the
 graph's, so it returns fresh tensors as the model does; calls that replay take a lock (the graph's
@@ -40,6 +42,16 @@ from specgen import tmarun
 WARMUP_CALLS = 2  # forwards before a capture (on a side stream): kernels loaded, caches filled
 
 
+def _check_inputs(example_inputs: tuple) -> None:
+    bad = [i for i, t in enumerate(example_inputs) if not (isinstance(t, torch.Tensor) and t.is_cuda)]
+    if not example_inputs or bad:
+        raise ValueError(
+            "GraphReplay: example inputs must be CUDA tensors"
+            + (f" (argument {bad[0]} is {type(example_inputs[bad[0]]).__name__}"
+               f"{' on ' + example_inputs[bad[0]].device.type if isinstance(example_inputs[bad[0]], torch.Tensor) else ''})" if bad else "")
+        )
+
+
 class GraphReplay(nn.Module):
     """`module`'s forward on `example_inputs`' signature replayed from a CUDA graph (see the module
     docstring for when); other calls run `fallback` (default `module`) as usual. Attributes the
@@ -47,13 +59,7 @@ class GraphReplay(nn.Module):
 
     def __init__(self, module: nn.Module, *example_inputs: torch.Tensor, fallback: nn.Module | None = None):
         super().__init__()
-        bad = [i for i, t in enumerate(example_inputs) if not (isinstance(t, torch.Tensor) and t.is_cuda)]
-        if not example_inputs or bad:
-            raise ValueError(
-                "GraphReplay: example inputs must be CUDA tensors"
-                + (f" (argument {bad[0]} is {type(example_inputs[bad[0]]).__name__}"
-                   f"{' on ' + example_inputs[bad[0]].device.type if isinstance(example_inputs[bad[0]], torch.Tensor) else ''})" if bad else "")
-            )
+        _check_inputs(example_inputs)
         self.module = module
         # (not registered as a submodule: the fallback is the model itself or the original, whose
         # parameters `module` shares; state_dict() and .to() go through `module` alone)
@@ -61,14 +67,40 @@ class GraphReplay(nn.Module):
         self._signature = tuple((tuple(t.shape), t.dtype, t.device) for t in example_inputs)
         self._device = example_inputs[0].device
         self._lock = threading.Lock()
+        self._forget()
+        self.captures = 0  # how many times the graph was captured (the first one included)
+        self.replays = 0
+        self._capture(example_inputs)
+
+    def _forget(self) -> None:
+        """Drop the graph and its tensors: the next call that can replay captures again."""
         self._graph = None
         self._static_in: tuple = ()
         self._static_out = None
         self._tensors: list[torch.Tensor] = []
         self._versions: list[int] = []
-        self.captures = 0  # how many times the graph was captured (the first one included)
-        self.replays = 0
-        self._capture(example_inputs)
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .cuda(), .half(), ...: conversions may move the parameters' memory without moving
+        # their version counters, so the graph goes (the next call that can replay captures again);
+        # a fallback other than the module (the original model, sharing its parameters) follows.
+        super()._apply(fn, recurse)
+        if self.fallback is not self.module:
+            self.fallback._apply(fn, recurse)
+        self._forget()
+        return self
+
+    def __getstate__(self):
+        # (copy.deepcopy and pickle: a CUDA graph and a lock are neither; the copy captures its own)
+        state = self.__dict__.copy()
+        for name in ("_graph", "_static_out", "_lock"):
+            state[name] = None
+        state["_static_in"], state["_tensors"], state["_versions"] = (), [], []
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._lock = threading.Lock()
 
     def __getattr__(self, name: str):
         try:
@@ -108,9 +140,10 @@ class GraphReplay(nn.Module):
         self.captures += 1
 
     def recapture(self) -> None:
-        """Capture again (after replacing a parameter or buffer by another tensor object)."""
+        """Drop the graph, so that the next call that can replay captures again (after replacing a
+        parameter or buffer by another tensor object)."""
         with self._lock:
-            self._capture(self._static_in)
+            self._forget()
 
     # -- calls -----------------------------------------------------------------------------------
 
@@ -126,7 +159,9 @@ class GraphReplay(nn.Module):
         if not self._replays(args, kwargs) or not self._lock.acquire(blocking=False):
             return self.fallback(*args, **kwargs)
         try:
-            if [t._version for t in self._tensors] != self._versions:
+            if self._graph is None:
+                self._capture(args)
+            elif [t._version for t in self._tensors] != self._versions:
                 self._capture(self._static_in)
             for static, t in zip(self._static_in, args):
                 static.copy_(t)

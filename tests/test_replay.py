@@ -41,6 +41,42 @@ def test_refuses_inputs_that_are_not_cuda_tensors():
         GraphReplay(_model())
 
 
+@pytest.fixture
+def cpu_replay(monkeypatch):
+    """GraphReplay on the CPU: its capture stood in for (records its inputs, "captures" nothing)."""
+    from specgen import replay
+
+    def capture(self, inputs):
+        self._graph, self._static_in = object(), tuple(t.clone() for t in inputs)
+        self._tensors = self._watched()
+        self._versions = [t._version for t in self._tensors]
+        self.captures += 1
+
+    monkeypatch.setattr(replay, "_check_inputs", lambda inputs: None)
+    monkeypatch.setattr(GraphReplay, "_capture", capture)
+    return GraphReplay(_model(), torch.randn(2, 3, 8, 8))
+
+
+def test_conversions_and_copies_drop_the_graph(cpu_replay):
+    import copy
+    import pickle
+
+    g = cpu_replay
+    assert g.captures == 1 and g._graph is not None
+    g.module.note = "from the module"
+    assert g.note == "from the module"  # attributes the wrapper lacks come from the module
+    twin = copy.deepcopy(g)
+    assert twin._graph is None and twin._static_in == () and g._graph is not None  # the copy captures its own
+    assert twin.fallback is twin.module and twin.module is not g.module
+    assert twin._lock is not g._lock and twin._lock.acquire(blocking=False)
+    back = pickle.loads(pickle.dumps(g))
+    assert back._graph is None and back.captures == 1
+    g.double()  # a conversion: parameters may move without their version counters
+    assert g._graph is None and g.module[0].weight.dtype == torch.float64
+    g.recapture()
+    assert g._graph is None
+
+
 def test_reusing_caches_nests_and_reads_only_under_capture():
     t = torch.randn(3)
     assert tmarun.cache_readable(t) == (True, True)  # no capture (a CPU tensor never is)
@@ -258,3 +294,19 @@ def test_from_module_keeps_the_graph_only_where_it_measures_faster():
         x2 = torch.randn(2, 3, 16, 16, device="cuda")
         assert _rel_l2(fused(x2), _reference(model, x2)) <= 1e-5
     assert not isinstance(from_module(model, x, precision="fp32", cuda_graph=False), GraphReplay)
+
+
+@pytest.mark.gpu
+def test_a_copy_or_a_conversion_captures_its_own_graph(graphed):
+    import copy
+
+    model, fused = graphed
+    twin = copy.deepcopy(fused)
+    x = torch.randn(2, 3, 16, 16, device="cuda")
+    with torch.no_grad():
+        want = _reference(model, x)
+        assert _rel_l2(twin(x), want) <= 1e-5 and twin.captures == 2 and twin.replays == 1
+        fused.cuda()  # a conversion (here to where it is): the graph goes, the next call captures again
+        assert _rel_l2(fused(x), want) <= 1e-5 and fused.captures == 2 and fused.replays == 1
+        twin.module[0].weight.mul_(2.0)  # the copy's parameters are its own
+        assert _rel_l2(fused(x), want) <= 1e-5
