@@ -106,6 +106,8 @@ class GraphReplay(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            if name.startswith("_"):  # (never a protocol's hook: copy looks up __deepcopy__ so, fx's GraphModule has one)
+                raise
             return getattr(super().__getattr__("module"), name)
 
     # -- capture ---------------------------------------------------------------------------------

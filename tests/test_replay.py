@@ -65,7 +65,11 @@ def test_conversions_and_copies_drop_the_graph(cpu_replay):
     assert g.captures == 1 and g._graph is not None
     g.module.note = "from the module"
     assert g.note == "from the module"  # attributes the wrapper lacks come from the module
+    g.module.__deepcopy__ = lambda memo: None  # as fx's GraphModule has one: never taken for the wrapper's
+    assert getattr(g, "__deepcopy__", None) is None and getattr(g, "_lock") is not None
+    del g.module.__deepcopy__
     twin = copy.deepcopy(g)
+    assert isinstance(twin, GraphReplay) and twin.captures == 1
     assert twin._graph is None and twin._static_in == () and g._graph is not None  # the copy captures its own
     assert twin.fallback is twin.module and twin.module is not g.module
     assert twin._lock is not g._lock and twin._lock.acquire(blocking=False)
