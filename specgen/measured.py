@@ -144,12 +144,13 @@ def _calls_per_rep(fn, inputs: list) -> int:
     return max(1, min(MAX_INNER, int(TARGET_REP_MS / once)))
 
 
-GRAPH_CALLS = 20  # calls captured in each contender's graph (compare_graphed)
+GRAPH_CALLS = 20  # at most this many calls captured in each contender's graph (compare_graphed)
 
 
 def compare_graphed(first, second, inputs: list, reps: int = REPS, warmup: int = WARMUP) -> tuple[float, float]:
     """Median milliseconds per call of `first(x)` and `second(x)` on the GPU alone: each
-    contender's GRAPH_CALLS calls (the inputs cycled through) captured in a CUDA graph, the
+    contender's calls (the inputs cycled through; as many as make a rep last about TARGET_REP_MS
+    host-inclusive, at most GRAPH_CALLS) captured in a CUDA graph, the
     replays timed between CUDA events, the contenders alternating rep by rep. What a call costs
     inside a CUDA graph, where the host's launch time is gone (`specgen.replay`). Warm-up calls
     first, on a side stream; the captures read the derived weights the warm-up kept
@@ -168,10 +169,13 @@ def compare_graphed(first, second, inputs: list, reps: int = REPS, warmup: int =
                 for i in range(warmup):
                     fn(inputs[i % len(inputs)])
         torch.cuda.current_stream().wait_stream(side)
+        # as many calls per graph as make a replay last about TARGET_REP_MS (one call of a long layer)
+        calls = min(_calls_per_rep(fn, inputs) for fn in (first, second))
+        calls = max(1, min(GRAPH_CALLS, calls))
         for fn in (first, second):
             graph = torch.cuda.CUDAGraph()
             with tmarun.reusing_caches(), torch.cuda.graph(graph):
-                for i in range(GRAPH_CALLS):
+                for i in range(calls):
                     fn(inputs[i % len(inputs)])
             graphs.append(graph)
         for graph in graphs:
@@ -186,5 +190,5 @@ def compare_graphed(first, second, inputs: list, reps: int = REPS, warmup: int =
                 graph.replay()
                 end.record()
                 end.synchronize()
-                times[which].append(start.elapsed_time(end) / GRAPH_CALLS)
+                times[which].append(start.elapsed_time(end) / calls)
     return statistics.median(times[0]), statistics.median(times[1])

@@ -9,7 +9,8 @@ shapes, dtypes and device) in a CUDA graph, once, and then replays it: one launc
 always (`True`) or never (`False`).
 
 A call replays the graph when all of these hold, and otherwise runs the model as usual:
-- autograd is off (`torch.no_grad()` or `torch.inference_mode()`), the model is in eval mode;
+- autograd is off (`torch.no_grad()` or `torch.inference_mode()`), the model is in eval mode,
+  autocast is off, and PyTorch's TF32 flags (cuDNN's, matmul's) are as they were at the capture;
 - the positional arguments are tensors of the captured shapes, dtypes and device, no keywords;
 - no CUDA-graph capture is underway on the current stream (a caller's own graph captures the
   plain path);
@@ -40,6 +41,18 @@ from torch.utils import _pytree
 from specgen import tmarun
 
 WARMUP_CALLS = 2  # forwards before a capture (on a side stream): kernels loaded, caches filled
+
+
+def _flags() -> tuple:
+    """The math flags PyTorch's kernels in the graph were chosen under (TF32 for convs and matmuls)."""
+    return torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+
+
+def _autocast() -> bool:
+    try:
+        return torch.is_autocast_enabled("cuda")
+    except TypeError:  # (older torch: no device argument, CUDA's autocast)
+        return torch.is_autocast_enabled()
 
 
 def _check_inputs(example_inputs: tuple) -> None:
@@ -79,6 +92,7 @@ class GraphReplay(nn.Module):
         self._static_out = None
         self._tensors: list[torch.Tensor] = []
         self._versions: list[int] = []
+        self._flags: tuple = ()
 
     def _apply(self, fn, recurse=True):
         # .to(), .cuda(), .half(), ...: conversions may move the parameters' memory without moving
@@ -138,6 +152,7 @@ class GraphReplay(nn.Module):
                 static_out = self.module(*static_in)
         self._tensors = self._watched()
         self._versions = [t._version for t in self._tensors]
+        self._flags = _flags()
         self._graph, self._static_in, self._static_out = graph, static_in, static_out
         self.captures += 1
 
@@ -151,6 +166,8 @@ class GraphReplay(nn.Module):
 
     def _replays(self, args, kwargs) -> bool:
         if kwargs or torch.is_grad_enabled() or self.module.training or len(args) != len(self._signature):
+            return False
+        if _autocast() or _flags() != self._flags:  # captured without autocast, under these math flags
             return False
         for t, (shape, dtype, device) in zip(args, self._signature):
             if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != device:

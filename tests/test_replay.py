@@ -50,6 +50,7 @@ def cpu_replay(monkeypatch):
         self._graph, self._static_in = object(), tuple(t.clone() for t in inputs)
         self._tensors = self._watched()
         self._versions = [t._version for t in self._tensors]
+        self._flags = replay._flags()
         self.captures += 1
 
     monkeypatch.setattr(replay, "_check_inputs", lambda inputs: None)
@@ -79,6 +80,37 @@ def test_conversions_and_copies_drop_the_graph(cpu_replay):
     assert g._graph is None and g.module[0].weight.dtype == torch.float64
     g.recapture()
     assert g._graph is None
+
+
+def test_which_calls_replay(cpu_replay, monkeypatch):
+    from specgen import replay
+
+    g, x = cpu_replay, torch.randn(2, 3, 8, 8)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    with torch.no_grad():
+        assert g._replays((x,), {})
+        assert not g._replays((x,), {"extra": 1})  # keywords
+        assert not g._replays((x[:1],), {})  # another batch
+        assert not g._replays((x.double(),), {})  # another dtype
+        assert not g._replays((x, x), {})  # another number of inputs
+        capturing[0] = True  # a caller's own capture
+        assert not g._replays((x,), {})
+        capturing[0] = False
+        monkeypatch.setattr(replay, "_autocast", lambda: True)
+        assert not g._replays((x,), {})
+        monkeypatch.setattr(replay, "_autocast", lambda: False)
+        old = torch.backends.cudnn.allow_tf32
+        torch.backends.cudnn.allow_tf32 = not old  # PyTorch's kernels in the graph were chosen under the other
+        try:
+            assert not g._replays((x,), {})
+        finally:
+            torch.backends.cudnn.allow_tf32 = old
+        assert g._replays((x,), {})
+        g.train()
+        assert not g._replays((x,), {})
+        g.eval()
+    assert not g._replays((x,), {})  # autograd on
 
 
 def test_reusing_caches_nests_and_reads_only_under_capture():
