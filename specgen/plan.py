@@ -412,26 +412,11 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     return plan_whole(spec, igemm_config, target, tma_config, settings)
 
 
-def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" = None, target: Target | None = None,
-               tma_config: "tma_engine.TmaConfig | None" = None, settings: Settings = DEFAULT_SETTINGS) -> dict:
-    """The plan of `spec` as one kernel, split nowhere: what `build_plan` returns for a layer it
-    does not rewrite, sequence or split (`tail.pool_split` asks it where the whole layer would run)."""
-    target = target or targets.DEFAULT
-    may_rewrite = spec.rewrites and settings.rewrites
-    nd = spec.ndim
-    geo = spec.conv_geometry()
-    consts: list[Constant] = []
-    shapes = spec.shapes()
-
-    cin, cout, groups = spec.input.channels, spec.conv.out_channels, spec.conv.groups
-    in3 = _spatial3(tuple(spec.input.size), 1)
-    k3, s3 = _spatial3(geo["kernel"], 1), _spatial3(geo["stride"], 1)
-    p3, d3 = _spatial3(geo["padding"], 0), _spatial3(geo["dilation"], 1)
-    conv_out = shapes[0].sizes[1:]
-    o3 = _spatial3(conv_out, 1)
-    taps = k3[0] * k3[1] * k3[2]
-
-    # ---- body levels: conv (+pointwise), then one level per pool (+pointwise) ----------------
+def _body_levels(spec: LayerSpec, shapes, o3: tuple, consts: list[Constant]) -> tuple[list[dict], int, dict | None]:
+    """Pass 1, the body: level 0 the conv (+ its pointwise ops), then one level per pool (+ its
+    pointwise ops), up to the first reduction (or global pool with no windowed pool after it).
+    Returns (levels, the epilogue index where the tail starts, the TMA epilogue's softmax over
+    the channels or None); appends the pointwise ops' constants to `consts`."""
     levels = [{"kind": "conv", "level": 0, "pointwise": [], "out": o3}]
     tail_start = len(spec.epilogue)
     later_windowed = [
@@ -486,33 +471,36 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
                 "pointwise": [],
             }
         )
-    # ---- rewrite: an avg-pool right after the conv folds into the conv ----------------------
-    rewrites: list[str] = []
-    fold = None
-    transposed = spec.conv.transposed
-    if may_rewrite and len(levels) > 1 and not transposed and _can_fold_avg_pool(spec, levels, s3, d3):
-        pool = levels.pop(1)
-        fold = {"orig_kernel": k3, "window": pool["kernel"], "window_size": pool["window"]}
-        new_k = tuple(k + w - 1 for k, w in zip(k3, pool["kernel"]))
-        dims = lambda t: "x".join(map(str, t[3 - nd:]))  # noqa: E731
-        saving = pool["window"] * math.prod(k3) / math.prod(new_k)
-        rewrites.append(
-            f"avg-pool fold: epilogue[{pool['index']}] {pool['op']} {dims(pool['kernel'])} folded into the conv "
-            f"(kernel {dims(k3)} -> {dims(new_k)}, stride {dims(pool['stride'])}): {saving:.2f}x fewer multiply-adds"
-        )
-        k3, s3, o3 = new_k, pool["stride"], pool["out"]
-        levels[0]["out"] = o3
-        levels[0]["pointwise"] = levels[0]["pointwise"] + pool["pointwise"]  # (the affine stages, now after the pool)
-        for k, lvl in enumerate(levels):
-            lvl["level"] = k
-        taps = k3[0] * k3[1] * k3[2]
-    # ---- rewrite: scalar affine ops right after the conv fold into its weights and bias ------
-    affine = _affine_fold(spec, levels[0], consts) if may_rewrite else None
-    if affine is not None:
-        rewrites.append(affine["summary"])
-    t1 = (cout, *levels[-1]["out"])  # T1 extents (c, d, h, w)
+    return levels, tail_start, channel_norm
 
-    # ---- tail: reductions over T1 axes, in order -------------------------------------------
+
+def _fold_avg_pool(levels: list[dict], k3: tuple, nd: int) -> tuple[dict, str, tuple, tuple, tuple]:
+    """Pass 2, a rewrite: the avg-pool at level 1 (`_can_fold_avg_pool` said it may) folded into
+    the conv: its kernel grows by the window less one, its stride is the pool's. Removes the pool's
+    level (its pointwise ops join the conv's). Returns (the fold as the launch's weight transform
+    needs it, the rewrite's line for `show --plan`, the new kernel, stride and output extents)."""
+    pool = levels.pop(1)
+    fold = {"orig_kernel": k3, "window": pool["kernel"], "window_size": pool["window"]}
+    new_k = tuple(k + w - 1 for k, w in zip(k3, pool["kernel"]))
+    dims = lambda t: "x".join(map(str, t[3 - nd:]))  # noqa: E731
+    saving = pool["window"] * math.prod(k3) / math.prod(new_k)
+    note = (
+        f"avg-pool fold: epilogue[{pool['index']}] {pool['op']} {dims(pool['kernel'])} folded into the conv "
+        f"(kernel {dims(k3)} -> {dims(new_k)}, stride {dims(pool['stride'])}): {saving:.2f}x fewer multiply-adds"
+    )
+    levels[0]["out"] = pool["out"]
+    levels[0]["pointwise"] = levels[0]["pointwise"] + pool["pointwise"]  # (the affine stages, now after the pool)
+    for k, lvl in enumerate(levels):
+        lvl["level"] = k
+    return fold, note, new_k, pool["stride"], pool["out"]
+
+
+def _tail_reductions(spec: LayerSpec, shapes, t1: tuple, tail_start: int, consts: list[Constant]) -> tuple[list[dict], dict, bool, dict]:
+    """Pass 3, the tail: the reductions over T1's axes (c, d, h, w), in order, from epilogue index
+    `tail_start` on (each with the pointwise ops after it). Returns (reductions, each axis's role:
+    "F" kept or "R<j>" reduced by reduction j, whether two reductions are batched, the roles that
+    size the box); appends the named counts a finalize uses to `consts`."""
+    nd = spec.ndim
     offset = 3 - nd
     role_to_axis = {"c": "c", **{f"s{j}": AXES[1 + offset + j] for j in range(nd)}}
     reductions: list[dict] = []
@@ -574,6 +562,46 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         r["channel"] = "0" if r["channel_reduced"] else ("f_c" if srole["c"] == "F" else "o_c")
         if ops.REDUCTIONS[r["op"]].uses_count:
             consts.append(Constant(r["count_const"], c_float(r["count"]), f"values per {r['op']} of {r['comment']}", "float"))
+
+    return reductions, role, batched, srole
+
+
+def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" = None, target: Target | None = None,
+               tma_config: "tma_engine.TmaConfig | None" = None, settings: Settings = DEFAULT_SETTINGS) -> dict:
+    """The plan of `spec` as one kernel, split nowhere: what `build_plan` returns for a layer it
+    does not rewrite, sequence or split (`tail.pool_split` asks it where the whole layer would run)."""
+    target = target or targets.DEFAULT
+    may_rewrite = spec.rewrites and settings.rewrites
+    nd = spec.ndim
+    geo = spec.conv_geometry()
+    consts: list[Constant] = []
+    shapes = spec.shapes()
+
+    cin, cout, groups = spec.input.channels, spec.conv.out_channels, spec.conv.groups
+    in3 = _spatial3(tuple(spec.input.size), 1)
+    k3, s3 = _spatial3(geo["kernel"], 1), _spatial3(geo["stride"], 1)
+    p3, d3 = _spatial3(geo["padding"], 0), _spatial3(geo["dilation"], 1)
+    conv_out = shapes[0].sizes[1:]
+    o3 = _spatial3(conv_out, 1)
+    taps = k3[0] * k3[1] * k3[2]
+
+    # ---- passes: the body's levels, then the rewrites, then the tail's reductions -----------------
+    levels, tail_start, channel_norm = _body_levels(spec, shapes, o3, consts)
+    # ---- rewrite: an avg-pool right after the conv folds into the conv ----------------------
+    rewrites: list[str] = []
+    fold = None
+    transposed = spec.conv.transposed
+    if may_rewrite and len(levels) > 1 and not transposed and _can_fold_avg_pool(spec, levels, s3, d3):
+        fold, note, k3, s3, o3 = _fold_avg_pool(levels, k3, nd)
+        rewrites.append(note)
+        taps = k3[0] * k3[1] * k3[2]
+    # ---- rewrite: scalar affine ops right after the conv fold into its weights and bias ------
+    affine = _affine_fold(spec, levels[0], consts) if may_rewrite else None
+    if affine is not None:
+        rewrites.append(affine["summary"])
+    t1 = (cout, *levels[-1]["out"])  # T1 extents (c, d, h, w)
+
+    reductions, role, batched, srole = _tail_reductions(spec, shapes, t1, tail_start, consts)
 
     # ---- tiling -------------------------------------------------------------------------------
     tile = spec.tile
@@ -809,6 +837,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     ig = None if tp is not None else _choose_igemm(spec, levels, reductions, fold, o3, taps, igemm_config, target)
     engine = "tma" if tp is not None else "igemm" if ig is not None else ("slab" if mma is not None else "ffma")
     if channel_norm is not None and engine != "tma":
+        norm_at = tma_engine.channel_norm(spec)
         raise NotOneKernel([f"epilogue[{norm_at}] {spec.epilogue[norm_at].op}: a softmax over the channels runs in the TMA "
                             f"engine's epilogue only, and this layer plans for the {engine} engine"])
     inputs = list(spec.inputs())
