@@ -50,6 +50,11 @@ times each chain as the original PyTorch code and as its fused layer (`specgen.m
 keeps the original code wherever the kernel is not faster. Each decision is cached per kernel,
 GPU and batch bucket, and shown with both times in the report (`report.choices`).
 `keep_slower=True` fuses every chain unmeasured; without a GPU nothing is measured.
+
+CUDA graph: an eval-mode model on CUDA inputs is also captured whole in a CUDA graph
+(`specgen.replay`), with each chain decided again by its GPU time alone (inside a graph the host's
+launch time is gone), and returned wrapped in a `GraphReplay` where that measures faster; calls
+that cannot replay (autograd on, other shapes, training mode) run the model chosen without it.
 """
 
 from __future__ import annotations
