@@ -309,7 +309,7 @@ def bench_model(model, x: torch.Tensor, reps: int = 20, compile: bool = True, la
 
     # from_module's result may replay a CUDA graph (specgen.replay): torch.compile's own CUDA-graph
     # mode is a contender beside its default, and torch.compile runs on the fused model it wraps
-    plain_fused = getattr(fused, "module", fused) if isinstance(fused, GraphReplay) else fused
+    plain_fused = fused.module if isinstance(fused, GraphReplay) else fused
     contenders = [("eager", lambda: model)]
     if compile:
         contenders.append(("torch.compile", lambda: torch.compile(model)))

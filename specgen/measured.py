@@ -117,17 +117,31 @@ def compare(first, second, inputs: list, reps: int = REPS, warmup: int = WARMUP)
                 fn(inputs[i % len(inputs)])
         torch.cuda.synchronize()
         inner = [_calls_per_rep(fn, inputs) for fn in (first, second)]
-        times: tuple[list, list] = ([], [])
-        for _ in range(reps):
-            for which, fn in enumerate((first, second)):
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                for i in range(inner[which]):
+
+        def loop(fn, calls):
+            def run():
+                for i in range(calls):
                     fn(inputs[i % len(inputs)])
-                end.record()
-                end.synchronize()
-                times[which].append(start.elapsed_time(end) / inner[which])
+            return run
+
+        return _alternate([loop(first, inner[0]), loop(second, inner[1])], inner, reps)
+
+
+def _alternate(runs: list, calls: list[int], reps: int) -> tuple[float, float]:
+    """Median milliseconds per call of each of two `runs` (each makes `calls[k]` calls), timed
+    between CUDA events, the two alternating rep by rep so that clock and thermal drift hit both alike."""
+    import torch
+
+    times: tuple[list, list] = ([], [])
+    for _ in range(reps):
+        for which, run in enumerate(runs):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times[which].append(start.elapsed_time(end) / calls[which])
     return statistics.median(times[0]), statistics.median(times[1])
 
 
@@ -150,8 +164,8 @@ GRAPH_CALLS = 20  # at most this many calls captured in each contender's graph (
 def compare_graphed(first, second, inputs: list, reps: int = REPS, warmup: int = WARMUP) -> tuple[float, float]:
     """Median milliseconds per call of `first(x)` and `second(x)` on the GPU alone: each
     contender's calls (the inputs cycled through; as many as make a rep last about TARGET_REP_MS
-    host-inclusive, at most GRAPH_CALLS) captured in a CUDA graph, the
-    replays timed between CUDA events, the contenders alternating rep by rep. What a call costs
+    host-inclusive, at most GRAPH_CALLS) captured in a CUDA graph, the replays timed as
+    `compare` times its loops. What a call costs
     inside a CUDA graph, where the host's launch time is gone (`specgen.replay`). Warm-up calls
     first, on a side stream; the captures read the derived weights the warm-up kept
     (`tmarun.reusing_caches`). Runs under torch.no_grad(); raises what a capture raises."""
@@ -181,14 +195,4 @@ def compare_graphed(first, second, inputs: list, reps: int = REPS, warmup: int =
         for graph in graphs:
             graph.replay()
         torch.cuda.synchronize()
-        times: tuple[list, list] = ([], [])
-        for _ in range(reps):
-            for which, graph in enumerate(graphs):
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times[which].append(start.elapsed_time(end) / calls)
-    return statistics.median(times[0]), statistics.median(times[1])
+        return _alternate([graph.replay for graph in graphs], [calls, calls], reps)

@@ -55,6 +55,11 @@ def _autocast() -> bool:
         return torch.is_autocast_enabled()
 
 
+def _no_graph() -> dict:
+    """A GraphReplay's graph state when it holds no graph (fresh, dropped, or a copy's)."""
+    return {"_graph": None, "_static_in": (), "_static_out": None, "_tensors": [], "_versions": [], "_flags": ()}
+
+
 def _check_inputs(example_inputs: tuple) -> None:
     bad = [i for i, t in enumerate(example_inputs) if not (isinstance(t, torch.Tensor) and t.is_cuda)]
     if not example_inputs or bad:
@@ -87,12 +92,7 @@ class GraphReplay(nn.Module):
 
     def _forget(self) -> None:
         """Drop the graph and its tensors: the next call that can replay captures again."""
-        self._graph = None
-        self._static_in: tuple = ()
-        self._static_out = None
-        self._tensors: list[torch.Tensor] = []
-        self._versions: list[int] = []
-        self._flags: tuple = ()
+        self.__dict__.update(_no_graph())
 
     def _apply(self, fn, recurse=True):
         # .to(), .cuda(), .half(), ...: conversions may move the parameters' memory without moving
@@ -106,11 +106,7 @@ class GraphReplay(nn.Module):
 
     def __getstate__(self):
         # (copy.deepcopy and pickle: a CUDA graph and a lock are neither; the copy captures its own)
-        state = self.__dict__.copy()
-        for name in ("_graph", "_static_out", "_lock"):
-            state[name] = None
-        state["_static_in"], state["_tensors"], state["_versions"] = (), [], []
-        return state
+        return {**self.__dict__, **_no_graph(), "_lock": None}
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -127,18 +123,13 @@ class GraphReplay(nn.Module):
     # -- capture ---------------------------------------------------------------------------------
 
     def _watched(self) -> list[torch.Tensor]:
-        seen, out = set(), []
-        for t in (*self.module.parameters(), *self.module.buffers()):
-            if id(t) not in seen:
-                seen.add(id(t))
-                out.append(t)
-        return out
+        return [*self.module.parameters(), *self.module.buffers()]  # (each listed once by torch)
 
     def _capture(self, inputs) -> None:
         """Capture the forward on copies of `inputs` (warm-up forwards first, on a side stream)."""
         if self.module.training:
             raise ValueError("GraphReplay: the model is in training mode; a graph replays eval-mode forwards only")
-        self._graph = self._static_out = None  # the old graph's pool goes with it
+        self._forget()  # the old graph's pool goes with it
         static_in = tuple(t.detach().clone() for t in inputs)
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.device(self._device):

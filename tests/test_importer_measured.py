@@ -259,3 +259,48 @@ def test_store_failure_is_not_an_error(monkeypatch, tmp_path):
     blocker.write_text("")
     monkeypatch.setenv("SPECGEN_CACHE_DIR", str(blocker))
     assert measured.store("a" * 64, {"specgen_ms": 1.0, "pytorch_ms": 1.0}) is False
+
+
+# -- the timing itself, CUDA events stood in for -------------------------------------------------
+
+
+def test_compare_alternates_the_contenders_and_divides_by_their_calls(monkeypatch):
+    """compare's reps alternate first and second; each rep's time is divided by its calls. Events
+    stood in for: a "GPU clock" advances by what each contender costs per call."""
+    import contextlib
+
+    clock = [0.0]
+    cost = {"first": 0.5, "second": 0.125}  # ms per call (exact in binary: the loop sizes are exact)
+    order = []
+
+    class Event:
+        def __init__(self, enable_timing=True):
+            self.t = None
+
+        def record(self):
+            self.t = clock[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    def contender(name):
+        def fn(x):
+            assert x.abs().sum() > 0
+            clock[0] += cost[name]
+            order.append(name)
+        return fn
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    inputs = [torch.randn(3) + 5, torch.randn(3) + 5]
+    ms = measured.compare(contender("first"), contender("second"), inputs, reps=3, warmup=1)
+    assert ms == pytest.approx((0.5, 0.125))
+    inner_first = max(1, min(measured.MAX_INNER, int(measured.TARGET_REP_MS / 0.5)))
+    inner_second = max(1, min(measured.MAX_INNER, int(measured.TARGET_REP_MS / 0.125)))
+    timed = order[2 + 2:]  # after the warm-up and the two single calls that size the loops
+    assert inner_second > inner_first  # (each contender's loop is its own length)
+    assert timed == (["first"] * inner_first + ["second"] * inner_second) * 3

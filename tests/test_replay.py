@@ -217,6 +217,9 @@ def test_a_graph_not_faster_is_not_taken(graph_gpu):
     graph_gpu.whole = [(1.0, 2.0)]
     assert not isinstance(from_module(model, x, cuda_graph=False), FakeReplay)
     assert graph_gpu.whole == []  # (no graph timed)
+    assert not isinstance(from_module(model, x, keep_slower=True), FakeReplay)  # nothing timed: no graph
+    assert isinstance(from_module(model, x, keep_slower=True, cuda_graph=True), FakeReplay)  # ... unless asked
+    assert graph_gpu.wholes == 3  # (2 + 1 before them: neither keep_slower import timed the whole model)
 
 
 # -- on the GPU ----------------------------------------------------------------------------------

@@ -231,13 +231,17 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, pr
         if fused_ms >= plain_ms * WHOLE_MODEL_MARGIN:
             chosen = model
     if imp.chains and cuda_graph is not False:
-        target = fused
-        if measurable and _graph_possible(model, example_inputs) is None:
-            target = _graph_fused(model, example_inputs, precision, fused, choices, report)
-        graphed = _graph_choice(imp, model, target, chosen, example_inputs, cuda_graph, measurable, report)
-        if graphed is not None:
-            graphed.specgen_report = report
-            return graphed
+        why = _graph_possible(model, example_inputs)
+        if why is None and cuda_graph is None and not measurable:
+            why = "not measured (keep_slower=True times nothing; cuda_graph=True takes a graph untimed)"
+        if why is not None:
+            (log.warning if cuda_graph else log.info)("%s: no CUDA graph: %s", imp.name, why)
+        else:
+            target = _graph_fused(model, example_inputs, precision, fused, choices, report) if measurable else fused
+            graphed = _graph_choice(imp.name, target, chosen, example_inputs, cuda_graph, report)
+            if graphed is not None:
+                graphed.specgen_report = report
+                return graphed
     if chosen is model:
         fused_ms, plain_ms = report.whole_model
         log.warning(
@@ -284,35 +288,27 @@ def _graph_fused(model: nn.Module, example_inputs: tuple, precision, fused: nn.M
     return graph_fused
 
 
-def _graph_choice(imp: Analysis, model: nn.Module, fused: nn.Module, chosen: nn.Module, example_inputs: tuple,
-                  cuda_graph: Optional[bool], measurable: bool, report: ImportReport):
-    """`fused` replayed from a CUDA graph (`specgen.replay`), its other calls running `chosen`; or None where no graph is taken: asked not to, the inputs or model do not allow one
-    (CPU tensors, training mode, a forward that cannot be captured), or (`cuda_graph=None`) the
-    graph is not faster than `chosen` by WHOLE_MODEL_MARGIN."""
+def _graph_choice(name: str, fused: nn.Module, chosen: nn.Module, example_inputs: tuple, cuda_graph: Optional[bool],
+                  report: ImportReport):
+    """`fused` replayed from a CUDA graph (`specgen.replay`), its other calls running `chosen`; or
+    None where no graph is taken: a forward that cannot be captured, or (`cuda_graph=None`) a graph
+    not faster than `chosen` by WHOLE_MODEL_MARGIN. The caller checked that one may be tried."""
     from specgen.replay import GraphReplay
 
     log = get_logger()
-    why = _graph_possible(model, example_inputs)
-    if why is None and cuda_graph is None and not measurable:
-        why = "not measured (keep_slower=True)" if imp.chains and _unmeasurable(imp) is None else "not measured"
-    if why is None:
-        try:  # (an eval-mode forward changes no buffer: nothing to restore, no version moved)
-            graphed = GraphReplay(fused, *example_inputs, fallback=chosen)
-        except Exception as err:  # noqa: BLE001  (a forward that syncs or allocates on the host cannot be captured)
-            why = f"the forward cannot be captured: {type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
-    if why is not None:
-        if cuda_graph:
-            log.warning("%s: no CUDA graph: %s", imp.name, why)
-        else:
-            log.info("%s: no CUDA graph: %s", imp.name, why)
+    try:  # (an eval-mode forward changes no buffer: nothing to restore, no version moved)
+        graphed = GraphReplay(fused, *example_inputs, fallback=chosen)
+    except Exception as err:  # noqa: BLE001  (a forward that syncs or allocates on the host cannot be captured)
+        why = f"the forward cannot be captured: {type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
+        (log.warning if cuda_graph else log.info)("%s: no CUDA graph: %s", name, why)
         return None
     if cuda_graph is None:
         inputs = [tuple(example_inputs)]
         graph_ms, plain_ms = measured.compare(lambda a: graphed(*a), lambda a: chosen(*a), inputs)
         report.graph = (graph_ms, plain_ms)
         if graph_ms >= plain_ms * WHOLE_MODEL_MARGIN:
-            log.info("%s: the CUDA graph (%.3f ms) is not faster than the %s model (%.3f ms): not taken",
-                     imp.name, graph_ms, "fused" if chosen is fused else "original", plain_ms)
+            log.info("%s: the CUDA graph (%.3f ms) is not faster than the model it would replace (%.3f ms): not taken",
+                     name, graph_ms, plain_ms)
             return None
     report.graph_taken = True
     return graphed
