@@ -23,30 +23,37 @@
 //   precision: fp32
 //   rewrites: true
 //
-// How this kernel works (the implicit-GEMM engine)
+// How this kernel works (the Hopper engine: TMA + wgmma)
 //   The conv is a GEMM: M = output positions of the whole batch (sample, d, h, w flattened; the
-//   batch is the only run-time value), N = the 128 output channels, K = taps x input channels.
-//   * A block owns a tile of BM = 128 positions x BN = 128 channels of one phase and walks that phase's K in chunks of BK = 32
-//     (8, 8, 8, 8 chunks in the 4 phases).
-//     Each chunk's input A[BK][BM] and weights B[BN][BK] are copied to shared memory with cp.async
-//     (4-byte copies for A, zeros where a tap falls in the padding; 16-byte copies for B)
-//     into one of 3 buffers: the copies of the next 2 chunks are in flight while the
-//     tensor cores work on the current one.
-//   * K is ordered tap-major, k = tap * CIP + ci (one tap per chunk: a chunk's padding check is one test per thread).
-//     The weights arrive permuted to that order, [C_OUT][TAPS_PAD][CIP] per phase, phase after phase (the launch prepares them).
-//   * 16 warps, each computing 32 positions x 32 channels with mma.sync m16n8k8
-//     in 3xTF32: each fp32 operand x is split into a TF32 part hi(x) and the remainder
-//     lo(x) = x - hi(x), and a*b is accumulated as lo(a)hi(b) + hi(a)lo(b) + hi(a)hi(b) in fp32
-//     (the dropped lo(a)lo(b) is below 2^-21 |a b|): fp32 accuracy on tensor cores.
-//   * Epilogue on the accumulators: bias, relu; each value is stored straight to the output.
-//   * The conv is transposed (as nn.ConvTranspose, stride 1 x 2 x 2, output padding 0, 0, 0 in d, h, w). Output o
-//     meets tap k only where o + P - k is a multiple of the stride S, so the outputs split into 4
-//     stride phases: along each dim, phase phi holds the outputs o = phi + S * j, which all meet the
-//     same taps k = FIRST + S * t, reading input i = j + IN_OFF - t. Each phase is a plain GEMM with its
-//     own (fewer) taps: computed once per output, no scatter, no atomics, no multiply by an inserted zero.
-//     Each M tile's phases are neighbours in the grid; the weights are permuted phase by phase (the launch prepares them).
-//   Grid: one block per (M tile, N tile), per phase, N tiles fastest (blocks that read the same input run
-//   together); 512 threads per block; 107520 bytes of dynamic shared memory.
+//   batch is the only run-time value), N = the 128 output channels, K = a stride phase's taps (below) x 256 channels.
+//   * specgen_unet_up2x2_256_128_28_prep lays the input out channels-last, [batch][d][h][w][CIP = 256] (zeros in the padded
+//     channels), split into a TF32 part and its remainder (two planes): the tensor memory
+//     accelerator (TMA) reads it in im2col mode. The weights arrive as [C_OUT][TAPS][CIP], prepared the same way.
+//   * A block owns BM = 128 positions x BN = 128 channels. K is walked in K-blocks of one tap x BKC = 32
+//     channels (1 per pipeline stage; 8/8/8/8 stages walked by the phases).
+//     A K-block's A tile (BM positions x BKC channels) is one im2col TMA load: the hardware walks the
+//     positions across rows and samples, adds the tap's offset and fills zeros in the padding; its
+//     B tile is one TMA load of the weights. Both land 128-byte-swizzled, as wgmma reads them.
+//   * Warpgroup 0 is the producer: one thread issues the loads up to 3 stages ahead; a stage's
+//     "full" mbarrier counts its 65536 bytes in. Warpgroups 1 and 2 are the consumers: each multiplies
+//     its 64 positions by BN channels with wgmma.mma_async m64n128k8 (tf32, both operands from
+//     shared memory), keeps one stage's products in flight, and gives a stage back through its
+//     "empty" mbarrier.
+//   * fp32 mode (3xTF32): every operand x = hi(x) + lo(x) with hi(x) = x rounded to TF32;
+//     a*b = lo(a)hi(b) + hi(a)lo(b) + hi(a)hi(b) (the dropped lo(a)lo(b) is below 2^-21 |ab|). The
+//     tensor cores add with truncation, so each stage is summed apart and added to the total in fp32.
+//   * Epilogue on the accumulators: bias, relu; each value is stored straight to
+//     the [batch][C_OUT][d][h][w] output.
+//   * The conv is transposed, of stride 1x2x2: output o = OUT_OFF + S * j (per dim) meets
+//     only the taps k = FIRST + S * t, each reading input j + IN_OFF - t -- a plain stride-1 conv per
+//     stride phase (OUT_OFF), of KP taps per dim. With its taps reversed (weights permuted to match)
+//     a phase reads input j + LOWER + t', which an im2col map whose box starts at LOWER walks; the
+//     launch encodes one map per phase. The 4 phases run on one grid of GRID positions (the largest
+//     phase's: a grid position past a smaller phase's outputs is computed and not stored), their blocks
+//     side by side for each M tile, so the stores of neighbouring phases (each writes one value in
+//     2 along a row) meet in the L2. The weights are [PHASES][N_PAD][largest phase's taps x CIP].
+//   Grid: one block per (M tile, N tile), N tiles fastest (blocks that read the same input run
+//   together); 384 threads per block; 197632 bytes of dynamic shared memory.
 // =====================================================================================================
 
 namespace {
@@ -54,7 +61,7 @@ namespace {
 // ---- input, one sample ------------------------------------------------------------------------------
 constexpr int C_IN = 256;  // input channels
 constexpr int IN_D = 1, IN_H = 28, IN_W = 28;  // input extents (d, h, w; 1 for dims the conv lacks)
-constexpr int IN_PER_SAMPLE = 200704;  // C_IN * IN_D * IN_H * IN_W
+constexpr int IN_POSITIONS = 784;  // IN_D * IN_H * IN_W
 
 // ---- convolution ------------------------------------------------------------------------------------
 constexpr int C_OUT = 128;  // output channels
@@ -63,325 +70,395 @@ constexpr int K_H = 2, S_H = 2, P_H = 0, DIL_H = 1;  // height: kernel, stride, 
 constexpr int K_W = 2, S_W = 2, P_W = 0, DIL_W = 1;  // width: kernel, stride, padding, dilation
 constexpr int TAPS = 4;  // K_D * K_H * K_W
 constexpr int OUT_D = 1, OUT_H = 56, OUT_W = 56;  // output extents
-constexpr int POSITIONS = 3136;  // OUT_D * OUT_H * OUT_W: outputs per sample and channel
+constexpr int POSITIONS = 3136;  // OUT_D * OUT_H * OUT_W: M per sample
 
-// ---- the GEMM's tiling --------------------------------------------------------------------------------
-constexpr int CIP = 256;  // input channels
-constexpr int TAPS_PAD = 4;  // taps
-constexpr int K_PAD = 1024;  // TAPS_PAD * CIP: K
-constexpr int BM = 128, BN = 128, BK = 32;  // block tile: positions, channels, K chunk
-constexpr int TPC = 1;  // taps per K chunk
-constexpr int CPT = 8;  // K chunks per tap
-constexpr int K_TILES = 32;  // K chunks: the main loop's trip count
+// ---- stride phases ----------------------------------------------------------------------------------
+constexpr int PHASES = 4;
+constexpr int GRID_D = 1, GRID_H = 28, GRID_W = 28;  // every phase's grid of positions (d, h, w)
+constexpr int GRID_POSITIONS = 784;  // GRID_D * GRID_H * GRID_W: M per sample of each phase
+constexpr int N_PAD = 128;  // rows per phase of the permuted weights (N_TILES * BN, zeros past C_OUT)
+template <int PH>
+struct Phase;
+template <>
+struct Phase<0> {
+  static constexpr int OFF_D = 0, OFF_H = 0, OFF_W = 0;  // its first output
+  static constexpr int OP_D = 1, OP_H = 28, OP_W = 28;  // its outputs along each dim
+  static constexpr int KP_D = 1, KP_H = 1, KP_W = 1;  // its taps along each dim (conv taps 0)
+  static constexpr int LOWER_D = 0, LOWER_H = 0, LOWER_W = 0;  // the input its output 0, tap 0 reads
+  static constexpr int K_ITERS = 8;  // stages walked: KP_D * KP_H * KP_W * CB / KB_PER_STAGE
+};
+template <>
+struct Phase<1> {
+  static constexpr int OFF_D = 0, OFF_H = 0, OFF_W = 1;  // its first output
+  static constexpr int OP_D = 1, OP_H = 28, OP_W = 28;  // its outputs along each dim
+  static constexpr int KP_D = 1, KP_H = 1, KP_W = 1;  // its taps along each dim (conv taps 1)
+  static constexpr int LOWER_D = 0, LOWER_H = 0, LOWER_W = 0;  // the input its output 0, tap 0 reads
+  static constexpr int K_ITERS = 8;  // stages walked: KP_D * KP_H * KP_W * CB / KB_PER_STAGE
+};
+template <>
+struct Phase<2> {
+  static constexpr int OFF_D = 0, OFF_H = 1, OFF_W = 0;  // its first output
+  static constexpr int OP_D = 1, OP_H = 28, OP_W = 28;  // its outputs along each dim
+  static constexpr int KP_D = 1, KP_H = 1, KP_W = 1;  // its taps along each dim (conv taps 2)
+  static constexpr int LOWER_D = 0, LOWER_H = 0, LOWER_W = 0;  // the input its output 0, tap 0 reads
+  static constexpr int K_ITERS = 8;  // stages walked: KP_D * KP_H * KP_W * CB / KB_PER_STAGE
+};
+template <>
+struct Phase<3> {
+  static constexpr int OFF_D = 0, OFF_H = 1, OFF_W = 1;  // its first output
+  static constexpr int OP_D = 1, OP_H = 28, OP_W = 28;  // its outputs along each dim
+  static constexpr int KP_D = 1, KP_H = 1, KP_W = 1;  // its taps along each dim (conv taps 3)
+  static constexpr int LOWER_D = 0, LOWER_H = 0, LOWER_W = 0;  // the input its output 0, tap 0 reads
+  static constexpr int K_ITERS = 8;  // stages walked: KP_D * KP_H * KP_W * CB / KB_PER_STAGE
+};
+
+// The output position of phase PH's grid position q, and whether the phase has an output there
+// (`mine`); past the phase's outputs, a position of the phase's own is returned (clamped along each
+// dim), so that what is computed there reads real data and is not stored.
+template <int PH>
+__device__ __forceinline__ int phase_output(int q, bool& mine) {
+  using Ph = Phase<PH>;
+  const int jd = q / (GRID_H * GRID_W), jh = q / GRID_W % GRID_H, jw = q % GRID_W;
+  mine = jd < Ph::OP_D && jh < Ph::OP_H && jw < Ph::OP_W;
+  return ((Ph::OFF_D + S_D * min(jd, Ph::OP_D - 1)) * OUT_H + Ph::OFF_H + S_H * min(jh, Ph::OP_H - 1)) * OUT_W +
+         Ph::OFF_W + S_W * min(jw, Ph::OP_W - 1);
+}
+
+// ---- the GEMM's tiling ------------------------------------------------------------------------------
+constexpr int CIP = 256;  // input channels: one pixel of the channels-last input
+constexpr int BKC = 32;  // channels per K-block: one 128-byte row of an A or B tile
+constexpr int CB = 8;  // K-blocks per tap (CIP / BKC)
+constexpr int KB_PER_STAGE = 1;  // K-blocks per pipeline stage
+constexpr int K_TOTAL = 256;  // the largest phase's taps * CIP: a row of the permuted weights
+constexpr int BM = 128, BN = 128;  // block tile: positions, channels
+constexpr int WM = 1;  // m64 tiles per consumer warpgroup (BM / 128)
 constexpr int N_TILES = 1;  // blocks along N
-constexpr int PHASES = 4;  // GEMMs: the stride phases of the transposed conv
-constexpr int STAGES = 3;  // shared-memory buffers of the pipeline
-constexpr int AHEAD = STAGES - 1;  // chunks loading while one computes
-constexpr int THREADS = 512;  // threads per block
-constexpr int WARPS_M = 4, WARPS_N = 4;  // warps along M and N
-constexpr int WM = 2, WN = 4;  // m16-tiles and n8-tiles per warp
-constexpr int LDA = 136;  // row stride of A in shared memory (BM + 8: a fragment's lanes hit 32 banks)
-constexpr int LDB = 36;  // row stride of B (BK + 4: likewise)
-constexpr int A_VEC = 1;  // floats per A copy
-constexpr int A_COLS = BM / A_VEC;  // A copies per K row
-constexpr int A_ROW_STEP = 4;  // K rows between one thread's A copies (THREADS / A_COLS)
-constexpr int A_ITERS = 8;  // A copies per thread per chunk
-constexpr int B_ITERS = 2;  // 16-byte B copies per thread per chunk
-constexpr int A_STAGE = BK * LDA, B_STAGE = BN * LDB;  // floats per pipeline buffer
+constexpr int STAGES = 3;  // shared-memory pipeline stages
+constexpr int ROW_BYTES = 128;  // bytes of K per tile row: the swizzle width
+constexpr int KSTEPS = 4;  // wgmma per row (each reads 32 bytes of K: 8 values)
+constexpr unsigned A_BYTES = 16384, B_BYTES = 16384;  // one K-block's A and B tiles in shared memory (1024-byte aligned)
+constexpr unsigned PLANE_BYTES = KB_PER_STAGE * (A_BYTES + B_BYTES);  // one stage of one operand plane
+constexpr unsigned STAGE_BYTES = 65536;  // one stage (2 planes: hi, lo)
+constexpr unsigned STAGE_TX = 65536;  // bytes the TMA writes per stage
+constexpr int THREADS = 384;  // warpgroup 0 produces, 1 and 2 consume
+constexpr int CONSUMER_THREADS = 256;  // the arrivals that free a stage
+constexpr int ACC = BN / 2;  // accumulator floats per thread per m64 tile
 
-// ---- the GEMMs: one per stride phase -----------------------------------------------------------------------------
-// What differs between the GEMMs a conv runs (one; a transposed conv one per stride phase): along each
-// dim, its taps, the input step per tap, the input of tap 0 at output (phase) position j
-// (j * in_step + in_off), the outputs it covers (o = out_off + out_step * j, j < op), and its K.
-struct Phase0 {  // outputs (d, h, w) = (0, 0, 0) + stride x j; conv taps 0
-  static constexpr int taps_d = 1, taps_h = 1, taps_w = 1;
-  static constexpr int tap_d = -1, tap_h = -1, tap_w = -1;
-  static constexpr int in_step_d = 1, in_step_h = 1, in_step_w = 1;
-  static constexpr int in_off_d = 0, in_off_h = 0, in_off_w = 0;
-  static constexpr int out_off_d = 0, out_off_h = 0, out_off_w = 0;
-  static constexpr int out_step_d = S_D, out_step_h = S_H, out_step_w = S_W;
-  static constexpr int op_d = 1, op_h = 28, op_w = 28;
-  static constexpr int positions = 784;  // op_d * op_h * op_w: M per sample
-  static constexpr int taps = 1, taps_pad = 1;  // its taps (padded to a multiple of TPC)
-  static constexpr int k_pad = 256, k_tiles = 8;  // K (taps_pad * CIP) and its chunks
-  static constexpr size_t w_offset = 0;  // where its weights start, [C_OUT][taps_pad][CIP]
-};
-struct Phase1 {  // outputs (d, h, w) = (0, 0, 1) + stride x j; conv taps 1
-  static constexpr int taps_d = 1, taps_h = 1, taps_w = 1;
-  static constexpr int tap_d = -1, tap_h = -1, tap_w = -1;
-  static constexpr int in_step_d = 1, in_step_h = 1, in_step_w = 1;
-  static constexpr int in_off_d = 0, in_off_h = 0, in_off_w = 0;
-  static constexpr int out_off_d = 0, out_off_h = 0, out_off_w = 1;
-  static constexpr int out_step_d = S_D, out_step_h = S_H, out_step_w = S_W;
-  static constexpr int op_d = 1, op_h = 28, op_w = 28;
-  static constexpr int positions = 784;  // op_d * op_h * op_w: M per sample
-  static constexpr int taps = 1, taps_pad = 1;  // its taps (padded to a multiple of TPC)
-  static constexpr int k_pad = 256, k_tiles = 8;  // K (taps_pad * CIP) and its chunks
-  static constexpr size_t w_offset = 32768;  // where its weights start, [C_OUT][taps_pad][CIP]
-};
-struct Phase2 {  // outputs (d, h, w) = (0, 1, 0) + stride x j; conv taps 2
-  static constexpr int taps_d = 1, taps_h = 1, taps_w = 1;
-  static constexpr int tap_d = -1, tap_h = -1, tap_w = -1;
-  static constexpr int in_step_d = 1, in_step_h = 1, in_step_w = 1;
-  static constexpr int in_off_d = 0, in_off_h = 0, in_off_w = 0;
-  static constexpr int out_off_d = 0, out_off_h = 1, out_off_w = 0;
-  static constexpr int out_step_d = S_D, out_step_h = S_H, out_step_w = S_W;
-  static constexpr int op_d = 1, op_h = 28, op_w = 28;
-  static constexpr int positions = 784;  // op_d * op_h * op_w: M per sample
-  static constexpr int taps = 1, taps_pad = 1;  // its taps (padded to a multiple of TPC)
-  static constexpr int k_pad = 256, k_tiles = 8;  // K (taps_pad * CIP) and its chunks
-  static constexpr size_t w_offset = 65536;  // where its weights start, [C_OUT][taps_pad][CIP]
-};
-struct Phase3 {  // outputs (d, h, w) = (0, 1, 1) + stride x j; conv taps 3
-  static constexpr int taps_d = 1, taps_h = 1, taps_w = 1;
-  static constexpr int tap_d = -1, tap_h = -1, tap_w = -1;
-  static constexpr int in_step_d = 1, in_step_h = 1, in_step_w = 1;
-  static constexpr int in_off_d = 0, in_off_h = 0, in_off_w = 0;
-  static constexpr int out_off_d = 0, out_off_h = 1, out_off_w = 1;
-  static constexpr int out_step_d = S_D, out_step_h = S_H, out_step_w = S_W;
-  static constexpr int op_d = 1, op_h = 28, op_w = 28;
-  static constexpr int positions = 784;  // op_d * op_h * op_w: M per sample
-  static constexpr int taps = 1, taps_pad = 1;  // its taps (padded to a multiple of TPC)
-  static constexpr int k_pad = 256, k_tiles = 8;  // K (taps_pad * CIP) and its chunks
-  static constexpr size_t w_offset = 98304;  // where its weights start, [C_OUT][taps_pad][CIP]
-};
-
-// ---- op constants -------------------------------------------------------------------------------------
+// ---- op constants -----------------------------------------------------------------------------------
 // (none)
 
-// cp.async: copy global -> shared without a register round trip; zeros when !ok (padding, past M or N).
-__device__ __forceinline__ void cp_async_4(float* dst, const float* src, bool ok) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 4 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_16(float* dst, const float* src, bool ok) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-// 3xTF32: x = hi + lo exactly, hi = x rounded to TF32 (10 mantissa bits, to nearest, ties away
-// from zero); the tensor core reads lo's top 19 bits.
-__device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
-  hi = (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u;
-  lo = __float_as_uint(x - __uint_as_float(hi));
-}
-
-// d += a * b for one 16 x 8 x 8 tile (a: 16 positions x 8 K, b: 8 K x 8 channels).
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// Where this thread's A copies read: its output position(s) (fixed for the whole K loop).
-struct ARow {
-  const float* x_n;  // the sample's input
-  int id0, ih0, iw0;  // input coordinates of tap 0 (may lie in the padding)
-  bool ok;  // the position exists (m < batch * POSITIONS)
+// A CUtensorMap, encoded by the host (cuTensorMapEncodeIm2col / cuTensorMapEncodeTiled) and passed by value.
+struct alignas(64) TensorMap {
+  unsigned long long words[16];
 };
 
-// Copy K chunk `kt` into pipeline buffer (a_s, b_s): A[r][m] = input of position m at K index
-// kt * BK + r, B[n][r] = permuted weight of channel n0 + n at that K index.
-template <class G>
-__device__ __forceinline__ void load_chunk(const ARow& row, const float* __restrict__ wp, int n0, int kt,
-                                           float* __restrict__ a_s, float* __restrict__ b_s) {
-  const int col = threadIdx.x % A_COLS * A_VEC, r0 = threadIdx.x / A_COLS;
-  #pragma unroll
-  for (int i = 0; i < A_ITERS; ++i) {
-    const int r = r0 + i * A_ROW_STEP;  // K row within the chunk
-    const int tap = kt / CPT, ci = kt % CPT * BK + r;  // one tap per chunk
-    const int kd = tap / (G::taps_h * G::taps_w), kh = tap / G::taps_w % G::taps_h, kw = tap % G::taps_w;
-    const int id = row.id0 + kd * G::tap_d, ih = row.ih0 + kh * G::tap_h, iw = row.iw0 + kw * G::tap_w;
-    const bool ok = row.ok && (G::taps_pad == G::taps || tap < G::taps) && static_cast<unsigned>(id) < IN_D &&
-                    static_cast<unsigned>(ih) < IN_H && static_cast<unsigned>(iw) < IN_W;
-    const float* src = ok ? row.x_n + ((ci * IN_D + id) * IN_H + ih) * IN_W + iw : row.x_n;
-    cp_async_4(a_s + r * LDA + col, src, ok);
-  }
-  #pragma unroll
-  for (int j = 0; j < B_ITERS; ++j) {
-    const int q = j * THREADS + threadIdx.x;  // 16-byte piece q of B: row n, K columns kc .. kc + 3
-    const int n = q / (BK / 4), kc = q % (BK / 4) * 4;
-    const bool ok = n0 + n < C_OUT;
-    cp_async_16(b_s + n * LDB + kc, ok ? wp + G::w_offset + static_cast<size_t>(n0 + n) * G::k_pad + kt * BK + kc : wp, ok);
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+
+// ---- mbarriers ------------------------------------------------------------------------------------------
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Wait until the barrier's phase of this parity has completed.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred ready;\nmbarrier.try_wait.parity.shared::cta.b64 ready, [%1], %2;\nselp.u32 %0, 1, 0, ready;\n}\n"
+        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   }
 }
 
-// acc += A x B over one K chunk held in (a_s, b_s), for this warp's tile at (wm0, wn0).
-// Lane (gq, tq) = (lane / 4, lane % 4) holds A rows gq, gq + 8 and K columns tq, tq + 4 of each m-tile,
-// B column gq and K rows tq, tq + 4 of each n-tile.
-__device__ __forceinline__ void compute_chunk(const float* __restrict__ a_s, const float* __restrict__ b_s, int wm0, int wn0,
-                                              float (&acc)[WM][WN][4]) {
-  const int lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+// ---- TMA loads (complete on an mbarrier) --------------------------------------------------------------
+// B: a [BN rows][BKC] box of the weights [C_OUT][K_TOTAL] at (k, n).
+__device__ __forceinline__ void tma_tile(unsigned dst, const TensorMap& map, unsigned bar, int k, int n) {
+  asm volatile(
+"cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(k), "r"(n) : "memory");
+}
+// A: BM positions x BKC channels from channel c, starting at the input coordinates of the block's
+// first position (tap 0: may lie in the padding), each shifted by the tap's offset.
+__device__ __forceinline__ void tma_im2col(unsigned dst, const TensorMap& map, unsigned bar, int c, int w, int h, int d,
+                                           int n, int kw, int kh, int kd) {
+  asm volatile(
+"cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2], {%7, %8};\n"      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(c), "r"(w), "r"(h), "r"(n),
+        "h"(static_cast<unsigned short>(kw * DIL_W)), "h"(static_cast<unsigned short>(kh * DIL_H)) : "memory");
+}
+
+// ---- wgmma ------------------------------------------------------------------------------------------------
+// A K-major tile of rows of ROW_BYTES, swizzled: its descriptor gives the start address, 8 * ROW_BYTES
+// between groups of 8 rows (the stride byte offset) and the swizzle mode; a k-step starts 32 bytes on.
+__device__ __forceinline__ unsigned long long descriptor(unsigned address) {
+  return static_cast<unsigned long long>((address & 0x3FFFF) >> 4) | (1ull << 16) |
+         (static_cast<unsigned long long>((8 * ROW_BYTES) >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// d (+)= A x B for 64 positions x BN channels x 8 of K, both from shared memory; accumulate = 0 overwrites d.
+__device__ __forceinline__ void wgmma(float (&d)[ACC], unsigned long long a, unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, "
+      "%8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, "
+      "%40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, "
+      "%56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, acc, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// x rounded to TF32 (to nearest, ties away from zero): the tensor cores read the top 19 bits.
+__device__ __forceinline__ float tf32_round(float x) { return __uint_as_float((__float_as_uint(x) + 0x1000u) & 0xFFFFE000u); }
+}  // namespace
+
+// ---- the layout pass: [batch][C_IN][positions] -> [batch][positions][CIP] ----------------------------
+// One block transposes a tile of PREP_TC channels x PREP_TP positions of one sample through shared
+// memory: reads run along positions, writes along channels (both coalesced).
+namespace {
+constexpr int PREP_TC = 32, PREP_TP = 32;  // tile: channels, positions
+constexpr int PREP_P_TILES = 25, PREP_C_TILES = 8;  // tiles per sample
+using In = float;  // the layer's input element
+using Operand = float;  // what the tensor cores read
+
+// One input value as the tensor cores read it: split into hi and lo.
+__device__ __forceinline__ void store_operand(Operand* __restrict__ hi, Operand* __restrict__ lo, size_t i, float v) {
+  const float h = tf32_round(v);
+  hi[i] = h;
+  lo[i] = v - h;  // exact
+}
+__device__ __forceinline__ float to_float(In v) { return v; }
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(256) specgen_unet_up2x2_256_128_28_prep(
+    const In* __restrict__ x,  // [batch][C_IN][IN_D][IN_H][IN_W]
+    Operand* __restrict__ x_hi,  // [batch][IN_D][IN_H][IN_W][CIP]: its hi part
+    Operand* __restrict__ x_lo,  // [batch][IN_D][IN_H][IN_W][CIP]: its lo part
+    int batch)
+{
+  __shared__ float tile[PREP_TC][PREP_TP + 1];
+  const int c_tile = blockIdx.x % PREP_C_TILES, p_tile = blockIdx.x / PREP_C_TILES % PREP_P_TILES;
+  const int n = blockIdx.x / (PREP_C_TILES * PREP_P_TILES);
+  const int c0 = c_tile * PREP_TC, p0 = p_tile * PREP_TP;
+  const In* __restrict__ x_n = x + static_cast<size_t>(n) * C_IN * IN_POSITIONS;
   #pragma unroll
-  for (int kk = 0; kk < BK; kk += 8) {
-    const float* a_k = a_s + (kk + tq) * LDA + wm0 + gq;
-    const float* b_k = b_s + (wn0 + gq) * LDB + kk + tq;
-    unsigned b_hi[WN][2], b_lo[WN][2];
+  for (int i = 0; i < PREP_TC * PREP_TP / 256; ++i) {  // positions fastest
+    const int e = i * 256 + threadIdx.x;
+    const int c = c0 + e / PREP_TP, p = p0 + e % PREP_TP;
+    tile[e / PREP_TP][e % PREP_TP] = (c < C_IN && p < IN_POSITIONS) ? to_float(x_n[static_cast<size_t>(c) * IN_POSITIONS + p]) : 0.0f;
+  }
+  __syncthreads();
+  const size_t base = static_cast<size_t>(n) * IN_POSITIONS * CIP;
+  #pragma unroll
+  for (int i = 0; i < PREP_TC * PREP_TP / 256; ++i) {  // channels fastest
+    const int e = i * 256 + threadIdx.x;
+    const int c = c0 + e % PREP_TC, p = p0 + e / PREP_TC;
+    if (c < CIP && p < IN_POSITIONS) store_operand(x_hi, x_lo, base + static_cast<size_t>(p) * CIP + c, tile[e % PREP_TC][e / PREP_TC]);
+  }
+}
+
+// A channels-last input [batch][positions][C_IN]: the same values, padded to CIP channels.
+extern "C" __global__ void __launch_bounds__(256) specgen_unet_up2x2_256_128_28_prep_cl(
+    const In* __restrict__ x,  // [batch][IN_D][IN_H][IN_W][C_IN]
+    Operand* __restrict__ x_hi,  // [batch][IN_D][IN_H][IN_W][CIP]
+    Operand* __restrict__ x_lo,  // [batch][IN_D][IN_H][IN_W][CIP]
+    int batch)
+{
+  const size_t i = static_cast<size_t>(blockIdx.x) * 256 + threadIdx.x;  // one output element per thread
+  if (i >= static_cast<size_t>(batch) * IN_POSITIONS * CIP) return;
+  const size_t pixel = i / CIP;
+  const int c = static_cast<int>(i % CIP);
+  store_operand(x_hi, x_lo, i, c < C_IN ? to_float(x[pixel * C_IN + c]) : 0.0f);
+}
+
+// ---- the conv --------------------------------------------------------------------------------------------
+// One block: M tile blockIdx.x / N_TILES, N tile blockIdx.x % N_TILES. SPLIT = 1: the block walks
+// all of K and runs the epilogue (specgen_unet_up2x2_256_128_28).
+namespace {
+template <int SPLIT, int PH>
+__device__ __forceinline__ void conv_block(
+    const TensorMap& map_a_hi,
+    const TensorMap& map_a_lo,
+    const TensorMap& map_b_hi,
+    const TensorMap& map_b_lo,
+    const float* __restrict__ bias,    // [C_OUT]
+    float* __restrict__ out,  // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
+    float* __restrict__ partial,  // SPLIT > 1: [SPLIT][C_OUT][batch * POSITIONS]
+    int batch)
+{
+  using Ph = Phase<PH>;  // the block's stride phase
+  constexpr int ITERS = Ph::K_ITERS / SPLIT;  // stages this block walks
+  const int k_first = SPLIT > 1 ? blockIdx.y * ITERS : 0;  // its first stage
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
+  // Stage s, plane q, K-block j: A tile at s * STAGE_BYTES + q * PLANE_BYTES + j * A_BYTES, its
+  // B tile KB_PER_STAGE * A_BYTES further on.
+  const unsigned tiles = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const int m_total = batch * GRID_POSITIONS;
+  const int m0 = blockIdx.x / (N_TILES * PHASES) * BM, n0 = blockIdx.x % N_TILES * BN;
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
     #pragma unroll
-    for (int j = 0; j < WN; ++j) {
-      split_tf32(b_k[j * 8 * LDB], b_hi[j][0], b_lo[j][0]);
-      split_tf32(b_k[j * 8 * LDB + 4], b_hi[j][1], b_lo[j][1]);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(smem_u32(&full_bar[s]), 1);  // the producer's arrival (and the bytes it expects)
+      mbar_init(smem_u32(&empty_bar[s]), CONSUMER_THREADS);  // every consumer thread, done with the stage
     }
-    #pragma unroll
-    for (int i = 0; i < WM; ++i) {
-      unsigned a_hi[4], a_lo[4];
-      split_tf32(a_k[i * 16], a_hi[0], a_lo[0]);
-      split_tf32(a_k[i * 16 + 8], a_hi[1], a_lo[1]);
-      split_tf32(a_k[4 * LDA + i * 16], a_hi[2], a_lo[2]);
-      split_tf32(a_k[4 * LDA + i * 16 + 8], a_hi[3], a_lo[3]);
-      #pragma unroll
-      for (int j = 0; j < WN; ++j) {  // small products first
-        mma_tf32(acc[i][j], a_lo, b_hi[j]);
-        mma_tf32(acc[i][j], a_hi, b_lo[j]);
-        mma_tf32(acc[i][j], a_hi, b_hi[j]);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---- producer ----------------------------------------------------------------------------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (threadIdx.x == 0) {
+      // The input coordinates of the block's first position, tap 0 (the TMA walks on from there).
+      const int sample = m0 / GRID_POSITIONS, p = m0 % GRID_POSITIONS;
+      const int od = p / (GRID_H * GRID_W), oh = p / GRID_W % GRID_H, ow = p % GRID_W;
+      const int w0 = ow + Ph::LOWER_W, h0 = oh + Ph::LOWER_H, d0 = od + Ph::LOWER_D;  // stride 1 within the phase
+      #pragma unroll 1
+      for (int kt = 0; kt < ITERS; ++kt) {
+        const int s = kt % STAGES;
+        mbar_wait(smem_u32(&empty_bar[s]), ((kt / STAGES) & 1) ^ 1);  // the consumers are done with it (passes at once on the first round)
+        const unsigned full = smem_u32(&full_bar[s]);
+        mbar_expect_tx(full, STAGE_TX);
+        #pragma unroll
+        for (int j = 0; j < KB_PER_STAGE; ++j) {
+          const int kb = (k_first + kt) * KB_PER_STAGE + j;  // K-block: tap kb / CB, channels kb % CB * BKC ..
+          const int tap = kb / CB, c = kb % CB * BKC;
+          const int kd = tap / (Ph::KP_H * Ph::KP_W), kh = tap / Ph::KP_W % Ph::KP_H, kw = tap % Ph::KP_W;  // the phase's tap t'
+          const unsigned a = tiles + s * STAGE_BYTES + j * A_BYTES, b = tiles + s * STAGE_BYTES + KB_PER_STAGE * A_BYTES + j * B_BYTES;
+          tma_im2col(a + 0 * PLANE_BYTES, map_a_hi, full, c, w0, h0, d0, sample, kw, kh, kd);
+          tma_tile(b + 0 * PLANE_BYTES, map_b_hi, full, tap * CIP + c, PH * N_PAD + n0);
+          tma_im2col(a + 1 * PLANE_BYTES, map_a_lo, full, c, w0, h0, d0, sample, kw, kh, kd);
+          tma_tile(b + 1 * PLANE_BYTES, map_b_lo, full, tap * CIP + c, PH * N_PAD + n0);
+        }
       }
     }
-  }
-}
-
-// The shared-memory pipeline buffers (the same for every GEMM of the kernel).
-struct Buffers {
-  float* a;  // STAGES x A[BK][LDA]
-  float* b;  // STAGES x B[BN][LDB]
-};
-
-__device__ __forceinline__ Buffers buffers() {
-  extern __shared__ float4 smem_f4[];
-  Buffers buf;
-  buf.a = reinterpret_cast<float*>(smem_f4);
-  buf.b = buf.a + STAGES * A_STAGE;
-  return buf;
-}
-
-// One GEMM (G: the conv, or one stride phase of a transposed conv) for the block's tile of BM
-// positions from m0 and BN channels from n0: acc = its products (PARTS > 1: over part blockIdx.y
-// of PARTS equal parts of K). On return no copy is in flight and no tensor-core operation reads
-// the buffers of this thread's warp(group).
-template <class G, int PARTS = 1>
-__device__ __forceinline__ void gemm(const float* __restrict__ x, const float* __restrict__ wp, const Buffers& buf,
-                                     int m_total, int m0, int n0, float (&acc)[WM][WN][4]) {
-  constexpr int ITERS = G::k_tiles / PARTS;  // K chunks this block walks
-  const int k0 = PARTS > 1 ? blockIdx.y * ITERS : 0;  // its first chunk
-  float* const a_all = buf.a;
-  float* const b_all = buf.b;
-  // This thread's A position: fixed for the whole K loop.
-  ARow row;
-  {
-    const int m = m0 + threadIdx.x % A_COLS * A_VEC;
-    row.ok = m < m_total;
-    const int sample = m / G::positions, p = m % G::positions;
-    const int od = p / (G::op_h * G::op_w), oh = p / G::op_w % G::op_h, ow = p % G::op_w;
-    row.x_n = x + static_cast<size_t>(row.ok ? sample : 0) * IN_PER_SAMPLE;
-    row.id0 = od * G::in_step_d + G::in_off_d;
-    row.ih0 = oh * G::in_step_h + G::in_off_h;
-    row.iw0 = ow * G::in_step_w + G::in_off_w;
+    return;
   }
 
-  // The pipeline: chunks 0 .. AHEAD - 1 in flight, then one new chunk per chunk computed.
-  #pragma unroll
-  for (int s = 0; s < AHEAD; ++s) {
-    if (s < ITERS) load_chunk<G>(row, wp, n0, k0 + s, a_all + s * A_STAGE, b_all + s * B_STAGE);
-    cp_async_commit();
-  }
-  const int warp = threadIdx.x / 32;
-  const int wm0 = warp % WARPS_M * (16 * WM), wn0 = warp / WARPS_M * (8 * WN);  // this warp's tile in the block's
+  // ---- consumers ------------------------------------------------------------------------------------
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  const int wg = warpgroup - 1;  // rows wg * (BM / 2) .. of the block's tile
+  float acc[WM][ACC];
   #pragma unroll
   for (int i = 0; i < WM; ++i)
     #pragma unroll
-    for (int j = 0; j < WN; ++j)
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    for (int e = 0; e < ACC; ++e) acc[i][e] = 0.0f;
 
   #pragma unroll 1
   for (int kt = 0; kt < ITERS; ++kt) {
-    cp_async_wait<AHEAD - 1>();  // chunk kt has landed (for this thread's copies) ...
-    __syncthreads();  // ... for every thread's, and every warp is done with the buffer refilled next
-    const int next = kt + AHEAD;
-    if (next < ITERS) load_chunk<G>(row, wp, n0, k0 + next, a_all + next % STAGES * A_STAGE, b_all + next % STAGES * B_STAGE);
-    cp_async_commit();
-    // The tensor cores add with truncation, so a long K loop would drift: each chunk is summed on
-    // its own and added to the running sums in fp32 (rounded to nearest).
-    float part[WM][WN][4];
+    const int s = kt % STAGES;
+    mbar_wait(smem_u32(&full_bar[s]), (kt / STAGES) & 1);  // the stage's bytes have landed
+    const unsigned stage = tiles + s * STAGE_BYTES;
+    float part[WM][ACC];  // this stage's sums (the first product overwrites them)
+    wgmma_fence();
+    #pragma unroll
+    for (int j = 0; j < KB_PER_STAGE; ++j) {
+      const unsigned a = stage + j * A_BYTES, b = stage + KB_PER_STAGE * A_BYTES + j * B_BYTES;
+      #pragma unroll
+      for (int k = 0; k < KSTEPS; ++k) {
+        const unsigned long long b_hi = descriptor(b + 32 * k);
+        const unsigned long long b_lo = descriptor(b + PLANE_BYTES + 32 * k);
+        #pragma unroll
+        for (int i = 0; i < WM; ++i) {
+          const unsigned rows = a + (wg * WM + i) * 64 * ROW_BYTES + 32 * k;  // this warpgroup's m64 tile i
+          // small products first; the stage's first product starts its sums
+          wgmma(part[i], descriptor(rows + PLANE_BYTES), b_hi, j > 0 || k > 0);
+          wgmma(part[i], descriptor(rows), b_lo, 1);
+          wgmma(part[i], descriptor(rows), b_hi, 1);
+        }
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
     #pragma unroll
     for (int i = 0; i < WM; ++i)
       #pragma unroll
-      for (int j = 0; j < WN; ++j)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) part[i][j][e] = 0.0f;
-    compute_chunk(a_all + kt % STAGES * A_STAGE, b_all + kt % STAGES * B_STAGE, wm0, wn0, part);
-    #pragma unroll
-    for (int i = 0; i < WM; ++i)
-      #pragma unroll
-      for (int j = 0; j < WN; ++j)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][j][e] += part[i][j][e];
+      for (int e = 0; e < ACC; ++e) acc[i][e] += part[i][e];  // rounded to nearest
+    mbar_arrive(smem_u32(&empty_bar[s]));  // this thread is done with the stage
   }
-}
 
-// One GEMM's block: M tile blockIdx.x / N_TILES / PHASES, N tile blockIdx.x % N_TILES. The epilogue runs on its accumulators.
-template <class G>
-__device__ __forceinline__ void conv_tile(
-    const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
-    const float* __restrict__ wp,      // the weights permuted: [C_OUT][TAPS_PAD][CIP], k = tap * CIP + ci
-    const float* __restrict__ bias,    // [C_OUT]
-    float* __restrict__ out,           // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
-    int batch)
-{
-  const int m_total = batch * G::positions;
-  const int m0 = blockIdx.x / (N_TILES * PHASES) * BM, n0 = blockIdx.x % N_TILES * BN;
-  if (m0 >= m_total) return;  // the grid covers the largest phase: this one has fewer tiles (the whole block leaves)
-  float acc[WM][WN][4];
-  gemm<G>(x, wp, buffers(), m_total, m0, n0, acc);
-
-  // Epilogue: lane (gq, tq) holds, per m-tile i and n-tile j, rows gq and gq + 8 and columns 2 tq, 2 tq + 1.
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-  const int wm0 = warp % WARPS_M * (16 * WM), wn0 = warp / WARPS_M * (8 * WN);
+  // ---- epilogue ----------------------------------------------------------------------------------------
+  // Thread (warp w, lane: gq = lane / 4, tq = lane % 4) holds, per m64 tile i and n8 block j, rows
+  // 16 w + gq and 16 w + gq + 8 and channels 8 j + 2 tq, 8 j + 2 tq + 1.
+  const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+  // Channels outer, rows inner, and every value computed (a row past the end on the last row's
+  // coordinates, a channel past the end on the last channel's) with only its store skipped: the
+  // code is straight-line, so a channel's bias and per-channel parameters are read once for the
+  // thread's 2 x WM rows. A row's (sample, position) is worked out once, before the channels.
+  int row_sample[WM][2], row_p[WM][2];
+  bool row_mine[WM][2];  // the row's grid position holds an output of the phase
   #pragma unroll
   for (int i = 0; i < WM; ++i) {
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int m = m0 + wm0 + i * 16 + gq + 8 * h;
-      if (m >= m_total) continue;
-      const int sample = m / G::positions, q = m % G::positions;  // q: the position in the phase's grid
-      const int p = ((q / (G::op_h * G::op_w) * G::out_step_d + G::out_off_d) * OUT_H + q / G::op_w % G::op_h * G::out_step_h + G::out_off_h) * OUT_W +
-                    q % G::op_w * G::out_step_w + G::out_off_w;  // ... and in the output
-      float* __restrict__ out_m = out + static_cast<size_t>(sample) * (C_OUT * POSITIONS) + p;
+      const int m = m0 + (wg * WM + i) * 64 + 16 * warp + gq + 8 * h, row = m < m_total ? m : m_total - 1;
+      row_sample[i][h] = row / GRID_POSITIONS;
+      row_p[i][h] = phase_output<PH>(row % GRID_POSITIONS, row_mine[i][h]);  // in the output
+    }
+  }
+  #pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    #pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const bool c_stored = n0 + 8 * j + 2 * tq + e < C_OUT;
+      const int cj = c_stored ? n0 + 8 * j + 2 * tq + e : C_OUT - 1;  // the output channel
+      const float bias_c = __ldg(bias + cj);  // the channel's bias
       #pragma unroll
-      for (int j = 0; j < WN; ++j) {
+      for (int i = 0; i < WM; ++i) {
         #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int cj = n0 + wn0 + j * 8 + 2 * tq + e;  // the output channel
-          if (cj < C_OUT) {
-            float v = acc[i][j][2 * h + e] + __ldg(bias + cj);  // the conv and its bias
-            v = fmaxf(v, 0.0f);  // epilogue[0] relu
-            out_m[static_cast<size_t>(cj) * POSITIONS] = v;
-          }
+        for (int h = 0; h < 2; ++h) {
+          const int m = m0 + (wg * WM + i) * 64 + 16 * warp + gq + 8 * h;
+          const int sample = row_sample[i][h], p = row_p[i][h];
+          float v = acc[i][4 * j + 2 * h + e] + bias_c;  // the conv and its bias
+          v = fmaxf(v, 0.0f);  // epilogue[0] relu
+          if (c_stored && m < m_total && row_mine[i][h]) out[static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p] = v;
         }
       }
     }
   }
 }
-
 }  // namespace
 
-// One block of one GEMM: blockIdx.x = (M tile x PHASES + phase) x N_TILES + N tile. The phases of
-// one M tile run side by side, so the L2 merges their interleaved (strided) stores into whole
-// lines before writing them back; one phase after another, each line would be written back half
-// full and read again for the next phase's half.
-extern "C" __global__ void __launch_bounds__(THREADS) specgen_unet_up2x2_256_128_28(
-    const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
-    const float* __restrict__ wp,      // the weights permuted: [C_OUT][TAPS_PAD][CIP], k = tap * CIP + ci
+extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_unet_up2x2_256_128_28(
+    const __grid_constant__ TensorMap map_a_hi_0,  // im2col map of the channels-last input, its hi part, for stride phase 0
+    const __grid_constant__ TensorMap map_a_hi_1,  // im2col map of the channels-last input, its hi part, for stride phase 1
+    const __grid_constant__ TensorMap map_a_hi_2,  // im2col map of the channels-last input, its hi part, for stride phase 2
+    const __grid_constant__ TensorMap map_a_hi_3,  // im2col map of the channels-last input, its hi part, for stride phase 3
+    const __grid_constant__ TensorMap map_a_lo_0,  // im2col map of the channels-last input, its lo part, for stride phase 0
+    const __grid_constant__ TensorMap map_a_lo_1,  // im2col map of the channels-last input, its lo part, for stride phase 1
+    const __grid_constant__ TensorMap map_a_lo_2,  // im2col map of the channels-last input, its lo part, for stride phase 2
+    const __grid_constant__ TensorMap map_a_lo_3,  // im2col map of the channels-last input, its lo part, for stride phase 3
+    const __grid_constant__ TensorMap map_b_hi,  // tiled map of the weights [C_OUT][K_TOTAL]: its hi part
+    const __grid_constant__ TensorMap map_b_lo,  // tiled map of the weights [C_OUT][K_TOTAL]: its lo part
     const float* __restrict__ bias,    // [C_OUT]
-    float* __restrict__ out,           // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
+    float* __restrict__ out,  // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
     int batch)
 {
-  switch (blockIdx.x / N_TILES % PHASES) {
-    case 0: conv_tile<Phase0>(x, wp, bias, out, batch); break;
-    case 1: conv_tile<Phase1>(x, wp, bias, out, batch); break;
-    case 2: conv_tile<Phase2>(x, wp, bias, out, batch); break;
-    case 3: conv_tile<Phase3>(x, wp, bias, out, batch); break;
+  switch (blockIdx.x / N_TILES % PHASES) {  // the block's stride phase: an M tile's phases are neighbours
+    case 0: conv_block<1, 0>(map_a_hi_0, map_a_lo_0, map_b_hi, map_b_lo, bias, out, nullptr, batch); break;
+    case 1: conv_block<1, 1>(map_a_hi_1, map_a_lo_1, map_b_hi, map_b_lo, bias, out, nullptr, batch); break;
+    case 2: conv_block<1, 2>(map_a_hi_2, map_a_lo_2, map_b_hi, map_b_lo, bias, out, nullptr, batch); break;
+    case 3: conv_block<1, 3>(map_a_hi_3, map_a_lo_3, map_b_hi, map_b_lo, bias, out, nullptr, batch); break;
   }
 }

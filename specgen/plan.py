@@ -1025,7 +1025,8 @@ def _choose_tma(spec: LayerSpec, levels: list, reductions: list, fold, config, t
     """The TMA engine's plan (Hopper), or None for the other engines. A tile that names an engine
     decides; left to the planner, the TMA engine takes every layer it can run, except fp32 layers
     with few input channels (the seeds' 8 channels run on the slab engine) and layers with too few
-    multiply-adds per input byte to pay for its layout pass (`tma.worth_it`)."""
+    multiply-adds per input byte to pay for its layout pass (`tma.worth_it`); a strided transposed
+    conv runs its stride phases here, from as many input channels as the implicit GEMM's."""
     tile = spec.tile
     asked = "tma" if config is not None else (tile.engine if tile is not None else None)
     reasons = tma_engine.why_not(spec, levels, reductions, target)
@@ -1039,6 +1040,12 @@ def _choose_tma(spec: LayerSpec, levels: list, reductions: list, fold, config, t
     elif asked is not None or reasons:
         return None
     elif _tile_pins_other_engine(tile) or (spec.input.channels < 16 and spec.precision == "fp32"):
+        return None
+    elif spec.conv.transposed and spec.input.channels < igemm_engine.TRANSPOSED_MIN_CHANNELS:
+        return None  # a transposed conv of few channels: its phases' K is a handful of taps x channels (FFMA's)
+    elif spec.conv.transposed and spec.inputs():
+        # an extra input read at every S-th output: the implicit GEMM's W pairs read it in whole
+        # sectors (measured, KernelBench 26: 2.16 ms there, 4.54 on the TMA engine's phases)
         return None
     elif not tma_engine.worth_it(spec):
         return None

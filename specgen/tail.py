@@ -276,7 +276,7 @@ def pool_split(spec: LayerSpec, target, rewrites: bool = True) -> int | None:
     the conv and the pointwise ops before the pool run there and write T0, and the pool and what
     follows run as a further kernel over an identity conv that reads it (one more write and read
     of T0). A strided transposed conv of 16 input channels or more splits the same way before any
-    pool or reduction: its stride phases run on the implicit GEMM, where the FFMA gather that a
+    pool or reduction: its stride phases run on a GEMM engine, where the FFMA gather that a
     fused pool or reduction would keep it on ran 2-14x slower (benchmarks/NOTES.md, v19); a deep
     plain conv of 32+ input channels before a reduction, where the whole layer would run on FFMA. Left
     to the planner only: a tile that names an engine keeps the layer whole."""
@@ -291,7 +291,7 @@ def pool_split(spec: LayerSpec, target, rewrites: bool = True) -> int | None:
     if spec.conv.transposed:
         if spec.input.channels < igemm.TRANSPOSED_MIN_CHANNELS or not (spec.rewrites and rewrites) or spec.inputs():
             return None
-        return first if split_engine(spec, first, target) == "igemm" else None
+        return first if split_engine(spec, first, target) in ("tma", "igemm") else None
     windowed = spec.epilogue[first].kind == "pool" and ops.POOLS[spec.epilogue[first].op].windowed
     if not windowed and spec.input.channels < 32:  # a reduction (or global pool) after a conv of few channels
         return None
@@ -319,11 +319,14 @@ def pool_split(spec: LayerSpec, target, rewrites: bool = True) -> int | None:
 
 def split_engine(spec: LayerSpec, at: int, target) -> str | None:
     """The engine a split layer's body (the conv and stages [0, at)) runs on: the TMA engine for a
-    plain conv, the implicit GEMM's stride phases for a transposed one; None where it cannot."""
+    plain conv; for a transposed one its stride phases on the TMA engine where it runs them and they
+    pay for its layout pass (`tma.worth_it`), else on the implicit GEMM; None where it cannot."""
     from specgen import igemm, tma
 
     body = _cut(spec, at)
     if body.conv.transposed:
+        if not tma.why_not(body, [None], [], target) and tma.worth_it(body):
+            return "tma"
         return None if igemm.why_not(body, [None], []) else "igemm"
     return None if tma.why_not(body, [None], [], target) else "tma"
 

@@ -43,7 +43,7 @@ Every extent, tile and trip count is a literal; only the batch is read at run ti
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specgen import splitk, target as targets
 from specgen.target import BLOCK_RESERVED_SMEM
@@ -95,6 +95,28 @@ class TmaConfig:
             raise ValueError(f"split_k must be 0 (the planner's), 1 (none) or more, got {self.split_k}")
         if self.blocks_per_sm not in (1, 2):
             raise ValueError(f"blocks_per_sm must be 1 or 2, got {self.blocks_per_sm}")
+
+
+@dataclass(frozen=True)
+class TmaPhase:
+    """One stride phase of a transposed conv: the outputs o = OUT_OFF + S * j (per dim, j < OP)
+    meet only the taps k = FIRST + S * t (t < KP), each reading input j + IN_OFF - t. With its taps
+    reversed (t' = KP - 1 - t, the weights permuted to match) the phase is a plain stride-1 conv:
+    output j reads input j + LOWER + t', LOWER = IN_OFF - (KP - 1) -- what an im2col tensor map
+    whose box starts at LOWER walks. Every phase runs on one grid of positions (`TmaPlan.grid`,
+    the largest phase's), so the same M tile of two phases covers the same region of the output
+    and their stores, every S-th value of a row each, meet in the L2."""
+
+    index: int
+    out_off: tuple[int, int, int]  # its first output (d, h, w)
+    op: tuple[int, int, int]  # its outputs along each dim
+    kp: tuple[int, int, int]  # its taps along each dim
+    lower: tuple[int, int, int]  # input of output 0, tap t' = 0 (d, h, w)
+    taps: int  # prod(kp)
+    tap_index: tuple[int, ...]  # the conv's flat tap of each of its taps t' (d, h, w nested, w fastest)
+    lower_map: tuple[int, ...] = ()  # the im2col box's corners, W first (the conv's spatial dims only)
+    upper_map: tuple[int, ...] = ()
+    k_iters: int = 0  # pipeline stages it walks (`plan_tma` fills it in)
 
 
 @dataclass(frozen=True)
@@ -150,6 +172,74 @@ class TmaPlan:
     producer_regs: int = PRODUCER_REGS
     consumer_regs: int = CONSUMER_REGS
     blocks_per_sm: int = 1  # the __launch_bounds__ occupancy: 2 where registers and shared memory allow
+    # A transposed conv: one GEMM per stride phase (`TmaPhase`), each phase's blocks beside the
+    # others' in the grid; `k_iters` and `k_total` are then the largest phase's.
+    phases: tuple[TmaPhase, ...] = ()
+    grid: tuple[int, int, int] = (1, 1, 1)  # the positions each GEMM runs on (d, h, w): the output's, or every phase's
+    grid_positions: int = 0  # prod(grid): M per sample of each GEMM
+    n_pad: int = 0  # rows per phase of the permuted weights (N_TILES x BN: zeros past C_OUT)
+
+    @property
+    def gemms(self) -> int:
+        """GEMMs side by side in the grid: the stride phases, or the one conv."""
+        return max(1, len(self.phases))
+
+
+def _phases(spec: LayerSpec) -> tuple[TmaPhase, ...]:
+    """The stride phases of a transposed conv (dilation 1, each kernel extent at least its stride),
+    W phases fastest: neighbouring blocks of the grid write the two halves of the same lines."""
+    geo = spec.conv_geometry()
+    nd = spec.ndim
+    pad3 = lambda t, fill: (fill,) * (3 - nd) + tuple(t)  # noqa: E731  (d, h, w)
+    k3, s3, p3 = pad3(geo["kernel"], 1), pad3(geo["stride"], 1), pad3(geo["padding"], 0)
+    in3, out3 = pad3(spec.input.size, 1), pad3(spec.conv_output().sizes[1:], 1)
+    per_dim = []
+    for k, s, p, out in zip(k3, s3, p3, out3):
+        dim = []
+        for phi in range(s):
+            op = (out - phi + s - 1) // s
+            if op <= 0:
+                continue
+            first = (phi + p) % s
+            kp = -(-(k - first) // s)
+            dim.append((phi, op, first, kp, (phi + p - first) // s - (kp - 1)))
+        per_dim.append(dim)
+    grid = tuple(max(c[1] for c in dim) for dim in per_dim)
+    phases = []
+    for d in per_dim[0]:
+        for h in per_dim[1]:
+            for w in per_dim[2]:
+                kp = (d[3], h[3], w[3])
+                # tap t' reads input j + LOWER + t': the conv's tap FIRST + S * (KP - 1 - t')
+                taps3 = [[c[2] + s * (c[3] - 1 - t) for t in range(c[3])] for c, s in zip((d, h, w), s3)]
+                index = tuple((kd * k3[1] + kh) * k3[2] + kw for kd in taps3[0] for kh in taps3[1] for kw in taps3[2])
+                lower = (d[4], h[4], w[4])
+                # the box spans the grid: GRID positions along each dim from LOWER
+                upper = tuple(g - i + lo for g, i, lo in zip(grid, in3, lower))
+                phases.append(TmaPhase(
+                    index=len(phases), out_off=(d[0], h[0], w[0]), op=(d[1], h[1], w[1]), kp=kp, lower=lower,
+                    taps=math.prod(kp), tap_index=index, lower_map=tuple(reversed(lower[3 - nd:])),
+                    upper_map=tuple(reversed(upper[3 - nd:])),
+                ))
+    return tuple(phases)
+
+
+def _grid(spec: LayerSpec) -> tuple[int, int, int]:
+    """The grid of positions every stride phase runs on (d, h, w): the largest phase's extents."""
+    geo, nd = spec.conv_geometry(), spec.ndim
+    out3 = (1,) * (3 - nd) + tuple(spec.conv_output().sizes[1:])
+    s3 = (1,) * (3 - nd) + tuple(geo["stride"])
+    return tuple(-(-o // s) for o, s in zip(out3, s3))
+
+
+def _kb_unit(spec: LayerSpec, cb: int) -> tuple[int, int]:
+    """(K-blocks every stage count must divide, M positions per sample of all the GEMMs): a plain
+    conv's K-blocks and positions; for a transposed conv the gcd of its phases' K-blocks and the
+    phases' grids."""
+    if not spec.conv.transposed:
+        return math.prod(spec.conv_geometry()["kernel"]) * cb, math.prod(spec.conv_output().sizes[1:])
+    phases = _phases(spec)
+    return math.gcd(*(ph.taps for ph in phases)) * cb, math.prod(_grid(spec)) * len(phases)
 
 
 def why_not(spec: LayerSpec, levels: list, reductions: list, target: targets.Target) -> list[str]:
@@ -159,8 +249,13 @@ def why_not(spec: LayerSpec, levels: list, reductions: list, target: targets.Tar
         reasons.append(f"{target.arch} has no wgmma/TMA (Hopper, sm_90)")
     if spec.conv.groups > 1:
         reasons.append("the conv has groups")
-    if getattr(spec.conv, "transposed", False):
-        reasons.append("the conv is transposed")
+    transposed = getattr(spec.conv, "transposed", False)
+    if transposed:
+        geo = spec.conv_geometry()
+        if any(d != 1 for d in geo["dilation"]):
+            reasons.append("the transposed conv has a dilation")
+        elif any(k < s for k, s in zip(geo["kernel"], geo["stride"])):
+            reasons.append("a stride phase of the transposed conv meets no tap (a kernel smaller than its stride)")
     if len(levels) > 1:
         reasons.append("a pool follows the conv")
     if reductions:
@@ -178,6 +273,12 @@ def why_not(spec: LayerSpec, levels: list, reductions: list, target: targets.Tar
             reasons.append("an extra input or saved value around a softmax over the channels")
     rank = spec.ndim + 2
     geo = spec.conv_geometry()
+    if transposed:
+        if not reasons:
+            corners = [c for ph in _phases(spec) for c in (*ph.lower_map, *ph.upper_map)]
+            if not all(-CORNER_LIMIT[rank] <= c < CORNER_LIMIT[rank] for c in corners):
+                reasons.append(f"a stride phase's input box exceeds the TMA im2col box limits of a {spec.ndim}-D conv")
+        return reasons
     for k, p, d in zip(geo["kernel"], geo["padding"], geo["dilation"]):
         lo, hi = -p, p - (k - 1) * d
         if not (-CORNER_LIMIT[rank] <= lo < CORNER_LIMIT[rank] and -CORNER_LIMIT[rank] <= hi < CORNER_LIMIT[rank]):
@@ -228,7 +329,10 @@ MIN_INTENSITY = {"tf32": 64, "fp32": 192}
 
 def intensity(spec: LayerSpec) -> float:
     """The conv's multiply-adds per byte of an fp32 input: C_OUT x taps x output / input positions / 2."""
-    taps = math.prod(spec.conv_geometry()["kernel"])
+    geo = spec.conv_geometry()
+    taps = math.prod(geo["kernel"])
+    if spec.conv.transposed:  # each output meets about taps / stride-volume of the taps
+        taps /= math.prod(geo["stride"])
     ratio = math.prod(spec.conv_output().sizes[1:]) / math.prod(spec.input.size)
     return spec.conv.out_channels * taps * ratio / 2
 
@@ -321,10 +425,8 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
     eb = ELEM_BYTES[spec.precision]
     split = spec.precision == "fp32"
     cip, bkc = _channels(spec.input.channels, eb)
-    taps = math.prod(spec.conv_geometry()["kernel"])
-    kb_total = taps * (cip // bkc)
+    kb_total, positions = _kb_unit(spec, cip // bkc)
     row = bkc * eb
-    positions = math.prod(spec.conv_output().sizes[1:])
     n_pad = -(-spec.conv.out_channels // 8) * 8
     if two_blocks and not split and not spec.inputs() and two_blocks_fit(256, n_pad, split):
         for kps in _kb_options(kb_total, row):
@@ -356,10 +458,9 @@ def configs(spec: LayerSpec, target: targets.Target, batch: int = 64) -> list[Tm
     eb = ELEM_BYTES[spec.precision]
     split = spec.precision == "fp32"
     cip, bkc = _channels(spec.input.channels, eb)
-    kb_total = math.prod(spec.conv_geometry()["kernel"]) * (cip // bkc)
+    kb_total, positions = _kb_unit(spec, cip // bkc)
     row = bkc * eb
     kps = _kb_options(kb_total, row)[0]
-    positions = math.prod(spec.conv_output().sizes[1:])
     out = [default_config(spec, target, batch)]
     planes = 2 if split else 1
     k_iters = kb_total // kps
@@ -398,6 +499,14 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     geo = spec.conv_geometry()
     taps = math.prod(geo["kernel"])
     cb = cip // bkc
+    phases = _phases(spec) if spec.conv.transposed else ()
+    if phases:  # every phase walks its own taps: the stage must divide each phase's K-blocks
+        taps = max(ph.taps for ph in phases)
+        for ph in phases:
+            if ph.taps * cb % cfg.kb_per_stage:
+                raise ValueError(f"{cfg.kb_per_stage} K-blocks per stage do not divide stride phase {ph.index}'s "
+                                 f"{ph.taps * cb} K-blocks")
+        phases = tuple(replace(ph, k_iters=ph.taps * cb // cfg.kb_per_stage) for ph in phases)
     kb_total = taps * cb
     if kb_total % cfg.kb_per_stage:
         raise ValueError(f"{cfg.kb_per_stage} K-blocks per stage do not divide the {kb_total} K-blocks")
@@ -425,13 +534,16 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     in_positions = math.prod(spec.input.size)
     k_iters = kb_total // cfg.kb_per_stage
     n_tiles = -(-cout // cfg.bn)
+    grid = _grid(spec) if phases else (1,) * (3 - nd) + tuple(conv_out)
+    if phases and cfg.split_k > 1:
+        raise ValueError("a transposed conv's stride phases have no split kernel")
     norm_at, reduces = channel_norm(spec), channel_reduction(spec)
     whole_n = reduces or norm_at is not None
     if whole_n and n_tiles > 1:
         raise ValueError(f"BN {cfg.bn} does not hold the {cout} channels the epilogue reduces or normalizes over")
     # split K counts the blocks an SM holds at once; a reduction or softmax over the channels has
     # none (the split kernel's parts would each hold part of K of every channel, to be added before it)
-    split_parts = 1 if whole_n else cfg.split_k or splitk.choose(
+    split_parts = 1 if whole_n or phases else cfg.split_k or splitk.choose(
         math.prod(conv_out), cout, cfg.bm, n_tiles, k_iters, (target.sm_count or 132) * cfg.blocks_per_sm)
     if whole_n and cfg.split_k > 1:
         raise ValueError("split K with a reduction or softmax over the channels")
@@ -451,7 +563,8 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         prep_tiles=-(-in_positions // prep_tp) * -(-cip // prep_tc), acc_regs=acc,
         split_k=split_parts, split_iters=k_iters // split_parts, channel_reduction=reduces,
         channel_norm=norm_at is not None,
-        blocks_per_sm=cfg.blocks_per_sm,
+        blocks_per_sm=cfg.blocks_per_sm, phases=phases, grid=grid, grid_positions=math.prod(grid),
+        n_pad=n_tiles * cfg.bn,
         producer_regs=REGS_TWO_BLOCKS["producer"] if two else PRODUCER_REGS,
         consumer_regs=REGS_TWO_BLOCKS["consumer"] if two else CONSUMER_REGS,
     )
@@ -459,9 +572,13 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
 
 def describe(tp: TmaPlan) -> str:
     mode = {"fp32": "3xTF32", "tf32": "TF32", "bf16": "bf16", "fp16": "fp16"}[tp.precision]
+    walked = "/".join(str(ph.k_iters) for ph in tp.phases) if tp.phases else str(tp.k_iters)
+    phases = (f", one GEMM per stride phase of the transposed conv ({len(tp.phases)} phases on a "
+              f"{' x '.join(map(str, tp.grid[5 - tp.rank:]))} grid, side by side in the grid of blocks)"
+              if tp.phases else "")
     return (
         f"implicit GEMM on Hopper ({mode} wgmma m64n{tp.bn}k{tp.kstep}, both operands from shared memory, fed by TMA "
-        f"im2col loads): block tile {tp.bm} positions x {tp.bn} channels, {tp.k_iters} stages of {tp.kb_per_stage} "
+        f"im2col loads){phases}: block tile {tp.bm} positions x {tp.bn} channels, {walked} stages of {tp.kb_per_stage} "
         f"K-block(s) of {tp.bkc} channels, {tp.stages}-stage mbarrier pipeline, 1 producer warp + 2 consumer "
         f"warpgroups{', two blocks per SM' if tp.blocks_per_sm == 2 else ''}; a layout pass lays the input out "
         f"channels-last ({tp.cip} channels)"

@@ -131,12 +131,29 @@ def weight_layout(weight: torch.Tensor, tp: TmaPlan, cin: int, taps: int) -> tor
     return w.reshape(cout, taps * tp.cip).contiguous()
 
 
+def phase_weight_layout(weight: torch.Tensor, tp: TmaPlan, cin: int) -> torch.Tensor:
+    """A transposed conv's weights [C_IN][C_OUT][taps] as its stride phases read them,
+    [PHASES x N_PAD][K_TOTAL]: phase by phase, [C_OUT][the phase's taps t' x CIP] (K tap-major, in
+    `TmaPhase.tap_index` order), zeros in the padded channels, past a phase's taps and past C_OUT."""
+    cout = weight.shape[1]
+    w = weight.reshape(cin, cout, -1)
+    out = weight.new_zeros(tp.gemms, tp.n_pad, tp.k_total // tp.cip, tp.cip)
+    for ph in tp.phases:
+        out[ph.index, :cout, :ph.taps, :cin] = w[:, :, list(ph.tap_index)].permute(1, 2, 0)
+    return out.reshape(tp.gemms * tp.n_pad, tp.k_total)
+
+
 def _weights(weight: torch.Tensor, tp: TmaPlan, cin: int, taps: int, precision: str):
-    """(planes, tensor maps) of the weights in `weight_layout`; a map's box is one B tile."""
-    cout = weight.shape[0]
-    planes = operand_planes(weight_layout(weight, tp, cin, taps), precision)
+    """(planes, tensor maps) of the weights in `weight_layout` (`phase_weight_layout` for stride
+    phases); a map's box is one B tile."""
+    if tp.phases:
+        layout = phase_weight_layout(weight, tp, cin)
+    else:
+        layout = weight_layout(weight, tp, cin, taps)
+    rows = layout.shape[0]
+    planes = operand_planes(layout, precision)
     maps = [
-        runtime.encode_tiled(map_dtype(precision, p.dtype), p.data_ptr(), (tp.k_total, cout), (tp.k_total * tp.elem_bytes,),
+        runtime.encode_tiled(map_dtype(precision, p.dtype), p.data_ptr(), (tp.k_total, rows), (tp.k_total * tp.elem_bytes,),
                              (tp.bkc, tp.bn), tp.swizzle_tma, p.numel() * p.element_size())
         for p in planes
     ]
@@ -157,10 +174,12 @@ def _channels_last(x: torch.Tensor) -> bool:
 _input_maps: dict[tuple, runtime.TensorMap] = {}
 
 
-def _input_map(ws: torch.Tensor, tp: TmaPlan, spatial: tuple[int, ...], batch: int, precision: str) -> runtime.TensorMap:
-    """The im2col map of a channels-last [batch][positions][CIP] tensor (cached: it depends only on
-    the address, the batch and the layer)."""
-    key = (ws.data_ptr(), batch, ws.dtype, id(tp))
+def _input_map(ws: torch.Tensor, tp: TmaPlan, spatial: tuple[int, ...], batch: int, precision: str,
+               phase=None) -> runtime.TensorMap:
+    """The im2col map of a channels-last [batch][positions][CIP] tensor, for the conv or one of its
+    stride phases (`TmaPhase`: its own box corners, stride 1); cached: it depends only on the
+    address, the batch, the layer and the phase."""
+    key = (ws.data_ptr(), batch, ws.dtype, id(tp), None if phase is None else phase.index)
     tmap = _input_maps.get(key)
     if tmap is not None:
         return tmap
@@ -170,9 +189,13 @@ def _input_map(ws: torch.Tensor, tp: TmaPlan, spatial: tuple[int, ...], batch: i
     for n in dims[1:]:
         strides.append(step)
         step *= n
+    if phase is None:
+        lower, upper, elem_strides = tp.lower, tp.upper, tp.elem_strides
+    else:
+        lower, upper, elem_strides = phase.lower_map, phase.upper_map, (1,) * len(phase.lower_map)
     tmap = runtime.encode_im2col(
-        map_dtype(precision, ws.dtype), ws.data_ptr(), dims, tuple(strides), tp.lower, tp.upper, tp.bkc, tp.bm,
-        (1, *tp.elem_strides, 1), tp.swizzle_tma, ws.numel() * ws.element_size(),
+        map_dtype(precision, ws.dtype), ws.data_ptr(), dims, tuple(strides), lower, upper, tp.bkc, tp.bm,
+        (1, *elem_strides, 1), tp.swizzle_tma, ws.numel() * ws.element_size(),
     )
     if len(_input_maps) >= _MAP_CACHE:
         _input_maps.pop(next(iter(_input_maps)))
@@ -242,7 +265,7 @@ def _call(sp) -> _Call:
             size=tuple(spec.input.size), planes=planes, in_place_cl=tp.cip == spec.input.channels and not tp.split,
             operand_dtype=OPERAND_DTYPE[tp.precision], prep=f"{name}_prep", prep_cl=f"{name}_prep_cl",
             param_names=names, input_names=inputs, has_bias=spec.conv.bias,
-            main_kinds=("map",) * (2 * planes) + ("ptr",) * n_ptrs + ("int",),
+            main_kinds=("map",) * (planes * tp.gemms + planes) + ("ptr",) * n_ptrs + ("int",),
             split=splitk.kernel_names(name) if tp.split_k > 1 else (),
             make_weights=functools.partial(_weights, tp=tp, cin=spec.input.channels, taps=plan["taps"],
                                            precision=tp.precision),
@@ -255,7 +278,7 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
     c = _call(sp)
     tp = c.tp
     batch = x.shape[0]
-    per_launch = max(1, INT32_MAX // tp.positions)
+    per_launch = max(1, INT32_MAX // max(tp.positions, tp.grid_positions))
     if batch > per_launch:  # M is a 32-bit index: several launches, each on its samples
         for first in range(0, batch, per_launch):
             launch(sp, kernel, x[first:first + per_launch], weight, bias, params, out[first:first + per_launch], stream)
@@ -277,7 +300,10 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
         pack = runtime.arg_pack((kernel.function.value, fn), ("ptr",) * (1 + c.planes) + ("int",))
         pack.set([x.data_ptr(), *(w.data_ptr() for w in ws_planes), batch])
         runtime.launch_packed(kernel, kernel.extra[fn], blocks, _PREP_THREADS, 0, pack, stream)
-    values = [_input_map(w, tp, c.size, batch, precision) for w in ws_planes]
+    if tp.phases:  # an im2col map per stride phase, plane by plane
+        values = [_input_map(w, tp, c.size, batch, precision, ph) for w in ws_planes for ph in tp.phases]
+    else:
+        values = [_input_map(w, tp, c.size, batch, precision) for w in ws_planes]
     values += maps_w
     if c.has_bias:
         values.append(_float(bias).data_ptr())
@@ -286,8 +312,8 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
     for name in c.input_names:  # extra inputs, in the layer's dtype
         values.append(params[name].data_ptr())
     values += [out.data_ptr(), batch]
-    grid = -(-batch * tp.positions // tp.bm) * tp.n_tiles
-    if c.split and uses_split(tp, batch, sm_count(x.get_device())):
+    grid = -(-batch * (tp.grid_positions or tp.positions) // tp.bm) * tp.n_tiles * tp.gemms
+    if c.split and uses_split(tp, batch, sm_count(x.get_device())):  # (never with stride phases)
         maps = 2 * c.planes
         m_total = batch * tp.positions
         partial = torch.empty(tp.split_k * tp.cout * m_total, device=x.device, dtype=torch.float32)

@@ -151,6 +151,15 @@ def candidates(spec: LayerSpec) -> list:
     if engine == "igemm" and plan["igemm"].w_pairs:  # a strided transposed conv: also one phase per block
         out.append(replace(own, phases_per_block=1))
     target = _tuning_target()
+    if engine == "tma" and spec.conv.transposed:
+        # the stride phases on the implicit GEMM too: its planner's tile (W pairs) and one phase per block
+        ig = igemm.planner_config(spec, math.prod(spec.conv_geometry()["kernel"]), target)
+        for cfg in (ig, replace(ig, phases_per_block=1)):
+            try:
+                if cfg not in out and plan_with(spec, cfg)["engine"] == "igemm":
+                    out.append(cfg)
+            except (PlanError, ValueError):
+                continue
     if tma.has_tma_engine(target):
         for cfg in tma.configs(spec, target):
             if cfg in out:

@@ -19,6 +19,7 @@ from specgen.module import FusedLayer
 from specgen.plan import PlanError, build_plan, forward_equivalent
 from specgen.render import render, render_plan
 from specgen.spec import SpecError, parse_yaml, validate
+from specgen.target import BUILTIN
 from specgen.torchop import forward_weight
 
 T2 = {"name": "t", "input": {"channels": 4, "size": [5, 7]},
@@ -524,10 +525,15 @@ def test_stride_phases_compute_the_transposed_conv(conv, size):
     assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-12, rtol=0)
 
 
-def test_transposed_convs_of_enough_channels_take_the_implicit_gemm():
+def test_transposed_convs_of_enough_channels_take_the_stride_phases():
     data = {"name": "up", "input": {"channels": 64, "size": [32, 32]},
             "conv": {"out_channels": 64, "kernel": 3, "stride": 2, "padding": 1, "output_padding": 1, "transposed": True},
             "epilogue": ["relu"], "precision": "tf32"}
+    # Hopper: the TMA engine's phases; without wgmma/TMA (sm_80): the implicit GEMM's
+    hopper = build_plan(validate(data))
+    assert hopper["engine"] == "tma" and len(hopper["tma"].phases) == 4
+    assert build_plan(validate(data), target=BUILTIN["sm_80"])["engine"] == "igemm"
+    data = {**data, "tile": {"engine": "igemm"}}
     plan = build_plan(validate(data))
     assert plan["engine"] == "igemm" and len(plan["igemm"].phases) == 4 and plan["igemm"].w_pairs
     assert plan["igemm"].grid_gemms == 2
@@ -535,6 +541,7 @@ def test_transposed_convs_of_enough_channels_take_the_implicit_gemm():
     assert "case 1: conv_pair<Phase2, Phase3>" in text and "stride phases" in text and "atomicAdd" not in text and "atom." not in text
     assert "make_float2(v0, v1)" in text
     # few input channels (KernelBench's 3-channel upsamplers), a dilation, groups: the FFMA gather
+    del data["tile"]
     for other in ({"input": {"channels": 3, "size": [32, 32]}}, {"conv": {**data["conv"], "dilation": 2}},
                   {"conv": {**data["conv"], "groups": 2}}):
         assert build_plan(validate({**data, **other}))["engine"] == "ffma", other
@@ -567,14 +574,17 @@ def test_transposed_implicit_gemm_kernels_build_without_spills(tmp_path, monkeyp
     ([{"amin": {"dims": [1], "keepdim": True}}, "gelu"], "a fused reduction"),
 ])
 def test_a_strided_transposed_conv_splits_before_a_pool_or_reduction(epilogue, why):
-    """The stride phases run on the implicit GEMM into T0; the pool or reduction reads it."""
+    """The stride phases run on a GEMM engine (Hopper's TMA engine; the implicit GEMM on sm_80) into
+    T0; the pool or reduction reads it."""
     data = {"name": "tsplit", "input": {"channels": 32, "size": [12, 12]},
             "conv": {"out_channels": 64, "kernel": 3, "stride": 2, "padding": 1, "output_padding": 1, "transposed": True},
             "epilogue": epilogue, "precision": "tf32"}
     plan = build_plan(validate(data))
-    assert plan["engine"] == "sequence" and [p["plan"]["engine"] for p in plan["parts"]] == ["igemm", "ffma"]
-    assert plan["parts"][0]["plan"]["igemm"].phases and why in plan["why"][0]
+    assert plan["engine"] == "sequence" and [p["plan"]["engine"] for p in plan["parts"]] == ["tma", "ffma"]
+    assert plan["parts"][0]["plan"]["tma"].phases and why in plan["why"][0]
     assert plan["out_shape"] == list(validate(data).shapes()[-1].sizes)
+    ampere = build_plan(validate(data), target=BUILTIN["sm_80"])
+    assert [p["plan"]["engine"] for p in ampere["parts"]] == ["igemm", "ffma"] and ampere["parts"][0]["plan"]["igemm"].phases
     # 3 input channels (KernelBench's small upsamplers, fused well on FFMA): whole
     assert build_plan(validate({**data, "input": {"channels": 3, "size": [12, 12]}}))["engine"] == "ffma"
 

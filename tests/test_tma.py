@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from specgen import pipeline, splitk, tma
 from specgen.plan import PlanError, build_plan, describe
@@ -39,7 +40,9 @@ def test_hopper_takes_the_tma_engine_for_deep_layers(precision):
     ({"epilogue": ["relu", {"sum": {"dims": [2, 3]}}]}, "the epilogue reduces over positions"),
     ({"cout": 300, "epilogue": ["relu", {"sum": {"dims": [1]}}]}, "more than 256 channels"),
     ({"conv": {"groups": 4}}, "the conv has groups"),
-    ({"conv": {"transposed": True, "stride": 2}, "padding": 0}, "the conv is transposed"),  # (stride 1 runs as a plain conv)
+    # (stride 1 runs as a plain conv; a strided one runs its stride phases, but not these)
+    ({"conv": {"transposed": True, "stride": 2, "dilation": 2}, "padding": 0}, "the transposed conv has a dilation"),
+    ({"conv": {"transposed": True, "stride": 3}, "kernel": 2, "padding": 0}, "a stride phase of the transposed conv meets no tap"),
 ])
 def test_asking_for_tma_where_it_cannot_run_says_why(data, why):
     spec = spec_of(tile={"engine": "tma"}, **data)
@@ -480,3 +483,106 @@ def test_split_kernels_compile_without_spills(precision):
     sp = pipeline.specialize(spec, "sm_90")
     assert sp.plan["tma"].split_k > 1
     assert sp.build.spill_bytes == 0, f"{sp.build.spill_bytes} bytes spilled"
+
+
+# ---- a transposed conv's stride phases ---------------------------------------------------------
+
+
+def _emulate_tma_phases(spec, tp, x, weight, bias):
+    """The TMA kernel's arithmetic for stride phases, as the hardware and the template walk it: per
+    phase, grid position j (every phase's grid), im2col box from LOWER (its corners: the map's), tap
+    t' reading input j + LOWER + t' (zeros outside the input), weights from the permuted layout
+    (`tmarun.phase_weight_layout`), stored at OUT_OFF + S * j where the phase has an output."""
+    from specgen import tmarun
+
+    nd = spec.ndim
+    cin, cout = spec.input.channels, spec.conv.out_channels
+    in3 = (1,) * (3 - nd) + tuple(spec.input.size)
+    out3 = (1,) * (3 - nd) + tuple(spec.conv_output().sizes[1:])
+    s3 = (1,) * (3 - nd) + tuple(spec.conv_geometry()["stride"])
+    x3 = x.reshape(x.shape[0], cin, *in3)
+    laid = tmarun.phase_weight_layout(weight, tp, cin)
+    assert laid.shape == (tp.gemms * tp.n_pad, tp.k_total)
+    out = torch.full((x.shape[0], cout, *out3), float("nan"), dtype=x.dtype)
+    for ph in tp.phases:
+        # the im2col box spans GRID positions from LOWER: upper = GRID - IN + LOWER, W first
+        assert ph.lower_map == tuple(reversed(ph.lower[3 - nd:]))
+        assert ph.upper_map == tuple(reversed([g - i + lo for g, i, lo in zip(tp.grid, in3, ph.lower)][3 - nd:]))
+        w = laid[ph.index * tp.n_pad:ph.index * tp.n_pad + cout].reshape(cout, -1, tp.cip)[:, :ph.taps, :cin]
+        assert not laid[ph.index * tp.n_pad:(ph.index + 1) * tp.n_pad].reshape(tp.n_pad, -1, tp.cip)[:, ph.taps:].any()
+        acc = torch.zeros((x.shape[0], cout, *tp.grid), dtype=x.dtype)
+        for t in range(ph.taps):
+            td, th, tw = t // (ph.kp[1] * ph.kp[2]), t // ph.kp[2] % ph.kp[1], t % ph.kp[2]
+            idx = [torch.arange(tp.grid[a]) + ph.lower[a] + (td, th, tw)[a] for a in range(3)]
+            ok = [(i >= 0) & (i < in3[a]) for a, i in enumerate(idx)]
+            xs = x3[:, :, idx[0].clamp(0, in3[0] - 1)][:, :, :, idx[1].clamp(0, in3[1] - 1)][..., idx[2].clamp(0, in3[2] - 1)]
+            mask = ok[0][:, None, None] & ok[1][None, :, None] & ok[2][None, None, :]
+            acc += torch.einsum("ncdhw,oc->nodhw", xs * mask, w[:, t, :])
+        if bias is not None:
+            acc += bias.view(1, cout, 1, 1, 1)
+        mine = acc[:, :, :ph.op[0], :ph.op[1], :ph.op[2]]  # grid positions past the phase's outputs: not stored
+        target = out[:, :, ph.out_off[0]::s3[0], ph.out_off[1]::s3[1], ph.out_off[2]::s3[2]]
+        assert target.shape == mine.shape and target.isnan().all()  # each output written by one phase only
+        out[:, :, ph.out_off[0]::s3[0], ph.out_off[1]::s3[1], ph.out_off[2]::s3[2]] = mine
+    return out.reshape(x.shape[0], cout, *out3[3 - nd:])
+
+
+@pytest.mark.parametrize("conv, size", [
+    ({"kernel": 3, "stride": 2, "padding": 1, "output_padding": 1}, [5, 7]),
+    ({"kernel": 4, "stride": 2, "padding": 1, "output_padding": 1}, [6, 5]),
+    ({"kernel": 4, "stride": 2}, [4, 6]),
+    ({"kernel": 5, "stride": 3, "padding": 2, "output_padding": 2}, [7, 4]),
+    ({"kernel": [2, 3], "stride": [2, 1], "padding": [0, 1]}, [5, 6]),
+    ({"kernel": 3, "stride": 2, "padding": 1, "output_padding": 1}, [3, 4, 5]),
+    ({"kernel": [3, 4, 2], "stride": [2, 2, 2], "padding": [0, 1, 0]}, [2, 3, 4]),
+    ({"kernel": 4, "stride": 3, "padding": 1}, [9]),
+    ({"kernel": 2, "stride": 2}, [5]),
+])
+def test_the_tma_stride_phases_compute_the_transposed_conv(conv, size):
+    from specgen import reference
+
+    torch.manual_seed(len(size) * 11 + sum(size))
+    cin, cout = 20, 24
+    spec = validate({"name": "ph", "input": {"channels": cin, "size": size},
+                     "conv": {"out_channels": cout, **conv, "transposed": True}, "tile": {"engine": "tma"}})
+    plan = build_plan(spec, target=HOPPER)
+    tp = plan["tma"]
+    assert plan["engine"] == "tma" and tp.phases and tp.split_k == 1
+    covered = sorted(t for ph in tp.phases for t in ph.tap_index)
+    assert covered == list(range(plan["taps"]))  # every tap in exactly one phase
+    for ph in tp.phases:  # a phase's stages walk its own taps
+        assert ph.k_iters * tp.kb_per_stage == ph.taps * tp.cb and ph.taps * tp.cip <= tp.k_total
+    x = torch.randn(2, cin, *size, dtype=torch.float64)
+    w = torch.randn(*spec.weight_shape(), dtype=torch.float64)
+    b = torch.randn(cout, dtype=torch.float64)
+    want = reference.make_conv(spec).double()
+    with torch.no_grad():
+        want.weight.copy_(w)
+        want.bias.copy_(b)
+        ref = want(x)
+    got = _emulate_tma_phases(spec, tp, x, w, b)
+    assert got.shape == ref.shape and not got.isnan().any()
+    assert torch.allclose(got, ref, atol=1e-12, rtol=0)
+
+
+def test_tma_stride_phases_render_a_gemm_per_phase_and_fit_the_box_limits():
+    spec = validate({"name": "up", "input": {"channels": 64, "size": [32, 32]},
+                     "conv": {"out_channels": 128, "kernel": 4, "stride": 2, "padding": 1, "transposed": True},
+                     "epilogue": ["relu"], "precision": "tf32"})
+    plan = build_plan(spec, target=HOPPER)
+    tp = plan["tma"]
+    assert plan["engine"] == "tma" and len(tp.phases) == 4 and tp.grid[1:] == (32, 32)
+    text = render_plan(plan)
+    for ph in tp.phases:
+        assert f"struct Phase<{ph.index}>" in text and f"conv_block<1, {ph.index}>(map_a_hi_{ph.index}," in text
+    assert "PH * N_PAD + n0" in text and "row_mine[i][h]" in text and "K_ITERS = 8;" in text
+    assert "one GEMM per stride phase of the transposed conv (4 phases" in describe(plan)
+    # a kernel smaller than its stride leaves a phase without taps: the implicit GEMM (or FFMA) runs it
+    small = validate({**spec.model_dump(mode="json"), "conv": {**spec.model_dump(mode="json")["conv"], "kernel": 1}})
+    assert build_plan(small, target=HOPPER)["engine"] != "tma"
+    # a 3-D box's corners are limited to [-16, 16): a wide padding refuses with the reason
+    wide = validate({"name": "w", "input": {"channels": 32, "size": [60, 4, 4]},  # (phase input offsets of 18-20)
+                     "conv": {"out_channels": 32, "kernel": 5, "stride": 2, "padding": [40, 0, 0], "transposed": True},
+                     "tile": {"engine": "tma"}})
+    with pytest.raises(PlanError, match="box limits"):
+        build_plan(wide, target=HOPPER)

@@ -274,3 +274,44 @@ def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
     x = torch.randn((1, 256, 14, 14), device="cuda", generator=gen)
     assert not extra_inputs(layer.spec, 1, gen)
     assert_repeatable_and_replayed(layer, x, gen)
+
+
+# ---- a strided transposed conv's stride phases -------------------------------------------------
+TRANSPOSED_CASES = {
+    # name: (input channels, size, conv, epilogue)
+    "k3s2_op1": (32, [9, 11], {"out_channels": 48, "kernel": 3, "stride": 2, "padding": 1, "output_padding": 1}, ["relu"]),
+    "k4s2_p1_odd_out": (24, [8, 7], {"out_channels": 40, "kernel": 4, "stride": 2, "padding": 1, "output_padding": 1},
+                        [{"sub": 0.5}, "tanh"]),
+    "k4s2_softmax": (64, [6, 9], {"out_channels": 128, "kernel": 4, "stride": 2, "padding": 1, "output_padding": 1},
+                     [{"softmax": 1}, {"add": {"param": "b"}}, {"mul": 2.0}, "sigmoid"]),
+    "k3s2_min_channels": (16, [7, 8], {"out_channels": 64, "kernel": 3, "stride": 2, "padding": 1, "output_padding": 1},
+                          [{"amin": {"dims": [1], "keepdim": True}}, "gelu"]),
+    "k5s3_cout_300": (20, [5, 6], {"out_channels": 300, "kernel": 5, "stride": 3, "padding": 2, "output_padding": 2}, ["silu"]),
+    "k2s2_1d": (64, [100], {"out_channels": 72, "kernel": 2, "stride": 2}, ["relu"]),
+    "k3s2_3d": (32, [4, 5, 6], {"out_channels": 64, "kernel": 3, "stride": 2, "padding": 1, "output_padding": 1},
+                [{"add": {"param": "shift"}}, "hardswish"]),
+    "k4s2_3d_uneven": (16, [3, 4, 5], {"out_channels": 24, "kernel": [4, 3, 2], "stride": [2, 2, 2], "padding": [1, 0, 0]},
+                       ["relu"]),
+}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(TRANSPOSED_CASES))
+def test_tma_stride_phases(name, precision):
+    cin, size, conv, epilogue = TRANSPOSED_CASES[name]
+    layer = layer_of({"name": f"tma_t_{name}_{precision}", "input": {"channels": cin, "size": size},
+                      "conv": {**conv, "transposed": True}, "epilogue": epilogue, "precision": precision})
+    assert layer.specialize().plan["tma"].phases
+    check(layer, 1, seed=1)
+    check(layer, 3, seed=2)
+    check(layer, 2, seed=3, channels_last=True)
+
+
+def test_tma_stride_phases_with_an_extra_input():
+    """A residual read at each phase's output positions (the output's own index)."""
+    layer = layer_of({"name": "tma_t_residual", "input": {"channels": 32, "size": [10, 9]},
+                      "conv": {"out_channels": 32, "kernel": 4, "stride": 2, "padding": 1, "transposed": True},
+                      "epilogue": [{"add": {"input": "skip"}}, "relu"], "precision": "tf32"})
+    assert layer.specialize().plan["tma"].phases
+    check(layer, 2, seed=1)
+    check(layer, 5, seed=2)
