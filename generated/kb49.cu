@@ -84,6 +84,7 @@ constexpr int PHASES = 8;
 constexpr int GRID_D = 16, GRID_H = 32, GRID_W = 32;  // every phase's grid of positions (d, h, w)
 constexpr int GRID_POSITIONS = 16384;  // GRID_D * GRID_H * GRID_W: M per sample of each phase
 constexpr int N_PAD = 64;  // rows per phase of the permuted weights (N_TILES * BN, zeros past C_OUT)
+constexpr int GRID_GEMMS = 8;  // phases side by side in the grid, per M tile
 template <int PH>
 struct Phase;
 template <>
@@ -345,7 +346,7 @@ __device__ __forceinline__ void conv_block(
   // B tile KB_PER_STAGE * A_BYTES further on.
   const unsigned tiles = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const int m_total = batch * GRID_POSITIONS;
-  const int m0 = blockIdx.x / (N_TILES * PHASES) * BM, n0 = blockIdx.x % N_TILES * BN;
+  const int m0 = blockIdx.x / (N_TILES * GRID_GEMMS) * BM, n0 = blockIdx.x % N_TILES * BN;
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {

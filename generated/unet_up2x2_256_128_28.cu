@@ -29,14 +29,14 @@
 //   * specgen_unet_up2x2_256_128_28_prep lays the input out channels-last, [batch][d][h][w][CIP = 256] (zeros in the padded
 //     channels), split into a TF32 part and its remainder (two planes): the tensor memory
 //     accelerator (TMA) reads it in im2col mode. The weights arrive as [C_OUT][TAPS][CIP], prepared the same way.
-//   * A block owns BM = 128 positions x BN = 128 channels. K is walked in K-blocks of one tap x BKC = 32
+//   * A block owns BM = 128 positions x BN = 64 channels. K is walked in K-blocks of one tap x BKC = 32
 //     channels (1 per pipeline stage; 8/8/8/8 stages walked by the phases).
 //     A K-block's A tile (BM positions x BKC channels) is one im2col TMA load: the hardware walks the
 //     positions across rows and samples, adds the tap's offset and fills zeros in the padding; its
 //     B tile is one TMA load of the weights. Both land 128-byte-swizzled, as wgmma reads them.
-//   * Warpgroup 0 is the producer: one thread issues the loads up to 3 stages ahead; a stage's
-//     "full" mbarrier counts its 65536 bytes in. Warpgroups 1 and 2 are the consumers: each multiplies
-//     its 64 positions by BN channels with wgmma.mma_async m64n128k8 (tf32, both operands from
+//   * Warpgroup 0 is the producer: one thread issues the loads up to 4 stages ahead; a stage's
+//     "full" mbarrier counts its 49152 bytes in. Warpgroups 1 and 2 are the consumers: each multiplies
+//     its 64 positions by BN channels with wgmma.mma_async m64n64k8 (tf32, both operands from
 //     shared memory), keeps one stage's products in flight, and gives a stage back through its
 //     "empty" mbarrier.
 //   * fp32 mode (3xTF32): every operand x = hi(x) + lo(x) with hi(x) = x rounded to TF32;
@@ -52,6 +52,10 @@
 //     phase's: a grid position past a smaller phase's outputs is computed and not stored), their blocks
 //     side by side for each M tile, so the stores of neighbouring phases (each writes one value in
 //     2 along a row) meet in the L2. The weights are [PHASES][N_PAD][largest phase's taps x CIP].
+//     W pairs: a block runs the two W phases of a (d, h) phase one after the other (one pipeline,
+//     their stages back to back; the first's sums wait in registers, acc, while the second's
+//     accumulate in acc2), so each thread holds outputs 2j and 2j + 1 of its rows and stores them
+//     side by side (one 8-byte store: whole 32-byte sectors, where a lone phase's 4-byte stores would each leave half a sector for the L2 to fill from memory).
 //   Grid: one block per (M tile, N tile), N tiles fastest (blocks that read the same input run
 //   together); 384 threads per block; 197632 bytes of dynamic shared memory.
 // =====================================================================================================
@@ -77,6 +81,7 @@ constexpr int PHASES = 4;
 constexpr int GRID_D = 1, GRID_H = 28, GRID_W = 28;  // every phase's grid of positions (d, h, w)
 constexpr int GRID_POSITIONS = 784;  // GRID_D * GRID_H * GRID_W: M per sample of each phase
 constexpr int N_PAD = 128;  // rows per phase of the permuted weights (N_TILES * BN, zeros past C_OUT)
+constexpr int GRID_GEMMS = 2;  // W pairs of phases (PHASES / 2) side by side in the grid, per M tile
 template <int PH>
 struct Phase;
 template <>
@@ -130,16 +135,16 @@ constexpr int BKC = 32;  // channels per K-block: one 128-byte row of an A or B 
 constexpr int CB = 8;  // K-blocks per tap (CIP / BKC)
 constexpr int KB_PER_STAGE = 1;  // K-blocks per pipeline stage
 constexpr int K_TOTAL = 256;  // the largest phase's taps * CIP: a row of the permuted weights
-constexpr int BM = 128, BN = 128;  // block tile: positions, channels
+constexpr int BM = 128, BN = 64;  // block tile: positions, channels
 constexpr int WM = 1;  // m64 tiles per consumer warpgroup (BM / 128)
-constexpr int N_TILES = 1;  // blocks along N
-constexpr int STAGES = 3;  // shared-memory pipeline stages
+constexpr int N_TILES = 2;  // blocks along N
+constexpr int STAGES = 4;  // shared-memory pipeline stages
 constexpr int ROW_BYTES = 128;  // bytes of K per tile row: the swizzle width
 constexpr int KSTEPS = 4;  // wgmma per row (each reads 32 bytes of K: 8 values)
-constexpr unsigned A_BYTES = 16384, B_BYTES = 16384;  // one K-block's A and B tiles in shared memory (1024-byte aligned)
+constexpr unsigned A_BYTES = 16384, B_BYTES = 8192;  // one K-block's A and B tiles in shared memory (1024-byte aligned)
 constexpr unsigned PLANE_BYTES = KB_PER_STAGE * (A_BYTES + B_BYTES);  // one stage of one operand plane
-constexpr unsigned STAGE_BYTES = 65536;  // one stage (2 planes: hi, lo)
-constexpr unsigned STAGE_TX = 65536;  // bytes the TMA writes per stage
+constexpr unsigned STAGE_BYTES = 49152;  // one stage (2 planes: hi, lo)
+constexpr unsigned STAGE_TX = 49152;  // bytes the TMA writes per stage
 constexpr int THREADS = 384;  // warpgroup 0 produces, 1 and 2 consume
 constexpr int CONSUMER_THREADS = 256;  // the arrivals that free a stage
 constexpr int ACC = BN / 2;  // accumulator floats per thread per m64 tile
@@ -204,25 +209,17 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 // d (+)= A x B for 64 positions x BN channels x 8 of K, both from shared memory; accumulate = 0 overwrites d.
 __device__ __forceinline__ void wgmma(float (&d)[ACC], unsigned long long a, unsigned long long b, int accumulate) {
   asm volatile(
-      "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {"
+      "{\n.reg .pred acc;\nsetp.ne.b32 acc, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {"
       "%0, %1, %2, %3, %4, %5, %6, %7, "
       "%8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, "
-      "%24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, "
-      "%40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, "
-      "%56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, acc, 1, 1;\n}\n"
+      "%24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, acc, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(a), "l"(b), "r"(accumulate));
 }
 
@@ -297,6 +294,8 @@ template <int SPLIT, int PH>
 __device__ __forceinline__ void conv_block(
     const TensorMap& map_a_hi,
     const TensorMap& map_a_lo,
+    const TensorMap& map_a2_hi,  // the pair's second W phase
+    const TensorMap& map_a2_lo,  // the pair's second W phase
     const TensorMap& map_b_hi,
     const TensorMap& map_b_lo,
     const float* __restrict__ bias,    // [C_OUT]
@@ -304,8 +303,9 @@ __device__ __forceinline__ void conv_block(
     float* __restrict__ partial,  // SPLIT > 1: [SPLIT][C_OUT][batch * POSITIONS]
     int batch)
 {
-  using Ph = Phase<PH>;  // the block's stride phase
-  constexpr int ITERS = Ph::K_ITERS / SPLIT;  // stages this block walks
+  using Ph = Phase<PH>;  // the block's W pair of stride phases: W phase 0 ...
+  using Ph2 = Phase<PH + 1>;  // ... and W phase 1 (the same d and h phase)
+  constexpr int ITERS = Ph::K_ITERS + Ph2::K_ITERS;  // stages this block walks: the first phase's, then the second's
   const int k_first = SPLIT > 1 ? blockIdx.y * ITERS : 0;  // its first stage
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
@@ -313,7 +313,7 @@ __device__ __forceinline__ void conv_block(
   // B tile KB_PER_STAGE * A_BYTES further on.
   const unsigned tiles = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const int m_total = batch * GRID_POSITIONS;
-  const int m0 = blockIdx.x / (N_TILES * PHASES) * BM, n0 = blockIdx.x % N_TILES * BN;
+  const int m0 = blockIdx.x / (N_TILES * GRID_GEMMS) * BM, n0 = blockIdx.x % N_TILES * BN;
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -344,12 +344,17 @@ __device__ __forceinline__ void conv_block(
         for (int j = 0; j < KB_PER_STAGE; ++j) {
           const int kb = (k_first + kt) * KB_PER_STAGE + j;  // K-block: tap kb / CB, channels kb % CB * BKC ..
           const int tap = kb / CB, c = kb % CB * BKC;
-          const int kd = tap / (Ph::KP_H * Ph::KP_W), kh = tap / Ph::KP_W % Ph::KP_H, kw = tap % Ph::KP_W;  // the phase's tap t'
+          const bool second = kt >= Ph::K_ITERS;  // the pair's second W phase (its own taps along W, box and weights)
+          const int kb2 = kb - (second ? Ph::K_ITERS * KB_PER_STAGE : 0), tap2 = kb2 / CB, c2 = kb2 % CB * BKC;
+          const int kp_w = second ? Ph2::KP_W : Ph::KP_W;
+          const int kd = tap2 / (Ph::KP_H * kp_w), kh = tap2 / kp_w % Ph::KP_H, kw = tap2 % kp_w;  // the phase's tap t'
           const unsigned a = tiles + s * STAGE_BYTES + j * A_BYTES, b = tiles + s * STAGE_BYTES + KB_PER_STAGE * A_BYTES + j * B_BYTES;
-          tma_im2col(a + 0 * PLANE_BYTES, map_a_hi, full, c, w0, h0, d0, sample, kw, kh, kd);
-          tma_tile(b + 0 * PLANE_BYTES, map_b_hi, full, tap * CIP + c, PH * N_PAD + n0);
-          tma_im2col(a + 1 * PLANE_BYTES, map_a_lo, full, c, w0, h0, d0, sample, kw, kh, kd);
-          tma_tile(b + 1 * PLANE_BYTES, map_b_lo, full, tap * CIP + c, PH * N_PAD + n0);
+          tma_im2col(a + 0 * PLANE_BYTES, second ? map_a2_hi : map_a_hi, full, c2,
+                     ow + (second ? Ph2::LOWER_W : Ph::LOWER_W), h0, d0, sample, kw, kh, kd);
+          tma_tile(b + 0 * PLANE_BYTES, map_b_hi, full, tap2 * CIP + c2, (second ? PH + 1 : PH) * N_PAD + n0);
+          tma_im2col(a + 1 * PLANE_BYTES, second ? map_a2_lo : map_a_lo, full, c2,
+                     ow + (second ? Ph2::LOWER_W : Ph::LOWER_W), h0, d0, sample, kw, kh, kd);
+          tma_tile(b + 1 * PLANE_BYTES, map_b_lo, full, tap2 * CIP + c2, (second ? PH + 1 : PH) * N_PAD + n0);
         }
       }
     }
@@ -359,14 +364,14 @@ __device__ __forceinline__ void conv_block(
   // ---- consumers ------------------------------------------------------------------------------------
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int wg = warpgroup - 1;  // rows wg * (BM / 2) .. of the block's tile
-  float acc[WM][ACC];
+  float acc[WM][ACC], acc2[WM][ACC];  // the pair's first W phase's sums, its second's
   #pragma unroll
   for (int i = 0; i < WM; ++i)
     #pragma unroll
-    for (int e = 0; e < ACC; ++e) acc[i][e] = 0.0f;
+    for (int e = 0; e < ACC; ++e) acc[i][e] = acc2[i][e] = 0.0f;
 
   #pragma unroll 1
-  for (int kt = 0; kt < ITERS; ++kt) {
+  for (int kt = 0; kt < Ph::K_ITERS; ++kt) {
     const int s = kt % STAGES;
     mbar_wait(smem_u32(&full_bar[s]), (kt / STAGES) & 1);  // the stage's bytes have landed
     const unsigned stage = tiles + s * STAGE_BYTES;
@@ -398,6 +403,39 @@ __device__ __forceinline__ void conv_block(
     mbar_arrive(smem_u32(&empty_bar[s]));  // this thread is done with the stage
   }
 
+  #pragma unroll 1
+  for (int kt = Ph::K_ITERS; kt < ITERS; ++kt) {
+    const int s = kt % STAGES;
+    mbar_wait(smem_u32(&full_bar[s]), (kt / STAGES) & 1);  // the stage's bytes have landed
+    const unsigned stage = tiles + s * STAGE_BYTES;
+    float part[WM][ACC];  // this stage's sums (the first product overwrites them)
+    wgmma_fence();
+    #pragma unroll
+    for (int j = 0; j < KB_PER_STAGE; ++j) {
+      const unsigned a = stage + j * A_BYTES, b = stage + KB_PER_STAGE * A_BYTES + j * B_BYTES;
+      #pragma unroll
+      for (int k = 0; k < KSTEPS; ++k) {
+        const unsigned long long b_hi = descriptor(b + 32 * k);
+        const unsigned long long b_lo = descriptor(b + PLANE_BYTES + 32 * k);
+        #pragma unroll
+        for (int i = 0; i < WM; ++i) {
+          const unsigned rows = a + (wg * WM + i) * 64 * ROW_BYTES + 32 * k;  // this warpgroup's m64 tile i
+          // small products first; the stage's first product starts its sums
+          wgmma(part[i], descriptor(rows + PLANE_BYTES), b_hi, j > 0 || k > 0);
+          wgmma(part[i], descriptor(rows), b_lo, 1);
+          wgmma(part[i], descriptor(rows), b_hi, 1);
+        }
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    #pragma unroll
+    for (int i = 0; i < WM; ++i)
+      #pragma unroll
+      for (int e = 0; e < ACC; ++e) acc2[i][e] += part[i][e];  // rounded to nearest
+    mbar_arrive(smem_u32(&empty_bar[s]));  // this thread is done with the stage
+  }
+
   // ---- epilogue ----------------------------------------------------------------------------------------
   // Thread (warp w, lane: gq = lane / 4, tq = lane % 4) holds, per m64 tile i and n8 block j, rows
   // 16 w + gq and 16 w + gq + 8 and channels 8 j + 2 tq, 8 j + 2 tq + 1.
@@ -408,6 +446,7 @@ __device__ __forceinline__ void conv_block(
   // thread's 2 x WM rows. A row's (sample, position) is worked out once, before the channels.
   int row_sample[WM][2], row_p[WM][2];
   bool row_mine[WM][2];  // the row's grid position holds an output of the phase
+  bool row_mine2[WM][2];  // ... and of the pair's second W phase (at the next output along W)
   #pragma unroll
   for (int i = 0; i < WM; ++i) {
     #pragma unroll
@@ -415,6 +454,7 @@ __device__ __forceinline__ void conv_block(
       const int m = m0 + (wg * WM + i) * 64 + 16 * warp + gq + 8 * h, row = m < m_total ? m : m_total - 1;
       row_sample[i][h] = row / GRID_POSITIONS;
       row_p[i][h] = phase_output<PH>(row % GRID_POSITIONS, row_mine[i][h]);  // in the output
+      phase_output<PH + 1>(row % GRID_POSITIONS, row_mine2[i][h]);  // (its output: the next along W)
     }
   }
   #pragma unroll
@@ -430,9 +470,23 @@ __device__ __forceinline__ void conv_block(
         for (int h = 0; h < 2; ++h) {
           const int m = m0 + (wg * WM + i) * 64 + 16 * warp + gq + 8 * h;
           const int sample = row_sample[i][h], p = row_p[i][h];
-          float v = acc[i][4 * j + 2 * h + e] + bias_c;  // the conv and its bias
-          v = fmaxf(v, 0.0f);  // epilogue[0] relu
-          if (c_stored && m < m_total && row_mine[i][h]) out[static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p] = v;
+          float pair[2];  // outputs 2j and 2j + 1 of the row: the pair's first and second W phase
+          {
+            float v = acc[i][4 * j + 2 * h + e] + bias_c;  // the conv and its bias
+            v = fmaxf(v, 0.0f);  // epilogue[0] relu
+            pair[0] = v;
+          }
+          {
+            float v = acc2[i][4 * j + 2 * h + e] + bias_c;  // the conv and its bias
+            v = fmaxf(v, 0.0f);  // epilogue[0] relu
+            pair[1] = v;
+          }
+          if (c_stored && m < m_total && row_mine[i][h]) {
+            float* __restrict__ o = out + static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p;
+            // (an even output width: p is even, the pair one aligned 8-byte store)
+            if (row_mine2[i][h]) *reinterpret_cast<float2*>(o) = make_float2(pair[0], pair[1]);
+            else o[0] = pair[0];
+          }
         }
       }
     }
@@ -455,10 +509,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_unet_up2x2_256_
     float* __restrict__ out,  // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
     int batch)
 {
-  switch (blockIdx.x / N_TILES % PHASES) {  // the block's stride phase: an M tile's phases are neighbours
-    case 0: conv_block<1, 0>(map_a_hi_0, map_a_lo_0, map_b_hi, map_b_lo, bias, out, nullptr, batch); break;
-    case 1: conv_block<1, 1>(map_a_hi_1, map_a_lo_1, map_b_hi, map_b_lo, bias, out, nullptr, batch); break;
-    case 2: conv_block<1, 2>(map_a_hi_2, map_a_lo_2, map_b_hi, map_b_lo, bias, out, nullptr, batch); break;
-    case 3: conv_block<1, 3>(map_a_hi_3, map_a_lo_3, map_b_hi, map_b_lo, bias, out, nullptr, batch); break;
+  switch (blockIdx.x / N_TILES % GRID_GEMMS) {  // the block's W pair of stride phases: an M tile's pairs are neighbours
+    case 0: conv_block<1, 0>(map_a_hi_0, map_a_lo_0, map_a_hi_1, map_a_lo_1, map_b_hi, map_b_lo, bias, out, nullptr, batch); break;
+    case 1: conv_block<1, 2>(map_a_hi_2, map_a_lo_2, map_a_hi_3, map_a_lo_3, map_b_hi, map_b_lo, bias, out, nullptr, batch); break;
   }
 }

@@ -83,6 +83,9 @@ class TmaConfig:
     kb_per_stage: int
     split_k: int = 0
     blocks_per_sm: int = 1  # 2: smaller pipelines and fewer registers, two blocks sharing an SM
+    # A transposed conv of stride 2 along W: 0 lets the planner decide (W pairs where `w_pairs_fit`),
+    # 1 runs one stride phase per block, 2 the two W phases of a (d, h) phase per block.
+    phases_per_block: int = 0
 
     def __post_init__(self):
         if self.bm not in (128, 256):
@@ -95,6 +98,8 @@ class TmaConfig:
             raise ValueError(f"split_k must be 0 (the planner's), 1 (none) or more, got {self.split_k}")
         if self.blocks_per_sm not in (1, 2):
             raise ValueError(f"blocks_per_sm must be 1 or 2, got {self.blocks_per_sm}")
+        if self.phases_per_block not in (0, 1, 2):
+            raise ValueError(f"phases_per_block must be 0 (the planner's), 1 or 2, got {self.phases_per_block}")
 
 
 @dataclass(frozen=True)
@@ -178,11 +183,19 @@ class TmaPlan:
     grid: tuple[int, int, int] = (1, 1, 1)  # the positions each GEMM runs on (d, h, w): the output's, or every phase's
     grid_positions: int = 0  # prod(grid): M per sample of each GEMM
     n_pad: int = 0  # rows per phase of the permuted weights (N_TILES x BN: zeros past C_OUT)
+    # Each block runs the two W phases of a (d, h) phase one after the other (`w_pairs`): every
+    # thread then holds outputs 2j and 2j + 1 of its rows and stores them side by side.
+    w_pairs: bool = False
 
     @property
     def gemms(self) -> int:
-        """GEMMs side by side in the grid: the stride phases, or the one conv."""
+        """GEMMs: the stride phases, or the one conv."""
         return max(1, len(self.phases))
+
+    @property
+    def grid_gemms(self) -> int:
+        """What multiplies an M tile's blocks along N in the grid: the phases, or their W pairs."""
+        return self.gemms // 2 if self.w_pairs else self.gemms
 
 
 def _phases(spec: LayerSpec) -> tuple[TmaPhase, ...]:
@@ -230,6 +243,22 @@ def _grid(spec: LayerSpec) -> tuple[int, int, int]:
     out3 = (1,) * (3 - nd) + tuple(spec.conv_output().sizes[1:])
     s3 = (1,) * (3 - nd) + tuple(geo["stride"])
     return tuple(-(-o // s) for o, s in zip(out3, s3))
+
+
+def w_pairs_possible(spec: LayerSpec) -> bool:
+    """Whether a transposed conv's stride phases can run as W pairs: stride 2 along W with both W
+    phases present, and an epilogue that stores each value where it was computed (no reduction or
+    softmax over the channels, no extra input)."""
+    if not spec.conv.transposed or spec.inputs() or one_n_tile(spec):
+        return False
+    geo = spec.conv_geometry()
+    return geo["stride"][-1] == 2 and spec.conv_output().sizes[-1] >= 2
+
+
+def _accumulators(bm: int, bn: int, split: bool, pairs: bool) -> int:
+    """Accumulator floats per consumer thread: a m64 tile's BN / 2 for each of its BM / 128 tiles,
+    for each GEMM it holds at once (a W pair: two), and in 3xTF32 once more for the stage's sums."""
+    return (bm // 128) * bn // 2 * ((2 if pairs else 1) + (1 if split else 0))
 
 
 def _kb_unit(spec: LayerSpec, cb: int) -> tuple[int, int]:
@@ -378,7 +407,8 @@ def _kb_options(kb_total: int, row_bytes: int) -> list[int]:
     return [first] + sorted((d for d in divisors if d < first), reverse=True)
 
 
-def candidates(cout: int, m_total: int, split: bool, sm_count: int, whole_n: bool = False) -> list[tuple[int, int]]:
+def candidates(cout: int, m_total: int, split: bool, sm_count: int, whole_n: bool = False,
+               pairs: bool = False) -> list[tuple[int, int]]:
     """(BM, BN) shapes worth trying, best guess first: the accumulators must fit (at most 128
     floats per consumer thread, twice as many registers in 3xTF32: the stage's part and the sum),
     and the fewest waves of tiles over the SMs, then the larger tile, win. `whole_n`: only tiles
@@ -388,8 +418,7 @@ def candidates(cout: int, m_total: int, split: bool, sm_count: int, whole_n: boo
     widths = {n_pad} if whole_n else {min(256, n_pad), min(128, n_pad), min(64, n_pad)}
     for bn in sorted(widths, reverse=True):
         for bm in (256, 128):
-            acc = (bm // 128) * bn // 2 * (2 if split else 1)
-            if acc <= MAX_ACC:
+            if _accumulators(bm, bn, split, pairs) <= MAX_ACC:
                 shapes.append((bm, bn))
     sms = sm_count or 132
 
@@ -428,13 +457,17 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
     kb_total, positions = _kb_unit(spec, cip // bkc)
     row = bkc * eb
     n_pad = -(-spec.conv.out_channels // 8) * 8
-    if two_blocks and not split and not spec.inputs() and two_blocks_fit(256, n_pad, split):
+    pairs = w_pairs_possible(spec)
+    bm_two = 128 if pairs else 256  # (a W pair holds two GEMMs' accumulators)
+    if two_blocks and not split and not spec.inputs() and two_blocks_fit(bm_two, n_pad, split, pairs):
         for kps in _kb_options(kb_total, row):
-            stage = _smem(TmaConfig(256, n_pad, 2, kps), row, 1)[2]
-            stages = min(MAX_STAGES, kb_total // kps, _two_block_stages(target, stage))
+            stage = _smem(TmaConfig(bm_two, n_pad, 2, kps), row, 1)[2]
+            # (no deeper than the stages walked; a stride phase's block walks at least KB_TOTAL / KPS)
+            walked = kb_total // kps if not spec.conv.transposed else MAX_STAGES
+            stages = min(MAX_STAGES, walked, _two_block_stages(target, stage))
             if stages >= 2:
-                return TmaConfig(256, n_pad, stages, kps, blocks_per_sm=2)
-    shapes = candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, one_n_tile(spec))
+                return TmaConfig(bm_two, n_pad, stages, kps, blocks_per_sm=2)
+    shapes = candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, one_n_tile(spec), pairs)
     planes = 2 if split else 1
     budget = target.smem_per_block - SMEM_ALIGN
     want = 3 if split else 4
@@ -464,20 +497,23 @@ def configs(spec: LayerSpec, target: targets.Target, batch: int = 64) -> list[Tm
     out = [default_config(spec, target, batch)]
     planes = 2 if split else 1
     k_iters = kb_total // kps
-    for bm, bn in candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, one_n_tile(spec)):
+    pairs = w_pairs_possible(spec)
+    for bm, bn in candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, one_n_tile(spec), pairs):
         stage = _smem(TmaConfig(bm, bn, 2, kps), row, planes)[2]
         deepest = min(8, (target.smem_per_block - SMEM_ALIGN) // stage)
         options = [TmaConfig(bm, bn, stages, kps) for stages in sorted({deepest, min(4, deepest)}, reverse=True) if stages >= 2]
         two_stages = min(k_iters, _two_block_stages(target, stage))
-        if two_blocks_fit(bm, bn, split) and two_stages >= 2:
+        if two_blocks_fit(bm, bn, split, pairs) and two_stages >= 2:
             options.append(TmaConfig(bm, bn, two_stages, kps, blocks_per_sm=2))
         out += [cfg for cfg in options if cfg not in out]
+    if pairs:  # the stride phases one per block too
+        out += [replace(cfg, phases_per_block=1) for cfg in out[:2] if _accumulators(cfg.bm, cfg.bn, split, False) <= MAX_ACC]
     return out
 
 
-def two_blocks_fit(bm: int, bn: int, split: bool) -> bool:
+def two_blocks_fit(bm: int, bn: int, split: bool, pairs: bool = False) -> bool:
     """Whether a tile's accumulators fit the registers of two blocks per SM (REGS_TWO_BLOCKS)."""
-    return bn <= REGS_TWO_BLOCKS["max_bn"] and (bm // 128) * bn // 2 * (2 if split else 1) <= REGS_TWO_BLOCKS["max_acc"]
+    return bn <= REGS_TWO_BLOCKS["max_bn"] and _accumulators(bm, bn, split, pairs) <= REGS_TWO_BLOCKS["max_acc"]
 
 
 def _two_block_stages(target: targets.Target, stage_bytes: int) -> int:
@@ -517,11 +553,17 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     if smem > target.smem_per_block:
         raise ValueError(f"{smem} bytes of shared memory exceed the {target.smem_per_block} of a block on {target.arch}")
     wm = cfg.bm // 128
-    acc = wm * cfg.bn // 2 * (2 if split else 1)
+    pairs = bool(phases) and cfg.phases_per_block != 1 and w_pairs_possible(spec)
+    if cfg.phases_per_block == 2 and not pairs:
+        raise ValueError("W pairs of stride phases need a transposed conv of stride 2 along W whose epilogue "
+                         "neither reduces nor normalizes over the channels nor reads an extra input")
+    if pairs and cfg.phases_per_block == 0 and _accumulators(cfg.bm, cfg.bn, split, True) > MAX_ACC:
+        pairs = False  # (a tile asked for without a word on pairs: one phase per block where two do not fit)
+    acc = _accumulators(cfg.bm, cfg.bn, split, pairs)
     if acc > MAX_ACC:
         raise ValueError(f"{acc} accumulator registers per thread: more than {MAX_ACC}")
     two = cfg.blocks_per_sm == 2
-    if two and not two_blocks_fit(cfg.bm, cfg.bn, split):
+    if two and not two_blocks_fit(cfg.bm, cfg.bn, split, pairs):
         raise ValueError(f"a {cfg.bm} x {cfg.bn} tile ({acc} accumulators a thread) does not fit the registers of two "
                          f"blocks per SM (at most {REGS_TWO_BLOCKS['max_acc']} in wgmma of n{REGS_TWO_BLOCKS['max_bn']})")
     if two and 2 * (smem + BLOCK_RESERVED_SMEM) > target.smem_per_sm:
@@ -564,7 +606,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         split_k=split_parts, split_iters=k_iters // split_parts, channel_reduction=reduces,
         channel_norm=norm_at is not None,
         blocks_per_sm=cfg.blocks_per_sm, phases=phases, grid=grid, grid_positions=math.prod(grid),
-        n_pad=n_tiles * cfg.bn,
+        n_pad=n_tiles * cfg.bn, w_pairs=pairs,
         producer_regs=REGS_TWO_BLOCKS["producer"] if two else PRODUCER_REGS,
         consumer_regs=REGS_TWO_BLOCKS["consumer"] if two else CONSUMER_REGS,
     )
@@ -573,8 +615,9 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
 def describe(tp: TmaPlan) -> str:
     mode = {"fp32": "3xTF32", "tf32": "TF32", "bf16": "bf16", "fp16": "fp16"}[tp.precision]
     walked = "/".join(str(ph.k_iters) for ph in tp.phases) if tp.phases else str(tp.k_iters)
+    pairs = "; a block runs both W phases and stores their outputs side by side" if tp.w_pairs else ""
     phases = (f", one GEMM per stride phase of the transposed conv ({len(tp.phases)} phases on a "
-              f"{' x '.join(map(str, tp.grid[5 - tp.rank:]))} grid, side by side in the grid of blocks)"
+              f"{' x '.join(map(str, tp.grid[5 - tp.rank:]))} grid, side by side in the grid of blocks{pairs})"
               if tp.phases else "")
     return (
         f"implicit GEMM on Hopper ({mode} wgmma m64n{tp.bn}k{tp.kstep}, both operands from shared memory, fed by TMA "

@@ -312,7 +312,7 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
     for name in c.input_names:  # extra inputs, in the layer's dtype
         values.append(params[name].data_ptr())
     values += [out.data_ptr(), batch]
-    grid = -(-batch * (tp.grid_positions or tp.positions) // tp.bm) * tp.n_tiles * tp.gemms
+    grid = -(-batch * (tp.grid_positions or tp.positions) // tp.bm) * tp.n_tiles * tp.grid_gemms
     if c.split and uses_split(tp, batch, sm_count(x.get_device())):  # (never with stride phases)
         maps = 2 * c.planes
         m_total = batch * tp.positions

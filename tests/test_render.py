@@ -49,11 +49,11 @@ def test_every_loop_has_a_constant_trip_count(spec):
     loops = LOOP.findall(text)
     assert loops, "no loops found: the pattern is stale"
     for var, start, bound in loops:
-        # bounds are literals or named constexprs (UPPER_CASE, or a GEMM's G::member), never runtime
-        # values but the batch (which only a training-mode batch norm's finalize kernel walks: its
-        # statistics span it)
-        assert re.fullmatch(r"(?:[A-Z0-9_ ()*/+\-]|batch|G::[a-z_]+)+", bound), f"loop over {var} has a runtime bound: {bound}"
-        assert re.fullmatch(r"[A-Z0-9_ ()*/+\-]+", start), f"loop over {var} has a runtime start: {start}"
+        # bounds are literals or named constexprs (UPPER_CASE, a GEMM's G::member, a stride phase's
+        # Ph::MEMBER), never runtime values but the batch (which only a training-mode batch norm's
+        # finalize kernel walks: its statistics span it)
+        assert re.fullmatch(r"(?:[A-Z0-9_ ()*/+\-]|batch|G::[a-z_]+|Ph::[A-Z_]+)+", bound), f"loop over {var} has a runtime bound: {bound}"
+        assert re.fullmatch(r"(?:[A-Z0-9_ ()*/+\-]|Ph::[A-Z_]+)+", start), f"loop over {var} has a runtime start: {start}"
     assert "for (int e = threadIdx.x" not in text
     # a GEMM's members (the implicit-GEMM engine's G::...) are literals or named constexprs too
     for members in re.findall(r"static constexpr (?:int|size_t) ([^;]+);", text):

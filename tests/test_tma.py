@@ -4,6 +4,7 @@ geometry, rendering, nvcc resources (no spills) and the weight layout the launch
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -571,12 +572,26 @@ def test_tma_stride_phases_render_a_gemm_per_phase_and_fit_the_box_limits():
                      "epilogue": ["relu"], "precision": "tf32"})
     plan = build_plan(spec, target=HOPPER)
     tp = plan["tma"]
-    assert plan["engine"] == "tma" and len(tp.phases) == 4 and tp.grid[1:] == (32, 32)
+    # W pairs: a block runs phases 0 and 1 (W phase 0 and 1 of the first H phase), then 2 and 3
+    assert plan["engine"] == "tma" and len(tp.phases) == 4 and tp.grid[1:] == (32, 32) and tp.w_pairs
+    assert [ph.out_off for ph in tp.phases] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)] and tp.grid_gemms == 2
     text = render_plan(plan)
+    assert "case 0: conv_block<1, 0>(map_a_hi_0, map_a_hi_1," in text and "case 1: conv_block<1, 2>(map_a_hi_2, map_a_hi_3," in text
+    assert "*reinterpret_cast<float2*>(o) = make_float2(pair[0], pair[1]);" in text  # an even output width
+    assert "a block runs both W phases" in describe(plan)
+    # one phase per block (a tile that asks for it)
+    single = build_plan(spec, target=HOPPER, tma_config=replace(tp.config, phases_per_block=1))
+    assert not single["tma"].w_pairs and single["tma"].grid_gemms == 4
+    text = render_plan(single)
     for ph in tp.phases:
         assert f"struct Phase<{ph.index}>" in text and f"conv_block<1, {ph.index}>(map_a_hi_{ph.index}," in text
     assert "PH * N_PAD + n0" in text and "row_mine[i][h]" in text and "K_ITERS = 8;" in text
-    assert "one GEMM per stride phase of the transposed conv (4 phases" in describe(plan)
+    assert "one GEMM per stride phase of the transposed conv (4 phases" in describe(single)
+    # an odd output width: the pair's two values in two stores; a softmax over the channels: no pairs
+    odd = validate({**spec.model_dump(mode="json"), "conv": {**spec.model_dump(mode="json")["conv"], "output_padding": 1}})
+    assert "o[1] = pair[1];" in render_plan(build_plan(odd, target=HOPPER))
+    soft = validate({**spec.model_dump(mode="json"), "epilogue": [{"softmax": 1}]})
+    assert not build_plan(soft, target=HOPPER)["tma"].w_pairs
     # a kernel smaller than its stride leaves a phase without taps: the implicit GEMM (or FFMA) runs it
     small = validate({**spec.model_dump(mode="json"), "conv": {**spec.model_dump(mode="json")["conv"], "kernel": 1}})
     assert build_plan(small, target=HOPPER)["engine"] != "tma"
