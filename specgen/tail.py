@@ -291,6 +291,8 @@ def pool_split(spec: LayerSpec, target, rewrites: bool = True) -> int | None:
     if spec.conv.transposed:
         if spec.input.channels < igemm.TRANSPOSED_MIN_CHANNELS or not (spec.rewrites and rewrites) or spec.inputs():
             return None
+        if (at := _channel_reduction_split(spec, first, target)) is not None:
+            return at or None
         return first if split_engine(spec, first, target) in ("tma", "igemm") else None
     windowed = spec.epilogue[first].kind == "pool" and ops.POOLS[spec.epilogue[first].op].windowed
     if not windowed and spec.input.channels < 32:  # a reduction (or global pool) after a conv of few channels
@@ -315,6 +317,25 @@ def pool_split(spec: LayerSpec, target, rewrites: bool = True) -> int | None:
         if plan_whole(spec, None, target, settings=Settings(rewrites=rewrites))["engine"] != "ffma":
             return None
     return first
+
+
+def _channel_reduction_split(spec: LayerSpec, first: int, target) -> int | None:
+    """For a strided transposed conv whose first stage past the pointwise ones, `first`, reduces
+    over the channels alone, which the TMA engine's epilogue takes on its accumulators
+    (`tma.channel_reduction`): 0 where nothing but pointwise ops follows it (the whole layer is one
+    kernel: no split), else, where it keeps the dim, the index of the pool or reduction after it (the
+    split goes there, and T0 holds one channel instead of all of them); None otherwise."""
+    from specgen import tma
+
+    stage = spec.epilogue[first]
+    if stage.kind != "reduce" or tuple(spec.reduce_dims(first)) != (1,) or spec.conv.out_channels > tma.MAX_REDUCED_CHANNELS:
+        return None
+    after = next((i for i in range(first + 1, len(spec.epilogue)) if spec.epilogue[i].kind != "pointwise"), None)
+    if after is None:
+        return 0 if split_engine(spec, len(spec.epilogue), target) == "tma" else None
+    if getattr(stage.args, "keepdim", False) and split_engine(spec, after, target) == "tma":
+        return after
+    return None
 
 
 def split_engine(spec: LayerSpec, at: int, target) -> str | None:
@@ -400,9 +421,10 @@ def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None) -> dic
     what = "a pool between the conv and the output" if first.kind == "pool" and ops.POOLS[first.op].windowed else "a fused reduction"
 
     def why(body_plan) -> str:
-        return (f"epilogue[{at}] {first.op} would keep the whole layer on FFMA ({what}): "
-                f"the conv runs on the {body_plan['engine']} engine and writes T0, the pool and what follows read it "
-                f"in a further kernel over an identity conv (1x1 depthwise, weights 1: exact)")
+        ran = ("the conv and the stages before it run on the {} engine and write T0"
+               if any(st.kind != "pointwise" for st in spec.epilogue[:at]) else "the conv runs on the {} engine and writes T0")
+        return (f"epilogue[{at}] {first.op} would keep the whole layer on FFMA ({what}): {ran.format(body_plan['engine'])}, "
+                f"the pool and what follows read it in a further kernel over an identity conv (1x1 depthwise, weights 1: exact)")
 
     # (few input channels in fp32 too: the FFMA engine is what the split avoids)
     return plan_split(spec, at, split_engine(spec, at, target), why, target, settings)

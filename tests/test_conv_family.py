@@ -571,7 +571,7 @@ def test_transposed_implicit_gemm_kernels_build_without_spills(tmp_path, monkeyp
     (["relu", {"max_pool": 2}, "tanh"], "a pool between the conv and the output"),
     # (a relu first: a mean right after the conv folds before it instead, specgen.tapsum)
     ([{"mul": 2.0}, "relu", {"mean": {"dims": [2, 3], "keepdim": True}}, {"logsumexp": {"dims": [1]}}], "a fused reduction"),
-    ([{"amin": {"dims": [1], "keepdim": True}}, "gelu"], "a fused reduction"),
+    ([{"amax": {"dims": [1]}}, {"mean": {"dims": [1, 2]}}, "gelu"], "a fused reduction"),  # (no keepdim: split before it)
 ])
 def test_a_strided_transposed_conv_splits_before_a_pool_or_reduction(epilogue, why):
     """The stride phases run on a GEMM engine (Hopper's TMA engine; the implicit GEMM on sm_80) into
@@ -587,6 +587,25 @@ def test_a_strided_transposed_conv_splits_before_a_pool_or_reduction(epilogue, w
     assert [p["plan"]["engine"] for p in ampere["parts"]] == ["igemm", "ffma"] and ampere["parts"][0]["plan"]["igemm"].phases
     # 3 input channels (KernelBench's small upsamplers, fused well on FFMA): whole
     assert build_plan(validate({**data, "input": {"channels": 3, "size": [12, 12]}}))["engine"] == "ffma"
+
+
+def test_a_reduction_over_the_channels_after_a_strided_transposed_conv_stays_on_the_accumulators():
+    """The TMA epilogue reduces over the channels: the whole layer in one kernel, or, with a pool or
+    reduction after it, a body writing one channel (KernelBench 36's shape of layer)."""
+    data = {"name": "tred", "input": {"channels": 32, "size": [12, 12]},
+            "conv": {"out_channels": 64, "kernel": 3, "stride": 2, "padding": 1, "output_padding": 1, "transposed": True},
+            "epilogue": [{"amin": {"dims": [1], "keepdim": True}}, "gelu"], "precision": "tf32"}
+    whole = build_plan(validate(data))
+    assert whole["engine"] == "tma" and whole["tma"].channel_reduction and whole["tma"].phases
+    data["epilogue"] = [{"amin": {"dims": [1], "keepdim": True}}, {"sum": {"dims": [2], "keepdim": True}}, "gelu"]
+    plan = build_plan(validate(data))
+    body, rest = (p["plan"] for p in plan["parts"])
+    assert plan["engine"] == "sequence" and body["engine"] == "tma" and body["tma"].channel_reduction
+    assert plan["steps"][0]["out_shape"] == [1, 24, 24] and "the conv and the stages before it run on the tma engine" in plan["why"][0]
+    assert plan["out_shape"] == list(validate(data).shapes()[-1].sizes)
+    # too many channels for one block: the conv alone before it
+    wide = build_plan(validate({**data, "conv": {**data["conv"], "out_channels": 320}}))
+    assert wide["steps"][0]["out_shape"][0] == 320
 
 
 @pytest.mark.parametrize("stride, size, pairs", [
