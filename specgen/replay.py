@@ -158,8 +158,8 @@ class GraphReplay(nn.Module):
     def _replays(self, args, kwargs) -> bool:
         if kwargs or torch.is_grad_enabled() or self.module.training or len(args) != len(self._signature):
             return False
-        if _autocast() or _flags() != self._flags:  # captured without autocast, under these math flags
-            return False
+        if _autocast() or (self._graph is not None and _flags() != self._flags):
+            return False  # captured without autocast, under these math flags (a call without a graph captures one)
         for t, (shape, dtype, device) in zip(args, self._signature):
             if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != device:
                 return False

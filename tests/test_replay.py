@@ -104,6 +104,8 @@ def test_which_calls_replay(cpu_replay, monkeypatch):
         torch.backends.cudnn.allow_tf32 = not old  # PyTorch's kernels in the graph were chosen under the other
         try:
             assert not g._replays((x,), {})
+            g._forget()  # no graph (a copy's, or after a conversion): the call captures one under these flags
+            assert g._replays((x,), {})
         finally:
             torch.backends.cudnn.allow_tf32 = old
         assert g._replays((x,), {})
