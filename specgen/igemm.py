@@ -104,14 +104,10 @@ class Phase:
         return self.op[0] * self.op[1] * (self.grid_w or self.op[2])
 
 
-def stride_phases(kernel3, stride3, padding3, out3, cip: int, tpc: int, bk: int, cout: int,
-                  w_pairs: bool = False) -> tuple[Phase, ...]:
-    """The phases of a transposed conv (dilation 1) with 3-dim geometry, the most taps first, empty
-    ones (a dim with fewer outputs than its stride) left out. Output o = phi + S * j meets tap k
-    when (o + P - k) is a multiple of S, i.e. k = (phi + P) mod S + S * t, reading input
-    (o + P - k) / S = j + (phi + P - FIRST) / S - t. With `w_pairs` (stride 2 along W, see
-    `pairs_w`) the two W phases of each (d, h) phase are neighbours, W phase 0 first, on one M grid
-    (the wider one's), the pairs with the most taps first."""
+def phase_dims(kernel3, stride3, padding3, out3) -> list[list[tuple[int, int, int, int, int]]]:
+    """Per dim (d, h, w), its stride phases that have outputs: (phi, OP outputs, FIRST tap, KP taps,
+    IN_OFF). Output o = phi + S * j meets tap k when (o + P - k) is a multiple of S, i.e.
+    k = FIRST + S * t with FIRST = (phi + P) mod S, reading input j + IN_OFF - t, IN_OFF = (phi + P - FIRST) / S."""
     per_dim = []
     for k, s, p, out in zip(kernel3, stride3, padding3, out3):
         dim = []
@@ -120,9 +116,20 @@ def stride_phases(kernel3, stride3, padding3, out3, cip: int, tpc: int, bk: int,
             if op <= 0:
                 continue
             first = (phi + p) % s
-            kp = max(0, -(-(k - first) // s))
-            dim.append((phi, op, first, kp, (phi + p - first) // s))
+            dim.append((phi, op, first, max(0, -(-(k - first) // s)), (phi + p - first) // s))
         per_dim.append(dim)
+    return per_dim
+
+
+def stride_phases(kernel3, stride3, padding3, out3, cip: int, tpc: int, bk: int, cout: int,
+                  w_pairs: bool = False) -> tuple[Phase, ...]:
+    """The phases of a transposed conv (dilation 1) with 3-dim geometry, the most taps first, empty
+    ones (a dim with fewer outputs than its stride) left out. Output o = phi + S * j meets tap k
+    when (o + P - k) is a multiple of S, i.e. k = (phi + P) mod S + S * t, reading input
+    (o + P - k) / S = j + (phi + P - FIRST) / S - t. With `w_pairs` (stride 2 along W, see
+    `pairs_w`) the two W phases of each (d, h) phase are neighbours, W phase 0 first, on one M grid
+    (the wider one's), the pairs with the most taps first."""
+    per_dim = phase_dims(kernel3, stride3, padding3, out3)
     # The phases with the most taps first (each M tile's phases are neighbours in the grid).
     if w_pairs:
         groups = sorted(([(d, h, w) for w in per_dim[2]] for d in per_dim[0] for h in per_dim[1]),

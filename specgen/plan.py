@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import yaml
 
@@ -315,8 +316,8 @@ AFFINE_SCALE_RANGE = (2.0**-64, 2.0**64)  # |scale| outside: no fold (weights co
 
 
 def _affine_fold(spec: LayerSpec, level0: dict, consts: list[Constant]) -> dict | None:
-    """Fold the scalar affine ops (the op table's rows with `affine`: mul/div/add/sub by a constant)
-    that directly follow the conv into its weights and bias: v -> scale * v + shift becomes
+    """Pass 4, a rewrite: fold the scalar affine ops (the op table's rows with `affine`:
+    mul/div/add/sub by a constant) that directly follow the conv into its weights and bias: v -> scale * v + shift becomes
     W' = scale * W, b' = scale * b + shift.
 
     Exact in real arithmetic. In float32 it moves roundings: scale and shift are computed in double
@@ -566,44 +567,61 @@ def _tail_reductions(spec: LayerSpec, shapes, t1: tuple, tail_start: int, consts
     return reductions, role, batched, srole
 
 
-def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" = None, target: Target | None = None,
-               tma_config: "tma_engine.TmaConfig | None" = None, settings: Settings = DEFAULT_SETTINGS) -> dict:
-    """The plan of `spec` as one kernel, split nowhere: what `build_plan` returns for a layer it
-    does not rewrite, sequence or split (`tail.pool_split` asks it where the whole layer would run)."""
-    target = target or targets.DEFAULT
-    may_rewrite = spec.rewrites and settings.rewrites
+@dataclass(frozen=True)
+class BoxTiling:
+    """The box engines' tiling (`_box_tiling`; names as in the plan and the templates)."""
+
+    mma: Any  # the slab engine's SlabTiling, or None (FFMA)
+    box: list  # T1 extents (c, d, h, w) a block owns
+    ct: int  # register tile: channels ...
+    pt: int  # ... and W positions
+    threads: int
+    thread_tiles: int
+    tile_iters: int
+    split_channels: bool  # a cluster splits a reduction's channels, one chunk per block
+    f_axes: list
+    r1_axes: list
+    f1_axes: list
+    tiles: dict  # kept tiles along each axis
+    chunks: dict  # reduced chunks along each axis
+    f_tiles: int
+    r1_chunks: int
+    cluster: int
+    blocks_per_sample: int
+    nf: int  # the tail's owners: kept elements of a box
+    nr: int
+    lanes: int  # ... lanes each
+    owner_iters: int
+
+
+@dataclass(frozen=True)
+class BoxMemory:
+    """The box engines' shared memory (`_box_memory`)."""
+
+    weight_channels: int
+    weight_floats: int
+    direct_fold: bool
+    box_floats: int
+    red_floats: int
+    w_stride: int
+    w_smem_floats: int
+    x_floats: int
+    weights_in_smem: bool
+    w_raw: dict | None
+    smem_bytes: int
+    cluster: int
+    cluster_at_launch: bool
+    blocks_per_sample: int
+
+
+def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dict, reductions: list,
+                in3: tuple, k3: tuple, s3: tuple, p3: tuple, d3: tuple, taps: int, target: Target) -> BoxTiling:
+    """Pass 5, the box engines' tiling (slab on tensor cores, else FFMA): the box of T1 a block
+    owns, the register tile, the threads, the blocks per sample and their clusters, and the tail's
+    owners (the kept elements of a box and the lanes each). A tile's fields in the spec decide where
+    given. (The TMA and implicit-GEMM engines tile for themselves: `tma.plan_tma`, `igemm.plan_igemm`.)"""
     nd = spec.ndim
-    geo = spec.conv_geometry()
-    consts: list[Constant] = []
-    shapes = spec.shapes()
-
     cin, cout, groups = spec.input.channels, spec.conv.out_channels, spec.conv.groups
-    in3 = _spatial3(tuple(spec.input.size), 1)
-    k3, s3 = _spatial3(geo["kernel"], 1), _spatial3(geo["stride"], 1)
-    p3, d3 = _spatial3(geo["padding"], 0), _spatial3(geo["dilation"], 1)
-    conv_out = shapes[0].sizes[1:]
-    o3 = _spatial3(conv_out, 1)
-    taps = k3[0] * k3[1] * k3[2]
-
-    # ---- passes: the body's levels, then the rewrites, then the tail's reductions -----------------
-    levels, tail_start, channel_norm = _body_levels(spec, shapes, o3, consts)
-    # ---- rewrite: an avg-pool right after the conv folds into the conv ----------------------
-    rewrites: list[str] = []
-    fold = None
-    transposed = spec.conv.transposed
-    if may_rewrite and len(levels) > 1 and not transposed and _can_fold_avg_pool(spec, levels, s3, d3):
-        fold, note, k3, s3, o3 = _fold_avg_pool(levels, k3, nd)
-        rewrites.append(note)
-        taps = k3[0] * k3[1] * k3[2]
-    # ---- rewrite: scalar affine ops right after the conv fold into its weights and bias ------
-    affine = _affine_fold(spec, levels[0], consts) if may_rewrite else None
-    if affine is not None:
-        rewrites.append(affine["summary"])
-    t1 = (cout, *levels[-1]["out"])  # T1 extents (c, d, h, w)
-
-    reductions, role, batched, srole = _tail_reductions(spec, shapes, t1, tail_start, consts)
-
-    # ---- tiling -------------------------------------------------------------------------------
     tile = spec.tile
     cout_g = cout // groups
     c_in_box = srole["c"] in ("F", "R1")
@@ -722,7 +740,24 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
             lanes *= 2
     owner_iters = _ceil_div(nf * lanes, threads)
 
-    # ---- shared memory ------------------------------------------------------------------------
+    return BoxTiling(
+        mma=mma, box=box, ct=ct, pt=pt, threads=threads, thread_tiles=thread_tiles, tile_iters=tile_iters,
+        split_channels=split_channels, f_axes=f_axes, r1_axes=r1_axes, f1_axes=f1_axes, tiles=tiles, chunks=chunks,
+        f_tiles=f_tiles, r1_chunks=r1_chunks, cluster=cluster, blocks_per_sample=blocks_per_sample, nf=nf, nr=nr,
+        lanes=lanes, owner_iters=owner_iters,
+    )
+
+
+def _box_memory(spec: LayerSpec, bt: BoxTiling, role: dict, reductions: list, batched: bool, fold, taps: int,
+                target: Target) -> BoxMemory | None:
+    """Pass 6, the box engines' shared memory: the staged weights (all channels, or the box's), the
+    box and reduction buffers, the tensor cores' raw weight staging, and a cluster sized at launch
+    where its blocks fill an SM each. None where an avg-pool fold's weights do not fit (the caller
+    plans again without rewrites); TargetError where the block's shared memory exceeds the target's."""
+    cin, cout, groups = spec.input.channels, spec.conv.out_channels, spec.conv.groups
+    mma, box, ct, threads, nf, lanes = bt.mma, bt.box, bt.ct, bt.threads, bt.nf, bt.lanes
+    split_channels, cluster, blocks_per_sample = bt.split_channels, bt.cluster, bt.blocks_per_sample
+    f_tiles, r1_chunks = bt.f_tiles, bt.r1_chunks
     weight_channels = box[0] if (role["c"] == "F" or split_channels) else cout
     weight_floats = weight_channels * (cin // groups) * taps
     direct_fold = bool(mma is not None and mma.direct_fold and nf == 1 and lanes == threads)
@@ -738,7 +773,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         x_floats = 0
         weights_in_smem = 4 * (w_smem_floats + box_floats + red_floats) <= target.smem_per_block and weight_channels % ct == 0
     if fold is not None and not weights_in_smem:  # the fold builds W' while staging: no room, no fold
-        return build_plan(spec, igemm_config, target, tma_config, replace(settings, rewrites=False))
+        return None
     smem_floats = (w_smem_floats if weights_in_smem else 0) + x_floats + box_floats + red_floats
     # Tensor cores stage their weights through x_s (free until the first slab): channels' weights
     # copied as they lie in memory, then written out as B a (c, ci) pair per thread. RAW_STRIDE is
@@ -768,6 +803,67 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     if cluster_at_launch:
         cluster = min(target.cluster_limit_at_launch, r1_chunks)
         blocks_per_sample = f_tiles * cluster
+
+    return BoxMemory(
+        weight_channels=weight_channels, weight_floats=weight_floats, direct_fold=direct_fold, box_floats=box_floats,
+        red_floats=red_floats, w_stride=w_stride, w_smem_floats=w_smem_floats, x_floats=x_floats,
+        weights_in_smem=weights_in_smem, w_raw=w_raw, smem_bytes=smem_bytes, cluster=cluster,
+        cluster_at_launch=cluster_at_launch, blocks_per_sample=blocks_per_sample,
+    )
+
+
+def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" = None, target: Target | None = None,
+               tma_config: "tma_engine.TmaConfig | None" = None, settings: Settings = DEFAULT_SETTINGS) -> dict:
+    """The plan of `spec` as one kernel, split nowhere: what `build_plan` returns for a layer it
+    does not rewrite, sequence or split (`tail.pool_split` asks it where the whole layer would run)."""
+    target = target or targets.DEFAULT
+    may_rewrite = spec.rewrites and settings.rewrites
+    nd = spec.ndim
+    geo = spec.conv_geometry()
+    consts: list[Constant] = []
+    shapes = spec.shapes()
+
+    cin, cout, groups = spec.input.channels, spec.conv.out_channels, spec.conv.groups
+    in3 = _spatial3(tuple(spec.input.size), 1)
+    k3, s3 = _spatial3(geo["kernel"], 1), _spatial3(geo["stride"], 1)
+    p3, d3 = _spatial3(geo["padding"], 0), _spatial3(geo["dilation"], 1)
+    conv_out = shapes[0].sizes[1:]
+    o3 = _spatial3(conv_out, 1)
+    taps = k3[0] * k3[1] * k3[2]
+
+    # ---- passes: the body's levels, then the rewrites, then the tail's reductions -----------------
+    levels, tail_start, channel_norm = _body_levels(spec, shapes, o3, consts)
+    # ---- rewrite: an avg-pool right after the conv folds into the conv ----------------------
+    rewrites: list[str] = []
+    fold = None
+    transposed = spec.conv.transposed
+    if may_rewrite and len(levels) > 1 and not transposed and _can_fold_avg_pool(spec, levels, s3, d3):
+        fold, note, k3, s3, o3 = _fold_avg_pool(levels, k3, nd)
+        rewrites.append(note)
+        taps = k3[0] * k3[1] * k3[2]
+    # ---- rewrite: scalar affine ops right after the conv fold into its weights and bias ------
+    affine = _affine_fold(spec, levels[0], consts) if may_rewrite else None
+    if affine is not None:
+        rewrites.append(affine["summary"])
+    t1 = (cout, *levels[-1]["out"])  # T1 extents (c, d, h, w)
+
+    reductions, role, batched, srole = _tail_reductions(spec, shapes, t1, tail_start, consts)
+
+    # ---- passes 5 and 6: the box engines' tiling and shared memory ----------------------------
+    tile = spec.tile
+    cout_g = cout // groups
+    bt = _box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, target)
+    mma, box, ct, pt, threads = bt.mma, bt.box, bt.ct, bt.pt, bt.threads
+    thread_tiles, tile_iters, split_channels = bt.thread_tiles, bt.tile_iters, bt.split_channels
+    f_axes, r1_axes, f1_axes, tiles, chunks = bt.f_axes, bt.r1_axes, bt.f1_axes, bt.tiles, bt.chunks
+    f_tiles, r1_chunks, nf, nr, lanes, owner_iters = bt.f_tiles, bt.r1_chunks, bt.nf, bt.nr, bt.lanes, bt.owner_iters
+    mem = _box_memory(spec, bt, role, reductions, batched, fold, taps, target)
+    if mem is None:  # an avg-pool fold whose weights do not fit: plan again without rewrites
+        return build_plan(spec, igemm_config, target, tma_config, replace(settings, rewrites=False))
+    weight_channels, weight_floats, direct_fold = mem.weight_channels, mem.weight_floats, mem.direct_fold
+    box_floats, red_floats, w_stride, w_smem_floats = mem.box_floats, mem.red_floats, mem.w_stride, mem.w_smem_floats
+    x_floats, weights_in_smem, w_raw, smem_bytes = mem.x_floats, mem.weights_in_smem, mem.w_raw, mem.smem_bytes
+    cluster, cluster_at_launch, blocks_per_sample = mem.cluster, mem.cluster_at_launch, mem.blocks_per_sample
 
     in_per_sample = cin * math.prod(in3)
     out_shape = shapes[-1].sizes
@@ -832,18 +928,10 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         min_blocks = settings.min_blocks
     params = list(spec.params().items())
 
-    # ---- engine: the implicit GEMM where it can run and pays -----------------------------------
-    tp = None if igemm_config is not None else _choose_tma(spec, levels, reductions, fold, tma_config, target, settings)
-    ig = None if tp is not None else _choose_igemm(spec, levels, reductions, fold, o3, taps, igemm_config, target)
-    engine = "tma" if tp is not None else "igemm" if ig is not None else ("slab" if mma is not None else "ffma")
-    if channel_norm is not None and engine != "tma":
-        norm_at = tma_engine.channel_norm(spec)
-        raise NotOneKernel([f"epilogue[{norm_at}] {spec.epilogue[norm_at].op}: a softmax over the channels runs in the TMA "
-                            f"engine's epilogue only, and this layer plans for the {engine} engine"])
+    # ---- pass 7: the engine (a GEMM engine's plan replaces the box's launch values) -----------
+    engine, tp, ig = _choose_engine(spec, levels, reductions, fold, o3, taps, mma, channel_norm, igemm_config,
+                                    tma_config, target, settings)
     inputs = list(spec.inputs())
-    if inputs and engine not in INPUT_ENGINES:
-        raise PlanError([f"epilogue: an extra input ({', '.join(inputs)}) is read by the {' and '.join(INPUT_ENGINES)} "
-                         f"engines (and the tail engine after a statistic stage); this layer plans for the {engine} engine"])
     if tp is not None:
         threads, smem_bytes, min_blocks = tp.threads, tp.smem_bytes, tp.blocks_per_sm
         cluster, cluster_at_launch = 1, False
@@ -943,6 +1031,27 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         target=target.summary(),
         settings=settings,
     )
+
+
+def _choose_engine(spec: LayerSpec, levels: list, reductions: list, fold, o3: tuple, taps: int, mma, channel_norm,
+                   igemm_config, tma_config, target: Target, settings: Settings) -> tuple[str, object, object]:
+    """Pass 7, the engine: Hopper's TMA engine where it runs the layer and pays (`_choose_tma`),
+    else the implicit GEMM (`_choose_igemm`), else the box engines' choice (slab where pass 5 put the
+    conv on tensor cores, else FFMA). Returns (engine, its TmaPlan or None, its IgemmPlan or None);
+    NotOneKernel where a softmax over the channels would need the TMA epilogue, PlanError where an
+    extra input meets an engine that cannot read it."""
+    tp = None if igemm_config is not None else _choose_tma(spec, levels, reductions, fold, tma_config, target, settings)
+    ig = None if tp is not None else _choose_igemm(spec, levels, reductions, fold, o3, taps, igemm_config, target)
+    engine = "tma" if tp is not None else "igemm" if ig is not None else ("slab" if mma is not None else "ffma")
+    if channel_norm is not None and engine != "tma":
+        norm_at = tma_engine.channel_norm(spec)
+        raise NotOneKernel([f"epilogue[{norm_at}] {spec.epilogue[norm_at].op}: a softmax over the channels runs in the TMA "
+                            f"engine's epilogue only, and this layer plans for the {engine} engine"])
+    inputs = list(spec.inputs())
+    if inputs and engine not in INPUT_ENGINES:
+        raise PlanError([f"epilogue: an extra input ({', '.join(inputs)}) is read by the {' and '.join(INPUT_ENGINES)} "
+                         f"engines (and the tail engine after a statistic stage); this layer plans for the {engine} engine"])
+    return engine, tp, ig
 
 
 def forward_equivalent(spec: LayerSpec) -> LayerSpec | None:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from specgen import splitk, target as targets
+from specgen import igemm, splitk, target as targets
 from specgen.target import BLOCK_RESERVED_SMEM
 from specgen.spec import LayerSpec
 
@@ -206,17 +206,8 @@ def _phases(spec: LayerSpec) -> tuple[TmaPhase, ...]:
     pad3 = lambda t, fill: (fill,) * (3 - nd) + tuple(t)  # noqa: E731  (d, h, w)
     k3, s3, p3 = pad3(geo["kernel"], 1), pad3(geo["stride"], 1), pad3(geo["padding"], 0)
     in3, out3 = pad3(spec.input.size, 1), pad3(spec.conv_output().sizes[1:], 1)
-    per_dim = []
-    for k, s, p, out in zip(k3, s3, p3, out3):
-        dim = []
-        for phi in range(s):
-            op = (out - phi + s - 1) // s
-            if op <= 0:
-                continue
-            first = (phi + p) % s
-            kp = -(-(k - first) // s)
-            dim.append((phi, op, first, kp, (phi + p - first) // s - (kp - 1)))
-        per_dim.append(dim)
+    # (phi, OP, FIRST, KP, LOWER = IN_OFF - (KP - 1)) per dim: the taps reversed
+    per_dim = [[(*c[:4], c[4] - (c[3] - 1)) for c in dim] for dim in igemm.phase_dims(k3, s3, p3, out3)]
     grid = tuple(max(c[1] for c in dim) for dim in per_dim)
     phases = []
     for d in per_dim[0]:

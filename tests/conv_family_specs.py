@@ -46,3 +46,20 @@ TRANSPOSED = {
         "tile": {"engine": "ffma"},  # (left to the planner: the implicit GEMM's stride phases)
     },
 }
+
+
+def float64_transposed_case(spec, batch: int = 2):
+    """(x, weight, bias, PyTorch's float64 output) for a transposed conv spec: random float64 values
+    through nn.ConvTransposeNd, the reference the CPU models of the stride phases are held to."""
+    import torch
+
+    from specgen import reference
+
+    x = torch.randn(batch, spec.input.channels, *spec.input.size, dtype=torch.float64)
+    w = torch.randn(*spec.weight_shape(), dtype=torch.float64)
+    b = torch.randn(spec.conv.out_channels, dtype=torch.float64)
+    conv = reference.make_conv(spec).double()
+    with torch.no_grad():
+        conv.weight.copy_(w)
+        conv.bias.copy_(b)
+        return x, w, b, conv(x)

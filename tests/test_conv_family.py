@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernelbench_problems as kb
-from conv_family_specs import TRANSPOSED
+from conv_family_specs import TRANSPOSED, float64_transposed_case
 from specgen import reference
 from specgen.importer import explain, from_module
 from specgen.module import FusedLayer
@@ -513,14 +513,7 @@ def test_stride_phases_compute_the_transposed_conv(conv, size):
     assert len(plan["igemm"].phases) == math.prod(min(s, o) for s, o in zip(geo["stride"], spec.shapes()[0].sizes[1:]))
     covered = sorted(t for ph in plan["igemm"].phases for t in ph.tap_index)
     assert covered == list(range(math.prod(geo["kernel"])))  # every tap in exactly one phase
-    x = torch.randn(2, cin, *size, dtype=torch.float64)
-    w = torch.randn(*spec.weight_shape(), dtype=torch.float64)
-    b = torch.randn(cout, dtype=torch.float64)
-    want = reference.make_conv(spec).double()
-    with torch.no_grad():
-        want.weight.copy_(w)
-        want.bias.copy_(b)
-        ref = want(x)
+    x, w, b, ref = float64_transposed_case(spec)
     got = _emulate_phases(plan, x, w, b)
     assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-12, rtol=0)
 

@@ -1,5 +1,6 @@
 """The planner's passes, each on its own (no GPU): the body's levels, the avg-pool fold, the tail's
-reductions. `plan_whole` runs them in that order; what they return is what the templates read."""
+reductions, the box engines' tiling and shared memory, the engine. `plan_whole` runs them in that
+order; what they return is what the templates read."""
 
 from __future__ import annotations
 
@@ -67,3 +68,61 @@ def test_a_mean_names_its_count_for_the_finalize():
     reductions, role, batched, _ = planner._tail_reductions(spec, spec.shapes(), (8, 1, 14, 14), 0, consts)
     assert [r["op"] for r in reductions] == ["mean"] and role["c"] == "F" and not batched
     assert [c.name for c in consts] == ["R1_COUNT"]
+
+
+def _box_inputs(spec):
+    """What plan_whole hands passes 5 and 6: the levels, T1, the axes' roles and the reductions."""
+    (levels, tail_start, _), consts = _levels(spec)
+    t1 = (spec.conv.out_channels, *levels[-1]["out"])
+    reductions, role, batched, srole = planner._tail_reductions(spec, spec.shapes(), t1, tail_start, consts)
+    geo = spec.conv_geometry()
+    k3, s3 = planner._spatial3(geo["kernel"], 1), planner._spatial3(geo["stride"], 1)
+    p3, d3 = planner._spatial3(geo["padding"], 0), planner._spatial3(geo["dilation"], 1)
+    in3 = planner._spatial3(tuple(spec.input.size), 1)
+    return levels, t1, role, srole, reductions, batched, in3, k3, s3, p3, d3, k3[0] * k3[1] * k3[2]
+
+
+def test_box_tiling_on_ffma_keeps_the_register_tile_in_the_box():
+    spec = _spec(["relu"], size=(30, 30), channels=4, out=24)
+    levels, t1, role, srole, reductions, batched, in3, k3, s3, p3, d3, taps = _box_inputs(spec)
+    bt = planner._box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, planner.targets.DEFAULT)
+    assert bt.mma is None  # K = 36: FFMA (tensor cores do not pay)
+    assert bt.box[0] % bt.ct == 0 and 24 % bt.ct == 0 and bt.threads % 32 == 0
+    assert bt.thread_tiles == (bt.box[0] // bt.ct) * bt.box[1] * bt.box[2] * -(-bt.box[3] // bt.pt)
+    assert bt.f_tiles == bt.blocks_per_sample and bt.cluster == 1 and not reductions  # no reduction: no cluster
+    assert bt.tiles == {a: -(-e // b) for a, e, b in zip("cdhw", t1, bt.box)}
+
+
+def test_box_tiling_takes_a_cluster_for_a_full_reduction_and_memory_sizes_its_buffers():
+    spec = _spec(["relu", {"sum": {"dims": [1, 2, 3]}}], size=(64, 64), channels=16, out=32)
+    levels, t1, role, srole, reductions, batched, in3, k3, s3, p3, d3, taps = _box_inputs(spec)
+    target = planner.targets.DEFAULT
+    bt = planner._box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, target)
+    assert bt.f_tiles == 1 and bt.cluster > 1 and bt.blocks_per_sample == bt.cluster  # one kept value per sample
+    mem = planner._box_memory(spec, bt, role, reductions, batched, None, taps, target)
+    assert mem.smem_bytes <= target.smem_per_block and mem.red_floats > 0
+    # the same layer with clusters of one block on a target without clusters
+    ampere = planner.targets.BUILTIN["sm_80"]
+    assert planner._box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, ampere).cluster == 1
+
+
+def test_the_engine_pass_names_the_engine_and_refuses_what_it_cannot_read():
+    import pytest
+
+    from specgen.plan import PlanError
+
+    spec = validate({"name": "e", "input": {"channels": 64, "size": [14, 14]},
+                     "conv": {"out_channels": 128, "kernel": 3, "padding": 1}, "epilogue": ["relu"], "precision": "tf32"})
+    levels, t1, role, srole, reductions, batched, in3, k3, s3, p3, d3, taps = _box_inputs(spec)
+    o3 = planner._spatial3(spec.shapes()[0].sizes[1:], 1)
+    args = (spec, levels, reductions, None, o3, taps, None, None, None, None)
+    engine, tp, ig = planner._choose_engine(*args, planner.targets.DEFAULT, planner.DEFAULT_SETTINGS)
+    assert engine == "tma" and tp is not None and ig is None
+    engine, tp, ig = planner._choose_engine(*args, planner.targets.BUILTIN["sm_80"], planner.DEFAULT_SETTINGS)
+    assert engine == "igemm" and tp is None and ig is not None
+    grouped = validate({**spec.model_dump(mode="json"), "conv": {**spec.model_dump(mode="json")["conv"], "groups": 64},
+                        "epilogue": [{"add": {"input": "skip"}}]})
+    levels, t1, role, srole, reductions, batched, in3, k3, s3, p3, d3, taps = _box_inputs(grouped)
+    with pytest.raises(PlanError, match="an extra input"):
+        planner._choose_engine(grouped, levels, reductions, None, o3, taps, None, None, None, None,
+                               planner.targets.DEFAULT, planner.DEFAULT_SETTINGS)

@@ -540,7 +540,7 @@ def _emulate_tma_phases(spec, tp, x, weight, bias):
     ({"kernel": 2, "stride": 2}, [5]),
 ])
 def test_the_tma_stride_phases_compute_the_transposed_conv(conv, size):
-    from specgen import reference
+    from conv_family_specs import float64_transposed_case
 
     torch.manual_seed(len(size) * 11 + sum(size))
     cin, cout = 20, 24
@@ -553,14 +553,7 @@ def test_the_tma_stride_phases_compute_the_transposed_conv(conv, size):
     assert covered == list(range(plan["taps"]))  # every tap in exactly one phase
     for ph in tp.phases:  # a phase's stages walk its own taps
         assert ph.k_iters * tp.kb_per_stage == ph.taps * tp.cb and ph.taps * tp.cip <= tp.k_total
-    x = torch.randn(2, cin, *size, dtype=torch.float64)
-    w = torch.randn(*spec.weight_shape(), dtype=torch.float64)
-    b = torch.randn(cout, dtype=torch.float64)
-    want = reference.make_conv(spec).double()
-    with torch.no_grad():
-        want.weight.copy_(w)
-        want.bias.copy_(b)
-        ref = want(x)
+    x, w, b, ref = float64_transposed_case(spec)
     got = _emulate_tma_phases(spec, tp, x, w, b)
     assert got.shape == ref.shape and not got.isnan().any()
     assert torch.allclose(got, ref, atol=1e-12, rtol=0)
