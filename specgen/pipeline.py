@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specgen import cache, planindex, target as targets, tma
 from specgen.log import get_logger
@@ -26,6 +26,7 @@ class Specialized:
     plan: dict
     source: str
     build: cache.BuildResult
+    arch: str | None = None  # the arch asked for (None: the current GPU's): a variant is planned for it too
 
     @property
     def key(self) -> str:
@@ -68,7 +69,8 @@ def specialize_runtime_dims(spec: LayerSpec, arch: str | None = None) -> Special
     return Specialized(spec, plan, source, cache.get_or_build(req))
 
 
-def _without_spills(item: Specialized, arch: str | None, igemm_config=None) -> Specialized:
+def _without_spills(item: Specialized, arch: str | None, igemm_config=None,
+                    settings: Settings | None = None) -> Specialized:
     """A build that spilled registers under the planner's occupancy hint (two blocks per SM caps a
     thread's registers) is built again with one block per SM (a planner setting: the spec, its
     banner and its cache key stay the user's), and kept if it spills less. A `tile.min_blocks` the
@@ -78,9 +80,10 @@ def _without_spills(item: Specialized, arch: str | None, igemm_config=None) -> S
     spec = item.spec
     pinned = spec.tile is not None and spec.tile.min_blocks
     one_block = 1 if item.plan["min_blocks"] > 1 and not pinned else None
-    retries = [Settings(min_blocks=one_block)] if one_block else []
+    settings = DEFAULT_SETTINGS if settings is None else settings
+    retries = [replace(settings, min_blocks=one_block)] if one_block else []
     if getattr(item.plan.get("settings"), "exact_sums", False):
-        retries.append(Settings(min_blocks=one_block, exact_sums=False))
+        retries.append(replace(settings, min_blocks=one_block, exact_sums=False))
     for settings in retries:
         if item.build.spill_bytes == 0:
             break
@@ -104,13 +107,15 @@ def _tuned_config(spec: LayerSpec, arch: str | None):
     return None if record is None else record["config"]
 
 
-def _request_key(spec: LayerSpec, arch: str | None, config, canonical: str | None = None) -> str | None:
+def _request_key(spec: LayerSpec, arch: str | None, config, canonical: str | None = None,
+                 settings: Settings | None = None) -> str | None:
     """The request index key of `specialize(spec, arch)` with tile `config` (`planindex.request_key`),
     or None where it cannot be had without planning (an arch specgen has no target for, no
     compiler): that request takes the planning path, which reports why."""
     try:
         canonical = spec.canonical_json() if canonical is None else canonical
-        return planindex.request_key(canonical, arch, targets.resolve(arch), DEFAULT_SETTINGS, config)
+        settings = DEFAULT_SETTINGS if settings is None else settings
+        return planindex.request_key(canonical, arch, targets.resolve(arch), settings, config)
     except Exception as error:  # noqa: BLE001  (planning reports it, in its order)
         get_logger().debug("%s: no request key (%s); planning", spec.name, error)
         return None
@@ -163,14 +168,20 @@ def forget(spec: LayerSpec) -> None:
             del _memo[k]
 
 
-def specialize(spec: LayerSpec, arch: str | None = None, igemm_config=None, tuned: bool = True) -> Specialized:
+def specialize(spec: LayerSpec, arch: str | None = None, igemm_config=None, tuned: bool = True,
+               settings: Settings | None = None) -> Specialized:
     """The compiled kernel of `spec`; repeated calls in one process cost a dict lookup.
     `igemm_config` overrides the implicit-GEMM engine's tile (a planner setting, not the spec);
-    without one, the tile `specgen tune` stored for this GPU is used, unless `tuned` is False."""
+    without one, the tile `specgen tune` stored for this GPU is used, unless `tuned` is False.
+    `settings`: other planner settings (`plan.Settings`), e.g. the plan for channels-last inputs."""
     if igemm_config is not None:
         memo_key = (spec.canonical_json(), arch, igemm_config)
     else:
         memo_key = (spec.canonical_json(), arch) if tuned else (spec.canonical_json(), arch, None)
+    if settings is not None:
+        memo_key += (settings,)
+    else:
+        settings = DEFAULT_SETTINGS
     hit = _memo.get(memo_key)
     if hit is not None:
         return hit
@@ -181,13 +192,13 @@ def specialize(spec: LayerSpec, arch: str | None = None, igemm_config=None, tune
         with _memo_lock:
             hit = _memo.get(memo_key)
             if hit is None:
-                rkey = _request_key(spec, arch, config, memo_key[0])
+                rkey = _request_key(spec, arch, config, memo_key[0], settings)
                 hit = _indexed(spec, rkey)
                 if hit is None:
-                    plan, source, req = request(spec, arch, igemm_config=config)
-                    hit = _without_spills(Specialized(spec, plan, source, cache.get_or_build(req)), arch, config)
+                    plan, source, req = request(spec, arch, igemm_config=config, settings=settings)
+                    hit = _without_spills(Specialized(spec, plan, source, cache.get_or_build(req)), arch, config, settings)
                     _remember(rkey, hit)
-                _memo[memo_key] = hit
+                _memo[memo_key] = hit = replace(hit, arch=arch)
     return hit
 
 
@@ -223,6 +234,37 @@ def specialize_many(specs: list[LayerSpec], arch: str | None = None, tuned: bool
                 found[rkey] = item
         elif item.spec is not spec:
             item = Specialized(spec, item.plan, item.source, item.build)
+        item = replace(item, arch=arch)
         _memo.setdefault((canon, arch) if tuned else (canon, arch, None), item)
         out.append(item)
     return out
+
+
+# The engines whose plan for a contiguous input may have a channels-last twin (the TMA engine reads
+# both formats already; a sequence's body parts are launched, and so varied, one by one).
+_VARIED_ENGINES = ("igemm", "slab", "ffma")
+_variants: dict[tuple[str, str | None], Specialized | None] = {}
+
+
+def channels_last_variant(sp: Specialized) -> Specialized | None:
+    """The kernel for channels-last inputs of `sp`'s layer, where it is not `sp` itself: a layer
+    whose contiguous plan runs on an engine that reads NC(D)HW (a channels-last input would be
+    copied first), while the TMA engine can read that input where it lies (`plan.Settings.
+    channels_last`: no layout pass to pay for). None where `sp` serves both formats. Planned, and
+    built, on the first channels-last call, then kept per process (the cache keeps the build)."""
+    key = (sp.key, sp.arch)
+    if key in _variants:
+        return _variants[key]
+    variant = None
+    settings = Settings(channels_last=True)
+    if sp.plan["engine"] in _VARIED_ENGINES and not getattr(sp.plan.get("settings"), "channels_last", False):
+        try:
+            plan = build_plan(sp.spec, None, targets.resolve(sp.arch), None, settings)
+        except (PlanError, targets.TargetError) as error:
+            get_logger().debug("%s: no channels-last plan (%s)", sp.spec.name, error)
+            plan = None
+        if plan is not None and plan["engine"] == "tma":
+            variant = specialize(sp.spec, sp.arch, tuned=False, settings=settings)
+    with _memo_lock:
+        _variants[key] = variant
+    return variant

@@ -363,10 +363,16 @@ class Settings:
     # for a tf32 layer computed exactly (`exact_tf32`), held to PyTorch's fp32-level error.
     # None: the planner's choice (exact sums for such a layer); False: the running sum (the spill retry).
     exact_sums: bool | None = None
+    # The plan for inputs that arrive channels-last (channels innermost). The TMA engine reads such
+    # an input where it lies, with no layout pass, so the intensity it needs to pay for that pass
+    # (`tma.worth_it`) does not apply; a layer whose contiguous plan is another engine keeps this
+    # plan beside it, chosen per call by the input's memory format (`pipeline.channels_last_variant`).
+    channels_last: bool = False
 
     def summary(self) -> str:
         parts = ([f"min_blocks {self.min_blocks}"] if self.min_blocks else []) + ([] if self.rewrites else ["no rewrites"])
         parts += ["exact sums"] if self.exact_sums else []
+        parts += ["channels-last input"] if self.channels_last else []
         return ", ".join(parts)
 
 
@@ -1156,8 +1162,8 @@ def _choose_tma(spec: LayerSpec, levels: list, reductions: list, fold, config, t
         # an extra input read at every S-th output: the implicit GEMM's W pairs read it in whole
         # sectors (measured, KernelBench 26: 2.16 ms there, 4.54 on the TMA engine's phases)
         return None
-    elif not tma_engine.worth_it(spec):
-        return None
+    elif not tma_engine.worth_it(spec) and not (settings.channels_last and tma_engine.reads_in_place(spec)):
+        return None  # (a channels-last input read in place pays no layout pass)
     try:
         # (the spill retry's one block per SM: the planner's tile without two blocks sharing an SM)
         return tma_engine.plan_tma(spec, target, config, two_blocks=settings.min_blocks != 1)

@@ -363,6 +363,13 @@ def worth_it(spec: LayerSpec) -> bool:
     return intensity(spec) >= MIN_INTENSITY.get(spec.precision, 0)
 
 
+def reads_in_place(spec: LayerSpec) -> bool:
+    """Whether the engine reads a channels-last input where it lies, with no layout pass: one
+    operand plane (not fp32's hi and lo) and channels that need no padding (`_channels`)."""
+    eb = ELEM_BYTES[spec.precision]
+    return spec.precision != "fp32" and spec.input.channels == _channels(spec.input.channels, eb)[0]
+
+
 def has_tma_engine(target: targets.Target) -> bool:
     """Hopper: built for sm_90a, where wgmma lives (TMA exists on plain sm_90 too)."""
     return target.arch in ("sm_90", "sm_90a")

@@ -164,7 +164,7 @@ def _float(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else derived(t, "float32", lambda v: v.float().contiguous())
 
 
-def _channels_last(x: torch.Tensor) -> bool:
+def channels_last(x: torch.Tensor) -> bool:
     """Whether `x` has its channels innermost in memory ([N, spatial..., C]: channels_last(_3d))."""
     if x.is_contiguous():  # the common case, cheaply (a one-channel input is both: either layout reads it)
         return False
@@ -285,7 +285,7 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
         return out
     precision = c.precision
     _planes_w, maps_w = derived(weight, c.weights_key, c.make_weights)
-    cl = _channels_last(x)
+    cl = channels_last(x)
     if cl and c.in_place_cl:
         ws_planes = [x]  # read in place: already the layout (and tf32 maps round on the way)
     else:

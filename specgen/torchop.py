@@ -595,6 +595,17 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 PRECISION_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+_cl_kernels: dict[str, pipeline.Specialized] = {}
+
+
+def _channels_last_kernel(sp: pipeline.Specialized) -> pipeline.Specialized:
+    """`sp`'s kernel for channels-last inputs (`pipeline.channels_last_variant`), or `sp`."""
+    found = _cl_kernels.get(sp.key)
+    if found is None:
+        found = _cl_kernels[sp.key] = pipeline.channels_last_variant(sp) or sp
+    return found
+
+
 def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict, out: torch.Tensor | None,
            stats: torch.Tensor | None = None):
     """Run the kernel on CUDA `x` (the layer's dtype) into `out` (allocated when None), on the current stream.
@@ -604,6 +615,10 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     # view that is not (a scalar tensor expanded to every channel) is copied here, once, and the
     # copy lives until the kernels are queued.
     params = {name: _aligned(t) for name, t in params.items()}
+    if not x.is_contiguous() and tmarun.channels_last(x):
+        # A channels-last input takes the layer's channels-last kernel where it has one (the TMA
+        # engine reading it in place), not a copy into NC(D)HW for the contiguous plan's engine.
+        sp = _channels_last_kernel(sp)
     for key, make in _weight_transforms(sp):  # the plan's rewrites of the conv, in order (kept per weight version)
         weight = tmarun.derived(weight, key, make)
     if sp.plan["engine"] == "sequence":
@@ -636,7 +651,8 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
         f32 = tmarun.derived
         wide = lambda t: f32(t, "float32", lambda v: v.float().contiguous())  # noqa: E731
         # (an extra input is new on every call: widened afresh, never cached)
-        y = _launch_fp32(sp, lp, kernel, x.float(), wide(weight), None if bias is None else wide(bias),
+        # (one pass from any memory format to contiguous float32: a channels-last x is not widened, then copied)
+        y = _launch_fp32(sp, lp, kernel, x.to(torch.float32, memory_format=torch.contiguous_format), wide(weight), None if bias is None else wide(bias),
                          {k: v.float() if k in lp.input_names else wide(v) for k, v in params.items()}, None, batch, stream)
         out.copy_(y)
         return out

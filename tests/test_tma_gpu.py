@@ -315,3 +315,30 @@ def test_tma_stride_phases_with_an_extra_input():
     assert layer.specialize().plan["tma"].phases
     check(layer, 2, seed=1)
     check(layer, 5, seed=2)
+
+
+def test_a_channels_last_input_takes_the_layers_tma_variant():
+    """A thin tf32 1x1 conv plans the implicit GEMM for contiguous inputs (too few multiply-adds per
+    byte to pay a layout pass); a channels-last input runs the TMA engine's plan, read in place."""
+    from specgen import torchop
+
+    layer = FusedLayer(validate({"name": "cl_thin_1x1", "input": {"channels": 64, "size": [9, 11]},
+                                 "conv": {"out_channels": 32, "kernel": 1}, "epilogue": ["relu"], "precision": "tf32"})).cuda()
+    sp = layer.specialize()
+    assert sp.plan["engine"] == "igemm"
+    check(layer, 3, seed=1, channels_last=True)
+    assert torchop._cl_kernels[sp.key].plan["engine"] == "tma"
+    check(layer, 2, seed=2)  # contiguous: the implicit GEMM still
+    check(layer, 5, seed=3, channels_last=True)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_16_bit_depthwise_conv_reads_a_channels_last_input(precision):
+    """A 16-bit layer on an engine without a 16-bit path widens a channels-last input to contiguous
+    fp32 in one pass."""
+    layer = FusedLayer(validate({"name": f"cl_dw_{precision}", "input": {"channels": 24, "size": [10, 9]},
+                                 "conv": {"out_channels": 24, "kernel": 3, "padding": 1, "groups": 24},
+                                 "epilogue": [{"clamp": {"min": 0.0, "max": 6.0}}], "precision": precision})).cuda()
+    assert layer.specialize().plan["engine"] == "ffma"
+    check(layer, 3, seed=1, channels_last=True)
+    check(layer, 2, seed=2)
