@@ -239,8 +239,8 @@ def _grid(spec: LayerSpec) -> tuple[int, int, int]:
 def w_pairs_possible(spec: LayerSpec) -> bool:
     """Whether a transposed conv's stride phases can run as W pairs: stride 2 along W with both W
     phases present, and an epilogue that stores each value where it was computed (no reduction or
-    softmax over the channels, no extra input)."""
-    if not spec.conv.transposed or spec.inputs() or one_n_tile(spec):
+    softmax over the channels). An extra input is read at both outputs of the pair."""
+    if not spec.conv.transposed or one_n_tile(spec):
         return False
     geo = spec.conv_geometry()
     return geo["stride"][-1] == 2 and spec.conv_output().sizes[-1] >= 2

@@ -27,6 +27,12 @@ CASES = {
                 ["fp32", "tf32", "bf16", "fp16"]),
     "tma_1x1_gate": (64, [9, 11], {"out_channels": 96, "kernel": 1}, [{"add": {"input": "shortcut"}}, "relu", {"mul": {"input": "gate"}}],
                      "tma", ["tf32", "bf16"]),
+    # a strided transposed conv's W pairs: each thread reads the extra inputs at outputs 2j and 2j + 1
+    "tma_transposed_even": (32, [7, 9], {"out_channels": 24, "kernel": 3, "stride": 2, "padding": 1, "output_padding": 1,
+                                         "transposed": True}, [{"add": {"input": "shortcut"}}, "relu", {"mul": {"input": "gate"}}],
+                            "tma", ["fp32", "tf32", "bf16"]),
+    "tma_transposed_odd_3d": (16, [4, 5, 6], {"out_channels": 40, "kernel": 3, "stride": 2, "padding": 1, "transposed": True},
+                              [{"add": {"input": "shortcut"}}, "hardswish"], "tma", ["tf32", "fp16"]),
     "igemm": (16, [10, 10], {"out_channels": 24, "kernel": 3, "padding": 1},
               ["batch_norm", {"add": {"input": "shortcut"}}, {"mul": {"input": "gate"}}, "relu"], "igemm", ["fp32", "tf32"]),
     "tail_train_bn": (16, [12, 12], {"out_channels": 32, "kernel": 3, "padding": 1, "bias": False},
@@ -58,6 +64,12 @@ def test_extra_inputs_match_float64(name, precision):
     check(layer, 1, seed=1)
     check(layer, 3, seed=2)
     check(layer, 2, seed=3, channels_last=True)
+
+
+def test_a_transposed_conv_with_an_extra_input_runs_its_w_pairs_on_the_tma_engine():
+    for name in ("tma_transposed_even", "tma_transposed_odd_3d"):
+        tp = _layer(name, "tf32").specialize().plan["tma"]
+        assert tp.phases and tp.w_pairs, name
 
 
 @pytest.mark.parametrize("name", ["tma_3x3", "igemm", "tail_train_bn"])
