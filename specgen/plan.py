@@ -1158,9 +1158,11 @@ def _choose_tma(spec: LayerSpec, levels: list, reductions: list, fold, config, t
         return None
     elif spec.conv.transposed and spec.input.channels < igemm_engine.TRANSPOSED_MIN_CHANNELS:
         return None  # a transposed conv of few channels: its phases' K is a handful of taps x channels (FFMA's)
-    elif spec.conv.transposed and spec.inputs() and not tma_engine.w_pairs_possible(spec):
-        # an extra input read at every S-th output: W pairs read it in whole sectors (measured,
-        # KernelBench 26: 2.16 ms on the implicit GEMM's pairs, 4.54 on the TMA engine's phases)
+    elif spec.conv.transposed and spec.inputs():
+        # An extra input read in the epilogue, one value at a time: on the TMA engine (one block of
+        # 8 consumer warps per SM, no registers left to hoist the loads) it waits on memory.
+        # Measured on KernelBench 26: 2.18 ms on the implicit GEMM, 2.75 on the TMA engine's W pairs
+        # (4.54 on its single phases); the TMA engine runs it only when a tile asks for it.
         return None
     elif not tma_engine.worth_it(spec) and not (settings.channels_last and tma_engine.reads_in_place(spec)):
         return None  # (a channels-last input read in place pays no layout pass)

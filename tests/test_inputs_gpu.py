@@ -66,7 +66,7 @@ def test_extra_inputs_match_float64(name, precision):
     check(layer, 2, seed=3, channels_last=True)
 
 
-def test_a_transposed_conv_with_an_extra_input_runs_its_w_pairs_on_the_tma_engine():
+def test_a_transposed_conv_with_an_extra_input_runs_w_pairs_on_the_tma_engine_when_asked():
     for name in ("tma_transposed_even", "tma_transposed_odd_3d"):
         tp = _layer(name, "tf32").specialize().plan["tma"]
         assert tp.phases and tp.w_pairs, name

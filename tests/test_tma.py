@@ -585,6 +585,12 @@ def test_tma_stride_phases_render_a_gemm_per_phase_and_fit_the_box_limits():
     assert "o[1] = pair[1];" in render_plan(build_plan(odd, target=HOPPER))
     soft = validate({**spec.model_dump(mode="json"), "epilogue": [{"softmax": 1}]})
     assert not build_plan(soft, target=HOPPER)["tma"].w_pairs
+    # an extra input: the implicit GEMM, unless a tile asks for the TMA engine (then W pairs read it at both outputs)
+    data = {**spec.model_dump(mode="json"), "epilogue": [{"add": {"input": "skip"}}, "relu"]}
+    assert build_plan(validate(data), target=HOPPER)["engine"] == "igemm"
+    pinned = build_plan(validate({**data, "tile": {"engine": "tma"}}), target=HOPPER)
+    assert pinned["tma"].w_pairs and "e_out = static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * " \
+        "POSITIONS + p + (row_mine2[i][h] ? 1 : 0);" in render_plan(pinned)
     # a kernel smaller than its stride leaves a phase without taps: the implicit GEMM (or FFMA) runs it
     small = validate({**spec.model_dump(mode="json"), "conv": {**spec.model_dump(mode="json")["conv"], "kernel": 1}})
     assert build_plan(small, target=HOPPER)["engine"] != "tma"
