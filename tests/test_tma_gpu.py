@@ -342,3 +342,21 @@ def test_a_16_bit_depthwise_conv_reads_a_channels_last_input(precision):
     assert layer.specialize().plan["engine"] == "ffma"
     check(layer, 3, seed=1, channels_last=True)
     check(layer, 2, seed=2)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("size", [[12, 12], [9, 11]])  # positions a multiple of the layout pass's vector, and not
+def test_the_layout_pass_reads_a_misaligned_input_as_an_aligned_copy(precision, size):
+    """A contiguous input at an address that is not 16-byte aligned (a view with an offset) takes the
+    layout pass's element-wise reads: the output is bit for bit the aligned copy's."""
+    layer = layer_of({"name": f"tma_misaligned_{precision}_{size[1]}", "input": {"channels": 24, "size": size},
+                      "conv": {"out_channels": 32, "kernel": 3, "padding": 1}, "epilogue": ["relu"], "precision": precision})
+    dtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}[precision]
+    shape = (3, 24, *size)
+    flat = torch.randn(3 * 24 * size[0] * size[1] + 1, device="cuda").to(dtype)
+    sliced = flat[1:].view(shape)
+    assert sliced.is_contiguous() and sliced.data_ptr() % 16
+    with torch.no_grad():
+        got, want = layer(sliced), layer(sliced.clone())
+    assert bool(torch.isfinite(want).all())
+    assert torch.equal(got, want)
