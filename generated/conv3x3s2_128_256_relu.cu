@@ -177,12 +177,26 @@ __device__ __forceinline__ float tf32_round(float x) { return __uint_as_float((_
 
 // ---- the layout pass: [batch][C_IN][positions] -> [batch][positions][CIP] ----------------------------
 // One block transposes a tile of PREP_TC channels x PREP_TP positions of one sample through shared
-// memory: reads run along positions, writes along channels (both coalesced).
+// memory: 16-byte reads along positions (PREP_VEC input elements), 16-byte writes along channels
+// (PREP_SV operand elements), so that every access moves whole sectors.
 namespace {
-constexpr int PREP_TC = 32, PREP_TP = 32;  // tile: channels, positions
-constexpr int PREP_P_TILES = 98, PREP_C_TILES = 4;  // tiles per sample
+constexpr int PREP_TC = 64, PREP_TP = 64;  // tile: channels, positions
+constexpr int PREP_P_TILES = 49, PREP_C_TILES = 2;  // tiles per sample
 using In = float;  // the layer's input element
 using Operand = float;  // what the tensor cores read
+constexpr int PREP_VEC = 16 / sizeof(In), PREP_SV = 16 / sizeof(Operand);  // elements per 16-byte read, write
+// Every channel's row of the input starts 16-byte aligned (where x does): rows are read in vectors.
+constexpr bool PREP_VEC_ROWS = true;
+static_assert(PREP_TP % PREP_VEC == 0 && PREP_TC % PREP_SV == 0 && CIP % PREP_TC == 0, "the tile is whole vectors");
+static_assert(PREP_TC * PREP_TP % (256 * PREP_VEC) == 0 && PREP_TC * PREP_TP % (256 * PREP_SV) == 0, "whole rounds of 256 threads");
+
+__device__ __forceinline__ float to_float(In v) { return v; }
+
+// PREP_VEC consecutive input values from a 16-byte aligned address, as floats.
+__device__ __forceinline__ void load_row_vector(const In* __restrict__ src, float (&v)[PREP_VEC]) {
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
+  v[0] = __uint_as_float(raw.x); v[1] = __uint_as_float(raw.y); v[2] = __uint_as_float(raw.z); v[3] = __uint_as_float(raw.w);
+}
 
 // One input value as the tensor cores read it: split into hi and lo.
 __device__ __forceinline__ void store_operand(Operand* __restrict__ hi, Operand* __restrict__ lo, size_t i, float v) {
@@ -190,7 +204,16 @@ __device__ __forceinline__ void store_operand(Operand* __restrict__ hi, Operand*
   hi[i] = h;
   lo[i] = v - h;  // exact
 }
-__device__ __forceinline__ float to_float(In v) { return v; }
+
+// PREP_SV consecutive operand values at element i (16-byte aligned), as the tensor cores read them:
+// split into hi and lo.
+__device__ __forceinline__ void store_operands(Operand* __restrict__ hi, Operand* __restrict__ lo, size_t i, const float (&v)[PREP_SV]) {
+  float4 h, l;
+  h.x = tf32_round(v[0]); h.y = tf32_round(v[1]); h.z = tf32_round(v[2]); h.w = tf32_round(v[3]);
+  l.x = v[0] - h.x; l.y = v[1] - h.y; l.z = v[2] - h.z; l.w = v[3] - h.w;  // exact
+  *reinterpret_cast<float4*>(hi + i) = h;
+  *reinterpret_cast<float4*>(lo + i) = l;
+}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256) specgen_conv3x3s2_128_256_relu_prep(
@@ -199,24 +222,41 @@ extern "C" __global__ void __launch_bounds__(256) specgen_conv3x3s2_128_256_relu
     Operand* __restrict__ x_lo,  // [batch][IN_D][IN_H][IN_W][CIP]: its lo part
     int batch)
 {
-  __shared__ float tile[PREP_TC][PREP_TP + 1];
+  __shared__ float tile[PREP_TC][PREP_TP + 1];  // (+1: a column's reads fall in different banks)
   const int c_tile = blockIdx.x % PREP_C_TILES, p_tile = blockIdx.x / PREP_C_TILES % PREP_P_TILES;
   const int n = blockIdx.x / (PREP_C_TILES * PREP_P_TILES);
   const int c0 = c_tile * PREP_TC, p0 = p_tile * PREP_TP;
   const In* __restrict__ x_n = x + static_cast<size_t>(n) * C_IN * IN_POSITIONS;
+  const bool vector_rows = PREP_VEC_ROWS && reinterpret_cast<size_t>(x) % 16 == 0;
+  // Read: each thread PREP_VEC positions of one channel at a time (zeros past the channels and positions).
   #pragma unroll
-  for (int i = 0; i < PREP_TC * PREP_TP / 256; ++i) {  // positions fastest
+  for (int i = 0; i < PREP_TC * PREP_TP / (256 * PREP_VEC); ++i) {
     const int e = i * 256 + threadIdx.x;
-    const int c = c0 + e / PREP_TP, p = p0 + e % PREP_TP;
-    tile[e / PREP_TP][e % PREP_TP] = (c < C_IN && p < IN_POSITIONS) ? to_float(x_n[static_cast<size_t>(c) * IN_POSITIONS + p]) : 0.0f;
+    const int tc = e / (PREP_TP / PREP_VEC), tp = e % (PREP_TP / PREP_VEC) * PREP_VEC;
+    const int c = c0 + tc, p = p0 + tp;
+    float v[PREP_VEC];
+    if (c < C_IN && vector_rows && p + PREP_VEC <= IN_POSITIONS) {
+      load_row_vector(x_n + static_cast<size_t>(c) * IN_POSITIONS + p, v);
+    } else {
+      #pragma unroll
+      for (int k = 0; k < PREP_VEC; ++k) v[k] = c < C_IN && p + k < IN_POSITIONS ? to_float(x_n[static_cast<size_t>(c) * IN_POSITIONS + p + k]) : 0.0f;
+    }
+    #pragma unroll
+    for (int k = 0; k < PREP_VEC; ++k) tile[tc][tp + k] = v[k];
   }
   __syncthreads();
+  // Write: each thread PREP_SV channels of one position at a time.
   const size_t base = static_cast<size_t>(n) * IN_POSITIONS * CIP;
   #pragma unroll
-  for (int i = 0; i < PREP_TC * PREP_TP / 256; ++i) {  // channels fastest
+  for (int i = 0; i < PREP_TC * PREP_TP / (256 * PREP_SV); ++i) {
     const int e = i * 256 + threadIdx.x;
-    const int c = c0 + e % PREP_TC, p = p0 + e / PREP_TC;
-    if (c < CIP && p < IN_POSITIONS) store_operand(x_hi, x_lo, base + static_cast<size_t>(p) * CIP + c, tile[e % PREP_TC][e / PREP_TC]);
+    const int tp = e / (PREP_TC / PREP_SV), tc = e % (PREP_TC / PREP_SV) * PREP_SV;
+    if (p0 + tp < IN_POSITIONS) {
+      float v[PREP_SV];
+      #pragma unroll
+      for (int k = 0; k < PREP_SV; ++k) v[k] = tile[tc + k][tp];
+      store_operands(x_hi, x_lo, base + static_cast<size_t>(p0 + tp) * CIP + c0 + tc, v);
+    }
   }
 }
 
