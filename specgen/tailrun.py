@@ -81,7 +81,7 @@ def _sequence(sp: pipeline.Specialized) -> _Sequence:
         parts, in_shapes = {}, {}
         for index, part in enumerate(plan["parts"]):
             if part["role"] in ("body", "rest"):
-                parts[index] = Part(part["spec"], part["plan"], sp.source, sp.build, part["namespace"])
+                parts[index] = Part(part["spec"], part["plan"], sp.source, sp.build, part=part["namespace"])
                 spec = part["spec"]
                 in_shapes[index] = (spec.input.channels, *spec.input.size)
         dtype = torchop.PRECISION_DTYPE[sp.spec.precision]
