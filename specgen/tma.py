@@ -186,12 +186,6 @@ class TmaPlan:
     # Each block runs the two W phases of a (d, h) phase one after the other (`w_pairs`): every
     # thread then holds outputs 2j and 2j + 1 of its rows and stores them side by side.
     w_pairs: bool = False
-    # The epilogue's extra inputs, staged: once the main loop is done, the consumers copy the block's
-    # [BN channels][BM rows] of each into the pipeline's free buffers (cp.async, chunks of
-    # `input_chunk` elements, rows of `input_row`), so that their reads wait on memory once, not once
-    # per value. 0: read value by value from global memory (stride phases, or no room).
-    input_chunk: int = 0
-    input_row: int = 0
 
     @property
     def gemms(self) -> int:
@@ -532,23 +526,6 @@ def _two_block_stages(target: targets.Target, stage_bytes: int) -> int:
     return min(8, (per_block - SMEM_ALIGN) // stage_bytes)
 
 
-def _input_staging(spec: LayerSpec, cfg: TmaConfig, eb: int, stage_bytes: int, phased: bool) -> tuple[int, int]:
-    """(input_chunk, input_row) of a plan whose epilogue reads extra inputs: the largest cp.async
-    copy (16, 8 or 4 bytes) whose elements divide a sample's positions (a chunk never straddles two
-    samples), and rows of BM + 16 bytes (a quad's four channels fall in different banks); (0, 0)
-    where the inputs stay in global memory: no extra inputs, stride phases (rows are not runs of
-    positions), positions of a 16-bit layer that are odd, or staged tiles that outgrow the buffers."""
-    inputs = len(spec.inputs())
-    if not inputs or phased:
-        return 0, 0
-    positions = math.prod(spec.conv_output().sizes[1:])
-    chunk = next((b // eb for b in (16, 8, 4) if b >= eb and positions % (b // eb) == 0), 0)
-    row = cfg.bm + 16 // eb
-    if not chunk or inputs * cfg.bn * row * eb > cfg.stages * stage_bytes:
-        return 0, 0
-    return chunk, row
-
-
 def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None = None,
              two_blocks: bool = True) -> TmaPlan:
     """The TMA engine's plan for `config` (or the planner's guess, `default_config`); ValueError
@@ -618,7 +595,6 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         raise ValueError("split K with a reduction or softmax over the channels")
     if k_iters % split_parts:
         raise ValueError(f"split_k {split_parts} does not divide the {k_iters} stages walked")
-    input_chunk, input_row = _input_staging(spec, cfg, eb, stage_bytes, bool(phases))
     prep_tc = next(c for c in (64, 32, 16, 8) if cip % c == 0)  # a power of two: the tile is PREP_TILE values
     prep_tp = PREP_TILE // prep_tc
     return TmaPlan(
@@ -633,7 +609,6 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         prep_tiles=-(-in_positions // prep_tp) * -(-cip // prep_tc), acc_regs=acc,
         split_k=split_parts, split_iters=k_iters // split_parts, channel_reduction=reduces,
         channel_norm=norm_at is not None,
-        input_chunk=input_chunk, input_row=input_row,
         blocks_per_sm=cfg.blocks_per_sm, phases=phases, grid=grid, grid_positions=math.prod(grid),
         n_pad=n_tiles * cfg.bn, w_pairs=pairs,
         producer_regs=REGS_TWO_BLOCKS["producer"] if two else PRODUCER_REGS,

@@ -600,23 +600,3 @@ def test_tma_stride_phases_render_a_gemm_per_phase_and_fit_the_box_limits():
                      "tile": {"engine": "tma"}})
     with pytest.raises(PlanError, match="box limits"):
         build_plan(wide, target=HOPPER)
-
-
-def test_extra_inputs_are_staged_in_whole_chunks_of_a_sample():
-    """The epilogue's extra inputs are copied into the freed pipeline buffers in chunks that divide
-    a sample's positions (16 bytes where they can), or read from global memory where no chunk does."""
-    def plan_of(size, precision, inputs=1, **conv):
-        epilogue = [{"add": {"input": f"in{k}"}} for k in range(inputs)] + ["relu"]
-        return build_plan(validate({"name": "st", "input": {"channels": 64, "size": size},
-                                    "conv": {"out_channels": 64, "kernel": 3, "padding": 1, **conv}, "epilogue": epilogue,
-                                    "precision": precision, "tile": {"engine": "tma"}}), target=HOPPER)
-
-    tp = plan_of([14, 14], "tf32")["tma"]  # 196 positions: 4 floats
-    assert (tp.input_chunk, tp.input_row) == (4, tp.bm + 4)
-    text = render_plan(plan_of([14, 14], "tf32"))
-    assert "cp_async<IN_CHUNK * sizeof(float)>" in text and "const int e_out = (cj - n0) * IN_ROW + (m - m0);" in text
-    assert plan_of([9, 11], "tf32")["tma"].input_chunk == 1  # 99 positions: one float at a time
-    assert plan_of([12, 12], "bf16")["tma"].input_chunk == 8 and plan_of([12, 12], "bf16")["tma"].input_row == plan_of([12, 12], "bf16")["tma"].bm + 8
-    odd = plan_of([9, 11], "bf16")
-    assert odd["tma"].input_chunk == 0 and "Staged" not in render_plan(odd)  # 2-byte values: no 4-byte copy of an odd run
-    assert plan_of([14, 14], "tf32", inputs=0)["tma"].input_chunk == 0
