@@ -400,3 +400,40 @@ def test_precision_follows_the_model():
         explain(model, x, precision="bf16")
     with pytest.raises(ValueError, match="precision: expected None, 'fp32' or 'tf32'"):
         explain(model, x, precision="int8")
+
+
+class _ConstantsInForward(nn.Module):
+    """A conv chain that takes a constant made in forward, and PyTorch code after the chain that
+    makes two more (a float and an int)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+
+    def forward(self, x):
+        y = torch.min(torch.relu(self.conv(x)), torch.tensor(0.5, device=x.device))
+        z = torch.flatten(y, 1) * torch.tensor(2.0, device=x.device)
+        return z + torch.tensor(3, device=x.device)
+
+
+def test_constants_made_in_forward_are_filled_on_the_device():
+    """torch.tensor(<number>) copies from the host on every call, which a CUDA graph cannot capture;
+    the fused graph and the chains' originals make the same tensors with torch.full."""
+    import torch.fx as fx
+
+    from specgen.importer import rewrite
+
+    traced = fx.symbolic_trace(_ConstantsInForward())
+    x = torch.randn(2, 3, 9, 9)
+    want = traced(x)
+    assert rewrite.capturable(traced.graph) == 3
+    traced.recompile()
+    assert not any(n.target is torch.tensor for n in traced.graph.nodes)
+    got = traced(x)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    assert torch.full((), 3).dtype == torch.tensor(3).dtype  # (an int stays an int64, as torch.tensor made it)
+
+    model = _ConstantsInForward().eval()
+    fused = from_module(model, x)
+    assert not any(n.target is torch.tensor for n in fused.graph.nodes)
+    torch.testing.assert_close(fused(x), model(x))

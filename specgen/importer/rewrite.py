@@ -115,8 +115,23 @@ def original(imp: Analysis, chain) -> Optional[fx.GraphModule]:
         if node in needed:
             env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(env[chain.out])
+    capturable(graph)
     root = {n.target: imp.fetch(n.target) for n in needed if n.op in ("call_module", "get_attr")}
     return fx.GraphModule(root, graph, class_name=f"Original_{chain.spec.name}")
+
+
+def capturable(graph: fx.Graph) -> int:
+    """Rewrite each `torch.tensor(<number>, ...)` (a constant made in forward, copied from the host
+    on every call) as `torch.full((), <number>, ...)`: the same tensor, filled on the device, so
+    that a CUDA graph can capture the forward (a host-to-device copy of pageable memory cannot be
+    captured). Returns how many calls were rewritten."""
+    count = 0
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch.tensor and len(node.args) == 1 \
+                and isinstance(node.args[0], (bool, int, float)) and set(node.kwargs) <= {"dtype", "device", "requires_grad"}:
+            node.target, node.args = torch.full, ((), node.args[0])
+            count += 1
+    return count
 
 
 def measure(imp: Analysis, chain, gpu_only: bool = False) -> Choice:
@@ -185,6 +200,7 @@ def fused_graph(imp: Analysis) -> fx.GraphModule:
                 for u in readers:
                     u.replace_input_with(node, ghost)
         _erase(graph, sorted(chain.nodes, key=imp.order.get, reverse=True), imp.regions.leaf_nodes)
+    capturable(graph)  # (constants the chains left to the model)
     graph.lint()
     root: dict[str, Any] = {}
     for node in graph.nodes:
