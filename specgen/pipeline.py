@@ -264,7 +264,11 @@ def channels_last_variant(sp: Specialized) -> Specialized | None:
             get_logger().debug("%s: no channels-last plan (%s)", sp.spec.name, error)
             plan = None
         if plan is not None and plan["engine"] == "tma":
-            variant = specialize(sp.spec, sp.arch, tuned=False, settings=settings)
+            try:
+                variant = specialize(sp.spec, sp.arch, tuned=False, settings=settings)
+            except Exception as error:  # noqa: BLE001  (the contiguous kernel serves every input: never worse than before)
+                get_logger().warning("%s: no channels-last kernel (%s: %s); channels-last inputs take the contiguous one",
+                                     sp.spec.name, type(error).__name__, error)
     with _memo_lock:
         _variants[key] = variant
     return variant

@@ -49,3 +49,16 @@ def test_the_channels_last_variant_is_built_once_and_only_where_it_differs():
     assert pipeline.channels_last_variant(variant) is None  # (a TMA plan reads both formats)
     fp32 = pipeline.specialize(_spec("fp32"), "sm_90")
     assert pipeline.channels_last_variant(fp32) is None
+
+
+def test_a_variant_that_fails_to_build_leaves_the_contiguous_kernel(monkeypatch, caplog):
+    import types
+
+    thin = pipeline.Specialized(_spec(out=16), build_plan(_spec(out=16)), "", types.SimpleNamespace(key="f" * 64), "sm_90")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("nvcc failed")
+
+    monkeypatch.setattr(pipeline, "specialize", broken)
+    assert pipeline.channels_last_variant(thin) is None
+    assert "no channels-last kernel (RuntimeError: nvcc failed)" in caplog.text
