@@ -84,10 +84,10 @@ def _without_spills(item: Specialized, arch: str | None, igemm_config=None,
     retries = [replace(settings, min_blocks=one_block)] if one_block else []
     if getattr(item.plan.get("settings"), "exact_sums", False):
         retries.append(replace(settings, min_blocks=one_block, exact_sums=False))
-    for settings in retries:
+    for retry in retries:
         if item.build.spill_bytes == 0:
             break
-        plan, source, req = request(spec, arch, igemm_config=igemm_config, settings=settings)
+        plan, source, req = request(spec, arch, igemm_config=igemm_config, settings=retry)
         build = cache.get_or_build(req)
         if build.spill_bytes < item.build.spill_bytes:
             item = Specialized(spec, plan, source, build)

@@ -595,17 +595,6 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 PRECISION_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-_cl_kernels: dict[str, pipeline.Specialized] = {}
-
-
-def _channels_last_kernel(sp: pipeline.Specialized) -> pipeline.Specialized:
-    """`sp`'s kernel for channels-last inputs (`pipeline.channels_last_variant`), or `sp`."""
-    found = _cl_kernels.get(sp.key)
-    if found is None:
-        found = _cl_kernels[sp.key] = pipeline.channels_last_variant(sp) or sp
-    return found
-
-
 def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict, out: torch.Tensor | None,
            stats: torch.Tensor | None = None):
     """Run the kernel on CUDA `x` (the layer's dtype) into `out` (allocated when None), on the current stream.
@@ -618,7 +607,8 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     if not x.is_contiguous() and tmarun.channels_last(x):
         # A channels-last input takes the layer's channels-last kernel where it has one (the TMA
         # engine reading it in place), not a copy into NC(D)HW for the contiguous plan's engine.
-        sp = _channels_last_kernel(sp)
+        # (`channels_last_variant` keeps its answer per layer: after the first call, a dict lookup)
+        sp = pipeline.channels_last_variant(sp) or sp
     for key, make in _weight_transforms(sp):  # the plan's rewrites of the conv, in order (kept per weight version)
         weight = tmarun.derived(weight, key, make)
     if sp.plan["engine"] == "sequence":

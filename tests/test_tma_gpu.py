@@ -320,14 +320,14 @@ def test_tma_stride_phases_with_an_extra_input():
 def test_a_channels_last_input_takes_the_layers_tma_variant():
     """A thin tf32 1x1 conv plans the implicit GEMM for contiguous inputs (too few multiply-adds per
     byte to pay a layout pass); a channels-last input runs the TMA engine's plan, read in place."""
-    from specgen import torchop
+    from specgen import pipeline
 
     layer = FusedLayer(validate({"name": "cl_thin_1x1", "input": {"channels": 64, "size": [9, 11]},
                                  "conv": {"out_channels": 32, "kernel": 1}, "epilogue": ["relu"], "precision": "tf32"})).cuda()
     sp = layer.specialize()
     assert sp.plan["engine"] == "igemm"
     check(layer, 3, seed=1, channels_last=True)
-    assert torchop._cl_kernels[sp.key].plan["engine"] == "tma"
+    assert pipeline._variants[(sp.key, sp.arch)].plan["engine"] == "tma"  # (made by the channels-last call)
     check(layer, 2, seed=2)  # contiguous: the implicit GEMM still
     check(layer, 5, seed=3, channels_last=True)
 
