@@ -67,6 +67,8 @@ constexpr int TAPS = 9;  // K_D * K_H * K_W
 constexpr int OUT_D = 1, OUT_H = 28, OUT_W = 28;  // output extents
 constexpr int POSITIONS = 784;  // OUT_D * OUT_H * OUT_W: M per sample
 
+// The output, and each extra input (of the output's shape), lie [batch][C_OUT][d][h][w].
+
 // ---- the GEMM's tiling ------------------------------------------------------------------------------
 constexpr int CIP = 128;  // input channels: one pixel of the channels-last input
 constexpr int BKC = 32;  // channels per K-block: one 128-byte row of an A or B tile
@@ -74,6 +76,7 @@ constexpr int CB = 4;  // K-blocks per tap (CIP / BKC)
 constexpr int KB_PER_STAGE = 1;  // K-blocks per pipeline stage
 constexpr int K_ITERS = 36;  // stages walked: TAPS * CB / KB_PER_STAGE (the main loop's trip count)
 constexpr int SPLIT_K = 4;  // parts of K in the split kernel, K_ITERS / SPLIT_K = 9 stages each
+// (the split kernel's workspace, partial: [SPLIT_K][C_OUT][batch * POSITIONS], laid out as the output, so the reduction reads and writes in order)
 constexpr int K_TOTAL = 1152;  // TAPS * CIP: a row of the permuted weights
 constexpr int BM = 128, BN = 128;  // block tile: positions, channels
 constexpr int WM = 1;  // m64 tiles per consumer warpgroup (BM / 128)
@@ -469,8 +472,7 @@ extern "C" __global__ void __launch_bounds__(256) specgen_conv3x3s2_128_256_relu
   float sum = 0.0f;
   #pragma unroll
   for (int part = 0; part < SPLIT_K; ++part) sum += __ldg(partial + (static_cast<size_t>(part) * C_OUT + cj) * m_total + m);
-  float* __restrict__ out_m = out + static_cast<size_t>(sample) * (C_OUT * POSITIONS) + p;
   float v = sum + __ldg(bias + cj);  // the conv and its bias
   v = fmaxf(v, 0.0f);  // epilogue[0] relu
-  out_m[static_cast<size_t>(cj) * POSITIONS] = v;
+  out[static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p] = v;
 }

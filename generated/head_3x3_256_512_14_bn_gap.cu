@@ -228,6 +228,8 @@ constexpr int TAPS = 9;  // K_D * K_H * K_W
 constexpr int OUT_D = 1, OUT_H = 1, OUT_W = 1;  // output extents
 constexpr int POSITIONS = 1;  // OUT_D * OUT_H * OUT_W: M per sample
 
+// The output, and each extra input (of the output's shape), lie [batch][C_OUT][d][h][w].
+
 // ---- the GEMM's tiling ------------------------------------------------------------------------------
 constexpr int CIP = 256;  // input channels: one pixel of the channels-last input
 constexpr int BKC = 32;  // channels per K-block: one 128-byte row of an A or B tile
@@ -235,6 +237,7 @@ constexpr int CB = 8;  // K-blocks per tap (CIP / BKC)
 constexpr int KB_PER_STAGE = 1;  // K-blocks per pipeline stage
 constexpr int K_ITERS = 72;  // stages walked: TAPS * CB / KB_PER_STAGE (the main loop's trip count)
 constexpr int SPLIT_K = 12;  // parts of K in the split kernel, K_ITERS / SPLIT_K = 6 stages each
+// (the split kernel's workspace, partial: [SPLIT_K][C_OUT][batch * POSITIONS], laid out as the output, so the reduction reads and writes in order)
 constexpr int K_TOTAL = 2304;  // TAPS * CIP: a row of the permuted weights
 constexpr int BM = 128, BN = 64;  // block tile: positions, channels
 constexpr int WM = 1;  // m64 tiles per consumer warpgroup (BM / 128)
@@ -635,10 +638,9 @@ extern "C" __global__ void __launch_bounds__(256) specgen_head_3x3_256_512_14_bn
   float sum = 0.0f;
   #pragma unroll
   for (int part = 0; part < SPLIT_K; ++part) sum += __ldg(partial + (static_cast<size_t>(part) * C_OUT + cj) * m_total + m);
-  float* __restrict__ out_m = out + static_cast<size_t>(sample) * (C_OUT * POSITIONS) + p;
   float v = sum;  // the conv
   v = (((v) - __ldg(p_bn_running_mean + cj)) * __frsqrt_rn(__ldg(p_bn_running_var + cj) + S0_EPS) * __ldg(p_bn_weight + cj) + __ldg(p_bn_bias + cj));  // epilogue[0] batch_norm (eps=1e-05, affine=True, weight='bn_weight', bias='bn_bias', running_mean='bn_running_mean', running_var='bn_running_var')
-  out_m[static_cast<size_t>(cj) * POSITIONS] = v;
+  out[static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p] = v;
 }
 
 }  // namespace body

@@ -117,6 +117,8 @@ constexpr int TAPS = 25;  // K_D * K_H * K_W
 constexpr int OUT_D = 1, OUT_H = 34, OUT_W = 34;  // output extents
 constexpr int POSITIONS = 1156;  // OUT_D * OUT_H * OUT_W: M per sample
 
+// The output, and each extra input (of the output's shape), lie [batch][C_OUT][d][h][w].
+
 // ---- the GEMM's tiling ------------------------------------------------------------------------------
 constexpr int CIP = 64;  // input channels: one pixel of the channels-last input
 constexpr int BKC = 32;  // channels per K-block: one 128-byte row of an A or B tile
@@ -124,6 +126,7 @@ constexpr int CB = 2;  // K-blocks per tap (CIP / BKC)
 constexpr int KB_PER_STAGE = 1;  // K-blocks per pipeline stage
 constexpr int K_ITERS = 50;  // stages walked: TAPS * CB / KB_PER_STAGE (the main loop's trip count)
 constexpr int SPLIT_K = 5;  // parts of K in the split kernel, K_ITERS / SPLIT_K = 10 stages each
+// (the split kernel's workspace, partial: [SPLIT_K][C_OUT][batch * POSITIONS], laid out as the output, so the reduction reads and writes in order)
 constexpr int K_TOTAL = 1600;  // TAPS * CIP: a row of the permuted weights
 constexpr int BM = 128, BN = 128;  // block tile: positions, channels
 constexpr int WM = 1;  // m64 tiles per consumer warpgroup (BM / 128)
@@ -518,9 +521,8 @@ extern "C" __global__ void __launch_bounds__(256) specgen_kb11_body_reduce(
   float sum = 0.0f;
   #pragma unroll
   for (int part = 0; part < SPLIT_K; ++part) sum += __ldg(partial + (static_cast<size_t>(part) * C_OUT + cj) * m_total + m);
-  float* __restrict__ out_m = out + static_cast<size_t>(sample) * (C_OUT * POSITIONS) + p;
   float v = sum + __ldg(bias + cj);  // the conv and its bias
-  out_m[static_cast<size_t>(cj) * POSITIONS] = v;
+  out[static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p] = v;
 }
 
 }  // namespace body

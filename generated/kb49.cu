@@ -79,6 +79,8 @@ constexpr int TAPS = 27;  // K_D * K_H * K_W
 constexpr int OUT_D = 31, OUT_H = 63, OUT_W = 63;  // output extents
 constexpr int POSITIONS = 123039;  // OUT_D * OUT_H * OUT_W: M per sample
 
+// The output, and each extra input (of the output's shape), lie [batch][C_OUT][d][h][w].
+
 // ---- stride phases ----------------------------------------------------------------------------------
 constexpr int PHASES = 8;
 constexpr int GRID_D = 16, GRID_H = 32, GRID_W = 32;  // every phase's grid of positions (d, h, w)
@@ -516,7 +518,6 @@ __device__ __forceinline__ void conv_block(
       const float nb = sum;  // the sum
       if (m < m_total && mine) {
         const int sample = m / GRID_POSITIONS, p = p_out;
-        float* __restrict__ out_m = out + static_cast<size_t>(sample) * (C_OUT * POSITIONS) + p;
         #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
           #pragma unroll
@@ -526,7 +527,7 @@ __device__ __forceinline__ void conv_block(
               float v = acc[i][4 * j + 2 * h + e];
               v = expf(v - mx) / nb;  // softmax
               v = (1.0f / (1.0f + expf(-(v))));  // epilogue[1] sigmoid
-              out_m[static_cast<size_t>(cj) * POSITIONS] = v;
+              out[static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p] = v;
             }
           }
         }

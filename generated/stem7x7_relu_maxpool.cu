@@ -101,6 +101,8 @@ constexpr int TAPS = 49;  // K_D * K_H * K_W
 constexpr int OUT_D = 1, OUT_H = 112, OUT_W = 112;  // output extents
 constexpr int POSITIONS = 12544;  // OUT_D * OUT_H * OUT_W: M per sample
 
+// The output, and each extra input (of the output's shape), lie [batch][C_OUT][d][h][w].
+
 // ---- the GEMM's tiling ------------------------------------------------------------------------------
 constexpr int CIP = 8;  // input channels, padded (zeros): one pixel of the channels-last input
 constexpr int BKC = 8;  // channels per K-block: one 32-byte row of an A or B tile

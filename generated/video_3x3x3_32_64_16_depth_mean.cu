@@ -172,6 +172,8 @@ constexpr int TAPS = 27;  // K_D * K_H * K_W
 constexpr int OUT_D = 1, OUT_H = 56, OUT_W = 56;  // output extents
 constexpr int POSITIONS = 3136;  // OUT_D * OUT_H * OUT_W: M per sample
 
+// The output, and each extra input (of the output's shape), lie [batch][C_OUT][d][h][w].
+
 // ---- the GEMM's tiling ------------------------------------------------------------------------------
 constexpr int CIP = 32;  // input channels: one pixel of the channels-last input
 constexpr int BKC = 32;  // channels per K-block: one 128-byte row of an A or B tile
@@ -522,7 +524,6 @@ __device__ __forceinline__ void conv_block(
       const float nb = sum;  // the sum
       if (m < m_total) {
         const int sample = m / POSITIONS, p = m % POSITIONS;
-        float* __restrict__ out_m = out + static_cast<size_t>(sample) * (C_OUT * POSITIONS) + p;
         #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
           #pragma unroll
@@ -531,7 +532,7 @@ __device__ __forceinline__ void conv_block(
             if (cj < C_OUT) {
               float v = acc[i][4 * j + 2 * h + e];
               v = expf(v - mx) / nb;  // softmax
-              out_m[static_cast<size_t>(cj) * POSITIONS] = v;
+              out[static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p] = v;
             }
           }
         }

@@ -202,9 +202,11 @@ def specialize(spec: LayerSpec, arch: str | None = None, igemm_config=None, tune
     return hit
 
 
-def specialize_many(specs: list[LayerSpec], arch: str | None = None, tuned: bool = True) -> list[Specialized]:
+def specialize_many(specs: list[LayerSpec], arch: str | None = None, tuned: bool = True,
+                    settings: Settings | None = None) -> list[Specialized]:
     """Several specs at once; the misses compile in parallel. Stored tuned tiles apply as in
-    `specialize` (with SPECGEN_AUTOTUNE=1 the untuned layers are tuned first, in one batch)."""
+    `specialize` (with SPECGEN_AUTOTUNE=1 the untuned layers are tuned first, in one batch).
+    `settings` as in `specialize` (the same memo: a later `specialize` with them is a lookup)."""
     configs = [None] * len(specs)
     if tuned:
         from specgen import tune
@@ -215,60 +217,85 @@ def specialize_many(specs: list[LayerSpec], arch: str | None = None, tuned: bool
             records = [tune.stored_choice(s, arch) for s in specs]
             configs = [None if r is None else r["config"] for r in records]
     canonical = [s.canonical_json() for s in specs]
-    rkeys = [_request_key(s, arch, c, j) for s, c, j in zip(specs, configs, canonical)]
+    rkeys = [_request_key(s, arch, c, j, settings) for s, c, j in zip(specs, configs, canonical)]
     found: dict[str, Specialized | None] = {}
     for spec, rkey in zip(specs, rkeys):
         if rkey is not None and rkey not in found:
             found[rkey] = _indexed(spec, rkey)
     missing = [i for i, rkey in enumerate(rkeys) if rkey is None or found[rkey] is None]
-    prepared = {i: request(specs[i], arch, igemm_config=configs[i]) for i in missing}
+    prepared = {i: request(specs[i], arch, igemm_config=configs[i], settings=settings or DEFAULT_SETTINGS) for i in missing}
     builds = dict(zip(missing, cache.build_many([prepared[i][2] for i in missing])))
     out = []
     for i, (spec, config, rkey, canon) in enumerate(zip(specs, configs, rkeys, canonical)):
         item = found.get(rkey) if rkey is not None else None
         if item is None:
             plan, source, _ = prepared[i]
-            item = _without_spills(Specialized(spec, plan, source, builds[i]), arch, config)
+            item = _without_spills(Specialized(spec, plan, source, builds[i]), arch, config, settings)
             if rkey is not None and found.get(rkey) is None:
                 _remember(rkey, item)
                 found[rkey] = item
         elif item.spec is not spec:
             item = Specialized(spec, item.plan, item.source, item.build)
         item = replace(item, arch=arch)
-        _memo.setdefault((canon, arch) if tuned else (canon, arch, None), item)
+        memo_key = (canon, arch) if tuned else (canon, arch, None)
+        _memo.setdefault(memo_key if settings is None else memo_key + (settings,), item)
         out.append(item)
     return out
 
 
-# The engines whose plan for a contiguous input may have a channels-last twin (the TMA engine reads
-# both formats already; a sequence's body parts are launched, and so varied, one by one).
-_VARIED_ENGINES = ("igemm", "slab", "ffma")
+# The engines whose plan for a contiguous input may have a channels-last twin (a sequence's body
+# parts are launched, and so varied, one by one).
+_VARIED_ENGINES = ("igemm", "slab", "ffma", "tma")
 _variants: dict[tuple[str, str | None], Specialized | None] = {}
+_CHANNELS_LAST = Settings(channels_last=True)
+
+
+def _variant_plan(sp: Specialized) -> dict | None:
+    """The plan of `sp`'s channels-last kernel where it has one (see `channels_last_variant`)."""
+    if sp.plan["engine"] not in _VARIED_ENGINES or getattr(sp.plan.get("settings"), "channels_last", False):
+        return None
+    try:
+        plan = build_plan(sp.spec, None, targets.resolve(sp.arch), None, _CHANNELS_LAST)
+    except (PlanError, targets.TargetError) as error:
+        get_logger().debug("%s: no channels-last plan (%s)", sp.spec.name, error)
+        return None
+    if plan["engine"] == "tma" and (sp.plan["engine"] != "tma" or plan["tma"].channels_last_out):
+        return plan
+    return None
+
+
+def build_channels_last_variants(items: list[Specialized]) -> None:
+    """Build the channels-last kernels of `items` (where they have one) in one parallel build, so
+    that their first channels-last calls find them (a model imported to run channels-last)."""
+    wanted = [sp for sp in items if (sp.key, sp.arch) not in _variants and _variant_plan(sp) is not None]
+    by_arch: dict = {}
+    for sp in wanted:
+        by_arch.setdefault(sp.arch, []).append(sp.spec)
+    for arch, specs in by_arch.items():
+        try:
+            specialize_many(specs, arch, tuned=False, settings=_CHANNELS_LAST)
+        except Exception as error:  # noqa: BLE001  (each variant is then built, or given up, on its first call)
+            get_logger().warning("channels-last kernels not prebuilt (%s: %s)", type(error).__name__, error)
 
 
 def channels_last_variant(sp: Specialized) -> Specialized | None:
-    """The kernel for channels-last inputs of `sp`'s layer, where it is not `sp` itself: a layer
-    whose contiguous plan runs on an engine that reads NC(D)HW (a channels-last input would be
-    copied first), while the TMA engine can read that input where it lies (`plan.Settings.
-    channels_last`: no layout pass to pay for). None where `sp` serves both formats. Planned, and
-    built, on the first channels-last call, then kept per process (the cache keeps the build)."""
+    """The kernel for channels-last inputs of `sp`'s layer, where it is not `sp` itself: the TMA
+    engine's plan for them (`plan.Settings.channels_last`), which reads such an input where it lies
+    (no layout pass to pay for; a layer whose contiguous plan runs on an engine that reads NC(D)HW
+    would copy it first) and writes a channels-last output, as PyTorch's conv does. None where no
+    such plan differs from `sp` (a 1-D conv or a reduction over the channels on the TMA engine
+    already, or a layer the TMA engine cannot run). Planned, and built, on the first channels-last
+    call, then kept per process (the cache keeps the build)."""
     key = (sp.key, sp.arch)
     if key in _variants:
         return _variants[key]
     variant = None
-    settings = Settings(channels_last=True)
-    if sp.plan["engine"] in _VARIED_ENGINES and not getattr(sp.plan.get("settings"), "channels_last", False):
+    if _variant_plan(sp) is not None:
         try:
-            plan = build_plan(sp.spec, None, targets.resolve(sp.arch), None, settings)
-        except (PlanError, targets.TargetError) as error:
-            get_logger().debug("%s: no channels-last plan (%s)", sp.spec.name, error)
-            plan = None
-        if plan is not None and plan["engine"] == "tma":
-            try:
-                variant = specialize(sp.spec, sp.arch, tuned=False, settings=settings)
-            except Exception as error:  # noqa: BLE001  (the contiguous kernel serves every input: never worse than before)
-                get_logger().warning("%s: no channels-last kernel (%s: %s); channels-last inputs take the contiguous one",
-                                     sp.spec.name, type(error).__name__, error)
+            variant = specialize(sp.spec, sp.arch, tuned=False, settings=_CHANNELS_LAST)
+        except Exception as error:  # noqa: BLE001  (the contiguous kernel serves every input: never worse than before)
+            get_logger().warning("%s: no channels-last kernel (%s: %s); channels-last inputs take the contiguous one",
+                                 sp.spec.name, type(error).__name__, error)
     with _memo_lock:
         _variants[key] = variant
     return variant

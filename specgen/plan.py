@@ -365,14 +365,15 @@ class Settings:
     exact_sums: bool | None = None
     # The plan for inputs that arrive channels-last (channels innermost). The TMA engine reads such
     # an input where it lies, with no layout pass, so the intensity it needs to pay for that pass
-    # (`tma.worth_it`) does not apply; a layer whose contiguous plan is another engine keeps this
-    # plan beside it, chosen per call by the input's memory format (`pipeline.channels_last_variant`).
+    # (`tma.worth_it`) does not apply, and writes its output channels-last too; a layer keeps this
+    # plan beside its contiguous one, chosen per call by the input's memory format
+    # (`pipeline.channels_last_variant`).
     channels_last: bool = False
 
     def summary(self) -> str:
         parts = ([f"min_blocks {self.min_blocks}"] if self.min_blocks else []) + ([] if self.rewrites else ["no rewrites"])
         parts += ["exact sums"] if self.exact_sums else []
-        parts += ["channels-last input"] if self.channels_last else []
+        parts += ["channels-last input and output"] if self.channels_last else []
         return ", ".join(parts)
 
 
@@ -1168,7 +1169,8 @@ def _choose_tma(spec: LayerSpec, levels: list, reductions: list, fold, config, t
         return None  # (a channels-last input read in place pays no layout pass)
     try:
         # (the spill retry's one block per SM: the planner's tile without two blocks sharing an SM)
-        return tma_engine.plan_tma(spec, target, config, two_blocks=settings.min_blocks != 1)
+        return tma_engine.plan_tma(spec, target, config, two_blocks=settings.min_blocks != 1,
+                                   channels_last=settings.channels_last)
     except ValueError as err:
         if asked is None:
             return None

@@ -186,6 +186,11 @@ class TmaPlan:
     # Each block runs the two W phases of a (d, h) phase one after the other (`w_pairs`): every
     # thread then holds outputs 2j and 2j + 1 of its rows and stores them side by side.
     w_pairs: bool = False
+    # The output channels innermost ([batch][d][h][w][C_OUT], channels_last), and each extra input
+    # read that way: the plan for channels-last inputs (`plan.Settings.channels_last`), whose output
+    # keeps the format, as PyTorch's conv does. False where the channels are reduced (one channel:
+    # either layout) and for a 1-D conv (PyTorch has no such memory format).
+    channels_last_out: bool = False
 
     @property
     def gemms(self) -> int:
@@ -527,9 +532,10 @@ def _two_block_stages(target: targets.Target, stage_bytes: int) -> int:
 
 
 def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None = None,
-             two_blocks: bool = True) -> TmaPlan:
+             two_blocks: bool = True, channels_last: bool = False) -> TmaPlan:
     """The TMA engine's plan for `config` (or the planner's guess, `default_config`); ValueError
-    when it does not fit."""
+    when it does not fit. `channels_last`: the plan for channels-last inputs, whose output is
+    channels-last too (`TmaPlan.channels_last_out`)."""
     precision = spec.precision
     eb = ELEM_BYTES[precision]
     split = precision == "fp32"
@@ -610,7 +616,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         split_k=split_parts, split_iters=k_iters // split_parts, channel_reduction=reduces,
         channel_norm=norm_at is not None,
         blocks_per_sm=cfg.blocks_per_sm, phases=phases, grid=grid, grid_positions=math.prod(grid),
-        n_pad=n_tiles * cfg.bn, w_pairs=pairs,
+        n_pad=n_tiles * cfg.bn, w_pairs=pairs, channels_last_out=channels_last and nd >= 2 and not reduces,
         producer_regs=REGS_TWO_BLOCKS["producer"] if two else PRODUCER_REGS,
         consumer_regs=REGS_TWO_BLOCKS["consumer"] if two else CONSUMER_REGS,
     )
@@ -629,6 +635,7 @@ def describe(tp: TmaPlan) -> str:
         f"K-block(s) of {tp.bkc} channels, {tp.stages}-stage mbarrier pipeline, 1 producer warp + 2 consumer "
         f"warpgroups{', two blocks per SM' if tp.blocks_per_sm == 2 else ''}; a layout pass lays the input out "
         f"channels-last ({tp.cip} channels)"
+        + ("; the output channels-last, as the input" if tp.channels_last_out else "")
         + (f"; for small batches K split {tp.split_k} ways ({tp.split_iters} stages a block), "
            f"the parts added in order by a second kernel" if tp.split_k > 1 else "")
         + ("; the softmax over the channels taken on the accumulators (shuffles among the 4 lanes of a row)"

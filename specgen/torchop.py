@@ -155,7 +155,8 @@ def _define(name: str, spec: LayerSpec, specialized, arch) -> SpecOp:
         op = box["op"]
         x = args[0]
         _check_args(op, args)
-        y = x.new_empty((x.shape[0], *op.out_tail))
+        y = torch.empty((x.shape[0], *op.out_tail), dtype=x.dtype, device=x.device,
+                        memory_format=_output_format(op, x))
         return (y, x.new_empty((op.stats_size,))) if op.stats_size else y
 
     def backward(ctx, grad, *stats_grad):  # the batch statistics are not differentiable
@@ -180,6 +181,15 @@ def _define(name: str, spec: LayerSpec, specialized, arch) -> SpecOp:
     )
     box["op"] = op
     return op
+
+
+def _output_format(op: SpecOp, x: torch.Tensor) -> torch.memory_format:
+    """The memory format of the op's output on `x` (real or fake): channels-last where a CUDA input
+    arrives channels-last and the layer has a kernel that keeps the format (`kernel_for`)."""
+    if x.device.type != "cuda" or x.is_contiguous() or not tmarun.channels_last(x):
+        return torch.contiguous_format
+    sp = op.specialized if op.specialized is not None else pipeline.specialize(op.spec, op.arch)
+    return _writes_format(kernel_for(sp, x)) or torch.contiguous_format
 
 
 def _arg_shapes(spec: LayerSpec) -> tuple[tuple[int, ...], ...]:
@@ -393,6 +403,9 @@ class _LaunchPlan:
     # The implicit GEMM's split kernel (`specgen.splitk`): (parts, K chunks, blocks per SM, C_OUT,
     # (split kernel, reduction)); None where the plan has none.
     igemm_split: tuple | None = None
+    # The output (and each extra input) channels innermost: the TMA engine's plan for channels-last
+    # inputs (`TmaPlan.channels_last_out`); the torch memory format it is allocated in, else None.
+    memory_format: torch.memory_format | None = None
 
 
 _launch_plans: dict[str, _LaunchPlan] = {}
@@ -421,8 +434,12 @@ def _launch_plan(sp: pipeline.Specialized) -> _LaunchPlan:
         split = None
         if ig is not None and ig.split_k > 1:
             split = (ig.split_k, ig.k_tiles, plan["min_blocks"], ig.cout, splitk.kernel_names(plan["kernel_name"]))
+        fmt = None
+        if plan["engine"] == "tma" and plan["tma"].channels_last_out:
+            fmt = torch.channels_last if len(plan["out_shape"]) == 3 else torch.channels_last_3d
         lp = _launch_plans[sp.key] = _LaunchPlan(tuple(plan["out_shape"]), blocks, strides, names, has_bias, igemm=flat,
-                                                 tma=plan["engine"] == "tma", input_names=input_names, igemm_split=split)
+                                                 tma=plan["engine"] == "tma", input_names=input_names, igemm_split=split,
+                                                 memory_format=fmt)
     return lp
 
 
@@ -584,12 +601,35 @@ def _phase_weights(weight: torch.Tensor, layout: tuple) -> torch.Tensor:
     return torch.cat(parts).contiguous()
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    # Contiguous, and 16-byte aligned: kernels read input rows and write outputs in vectors
-    # (a contiguous view with a storage offset, such as x[1:], may start anywhere).
-    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+def _aligned(t: torch.Tensor, memory_format: torch.memory_format | None = None) -> torch.Tensor:
+    # Contiguous (in `memory_format` where given), and 16-byte aligned: kernels read input rows and
+    # write outputs in vectors (a contiguous view with a storage offset, such as x[1:], may start anywhere).
+    fmt = memory_format or torch.contiguous_format
+    if t.is_contiguous(memory_format=fmt) and t.data_ptr() % 16 == 0:
         return t
-    return t.clone(memory_format=torch.contiguous_format)
+    return t.clone(memory_format=fmt)
+
+
+def _writes_format(sp: pipeline.Specialized) -> torch.memory_format | None:
+    """The channels-last memory format `sp`'s kernel writes its output in, or None (NC(D)HW)."""
+    return None if sp.plan["engine"] == "sequence" else _launch_plan(sp).memory_format
+
+
+def kernel_for(sp: pipeline.Specialized, x: torch.Tensor, out: torch.Tensor | None = None) -> pipeline.Specialized:
+    """The kernel that runs `sp`'s layer on `x`: a channels-last input takes the layer's channels-last
+    kernel where it has one (`pipeline.channels_last_variant`: the TMA engine reading it in place,
+    not a copy into NC(D)HW for the contiguous plan's engine, and writing a channels-last output, as
+    PyTorch's conv does), unless the caller's `out` is contiguous. The same answer for real and fake
+    tensors (the fake kernel gives the output's strides from it)."""
+    if x.is_contiguous() or not tmarun.channels_last(x) or (out is not None and out.is_contiguous()):
+        return sp
+    # (`channels_last_variant` keeps its answer per layer: after the first call, a dict lookup)
+    variant = pipeline.channels_last_variant(sp)
+    if variant is None:
+        return sp
+    if out is not None and not out.is_contiguous(memory_format=_writes_format(variant) or torch.contiguous_format):
+        return sp
+    return variant
 
 
 PRECISION_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -600,15 +640,19 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     """Run the kernel on CUDA `x` (the layer's dtype) into `out` (allocated when None), on the current stream.
     A layer with statistic stages runs its sequence of kernels (specgen.tailrun); `stats` receives
     the batch statistics of its training-mode batch norms."""
-    # Every engine reads a parameter as C contiguous values and an extra input as contiguous: a
-    # view that is not (a scalar tensor expanded to every channel) is copied here, once, and the
-    # copy lives until the kernels are queued.
-    params = {name: _aligned(t) for name, t in params.items()}
-    if not x.is_contiguous() and tmarun.channels_last(x):
-        # A channels-last input takes the layer's channels-last kernel where it has one (the TMA
-        # engine reading it in place), not a copy into NC(D)HW for the contiguous plan's engine.
-        # (`channels_last_variant` keeps its answer per layer: after the first call, a dict lookup)
-        sp = pipeline.channels_last_variant(sp) or sp
+    sp = kernel_for(sp, x, out)
+    if out is not None and not out.is_contiguous() and _writes_format(sp) is None and tmarun.channels_last(out):
+        # A channels-last `out` for a kernel that writes NC(D)HW (the layer has no channels-last
+        # kernel): computed apart, then copied in.
+        return out.copy_(launch(sp, x, weight, bias, params, None, stats))
+    # Every engine reads a parameter as C contiguous values and an extra input in the output's
+    # layout: a view that is not (a scalar tensor expanded to every channel) is copied here, once,
+    # and the copy lives until the kernels are queued.
+    if sp.plan["engine"] == "sequence":
+        params = {name: _aligned(t) for name, t in params.items()}
+    else:
+        lp = _launch_plan(sp)
+        params = {name: _aligned(t, lp.memory_format if name in lp.input_names else None) for name, t in params.items()}
     for key, make in _weight_transforms(sp):  # the plan's rewrites of the conv, in order (kept per weight version)
         weight = tmarun.derived(weight, key, make)
     if sp.plan["engine"] == "sequence":
@@ -619,12 +663,13 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     batch = x.shape[0]
     shape = (batch, *lp.out_tail)
     dtype = PRECISION_DTYPE[sp.spec.precision]
+    fmt = lp.memory_format or torch.contiguous_format
     if out is None:
-        out = torch.empty(shape, device=x.device, dtype=dtype)
-    elif tuple(out.shape) != shape or out.dtype != dtype or out.device != x.device or not out.is_contiguous():
+        out = torch.empty(shape, device=x.device, dtype=dtype, memory_format=fmt)
+    elif tuple(out.shape) != shape or out.dtype != dtype or out.device != x.device or not out.is_contiguous(memory_format=fmt):
         raise ValueError(
-            f"{sp.spec.name}: out must be a contiguous {dtype} tensor of shape {list(shape)} on {x.device}, "
-            f"got {out.dtype} {list(out.shape)} on {out.device}"
+            f"{sp.spec.name}: out must be a {dtype} tensor of shape {list(shape)} on {x.device}, contiguous or "
+            f"channels-last (as the input), got {out.dtype} {list(out.shape)} on {out.device}"
         )
     if batch == 0:
         return out

@@ -130,6 +130,12 @@ def extra_inputs(spec, batch: int, gen: torch.Generator) -> dict:
     return {name: torch.randn(shape, generator=gen, device="cuda").to(DTYPE[spec.precision]) for name in spec.inputs()}
 
 
+def as_channels_last(t: torch.Tensor) -> torch.Tensor:
+    """`t` (same values) with its channels innermost in memory: channels_last(_3d) for 4-D and
+    5-D tensors; a 3-D [N, C, L] tensor laid out [N][L][C] (what the engines read as channels-last)."""
+    return t.movedim(1, -1).contiguous().movedim(-1, 1) if t.dim() > 2 else t
+
+
 def run(layer, batch: int, seed: int, channels_last: bool = False, extras: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Randomize `layer` and run it on a random input (and `extras`, its extra inputs by name) into
     a NaN-poisoned output: (input, output). `channels_last`: the input in channels-last memory
@@ -137,9 +143,11 @@ def run(layer, batch: int, seed: int, channels_last: bool = False, extras: dict 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     randomize(layer, gen)
     x = random_input(layer.spec, batch, gen)
-    if channels_last:
-        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
     out = poisoned(layer.spec.output_shape(batch), DTYPE[layer.spec.precision])
+    if channels_last:  # (the output too, where torch has the format: a layer with a channels-last kernel writes it)
+        x = as_channels_last(x)
+        if out.dim() > 3:
+            out = as_channels_last(out)
     layer(x, *(extras or {}).values(), out=out)
     torch.cuda.synchronize()
     return x, out
@@ -151,6 +159,8 @@ def compare(layer, batch: int, seed: int, channels_last: bool = False) -> dict:
     bf16 / fp16: PyTorch's own in that dtype)."""
     spec = layer.spec
     extras = extra_inputs(spec, batch, torch.Generator(device="cuda").manual_seed(seed + 7919))
+    if channels_last:  # extra inputs in the output's format, as a channels-last model hands them on
+        extras = {name: as_channels_last(t) for name, t in extras.items()}
     x, out = run(layer, batch, seed, channels_last, extras)
     params = {**layer.spec_params(), **extras}
     what = f"{spec.name} at batch {batch}"
