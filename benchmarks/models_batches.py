@@ -1,7 +1,7 @@
 """Whole models (examples/models.py) at batch 1, 8 and 64 against eager PyTorch and torch.compile,
 with PyTorch's default flags (TF32 convolutions), under no_grad: what a user running inference sees.
 
-    python benchmarks/models_batches.py [--batch 1 8 64] [--model ResNet18 ...] [--json FILE]
+    python benchmarks/models_batches.py [--batch 1 8 64] [--model ResNet18 ...] [--memory-format auto] [--json FILE]
 
 Each (model, batch) is one `specgen.bench.bench_model` run: ms per forward (CUDA events around one
 forward, median of 20, two inputs alternating), for eager, torch.compile (default mode and
@@ -40,6 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64])
     ap.add_argument("--model", nargs="+", default=MODELS, choices=MODELS)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--memory-format", default="as_given", choices=["as_given", "channels_last", "auto"],
+                    help="from_module's memory_format (default: as_given)")
     args = ap.parse_args(argv)
     results = []
     env = bench.environment()
@@ -47,7 +49,8 @@ def main(argv=None) -> int:
         cls = getattr(models, name)
         for batch in args.batch:
             torch.manual_seed(batch)
-            result = bench.bench_model(cls.make(), cls.example_input(batch, seed=batch), label=name, compile_fused=False)
+            result = bench.bench_model(cls.make(), cls.example_input(batch, seed=batch), label=name, compile_fused=False,
+                                        memory_format=args.memory_format)
             print(bench.format_model_table(result), flush=True)
             results.append(result)
             if args.json:  # (after every model: a run cut short keeps what it measured)

@@ -281,7 +281,7 @@ SLOWER_MARK = "  << slower than eager"
 
 
 def bench_model(model, x: torch.Tensor, reps: int = 20, compile: bool = True, label: str | None = None,
-                compile_fused: bool = True) -> dict:
+                compile_fused: bool = True, memory_format: str = "as_given") -> dict:
     """A whole model on `x` (CUDA): eager, torch.compile (default and reduce-overhead, its CUDA
     graphs), from_module (and, where it replays a CUDA graph, the fused model without it) and
     torch.compile of the fused model (`compile_fused`).
@@ -302,7 +302,7 @@ def bench_model(model, x: torch.Tensor, reps: int = 20, compile: bool = True, la
     norm = ref64.double().norm().item() or 1.0
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    fused = from_module(model, x)
+    fused = from_module(model, x, memory_format=memory_format)
     torch.cuda.synchronize()
     specialize_s = time.perf_counter() - t0
     report = getattr(fused, "specgen_report", None)
@@ -372,6 +372,8 @@ def bench_model(model, x: torch.Tensor, reps: int = 20, compile: bool = True, la
         "chains_fusable": len(chains),
         "chains_fused": sum(c["runs_as"] == "specgen" for c in chains),
         "fallbacks": len(report.fallbacks) if report is not None else None,
+        "memory_format": report.memory_format if report is not None else None,
+        "memory_formats_ms": report.memory_formats if report is not None else None,
         "rows": rows,
         "chains": chains,
     }
@@ -383,6 +385,9 @@ def format_model_table(result: dict) -> str:
     lines = [
         f"{result['model']} input {shape}: {result['chains_fused']} of {result['chains_fusable']} chain(s) fused"
         f" ({kept} kept as PyTorch: not faster fused); from_module took {result['specialize_s']:.2f} s",
+        *([f"  activations {result['memory_format']}"
+           + (" (channels-last {:.3f} ms, as given {:.3f} ms)".format(*result["memory_formats_ms"])
+              if result.get("memory_formats_ms") else "")] if result.get("memory_format") else []),
         f"{'':31}{'ms':>9}{'x eager':>9}{'x compile':>10}{'rel L2':>10}{'first s':>9}",
     ]
     for r in result["rows"]:

@@ -51,6 +51,8 @@ class FakeGPU:
         self.times: dict[str, tuple[float, float]] = {}
         self.whole = (1.0, 2.0)  # the whole model, fused and original (ms): fused faster by default (a list: one per check)
         self.wholes = 0
+        self.variants: list[list[str]] = []  # channels-last kernels asked for, per batch
+        self.timed_channels_last: list[bool] = []  # per chain timing: whether its input came channels-last
 
     def fake(self, spec):
         key = hashlib.sha256(("fake\n" + spec.canonical_json()).encode()).hexdigest()
@@ -82,7 +84,11 @@ class FakeGPU:
             for x in inputs:  # the two contenders compute the same chain
                 torch.testing.assert_close(fused(x), original(x))
         self.timed.append(fused.spec.name)
+        self.timed_channels_last.append(not inputs[0].is_contiguous())
         return self.times[fused.spec.name]
+
+    def build_variants(self, items):
+        self.variants.append([sp.spec.name for sp in items])
 
 
 @pytest.fixture
@@ -96,6 +102,7 @@ def gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(rewrite, "_is_gpu", lambda device: True)
     monkeypatch.setattr(measured, "gpu_identity", lambda device: "Fake GPU (1 SMs)")
     monkeypatch.setattr(measured, "compare", fake.compare)
+    monkeypatch.setattr(pipeline, "build_channels_last_variants", fake.build_variants)
     return fake
 
 
@@ -304,3 +311,75 @@ def test_compare_alternates_the_contenders_and_divides_by_their_calls(monkeypatc
     timed = order[2 + 2:]  # after the warm-up and the two single calls that size the loops
     assert inner_second > inner_first  # (each contender's loop is its own length)
     assert timed == (["first"] * inner_first + ["second"] * inner_second) * 3
+
+
+# -- memory formats ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpu_cl(gpu):
+    return gpu
+
+
+def _converts(module) -> bool:
+    return any(n.op == "call_function" and n.target is rewrite.to_channels_last for n in module.graph.nodes)
+
+
+def test_a_channels_last_candidate_is_built_timed_and_taken_when_faster(gpu_cl):
+    model, x = _model(), torch.randn(2, 3, 10, 10)
+    names = _names(model, x)
+    gpu_cl.times = {name: (0.5, 1.0) for name in names}
+    gpu_cl.whole = [(1.0, 2.0), (1.0, 3.0)]  # channels-last against as given; then the chosen against the original
+    fused = from_module(model, x, memory_format="auto")
+    assert gpu_cl.variants == [names]  # the channels-last kernels in one batch
+    # every chain timed twice: on channels-last inputs (the candidate), then as given
+    assert gpu_cl.timed_channels_last == [True] * len(names) + [False] * len(names)
+    assert _converts(fused)
+    report = fused.specgen_report
+    assert report.memory_format == "channels_last" and report.memory_formats == (1.0, 2.0)
+    assert "activations: channels-last 1.000 ms, as given 2.000 ms: channels_last" in str(report)
+    with torch.no_grad():
+        got = fused(x)
+        torch.testing.assert_close(got, model(x))
+    assert got.is_contiguous()  # (returned as the original returns it)
+
+
+def test_activations_stay_as_given_where_channels_last_is_not_faster(gpu_cl):
+    model, x = _model(), torch.randn(2, 3, 10, 10)
+    gpu_cl.times = {name: (0.5, 1.0) for name in _names(model, x)}
+    gpu_cl.whole = [(2.0, 1.99), (1.0, 3.0)]  # channels-last not faster by the margin
+    fused = from_module(model, x, memory_format="auto")
+    assert not _converts(fused)
+    assert fused.specgen_report.memory_format == "as given" and fused.specgen_report.memory_formats == (2.0, 1.99)
+
+
+def test_the_default_keep_slower_and_channels_last_inputs_try_no_candidate(gpu_cl):
+    model, x = _model(), torch.randn(2, 3, 10, 10)
+    gpu_cl.times = {name: (0.5, 1.0) for name in _names(model, x)}
+    fused = from_module(model, x, keep_slower=True, memory_format="auto")
+    assert not _converts(fused) and gpu_cl.variants == []
+    fused = from_module(model, x)  # the default: as given, one candidate
+    assert not _converts(fused) and gpu_cl.variants == [] and fused.specgen_report.memory_format == "as given"
+    assert gpu_cl.wholes == 1
+    cl = x.contiguous(memory_format=torch.channels_last)
+    fused = from_module(model, cl, memory_format="auto")  # already channels-last: nothing to compare (a contiguous call is laid out on the way in)
+    assert gpu_cl.wholes == 2 and fused.specgen_report.memory_formats is None
+    assert fused.specgen_report.memory_format == "channels_last" and _converts(fused)
+    assert gpu_cl.timed_channels_last == [False, False, True, True]
+
+
+def test_channels_last_asked_for_runs_untimed_and_matches_on_cpu():
+    model, x = _model(), torch.randn(2, 3, 10, 10)
+    fused = from_module(model, x, memory_format="channels_last")
+    assert _converts(fused) and fused.specgen_report.memory_format == "channels_last"
+    with torch.no_grad():
+        got = fused(x)
+        torch.testing.assert_close(got, model(x))
+    assert got.is_contiguous()
+    with torch.no_grad():  # a channels-last caller: the same values
+        torch.testing.assert_close(fused(x.contiguous(memory_format=torch.channels_last)), model(x))
+
+
+def test_an_unknown_memory_format_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"memory_format: expected 'as_given', 'channels_last' or 'auto' \(both timed\), got 'nhwc'"):
+        from_module(_model(), torch.randn(2, 3, 10, 10), memory_format="nhwc")

@@ -124,7 +124,9 @@ def _specialize_all(imp: Analysis) -> None:
     """Compile every chain's kernel in one parallel build (only the misses compile); the fused
     layers built afterwards find them in the process's memo."""
     if imp.chains and torch.cuda.is_available():
-        pipeline.specialize_many([chain.spec for chain in imp.chains])
+        items = pipeline.specialize_many([chain.spec for chain in imp.chains])
+        if imp.channels_last:  # (the kernels its layers will run: their channels-last twins)
+            pipeline.build_channels_last_variants(items)
 
 
 def _unmeasurable(imp: Analysis) -> Optional[str]:
@@ -135,6 +137,35 @@ def _unmeasurable(imp: Analysis) -> Optional[str]:
     if first is None or not first.is_cuda:
         return f"the example input is on {'cpu' if first is None else first.device.type}"
     return None
+
+
+def _channels_last_worth_trying(imp: Analysis, keep_slower: bool) -> bool:
+    """Whether from_module builds and times a channels-last candidate: chains to run, a GPU to time
+    them on, and a 4-D or 5-D input that does not arrive channels-last already."""
+    return (bool(imp.chains) and not keep_slower and _unmeasurable(imp) is None and not imp.channels_last
+            and any(isinstance(t, torch.Tensor) and t.dim() in (4, 5) for t in imp.inputs))
+
+
+def _fused(imp: Analysis, keep_slower: bool, log) -> tuple:
+    """(the fused graph, one Choice per chain, the report) of an analyzed model, or (None, ...)
+    where no chain is fused; `log`: where the fallbacks are told (None: not told, a second
+    candidate of the same model)."""
+    _specialize_all(imp)
+    choices = _choices(imp, keep_slower)
+    report = imp.report(choices)
+    if log is not None:
+        by_name = {n.name: n for n in imp.nodes}
+        for fb in report.fallbacks:
+            level = log.warning if by_name.get(fb.node) in imp.warn else log.info
+            level("%s: %s runs as PyTorch: %s", imp.name, fb.node, fb.reason)
+        names = ", ".join(s.name for s in report.fused_specs) or "none"
+        log.info("%s: %d chain(s) fused: %s", imp.name, len(report.fused_specs), names)
+    if not imp.chains:
+        return None, choices, report
+    imp.chains = [chain for chain, choice in zip(imp.chains, choices) if choice.fused]
+    fused = rewrite.fused_graph(imp)
+    fused.specgen_report = report
+    return fused, choices, report
 
 
 def _choices(imp: Analysis, keep_slower: bool) -> list[Choice]:
@@ -173,7 +204,7 @@ def explain(model: nn.Module, *example_inputs, measure: bool = False, precision:
 
 
 def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, precision: Optional[str] = None,
-                cuda_graph: Optional[bool] = None) -> nn.Module:
+                cuda_graph: Optional[bool] = None, memory_format: str = "as_given") -> nn.Module:
     """`model` with every fusable chain run by a FusedLayer sharing the model's parameters.
 
     Precision as in `explain`: 16-bit chains in their dtype, float32 chains in `tf32` while cuDNN's
@@ -198,26 +229,45 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, pr
     no host time per kernel). With None (the default) the graph is timed against the model
     chosen above and returned, wrapping it, when faster by the same margin (the report's
     `.graph` holds both times); True takes it untimed, False never. Calls that cannot replay
-    (autograd on, other shapes, training mode) run the chosen model."""
+    (autograd on, other shapes, training mode) run the chosen model.
+
+    Memory format (`memory_format`): "as_given" (the default) runs the activations in the format
+    the inputs come in (channels-last inputs keep the format through every layer that has a
+    channels-last kernel). "channels_last" lays the model's 4-D and 5-D inputs out channels-last on
+    the way in (one copy each) and makes its outputs contiguous on the way out, each chain decided
+    on channels-last inputs, as torch.compile lays a conv net out. "auto" builds both and times
+    them on a GPU, taking channels-last when faster by WHOLE_MODEL_MARGIN (the report's
+    `.memory_formats` holds both times); it doubles the specialization time, and is not the
+    default because no model measured so far gains from it (a pool after a conv, or a depthwise
+    conv, still writes NC(D)HW, so the format does not reach the layers after it)."""
     log = get_logger()
+    if memory_format not in ("as_given", "channels_last", "auto"):
+        raise ValueError(f"memory_format: expected 'as_given', 'channels_last' or 'auto' (both timed), got {memory_format!r}")
     imp = _importer(model, example_inputs, precision)
     if isinstance(imp, str):
         log.warning("%s runs as PyTorch: %s", type(model).__name__, imp)
         return model
-    _specialize_all(imp)
-    choices = _choices(imp, keep_slower)
-    report = imp.report(choices)
-    by_name = {n.name: n for n in imp.nodes}
-    for fb in report.fallbacks:
-        level = log.warning if by_name.get(fb.node) in imp.warn else log.info
-        level("%s: %s runs as PyTorch: %s", imp.name, fb.node, fb.reason)
-    names = ", ".join(s.name for s in report.fused_specs) or "none"
-    log.info("%s: %d chain(s) fused: %s", imp.name, len(report.fused_specs), names)
-    if not imp.chains:
+    as_given = None
+    if memory_format == "channels_last" or (memory_format == "auto" and _channels_last_worth_trying(imp, keep_slower)):
+        cl = _importer(model, tuple(rewrite.to_channels_last(t) for t in example_inputs), precision)
+        if isinstance(cl, Analysis) and cl.channels_last:
+            as_given, imp = (imp if memory_format == "auto" else None), cl
+    fused, choices, report = _fused(imp, keep_slower, log)
+    if fused is None:
         return model
-    imp.chains = [chain for chain, choice in zip(imp.chains, choices) if choice.fused]
-    fused = rewrite.fused_graph(imp)
-    fused.specgen_report = report
+    if as_given is not None:
+        # The same model with its activations as given: built and timed against the channels-last one
+        fused_given, choices_given, report_given = _fused(as_given, keep_slower, None)
+        if fused_given is not None:
+            inputs = [tuple(example_inputs)]
+            with rewrite.buffers_kept(model, fused, fused_given):
+                cl_ms, given_ms = measured.compare(lambda a: fused(*a), lambda a: fused_given(*a), inputs)
+            if cl_ms >= given_ms * WHOLE_MODEL_MARGIN:
+                fused, choices, report, imp = fused_given, choices_given, report_given, as_given
+            report.memory_formats = (cl_ms, given_ms)
+            fused.specgen_report = report
+    if imp.channels_last:
+        report.memory_format = "channels_last"
     chosen: nn.Module = fused
     measurable = imp.chains and not keep_slower and _unmeasurable(imp) is None
     if measurable:
@@ -237,7 +287,7 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, pr
         if why is not None:
             (log.warning if cuda_graph else log.info)("%s: no CUDA graph: %s", imp.name, why)
         else:
-            target = _graph_fused(model, example_inputs, precision, fused, choices, report) if measurable else fused
+            target = _graph_fused(model, example_inputs, precision, fused, choices, report, imp.channels_last) if measurable else fused
             graphed = _graph_choice(imp.name, target, chosen, example_inputs, cuda_graph, report)
             if graphed is not None:
                 graphed.specgen_report = report
@@ -263,12 +313,14 @@ def _graph_possible(model: nn.Module, example_inputs: tuple) -> Optional[str]:
 
 
 def _graph_fused(model: nn.Module, example_inputs: tuple, precision, fused: nn.Module, choices: list[Choice],
-                 report: ImportReport) -> nn.Module:
+                 report: ImportReport, channels_last: bool = False) -> nn.Module:
     """The fused model a CUDA graph replays. Inside a graph a chain costs its GPU time alone, so
     each chain is decided again by that (`rewrite.measure(gpu_only=True)`, cached apart): a kernel
     that wins only by launching faster than PyTorch's several kernels loses there, and one that
     loses only on the host wins. `fused` itself where the decisions agree (or cannot be made)."""
     log = get_logger()
+    if channels_last:
+        example_inputs = tuple(rewrite.to_channels_last(t) for t in example_inputs)
     imp = _importer(model, example_inputs, precision)
     if isinstance(imp, str) or [c.spec.name for c in imp.chains] != [c.layer for c in choices]:
         return fused

@@ -112,6 +112,10 @@ class Analysis(Capture):
         self.warn: set[Node] = set()  # fallbacks about a convolution chain (logged as warnings)
         self.spec_names: set[str] = set()
         self.layers: dict = {}  # id(chain) -> its fused layer, once built (measuring and rewriting share it)
+        # The example inputs arrive channels-last (from_module's channels-last candidate): each
+        # chain is timed on channels-last inputs, as it will run.
+        self.channels_last = any(isinstance(t, torch.Tensor) and t.dim() in (4, 5) and not t.is_contiguous()
+                                 and t.movedim(1, -1).is_contiguous() for t in inputs)
 
     def analyze(self) -> None:
         """Start a chain at every convolution not already in one, and grow it."""

@@ -58,6 +58,11 @@ class ImportReport:
     graph_taken: bool = False  # whether from_module returned the graph (times within its margin are not taken)
     # from_module's decisions for the CUDA graph: one Choice per spec, timed inside a graph (empty: none made)
     graph_choices: list[Choice] = field(default_factory=list)
+    # How the fused model's activations lie: "channels_last" where its inputs are laid out so on the
+    # way in (every layer then reads and writes that format), else "as given"
+    memory_format: str = "as given"
+    # from_module's memory-format check: (channels-last, as given) milliseconds of the fused model; None: not timed
+    memory_formats: tuple | None = None
 
     @property
     def fused_specs(self) -> list[LayerSpec]:
@@ -81,6 +86,11 @@ class ImportReport:
             lines.append(line)
         for fb in self.fallbacks:
             lines.append(f"  not fused: {fb.node}: {fb.reason}")
+        if self.memory_formats is not None:
+            cl_ms, given_ms = self.memory_formats
+            lines.append(f"  activations: channels-last {cl_ms:.3f} ms, as given {given_ms:.3f} ms: {self.memory_format}")
+        elif self.memory_format != "as given":
+            lines.append(f"  activations: {self.memory_format}")
         if self.whole_model is not None:
             fused_ms, plain_ms = self.whole_model
             verdict = "fused" if fused_ms < plain_ms else "kept the original (not faster fused)"

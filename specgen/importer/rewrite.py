@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 import torch.nn as nn
 from torch.fx import Node
 
@@ -149,6 +150,8 @@ def measure(imp: Analysis, chain, gpu_only: bool = False) -> Choice:
     context = measured.torch_context()
     if gpu_only:
         context["graph"] = True
+    if imp.channels_last:
+        context["channels_last"] = True
     key = measured.decision_key(layer.key, measured.gpu_identity(device), measured.batch_bucket(chain.batch), context)
     prefix = "graph " if gpu_only else ""
     record = measured.load(key)
@@ -158,7 +161,8 @@ def measure(imp: Analysis, chain, gpu_only: bool = False) -> Choice:
     inp = chain.conv.args[0] if chain.conv.args else chain.conv.kwargs["input"]
     shapes = [shape_of(inp), *(shape_of(n) for n in chain.inputs.values())]
     generator = torch.Generator(device=device).manual_seed(0)
-    inputs = [[torch.randn(s, device=device, generator=generator).to(chain.dtype) for s in shapes] for _ in range(2)]
+    inputs = [[_laid_out(torch.randn(s, device=device, generator=generator).to(chain.dtype), imp.channels_last)
+               for s in shapes] for _ in range(2)]
     compare = measured.compare_graphed if gpu_only else measured.compare
     with buffers_kept(imp.model, layer):  # a training-mode batch norm updates its running statistics on every call
         if chain.inputs:  # the extra inputs too, fresh random tensors of their shapes
@@ -169,8 +173,52 @@ def measure(imp: Analysis, chain, gpu_only: bool = False) -> Choice:
     return Choice(name, ms < pt, ms, pt, prefix + "measured")
 
 
+def _laid_out(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """`t` in channels-last memory order where asked and torch has the format (4-D and 5-D tensors)."""
+    if channels_last and t.dim() in (4, 5):
+        return t.contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
+    return t
+
+
+def to_channels_last(t):
+    """A model input, channels-last where it is a 4-D or 5-D tensor (the fused graph's first step
+    when its activations run channels-last)."""
+    return _laid_out(t, True) if isinstance(t, torch.Tensor) else t
+
+
+def to_contiguous(out, given=None):
+    """The model's outputs with every 4-D and 5-D tensor contiguous again, as the original model
+    gives them on contiguous inputs (the fused graph's last step when its activations run
+    channels-last); left as they are where the first input `given` came channels-last itself."""
+    if isinstance(given, torch.Tensor) and not given.is_contiguous():
+        return out
+
+    def restore(t):
+        return t.contiguous() if isinstance(t, torch.Tensor) and t.dim() in (4, 5) else t
+
+    return pytree.tree_map(restore, out)
+
+
+def run_channels_last(graph: fx.Graph) -> None:
+    """Make `graph` take its inputs as they come and run channels-last inside: each input is laid out
+    channels-last first (one copy per input), and the outputs made contiguous last. A channels-last
+    input reaches every layer in the format its channels-last kernel reads in place and writes."""
+    first = None
+    for node in list(graph.nodes):
+        if node.op == "placeholder":
+            first = first or node
+            with graph.inserting_after(node):
+                laid = graph.call_function(to_channels_last, (node,))
+            node.replace_all_uses_with(laid, delete_user_cb=lambda user: user is not laid)
+        elif node.op == "output":
+            with graph.inserting_before(node):
+                restored = graph.call_function(to_contiguous, (node.args[0], first))
+            node.args = (restored,)
+
+
 def fused_graph(imp: Analysis) -> fx.GraphModule:
-    """The traced graph with each chain replaced by one ImportedLayer call."""
+    """The traced graph with each chain replaced by one ImportedLayer call; where the analysis ran
+    on channels-last inputs, inputs are laid out channels-last on the way in (`run_channels_last`)."""
     graph = imp.graph
     layers: dict[str, nn.Module] = {}
     taken = {n.target.split(".")[0] for n in imp.nodes if n.op in ("call_module", "get_attr")} | set(dir(imp.gm))
@@ -201,6 +249,8 @@ def fused_graph(imp: Analysis) -> fx.GraphModule:
                     u.replace_input_with(node, ghost)
         _erase(graph, sorted(chain.nodes, key=imp.order.get, reverse=True), imp.regions.leaf_nodes)
     capturable(graph)  # (constants the chains left to the model)
+    if imp.channels_last:
+        run_channels_last(graph)
     graph.lint()
     root: dict[str, Any] = {}
     for node in graph.nodes:
