@@ -168,7 +168,10 @@ def channels_last(x: torch.Tensor) -> bool:
     """Whether `x` has its channels innermost in memory ([N, spatial..., C]: channels_last(_3d))."""
     if x.is_contiguous():  # the common case, cheaply (a one-channel input is both: either layout reads it)
         return False
-    return x.dim() > 2 and x.movedim(1, -1).is_contiguous()
+    dims = x.dim()
+    if dims in (4, 5):  # torch's own check: no view made (host time on every call)
+        return x.is_contiguous(memory_format=torch.channels_last if dims == 4 else torch.channels_last_3d)
+    return dims > 2 and x.movedim(1, -1).is_contiguous()
 
 
 _input_maps: dict[tuple, runtime.TensorMap] = {}
