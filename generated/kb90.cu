@@ -344,3 +344,37 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) specgen_kb90(
     }
   }
 }
+
+// ---- a channels-last input ---------------------------------------------------------------------
+// The input [batch][65536 positions][8 channels] (float, channels_last) laid out as this
+// kernel reads it: [batch][8][65536] float. One block per tile of 32 positions x 32
+// channels, through shared memory (a 33-float row stride: no bank conflicts on the transposed
+// read; dynamic, 4224 bytes from the launch, so the module's static shared memory stays the main
+// kernel's), so that the reads along channels and the writes along positions are both whole lines.
+extern "C" __global__ void __launch_bounds__(256) specgen_kb90_from_cl(
+    const float* __restrict__ in,  // [batch][positions][C_IN], channels_last
+    float* __restrict__ out,  // [batch][C_IN][positions]
+    int batch)
+{
+  constexpr int CL_C = 8, CL_P = 65536;
+  constexpr int CL_P_TILES = (CL_P + 31) / 32, CL_C_TILES = (CL_C + 31) / 32;  // tiles per sample
+  extern __shared__ float from_cl_tile[];  // [32 positions][33]: a tile of 32 channels, padded
+  const int block = blockIdx.x;
+  const int sample = block / (CL_P_TILES * CL_C_TILES);
+  const int p0 = block / CL_C_TILES % CL_P_TILES * 32, c0 = block % CL_C_TILES * 32;
+  const int lane = threadIdx.x % 32, row = threadIdx.x / 32;  // 32 lanes x 8 rows
+  (void)batch;
+  const float* __restrict__ src = in + static_cast<size_t>(sample) * CL_P * CL_C;
+  #pragma unroll
+  for (int k = 0; k < 32; k += 8) {  // read along channels
+    const int p = p0 + row + k, c = c0 + lane;
+    if (p < CL_P && c < CL_C) from_cl_tile[(row + k) * 33 + lane] = __ldg(src + static_cast<size_t>(p) * CL_C + c);
+  }
+  __syncthreads();
+  float* __restrict__ dst = out + static_cast<size_t>(sample) * CL_C * CL_P;
+  #pragma unroll
+  for (int k = 0; k < 32; k += 8) {  // write along positions
+    const int c = c0 + row + k, p = p0 + lane;
+    if (p < CL_P && c < CL_C) dst[static_cast<size_t>(c) * CL_P + p] = from_cl_tile[lane * 33 + row + k];
+  }
+}

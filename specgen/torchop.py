@@ -369,7 +369,7 @@ def load_kernel(sp: pipeline.Specialized, device_index: int):
     name = plan["kernel_name"]
     engine = plan[plan["engine"]] if plan["engine"] in ("tma", "igemm") else None
     split = splitk.kernel_names(name) if engine is not None and engine.split_k > 1 else ()
-    extra = tmarun.extra_functions(plan) if plan["engine"] == "tma" else split
+    extra = tmarun.extra_functions(plan) if plan["engine"] == "tma" else (*split, f"{name}_from_cl")
     # (the split kernel takes the main kernel's dynamic shared memory)
     return runtime.load(sp.key, cubin_bytes(sp), name, plan["threads"], plan["smem_bytes"], device_index, cluster,
                         extra, split[:1])
@@ -680,6 +680,8 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     stream = _current_stream(device_index)
     if lp.tma:
         return tmarun.launch(sp, kernel, x, weight, bias, params, out, stream)
+    if not x.is_contiguous() and tmarun.channels_last(x):
+        x = _from_channels_last(sp, kernel, x, stream)
     if dtype != torch.float32:
         # An engine without a 16-bit path: fp32 arithmetic on the (exactly) widened tensors, the
         # output rounded to the layer's dtype once.
@@ -692,6 +694,25 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
         out.copy_(y)
         return out
     return _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream)
+
+
+_FROM_CL_THREADS = 256  # templates/from_cl.cu.j2: a 32 x 32 tile per block of 32 x 8 threads,
+_FROM_CL_SMEM = 32 * 33 * 4  # ... through a [32][33] float tile of dynamic shared memory
+
+
+def _from_channels_last(sp: pipeline.Specialized, kernel, x: torch.Tensor, stream: int) -> torch.Tensor:
+    """A channels-last input as the NC(D)HW float32 tensor the engines other than TMA read, by the
+    module's own layout pass (`<kernel>_from_cl`: tiled through shared memory, widening a 16-bit
+    input on the way), where torch's copy would be one strided pass."""
+    fn = f"{sp.plan['kernel_name']}_from_cl"
+    batch, cin = x.shape[0], x.shape[1]
+    positions = x[0, 0].numel()
+    wide = torch.empty(x.shape, device=x.device, dtype=torch.float32)
+    pack = runtime.arg_pack((kernel.function.value, fn), ("ptr", "ptr", "int"))
+    pack.set([x.data_ptr(), wide.data_ptr(), batch])
+    blocks = batch * -(-positions // 32) * -(-cin // 32)
+    runtime.launch_packed(kernel, kernel.extra[fn], blocks, _FROM_CL_THREADS, _FROM_CL_SMEM, pack, stream)
+    return wide
 
 
 def _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream):

@@ -124,3 +124,26 @@ def test_channels_last_kernels_compile_without_spills(precision, data):
     assert sp.plan["tma"].channels_last_out and sp.build.arch == "sm_90a"
     assert sp.build.spill_bytes == 0, f"{sp.build.spill_bytes} bytes spilled"
     assert "(static_cast<size_t>(sample) * POSITIONS + p" in sp.source  # (W pairs store channel by channel)
+
+
+# ---- the other engines' own layout pass --------------------------------------------------------------
+
+@pytest.mark.parametrize("precision, ctype", [("fp32", "float"), ("bf16", "__nv_bfloat16"), ("fp16", "__half")])
+def test_engines_that_read_nchw_carry_a_layout_pass_for_channels_last_inputs(precision, ctype):
+    from specgen.render import render_plan
+
+    depthwise = _spec(precision, channels=48, out=48, size=[10, 12], kernel=3, padding=1, groups=48)
+    plan = build_plan(depthwise)
+    assert plan["engine"] == "ffma"
+    text = render_plan(plan)
+    assert f"specgen_{depthwise.name}_from_cl(\n    const {ctype}* __restrict__ in," in text
+    assert "constexpr int CL_C = 48, CL_P = 120;" in text  # literals: the layer's channels and positions
+    igemm = build_plan(_spec("fp32"))
+    assert igemm["engine"] == "igemm" and "_from_cl(" in render_plan(igemm)
+
+
+@pytest.mark.nvcc
+def test_the_layout_pass_compiles_in_a_16_bit_ffma_module():
+    spec = _spec("bf16", channels=48, out=48, size=[10, 12], kernel=3, padding=1, groups=48)
+    sp = pipeline.specialize(spec, "sm_90")
+    assert sp.plan["engine"] == "ffma" and "_from_cl(" in sp.source and sp.build.spill_bytes == 0

@@ -102,6 +102,22 @@ def test_a_layer_without_a_channels_last_kernel_fills_a_channels_last_out():
     assert y.is_contiguous()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("name, cin, size, conv", [
+    ("depthwise", 144, [14, 15], {"out_channels": 144, "kernel": 3, "padding": 1, "groups": 144}),  # FFMA
+    ("few_channels", 8, [12, 13], {"out_channels": 16, "kernel": 3}),  # FFMA (16-bit: the TMA engine)
+    ("depthwise_3d", 24, [5, 6, 7], {"out_channels": 24, "kernel": 3, "padding": 1, "groups": 24}),
+    ("odd_1d", 37, [70], {"out_channels": 40, "kernel": 3, "padding": 1}),  # implicit GEMM; a [N][L][C] input, 37 channels
+])
+def test_engines_that_read_nchw_lay_a_channels_last_input_out_themselves(name, cin, size, conv, precision):
+    """`<kernel>_from_cl`: the module's own tiled layout pass (widening a 16-bit input), then the
+    NC(D)HW kernel; the output NC(D)HW. Checked at the mode's bar, batch 1 and odd."""
+    layer = _layer(name, cin, size, conv, [{"hardtanh": {"min_val": 0.0, "max_val": 6.0}}], precision)
+    assert precision != "fp32" or layer.specialize().plan["engine"] in ("ffma", "igemm")
+    check(layer, 1, seed=1, channels_last=True)
+    check(layer, 3, seed=2, channels_last=True)
+
+
 def test_torch_compile_sees_the_strides_the_kernel_writes():
     """The op's fake kernel gives the output's memory format from the same choice as the launch, so
     a compiled graph that reads the output (here: an add and a permute) reads it where it lies."""
