@@ -164,14 +164,20 @@ def _float(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else derived(t, "float32", lambda v: v.float().contiguous())
 
 
+def channels_last_format(dims: int) -> torch.memory_format | None:
+    """torch's channels-last memory format for tensors of `dims` dims (4: channels_last, 5:
+    channels_last_3d), or None (a 1-D conv's [N, C, L] has none)."""
+    return {4: torch.channels_last, 5: torch.channels_last_3d}.get(dims)
+
+
 def channels_last(x: torch.Tensor) -> bool:
     """Whether `x` has its channels innermost in memory ([N, spatial..., C]: channels_last(_3d))."""
     if x.is_contiguous():  # the common case, cheaply (a one-channel input is both: either layout reads it)
         return False
-    dims = x.dim()
-    if dims in (4, 5):  # torch's own check: no view made (host time on every call)
-        return x.is_contiguous(memory_format=torch.channels_last if dims == 4 else torch.channels_last_3d)
-    return dims > 2 and x.movedim(1, -1).is_contiguous()
+    fmt = channels_last_format(x.dim())
+    if fmt is not None:  # torch's own check: no view made (host time on every call)
+        return x.is_contiguous(memory_format=fmt)
+    return x.dim() > 2 and x.movedim(1, -1).is_contiguous()
 
 
 _input_maps: dict[tuple, runtime.TensorMap] = {}

@@ -436,7 +436,7 @@ def _launch_plan(sp: pipeline.Specialized) -> _LaunchPlan:
             split = (ig.split_k, ig.k_tiles, plan["min_blocks"], ig.cout, splitk.kernel_names(plan["kernel_name"]))
         fmt = None
         if plan["engine"] == "tma" and plan["tma"].channels_last_out:
-            fmt = torch.channels_last if len(plan["out_shape"]) == 3 else torch.channels_last_3d
+            fmt = tmarun.channels_last_format(1 + len(plan["out_shape"]))
         lp = _launch_plans[sp.key] = _LaunchPlan(tuple(plan["out_shape"]), blocks, strides, names, has_bias, igemm=flat,
                                                  tma=plan["engine"] == "tma", input_names=input_names, igemm_split=split,
                                                  memory_format=fmt)
@@ -648,11 +648,9 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     # Every engine reads a parameter as C contiguous values and an extra input in the output's
     # layout: a view that is not (a scalar tensor expanded to every channel) is copied here, once,
     # and the copy lives until the kernels are queued.
-    if sp.plan["engine"] == "sequence":
-        params = {name: _aligned(t) for name, t in params.items()}
-    else:
-        lp = _launch_plan(sp)
-        params = {name: _aligned(t, lp.memory_format if name in lp.input_names else None) for name, t in params.items()}
+    fmt = _writes_format(sp)
+    inputs = () if fmt is None else _launch_plan(sp).input_names
+    params = {name: _aligned(t, fmt if name in inputs else None) for name, t in params.items()}
     for key, make in _weight_transforms(sp):  # the plan's rewrites of the conv, in order (kept per weight version)
         weight = tmarun.derived(weight, key, make)
     if sp.plan["engine"] == "sequence":
@@ -706,7 +704,7 @@ def _from_channels_last(sp: pipeline.Specialized, kernel, x: torch.Tensor, strea
     input on the way), where torch's copy would be one strided pass."""
     fn = f"{sp.plan['kernel_name']}_from_cl"
     batch, cin = x.shape[0], x.shape[1]
-    positions = x[0, 0].numel()
+    positions = math.prod(x.shape[2:])
     wide = torch.empty(x.shape, device=x.device, dtype=torch.float32)
     pack = runtime.arg_pack((kernel.function.value, fn), ("ptr", "ptr", "int"))
     pack.set([x.data_ptr(), wide.data_ptr(), batch])

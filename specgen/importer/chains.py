@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.fx import Node
 
-from specgen import ops
+from specgen import ops, tmarun
 from specgen.importer.exprs import Regions, ancestors, cut_points
 from specgen.importer.graph import (
     Capture,
@@ -114,8 +114,8 @@ class Analysis(Capture):
         self.layers: dict = {}  # id(chain) -> its fused layer, once built (measuring and rewriting share it)
         # The example inputs arrive channels-last (from_module's channels-last candidate): each
         # chain is timed on channels-last inputs, as it will run.
-        self.channels_last = any(isinstance(t, torch.Tensor) and t.dim() in (4, 5) and not t.is_contiguous()
-                                 and t.movedim(1, -1).is_contiguous() for t in inputs)
+        self.channels_last = any(isinstance(t, torch.Tensor) and tmarun.channels_last_format(t.dim()) is not None
+                                 and tmarun.channels_last(t) for t in inputs)
 
     def analyze(self) -> None:
         """Start a chain at every convolution not already in one, and grow it."""

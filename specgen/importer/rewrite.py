@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 import torch.nn as nn
 from torch.fx import Node
 
-from specgen import measured
+from specgen import measured, tmarun
 from specgen.importer.chains import Analysis
 from specgen.importer.graph import META_METHODS, shape_of, unique
 from specgen.importer.report import Choice
@@ -175,9 +175,8 @@ def measure(imp: Analysis, chain, gpu_only: bool = False) -> Choice:
 
 def _laid_out(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
     """`t` in channels-last memory order where asked and torch has the format (4-D and 5-D tensors)."""
-    if channels_last and t.dim() in (4, 5):
-        return t.contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
-    return t
+    fmt = tmarun.channels_last_format(t.dim()) if channels_last else None
+    return t if fmt is None else t.contiguous(memory_format=fmt)
 
 
 def to_channels_last(t):
