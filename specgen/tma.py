@@ -350,6 +350,12 @@ def one_n_tile(spec: LayerSpec) -> bool:
 # where it lies, wins (measured on an H200, benchmarks/NOTES.md v17: a 1x1 conv 256 -> 64 at 32, 2x
 # faster on igemm; 64 -> 256 at 128, even in tf32 and 6% slower in fp32, whose pass writes two planes).
 MIN_INTENSITY = {"tf32": 64, "fp32": 192}
+# A stride-1 1x1 conv reads its NC(D)HW input where it lies on the implicit GEMM with whole rows of positions
+# per K chunk, so the pass pays later: in tf32 only from 128 multiply-adds per input byte (a 1x1 conv
+# to 256 channels). Measured on an H200 (benchmarks/NOTES.md v31, 15 ResNet and MobileNet 1x1 shapes
+# at batch 64, both engines): 512 -> 128 at 28^2 0.166 ms on TMA, 0.097 on the implicit GEMM;
+# 256 -> 128 at 56^2 0.264 / 0.149; 960 -> 160 at 7^2 0.107 / 0.087; 64 -> 256 at 56^2 0.160 / 0.173.
+MIN_INTENSITY_POINTWISE = {"tf32": 128, "fp32": 192}
 
 
 def intensity(spec: LayerSpec) -> float:
@@ -365,7 +371,10 @@ def intensity(spec: LayerSpec) -> float:
 def worth_it(spec: LayerSpec) -> bool:
     """Whether the planner, left to itself, takes the TMA engine (bf16 / fp16 always: the other
     engines have no 16-bit path)."""
-    return intensity(spec) >= MIN_INTENSITY.get(spec.precision, 0)
+    geo = spec.conv_geometry()
+    pointwise = math.prod(geo["kernel"]) == 1 and math.prod(geo["stride"]) == 1 and not spec.conv.transposed
+    table = MIN_INTENSITY_POINTWISE if pointwise else MIN_INTENSITY
+    return intensity(spec) >= table.get(spec.precision, 0)
 
 
 # The layout pass moves tiles of 4096 values (16 KB of floats in shared memory) with 16-byte reads

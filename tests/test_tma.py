@@ -64,6 +64,19 @@ def test_few_multiply_adds_per_input_byte_stay_on_the_implicit_gemm():
     assert build_plan(narrow.model_copy(update={"precision": "bf16"}), target=HOPPER)["engine"] == "tma"  # no 16-bit igemm
 
 
+def test_a_1x1_conv_pays_for_the_layout_pass_only_from_256_output_channels():
+    """A stride-1 1x1 conv to 128 channels (64 multiply-adds per input byte) stays on the implicit
+    GEMM in tf32; a 3x3 conv at the same intensity takes the TMA engine as before."""
+    pointwise = spec_of(cin=512, cout=128, kernel=1, padding=0, size=(28, 28), precision="tf32")
+    spatial = spec_of(cin=512, cout=16, kernel=[3, 3], padding=1, size=(28, 28), precision="tf32")
+    strided = spec_of(cin=256, cout=512, kernel=1, padding=0, size=(56, 56), precision="tf32", conv={"stride": 2})
+    assert tma.intensity(pointwise) == 64 and tma.intensity(spatial) == 72 and tma.intensity(strided) == 64
+    assert build_plan(pointwise, target=HOPPER)["engine"] == "igemm"
+    assert build_plan(spatial, target=HOPPER)["engine"] == "tma"
+    assert build_plan(strided, target=HOPPER)["engine"] == "tma"
+    assert build_plan(pointwise.model_copy(update={"precision": "bf16"}), target=HOPPER)["engine"] == "tma"
+
+
 @pytest.mark.parametrize("cin,precision,cip,bkc,row", [
     (64, "tf32", 64, 32, 128), (48, "tf32", 48, 16, 64), (40, "tf32", 40, 8, 32), (3, "tf32", 8, 8, 32),
     (64, "bf16", 64, 64, 128), (48, "bf16", 48, 16, 32), (3, "fp16", 16, 16, 32), (256, "fp32", 256, 32, 128),
