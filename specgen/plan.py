@@ -482,6 +482,34 @@ def _body_levels(spec: LayerSpec, shapes, o3: tuple, consts: list[Constant]) -> 
     return levels, tail_start, channel_norm
 
 
+def _row_span(levels: list[dict], in3, k3, s3, p3, cin_g: int, transposed: bool, on_mma: bool, pt: int,
+              box_w: int, widest) -> dict | None:
+    """How the FFMA engine's pool level reads a per-channel 1x1 conv under it (a pool split's
+    second kernel is a pool over an identity conv): each window row of the input loaded once, as
+    one span of LEAD + SPAN values from an aligned start, in vectors of VEC floats, instead of
+    level 0 called once per window column (each call loading what the next loads again). None
+    where level 0 is a real conv, the pool's windows along W leave gaps (stride > kernel) or are
+    dilated: the general path then.
+
+    The span of a register tile's PT outputs: positions w0 * S - P + q, q < (PT - 1) * S + K. Its
+    vector loads start LEAD before it, at a multiple of VEC for every tile (its first output w0 is a
+    multiple of PT, and of the box's width past the first box), so LEAD is a constant and each
+    vector lies wholly inside the row or wholly in its padding (the row's length is a multiple of
+    VEC too)."""
+    conv, pool = levels[0], levels[1]
+    if on_mma or transposed or cin_g != 1 or conv["kind"] != "conv" or pool["kind"] != "pool":
+        return None
+    if tuple(k3) != (1, 1, 1) or tuple(s3) != (1, 1, 1) or tuple(p3) != (0, 0, 0) or pool["step"] != 1:
+        return None
+    k, s, p, dil = pool["kernel"][2], pool["stride"][2], pool["padding"][2], pool["dilation"][2]
+    if dil != 1 or s > k:
+        return None
+    vec = widest((4, 2, 1), in3[2], pt * s, box_w * s)
+    span = (pt - 1) * s + k
+    lead = (-p) % vec
+    return {"span": span, "lead": lead, "vec": vec, "vectors": -(-(lead + span) // vec)}
+
+
 def _fold_avg_pool(levels: list[dict], k3: tuple, nd: int) -> tuple[dict, str, tuple, tuple, tuple]:
     """Pass 2, a rewrite: the avg-pool at level 1 (`_can_fold_avg_pool` said it may) folded into
     the conv: its kernel grows by the window less one, its stride is the pool's. Removes the pool's
@@ -914,6 +942,9 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         # (CONV_SPAN of them, the stride's multiples valid), one element at a time.
         conv_span = (pt - 1) * levels[0]["step"] + (k3[2] - 1) * d3[2] + 1
         in_vec = 1
+    if len(levels) == 2:
+        levels[1]["row_span"] = _row_span(levels, in3, k3, s3, p3, cin // groups, transposed, mma is not None, pt,
+                                          box[3] if (tiles["w"] > 1 or chunks["w"] > 1) else 0, widest)
     # Without a tail, a thread stores PT consecutive outputs of a row: vectorized when aligned.
     out_vec = 1 if reductions else widest((4, 2, 1), t1[3], pt, box[3] if tiles["w"] > 1 else 0)
     fmas_per_conv_row = (cin // groups) * taps * ct * pt
