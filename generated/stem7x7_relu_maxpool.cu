@@ -645,16 +645,38 @@ __device__ __forceinline__ void level1(
     for (int eh = 0; eh < L1_K_H; ++eh) {
       const int ph = h * L1_S_H - L1_P_H + eh * L1_DIL_H;
       if (static_cast<unsigned>(ph) >= L1_IN_H) continue;  // padding
-      #pragma unroll 1
-      for (int ew = 0; ew < L1_K_W; ++ew) {
-        const int pw0 = w0 * L1_S_W - L1_P_W + ew * L1_DIL_W;
-        float u[CT][PT];
-        level0(x_n, weight, w_s, bias, c, c_local, pd, ph, pw0, u);
+      // Level 0 is a 1x1 conv of one input channel per output channel (stride 1, no padding): its
+      // value at a position reads the input there alone. So this window row's inputs are loaded
+      // once, as one span: positions w0 * S - P + q (q < SPAN = 9) of the row, from an
+      // aligned start LEAD = 3 before it, in 3 loads of 4 float(s).
+      const int lo = w0 * L1_S_W - L1_P_W - 3;  // a multiple of 4
+      #pragma unroll
+      for (int j = 0; j < CT; ++j) {
+        const int cj = c + j;
+        const float* __restrict__ row = x_n + ((cj / C_OUT_G * IN_D + pd) * IN_H + ph) * IN_W;
+        float xin[12];
         #pragma unroll
-        for (int i = 0; i < PT; ++i) {
-          if (static_cast<unsigned>(pw0 + i * PREV_STEP) >= L1_IN_W) continue;  // padding
+        for (int o = 0; o < 12; o += 4) {
+          // each vector lies wholly inside the row or wholly in its padding (never read)
+          if (static_cast<unsigned>(lo + o) < IN_W) {
+            const float4 q = __ldg(reinterpret_cast<const float4*>(row + lo + o));
+            xin[o] = q.x; xin[o + 1] = q.y; xin[o + 2] = q.z; xin[o + 3] = q.w;
+          } else {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) xin[o + e] = 0.0f;
+          }
+        }
+        const float wv = w_s[c_local + j];
+        const float b = 0.0f;
+        #pragma unroll
+        for (int ew = 0; ew < L1_K_W; ++ew) {
           #pragma unroll
-          for (int j = 0; j < CT; ++j) acc[j][i] = fmaxf(acc[j][i], u[j][i]);
+          for (int i = 0; i < PT; ++i) {
+            const int q = 3 + i * L1_S_W + ew;  // the span index of window column ew of output i
+            if (static_cast<unsigned>(lo + q) >= L1_IN_W) continue;  // padding
+            float v = fmaf(wv, xin[q], b);
+            acc[j][i] = fmaxf(acc[j][i], v);
+          }
         }
       }
     }

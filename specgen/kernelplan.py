@@ -80,6 +80,9 @@ class SlabTiling(TemplateValues):
     x_floats: int
     w_floats: int
     direct_fold: bool
+    # tensor-core products per multiply-add: 3 (3xTF32, fp32-accurate) or 1 (TF32 operands, for a
+    # tf32 layer whose cuDNN conv runs in TF32 too: `plan.SLAB_TF32_MAX_CHANNELS`)
+    products: int = 3
 
 
 @dataclass(frozen=True, eq=False)

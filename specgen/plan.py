@@ -688,6 +688,8 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
     mma = None
     if want_mma and not mma_why_not:
         mma = _mma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F", target)
+        if mma is not None and slab_in_tf32(spec):
+            mma = replace(mma, products=1)
         if mma is None and tile is not None and tile.tensor_cores:
             raise PlanError(["tile.tensor_cores: the staged input and weights do not fit in shared memory"])
     split_channels = False
@@ -1078,6 +1080,11 @@ def _choose_engine(spec: LayerSpec, levels: list, reductions: list, fold, o3: tu
     conv on tensor cores, else FFMA). Returns (engine, its TmaPlan or None, its IgemmPlan or None);
     NotOneKernel where a softmax over the channels would need the TMA epilogue, PlanError where an
     extra input meets an engine that cannot read it."""
+    if mma is not None and mma.products == 1 and igemm_config is None and tma_config is None \
+            and (spec.tile is None or spec.tile.engine is None):
+        # a tf32 conv of few input channels (the stem): the slab stages each input once and forms
+        # its taps from shared memory, where the TMA engine loads every tap of 8 padded channels
+        return "slab", None, None
     tp = None if igemm_config is not None else _choose_tma(spec, levels, reductions, fold, tma_config, target, settings)
     ig = None if tp is not None else _choose_igemm(spec, levels, reductions, fold, o3, taps, igemm_config, target)
     engine = "tma" if tp is not None else "igemm" if ig is not None else ("slab" if mma is not None else "ffma")
@@ -1125,6 +1132,21 @@ EXACT_TF32_MAX_TAPS = 27  # up to 3x3x3 / 5x5 always; larger kernels only with f
 EXACT_TF32_MAX_OUT_CHANNELS = 32
 EXACT_TF32_NOTE = (f"tf32 layer of at most {EXACT_TF32_MAX_CHANNELS} input channels computed to fp32 accuracy "
                    f"(3xTF32 or FFMA, as cuDNN computes such convs in TF32 mode)")
+
+
+# A tf32 conv of at most this many input channels that `exact_tf32` leaves in TF32 (large kernels,
+# many output channels: the ResNet stem) runs its slab products in TF32 (one mma per k-step, not
+# three), as cuDNN runs such a conv: measured on an H200 (benchmarks/NOTES.md, v32).
+SLAB_TF32_MAX_CHANNELS = EXACT_TF32_MAX_CHANNELS
+
+
+def slab_in_tf32(spec: LayerSpec) -> bool:
+    """Whether the slab engine multiplies in TF32 (one product per k-step): a tf32 layer of at most
+    SLAB_TF32_MAX_CHANNELS input channels that is not computed exactly. Any other layer it runs
+    (fp32, 16-bit on widened tensors, tf32 with more channels, whose cuDNN conv may run in fp32)
+    stays in 3xTF32."""
+    return spec.precision == "tf32" and spec.input.channels // spec.conv.groups <= SLAB_TF32_MAX_CHANNELS \
+        and not exact_tf32(spec) and not spec.conv.transposed
 
 
 def exact_tf32(spec: LayerSpec) -> bool:
@@ -1263,7 +1285,7 @@ def _engine_summary(plan: dict) -> str:
         return f"fp32 FFMA, register tile {plan['ct']} channels x {plan['pt']} positions"
     sd, sh = mma.slab
     return (
-        f"tensor cores (3xTF32 mma.sync m16n8k8): slabs of {sd}x{sh}x{plan['box'][3]} positions, warp tile "
+        f"tensor cores ({'3xTF32' if mma.products == 3 else 'TF32'} mma.sync m16n8k8): slabs of {sd}x{sh}x{plan['box'][3]} positions, warp tile "
         f"{16 * mma.wm} positions x {8 * mma.wn} channels, {mma.units} warp tiles per slab"
     )
 

@@ -343,12 +343,15 @@ def split_engine(spec: LayerSpec, at: int, target) -> str | None:
     plain conv; for a transposed one its stride phases on the TMA engine where it runs them and they
     pay for its layout pass (`tma.worth_it`), else on the implicit GEMM; None where it cannot."""
     from specgen import igemm, tma
+    from specgen.plan import slab_in_tf32
 
     body = _cut(spec, at)
     if body.conv.transposed:
         if not tma.why_not(body, [None], [], target) and tma.worth_it(body):
             return "tma"
         return None if igemm.why_not(body, [None], []) else "igemm"
+    if slab_in_tf32(body):
+        return None  # the planner's: the slab engine in TF32 (`plan.slab_in_tf32`)
     return None if tma.why_not(body, [None], [], target) else "tma"
 
 

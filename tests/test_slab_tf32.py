@@ -1,0 +1,80 @@
+"""A tf32 conv of few input channels that cuDNN runs in TF32 too (large kernels, many output
+channels: the ResNet stem) runs on the slab engine with one TF32 product per k-step
+(`plan.slab_in_tf32`); every other layer the slab engine takes keeps 3xTF32. The plans, the source,
+and on the GPU (marker `gpu`) the results against the tf32 bar (2x PyTorch's own TF32 error)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specgen.plan import build_plan, describe
+from specgen.render import render_plan
+from specgen.spec import validate
+
+
+def layer(name, channels, size, out, kernel, precision="tf32", epilogue=("relu",), **conv):
+    return {"name": name, "input": {"channels": channels, "size": size}, "precision": precision,
+            "conv": {"out_channels": out, "kernel": kernel, **conv}, "epilogue": list(epilogue)}
+
+
+TF32 = [
+    layer("stem", 3, [64, 64], 64, 7, stride=2, padding=3),
+    layer("stem_pool", 3, [64, 64], 64, 7, stride=2, padding=3,
+          epilogue=["relu", {"max_pool": {"kernel": 3, "stride": 2, "padding": 1}}]),
+    layer("stem_bn_pool", 3, [64, 64], 64, 7, stride=2, padding=3, bias=False,
+          epilogue=[{"batch_norm": {}}, "relu", {"max_pool": {"kernel": 3, "stride": 2, "padding": 1}}]),
+    layer("eight_in", 8, [20, 36], 40, 7, padding=2),
+    layer("cube", 4, [6, 10, 12], 48, 4, padding=1),
+    layer("line", 3, [300], 64, 31, padding=15),
+]
+THREE = [
+    layer("stem_fp32", 3, [64, 64], 64, 7, precision="fp32", stride=2, padding=3),
+    layer("small_kernel", 3, [32, 32], 64, 5, padding=2),  # computed exactly (`exact_tf32`): fp32
+    layer("sixteen_in", 16, [20, 20], 64, 3, padding=1, tile={"engine": "slab"}),
+]
+for _d in THREE[2:]:
+    _d["tile"] = _d["conv"].pop("tile")
+
+
+def slab_plans(data):
+    plan = build_plan(validate(data))
+    plans = [p["plan"] for p in plan["parts"]] if plan.get("parts") else [plan]
+    return [p for p in plans if p["engine"] == "slab"]
+
+
+@pytest.mark.parametrize("data", TF32, ids=[d["name"] for d in TF32])
+def test_a_tf32_stem_runs_its_slab_products_in_tf32(data):
+    (plan,) = slab_plans(data)
+    assert plan["mma"]["products"] == 1
+    text = render_plan(plan)
+    assert "to_tf32(" in text and "split_tf32(" not in text
+    assert "TF32 mma.sync" in describe(build_plan(validate(data)))
+
+
+@pytest.mark.parametrize("data", THREE, ids=[d["name"] for d in THREE])
+def test_other_slab_layers_keep_3xtf32(data):
+    plans = slab_plans(data)
+    assert plans and all(p["mma"]["products"] == 3 for p in plans)
+    assert all("split_tf32(" in render_plan(p) and "to_tf32(" not in render_plan(p) for p in plans)
+
+
+@pytest.mark.nvcc
+def test_tf32_slab_kernels_build_without_spills(tmp_path, monkeypatch):
+    from specgen import pipeline
+
+    monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path / "cache"))
+    built = pipeline.specialize_many([validate(d) for d in TF32], "sm_90", tuned=False)
+    assert len(built) == len(TF32)
+    for item in built:
+        assert item.build.spill_bytes == 0, (item.spec.name, item.build.log)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("data", TF32 + THREE[:1], ids=[d["name"] for d in TF32 + THREE[:1]])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_tf32_slab_layers_meet_the_bar(data, batch, fp32_reference):
+    from specgen.module import FusedLayer
+
+    from gpu_helpers import compare
+
+    compare(FusedLayer(validate(data)).cuda(), batch, seed=batch)
