@@ -352,21 +352,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) specgen_kb92_body(
           conv_mma(x_s, w_s, (c_origin - c_weights) + ng * WN * 8, mg, acc);
           // Epilogue: acc[i][j][2 * r + e] is slab position (mg * WM + i) * 16 + g + 8 * r, channel
           // (ng * WN + j) * 8 + 2 * t + e of the box.
+          // A channel at a time: its bias and parameters (and what the ops compute from them, such
+          // as a batch norm's 1 / sqrt(var + eps)) read once, then applied at each of its positions.
           #pragma unroll
-          for (int i = 0; i < WM; ++i) {
+          for (int j = 0; j < WN; ++j) {
             #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int p = (mg * WM + i) * 16 + g + 8 * r;
-              const int pd = sd0 + p / (SLAB_H * BOX_W), ph = sh0 + p / BOX_W % SLAB_H, pw = p % BOX_W;  // in the box
-              const int d = d_origin + pd, h = h_origin + ph, w = w_origin + pw;
-              const bool pos_ok = p < M_SLAB && d < T1_D && h < T1_H && w < T1_W;
+            for (int e = 0; e < 2; ++e) {
+              const int cl = (ng * WN + j) * 8 + 2 * t + e, cj = c_origin + cl;  // channel in the box, in T1
+              const bool c_ok = cl < BOX_C && cj < T1_C;
+              const int cr = c_ok ? cj : T1_C - 1;  // the channel whose parameters are read
+              (void)cr;
+              const float bias_c = __ldg(bias + cr);
               #pragma unroll
-              for (int j = 0; j < WN; ++j) {
+              for (int i = 0; i < WM; ++i) {
                 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                  const int cl = (ng * WN + j) * 8 + 2 * t + e, cj = c_origin + cl;  // channel in the box, in T1
-                  if (pos_ok && cl < BOX_C && cj < T1_C) {
-                    float v = acc[i][j][2 * r + e] + __ldg(bias + cj);
+                for (int r = 0; r < 2; ++r) {
+                  const int p = (mg * WM + i) * 16 + g + 8 * r;
+                  const int pd = sd0 + p / (SLAB_H * BOX_W), ph = sh0 + p / BOX_W % SLAB_H, pw = p % BOX_W;  // in the box
+                  const int d = d_origin + pd, h = h_origin + ph, w = w_origin + pw;
+                  if (c_ok && p < M_SLAB && d < T1_D && h < T1_H && w < T1_W) {
+                    float v = acc[i][j][2 * r + e] + bias_c;
                     v = v;  // epilogue[0] save (name='conv_out')
                     out_n[((cj * T1_D + d) * T1_H + h) * T1_W + w] = v;
                   }

@@ -58,6 +58,19 @@ def test_other_slab_layers_keep_3xtf32(data):
     assert all("split_tf32(" in render_plan(p) and "to_tf32(" not in render_plan(p) for p in plans)
 
 
+def test_the_slab_epilogue_reads_a_channels_parameters_once():
+    """A channel's bias, batch-norm statistics and 1 / sqrt(var + eps) are read and computed once,
+    before the loop over its positions, not per value."""
+    (plan,) = slab_plans(TF32[2])
+    text = render_plan(plan)
+    epilogue = text[text.index("A channel at a time"):]
+    epilogue = epilogue[: epilogue.index("\n}\n")]
+    before, loop = epilogue.split("for (int i = 0; i < WM; ++i)", 1)
+    assert "const float pc0_invstd = __frsqrt_rn(pc_bn_running_var + S0_EPS);" in before
+    assert "__ldg(" not in loop and "__frsqrt_rn" not in loop
+    assert "pc0_invstd" in loop
+
+
 @pytest.mark.nvcc
 def test_tf32_slab_kernels_build_without_spills(tmp_path, monkeypatch):
     from specgen import pipeline
