@@ -1136,8 +1136,10 @@ EXACT_TF32_NOTE = (f"tf32 layer of at most {EXACT_TF32_MAX_CHANNELS} input chann
 
 # A tf32 conv of at most this many input channels that `exact_tf32` leaves in TF32 (large kernels,
 # many output channels: the ResNet stem) runs its slab products in TF32 (one mma per k-step, not
-# three), as cuDNN runs such a conv: measured on an H200 (benchmarks/NOTES.md, v32).
-SLAB_TF32_MAX_CHANNELS = EXACT_TF32_MAX_CHANNELS
+# three), as cuDNN runs such a conv, and takes the slab engine: measured on an H200 on the 3-channel
+# stem (benchmarks/NOTES.md, v32), where the TMA engine pads the channels to 8 (the slab to 4).
+# Layers of 5-8 channels, which the TMA engine pads less, were not timed: they keep it.
+SLAB_TF32_MAX_CHANNELS = 4
 
 
 def slab_in_tf32(spec: LayerSpec) -> bool:

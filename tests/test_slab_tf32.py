@@ -23,7 +23,7 @@ TF32 = [
           epilogue=["relu", {"max_pool": {"kernel": 3, "stride": 2, "padding": 1}}]),
     layer("stem_bn_pool", 3, [64, 64], 64, 7, stride=2, padding=3, bias=False,
           epilogue=[{"batch_norm": {}}, "relu", {"max_pool": {"kernel": 3, "stride": 2, "padding": 1}}]),
-    layer("eight_in", 8, [20, 36], 40, 7, padding=2),
+    layer("four_in", 4, [20, 36], 40, 7, padding=2),
     layer("cube", 4, [6, 10, 12], 48, 4, padding=1),
     layer("line", 3, [300], 64, 31, padding=15),
 ]
@@ -31,6 +31,7 @@ THREE = [
     layer("stem_fp32", 3, [64, 64], 64, 7, precision="fp32", stride=2, padding=3),
     layer("small_kernel", 3, [32, 32], 64, 5, padding=2),  # computed exactly (`exact_tf32`): fp32
     layer("sixteen_in", 16, [20, 20], 64, 3, padding=1, tile={"engine": "slab"}),
+    layer("eight_in", 8, [20, 36], 40, 7, padding=2, tile={"engine": "slab"}),  # (not timed: left to the planner, TMA)
 ]
 for _d in THREE[2:]:
     _d["tile"] = _d["conv"].pop("tile")
@@ -56,6 +57,11 @@ def test_other_slab_layers_keep_3xtf32(data):
     plans = slab_plans(data)
     assert plans and all(p["mma"]["products"] == 3 for p in plans)
     assert all("split_tf32(" in render_plan(p) and "to_tf32(" not in render_plan(p) for p in plans)
+
+
+def test_eight_input_channels_keep_the_tma_engine():
+    data = {**THREE[-1], "tile": None}
+    assert build_plan(validate(data))["engine"] == "tma"
 
 
 def test_the_slab_epilogue_reads_a_channels_parameters_once():
