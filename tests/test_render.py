@@ -188,6 +188,9 @@ COLLISION_BASES = [
     # fp32 FFMA with a pool
     {"name": "names_ffma", "input": {"channels": 2, "size": [12, 12]}, "conv": {"out_channels": 4, "kernel": 3},
      "epilogue": [{"max_pool": 2}, {"clamp": {"min": -3.4028234e38, "max": 3.4028234e38}}]},
+    # Hopper's TMA engine (its epilogue reads each channel's parameters into pc_<name> first)
+    {"name": "names_tma", "input": {"channels": 64, "size": [16, 16]}, "conv": {"out_channels": 64, "kernel": 3},
+     "precision": "tf32", "epilogue": ["relu"]},
     # a reduction tail
     {"name": "names_tail", "input": {"channels": 4, "size": [10, 10]}, "conv": {"out_channels": 8, "kernel": 3},
      "epilogue": [{"logsumexp": {"dims": [1]}}, {"sum": {"dims": [1, 2]}}]},
@@ -213,7 +216,7 @@ def test_param_names_equal_to_every_template_identifier_compile(base):
     from specgen.spec import validate
 
     spec = validate(_with_params(base, sorted(_template_identifiers())))
-    ptx = nvcc.compile_ptx(render(spec), "sm_90")  # raises CompileError with the log on a collision
+    ptx = nvcc.compile_ptx(render(spec), "sm_90a")  # raises CompileError with the log on a collision (sm_90a: wgmma)
     assert f".entry specgen_{spec.name}" in ptx
 
 
