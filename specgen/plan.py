@@ -1080,13 +1080,14 @@ def _choose_engine(spec: LayerSpec, levels: list, reductions: list, fold, o3: tu
     conv on tensor cores, else FFMA). Returns (engine, its TmaPlan or None, its IgemmPlan or None);
     NotOneKernel where a softmax over the channels would need the TMA epilogue, PlanError where an
     extra input meets an engine that cannot read it."""
-    if mma is not None and mma.products == 1 and igemm_config is None and tma_config is None \
-            and (spec.tile is None or spec.tile.engine is None):
-        # a tf32 conv of few input channels (the stem): the slab stages each input once and forms
-        # its taps from shared memory, where the TMA engine loads every tap of 8 padded channels
-        return "slab", None, None
-    tp = None if igemm_config is not None else _choose_tma(spec, levels, reductions, fold, tma_config, target, settings)
-    ig = None if tp is not None else _choose_igemm(spec, levels, reductions, fold, o3, taps, igemm_config, target)
+    # A tf32 conv of few input channels (the stem, `slab_in_tf32`) left to the planner takes the
+    # slab engine: it stages each input once and forms the taps in shared memory, where the TMA
+    # engine loads every tap of 8 padded channels. Not where only the TMA engine can run the layer
+    # (a softmax over the channels, an extra input).
+    slab_first = mma is not None and mma.products == 1 and igemm_config is None and tma_config is None \
+        and (spec.tile is None or spec.tile.engine is None) and channel_norm is None and not spec.inputs()
+    tp = None if igemm_config is not None or slab_first else _choose_tma(spec, levels, reductions, fold, tma_config, target, settings)
+    ig = None if tp is not None or slab_first else _choose_igemm(spec, levels, reductions, fold, o3, taps, igemm_config, target)
     engine = "tma" if tp is not None else "igemm" if ig is not None else ("slab" if mma is not None else "ffma")
     if channel_norm is not None and engine != "tma":
         norm_at = tma_engine.channel_norm(spec)

@@ -64,6 +64,14 @@ def test_eight_input_channels_keep_the_tma_engine():
     assert build_plan(validate(data))["engine"] == "tma"
 
 
+@pytest.mark.parametrize("stage", [{"add": {"input": "skip"}}, {"softmax": {"dim": 1}}], ids=["extra_input", "channel_softmax"])
+def test_a_stem_that_only_the_tma_engine_runs_keeps_it(stage):
+    """An extra input or a softmax over the channels: the slab engine cannot run them, so the
+    stem stays on the TMA engine (whose epilogue takes both)."""
+    plan = build_plan(validate(layer("stem_tma_only", 3, [64, 64], 64, 7, stride=2, padding=3, epilogue=["relu", stage])))
+    assert plan["engine"] == "tma"
+
+
 def test_the_slab_epilogue_reads_a_channels_parameters_once():
     """A channel's bias, batch-norm statistics and 1 / sqrt(var + eps) are read and computed once,
     before the loop over its positions, not per value."""
