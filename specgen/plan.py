@@ -482,8 +482,13 @@ def _body_levels(spec: LayerSpec, shapes, o3: tuple, consts: list[Constant]) -> 
     return levels, tail_start, channel_norm
 
 
+def _widest(candidates, *strides) -> int:
+    """The widest vector width that divides every stride (so every access is aligned)."""
+    return next(v for v in candidates if all(st % v == 0 for st in strides))
+
+
 def _row_span(levels: list[dict], in3, k3, s3, p3, cin_g: int, transposed: bool, on_mma: bool, pt: int,
-              box_w: int, widest) -> dict | None:
+              box_w: int) -> dict | None:
     """How the FFMA engine's pool level reads a per-channel 1x1 conv under it (a pool split's
     second kernel is a pool over an identity conv): each window row of the input loaded once, as
     one span of LEAD + SPAN values from an aligned start, in vectors of VEC floats, instead of
@@ -496,15 +501,15 @@ def _row_span(levels: list[dict], in3, k3, s3, p3, cin_g: int, transposed: bool,
     multiple of PT, and of the box's width past the first box), so LEAD is a constant and each
     vector lies wholly inside the row or wholly in its padding (the row's length is a multiple of
     VEC too)."""
-    conv, pool = levels[0], levels[1]
-    if on_mma or transposed or cin_g != 1 or conv["kind"] != "conv" or pool["kind"] != "pool":
+    pool = levels[1]  # (level 0 is the conv, every later level a pool)
+    if on_mma or transposed or cin_g != 1:
         return None
     if tuple(k3) != (1, 1, 1) or tuple(s3) != (1, 1, 1) or tuple(p3) != (0, 0, 0) or pool["step"] != 1:
         return None
     k, s, p, dil = pool["kernel"][2], pool["stride"][2], pool["padding"][2], pool["dilation"][2]
     if dil != 1 or s > k:
         return None
-    vec = widest((4, 2, 1), in3[2], pt * s, box_w * s)
+    vec = _widest((4, 2, 1), in3[2], pt * s, box_w * s)
     span = (pt - 1) * s + k
     lead = (-p) % vec
     return {"span": span, "lead": lead, "vec": vec, "vectors": -(-(lead + span) // vec)}
@@ -919,15 +924,11 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
             step *= lvl["stride"][2]
     conv_span = (pt - 1) * levels[0]["step"] * s3[2] + (k3[2] - 1) * d3[2] + 1
 
-    def widest(candidates, *strides) -> int:
-        """The widest vector width that divides every stride (so every access is aligned)."""
-        return next(v for v in candidates if all(st % v == 0 for st in strides))
-
     # Input rows are read in vectors when every thread's first input position is aligned: rows
     # start at multiples of IN_W, a tile starts pt * step * stride after its neighbour, a box
     # box_w * step * stride after its neighbour (only when there are several boxes along W).
     level0_w_stride = levels[0]["step"] * s3[2]
-    in_vec = widest(
+    in_vec = _widest(
         (4, 2, 1),
         in3[2],
         p3[2],
@@ -946,9 +947,9 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         in_vec = 1
     if len(levels) == 2:
         levels[1]["row_span"] = _row_span(levels, in3, k3, s3, p3, cin // groups, transposed, mma is not None, pt,
-                                          box[3] if (tiles["w"] > 1 or chunks["w"] > 1) else 0, widest)
+                                          box[3] if (tiles["w"] > 1 or chunks["w"] > 1) else 0)
     # Without a tail, a thread stores PT consecutive outputs of a row: vectorized when aligned.
-    out_vec = 1 if reductions else widest((4, 2, 1), t1[3], pt, box[3] if tiles["w"] > 1 else 0)
+    out_vec = 1 if reductions else _widest((4, 2, 1), t1[3], pt, box[3] if tiles["w"] > 1 else 0)
     fmas_per_conv_row = (cin // groups) * taps * ct * pt
     unroll_cin = fmas_per_conv_row <= 2048  # larger bodies: ci stays a loop (compile time, registers)
 
