@@ -12,9 +12,10 @@ from specgen.render import render_plan
 from specgen.spec import validate
 
 
-def layer(name, channels, size, out, kernel, precision="tf32", epilogue=("relu",), **conv):
-    return {"name": name, "input": {"channels": channels, "size": size}, "precision": precision,
+def layer(name, channels, size, out, kernel, precision="tf32", epilogue=("relu",), tile=None, **conv):
+    data = {"name": name, "input": {"channels": channels, "size": size}, "precision": precision,
             "conv": {"out_channels": out, "kernel": kernel, **conv}, "epilogue": list(epilogue)}
+    return {**data, "tile": tile} if tile else data
 
 
 TF32 = [
@@ -33,8 +34,6 @@ THREE = [
     layer("sixteen_in", 16, [20, 20], 64, 3, padding=1, tile={"engine": "slab"}),
     layer("eight_in", 8, [20, 36], 40, 7, padding=2, tile={"engine": "slab"}),  # (not timed: left to the planner, TMA)
 ]
-for _d in THREE[2:]:
-    _d["tile"] = _d["conv"].pop("tile")
 
 
 def slab_plans(data):
