@@ -356,6 +356,14 @@ MIN_INTENSITY = {"tf32": 64, "fp32": 192}
 # at batch 64, both engines): 512 -> 128 at 28^2 0.166 ms on TMA, 0.097 on the implicit GEMM;
 # 256 -> 128 at 56^2 0.264 / 0.149; 960 -> 160 at 7^2 0.107 / 0.087; 64 -> 256 at 56^2 0.160 / 0.173.
 MIN_INTENSITY_POINTWISE = {"tf32": 128, "fp32": 192}
+# ...except where the input is narrow and the conv widens it: fewer than 32 input channels (they do
+# not fill the implicit GEMM's 32-wide K chunk, so half or more of its multiply-adds are padding
+# with 16 channels) and at least 4x as many output channels (the pass moves the small input, the
+# kernel writes the large output). MobileNetV2's first expansions, measured on an H200 at batch 64
+# in tf32 (benchmarks/NOTES.md v33, `specgen tune`'s timing): 16 -> 96 at 112^2 0.362 ms on the
+# implicit GEMM, 0.180 on TMA; 24 -> 144 at 56^2 0.146 / 0.106. (32 -> 16 at 112^2 stays: 0.066 / 0.145.)
+NARROW_POINTWISE_MAX_CHANNELS = 31
+NARROW_POINTWISE_MIN_WIDENING = 4
 
 
 def intensity(spec: LayerSpec) -> float:
@@ -373,6 +381,9 @@ def worth_it(spec: LayerSpec) -> bool:
     engines have no 16-bit path)."""
     geo = spec.conv_geometry()
     pointwise = math.prod(geo["kernel"]) == 1 and math.prod(geo["stride"]) == 1 and not spec.conv.transposed
+    if pointwise and spec.precision == "tf32" and spec.conv.groups == 1 and spec.input.channels <= NARROW_POINTWISE_MAX_CHANNELS \
+            and spec.conv.out_channels >= NARROW_POINTWISE_MIN_WIDENING * spec.input.channels:
+        return True  # a narrow input widened (`NARROW_POINTWISE_MAX_CHANNELS`)
     table = MIN_INTENSITY_POINTWISE if pointwise else MIN_INTENSITY
     return intensity(spec) >= table.get(spec.precision, 0)
 

@@ -77,6 +77,23 @@ def test_a_1x1_conv_pays_for_the_layout_pass_only_from_256_output_channels():
     assert build_plan(pointwise.model_copy(update={"precision": "bf16"}), target=HOPPER)["engine"] == "tma"
 
 
+def test_a_narrow_input_widened_by_a_1x1_conv_takes_the_tma_engine():
+    """Fewer than 32 input channels widened at least 4x (MobileNetV2's expansions) pay for the
+    layout pass of their small input in tf32; narrowing, 32 channels, or fp32 keep the implicit GEMM."""
+    def engine(cin, cout, precision="tf32", size=(56, 56)):
+        return build_plan(spec_of(cin=cin, cout=cout, kernel=1, padding=0, size=size, precision=precision),
+                          target=HOPPER)["engine"]
+
+    assert tma.intensity(spec_of(cin=16, cout=96, kernel=1, padding=0, precision="tf32")) < tma.MIN_INTENSITY_POINTWISE["tf32"]
+    assert engine(16, 96, size=(112, 112)) == "tma"
+    assert engine(24, 144) == "tma"
+    assert engine(16, 64) == "tma"  # exactly 4x
+    assert engine(16, 48) == "igemm"  # 3x
+    assert engine(32, 192) == "igemm"  # a whole K chunk of channels
+    assert engine(32, 16, size=(112, 112)) == "igemm"
+    assert engine(16, 96, "fp32") == "igemm"  # fp32's pass writes two planes: not measured here
+
+
 @pytest.mark.parametrize("cin,precision,cip,bkc,row", [
     (64, "tf32", 64, 32, 128), (48, "tf32", 48, 16, 64), (40, "tf32", 40, 8, 32), (3, "tf32", 8, 8, 32),
     (64, "bf16", 64, 64, 128), (48, "bf16", 48, 16, 32), (3, "fp16", 16, 16, 32), (256, "fp32", 256, 32, 128),
