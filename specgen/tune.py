@@ -62,6 +62,8 @@ TF32_FACTOR = 2.0
 TF32_SLACK = 1e-7
 REPS = 15
 WARMUP = 3
+# candidates per layer: the planner's own, the TMA engine's tiles (up to about 10), then the implicit GEMM's
+MAX_CANDIDATES = 16
 MAX_INPUT_SETS = 64
 
 
@@ -69,10 +71,23 @@ MAX_INPUT_SETS = 64
 
 
 def _templates(split: bool, cout: int, wgmma_ok: bool = False) -> list[tuple[str, IgemmConfig]]:
-    """Tile shapes that won somewhere in the v15 sweep (benchmarks/NOTES.md); K chunks are capped
-    by the layer's own (see `candidates`)."""
+    """Tile shapes that won somewhere in the v15 and v33 sweeps (benchmarks/NOTES.md), Hopper's
+    warpgroup MMA first (the TMA engine's tiles come before them and the list is capped); K chunks
+    are capped by the layer's own (see `candidates`)."""
     c = IgemmConfig
-    out = [
+    out = []
+    if wgmma_ok:  # Hopper's warpgroup MMA (sm_90a), where the channels tile its 32-wide K chunks
+        max_bn = 128 if split else 256
+        if not split:  # (in 3xTF32, twice the fragment registers: two blocks per SM are not offered)
+            # two blocks of two warpgroups per SM, one block's loads and stores beside the other's
+            # products: the fastest tile on 5 of 13 1x1 layers of ResNet-50 and MobileNetV2 at
+            # batch 64, 1.07-1.34x the planner's (benchmarks/NOTES.md v33)
+            out.append(("wgmma 2 warpgroups s3 2 blocks/SM", replace(igemm.wgmma_config(cout, 2, 3, 128), min_blocks=2)))
+            out.append(("wgmma 2 warpgroups s4 2 blocks/SM, 64 channels", replace(igemm.wgmma_config(cout, 2, 4, 64), min_blocks=2)))
+        out.append(("wgmma 2 warpgroups s4", igemm.wgmma_config(cout, 2, 4, max_bn)))
+        out.append(("wgmma 3 warpgroups s4", igemm.wgmma_config(cout, 3, 4, max_bn)))
+        out.append(("wgmma 3 warpgroups s3, 64 channels", igemm.wgmma_config(cout, 3, 3, 64)))
+    out += [
         ("128x64 w32x32 k32 s3", c(4, 2, 2, 4, 32, 3)),
         ("256x64 w64x32 k32 s3", c(4, 2, 4, 4, 32, 3)),
         ("128x128 w32x32 16 warps k32 s3", c(4, 4, 2, 4, 32, 3)),
@@ -83,11 +98,6 @@ def _templates(split: bool, cout: int, wgmma_ok: bool = False) -> list[tuple[str
     if not split:  # in 3xTF32 (twice the fragment registers) these spill
         out.append(("128x128 w64x32 k16 s4 2 blocks/SM", c(2, 4, 4, 4, 16, 4, min_blocks=2)))
         out.append(("128x256 w64x64 k32 s3", c(2, 4, 4, 8, 32, 3)))
-    if wgmma_ok:  # Hopper's warpgroup MMA (sm_90a), where the channels tile its 32-wide K chunks
-        max_bn = 128 if split else 256
-        out.append(("wgmma 2 warpgroups s4", igemm.wgmma_config(cout, 2, 4, max_bn)))
-        out.append(("wgmma 3 warpgroups s4", igemm.wgmma_config(cout, 3, 4, max_bn)))
-        out.append(("wgmma 3 warpgroups s3, 64 channels", igemm.wgmma_config(cout, 3, 3, 64)))
     return out
 
 
@@ -138,7 +148,7 @@ def _tuning_target():
 
 
 def candidates(spec: LayerSpec) -> list:
-    """At most 12 tile configs that plan for this layer, the planner's own first; [] when the
+    """At most MAX_CANDIDATES tile configs that plan for this layer, the planner's own first; [] when the
     layer runs on neither tensor-core engine with tiles. On Hopper both engines' tiles are tried
     where both can run the layer. (Whether they compile without spills is decided by
     `build_candidates`.)"""
@@ -181,7 +191,7 @@ def candidates(spec: LayerSpec) -> list:
                 out.append(cfg)
         except (PlanError, ValueError):
             continue
-    return out[:12]
+    return out[:MAX_CANDIDATES]
 
 
 @dataclass

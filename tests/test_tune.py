@@ -57,7 +57,7 @@ def test_candidates_plan_start_with_the_heuristic_and_follow_the_precision():
     for spec, cands in ((fp32, c32), (tf32, ct)):
         plan = tune.heuristic(spec)
         assert cands[0] == plan[plan["engine"]].config
-        assert 3 <= len(cands) <= 12 and len(set(cands)) == len(cands)
+        assert 3 <= len(cands) <= tune.MAX_CANDIDATES and len(set(cands)) == len(cands)
         # on Hopper (the default target) both engines' tiles are offered
         assert {_engine(c) for c in cands} == {"tma", "igemm"}
         for cfg in cands:
@@ -69,7 +69,10 @@ def test_candidates_plan_start_with_the_heuristic_and_follow_the_precision():
     igt = [c for c in ct if isinstance(c, IgemmConfig)]
     # 64 x 64 warp tiles and two 128 x 128 blocks per SM spill in 3xTF32: tf32 mode only
     assert not any((c.wn == 8 and not c.wgmma) or c.min_blocks == 2 for c in ig32)
-    assert any(c.wn == 8 and not c.wgmma for c in igt) and any(c.min_blocks == 2 for c in igt)
+    assert any(c.min_blocks == 2 for c in igt)
+    offered = [cfg for _, cfg in tune._templates(False, 64, True)]  # (the capped list may end before them)
+    assert any(c.wn == 8 and not c.wgmma for c in offered) and any(c.min_blocks == 2 and c.wgmma for c in offered)
+    assert not any(c.min_blocks == 2 for _, c in tune._templates(True, 64, True))
 
 
 def test_few_channels_get_the_narrow_tile_and_a_fitting_k_chunk():
