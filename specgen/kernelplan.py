@@ -1,26 +1,43 @@
-"""The plan of one kernel, typed: what `plan.plan_whole` builds and a template renders.
+"""The plans, typed: one kernel's (`KernelPlan`: what `plan.plan_whole` builds and a template
+renders) and a sequence's (`SequencePlan`: its parts, each with its own plan, and the steps that
+launch them; `tail.plan_sequence`, `tail.plan_split`, `tapsum.plan_fold` build it).
 
 Every value a template reads is a field, named as the template names it, so a plan that misses
 one or names one that does not exist fails when it is built (a TypeError naming the field), not
-when a template renders. The plan is frozen: a change makes a new plan (`with_changes`).
+when a template renders. A plan is frozen: a change makes a new plan (`with_changes`), and a plan
+built from another (a fold's sequence from the folded conv's) makes new parts and steps.
 
 It is also a read-only mapping of those names (`plan["box"]`, `plan.get("igemm")`, `**plan` into
-Jinja), the form the launch code, the sequences (`tail`, `tapsum`), whose plans are still plain
-dicts, and the tests read; the field `in_` is the key "in" (a Python keyword).
+Jinja), the form the templates and some of the launch code and the tests read; the field `in_` is
+the key "in" (a Python keyword), `items_` the key "items" (a method of the mapping). The sequences' own parts are typed likewise: `tail.TailPlan`
+(a statistic stage's kernels) and `tapsum.TapsumPlan` (a fold's tap sums).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-_KEY_OF = {"in_": "in"}  # fields whose template name is a Python keyword
+if TYPE_CHECKING:
+    from specgen.spec import LayerSpec
+    from specgen.tail import Segment
+
+# fields whose template name is a Python keyword ("in") or a method of the mapping ("items": a
+# dataclass would take the method for the field's default)
+_KEY_OF = {"in_": "in", "items_": "items"}
 _FIELD_OF = {v: k for k, v in _KEY_OF.items()}
 
 
 class TemplateValues(Mapping):
     """A frozen dataclass read as a mapping of its fields' template names (read-only)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        taken = sorted(n for n in cls.__dict__.get("__annotations__", {}) if callable(getattr(TemplateValues, n, None)))
+        if taken:
+            raise TypeError(f"{cls.__name__}: the field(s) {', '.join(taken)} would hide the mapping's methods; "
+                            f"name them with a trailing underscore (kernelplan._KEY_OF)")
 
     @classmethod
     def _keys(cls) -> tuple[tuple[str, ...], frozenset]:
@@ -46,7 +63,7 @@ class TemplateValues(Mapping):
         return key in self._keys()[1]
 
     def with_changes(self, **changes):
-        """A copy with these keys changed (template names: "in" for `in_`)."""
+        """A copy with these keys changed (template names: "in" for `in_`, "items" for `items_`)."""
         return replace(self, **{_FIELD_OF.get(k, k): v for k, v in changes.items()})
 
 
@@ -183,8 +200,112 @@ class KernelPlan(TemplateValues):
     weight_transforms: list = field(default_factory=list)
 
 
-def with_changes(plan, **changes):
-    """`plan` with these keys changed: a new KernelPlan, or for a sequence's (dict) plan a new dict."""
-    if isinstance(plan, TemplateValues):
-        return plan.with_changes(**changes)
-    return {**plan, **changes}
+# ---- a layer that runs as a sequence of kernels ----------------------------------------------------
+
+PART_ROLES = {  # a part's role -> what it needs beside its plan
+    "body": ("spec",),  # the conv and the stages before the first split: `spec` the layer it plans
+    "rest": ("spec", "segment"),  # the stages after a split, over an identity conv
+    "tail": ("segment",),  # a statistic stage's kernels (`tail.TailPlan`)
+    "tapsum": ("folded_spec",),  # a fold's tap sums (`tapsum.TapsumPlan`)
+}
+
+
+@dataclass(frozen=True, eq=False)
+class SequencePart(TemplateValues):
+    """One part of a sequence: its `role` (PART_ROLES), the namespace its source goes in, and its
+    own plan: a KernelPlan for a body or a rest, a `tail.TailPlan`, a `tapsum.TapsumPlan`."""
+
+    role: str
+    namespace: str
+    plan: Any
+    spec: Optional[LayerSpec] = None  # the layer a body or rest plans
+    segment: Optional[Segment] = None  # the statistic stage (or split) a tail or rest follows
+    folded_spec: Optional[LayerSpec] = None  # a tap-sum part's folded layer: the later parts' stages are numbered as its
+
+    def __post_init__(self):
+        if self.role not in PART_ROLES:
+            raise TypeError(f"SequencePart: role {self.role!r} is none of {', '.join(PART_ROLES)}")
+        missing = [name for name in PART_ROLES[self.role] if getattr(self, name) is None]
+        if missing:
+            raise TypeError(f"SequencePart: a {self.role} part needs its {' and '.join(missing)}")
+
+
+@dataclass(frozen=True, eq=False)
+class LayerStep(TemplateValues):
+    """A body or rest part's launch: part `part` reads buffer `in_` ("in") and writes `out`,
+    `out_shape` per sample; a rest's identity conv has `ones` channels (its weights: ones)."""
+
+    part: int
+    in_: str
+    out: str
+    out_shape: list
+    ones: int = 0  # 0 for a body
+    kind: str = field(default="layer", init=False)
+
+
+@dataclass(frozen=True, eq=False)
+class KernelStep(TemplateValues):
+    """A tail or tap-sum kernel's launch: function `name`, `threads` per block, `grid_x` blocks per
+    sample (`once`: for the whole batch), and its pointer arguments in order: a buffer's name
+    ("x", "out" or one of the plan's buffers), "p_<name>" a parameter, "i_<name>" an extra input."""
+
+    part: int
+    name: str
+    threads: int
+    grid_x: int
+    once: bool
+    args: list
+    kind: str = field(default="kernel", init=False)
+
+
+@dataclass(frozen=True, eq=False)
+class SequencePlan(TemplateValues):
+    """The plan of a layer that runs as a sequence of kernels: its parts in order (each part's
+    source in its own namespace of one translation unit: `tail.join`) and the steps the runtime
+    launches (`specgen.tailrun`), then what the pipeline, the CLI and bench read of any plan."""
+
+    # ---- identity: the banner ----------------------------------------------------------------------
+    version: str
+    name: str
+    kernel_name: str  # the first part's kernel
+    spec_hash: str
+    spec_yaml: str
+    target: str
+    # ---- the sequence ------------------------------------------------------------------------------
+    parts: tuple  # SequencePart
+    steps: tuple  # LayerStep and KernelStep, in launch order
+    # the workspaces by name: floats per sample, ("stats", offset into the layer's batch statistics)
+    # or ("once", floats for the whole batch)
+    buffers: dict
+    stats_floats: int  # the batch statistics the layer returns (its training-mode batch norms')
+    why: list  # why the layer is split, a sentence per split
+    # ---- what the pipeline, the CLI and bench read of any plan -------------------------------------
+    smem_bytes: int
+    cluster: int  # the largest cluster any part launches
+    cluster_at_launch: bool
+    min_blocks: int
+    igemm: Any  # the body's
+    tma: Any  # the body's (the pipeline builds a body on Hopper's TMA engine for sm_90a)
+    mma: Optional[SlabTiling]  # the body's
+    rewrites: list
+    flops_per_sample: int
+    in_per_sample: int
+    out_per_sample: int
+    out_shape: list
+    params: list
+    precision: str
+    # how the launch hands the parts the user's weights, in order (a rewrite to another layer)
+    weight_transforms: list = field(default_factory=list)
+    engine: str = field(default="sequence", init=False)
+
+    def __post_init__(self):
+        for n, step in enumerate(self.steps):  # a body or rest launches as a layer, a tail's or fold's kernels one by one
+            if not 0 <= step.part < len(self.parts):
+                raise TypeError(f"SequencePlan: step {n} names part {step.part} of {len(self.parts)}")
+            if (self.parts[step.part].role in ("body", "rest")) != isinstance(step, LayerStep):
+                raise TypeError(f"SequencePlan: step {n} is a {step.kind} step of a {self.parts[step.part].role} part")
+
+
+def with_changes(plan: TemplateValues, **changes):
+    """`plan` (a KernelPlan or a SequencePlan) with these keys changed: a new plan."""
+    return plan.with_changes(**changes)

@@ -32,19 +32,20 @@ the layer is split before each statistic stage:
   further kernel of the body engine over an identity conv (1x1, depthwise, weights 1, no bias:
   exact), which reads the tail kernel's output. A further statistic stage starts the next tail.
 
-The plan of such a layer is `plan_sequence`'s: every part's own plan (the body's and the rests'
-are ordinary plans, the tails' are this module's) and the steps the runtime launches
-(`specgen.tailrun`). Its source is one translation unit: each part's source in a namespace of its
-own, the includes first (`join`).
+The plan of such a layer is `plan_sequence`'s, a `kernelplan.SequencePlan`: every part's own plan
+(the body's and the rests' are ordinary plans, the tails' are this module's `TailPlan`s) and the
+steps the runtime launches (`specgen.tailrun`). Its source is one translation unit: each part's
+source in a namespace of its own, the includes first (`join`).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specgen import __version__, ops
+from specgen.kernelplan import KernelPlan, KernelStep, LayerStep, SequencePart, SequencePlan, TemplateValues
 from specgen.literals import c_float
 from specgen.spec import LayerSpec
 
@@ -64,6 +65,107 @@ class Segment:
     index: int
     apply: tuple[int, ...]
     rest: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class TailKernel(TemplateValues):
+    """One kernel of a tail: its function, its `role` (one_pass, stats, finalize, apply, strided),
+    `threads` per block, `grid_x` blocks per sample (`once`: for the whole batch), its arguments by
+    the tail's own names ("in", "out", "partials", "stat", "p_<name>", "i_<name>": `plan_sequence`
+    maps them to the sequence's buffers) and the bytes it moves per sample."""
+
+    name: str
+    role: str
+    threads: int
+    grid_x: int
+    once: bool
+    args: list
+    bytes_per_sample: int
+
+
+@dataclass(frozen=True, eq=False)
+class TailPlan(TemplateValues):
+    """The plan of one statistic stage's tail kernels (tail.cu.j2 sees only this): what every mode
+    has; `OnePassTail`, `SplitTail` and `StridedTail` add their own values (`family` and `mode` name
+    the kind)."""
+
+    version: str
+    name: str
+    spec_hash: str
+    index: int
+    op: str
+    op_comment: str
+    group_text: str
+    statistic: str
+    prepare: str  # %-format snippets of the op table, formatted by the template
+    normalize: str
+    prepare_comment: str
+    eps: str
+    affine: str
+    affine_index: str | None
+    pointwise: list
+    # what each value goes through after its normalization: the norm's weight and bias, the stages after it
+    steps: list
+    params: list
+    inputs: list
+    constants: list
+    in_shape: list
+    per_sample: int
+    c_stride: int
+    needs_channel: bool
+    lse_helpers: str
+    across_batch: bool
+    stats_output: bool
+    threads: int
+    vec: int
+    kernels: tuple  # TailKernel, in launch order
+
+
+@dataclass(frozen=True, eq=False)
+class OnePassTail(TailPlan):
+    """A group of at most ONE_PASS_MAX floats, per sample: a team of `team` threads holds it."""
+
+    groups: int
+    group_len: int
+    team: int
+    teams: int
+    items_: int  # (the key "items") vectors per thread: ITEMS * TEAM * VEC >= GROUP_LEN
+    lane_span: int
+    team_warps: int
+    family: str = field(default="runs", init=False)
+    mode: str = field(default="one_pass", init=False)
+
+
+@dataclass(frozen=True, eq=False)
+class SplitTail(TailPlan):
+    """Larger groups, and a batch norm's: stats, finalize and apply kernels over chunks of CHUNK floats."""
+
+    groups: int
+    group_len: int
+    items_: int  # (the key "items") vectors per thread: ITEMS * THREADS * VEC = CHUNK
+    chunk: int
+    chunks: int
+    partials: int
+    stat_per_sample: int
+    stat_floats: int
+    fin_threads: int
+    fin_iters: int
+    family: str = field(default="runs", init=False)
+    mode: str = field(default="split", init=False)
+
+
+@dataclass(frozen=True, eq=False)
+class StridedTail(TailPlan):
+    """A softmax over dims that are not trailing: groups strided by INNER."""
+
+    outer: int
+    elems: int
+    inner: int
+    registers: bool
+    groups_t: int
+    re_read_unroll: int
+    family: str = field(default="strided", init=False)
+    mode: str = field(default="strided", init=False)
 
 
 def is_sequence(spec: LayerSpec) -> bool:
@@ -153,7 +255,7 @@ def _affine_code(row: ops.Norm, args, index: str) -> str:
     return ""
 
 
-def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> dict:
+def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> TailPlan:
     """The plan of one statistic stage's tail kernels (tail.cu.j2 sees only this)."""
     from specgen.plan import Constant, _pointwise_code
 
@@ -167,8 +269,8 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> dict:
     per_sample = math.prod(sizes)
     consts: list[Constant] = []
     eps_name = f"S{i}_EPS"
-    for field, value in row.constants(args).items():
-        consts.append(Constant(f"S{i}_{field.upper()}", c_float(value), f"epilogue[{i}] {stage.op} {field} = {value!r}", "float"))
+    for name, value in row.constants(args).items():
+        consts.append(Constant(f"S{i}_{name.upper()}", c_float(value), f"epilogue[{i}] {stage.op} {name} = {value!r}", "float"))
     pointwise = [_pointwise_code(spec, j, consts, "c_el") for j in segment.apply]
     has_channels = bool(shape.axes) and shape.axes[0].role == "c"
     c_stride = math.prod(sizes[1:]) if has_channels else 1
@@ -178,35 +280,35 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> dict:
     inputs = list(dict.fromkeys(n for st in pointwise for n in st["inputs"]))
     tensors = [*(f"p_{n}" for n in params), *(f"i_{n}" for n in inputs)]  # what an applying kernel reads besides its input
     trailing = span.last == len(sizes)
-    base = {
-        "version": __version__,
-        "name": spec.name,
-        "spec_hash": spec.shape_hash,
-        "index": i,
-        "op": stage.op,
-        "op_comment": f"epilogue[{i}] {stage.op}",
-        "group_text": _group_text(spec, i),
-        "statistic": row.statistic,
-        "prepare": row.prepare,  # %-format snippets of the op table, formatted by the template
-        "normalize": row.normalize,
-        "prepare_comment": row.prepare_comment,
-        "eps": eps_name,
-        "affine": affine,
-        "affine_index": row.affine if affine else None,
-        "pointwise": pointwise,
+    base = dict(
+        version=__version__,
+        name=spec.name,
+        spec_hash=spec.shape_hash,
+        index=i,
+        op=stage.op,
+        op_comment=f"epilogue[{i}] {stage.op}",
+        group_text=_group_text(spec, i),
+        statistic=row.statistic,
+        prepare=row.prepare,  # %-format snippets of the op table, formatted by the template
+        normalize=row.normalize,
+        prepare_comment=row.prepare_comment,
+        eps=eps_name,
+        affine=affine,
+        affine_index=row.affine if affine else None,
+        pointwise=pointwise,
         # what each value goes through after its normalization: the norm's weight and bias, the stages after it
-        "steps": ([{"code": affine, "comment": "its weight and bias"}] if affine else []) + pointwise,
-        "params": [{"name": n} for n in params],
-        "inputs": [{"name": n} for n in inputs],
-        "constants": consts,
-        "in_shape": sizes,
-        "per_sample": per_sample,
-        "c_stride": c_stride,
-        "needs_channel": needs_channel,
-        "lse_helpers": ops.REDUCTIONS["logsumexp"].helpers if row.statistic == "lse" else "",
-        "across_batch": span.across_batch,
-        "stats_output": i in spec.running_stat_stages(),
-    }
+        steps=([{"code": affine, "comment": "its weight and bias"}] if affine else []) + pointwise,
+        params=[{"name": n} for n in params],
+        inputs=[{"name": n} for n in inputs],
+        constants=consts,
+        in_shape=sizes,
+        per_sample=per_sample,
+        c_stride=c_stride,
+        needs_channel=needs_channel,
+        lse_helpers=ops.REDUCTIONS["logsumexp"].helpers if row.statistic == "lse" else "",
+        across_batch=span.across_batch,
+        stats_output=i in spec.running_stat_stages(),
+    )
     if not trailing:  # a softmax over leading or middle dims: groups strided by INNER
         outer = math.prod(sizes[:span.first - 1])
         elems = math.prod(sizes[span.first - 1:span.last])
@@ -216,14 +318,11 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> dict:
         registers = bool(fitting)
         vec = fitting[0] if fitting else _vec(inner)
         threads_per_sample = outer * inner // vec
-        kernel = {"name": f"{kernel_prefix}_softmax", "role": "strided", "threads": THREADS,
-                  "grid_x": -(-threads_per_sample // THREADS), "once": False,
-                  "args": ["in", *tensors, "out"],
-                  "bytes_per_sample": 4 * per_sample * (1 if registers else 2) + 4 * per_sample}
-        return {**base, "family": "strided", "mode": "strided", "outer": outer, "elems": elems, "inner": inner,
-                "vec": vec, "registers": registers, "groups_t": threads_per_sample, "threads": THREADS,
-                "re_read_unroll": RE_READ_UNROLL,
-                "kernels": [kernel]}
+        kernel = TailKernel(name=f"{kernel_prefix}_softmax", role="strided", threads=THREADS,
+                            grid_x=-(-threads_per_sample // THREADS), once=False, args=["in", *tensors, "out"],
+                            bytes_per_sample=4 * per_sample * (1 if registers else 2) + 4 * per_sample)
+        return StridedTail(**base, outer=outer, elems=elems, inner=inner, vec=vec, registers=registers,
+                           groups_t=threads_per_sample, threads=THREADS, re_read_unroll=RE_READ_UNROLL, kernels=(kernel,))
     groups = math.prod(sizes[:span.first - 1]) * span.split
     group_len = per_sample // groups
     vec = _vec(group_len)
@@ -233,30 +332,26 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> dict:
         threads = max(team, THREADS)
         teams = threads // team
         items = -(-group_len // (team * vec))
-        kernel = {"name": f"{kernel_prefix}_norm", "role": "one_pass", "threads": threads,
-                  "grid_x": -(-groups // teams), "once": False,
-                  "args": ["in", *tensors, "out"], "bytes_per_sample": 8 * per_sample}
-        return {**base, "family": "runs", "mode": "one_pass", "groups": groups, "group_len": group_len, "vec": vec,
-                "team": team, "threads": threads, "teams": teams, "items": items, "lane_span": min(team, 32),
-                "team_warps": max(1, team // 32), "kernels": [kernel]}
+        kernel = TailKernel(name=f"{kernel_prefix}_norm", role="one_pass", threads=threads, grid_x=-(-groups // teams),
+                            once=False, args=["in", *tensors, "out"], bytes_per_sample=8 * per_sample)
+        return OnePassTail(**base, groups=groups, group_len=group_len, vec=vec, team=team, threads=threads, teams=teams,
+                           items_=items, lane_span=min(team, 32), team_warps=max(1, team // 32), kernels=(kernel,))
     chunks = -(-group_len // CHUNK)
     partials = 2 * groups * chunks  # per sample: [means or maxima][M2s or sums], group-major
     stat_per_sample = 0 if span.across_batch else 2 * groups
     fin_threads = THREADS if span.across_batch else min(THREADS, max(32, _pow2_at_least(chunks)))
-    kernels = [
-        {"name": f"{kernel_prefix}_stats", "role": "stats", "threads": THREADS, "grid_x": groups * chunks, "once": False,
-         "args": ["in", "partials"], "bytes_per_sample": 4 * per_sample + 4 * partials},
-        {"name": f"{kernel_prefix}_finalize", "role": "finalize", "threads": fin_threads, "grid_x": groups,
-         "once": span.across_batch, "args": ["partials", "stat"],
-         "bytes_per_sample": 4 * partials + 4 * stat_per_sample},
-        {"name": f"{kernel_prefix}_apply", "role": "apply", "threads": THREADS, "grid_x": groups * chunks, "once": False,
-         "args": ["in", "stat", *tensors, "out"],
-         "bytes_per_sample": 8 * per_sample + 4 * stat_per_sample},
-    ]
-    return {**base, "family": "runs", "mode": "split", "groups": groups, "group_len": group_len, "vec": vec,
-            "threads": THREADS, "items": items, "chunk": CHUNK, "chunks": chunks, "partials": partials,
-            "stat_per_sample": stat_per_sample, "stat_floats": 2 * groups, "fin_threads": fin_threads,
-            "fin_iters": -(-chunks // fin_threads), "kernels": kernels}
+    kernels = (
+        TailKernel(name=f"{kernel_prefix}_stats", role="stats", threads=THREADS, grid_x=groups * chunks, once=False,
+                   args=["in", "partials"], bytes_per_sample=4 * per_sample + 4 * partials),
+        TailKernel(name=f"{kernel_prefix}_finalize", role="finalize", threads=fin_threads, grid_x=groups,
+                   once=span.across_batch, args=["partials", "stat"],
+                   bytes_per_sample=4 * partials + 4 * stat_per_sample),
+        TailKernel(name=f"{kernel_prefix}_apply", role="apply", threads=THREADS, grid_x=groups * chunks, once=False,
+                   args=["in", "stat", *tensors, "out"], bytes_per_sample=8 * per_sample + 4 * stat_per_sample),
+    )
+    return SplitTail(**base, groups=groups, group_len=group_len, vec=vec, threads=THREADS, items_=items, chunk=CHUNK,
+                     chunks=chunks, partials=partials, stat_per_sample=stat_per_sample, stat_floats=2 * groups,
+                     fin_threads=fin_threads, fin_iters=-(-chunks // fin_threads), kernels=kernels)
 
 
 # A plain conv splits before a windowed pool where the planner would put the conv alone on tensor
@@ -390,7 +485,7 @@ def channel_norm_end(spec: LayerSpec) -> int | None:
     return end
 
 
-def plan_channel_norm(spec: LayerSpec, target=None, tma_config=None, settings=None) -> dict | None:
+def plan_channel_norm(spec: LayerSpec, target=None, tma_config=None, settings=None) -> KernelPlan | SequencePlan | None:
     """The plan of a layer whose softmax over the channels the TMA engine's epilogue takes
     (`channel_norm_end`): one kernel, or that kernel writing T0 and the stages after it over an
     identity conv (`plan_split`, the body left to the planner, which must take the TMA engine);
@@ -417,7 +512,7 @@ def plan_channel_norm(spec: LayerSpec, target=None, tma_config=None, settings=No
         return None
 
 
-def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None) -> dict:
+def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None) -> SequencePlan:
     """The plan of a layer split before its first windowed pool (`pool_split`): the body (the conv
     and the pointwise ops before it, on `split_engine`'s engine) into T0, then the rest."""
     first = spec.epilogue[at]
@@ -426,7 +521,7 @@ def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None) -> dic
     def why(body_plan) -> str:
         ran = ("the conv and the stages before it run on the {} engine and write T0"
                if any(st.kind != "pointwise" for st in spec.epilogue[:at]) else "the conv runs on the {} engine and writes T0")
-        return (f"epilogue[{at}] {first.op} would keep the whole layer on FFMA ({what}): {ran.format(body_plan['engine'])}, "
+        return (f"epilogue[{at}] {first.op} would keep the whole layer on FFMA ({what}): {ran.format(body_plan.engine)}, "
                 f"the pool and what follows read it in a further kernel over an identity conv (1x1 depthwise, weights 1: exact)")
 
     # (few input channels in fp32 too: the FFMA engine is what the split avoids)
@@ -434,12 +529,12 @@ def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None) -> dic
 
 
 def plan_split(spec: LayerSpec, at: int, body_engine: str | None, why, target=None, settings=None,
-               tma_config=None) -> dict:
+               tma_config=None) -> SequencePlan:
     """A layer as two kernels: the body (the conv and stages [0, at), on `body_engine`, or the
     planner's choice when None) writes T0; the rest reads it over an identity conv. `why(body_plan)`
     says why the layer is split."""
     from specgen.kernelplan import with_changes
-    from specgen.plan import DEFAULT_SETTINGS, build_plan, spec_yaml
+    from specgen.plan import DEFAULT_SETTINGS, build_plan
 
     prefix = f"specgen_{spec.name}"
     body = _cut(spec, at, body_engine)
@@ -450,36 +545,20 @@ def plan_split(spec: LayerSpec, at: int, body_engine: str | None, why, target=No
     if spec.precision in ("bf16", "fp16"):  # T0 is in the layer's dtype: the rest widens it (exactly) and rounds once
         rest = rest.model_copy(update={"precision": spec.precision})
     rest_plan = with_changes(build_plan(rest, None, target, settings=settings), kernel_name=f"{prefix}_rest")
-    parts = [{"role": "body", "namespace": "body", "spec": body, "plan": body_plan},
-             {"role": "rest", "namespace": "rest", "spec": rest, "plan": rest_plan, "segment": seg}]
+    parts = (SequencePart(role="body", namespace="body", spec=body, plan=body_plan),
+             SequencePart(role="rest", namespace="rest", spec=rest, plan=rest_plan, segment=seg))
     t0 = list(body.shapes()[-1].sizes)
-    steps = [{"kind": "layer", "part": 0, "in": "x", "out": "t0", "out_shape": t0},
-             {"kind": "layer", "part": 1, "in": "t0", "out": "out", "out_shape": list(rest_out), "ones": rest.input.channels}]
-    out_shape = list(spec.shapes()[-1].sizes)
-    layer_plans = [body_plan, rest_plan]
-    return {
-        "version": __version__, "name": spec.name, "engine": "sequence", "kernel_name": body_plan["kernel_name"],
-        "spec_hash": spec.shape_hash, "spec_yaml": spec_yaml(spec), "target": body_plan["target"],
-        "parts": parts, "steps": steps, "buffers": {"t0": math.prod(t0)}, "stats_floats": 0, "why": [why(body_plan)],
-        "smem_bytes": max(p.get("smem_bytes", 0) for p in layer_plans),
-        "cluster": max(p["cluster"] for p in layer_plans),
-        "cluster_at_launch": any(p["cluster_at_launch"] for p in layer_plans),
-        "min_blocks": body_plan["min_blocks"], "igemm": body_plan.get("igemm"), "tma": body_plan.get("tma"),
-        "mma": body_plan.get("mma"), "rewrites": [rw for p in layer_plans for rw in p["rewrites"]],
-        "flops_per_sample": sum(p["flops_per_sample"] for p in layer_plans),
-        "in_per_sample": body_plan["in_per_sample"],
-        "out_per_sample": math.prod(out_shape) if out_shape else 1, "out_shape": out_shape,
-        "params": [{"name": n, "shape": list(s), "channels": s[0] if s else 1} for n, s in spec.params().items()],
-        "precision": spec.precision,
-    }
+    steps = (LayerStep(part=0, in_="x", out="t0", out_shape=t0),
+             LayerStep(part=1, in_="t0", out="out", out_shape=list(rest_out), ones=rest.input.channels))
+    return sequence_plan(spec, parts, steps, {"t0": math.prod(t0)}, 0, [why(body_plan)])
 
 
-def plan_sequence(spec: LayerSpec, igemm_config=None, target=None, tma_config=None, settings=None) -> dict:
+def plan_sequence(spec: LayerSpec, igemm_config=None, target=None, tma_config=None, settings=None) -> SequencePlan:
     """The plan of a layer with statistic stages: its parts in order and the steps that launch them.
     The planner settings (`igemm_config`, `tma_config`) are the body's; `settings` (`plan.Settings`)
     every part's."""
     from specgen.kernelplan import with_changes
-    from specgen.plan import DEFAULT_SETTINGS, PlanError, build_plan, spec_yaml
+    from specgen.plan import DEFAULT_SETTINGS, PlanError, build_plan
 
     if spec.precision not in ("fp32", "tf32"):
         raise PlanError([f"precision: the tail engine's kernels compute in float32; a layer with statistic stages "
@@ -489,39 +568,38 @@ def plan_sequence(spec: LayerSpec, igemm_config=None, target=None, tma_config=No
     body = body_spec(spec)
     settings = settings or DEFAULT_SETTINGS
     body_plan = with_changes(build_plan(body, igemm_config, target, tma_config, settings), kernel_name=f"{prefix}_body")
-    parts = [{"role": "body", "namespace": "body", "spec": body, "plan": body_plan}]
-    steps = [{"kind": "layer", "part": 0, "in": "x", "out": "t0", "out_shape": list(body.shapes()[-1].sizes)}]
+    parts = [SequencePart(role="body", namespace="body", spec=body, plan=body_plan)]
+    steps: list = [LayerStep(part=0, in_="x", out="t0", out_shape=list(body.shapes()[-1].sizes))]
     buffers = {"t0": math.prod(body.shapes()[-1].sizes)}
     why = []
     current = "t0"
     stats_offset = 0
-    shapes = spec.shapes()
     for k, seg in enumerate(segments):
         tp = tail_plan(spec, seg, f"{prefix}_e{seg.index}")
         last = k + 1 == len(segments)
         u = "out" if last and not seg.rest else f"u{seg.index}"
         if u != "out":
-            buffers[u] = tp["per_sample"]
+            buffers[u] = tp.per_sample
         names = {"in": current, "out": u}
         # a saved value is this statistic stage's input (LayerSpec._check_saved): read back from it
         saved = list(dict.fromkeys(n for j in seg.apply for n in ops.POINTWISE[spec.epilogue[j].op].saved(spec.epilogue[j].args)))
         names.update({f"i_{n}": current for n in saved})
-        if tp["mode"] == "split":
+        if isinstance(tp, SplitTail):
             names["partials"] = f"partials{seg.index}"
-            buffers[names["partials"]] = tp["partials"]
+            buffers[names["partials"]] = tp.partials
             names["stat"] = f"stat{seg.index}"
-            if tp["stats_output"]:  # a batch norm's statistics are part of the layer's output: the running update reads them
+            if tp.stats_output:  # a batch norm's statistics are part of the layer's output: the running update reads them
                 buffers[names["stat"]] = ("stats", stats_offset)
-                stats_offset += tp["stat_floats"]
-            elif tp["across_batch"]:
-                buffers[names["stat"]] = ("once", tp["stat_floats"])
+                stats_offset += tp.stat_floats
+            elif tp.across_batch:
+                buffers[names["stat"]] = ("once", tp.stat_floats)
             else:
-                buffers[names["stat"]] = tp["stat_per_sample"]
-        for kernel in tp["kernels"]:
-            steps.append({"kind": "kernel", "part": len(parts), "name": kernel["name"], "threads": kernel["threads"],
-                          "grid_x": kernel["grid_x"], "once": kernel["once"], "args": [names.get(a, a) for a in kernel["args"]]})
-        parts.append({"role": "tail", "namespace": f"e{seg.index}", "plan": tp, "segment": seg})
-        why.append(f"epilogue[{seg.index}] {tp['op']} normalizes each value with a statistic of its group "
+                buffers[names["stat"]] = tp.stat_per_sample
+        for kernel in tp.kernels:
+            steps.append(KernelStep(part=len(parts), name=kernel.name, threads=kernel.threads, grid_x=kernel.grid_x,
+                                    once=kernel.once, args=[names.get(a, a) for a in kernel.args]))
+        parts.append(SequencePart(role="tail", namespace=f"e{seg.index}", plan=tp, segment=seg))
+        why.append(f"epilogue[{seg.index}] {tp.op} normalizes each value with a statistic of its group "
                    f"({_group_text(spec, seg.index)}), which no block of the kernel before it computes whole: "
                    f"the layer is split there")
         if saved:
@@ -535,128 +613,137 @@ def plan_sequence(spec: LayerSpec, igemm_config=None, target=None, tma_config=No
             out = "out" if last else f"t{seg.rest[-1] + 1}"
             if out != "out":
                 buffers[out] = math.prod(rest_out)
-            steps.append({"kind": "layer", "part": len(parts), "in": current, "out": out, "out_shape": list(rest_out),
-                          "ones": rest.input.channels})
+            steps.append(LayerStep(part=len(parts), in_=current, out=out, out_shape=list(rest_out), ones=rest.input.channels))
             first = spec.epilogue[seg.rest[0]]
-            parts.append({"role": "rest", "namespace": f"e{seg.index}_rest", "spec": rest, "plan": rest_plan, "segment": seg})
+            parts.append(SequencePart(role="rest", namespace=f"e{seg.index}_rest", spec=rest, plan=rest_plan, segment=seg))
             why.append(f"epilogue[{seg.rest[0]}] {first.op} after a statistic stage runs in a further kernel of the body engine "
                        f"over an identity conv (1x1 depthwise, weights 1: exact) that reads the tail kernel's output")
             current = out
-    out_shape = list(shapes[-1].sizes)
-    plans = [p["plan"] for p in parts]
-    layer_plans = [p["plan"] for p in parts if p["role"] != "tail"]
-    return {
+    return sequence_plan(spec, tuple(parts), tuple(steps), buffers, stats_offset, why)
+
+
+def sequence_plan(spec: LayerSpec, parts: tuple, steps: tuple, buffers: dict, stats_floats: int, why: list,
+                  **values) -> SequencePlan:
+    """The plan of `spec` run as `parts` launched by `steps`. What the pipeline, the CLI and bench
+    read of any plan comes from its body's and rests' plans (a sequence has one body); `values`
+    gives others (a fold's: specgen.tapsum.plan_fold)."""
+    from specgen.plan import spec_yaml
+
+    body_plan = next(p.plan for p in parts if p.role == "body")
+    layer_plans = [p.plan for p in parts if p.role in ("body", "rest")]  # (the tails' and tap sums' need no more)
+    out_shape = list(spec.shapes()[-1].sizes)
+    return SequencePlan(**{
         "version": __version__,
         "name": spec.name,
-        "engine": "sequence",
-        "kernel_name": body_plan["kernel_name"],
+        "kernel_name": body_plan.kernel_name,
         "spec_hash": spec.shape_hash,
         "spec_yaml": spec_yaml(spec),
-        "target": body_plan["target"],
+        "target": body_plan.target,
         "parts": parts,
         "steps": steps,
         "buffers": buffers,
-        "stats_floats": stats_offset,
+        "stats_floats": stats_floats,
         "why": why,
-        # what the pipeline, the CLI and bench read of any plan
-        "smem_bytes": max(p.get("smem_bytes", 0) for p in plans),
-        "cluster": max(p["cluster"] for p in layer_plans),  # the largest cluster any part launches
-        "cluster_at_launch": any(p["cluster_at_launch"] for p in layer_plans),
-        "min_blocks": body_plan["min_blocks"],
-        "igemm": body_plan.get("igemm"),
-        "tma": body_plan.get("tma"),  # (the pipeline builds a body on Hopper's TMA engine for sm_90a)
-        "mma": body_plan.get("mma"),
-        "rewrites": [rw for p in layer_plans for rw in p["rewrites"]],
-        "flops_per_sample": sum(p["flops_per_sample"] for p in layer_plans),
-        "in_per_sample": body_plan["in_per_sample"],
+        "smem_bytes": max(p.smem_bytes for p in layer_plans),  # (the tails' and tap sums' shared memory is static)
+        "cluster": max(p.cluster for p in layer_plans),
+        "cluster_at_launch": any(p.cluster_at_launch for p in layer_plans),
+        "min_blocks": body_plan.min_blocks,
+        "igemm": body_plan.igemm,
+        "tma": body_plan.tma,
+        "mma": body_plan.mma,
+        "rewrites": [rw for p in layer_plans for rw in p.rewrites],
+        "flops_per_sample": sum(p.flops_per_sample for p in layer_plans),
+        "in_per_sample": body_plan.in_per_sample,
         "out_per_sample": math.prod(out_shape) if out_shape else 1,
         "out_shape": out_shape,
         "params": [{"name": n, "shape": list(s), "channels": s[0] if s else 1} for n, s in spec.params().items()],
         "precision": spec.precision,
-    }
+        **values,
+    })
 
 
-def _layer_bytes(plan: dict) -> int:
+def _layer_bytes(plan) -> int:
     """Bytes per sample a body-engine kernel moves: its input and its output (weights once per launch)."""
-    return 4 * (plan["in_per_sample"] + plan["out_per_sample"])
+    return 4 * (plan.in_per_sample + plan.out_per_sample)
 
 
-def describe(plan: dict) -> str:
+def describe(plan: SequencePlan) -> str:
     """`specgen show --plan` of a sequence: every kernel in order, the bytes it moves per sample, why
     the layer is split."""
     from specgen.plan import describe as describe_plan
 
-    kernels = [s for s in plan["steps"]]
-    lines = [f"layer {plan['name']}: a sequence of {len(kernels)} kernels (the tail engine: specgen/tail.py)"]
-    lines += [f"  why: {w}" for w in plan["why"]]
+    lines = [f"layer {plan.name}: a sequence of {len(plan.steps)} kernels (the tail engine: specgen/tail.py)"]
+    lines += [f"  why: {w}" for w in plan.why]
     total = 0
-    for n, step in enumerate(plan["steps"], 1):
-        part = plan["parts"][step["part"]]
-        if step["kind"] == "layer":
-            p = part["plan"]
+    for n, step in enumerate(plan.steps, 1):
+        part = plan.parts[step.part]
+        if isinstance(step, LayerStep):
+            p = part.plan
             moved = _layer_bytes(p)
-            what = "body (the conv and the stages before the split)" if part["role"] == "body" else \
+            what = "body (the conv and the stages before the split)" if part.role == "body" else \
                 "rest (from the pool or reduction after the split on)"
-            lines.append(f"  {n}. {p['kernel_name']}: {what}; reads {step['in']}, writes {step['out']} "
-                         f"{step['out_shape'] or '(one value per sample)'}; {moved} bytes per sample")
+            lines.append(f"  {n}. {p.kernel_name}: {what}; reads {step.in_}, writes {step.out} "
+                         f"{step.out_shape or '(one value per sample)'}; {moved} bytes per sample")
             lines += [f"       {line}" for line in describe_plan(p).splitlines()]
-        elif part["role"] == "tapsum":
+        elif part.role == "tapsum":
             from specgen.tapsum import describe as describe_tapsum
 
-            moved = part["plan"]["bytes_per_sample"]
-            lines.append(f"  {n}. {step['name']}: {describe_tapsum(part['plan'])}; reads {step['args'][0]}, "
-                         f"writes {step['args'][-1]}; {moved} bytes per sample")
+            moved = part.plan.bytes_per_sample
+            lines.append(f"  {n}. {step.name}: {describe_tapsum(part.plan)}; reads {step.args[0]}, "
+                         f"writes {step.args[-1]}; {moved} bytes per sample")
         else:
-            tp = part["plan"]
-            kernel = next(k for k in tp["kernels"] if k["name"] == step["name"])
-            moved = kernel["bytes_per_sample"]
-            grid = f"{kernel['grid_x']} block(s)" + ("" if kernel["once"] else " per sample")
-            lines.append(f"  {n}. {kernel['name']}: {_role_text(tp, kernel['role'])}; {kernel['threads']} threads/block, {grid}; "
-                         f"reads {', '.join(a for a in step['args'][:-1])}, writes {step['args'][-1]}; {moved} bytes per sample")
+            tp = part.plan
+            kernel = next(k for k in tp.kernels if k.name == step.name)
+            moved = kernel.bytes_per_sample
+            grid = f"{kernel.grid_x} block(s)" + ("" if kernel.once else " per sample")
+            lines.append(f"  {n}. {kernel.name}: {_role_text(tp, kernel.role)}; {kernel.threads} threads/block, {grid}; "
+                         f"reads {', '.join(a for a in step.args[:-1])}, writes {step.args[-1]}; {moved} bytes per sample")
         total += moved
-    lines.append(f"  in all about {total} bytes per sample (the fewest: {4 * (plan['in_per_sample'] + plan['out_per_sample'])})")
+    lines.append(f"  in all about {total} bytes per sample (the fewest: {4 * (plan.in_per_sample + plan.out_per_sample)})")
     return "\n".join(lines)
 
 
-def _role_text(tp: dict, role: str) -> str:
-    what = f"{tp['op_comment']} over groups of {tp['group_text']}"
+def _role_text(tp: TailPlan, role: str) -> str:
+    what = f"{tp.op_comment} over groups of {tp.group_text}"
     if role == "one_pass":
-        return f"{what}: a team of {tp['team']} thread(s) per group holds it in registers (statistic and normalization in one kernel)"
+        return f"{what}: a team of {tp.team} thread(s) per group holds it in registers (statistic and normalization in one kernel)"
     if role == "stats":
-        return f"{what}: partial statistics of chunks of {tp['chunk']} floats ({tp['chunks']} per group)"
+        return f"{what}: partial statistics of chunks of {tp.chunk} floats ({tp.chunks} per group)"
     if role == "finalize":
-        per = f"{tp['chunks']} per sample" if tp["across_batch"] else f"{tp['chunks']}"
+        per = f"{tp.chunks} per sample" if tp.across_batch else f"{tp.chunks}"
         return f"{what}: joins each group's partials ({per}) in a fixed tree"
     if role == "apply":
-        return f"{what}: normalizes chunk by chunk{' and applies ' + ', '.join(st['op'] for st in tp['pointwise']) if tp['pointwise'] else ''}"
-    return f"{what}: one thread per {tp['vec']} group(s), {'in registers' if tp['registers'] else 'read twice'}"
+        return f"{what}: normalizes chunk by chunk{' and applies ' + ', '.join(st['op'] for st in tp.pointwise) if tp.pointwise else ''}"
+    return f"{what}: one thread per {tp.vec} group(s), {'in registers' if tp.registers else 'read twice'}"
 
 
 _INCLUDE = re.compile(r"^#include .*$\n?", re.MULTILINE)
 
 
-def join(plan: dict, sources: list[str]) -> str:
+def join(plan: SequencePlan, sources: list[str]) -> str:
     """The sequence's translation unit: a banner, every part's includes once, then each part's
     source in its own namespace (their constants share names; the kernels are extern "C")."""
     includes = list(dict.fromkeys(m.group(0).strip() for src in sources for m in _INCLUDE.finditer(src)))
     lines = [
         "// " + "=" * 101,
-        f"// Generated by specgen {plan['version']} -- do not edit; change the spec and rebuild.",
-        f"// spec hash: {plan['spec_hash']} (the first 16 hex digits of the canonical spec's sha256). The cache key",
+        f"// Generated by specgen {plan.version} -- do not edit; change the spec and rebuild.",
+        f"// spec hash: {plan.spec_hash} (the first 16 hex digits of the canonical spec's sha256). The cache key",
         "//   (`specgen build` and `specgen cache ls` print its first 16) also covers this source, nvcc, arch and flags.",
-        f"// target: {plan['target']}",
+        f"// target: {plan.target}",
         "// spec:",
-        *[f"//   {line}" for line in plan["spec_yaml"].splitlines()],
+        *[f"//   {line}" for line in plan.spec_yaml.splitlines()],
         "//",
-        f"// This layer runs as a sequence of {len(plan['steps'])} kernels, launched in this order on one stream:",
+        f"// This layer runs as a sequence of {len(plan.steps)} kernels, launched in this order on one stream:",
     ]
-    for n, step in enumerate(plan["steps"], 1):
-        name = step["name"] if step["kind"] == "kernel" else plan["parts"][step["part"]]["plan"]["kernel_name"]
-        args = step["args"] if step["kind"] == "kernel" else [step["in"], step["out"]]
+    for n, step in enumerate(plan.steps, 1):
+        if isinstance(step, KernelStep):
+            name, args = step.name, step.args
+        else:
+            name, args = plan.parts[step.part].plan.kernel_name, [step.in_, step.out]
         lines.append(f"//   {n}. {name} ({', '.join(args[:-1])} -> {args[-1]})")
-    lines += [f"// Why: {w}." for w in plan["why"]]
+    lines += [f"// Why: {w}." for w in plan.why]
     lines += ["// Each part below is the source of its kernels, in a namespace of its own.", "// " + "=" * 101, *includes, ""]
-    for part, source in zip(plan["parts"], sources):
+    for part, source in zip(plan.parts, sources):
         body = _INCLUDE.sub("", source).strip("\n")
-        lines += [f"namespace {part['namespace']} {{", "", body, "", f"}}  // namespace {part['namespace']}", ""]
+        lines += [f"namespace {part.namespace} {{", "", body, "", f"}}  // namespace {part.namespace}", ""]
     return "\n".join(lines)

@@ -35,10 +35,12 @@ the data TF32 would round, and the conv is now small.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from specgen import __version__, ops
+from specgen.kernelplan import KernelStep, LayerStep, SequencePart, SequencePlan, TemplateValues
 from specgen.spec import LayerSpec
 
 THREADS = 256  # threads per block (at most)
@@ -210,68 +212,103 @@ def folded_spec(spec: LayerSpec, at: int, reduced: tuple[int, ...], tap_count: i
     return LayerSpec.model_validate(data)
 
 
-def plan_fold(spec: LayerSpec, fold: Fold, target=None, settings=None) -> dict:
+def plan_fold(spec: LayerSpec, fold: Fold, target=None, settings=None) -> SequencePlan:
     """The plan of a folded layer: the tap-sum kernel into S, then the folded conv's plan (itself a
     sequence where its epilogue needs one) reading S. The launch hands the folded conv the folded
     weights (`weight_transforms`, specgen.torchop.tap_fold_weight)."""
-    from specgen.plan import DEFAULT_SETTINGS, build_plan, spec_yaml
+    from specgen.plan import DEFAULT_SETTINGS, build_plan
+    from specgen.tail import sequence_plan
 
     inner = build_plan(fold.spec, None, target, settings=settings or DEFAULT_SETTINGS)
     prefix = f"specgen_{spec.name}"
     tp = tapsum_plan(spec, fold, f"{prefix}_tapsum")
-    tap_part = {"role": "tapsum", "namespace": "tapsum", "plan": tp, "folded_spec": fold.spec}  # (the layer the later parts are of)
-    tap_step = {"kind": "kernel", "part": 0, "name": tp["kernel_name"], "threads": tp["threads"],
-                "grid_x": tp["grid_x"], "once": False, "args": ["x", "s"]}
+    tap_part = SequencePart(role="tapsum", namespace="tapsum", plan=tp, folded_spec=fold.spec)  # (the layer the later parts are of)
+    tap_step = KernelStep(part=0, name=tp.kernel_name, threads=tp.threads, grid_x=tp.grid_x, once=False, args=["x", "s"])
     op = spec.epilogue[fold.at].op
     why = [f"epilogue[{fold.at}] {op} {'sums' if op == 'sum' else 'averages'} whole spatial dims of a linear conv: "
            f"the conv reads the input's sums per tap ({fold.tap_count} per input channel) instead of its "
            f"{fold.positions} output positions (the stages after it are numbered as the folded layer's)"]
-    if inner["engine"] == "sequence":  # the folded conv's epilogue has statistic stages or a split of its own
-        parts = [tap_part, *inner["parts"]]
+    if isinstance(inner, SequencePlan):  # the folded conv's epilogue has statistic stages or a split of its own
+        parts = (tap_part, *inner.parts)
         steps = [tap_step]
-        for st in inner["steps"]:
-            st = {**st, "part": st["part"] + 1}
-            if st["kind"] == "layer" and st["in"] == "x":
-                st["in"] = "s"
-            elif st["kind"] == "kernel":
-                st["args"] = ["s" if a == "x" else a for a in st["args"]]
+        for st in inner.steps:  # the inner sequence's steps, one part later, reading S where they read x
+            if isinstance(st, LayerStep):
+                st = dataclasses.replace(st, part=st.part + 1, in_="s" if st.in_ == "x" else st.in_)
+            else:
+                st = dataclasses.replace(st, part=st.part + 1, args=["s" if a == "x" else a for a in st.args])
             steps.append(st)
-        buffers = {"s": tp["s_per_sample"], **inner["buffers"]}
-        why += inner["why"]
-        stats_floats = inner["stats_floats"]
+        buffers = {"s": tp.s_per_sample, **inner.buffers}
+        why += inner.why
+        stats_floats = inner.stats_floats
     else:
-        parts = [tap_part, {"role": "body", "namespace": "body", "spec": fold.spec, "plan": inner}]
-        steps = [tap_step, {"kind": "layer", "part": 1, "in": "s", "out": "out", "out_shape": list(fold.spec.shapes()[-1].sizes)}]
-        buffers = {"s": tp["s_per_sample"]}
+        parts = (tap_part, SequencePart(role="body", namespace="body", spec=fold.spec, plan=inner))
+        steps = [tap_step, LayerStep(part=1, in_="s", out="out", out_shape=list(fold.spec.shapes()[-1].sizes))]
+        buffers = {"s": tp.s_per_sample}
         stats_floats = 0
-    layer_plans = [p["plan"] for p in parts if p["role"] in ("body", "rest")]
-    body_plan = next(p["plan"] for p in parts if p["role"] == "body")
-    out_shape = list(spec.shapes()[-1].sizes)
     rewrite = (f"tap-sum fold: epilogue[{fold.at}] {op} over whole spatial dims, taken before "
                f"the conv (the input summed per tap: {fold.tap_count} sums per input channel; the conv over them "
                f"in fp32, its weights / {fold.positions})")
-    return {
-        "version": __version__, "name": spec.name, "engine": "sequence", "kernel_name": tp["kernel_name"],
-        "spec_hash": spec.shape_hash, "spec_yaml": spec_yaml(spec), "target": body_plan["target"],
-        "parts": parts, "steps": steps, "buffers": buffers, "stats_floats": stats_floats, "why": why,
-        "smem_bytes": max(p["plan"].get("smem_bytes", 0) for p in parts if p["role"] != "tapsum"),
-        "cluster": max(p["cluster"] for p in layer_plans),
-        "cluster_at_launch": any(p["cluster_at_launch"] for p in layer_plans),
-        "min_blocks": body_plan["min_blocks"], "igemm": body_plan.get("igemm"), "tma": body_plan.get("tma"),
-        "mma": body_plan.get("mma"), "rewrites": [rewrite, *inner["rewrites"]],
-        "flops_per_sample": inner["flops_per_sample"] + tp["adds_per_sample"],
-        "in_per_sample": spec.input.channels * math.prod(spec.input.size),
-        "out_per_sample": math.prod(out_shape) if out_shape else 1, "out_shape": out_shape,
-        "params": [{"name": n, "shape": list(s), "channels": s[0] if s else 1} for n, s in spec.params().items()],
-        "precision": spec.precision,
-        "weight_transforms": [{
+    return sequence_plan(
+        spec, parts, tuple(steps), buffers, stats_floats, why,
+        kernel_name=tp.kernel_name,
+        rewrites=[rewrite, *inner.rewrites],
+        flops_per_sample=inner.flops_per_sample + tp.adds_per_sample,
+        in_per_sample=spec.input.channels * math.prod(spec.input.size),
+        weight_transforms=[{
             "kind": "tap_fold", "transposed": spec.conv.transposed, "groups": spec.conv.groups,
             "reduced": list(fold.reduced), "positions": fold.positions, "sets": [list(t.of_tap) for t in fold.taps],
         }],
-    }
+    )
 
 
-def tapsum_plan(spec: LayerSpec, fold: Fold, kernel_name: str) -> dict:
+@dataclass(frozen=True, eq=False)
+class TapsumPlan(TemplateValues):
+    """What templates/tapsum.cu.j2 renders (`tapsum_plan`): the input as [C_in, D, H, W], which of
+    D, H, W are summed, each summed dim's tap progressions, the tap sums' layout, the thread mapping."""
+
+    version: str
+    name: str
+    spec_hash: str
+    kernel_name: str
+    dims: list  # per dim of (D, H, W): its extent, whether it is summed, its strides and divisors; a summed one's taps
+    cin: int
+    plane: int
+    per_sample_in: int
+    s_per_sample: int
+    s_tap_stride: int
+    tap_count: int
+    reduced_names: list
+    kept_positions: int
+    reduced_positions: int
+    rows_mode: bool  # W summed: a team of whole warps per (channel, kept position), else a thread per one
+    rows: int
+    rows_par: int
+    row_iters: int
+    threads: int
+    grid_x: int
+    unroll_all: bool
+    taps_w: int
+    rest_taps: int
+    tap_conds: list
+    rest_conds: list
+    w_conds: list
+    rows_exact: bool
+    team_w: int
+    w_slots: int
+    w_exact: bool
+    team: int
+    team_warps: int
+    items_: int  # (the key "items") teams per block
+    tap_iters: int
+    acc_type: str
+    positions: int
+    op: str
+    at: int
+    adds_per_sample: int
+    bytes_per_sample: int
+
+
+def tapsum_plan(spec: LayerSpec, fold: Fold, kernel_name: str) -> TapsumPlan:
     """What templates/tapsum.cu.j2 needs: the input as [C_in, D, H, W], which of D, H, W are summed,
     each summed dim's tap progressions, the tap sums' layout, and the thread mapping."""
     from specgen.plan import _spatial3
@@ -349,23 +386,24 @@ def tapsum_plan(spec: LayerSpec, fold: Fold, kernel_name: str) -> dict:
     tap_conds = [cond(digits, summed) for digits in tap_digits]
     rest_conds = [cond(digits[:-1], summed[:-1]) for digits in tap_digits[::taps_w]] if rows_mode else tap_conds
     w_conds = dims[2]["reads"] if rows_mode else []
-    return {
-        "version": __version__, "name": spec.name, "spec_hash": spec.shape_hash, "kernel_name": kernel_name,
-        "dims": dims, "cin": cin, "plane": plane, "per_sample_in": cin * plane,
-        "s_per_sample": cin * tap_count * kept_positions, "s_tap_stride": s_stride3[r0],
-        "tap_count": tap_count, "reduced_names": [d["name"] for d in dims if d["reduced"]],
-        "kept_positions": kept_positions, "reduced_positions": reduced_positions,
-        "rows_mode": rows_mode, "rows": rows, "rows_par": rows_par, "row_iters": row_iters,
-        "threads": threads, "grid_x": grid_x, "unroll_all": loop <= UNROLL_ALL,
-        "taps_w": taps_w, "rest_taps": rest_taps, "tap_conds": tap_conds, "rest_conds": rest_conds, "w_conds": w_conds,
-        "rows_exact": rows_mode and rows % rows_par == 0,
-        "team_w": team_w, "w_slots": w_slots, "w_exact": rows_mode and width % team_w == 0, "team": team,
-        "team_warps": team // 32, "items": items,
-        "tap_iters": -(-tap_count // (team if rows_mode else threads)), "acc_type": "double" if max(tap_count, w_slots * rest_taps) <= DOUBLE_TAPS else "float",
-        "positions": fold.positions, "op": spec.epilogue[fold.at].op, "at": fold.at,
-        "adds_per_sample": cin * plane * tap_count,
-        "bytes_per_sample": 4 * (cin * plane + cin * tap_count * kept_positions),
-    }
+    return TapsumPlan(
+        version=__version__, name=spec.name, spec_hash=spec.shape_hash, kernel_name=kernel_name,
+        dims=dims, cin=cin, plane=plane, per_sample_in=cin * plane,
+        s_per_sample=cin * tap_count * kept_positions, s_tap_stride=s_stride3[r0],
+        tap_count=tap_count, reduced_names=[d["name"] for d in dims if d["reduced"]],
+        kept_positions=kept_positions, reduced_positions=reduced_positions,
+        rows_mode=rows_mode, rows=rows, rows_par=rows_par, row_iters=row_iters,
+        threads=threads, grid_x=grid_x, unroll_all=loop <= UNROLL_ALL,
+        taps_w=taps_w, rest_taps=rest_taps, tap_conds=tap_conds, rest_conds=rest_conds, w_conds=w_conds,
+        rows_exact=rows_mode and rows % rows_par == 0,
+        team_w=team_w, w_slots=w_slots, w_exact=rows_mode and width % team_w == 0, team=team,
+        team_warps=team // 32, items_=items,
+        tap_iters=-(-tap_count // (team if rows_mode else threads)),
+        acc_type="double" if max(tap_count, w_slots * rest_taps) <= DOUBLE_TAPS else "float",
+        positions=fold.positions, op=spec.epilogue[fold.at].op, at=fold.at,
+        adds_per_sample=cin * plane * tap_count,
+        bytes_per_sample=4 * (cin * plane + cin * tap_count * kept_positions),
+    )
 
 
 def reads_expr(var: str, first: int, last: int, step: int, count: int, size: int) -> str:
@@ -384,12 +422,11 @@ def reads_expr(var: str, first: int, last: int, step: int, count: int, size: int
     return " && ".join(terms) if terms else "true"
 
 
-def describe(tp: dict) -> str:
+def describe(tp: TapsumPlan) -> str:
     """One line for `specgen show --plan`: what the tap-sum kernel does."""
-    summed = "x".join(d["name"].upper() for d in tp["dims"] if d["reduced"])
-    how = (f"a team of {tp['team']} threads per (channel, kept position): {tp['team_w']} across W "
-           f"({tp['w_slots']} position(s) each) x {tp['rows_par']} row(s) at once, {tp['items']} team(s) per block"
-           if tp["rows_mode"] else "a thread per (channel, kept position)")
-    return (f"tap sums: the input summed over {summed} for each of the {tp['tap_count']} taps' index ranges, "
-            f"{how}; {tp['threads']} threads/block, {tp['grid_x']} block(s) per sample")
-
+    summed = "x".join(d["name"].upper() for d in tp.dims if d["reduced"])
+    how = (f"a team of {tp.team} threads per (channel, kept position): {tp.team_w} across W "
+           f"({tp.w_slots} position(s) each) x {tp.rows_par} row(s) at once, {tp.items_} team(s) per block"
+           if tp.rows_mode else "a thread per (channel, kept position)")
+    return (f"tap sums: the input summed over {summed} for each of the {tp.tap_count} taps' index ranges, "
+            f"{how}; {tp.threads} threads/block, {tp.grid_x} block(s) per sample")
