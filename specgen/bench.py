@@ -23,6 +23,7 @@ import time
 import torch
 
 from specgen import reference
+from specgen.kernelplan import SequencePlan
 from specgen.module import FusedLayer
 from specgen.spec import LayerSpec
 
@@ -210,8 +211,8 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
     copy_s = fewest_bytes / ceil["copy_bytes_per_s"]
     floor_ffma_ms = 1e3 * max(flops / ceil["fp32_flops_per_s"], copy_s)
     engine = plan["engine"]
-    if engine == "sequence":  # judged by its body's engine (the conv): the tails are memory-bound
-        engine = next(p for p in plan["parts"] if p["role"] == "body")["plan"]["engine"]
+    if isinstance(plan, SequencePlan):  # judged by its body's engine (the conv): the tails are memory-bound
+        engine = next(p for p in plan.parts if p.role == "body").plan.engine
     on_tensor_cores = plan["mma"] is not None or engine in ("igemm", "tma")
     sixteen = engine == "tma" and dtype != torch.float32  # only the TMA engine multiplies in 16 bits
     if not on_tensor_cores:
@@ -223,8 +224,8 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
         products = 3 if spec.precision == "fp32" else 1
         floor_ms = 1e3 * max(products * flops / ceil["tf32_flops_per_s"], copy_s)
     mode = {"fp32": "3xTF32", "tf32": "TF32", "bf16": "bf16", "fp16": "fp16"}[spec.precision] if sixteen or spec.precision in ("fp32", "tf32") else "TF32 on widened inputs"
-    if plan["engine"] == "sequence":
-        label = f"sequence of {len(plan['steps'])} launches, body: "
+    if isinstance(plan, SequencePlan):
+        label = f"sequence of {len(plan.steps)} launches, body: "
     else:
         label = ""
     if not on_tensor_cores:

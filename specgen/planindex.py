@@ -35,6 +35,7 @@ from pathlib import Path
 
 import specgen
 from specgen import paths
+from specgen.kernelplan import SequencePlan
 
 INDEX_SCHEMA = 1
 _SPECGEN_DIR = Path(__file__).resolve().parent
@@ -150,13 +151,13 @@ def _plain(value: object) -> object:
 def launch_spec(plan: dict) -> LaunchSpec:
     """The plan's `LaunchSpec` (what `torchop.load_kernel` and `_launch_plan` read from it)."""
     engine = plan["engine"]
-    if engine == "sequence":  # a part that is not an engine's kernel (a fold's sum) is named by its role only
+    if isinstance(plan, SequencePlan):  # a part that is not an engine's kernel (a fold's sum) is named by its role only
         parts = tuple(
-            launch_spec(part["plan"]) if "engine" in part["plan"]
-            else LaunchSpec(part["plan"].get("kernel_name", ""), part["role"])
-            for part in plan["parts"] if isinstance(part.get("plan"), Mapping)
+            launch_spec(part.plan) if part.role in ("body", "rest")
+            else LaunchSpec(part.plan.kernel_name if part.role == "tapsum" else "", part.role)
+            for part in plan.parts
         )
-        return LaunchSpec(plan.get("kernel_name", ""), engine, parts=parts)
+        return LaunchSpec(plan.kernel_name, engine, parts=parts)
     from specgen import splitk
 
     name = plan["kernel_name"]

@@ -7,6 +7,7 @@ import re
 
 import jinja2
 
+from specgen.kernelplan import SequencePlan
 from specgen.paths import templates_dir
 from specgen.plan import build_plan
 from specgen.spec import LayerSpec, SpecError
@@ -56,13 +57,13 @@ def _template_location(err: BaseException) -> str:
 def render_plan(plan: dict, template: str | None = None, runtime_dims: bool = False) -> str:
     """The .cu of a plan, from its engine's template. `runtime_dims` renders the measurement-only
     variant whose extents are read at run time (what specializing saves is measured against it)."""
-    if template is None and plan.get("engine") == "sequence":  # one source: each part's in its own namespace
+    if template is None and isinstance(plan, SequencePlan):  # one source: each part's in its own namespace
         from specgen import tail
 
         if runtime_dims:
             raise TemplateError("tail.cu.j2: a layer with statistic stages has no run-time-dimensions rendering")
         part_templates = {"tail": "tail.cu.j2", "tapsum": "tapsum.cu.j2"}
-        parts = [render_plan(p["plan"], part_templates.get(p["role"])) for p in plan["parts"]]
+        parts = [render_plan(p.plan, part_templates.get(p.role)) for p in plan.parts]
         return _checked(tail.join(plan, parts), plan)
     if template is None:
         engine = plan.get("engine")

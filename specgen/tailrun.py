@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from specgen import pipeline, runtime, tmarun, torchop
+from specgen.kernelplan import KernelStep, LayerStep, SequencePlan
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class _Kernel:
     parameter, "i" an extra input, "b" a buffer, and the bytes each advances per sample."""
 
     key: str
-    step: dict
+    step: KernelStep
     args: tuple
     strides: tuple
     once: bool
@@ -77,17 +78,16 @@ _lock = threading.Lock()
 def _sequence(sp: pipeline.Specialized) -> _Sequence:
     seq = _sequences.get(sp.key)
     if seq is None:
-        plan = sp.plan
+        plan: SequencePlan = sp.plan
         parts, in_shapes = {}, {}
-        for index, part in enumerate(plan["parts"]):
-            if part["role"] in ("body", "rest"):
-                parts[index] = Part(part["spec"], part["plan"], sp.source, sp.build, part=part["namespace"])
-                spec = part["spec"]
-                in_shapes[index] = (spec.input.channels, *spec.input.size)
+        for index, part in enumerate(plan.parts):
+            if part.role in ("body", "rest"):
+                parts[index] = Part(part.spec, part.plan, sp.source, sp.build, part=part.namespace)
+                in_shapes[index] = (part.spec.input.channels, *part.spec.input.size)
         dtype = torchop.PRECISION_DTYPE[sp.spec.precision]
         item = torch.empty((), dtype=dtype).element_size()
-        buffers, per_sample = [], {"x": 4 * plan["in_per_sample"], "out": 4 * math.prod(plan["out_shape"])}
-        for name, size in plan["buffers"].items():
+        buffers, per_sample = [], {"x": 4 * plan.in_per_sample, "out": 4 * math.prod(plan.out_shape)}
+        for name, size in plan.buffers.items():
             if isinstance(size, int):  # values per sample
                 buffers.append((name, "sample", size))
                 per_sample[name] = item * size
@@ -98,14 +98,14 @@ def _sequence(sp: pipeline.Specialized) -> _Sequence:
                 buffers.append((name, "once", size[1]))
                 per_sample[name] = 0
         steps = []
-        for step in plan["steps"]:
-            if step["kind"] == "layer":
-                index = step["part"]
-                steps.append(_Layer(parts[index], plan["parts"][index]["role"] == "body", step["in"], step["out"],
-                                    in_shapes[index], tuple(step["out_shape"]), step.get("ones", 0)))
+        for step in plan.steps:
+            if isinstance(step, LayerStep):
+                index = step.part
+                steps.append(_Layer(parts[index], plan.parts[index].role == "body", step.in_, step.out,
+                                    in_shapes[index], tuple(step.out_shape), step.ones))
                 continue
             args, strides = [], []
-            for arg in step["args"]:
+            for arg in step.args:
                 if arg.startswith("p_"):
                     args.append(("p", arg[2:]))
                     strides.append(0)
@@ -115,9 +115,9 @@ def _sequence(sp: pipeline.Specialized) -> _Sequence:
                 else:
                     args.append(("b", arg))
                     strides.append(per_sample[arg])
-            steps.append(_Kernel(f"{sp.key}:{step['name']}", step, tuple(args), tuple(strides), step["once"], step["grid_x"]))
-        seq = _sequences[sp.key] = _Sequence(parts, tuple(steps), tuple(buffers), tuple(plan["out_shape"]),
-                                             plan["stats_floats"], dtype)
+            steps.append(_Kernel(f"{sp.key}:{step.name}", step, tuple(args), tuple(strides), step.once, step.grid_x))
+        seq = _sequences[sp.key] = _Sequence(parts, tuple(steps), tuple(buffers), tuple(plan.out_shape),
+                                             plan.stats_floats, dtype)
     return seq
 
 
@@ -126,16 +126,16 @@ def load(sp: pipeline.Specialized, device_index: int) -> None:
     seq = _sequence(sp)
     for part in seq.parts.values():
         torchop.load_kernel(part, device_index)
-    for step in sp.plan["steps"]:
-        if step["kind"] == "kernel":
+    for step in sp.plan.steps:
+        if isinstance(step, KernelStep):
             _kernel(sp, step, device_index)
 
 
-def _kernel(sp: pipeline.Specialized, step: dict, device_index: int) -> runtime.LoadedKernel:
-    key = f"{sp.key}:{step['name']}"
+def _kernel(sp: pipeline.Specialized, step: KernelStep, device_index: int) -> runtime.LoadedKernel:
+    key = f"{sp.key}:{step.name}"
     kernel = runtime.lookup(key, device_index)
     if kernel is None:
-        kernel = runtime.load(key, torchop.cubin_bytes(sp), step["name"], step["threads"], 0, device_index)
+        kernel = runtime.load(key, torchop.cubin_bytes(sp), step.name, step.threads, 0, device_index)
     return kernel
 
 
