@@ -235,6 +235,40 @@ def test_batch_norm_statistics_span_the_batch():
     assert untracked["stats_floats"] == 0 and untracked["buffers"]["stat0"] == ("once", 10)
 
 
+def test_a_sequences_steps_name_its_parts_kernels_and_buffers():
+    """A batch norm with batch statistics, a pool, a group norm: the body into T0; the batch norm's
+    stats, finalize (once, into the layer's statistics) and apply kernels; the pool over an
+    identity conv; the group norm's one kernel into the output. Each kernel step is its tail's
+    kernel, its arguments the sequence's buffers, each written before it is read."""
+    from specgen.kernelplan import KernelPlan, KernelStep, LayerStep
+
+    plan = build_plan(validate(VARIANTS[IDS.index("bn_train")]))
+    assert [(p.role, p.namespace, type(p.plan)) for p in plan.parts] == [
+        ("body", "body", KernelPlan), ("tail", "e0", tail.SplitTail), ("rest", "e0_rest", KernelPlan),
+        ("tail", "e3", tail.OnePassTail)]
+    assert [type(s) for s in plan.steps] == [LayerStep, KernelStep, KernelStep, KernelStep, LayerStep, KernelStep]
+    body, stats, finalize, apply, rest, norm = plan.steps
+    assert (body.part, body.in_, body.out, body.out_shape, body.ones) == (0, "x", "t0", [8, 7, 7], 0)
+    assert (stats.part, stats.args) == (1, ["t0", "partials0"]) and not stats.once
+    assert (finalize.part, finalize.args, finalize.once) == (1, ["partials0", "stat0"], True)
+    assert (apply.part, apply.args) == (1, ["t0", "stat0", "p_bn_weight", "p_bn_bias", "u0"])
+    assert (rest.part, rest.in_, rest.out, rest.out_shape, rest.ones) == (2, "u0", "t3", [8, 3, 3], 8)
+    assert (norm.part, norm.args) == (3, ["t3", "p_gn_weight", "p_gn_bias", "out"])
+    for step in (stats, finalize, apply, norm):
+        kernel = next(k for k in plan.parts[step.part].plan.kernels if k.name == step.name)
+        assert (kernel.threads, kernel.grid_x, kernel.once) == (step.threads, step.grid_x, step.once)
+    split = plan.parts[1].plan
+    assert plan.buffers == {"t0": 8 * 7 * 7, "u0": 8 * 7 * 7, "partials0": split.partials, "stat0": ("stats", 0),
+                            "t3": 8 * 3 * 3}
+    assert plan.stats_floats == split.stat_floats == 16
+    written = {"x"}
+    for step in plan.steps:
+        reads, writes = ([step.in_], step.out) if isinstance(step, LayerStep) else (step.args[:-1], step.args[-1])
+        assert {a for a in reads if not a.startswith("p_")} <= written, step
+        written.add(writes)
+    assert "out" in written
+
+
 def test_the_rule_for_what_follows_a_norm():
     """Pointwise ops right after a statistic stage run in its tail kernel; from the first pool or
     reduction on, the stages up to the next statistic stage run as a further body-engine kernel."""

@@ -126,6 +126,30 @@ def test_steps_launch_in_order_and_hand_each_buffer_on(recorder, name):
     assert written["out"] == out.data_ptr()
 
 
+def test_the_launch_is_worked_out_from_the_typed_steps(recorder):
+    """What `tailrun` reads of the plan: a body or rest step's part, buffers and identity channels;
+    a kernel step's arguments (a buffer, a parameter) and the bytes each advances per sample; the
+    workspaces: per sample, a slice of the layer's statistics."""
+    spec, plan, sp = sequence("bn_train")
+    recorder(plan)
+    seq = tailrun._sequence(sp)
+    kinds = [type(s) for s in seq.steps]
+    assert kinds == [tailrun._Layer, tailrun._Kernel, tailrun._Kernel, tailrun._Kernel, tailrun._Layer, tailrun._Kernel]
+    body, stats, finalize, apply, rest, norm = seq.steps
+    assert body.body and (body.part.part, body.src, body.dst, body.in_shape, body.out_shape, body.ones) == \
+        ("body", "x", "t0", (4, 9, 9), (8, 7, 7), 0)
+    assert not rest.body and (rest.part.part, rest.src, rest.dst, rest.in_shape, rest.ones) == ("e0_rest", "u0", "t3", (8, 7, 7), 8)
+    t0, partials = 4 * plan.buffers["t0"], 4 * plan.buffers["partials0"]
+    assert (stats.args, stats.strides, stats.once) == ((("b", "t0"), ("b", "partials0")), (t0, partials), False)
+    assert (finalize.args, finalize.strides, finalize.once) == ((("b", "partials0"), ("b", "stat0")), (partials, 0), True)
+    assert apply.args == (("b", "t0"), ("b", "stat0"), ("p", "bn_weight"), ("p", "bn_bias"), ("b", "u0"))
+    assert apply.strides == (t0, 0, 0, 0, 4 * plan.buffers["u0"])
+    assert norm.key == f"{sp.key}:specgen_bn_train_e3_norm" and norm.grid_x == plan.steps[-1].grid_x
+    assert seq.buffers == (("t0", "sample", 392), ("u0", "sample", 392), ("partials0", "sample", 16), ("stat0", "stats", 0),
+                           ("t3", "sample", 72))
+    assert seq.stats_floats == 16 and seq.out_shape == tuple(plan.out_shape)
+
+
 def test_batch_statistics_land_in_the_layers_stats_tensor(recorder):
     spec, plan, sp = sequence("bn_train")
     rec = recorder(plan)

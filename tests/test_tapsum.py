@@ -151,6 +151,37 @@ def test_the_source_names_each_taps_set():
     assert "for (int o = 16; o > 0; o >>= 1)" in text  # the block's fixed-order sum
 
 
+def test_a_fold_over_a_sequence_makes_new_steps_that_read_the_sums(monkeypatch):
+    """The folded conv's own plan is a sequence here (a softmax after the mean): the fold puts the
+    tap-sum kernel first and takes its parts as they are, its steps one part later and reading S
+    where they read x, as new steps; the folded conv's plan is left as it was built."""
+    from specgen import plan as planner
+    from specgen.kernelplan import KernelStep, LayerStep, SequencePlan
+
+    built = []
+    real = planner.build_plan
+
+    def recorded(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(planner, "build_plan", recorded)
+    spec = validate({**FOLDS["mean_depth_3d"], "precision": "fp32"})
+    fold = tapsum.find(spec)
+    plan = tapsum.plan_fold(spec, fold)
+    inner = built[-1]  # the folded conv's plan (the last to finish)
+    assert isinstance(inner, SequencePlan) and inner.name == spec.name
+    assert plan.parts[0].role == "tapsum" and plan.parts[0].folded_spec is fold.spec
+    assert plan.parts[1:] == inner.parts  # the same parts
+    assert [type(s) for s in plan.steps] == [KernelStep, LayerStep, KernelStep]
+    assert (plan.steps[0].name, plan.steps[0].args) == ("specgen_fold_tapsum", ["x", "s"])
+    for step, was in zip(plan.steps[1:], inner.steps):
+        assert step is not was and step.part == was.part + 1
+    assert (inner.steps[0].in_, plan.steps[1].in_) == ("x", "s")
+    assert inner.steps[0].part == 0 and plan.steps[2].args == inner.steps[1].args
+    assert plan.buffers == {"s": plan.parts[0].plan.s_per_sample, **inner.buffers}
+
+
 @pytest.mark.nvcc
 def test_fold_variants_compile_without_spills(tmp_path, monkeypatch):
     from specgen import pipeline
