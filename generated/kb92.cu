@@ -210,8 +210,11 @@ __device__ __forceinline__ void stage_input(const float* __restrict__ x_n, float
 }
 
 // One warp tile: acc[i][j] = conv over all K of m-tile mg * WM + i (16 slab positions) and
-// n-tile j (8 channels) of the warp's channels, which start at column col0 of w_s.
+// n-tile j (8 channels) of the warp's channels, which start at column col0 of w_s, for the first
+// VALID m-tiles (those inside the slab: a compile-time count, so the K loop has no branch; the
+// accumulators of the others stay zero, and the epilogue skips their positions).
 // Lane (g, t) = (lane / 4, lane % 4) holds A rows g, g + 8 and K columns t, t + 4 of each tile.
+template <int VALID>
 __device__ __forceinline__ void conv_mma(const float* __restrict__ x_s, const float* __restrict__ w_s, int col0, int mg, float (&acc)[WM][WN][4]) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const float* __restrict__ w_lane = w_s + t * W_STRIDE + g;  // the lane's B row (K = t) and column
@@ -349,7 +352,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) specgen_kb92_body(
         if (unit < UNITS) {  // the same for the whole warp
           const int mg = unit / N_GROUPS, ng = unit % N_GROUPS;
           float acc[WM][WN][4];
-          conv_mma(x_s, w_s, (c_origin - c_weights) + ng * WN * 8, mg, acc);
+          conv_mma<WM>(x_s, w_s, (c_origin - c_weights) + ng * WN * 8, mg, acc);
           // Epilogue: acc[i][j][2 * r + e] is slab position (mg * WM + i) * 16 + g + 8 * r, channel
           // (ng * WN + j) * 8 + 2 * t + e of the box.
           // A channel at a time: its bias and parameters (and what the ops compute from them, such
