@@ -5,12 +5,13 @@ launch them; `tail.plan_sequence`, `tail.plan_split`, `tapsum.plan_fold` build i
 Every value a template reads is a field, named as the template names it, so a plan that misses
 one or names one that does not exist fails when it is built (a TypeError naming the field), not
 when a template renders. A plan is frozen: a change makes a new plan (`with_changes`), and a plan
-built from another (a fold's sequence from the folded conv's) makes new parts and steps.
+built from another (a fold's sequence from the folded conv's) shares its parts and makes new steps.
+The sequences' own parts are typed likewise: `tail.TailPlan` (a statistic stage's kernels) and
+`tapsum.TapsumPlan` (a fold's tap sums).
 
-It is also a read-only mapping of those names (`plan["box"]`, `plan.get("igemm")`, `**plan` into
+Each is also a read-only mapping of those names (`plan["box"]`, `plan.get("igemm")`, `**plan` into
 Jinja), the form the templates and some of the launch code and the tests read; the field `in_` is
-the key "in" (a Python keyword), `items_` the key "items" (a method of the mapping). The sequences' own parts are typed likewise: `tail.TailPlan`
-(a statistic stage's kernels) and `tapsum.TapsumPlan` (a fold's tap sums).
+the key "in" (a Python keyword), `items_` the key "items" (a method of the mapping).
 """
 
 from __future__ import annotations
@@ -278,7 +279,7 @@ class SequencePlan(TemplateValues):
     # or ("once", floats for the whole batch)
     buffers: dict
     stats_floats: int  # the batch statistics the layer returns (its training-mode batch norms')
-    why: list  # why the layer is split, a sentence per split
+    why: list  # why the layer runs as a sequence, in sentences (`specgen show --plan` and the banner)
     # ---- what the pipeline, the CLI and bench read of any plan -------------------------------------
     smem_bytes: int
     cluster: int  # the largest cluster any part launches
