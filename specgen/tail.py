@@ -507,9 +507,13 @@ def plan_channel_norm(spec: LayerSpec, target=None, tma_config=None, settings=No
            f"(a block holds every channel); epilogue[{end}] {first.op} and what follows read its output T0 "
            f"in a further kernel over an identity conv (1x1 depthwise, weights 1: exact)")
     try:
-        return plan_split(spec, end, None, lambda body_plan: why, target, settings, tma_config)
+        plan = plan_split(spec, end, None, lambda body_plan: why, target, settings, tma_config)
     except NotOneKernel:
         return None
+    # The body is left to the planner: where it does not take the TMA engine (fp32 with few input
+    # channels, say) the body would be a sequence of its own, its softmax a tail kernel, and the
+    # reason above untrue; the whole layer runs as one flat sequence instead.
+    return plan if plan.parts[0].plan["engine"] == "tma" else None
 
 
 def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None) -> SequencePlan:

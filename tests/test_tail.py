@@ -639,3 +639,20 @@ def test_statistic_stages_refuse_16_bit_precisions(precision):
     spec = validate({**VARIANTS[IDS.index("gn_one_pass")], "precision": precision})
     with pytest.raises(PlanError, match=f"precision: the tail engine's kernels compute in float32; .* got {precision}"):
         build_plan(spec)
+
+
+def test_a_channel_softmax_off_the_tma_engine_runs_as_one_flat_sequence():
+    """A softmax over the channels followed by pools splits after the softmax only where the TMA
+    engine's epilogue takes it; an fp32 conv of 3 input channels runs on FFMA, so the layer runs as
+    an ordinary sequence (conv, softmax tail, pools), not a split whose body is a sequence."""
+    layer = validate(spec_of("cn_pools", 3, [16, 32, 32], 16, [{"softmax": 1}, {"max_pool": 2}, {"max_pool": 2}]))
+    plan = build_plan(layer)
+    assert plan["engine"] == "sequence"
+    assert [p.role for p in plan.parts] == ["body", "tail", "rest"]
+    assert all(p.plan["engine"] != "sequence" for p in plan.parts if p.role != "tail")
+    assert not any("TMA" in w for w in plan.why)
+    # where the TMA engine takes the conv (tf32, 64 channels) the softmax stays in its epilogue
+    wide = validate({**spec_of("cn_pools_tma", 64, [16, 32], 64, [{"softmax": 1}, {"max_pool": 2}]), "precision": "tf32"})
+    split = build_plan(wide)
+    assert [p.role for p in split.parts] == ["body", "rest"] and split.parts[0].plan["engine"] == "tma"
+    assert split.parts[0].plan["tma"].channel_norm
