@@ -7,7 +7,7 @@ the launch queue never fills, so the GPU never holds the host back); GPU time pe
 graph replay and from the profiler's kernel durations. `--models` adds ResNet-18 and MobileNetV2
 through from_module. Host times move by up to 2x between runs of the same code on a shared host:
 compare rows of one run, not runs."""
-import sys, time, statistics, torch
+import sys, time, torch
 from torch import nn
 from specgen.module import FusedLayer
 from specgen.spec import LayerSpec, load_specs

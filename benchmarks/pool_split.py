@@ -72,7 +72,7 @@ def main(argv=None) -> int:
             best = min(("whole", "split"), key=times.get)
             print(f"{precision}: {name:44}{k:5d}{times['eager']:9.3f}{times['whole']:9.3f}{engines['whole']:>10}"
                   f"{times['split']:9.3f}{engines['split']:>10}  {best}", flush=True)
-            del xs
+            xs = None
             torch.cuda.empty_cache()
     return 0
 

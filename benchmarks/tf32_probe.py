@@ -5,7 +5,7 @@ conv in fp32 although TF32 is allowed? (`plan.exact_tf32` follows what this foun
 
     python benchmarks/tf32_probe.py
 """
-import torch, torch.nn.functional as F, itertools, sys
+import torch, torch.nn.functional as F
 torch.backends.cudnn.allow_tf32 = True
 torch.backends.cuda.matmul.allow_tf32 = True
 def rnd(t):

@@ -134,7 +134,7 @@ def _compilers(report: Report) -> list[str]:
     except ValueError as error:
         report.problem("compiler", str(error), f"set {nvcc.ENV_COMPILER} to nvcc, nvrtc or auto", fatal=True)
         return found
-    except FileNotFoundError as error:
+    except FileNotFoundError:
         report.problem("compiler", "neither nvcc nor NVRTC is usable", "pip install 'specgen[nvrtc]' (no toolkit needed), "
                        "or install the CUDA toolkit", fatal=True)
         return found

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -24,7 +23,6 @@ from specgen.compile import CompileError
 
 from conftest_cache_helpers import (
     REPO,
-    TEMPLATE_HASH,
     isolated_cache,
     kernel_source,
     make_request,

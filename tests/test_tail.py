@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import tail_model
 from specgen import reference, tail

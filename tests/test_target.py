@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specgen import compile as nvcc, pipeline, target as targets
+from specgen import pipeline, target as targets
 from specgen.plan import build_plan
 from specgen.render import render, render_plan
 from specgen.spec import SpecError, load_specs
-from specgen.target import Target, TargetError
+from specgen.target import TargetError
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = {s.name: s for path in sorted((ROOT / "examples").glob("*.yaml")) for s in load_specs(path)}
