@@ -214,8 +214,8 @@ PART_ROLES = {  # a part's role -> what it needs beside its plan
 @dataclass(frozen=True, eq=False)
 class SequencePart(TemplateValues):
     """One part of a sequence: its `role` (PART_ROLES), the namespace its source goes in, and its
-    own plan: a KernelPlan for a body or a rest (or a SequencePlan, where the body's layer is
-    itself planned as a sequence), a `tail.TailPlan`, a `tapsum.TapsumPlan`."""
+    own plan: a KernelPlan for a body or a rest, a `tail.TailPlan`, a `tapsum.TapsumPlan`. (A fold
+    over a layer that is itself a sequence takes that sequence's parts as its own: `tapsum.plan_fold`.)"""
 
     role: str
     namespace: str
