@@ -854,6 +854,83 @@ def _box_memory(spec: LayerSpec, bt: BoxTiling, role: dict, reductions: list, ba
     )
 
 
+@dataclass(frozen=True)
+class BoxAccess:
+    """How the box engines' threads walk rows (`_box_access`)."""
+
+    conv_span: int  # the input positions along W one register tile's conv reads
+    in_vec: int  # floats per input load (1, 2 or 4)
+    out_vec: int  # floats per output store
+    unroll_cin: bool  # the input channels unrolled in the conv (else a loop)
+
+
+def _box_access(levels: list, bt: BoxTiling, t1: tuple, in3: tuple, k3: tuple, s3: tuple, p3: tuple, d3: tuple,
+                cin_g: int, taps: int, transposed: bool, reductions: list) -> BoxAccess:
+    """Pass 6b, the box engines' row accesses: each level's step along W (the level's "step"), the
+    span of input a register tile reads, the widest aligned input loads and output stores, whether
+    the channels unroll, and a pool level's row span (`_row_span`, its "row_span")."""
+    box, pt, ct, tiles, chunks = bt.box, bt.pt, bt.ct, bt.tiles, bt.chunks
+    # Body step along W: level k's register tile covers positions w0 + i * step[k].
+    step = 1
+    for lvl in reversed(levels):
+        lvl["step"] = step
+        if lvl["kind"] == "pool":
+            step *= lvl["stride"][2]
+    conv_span = (pt - 1) * levels[0]["step"] * s3[2] + (k3[2] - 1) * d3[2] + 1
+
+    # Input rows are read in vectors when every thread's first input position is aligned: rows
+    # start at multiples of IN_W, a tile starts pt * step * stride after its neighbour, a box
+    # box_w * step * stride after its neighbour (only when there are several boxes along W).
+    level0_w_stride = levels[0]["step"] * s3[2]
+    in_vec = _widest(
+        (4, 2, 1),
+        in3[2],
+        p3[2],
+        pt * level0_w_stride,
+        box[3] * level0_w_stride if (tiles["w"] > 1 or chunks["w"] > 1) else 0,
+    )
+    # (pool windows shift level 0's start by odd offsets: no vectors under a pool)
+    # (and no wider than the span a tile reads: a power of two, since a load is a float4 or a float2 --
+    # a span of 3 once made IN_VEC 3, whose float2 loads left every third float unset)
+    in_vec = next(v for v in (4, 2, 1) if v <= min(in_vec, conv_span)) if conv_span >= 2 and len(levels) == 1 else 1
+    if transposed:
+        # A transposed conv gathers: output w reads input (w + P_W - kw * DIL_W) / S_W where that
+        # divides evenly. Level 0 loads the span of numerators w + P_W - kw * DIL_W the tile needs
+        # (CONV_SPAN of them, the stride's multiples valid), one element at a time.
+        conv_span = (pt - 1) * levels[0]["step"] + (k3[2] - 1) * d3[2] + 1
+        in_vec = 1
+    if len(levels) == 2:
+        levels[1]["row_span"] = _row_span(levels, in3, k3, s3, p3, cin_g, transposed, bt.mma is not None, pt,
+                                          box[3] if (tiles["w"] > 1 or chunks["w"] > 1) else 0)
+    # Without a tail, a thread stores PT consecutive outputs of a row: vectorized when aligned.
+    out_vec = 1 if reductions else _widest((4, 2, 1), t1[3], pt, box[3] if tiles["w"] > 1 else 0)
+    fmas_per_conv_row = cin_g * taps * ct * pt
+    unroll_cin = fmas_per_conv_row <= 2048  # larger bodies: ci stays a loop (compile time, registers)
+    return BoxAccess(conv_span=conv_span, in_vec=in_vec, out_vec=out_vec, unroll_cin=unroll_cin)
+
+
+def _box_occupancy(bt: BoxTiling, smem_bytes: int, reductions: list, levels: list, tile, settings: Settings,
+                   target: Target) -> int:
+    """Pass 6c, the blocks per SM the box engines ask the compiler for (registers per thread follow
+    from it): a tile's or the planner settings' when given."""
+    # Occupancy: without a tail, ask the compiler for registers that let up to 3 blocks share
+    # an SM (when shared memory allows): measured faster than fewer blocks with more registers.
+    mma, threads = bt.mma, bt.threads
+    min_blocks = 1
+    if mma is not None:  # two blocks per SM when shared memory and registers allow: one stages while the other computes
+        regs = 4 * mma.wm * mma.wn + 64  # accumulators + fragments, addresses and the epilogue
+        min_blocks = 2 if 2 * (smem_bytes + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and 2 * threads * max(regs, 128) <= target.regs_per_sm else 1
+    elif not reductions and len(levels) == 1:
+        fit = min(target.smem_per_block // max(1, smem_bytes), 2048 // threads)
+        # never below 96 registers: below that the fully unrolled conv spills
+        min_blocks = next((mb for mb in (3, 2) if mb <= fit and target.regs_per_sm // (mb * threads) // 8 * 8 >= 96), 1)
+    if tile is not None and tile.min_blocks:
+        min_blocks = tile.min_blocks
+    elif settings.min_blocks:
+        min_blocks = settings.min_blocks
+    return min_blocks
+
+
 def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" = None, target: Target | None = None,
                tma_config: "tma_engine.TmaConfig | None" = None, settings: Settings = DEFAULT_SETTINGS) -> dict:
     """The plan of `spec` as one kernel, split nowhere: what `build_plan` returns for a layer it
@@ -891,7 +968,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
 
     reductions, role, batched, srole = _tail_reductions(spec, shapes, t1, tail_start, consts)
 
-    # ---- passes 5 and 6: the box engines' tiling and shared memory ----------------------------
+    # ---- passes 5 and 6: the box engines' tiling, shared memory, row accesses and occupancy -------
     tile = spec.tile
     cout_g = cout // groups
     bt = _box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, target)
@@ -916,57 +993,9 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     if blocks_per_sample > INT32_MAX:
         raise PlanError([f"tile: {blocks_per_sample} blocks per sample exceed gridDim.x's limit"])
 
-    # Body step along W: level k's register tile covers positions w0 + i * step[k].
-    step = 1
-    for lvl in reversed(levels):
-        lvl["step"] = step
-        if lvl["kind"] == "pool":
-            step *= lvl["stride"][2]
-    conv_span = (pt - 1) * levels[0]["step"] * s3[2] + (k3[2] - 1) * d3[2] + 1
-
-    # Input rows are read in vectors when every thread's first input position is aligned: rows
-    # start at multiples of IN_W, a tile starts pt * step * stride after its neighbour, a box
-    # box_w * step * stride after its neighbour (only when there are several boxes along W).
-    level0_w_stride = levels[0]["step"] * s3[2]
-    in_vec = _widest(
-        (4, 2, 1),
-        in3[2],
-        p3[2],
-        pt * level0_w_stride,
-        box[3] * level0_w_stride if (tiles["w"] > 1 or chunks["w"] > 1) else 0,
-    )
-    # (pool windows shift level 0's start by odd offsets: no vectors under a pool)
-    # (and no wider than the span a tile reads: a power of two, since a load is a float4 or a float2 --
-    # a span of 3 once made IN_VEC 3, whose float2 loads left every third float unset)
-    in_vec = next(v for v in (4, 2, 1) if v <= min(in_vec, conv_span)) if conv_span >= 2 and len(levels) == 1 else 1
-    if transposed:
-        # A transposed conv gathers: output w reads input (w + P_W - kw * DIL_W) / S_W where that
-        # divides evenly. Level 0 loads the span of numerators w + P_W - kw * DIL_W the tile needs
-        # (CONV_SPAN of them, the stride's multiples valid), one element at a time.
-        conv_span = (pt - 1) * levels[0]["step"] + (k3[2] - 1) * d3[2] + 1
-        in_vec = 1
-    if len(levels) == 2:
-        levels[1]["row_span"] = _row_span(levels, in3, k3, s3, p3, cin // groups, transposed, mma is not None, pt,
-                                          box[3] if (tiles["w"] > 1 or chunks["w"] > 1) else 0)
-    # Without a tail, a thread stores PT consecutive outputs of a row: vectorized when aligned.
-    out_vec = 1 if reductions else _widest((4, 2, 1), t1[3], pt, box[3] if tiles["w"] > 1 else 0)
-    fmas_per_conv_row = (cin // groups) * taps * ct * pt
-    unroll_cin = fmas_per_conv_row <= 2048  # larger bodies: ci stays a loop (compile time, registers)
-
-    # Occupancy: without a tail, ask the compiler for registers that let up to 3 blocks share
-    # an SM (when shared memory allows): measured faster than fewer blocks with more registers.
-    min_blocks = 1
-    if mma is not None:  # two blocks per SM when shared memory and registers allow: one stages while the other computes
-        regs = 4 * mma.wm * mma.wn + 64  # accumulators + fragments, addresses and the epilogue
-        min_blocks = 2 if 2 * (smem_bytes + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and 2 * threads * max(regs, 128) <= target.regs_per_sm else 1
-    elif not reductions and len(levels) == 1:
-        fit = min(target.smem_per_block // max(1, smem_bytes), 2048 // threads)
-        # never below 96 registers: below that the fully unrolled conv spills
-        min_blocks = next((mb for mb in (3, 2) if mb <= fit and target.regs_per_sm // (mb * threads) // 8 * 8 >= 96), 1)
-    if tile is not None and tile.min_blocks:
-        min_blocks = tile.min_blocks
-    elif settings.min_blocks:
-        min_blocks = settings.min_blocks
+    access = _box_access(levels, bt, t1, in3, k3, s3, p3, d3, cin // groups, taps, transposed, reductions)
+    conv_span, in_vec, out_vec, unroll_cin = access.conv_span, access.in_vec, access.out_vec, access.unroll_cin
+    min_blocks = _box_occupancy(bt, smem_bytes, reductions, levels, tile, settings, target)
     params = list(spec.params().items())
 
     # ---- pass 7: the engine (a GEMM engine's plan replaces the box's launch values) -----------

@@ -1,6 +1,6 @@
 """The planner's passes, each on its own (no GPU): the body's levels, the avg-pool fold, the tail's
-reductions, the box engines' tiling and shared memory, the engine. `plan_whole` runs them in that
-order; what they return is what the templates read."""
+reductions, the box engines' tiling, shared memory, row accesses and occupancy, the engine.
+`plan_whole` runs them in that order; what they return is what the templates read."""
 
 from __future__ import annotations
 
@@ -104,6 +104,40 @@ def test_box_tiling_takes_a_cluster_for_a_full_reduction_and_memory_sizes_its_bu
     # the same layer with clusters of one block on a target without clusters
     ampere = planner.targets.BUILTIN["sm_80"]
     assert planner._box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, ampere).cluster == 1
+
+
+def test_box_access_reads_aligned_rows_in_vectors_and_a_transposed_conv_one_at_a_time():
+    spec = _spec(["relu"], size=(32, 32), channels=4, out=24, padding=0)
+    levels, t1, role, srole, reductions, batched, in3, k3, s3, p3, d3, taps = _box_inputs(spec)
+    bt = planner._box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, planner.targets.DEFAULT)
+    access = planner._box_access(levels, bt, t1, in3, k3, s3, p3, d3, 4, taps, False, reductions)
+    assert levels[0]["step"] == 1
+    assert access.conv_span == bt.pt + 2  # a register tile of PT outputs reads PT + 2 inputs of a 3-wide row
+    assert access.in_vec in (2, 4) and access.in_vec <= access.conv_span and access.unroll_cin
+    assert access.out_vec == planner._widest((4, 2, 1), t1[3], bt.pt, bt.box[3] if bt.tiles["w"] > 1 else 0)
+    gather = planner._box_access(levels, bt, t1, in3, k3, s3, p3, d3, 4, taps, True, reductions)
+    assert gather.in_vec == 1 and gather.conv_span == bt.pt + 2
+    # under a pool each level's step along W is the product of the pool strides after it
+    pooled = _spec(["relu", {"max_pool": {"kernel": 2}}], size=(32, 32), channels=4, out=24, padding=0)
+    levels, t1, role, srole, reductions, batched, in3, k3, s3, p3, d3, taps = _box_inputs(pooled)
+    bt = planner._box_tiling(pooled, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, planner.targets.DEFAULT)
+    access = planner._box_access(levels, bt, t1, in3, k3, s3, p3, d3, 4, taps, False, reductions)
+    assert [lvl["step"] for lvl in levels] == [2, 1] and access.in_vec == 1 and "row_span" in levels[1]
+
+
+def test_box_occupancy_asks_for_more_blocks_without_a_tail_and_yields_to_a_tile_or_the_settings():
+    from dataclasses import replace
+
+    spec = _spec(["relu"], size=(30, 30), channels=4, out=24)
+    levels, t1, role, srole, reductions, batched, in3, k3, s3, p3, d3, taps = _box_inputs(spec)
+    target = planner.targets.DEFAULT
+    bt = planner._box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, target)
+    blocks = planner._box_occupancy(bt, 4096, reductions, levels, None, planner.DEFAULT_SETTINGS, target)
+    assert blocks in (2, 3) and target.regs_per_sm // (blocks * bt.threads) >= 96
+    assert planner._box_occupancy(bt, 4096, [{"op": "sum"}], levels, None, planner.DEFAULT_SETTINGS, target) == 1
+    assert planner._box_occupancy(bt, 4096, reductions, levels, None, replace(planner.DEFAULT_SETTINGS, min_blocks=1), target) == 1
+    tile = validate({**spec.model_dump(mode="json"), "tile": {"min_blocks": 4}}).tile
+    assert planner._box_occupancy(bt, 4096, reductions, levels, tile, planner.DEFAULT_SETTINGS, target) == 4
 
 
 def test_the_engine_pass_names_the_engine_and_refuses_what_it_cannot_read():
