@@ -173,7 +173,9 @@ __device__ __forceinline__ void stage_input(const float* __restrict__ x_n, float
 // One warp tile: acc[i][j] = conv over all K of m-tile mg * WM + i (16 slab positions) and
 // n-tile j (8 channels) of the warp's channels, which start at column col0 of w_s, for the first
 // VALID m-tiles (those inside the slab: a compile-time count, so the K loop has no branch; the
-// accumulators of the others stay zero, and the epilogue skips their positions).
+// accumulators of the others stay zero, and the epilogue skips their positions). In 3xTF32, whose
+// fragments take twice the registers, a second copy of the loop spilled: there each m-tile of the
+// last warp tile is tested at run time instead.
 // Lane (g, t) = (lane / 4, lane % 4) holds A rows g, g + 8 and K columns t, t + 4 of each tile.
 template <int VALID>
 __device__ __forceinline__ void conv_mma(const float* __restrict__ x_s, const float* __restrict__ w_s, int col0, int mg, float (&acc)[WM][WN][4]) {
