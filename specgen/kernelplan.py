@@ -102,6 +102,24 @@ class SlabTiling(TemplateValues):
     # tf32 layer whose cuDNN conv runs in TF32 too: `plan.SLAB_TF32_MAX_CHANNELS`)
     products: int = 3
 
+    @property
+    def m_groups(self) -> int:
+        """Warp tiles along a slab's positions."""
+        return self.units // self.n_groups
+
+    @property
+    def last_wm(self) -> int:
+        """The m-tiles of the last warp tile along a slab's positions that lie in the slab (WM
+        where WM divides the slab's m-tiles)."""
+        return self.mt - (self.m_groups - 1) * self.wm
+
+    @property
+    def unrolled_last_tile(self) -> bool:
+        """Whether that last warp tile, reaching past the slab, gets a K loop of its own with its
+        m-tile count known at compile time (no test per m-tile): in TF32 only, as a second copy of
+        the 3xTF32 loop spilled registers (benchmarks/NOTES.md v33)."""
+        return self.last_wm < self.wm and self.products == 1
+
 
 @dataclass(frozen=True, eq=False)
 class KernelPlan(TemplateValues):
