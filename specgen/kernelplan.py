@@ -132,6 +132,10 @@ class KernelPlan(TemplateValues):
     target: str  # the target's one-line summary (the banner names it: it is part of the cache key)
     precision: str
     engine: str  # tma, igemm, slab or ffma
+    # The C type the box kernel reads x as and writes out as: float, or the 16-bit type of a bf16 /
+    # fp16 layer on the FFMA engine (loads widen exactly, stores round once). Other engines: float
+    # (the TMA engine has its own operand types; slab and implicit GEMM run on widened tensors).
+    io_ctype: str
     # ---- the conv (3-dim geometry: d, h, w; 1 / 0 for dims the conv lacks) -----------------------
     ndim: int
     cin: int

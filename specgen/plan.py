@@ -42,6 +42,11 @@ INT32_MAX = (1 << 31) - 1
 
 # The engines whose epilogue reads an extra input (`add: {input: ...}`) at each output element.
 INPUT_ENGINES = ("tma", "igemm")
+# The FFMA engine reads and writes a 16-bit layer's tensors in their own type (its arithmetic is
+# fp32 either way): a memory-bound depthwise conv then moves half the bytes, and no widening pass
+# or rounding copy runs around it. The slab and implicit-GEMM engines stage fp32 operands and run
+# on widened tensors.
+BOX_IO_CTYPE = {"bf16": "__nv_bfloat16", "fp16": "__half"}
 
 
 class PlanError(SpecError):
@@ -1093,6 +1098,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         x_floats=x_floats,
         w_raw=w_raw,
         engine=engine,
+        io_ctype=BOX_IO_CTYPE.get(spec.precision, "float") if engine == "ffma" else "float",
         igemm=ig,
         tma=tp,
         pointwise=levels[0]["pointwise"],

@@ -406,6 +406,9 @@ class _LaunchPlan:
     # The output (and each extra input) channels innermost: the TMA engine's plan for channels-last
     # inputs (`TmaPlan.channels_last_out`); the torch memory format it is allocated in, else None.
     memory_format: torch.memory_format | None = None
+    # The kernel reads x and writes out in the layer's 16-bit dtype (the FFMA engine, plan io_ctype);
+    # False: float32 tensors (a 16-bit layer's are widened around the launch).
+    native_16: bool = False
 
 
 _launch_plans: dict[str, _LaunchPlan] = {}
@@ -426,8 +429,10 @@ def _launch_plan(sp: pipeline.Specialized) -> _LaunchPlan:
         input_names = tuple(i["name"] for i in plan.get("inputs", ()))
         has_bias = sp.spec.conv.bias
         n_inputs = 2 + has_bias + len(names)
-        out_stride = 4 * plan["out_per_sample"]
-        strides = (4 * plan["in_per_sample"],) + (0,) * (n_inputs - 1) + (out_stride,) * len(input_names) + (out_stride,)
+        native_16 = plan["io_ctype"] != "float"
+        io_bytes = 2 if native_16 else 4
+        out_stride = io_bytes * plan["out_per_sample"]
+        strides = (io_bytes * plan["in_per_sample"],) + (0,) * (n_inputs - 1) + (out_stride,) * len(input_names) + (out_stride,)
         blocks = plan["f_tiles"] if plan["cluster_at_launch"] else plan["blocks_per_sample"]  # see runtime.launch
         ig = plan.get("igemm")
         flat = None if ig is None else (ig.positions, ig.bm, ig.n_tiles, gemm_layout(plan), ig.grid_gemms)
@@ -439,7 +444,7 @@ def _launch_plan(sp: pipeline.Specialized) -> _LaunchPlan:
             fmt = tmarun.channels_last_format(1 + len(plan["out_shape"]))
         lp = _launch_plans[sp.key] = _LaunchPlan(tuple(plan["out_shape"]), blocks, strides, names, has_bias, igemm=flat,
                                                  tma=plan["engine"] == "tma", input_names=input_names, igemm_split=split,
-                                                 memory_format=fmt)
+                                                 memory_format=fmt, native_16=native_16)
     return lp
 
 
@@ -679,7 +684,13 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     if lp.tma:
         return tmarun.launch(sp, kernel, x, weight, bias, params, out, stream)
     if not x.is_contiguous() and tmarun.channels_last(x):
-        x = _from_channels_last(sp, kernel, x, stream)
+        x = _from_channels_last(sp, kernel, x, stream, dtype if lp.native_16 else torch.float32)
+    if lp.native_16:
+        # x and out in the layer's dtype, read and written by the kernel itself; its weights, bias
+        # and parameters as float32 (widened once per tensor version, `tmarun.derived`).
+        wide = tmarun._float
+        return _launch_fp32(sp, lp, kernel, x, wide(weight), None if bias is None else wide(bias),
+                            {k: wide(v) for k, v in params.items()}, out, batch, stream)
     if dtype != torch.float32:
         # An engine without a 16-bit path: fp32 arithmetic on the (exactly) widened tensors, the
         # output rounded to the layer's dtype once.
@@ -698,14 +709,15 @@ _FROM_CL_THREADS = 256  # templates/from_cl.cu.j2: a 32 x 32 tile per block of 3
 _FROM_CL_SMEM = 32 * 33 * 4  # ... through a [32][33] float tile of dynamic shared memory
 
 
-def _from_channels_last(sp: pipeline.Specialized, kernel, x: torch.Tensor, stream: int) -> torch.Tensor:
-    """A channels-last input as the NC(D)HW float32 tensor the engines other than TMA read, by the
-    module's own layout pass (`<kernel>_from_cl`: tiled through shared memory, widening a 16-bit
-    input on the way), where torch's copy would be one strided pass."""
+def _from_channels_last(sp: pipeline.Specialized, kernel, x: torch.Tensor, stream: int, dtype: torch.dtype) -> torch.Tensor:
+    """A channels-last input as the NC(D)HW tensor the engines other than TMA read (`dtype`: float32,
+    or the layer's 16-bit dtype where the kernel reads it), by the module's own layout pass
+    (`<kernel>_from_cl`: tiled through shared memory, widening a 16-bit input to float32 on the
+    way), where torch's copy would be one strided pass."""
     fn = f"{sp.plan['kernel_name']}_from_cl"
     batch, cin = x.shape[0], x.shape[1]
     positions = math.prod(x.shape[2:])
-    wide = torch.empty(x.shape, device=x.device, dtype=torch.float32)
+    wide = torch.empty(x.shape, device=x.device, dtype=dtype)
     pack = runtime.arg_pack((kernel.function.value, fn), ("ptr", "ptr", "int"))
     pack.set([x.data_ptr(), wide.data_ptr(), batch])
     blocks = batch * -(-positions // 32) * -(-cin // 32)
