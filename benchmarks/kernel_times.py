@@ -23,7 +23,8 @@ def main(argv: list[str]) -> int:
     for path in paths:
         for spec in specgen.load_specs(path):
             layer = specgen.FusedLayer(spec).cuda().eval()
-            xs = [torch.randn(batch, spec.input.channels, *spec.input.size, device="cuda") for _ in range(4)]
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision, torch.float32)
+            xs = [torch.randn(batch, spec.input.channels, *spec.input.size, device="cuda").to(dtype) for _ in range(4)]
             with torch.no_grad():
                 for i in range(5):
                     layer(xs[i % 4])

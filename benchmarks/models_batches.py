@@ -1,12 +1,15 @@
 """Whole models (examples/models.py) at batch 1, 8 and 64 against eager PyTorch and torch.compile,
 with PyTorch's default flags (TF32 convolutions), under no_grad: what a user running inference sees.
 
-    python benchmarks/models_batches.py [--batch 1 8 64] [--model ResNet18 ...] [--memory-format auto] [--json FILE]
+    python benchmarks/models_batches.py [--batch 1 8 64] [--model ResNet18 ...] [--memory-format auto]
+                                        [--dtype bf16] [--json FILE]
 
 Each (model, batch) is one `specgen.bench.bench_model` run: ms per forward (CUDA events around one
 forward, median of 20, two inputs alternating), for eager, torch.compile (default mode and
 reduce-overhead, its CUDA graphs), `from_module` with its defaults (a CUDA graph where it measures
-faster) and the fused model without the graph; rel. L2 of each against the float64 model. The
+faster) and the fused model without the graph; rel. L2 of each against the float64 model.
+`--dtype bf16` / `fp16` converts the model and its input first (`.to(dtype)`), as a user running a
+16-bit model would: from_module then specializes its chains in that precision. The
 summary gives the geomean ratios of specgen over eager and over each torch.compile mode. Needs a GPU.
 """
 
@@ -42,6 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--memory-format", default="as_given", choices=["as_given", "channels_last", "auto"],
                     help="from_module's memory_format (default: as_given)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                    help="the model's and its input's dtype (default fp32: its convs in TF32, PyTorch's default)")
     args = ap.parse_args(argv)
     results = []
     env = bench.environment()
@@ -49,7 +54,10 @@ def main(argv=None) -> int:
         cls = getattr(models, name)
         for batch in args.batch:
             torch.manual_seed(batch)
-            result = bench.bench_model(cls.make(), cls.example_input(batch, seed=batch), label=name, compile_fused=False,
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+            label = name if args.dtype == "fp32" else f"{name} {args.dtype}"
+            result = bench.bench_model(cls.make().to(dtype), cls.example_input(batch, seed=batch).to(dtype), label=label,
+                                       compile_fused=False,
                                         memory_format=args.memory_format)
             print(bench.format_model_table(result), flush=True)
             results.append(result)
