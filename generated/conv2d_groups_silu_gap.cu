@@ -80,7 +80,9 @@ constexpr int W_FLOATS = 4608;  // WEIGHT_C * C_IN_G * TAPS
 constexpr int W_STRIDE = 68;  // shared-memory row stride of the staged weights (WEIGHT_C, padded)
 constexpr int W_SMEM_FLOATS = 4896;  // weights staged in shared memory
 constexpr int CONV_SPAN = 6;  // input W positions one register tile reads per kernel row
-constexpr int IN_VEC = 1;  // floats per input load (rows, tiles and boxes are aligned to it)
+constexpr int IN_VEC = 4;  // floats per input load (rows, tiles and boxes are aligned to it)
+constexpr int IN_LEAD = 3;  // a tile's row loads start this far before its first tap, at a multiple of IN_VEC
+constexpr int IN_VECTORS = 3;  // vectors per row: IN_LEAD + CONV_SPAN values, rounded up to whole vectors
 constexpr int OUT_VEC = 1;  // floats per output store
 constexpr int CHUNKS_C = 1, CHUNKS_D = 1, CHUNKS_H = 32, CHUNKS_W = 1;  // boxes along each axis of the first reduction
 constexpr int R1_CHUNKS = 32;  // boxes per kept tile
@@ -129,11 +131,21 @@ __device__ __forceinline__ void level0(
         const int ih = h * S_H - P_H + kh * DIL_H;
         const bool row_ok = static_cast<unsigned>(id) < IN_D && static_cast<unsigned>(ih) < IN_H;
         const float* __restrict__ row = x_g + (row_ok ? ((ci * IN_D + id) * IN_H + ih) * IN_W : 0);
-        // The input row segment the tile reads: position i, tap kw uses xin[i * STEP * S_W + kw * DIL_W].
-        float xin[CONV_SPAN];
+        // The input row segment the tile reads, loaded from the aligned start IN_LEAD before its first
+        // tap in whole vectors (each lies wholly inside the row or wholly in its padding): position i,
+        // tap kw uses xin[IN_LEAD + i * STEP * S_W + kw * DIL_W].
+        float xin[IN_VECTORS * IN_VEC];
+        const int lo = iw0 - IN_LEAD;  // a multiple of IN_VEC
         #pragma unroll
-        for (int o = 0; o < CONV_SPAN; ++o)
-          xin[o] = row_ok && static_cast<unsigned>(iw0 + o) < IN_W ? __ldg(row + iw0 + o) : 0.0f;
+        for (int o = 0; o < IN_VECTORS * IN_VEC; o += IN_VEC) {
+          if (row_ok && static_cast<unsigned>(lo + o) < IN_W) {
+            const float4 q = __ldg(reinterpret_cast<const float4*>(row + lo + o));
+            xin[o] = q.x; xin[o + 1] = q.y; xin[o + 2] = q.z; xin[o + 3] = q.w;
+          } else {
+            #pragma unroll
+            for (int e = 0; e < IN_VEC; ++e) xin[o + e] = 0.0f;
+          }
+        }
         #pragma unroll
         for (int kw = 0; kw < K_W; ++kw) {
           const int tap = ((ci * K_D + kd) * K_H + kh) * K_W + kw;
@@ -146,7 +158,7 @@ __device__ __forceinline__ void level0(
           #pragma unroll
           for (int i = 0; i < PT; ++i) {
             #pragma unroll
-            for (int j = 0; j < CT; ++j) acc[j][i] = fmaf(wv[j], xin[i * STEP * S_W + kw * DIL_W], acc[j][i]);
+            for (int j = 0; j < CT; ++j) acc[j][i] = fmaf(wv[j], xin[IN_LEAD + i * STEP * S_W + kw * DIL_W], acc[j][i]);
           }
         }
       }

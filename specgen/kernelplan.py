@@ -190,6 +190,8 @@ class KernelPlan(TemplateValues):
     unroll_cin: bool
     conv_span: int
     in_vec: int
+    in_lead: int  # (the FFMA engine's level 0: its row loads start this far before the first tap)
+    in_vectors: int  # (... in this many vectors of in_vec; 0: from the first tap)
     out_vec: int
     # ---- shared memory ---------------------------------------------------------------------------
     weights_in_smem: bool

@@ -867,6 +867,10 @@ class BoxAccess:
     in_vec: int  # floats per input load (1, 2 or 4)
     out_vec: int  # floats per output store
     unroll_cin: bool  # the input channels unrolled in the conv (else a loop)
+    # Level 0's row loads from an aligned start IN_LEAD positions before a tile's first tap, in
+    # `in_vectors` vectors of `in_vec` (0: the loads start at the first tap; see `_box_access`).
+    in_lead: int = 0
+    in_vectors: int = 0
 
 
 def _box_access(levels: list, bt: BoxTiling, t1: tuple, in3: tuple, k3: tuple, s3: tuple, p3: tuple, d3: tuple,
@@ -898,6 +902,19 @@ def _box_access(levels: list, bt: BoxTiling, t1: tuple, in3: tuple, k3: tuple, s
     # (and no wider than the span a tile reads: a power of two, since a load is a float4 or a float2 --
     # a span of 3 once made IN_VEC 3, whose float2 loads left every third float unset)
     in_vec = next(v for v in (4, 2, 1) if v <= min(in_vec, conv_span)) if conv_span >= 2 and len(levels) == 1 else 1
+    # Padding that leaves the first tap unaligned (a 3x3 conv's padding 1) would make those loads
+    # single elements: one load instruction per value, and a warp's loads of one row then cost the
+    # L1 cache as many wavefronts each as a vector's would (depthwise convs ran L1-bound, 97% of its
+    # throughput, on them). Instead the tile loads from the aligned start IN_LEAD = (-P) mod VEC
+    # before its first tap, whole vectors only: each lies wholly inside the row or wholly in its
+    # padding, since the start and the row's length are multiples of VEC.
+    in_lead = in_vectors = 0
+    if len(levels) == 1 and conv_span >= 2 and not transposed:
+        vec = _widest((4, 2, 1), in3[2], pt * level0_w_stride,
+                      box[3] * level0_w_stride if (tiles["w"] > 1 or chunks["w"] > 1) else 0)
+        if vec > in_vec:
+            in_vec, in_lead = vec, (-p3[2]) % vec
+            in_vectors = -(-(in_lead + conv_span) // vec)
     if transposed:
         # A transposed conv gathers: output w reads input (w + P_W - kw * DIL_W) / S_W where that
         # divides evenly. Level 0 loads the span of numerators w + P_W - kw * DIL_W the tile needs
@@ -911,7 +928,8 @@ def _box_access(levels: list, bt: BoxTiling, t1: tuple, in3: tuple, k3: tuple, s
     out_vec = 1 if reductions else _widest((4, 2, 1), t1[3], pt, box[3] if tiles["w"] > 1 else 0)
     fmas_per_conv_row = cin_g * taps * ct * pt
     unroll_cin = fmas_per_conv_row <= 2048  # larger bodies: ci stays a loop (compile time, registers)
-    return BoxAccess(conv_span=conv_span, in_vec=in_vec, out_vec=out_vec, unroll_cin=unroll_cin)
+    return BoxAccess(conv_span=conv_span, in_vec=in_vec, out_vec=out_vec, unroll_cin=unroll_cin, in_lead=in_lead,
+                     in_vectors=in_vectors)
 
 
 def _box_occupancy(bt: BoxTiling, smem_bytes: int, reductions: list, levels: list, tile, settings: Settings,
@@ -1074,6 +1092,8 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         smem_bytes=smem_bytes,
         conv_span=conv_span,
         in_vec=in_vec,
+        in_lead=access.in_lead,
+        in_vectors=access.in_vectors,
         out_vec=out_vec,
         channels_fastest=bool(reductions),
         split_channels=split_channels,

@@ -9,7 +9,7 @@ CTYPE = {"bf16": "__nv_bfloat16", "fp16": "__half"}
 
 # name -> (input, conv, epilogue): the comment says which path of the kernel it takes
 FFMA_16 = {
-    # element loads (padding 1 leaves rows unaligned), 4-wide stores
+    # 4-wide loads from an aligned start before the first tap (padding 1), 4-wide stores
     "depthwise": ({"channels": 48, "size": [10, 20]}, {"out_channels": 48, "kernel": 3, "padding": 1, "groups": 48},
                   [{"hardtanh": {"min_val": 0.0, "max_val": 6.0}}]),
     # 4-wide loads, 2-wide stores

@@ -125,6 +125,36 @@ def test_box_access_reads_aligned_rows_in_vectors_and_a_transposed_conv_one_at_a
     assert [lvl["step"] for lvl in levels] == [2, 1] and access.in_vec == 1 and "row_span" in levels[1]
 
 
+def _access(spec):
+    levels, t1, role, srole, reductions, batched, in3, k3, s3, p3, d3, taps = _box_inputs(spec)
+    bt = planner._box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, planner.targets.DEFAULT)
+    return bt, planner._box_access(levels, bt, t1, in3, k3, s3, p3, d3, spec.input.channels // spec.conv.groups, taps,
+                                   spec.conv.transposed, reductions)
+
+
+def test_padding_that_leaves_the_first_tap_unaligned_loads_whole_vectors_from_an_aligned_start():
+    # a 3x3 depthwise conv, padding 1: each tile's first tap is one before an aligned position
+    bt, access = _access(_spec(["relu"], size=(32, 32), channels=16, out=16, groups=16, padding=1))
+    assert access.in_vec == 4 and access.in_lead == 3  # (-1) mod 4
+    assert access.in_vectors == -(-(3 + access.conv_span) // 4)
+    # the start is aligned for every tile: PT and the box's width (where several boxes share a row)
+    # are multiples of the vector, and so is the row
+    assert bt.pt % 4 == 0 and (bt.tiles["w"] == 1 or bt.box[3] % 4 == 0)
+    # padding 2 and stride 2: lead (-2) mod 4
+    _, strided = _access(_spec(["relu"], size=(32, 32), channels=16, out=16, groups=16, kernel=5, padding=2, stride=2))
+    assert strided.in_vec == 4 and strided.in_lead == 2
+    # aligned padding keeps the loads at the first tap; an odd row length keeps single elements
+    _, aligned = _access(_spec(["relu"], size=(32, 32), channels=16, out=16, groups=16, padding=0))
+    assert aligned.in_lead == 0 and aligned.in_vectors == 0 and aligned.in_vec > 1
+    _, odd = _access(_spec(["relu"], size=(31, 31), channels=16, out=16, groups=16, padding=1))
+    assert odd.in_vec == 1 and odd.in_vectors == 0
+    # a transposed conv gathers one value at a time, and a pool above the conv shifts its starts
+    _, gather = _access(_spec(["relu"], size=(32, 32), channels=4, out=4, padding=1, transposed=True))
+    assert gather.in_vec == 1 and gather.in_vectors == 0
+    _, pooled = _access(_spec(["relu", {"max_pool": {"kernel": 2}}], size=(32, 32), channels=16, out=16, groups=16, padding=1))
+    assert pooled.in_vec == 1 and pooled.in_vectors == 0
+
+
 def test_box_occupancy_asks_for_more_blocks_without_a_tail_and_yields_to_a_tile_or_the_settings():
     from dataclasses import replace
 

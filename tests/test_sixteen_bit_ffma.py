@@ -37,7 +37,8 @@ def test_the_ffma_engine_reads_and_writes_a_16_bit_layer_in_its_own_type(name, p
 
 
 @pytest.mark.parametrize("name, loads, stores", [("grouped_vec", "load_x4(row + iw0 + o)", "store_out2(dst + i"),
-                                                 ("depthwise", "load_x(row + iw0 + o)", "store_out4(dst + i")])
+                                                 ("depthwise", "load_x4(row + lo + o)", "store_out4(dst + i"),
+                                                 ("dw_maxpool", "load_x(row + iw0 + o)", "] = to_out(v[j][i]);")])
 def test_vector_loads_and_stores_move_16_bit_values(name, loads, stores):
     src = render_plan(build_plan(spec(name, "bf16")))
     assert loads in src and stores in src
