@@ -42,6 +42,9 @@ INT32_MAX = (1 << 31) - 1
 
 # The engines whose epilogue reads an extra input (`add: {input: ...}`) at each output element.
 INPUT_ENGINES = ("tma", "igemm")
+# Left to the planner, an fp32 layer of fewer input channels stays off the GEMM engines (TMA,
+# implicit GEMM): their K chunks would pad the channels, and 3xTF32 triples what the padding wastes.
+FP32_GEMM_MIN_CHANNELS = 16
 # The FFMA engine reads and writes a 16-bit layer's tensors in their own type (its arithmetic is
 # fp32 either way): a memory-bound depthwise conv then moves half the bytes, and no widening pass
 # or rounding copy runs around it. The slab and implicit-GEMM engines stage fp32 operands and run
@@ -682,7 +685,11 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
     # Left to the planner, tensor cores only where the GEMM is deep and wide enough to pay for
     # staging the input (measured: K = 24..36 or 16 output channels ran faster on FFMA).
     worth_it = (cin // groups) * taps >= MMA_MIN_K and cout >= MMA_MIN_CHANNELS
-    want_mma = tile.tensor_cores if (tile is not None and tile.tensor_cores is not None) else (worth_it and not ffma_pinned)
+    asks_slab = tile is not None and tile.engine == "slab"  # the slab engine is the box kernel on tensor cores
+    if asks_slab and tile.tensor_cores is False:
+        raise PlanError(["tile.engine: slab runs on tensor cores, but tile.tensor_cores is false"])
+    want_mma = True if asks_slab else tile.tensor_cores if (tile is not None and tile.tensor_cores is not None) \
+        else (worth_it and not ffma_pinned)
     mma_why_not = [
         why
         for why, bad in (
@@ -693,6 +700,8 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         )
         if bad
     ]
+    if asks_slab and mma_why_not:
+        raise PlanError([f"tile.engine: the slab engine cannot run this layer: {'; '.join(mma_why_not)} (it runs on tensor cores)"])
     if tile is not None and tile.tensor_cores and mma_why_not:
         raise PlanError([f"tile.tensor_cores: cannot use tensor cores here: {'; '.join(mma_why_not)}"])
     mma = None
@@ -700,6 +709,8 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         mma = _mma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F", target)
         if mma is not None and slab_in_tf32(spec):
             mma = replace(mma, products=1)
+        if mma is None and asks_slab:
+            raise PlanError(["tile.engine: the slab engine's staged input and weights do not fit in shared memory"])
         if mma is None and tile is not None and tile.tensor_cores:
             raise PlanError(["tile.tensor_cores: the staged input and weights do not fit in shared memory"])
     split_channels = False
@@ -1267,7 +1278,7 @@ def _choose_tma(spec: LayerSpec, levels: list, reductions: list, fold, config, t
             raise PlanError(["tile.engine: tma runs on tensor cores, but tile.tensor_cores is false"])
     elif asked is not None or reasons:
         return None
-    elif _tile_pins_other_engine(tile) or (spec.input.channels < 16 and spec.precision == "fp32"):
+    elif _tile_pins_other_engine(tile) or (spec.input.channels < FP32_GEMM_MIN_CHANNELS and spec.precision == "fp32"):
         return None
     elif spec.conv.transposed and spec.input.channels < igemm_engine.TRANSPOSED_MIN_CHANNELS:
         return None  # a transposed conv of few channels: its phases' K is a handful of taps x channels (FFMA's)
@@ -1305,7 +1316,7 @@ def _choose_igemm(spec: LayerSpec, levels: list, reductions: list, fold, conv_ou
         raise PlanError(["tile.engine: igemm runs on tensor cores, but tile.tensor_cores is false"])
     if asked in ("slab", "ffma", "tma") or reasons:
         return None
-    if asked is None and (_tile_pins_other_engine(tile) or (spec.input.channels < 16 and spec.precision == "fp32")):
+    if asked is None and (_tile_pins_other_engine(tile) or (spec.input.channels < FP32_GEMM_MIN_CHANNELS and spec.precision == "fp32")):
         return None
     if asked is None and spec.conv.transposed and spec.input.channels < igemm_engine.TRANSPOSED_MIN_CHANNELS:
         return None  # a transposed conv of few channels: its phases' K is a handful of taps x channels (FFMA's)

@@ -130,8 +130,11 @@ def test_transposed_specs_read_from_yaml():
 def test_strided_transposed_convs_stay_on_ffma_even_when_deep_and_wide():
     deep = {"name": "deep", "input": {"channels": 32, "size": [16, 16]}, "conv": {"out_channels": 64, "kernel": 3}}
     assert build_plan(validate(deep))["mma"] is not None  # K = 32 x 9, 64 channels: tensor cores for a plain conv
-    strided = build_plan(validate({**deep, "conv": {**deep["conv"], "stride": 2, "transposed": True}, "tile": {"engine": "slab"}}))
-    assert strided["mma"] is None and strided["engine"] == "ffma"
+    strided = {**deep, "conv": {**deep["conv"], "stride": 2, "transposed": True}}
+    with pytest.raises(PlanError, match="the slab engine cannot run this layer: the conv is transposed"):
+        build_plan(validate({**strided, "tile": {"engine": "slab"}}))
+    boxed = build_plan(validate({**strided, "tile": {"engine": "ffma"}}))
+    assert boxed["mma"] is None and boxed["engine"] == "ffma"
     plan = build_plan(spec_of("t2d_weights_in_global"))
     assert plan["mma"] is None and plan["transposed"] and not plan["weights_in_smem"]
 

@@ -93,7 +93,7 @@ def test_avg_pool_fold_is_reported():
     from specgen.spec import TileSpec
 
     # (left to the planner, an unfolded pool would split the layer in two: pinned whole here)
-    unfolded = build_plan(kb65.model_copy(update={"rewrites": False, "tile": TileSpec(engine="slab")}))
+    unfolded = build_plan(kb65.model_copy(update={"rewrites": False, "tile": TileSpec(engine="ffma")}))
     assert not unfolded["rewrites"] and unfolded["kernel"][1:] == (3, 3)
     assert unfolded["flops_per_sample"] == 4 * plan["flops_per_sample"]
 

@@ -30,6 +30,9 @@ TF32 = [
 ]
 THREE = [
     layer("stem_fp32", 3, [64, 64], 64, 7, precision="fp32", stride=2, padding=3),
+    # split before its pool: the body on the slab engine in fp32 too (`tail.split_engine`)
+    layer("stem_pool_fp32", 3, [64, 64], 64, 7, precision="fp32", stride=2, padding=3,
+          epilogue=["relu", {"max_pool": {"kernel": 3, "stride": 2, "padding": 1}}]),
     layer("small_kernel", 3, [32, 32], 64, 5, padding=2),  # computed exactly (`exact_tf32`): fp32
     layer("sixteen_in", 16, [20, 20], 64, 3, padding=1, tile={"engine": "slab"}),
     layer("eight_in", 8, [20, 36], 40, 7, padding=2, tile={"engine": "slab"}),  # (not timed: left to the planner, TMA)
@@ -56,6 +59,29 @@ def test_other_slab_layers_keep_3xtf32(data):
     plans = slab_plans(data)
     assert plans and all(p["mma"]["products"] == 3 for p in plans)
     assert all("split_tf32(" in render_plan(p) and "to_tf32(" not in render_plan(p) for p in plans)
+
+
+def test_an_fp32_stems_pool_split_runs_its_body_on_the_slab_engine():
+    plan = build_plan(validate(THREE[1]))
+    assert [(p.role, p.plan.engine) for p in plan.parts] == [("body", "slab"), ("rest", "ffma")]
+    assert "the conv runs on the slab engine" in plan.why[0]
+    # 16 input channels and more: the TMA engine, as left to the planner
+    wide = build_plan(validate({**THREE[1], "input": {"channels": 16, "size": [64, 64]}}))
+    assert wide.parts[0].plan.engine == "tma"
+
+
+def test_asking_for_the_slab_engine_where_it_cannot_run_is_an_error():
+    """It used to fall back to the FFMA engine without a word."""
+    from specgen.plan import PlanError
+
+    pooled = {**THREE[1], "tile": {"engine": "slab"}}  # a tile keeps the layer whole: a pool over tensor cores
+    with pytest.raises(PlanError, match="tile.engine: the slab engine cannot run this layer: a pool sits between"):
+        build_plan(validate(pooled))
+    with pytest.raises(PlanError, match="tile.engine: slab runs on tensor cores, but tile.tensor_cores is false"):
+        build_plan(validate({**THREE[0], "tile": {"engine": "slab", "tensor_cores": False}}))
+    grouped = layer("grouped", 16, [20, 20], 32, 3, groups=2, tile={"engine": "slab"})
+    with pytest.raises(PlanError, match="the conv has groups"):
+        build_plan(validate(grouped))
 
 
 def test_eight_input_channels_keep_the_tma_engine():
@@ -96,7 +122,7 @@ def test_tf32_slab_kernels_build_without_spills(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("data", TF32 + THREE[:1], ids=[d["name"] for d in TF32 + THREE[:1]])
+@pytest.mark.parametrize("data", TF32 + THREE[:2], ids=[d["name"] for d in TF32 + THREE[:2]])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_tf32_slab_layers_meet_the_bar(data, batch, fp32_reference):
     from specgen.module import FusedLayer
