@@ -1352,7 +1352,15 @@ def _engine_summary(plan: dict) -> str:
         return igemm_engine.describe(plan["igemm"])
     mma = plan["mma"]
     if mma is None:
-        return f"fp32 FFMA, register tile {plan['ct']} channels x {plan['pt']} positions"
+        text = f"fp32 FFMA, register tile {plan['ct']} channels x {plan['pt']} positions"
+        if plan["in_vectors"]:
+            text += (f"; conv rows in {plan['in_vec']}-wide loads from {plan['in_lead']} position(s) before the first tap "
+                     "(an aligned start)")
+        elif plan["in_vec"] > 1:
+            text += f"; conv rows in {plan['in_vec']}-wide loads"
+        if plan["io_ctype"] != "float":
+            text += f"; x and out read and written as {plan['precision']} (widened on load, rounded once on store)"
+        return text
     sd, sh = mma.slab
     return (
         f"tensor cores ({'3xTF32' if mma.products == 3 else 'TF32'} mma.sync m16n8k8): slabs of {sd}x{sh}x{plan['box'][3]} positions, warp tile "

@@ -93,3 +93,12 @@ def test_the_launch_steps_through_16_bit_samples(precision):
     assert lp.strides[0] == 2 * sp.plan["in_per_sample"] and lp.strides[-1] == 2 * sp.plan["out_per_sample"]
     wide = pipeline.specialize(spec("depthwise", "fp32"), "sm_90")
     assert not torchop._launch_plan(wide).native_16 and torchop._launch_plan(wide).strides[0] == 4 * wide.plan["in_per_sample"]
+
+
+def test_show_plan_says_how_the_ffma_engine_reads_its_rows_and_its_16_bit_tensors():
+    from specgen.plan import describe
+
+    text = describe(build_plan(spec("depthwise", "bf16")))
+    assert "conv rows in 4-wide loads from 3 position(s) before the first tap" in text
+    assert "x and out read and written as bf16" in text
+    assert "read and written as" not in describe(build_plan(spec("depthwise", "fp32")))
