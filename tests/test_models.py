@@ -155,6 +155,11 @@ def test_spec_bench_marks_specgen_rows_slower_than_eager():
               "rows": [row("eager", 1.0, False), row("specgen", 1.2, True), row("specgen runtime-dims", 0.9, False)]}
     marked = [line.split()[0] for line in bench.format_table(result).splitlines() if line.endswith("<< slower than eager")]
     assert marked == ["specgen"]
+    # what bench decides: the rows a layer runs as, never the runtime-dims rendering (a measurement)
+    assert bench.slower_than_eager("specgen", 1.2, 1.0) and bench.slower_than_eager("specgen channels_last in", 1.2, 1.0)
+    assert not bench.slower_than_eager("specgen", 0.9, 1.0)
+    assert not bench.slower_than_eager("specgen runtime-dims", 1.2, 1.0)
+    assert not bench.slower_than_eager("eager channels_last", 1.2, 1.0)
 
 
 @pytest.mark.parametrize(
