@@ -160,7 +160,8 @@ def _weights(weight: torch.Tensor, tp: TmaPlan, cin: int, taps: int, precision: 
     return planes, maps
 
 
-def _float(t: torch.Tensor) -> torch.Tensor:
+def as_float32(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself if float32, else its float32 copy, kept per tensor version (`derived`)."""
     return t if t.dtype == torch.float32 else derived(t, "float32", lambda v: v.float().contiguous())
 
 
@@ -315,9 +316,9 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
         values = [_input_map(w, tp, c.size, batch, precision) for w in ws_planes]
     values += maps_w
     if c.has_bias:
-        values.append(_float(bias).data_ptr())
+        values.append(as_float32(bias).data_ptr())
     for name in c.param_names:
-        values.append(_float(params[name]).data_ptr())
+        values.append(as_float32(params[name]).data_ptr())
     for name in c.input_names:  # extra inputs, in the layer's dtype
         values.append(params[name].data_ptr())
     values += [out.data_ptr(), batch]

@@ -688,7 +688,7 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     if lp.native_16:
         # x and out in the layer's dtype, read and written by the kernel itself; its weights, bias
         # and parameters as float32 (widened once per tensor version, `tmarun.derived`).
-        wide = tmarun._float
+        wide = tmarun.as_float32
         return _launch_fp32(sp, lp, kernel, x, wide(weight), None if bias is None else wide(bias),
                             {k: wide(v) for k, v in params.items()}, out, batch, stream)
     if dtype != torch.float32:
