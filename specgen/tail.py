@@ -435,11 +435,11 @@ def _channel_reduction_split(spec: LayerSpec, first: int, target) -> int | None:
 
 def split_engine(spec: LayerSpec, at: int, target) -> str | None:
     """The engine a split layer's body (the conv and stages [0, at)) runs on: the TMA engine for a
-    plain conv (None, the planner's choice, where that is the slab engine: few input channels in
-    tf32 or fp32); for a transposed one its stride phases on the TMA engine where it runs them and they
+    plain conv (None, the planner's choice, where that is the slab engine: at most 4 input
+    channels in tf32 or fp32); for a transposed one its stride phases on the TMA engine where it runs them and they
     pay for its layout pass (`tma.worth_it`), else on the implicit GEMM; None where it cannot."""
     from specgen import igemm, tma
-    from specgen.plan import FP32_GEMM_MIN_CHANNELS, build_plan, slab_in_tf32
+    from specgen.plan import SLAB_TF32_MAX_CHANNELS, build_plan, slab_in_tf32
 
     body = _cut(spec, at)
     if body.conv.transposed:
@@ -448,11 +448,12 @@ def split_engine(spec: LayerSpec, at: int, target) -> str | None:
         return None if igemm.why_not(body, [None], []) else "igemm"
     if slab_in_tf32(body):
         return None  # the planner's: the slab engine in TF32 (`plan.slab_in_tf32`)
-    if body.precision == "fp32" and body.input.channels < FP32_GEMM_MIN_CHANNELS \
+    if body.precision == "fp32" and body.input.channels // body.conv.groups <= SLAB_TF32_MAX_CHANNELS \
             and build_plan(body, target=target)["engine"] == "slab":
-        # The planner's too: an fp32 conv of few channels on the slab engine (3xTF32), which
-        # forms the taps from each staged input, where the TMA engine would pad the channels to its
-        # 8-wide K chunk and load every tap (the ResNet stem: 3 channels, 49 taps).
+        # The planner's too: an fp32 conv of at most 4 input channels on the slab engine (3xTF32),
+        # which forms the taps from each staged input, where the TMA engine would pad the channels
+        # to its 8-wide K chunk and load every tap (measured on the ResNet stem: 3 channels, 49
+        # taps, NOTES v34-3; 5 to 15 channels, which the TMA engine pads less, keep it, untimed).
         return None
     return None if tma.why_not(body, [None], [], target) else "tma"
 

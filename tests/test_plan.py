@@ -276,11 +276,13 @@ def test_a_build_that_spills_is_rebuilt_with_one_block_per_sm(tmp_path, monkeypa
 
 def test_a_strided_1x1_row_loads_whole_vectors():
     """Kernel 1, stride 2 along W, two positions per thread: the row segment is 3 floats. The load
-    width is a power of two no wider than it (a width of 3 once left every third float unset)."""
+    width is a power of two (a width of 3 once left every third float unset); the row of 4 is one
+    aligned float4 (whole vectors from the tile's aligned start, `_box_access`)."""
     spec = validate({"name": "s2k1", "input": {"channels": 1, "size": [4]}, "conv": {"out_channels": 1, "kernel": 1, "stride": 2},
                      "epilogue": [], "rewrites": False})
     plan = build_plan(spec)
-    assert plan["conv_span"] == 3 and plan["in_vec"] == 2
+    assert plan["conv_span"] == 3 and (plan["in_vec"], plan["in_lead"], plan["in_vectors"]) == (4, 0, 1)
+    assert "float xin[IN_VECTORS * IN_VEC];" in render_plan(plan)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -292,7 +294,13 @@ def test_input_vectors_are_float4_float2_or_single(data):
         return
     plan = build_plan(spec)
     if plan["engine"] == "ffma":
-        assert plan["in_vec"] in (1, 2, 4) and plan["in_vec"] <= max(plan["conv_span"], 1), plan["in_vec"]
+        assert plan["in_vec"] in (1, 2, 4), plan["in_vec"]
+        if plan["in_vectors"]:  # whole vectors from an aligned start IN_LEAD before the first tap
+            assert 0 <= plan["in_lead"] < plan["in_vec"]
+            assert plan["in_vectors"] * plan["in_vec"] >= plan["in_lead"] + plan["conv_span"] > (plan["in_vectors"] - 1) * plan["in_vec"]
+            assert plan["in"][2] % plan["in_vec"] == 0  # the row's length: each vector wholly in or out of it
+        else:
+            assert plan["in_vec"] <= max(plan["conv_span"], 1), plan["in_vec"]
 
 
 # ---- planner settings: plan inputs, never a modified spec -------------------------------------------------

@@ -379,15 +379,16 @@ def test_the_launch_prepares_the_weights_tap_major_padded_and_split():
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_a_pool_after_a_deep_conv_splits_the_layer(precision):
-    """The conv runs on the TMA engine into T0 (in tf32 on the slab engine, in TF32: `plan.slab_in_tf32`);
-    the pool and what follows read it over an identity conv."""
+    """The conv runs on the TMA engine into T0 (with 3 input channels in tf32 and fp32 on the slab
+    engine: in TF32, `plan.slab_in_tf32`, and in 3xTF32, `tail.split_engine`); the pool and what
+    follows read it over an identity conv."""
     stem = spec_of(cin=3, cout=64, size=(64, 64), kernel=7, padding=3, conv={"stride": 2}, precision=precision,
                    epilogue=["relu", {"max_pool": {"kernel": 3, "stride": 2, "padding": 1}}, "sigmoid"])
     plan = build_plan(stem, target=HOPPER)
     assert plan["engine"] == "sequence" and [s["kind"] for s in plan["steps"]] == ["layer", "layer"]
     body, rest = (p["plan"] for p in plan["parts"])
-    assert body["engine"] == ("slab" if precision == "tf32" else "tma") and [p["op"] for p in body["pointwise"]] == ["relu"]
-    assert precision != "tf32" or body["mma"]["products"] == 1
+    assert body["engine"] == ("tma" if precision == "bf16" else "slab") and [p["op"] for p in body["pointwise"]] == ["relu"]
+    assert precision == "bf16" or body["mma"]["products"] == (1 if precision == "tf32" else 3)
     assert rest["engine"] == "ffma" and rest["transposed"] is False and plan["steps"][1]["ones"] == 64
     assert plan["parts"][1]["spec"].precision == ("bf16" if precision == "bf16" else "fp32")  # an exact identity conv
     assert plan["out_shape"] == list(stem.shapes()[-1].sizes)
