@@ -811,8 +811,6 @@ def _check_yaml_size(root) -> None:
 
 
 def _load_yaml(text: str):
-    import yaml
-
     if len(text) > MAX_YAML_BYTES:
         raise SpecError([f"the YAML is {len(text)} characters long; specgen's limit for a file of specs is {MAX_YAML_BYTES}"])
     loader = _yaml_loader()(text)

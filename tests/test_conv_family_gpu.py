@@ -195,7 +195,7 @@ def test_strided_transposed_convs_on_the_implicit_gemm(name, precision):
 def test_w_pairs_and_single_phases_compute_the_same_layer(name, precision, single):
     """Each tile config both ways: a block per W pair of phases (stored side by side) and a block per phase."""
     from specgen import pipeline
-    from specgen.igemm import IgemmConfig, pairs_w
+    from specgen.igemm import IgemmConfig
 
     inp, conv, epilogue = PHASES[name]
     data = {"name": f"pair_{name}_{precision}", "input": inp, "conv": {**conv, "transposed": True}, "epilogue": epilogue,
