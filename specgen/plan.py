@@ -902,13 +902,10 @@ def _box_access(levels: list, bt: BoxTiling, t1: tuple, in3: tuple, k3: tuple, s
     # start at multiples of IN_W, a tile starts pt * step * stride after its neighbour, a box
     # box_w * step * stride after its neighbour (only when there are several boxes along W).
     level0_w_stride = levels[0]["step"] * s3[2]
-    in_vec = _widest(
-        (4, 2, 1),
-        in3[2],
-        p3[2],
-        pt * level0_w_stride,
-        box[3] * level0_w_stride if (tiles["w"] > 1 or chunks["w"] > 1) else 0,
-    )
+    # (the widest vector every tile's first output and every row start align to)
+    row_vec = _widest((4, 2, 1), in3[2], pt * level0_w_stride,
+                      box[3] * level0_w_stride if (tiles["w"] > 1 or chunks["w"] > 1) else 0)
+    in_vec = _widest((4, 2, 1), row_vec, p3[2])  # ... and the padding: the first tap itself
     # (pool windows shift level 0's start by odd offsets: no vectors under a pool)
     # (and no wider than the span a tile reads: a power of two, since a load is a float4 or a float2 --
     # a span of 3 once made IN_VEC 3, whose float2 loads left every third float unset)
@@ -920,12 +917,9 @@ def _box_access(levels: list, bt: BoxTiling, t1: tuple, in3: tuple, k3: tuple, s
     # before its first tap, whole vectors only: each lies wholly inside the row or wholly in its
     # padding, since the start and the row's length are multiples of VEC.
     in_lead = in_vectors = 0
-    if len(levels) == 1 and conv_span >= 2 and not transposed:
-        vec = _widest((4, 2, 1), in3[2], pt * level0_w_stride,
-                      box[3] * level0_w_stride if (tiles["w"] > 1 or chunks["w"] > 1) else 0)
-        if vec > in_vec:
-            in_vec, in_lead = vec, (-p3[2]) % vec
-            in_vectors = -(-(in_lead + conv_span) // vec)
+    if len(levels) == 1 and conv_span >= 2 and not transposed and row_vec > in_vec:
+        in_vec, in_lead = row_vec, (-p3[2]) % row_vec
+        in_vectors = -(-(in_lead + conv_span) // row_vec)
     if transposed:
         # A transposed conv gathers: output w reads input (w + P_W - kw * DIL_W) / S_W where that
         # divides evenly. Level 0 loads the span of numerators w + P_W - kw * DIL_W the tile needs
