@@ -685,24 +685,22 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
         return tmarun.launch(sp, kernel, x, weight, bias, params, out, stream)
     if not x.is_contiguous() and tmarun.channels_last(x):
         x = _from_channels_last(sp, kernel, x, stream, dtype if lp.native_16 else torch.float32)
+    if dtype == torch.float32:
+        return _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream)
+    # A 16-bit layer: its weights, bias and parameters as float32 (widened once per tensor version).
+    wide = tmarun.as_float32
+    weight, bias = wide(weight), None if bias is None else wide(bias)
     if lp.native_16:
-        # x and out in the layer's dtype, read and written by the kernel itself; its weights, bias
-        # and parameters as float32 (widened once per tensor version, `tmarun.derived`).
-        wide = tmarun.as_float32
-        return _launch_fp32(sp, lp, kernel, x, wide(weight), None if bias is None else wide(bias),
-                            {k: wide(v) for k, v in params.items()}, out, batch, stream)
-    if dtype != torch.float32:
-        # An engine without a 16-bit path: fp32 arithmetic on the (exactly) widened tensors, the
-        # output rounded to the layer's dtype once.
-        f32 = tmarun.derived
-        wide = lambda t: f32(t, "float32", lambda v: v.float().contiguous())  # noqa: E731
-        # (an extra input is new on every call: widened afresh, never cached)
-        # (one pass from any memory format to contiguous float32: a channels-last x is not widened, then copied)
-        y = _launch_fp32(sp, lp, kernel, x.to(torch.float32, memory_format=torch.contiguous_format), wide(weight), None if bias is None else wide(bias),
-                         {k: v.float() if k in lp.input_names else wide(v) for k, v in params.items()}, None, batch, stream)
-        out.copy_(y)
-        return out
-    return _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream)
+        # x and out in the layer's dtype, read and written by the kernel itself.
+        return _launch_fp32(sp, lp, kernel, x, weight, bias, {k: wide(v) for k, v in params.items()}, out, batch, stream)
+    # An engine without a 16-bit path: fp32 arithmetic on the (exactly) widened tensors, the output
+    # rounded to the layer's dtype once.
+    # (an extra input is new on every call: widened afresh, never cached)
+    # (one pass from any memory format to contiguous float32: a channels-last x is not widened, then copied)
+    y = _launch_fp32(sp, lp, kernel, x.to(torch.float32, memory_format=torch.contiguous_format), weight, bias,
+                     {k: v.float() if k in lp.input_names else wide(v) for k, v in params.items()}, None, batch, stream)
+    out.copy_(y)
+    return out
 
 
 _FROM_CL_THREADS = 256  # templates/from_cl.cu.j2: a 32 x 32 tile per block of 32 x 8 threads,
