@@ -439,7 +439,7 @@ def split_engine(spec: LayerSpec, at: int, target) -> str | None:
     channels in tf32 or fp32); for a transposed one its stride phases on the TMA engine where it runs them and they
     pay for its layout pass (`tma.worth_it`), else on the implicit GEMM; None where it cannot."""
     from specgen import igemm, tma
-    from specgen.plan import SLAB_TF32_MAX_CHANNELS, build_plan, slab_in_tf32
+    from specgen.plan import SLAB_TF32_MAX_CHANNELS, slab_in_tf32
 
     body = _cut(spec, at)
     if body.conv.transposed:
@@ -448,8 +448,7 @@ def split_engine(spec: LayerSpec, at: int, target) -> str | None:
         return None if igemm.why_not(body, [None], []) else "igemm"
     if slab_in_tf32(body):
         return None  # the planner's: the slab engine in TF32 (`plan.slab_in_tf32`)
-    if body.precision == "fp32" and body.input.channels // body.conv.groups <= SLAB_TF32_MAX_CHANNELS \
-            and build_plan(body, target=target)["engine"] == "slab":
+    if body.precision == "fp32" and body.input.channels // body.conv.groups <= SLAB_TF32_MAX_CHANNELS:
         # The planner's too: an fp32 conv of at most 4 input channels on the slab engine (3xTF32),
         # which forms the taps from each staged input, where the TMA engine would pad the channels
         # to its 8-wide K chunk and load every tap (measured on the ResNet stem: 3 channels, 49
@@ -536,8 +535,13 @@ def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None) -> Seq
         return (f"epilogue[{at}] {first.op} would keep the whole layer on FFMA ({what}): {ran.format(body_plan.engine)}, "
                 f"the pool and what follows read it in a further kernel over an identity conv (1x1 depthwise, weights 1: exact)")
 
-    # (few input channels in fp32 too: the FFMA engine is what the split avoids)
-    return plan_split(spec, at, split_engine(spec, at, target), why, target, settings)
+    engine = split_engine(spec, at, target)
+    plan = plan_split(spec, at, engine, why, target, settings)
+    if engine is None and plan.parts[0].plan.engine == "ffma":
+        # Left to the planner (few input channels: the slab engine), a body whose staged weights do
+        # not fit falls to the FFMA engine, which is what the split avoids: the TMA engine then.
+        plan = plan_split(spec, at, "tma", why, target, settings)
+    return plan
 
 
 def plan_split(spec: LayerSpec, at: int, body_engine: str | None, why, target=None, settings=None,

@@ -70,6 +70,19 @@ def test_an_fp32_stems_pool_split_runs_its_body_on_the_slab_engine():
     assert wide.parts[0].plan.engine == "tma"
 
 
+@pytest.mark.parametrize("precision", ["tf32", "fp32"])
+def test_a_split_body_whose_slab_staging_does_not_fit_takes_the_tma_engine(precision):
+    """A 15x15 kernel of 3 channels: the slab engine's staged weights do not fit. Left to the
+    planner the body alone runs on the TMA engine in tf32 and on FFMA in fp32 (which keeps fewer
+    than 16 channels off the GEMM engines), which is what the split avoids."""
+    data = layer("wide_kernel", 3, [64, 64], 64, 15, precision=precision, padding=7,
+                 epilogue=["relu", {"max_pool": {"kernel": 3, "stride": 2, "padding": 1}}])
+    cut = {**data, "epilogue": ["relu"]}
+    assert build_plan(validate(cut))["engine"] == ("tma" if precision == "tf32" else "ffma")  # the body alone
+    plan = build_plan(validate(data))
+    assert [p.plan.engine for p in plan.parts] == ["tma", "ffma"]
+
+
 def test_asking_for_the_slab_engine_where_it_cannot_run_is_an_error():
     """It used to fall back to the FFMA engine without a word."""
     from specgen.plan import PlanError
