@@ -1379,7 +1379,8 @@ def _describe(plan: dict) -> str:
         tp = plan["tma"]
         return "\n".join([
             f"kernel {plan['kernel_name']}: {tp.threads} threads/block, one block per {tp.bm} positions x {tp.bn} channels "
-            f"({tp.n_tiles} block(s) along channels), {tp.smem_bytes} bytes shared memory; layout pass {plan['kernel_name']}_prep",
+            f"({tp.n_tiles} block(s) along channels), {tp.smem_bytes} bytes shared memory; "
+            + ("no layout pass (A read in place)" if tp.a_in_place else f"layout pass {plan['kernel_name']}_prep"),
             _engine_summary(plan),
             "rewrites: " + ("; ".join(plan["rewrites"]) or "none"),
         ])

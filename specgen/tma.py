@@ -191,11 +191,22 @@ class TmaPlan:
     # keeps the format, as PyTorch's conv does. False where the channels are reduced (one channel:
     # either layout) and for a 1-D conv (PyTorch has no such memory format).
     channels_last_out: bool = False
+    # A 16-bit 1x1 conv of stride 1 on an NC(D)HW input: its A tiles are loaded from the input where
+    # it lies (`a_in_place`), no layout pass; see `reads_nchw_in_place`. Each m64 tile then lies in
+    # one sample: where the positions are not whole m64 tiles, M runs over GRID_POSITIONS = the
+    # positions rounded up to them per sample (`padded_rows`), and rows past the positions are
+    # computed on zeros and not stored.
+    a_in_place: bool = False
 
     @property
     def gemms(self) -> int:
         """GEMMs: the stride phases, or the one conv."""
         return max(1, len(self.phases))
+
+    @property
+    def padded_rows(self) -> bool:
+        """Whether M has rows past each sample's positions (A read in place, positions not whole m64 tiles)."""
+        return self.a_in_place and self.grid_positions != self.positions
 
     @property
     def grid_gemms(self) -> int:
@@ -399,6 +410,31 @@ def reads_in_place(spec: LayerSpec) -> bool:
     operand plane (not fp32's hi and lo) and channels that need no padding (`_channels`)."""
     eb = ELEM_BYTES[spec.precision]
     return spec.precision != "fp32" and spec.input.channels == _channels(spec.input.channels, eb)[0]
+
+
+# A tile of A read from an NC(D)HW input where it lies is one TMA load per m64 tile: 64 positions of
+# one sample (a 128-byte row of 16-bit values per channel) x BKC channels.
+NCHW_CHUNK = 64
+
+
+def reads_nchw_in_place(spec: LayerSpec) -> bool:
+    """Whether the engine can read an NC(D)HW input where it lies, with no layout pass: a bf16 /
+    fp16 1x1 conv of stride 1 and no padding (M is then the input's own positions, and K its
+    channels) whose rows of positions are whole 16-byte units (a tensor map's strides must be).
+    Where the positions are not whole m64 tiles the plan pads M per sample (`TmaPlan.padded_rows`)
+    and has no split kernel, so it reads in place only where the planner gives it none.
+
+    A K-block's A tile is then BKC channels x 64 positions, which land as BKC rows of 128 bytes:
+    positions contiguous (MN-major), the layout wgmma reads with its A operand transposed -- which it
+    allows for 16-bit types only (a tf32 operand must be K-major, and so pays the pass). Measured on
+    an H200 (benchmarks/NOTES.md v35): the bf16 1x1 conv 256 -> 64 at 56^2 spent more time in the
+    layout pass than in its GEMM."""
+    geo = spec.conv_geometry()
+    return (
+        spec.precision in ("bf16", "fp16") and not spec.conv.transposed and spec.conv.groups == 1
+        and all(k == 1 for k in geo["kernel"]) and all(s == 1 for s in geo["stride"])
+        and all(p == 0 for p in geo["padding"]) and math.prod(spec.input.size) * ELEM_BYTES[spec.precision] % 16 == 0
+    )
 
 
 def has_tma_engine(target: targets.Target) -> bool:
@@ -617,6 +653,10 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     # none (the split kernel's parts would each hold part of K of every channel, to be added before it)
     split_parts = 1 if whole_n or phases else cfg.split_k or splitk.choose(
         math.prod(conv_out), cout, cfg.bm, n_tiles, k_iters, (target.sm_count or 132) * cfg.blocks_per_sm)
+    positions = math.prod(conv_out)
+    in_place = not channels_last and reads_nchw_in_place(spec) and (positions % NCHW_CHUNK == 0 or split_parts == 1)
+    if in_place and positions % NCHW_CHUNK:  # M per sample padded to whole m64 tiles
+        grid = (1, 1, -(-positions // NCHW_CHUNK) * NCHW_CHUNK)
     if whole_n and cfg.split_k > 1:
         raise ValueError("split K with a reduction or softmax over the channels")
     if k_iters % split_parts:
@@ -637,6 +677,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         channel_norm=norm_at is not None,
         blocks_per_sm=cfg.blocks_per_sm, phases=phases, grid=grid, grid_positions=math.prod(grid),
         n_pad=n_tiles * cfg.bn, w_pairs=pairs, channels_last_out=channels_last and nd >= 2 and not reduces,
+        a_in_place=in_place,
         producer_regs=REGS_TWO_BLOCKS["producer"] if two else PRODUCER_REGS,
         consumer_regs=REGS_TWO_BLOCKS["consumer"] if two else CONSUMER_REGS,
     )
@@ -651,10 +692,14 @@ def describe(tp: TmaPlan) -> str:
               if tp.phases else "")
     return (
         f"implicit GEMM on Hopper ({mode} wgmma m64n{tp.bn}k{tp.kstep}, both operands from shared memory, fed by TMA "
-        f"im2col loads){phases}: block tile {tp.bm} positions x {tp.bn} channels, {walked} stages of {tp.kb_per_stage} "
+        f"{'tiled' if tp.a_in_place else 'im2col'} loads){phases}: block tile {tp.bm} positions x {tp.bn} channels, {walked} stages of {tp.kb_per_stage} "
         f"K-block(s) of {tp.bkc} channels, {tp.stages}-stage mbarrier pipeline, 1 producer warp + 2 consumer "
-        f"warpgroups{', two blocks per SM' if tp.blocks_per_sm == 2 else ''}; a layout pass lays the input out "
-        f"channels-last ({tp.cip} channels)"
+        f"warpgroups{', two blocks per SM' if tp.blocks_per_sm == 2 else ''}; "
+        + ("A read from the NC(D)HW input where it lies (tiled TMA loads of 64 positions x "
+           f"{tp.bkc} channels, positions contiguous: wgmma's A operand transposed), no layout pass"
+           + (f"; M padded to {tp.grid_positions} rows per sample (whole m64 tiles), the rows past the "
+              f"{tp.positions} positions not stored" if tp.padded_rows else "")
+           if tp.a_in_place else f"a layout pass lays the input out channels-last ({tp.cip} channels)")
         + ("; the output channels-last, as the input" if tp.channels_last_out else "")
         + (f"; for small batches K split {tp.split_k} ways ({tp.split_iters} stages a block), "
            f"the parts added in order by a second kernel" if tp.split_k > 1 else "")

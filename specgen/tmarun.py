@@ -2,7 +2,9 @@
 
 Per forward (on torch's current stream, so it also runs under CUDA-graph capture):
 
-1. `<kernel>_prep` writes the input channels-last with its channels padded, [batch][positions][CIP]
+1. A 16-bit 1x1 conv of stride 1 (`TmaPlan.a_in_place`) reads a contiguous input where it lies: its
+   A tiles are loaded from [batch][C_IN][positions] by a tiled tensor map (any other layout is made
+   contiguous first). Otherwise `<kernel>_prep` writes the input channels-last with its channels padded, [batch][positions][CIP]
    (split into hi and lo planes in fp32 mode), into a workspace from torch's allocator;
    `<kernel>_prep_cl` does the same from a channels-last input. A channels-last input whose
    channels need no padding is read in place (but in fp32 mode, which needs the planes). In tf32
@@ -32,7 +34,7 @@ import torch
 
 from specgen import runtime
 from specgen import splitk
-from specgen.tma import INT32_MAX, TmaPlan
+from specgen.tma import INT32_MAX, NCHW_CHUNK, SWIZZLE, TmaPlan
 
 OPERAND_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAP_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -213,11 +215,30 @@ def _input_map(ws: torch.Tensor, tp: TmaPlan, spatial: tuple[int, ...], batch: i
     return tmap
 
 
+def _nchw_map(x: torch.Tensor, tp: TmaPlan, batch: int) -> runtime.TensorMap:
+    """The tiled map of a contiguous [batch][C_IN][positions] input whose A tiles are read in place
+    (`TmaPlan.a_in_place`): a box of 64 positions x BKC channels of one sample, 128-byte-swizzled;
+    cached like the im2col maps."""
+    key = (x.data_ptr(), batch, x.dtype, id(tp), "nchw")
+    tmap = _input_maps.get(key)
+    if tmap is not None:
+        return tmap
+    cin, e = x.shape[1], tp.elem_bytes
+    tmap = runtime.encode_tiled(MAP_DTYPE[x.dtype], x.data_ptr(), (tp.positions, cin, batch),
+                                (tp.positions * e, cin * tp.positions * e), (NCHW_CHUNK, tp.bkc, 1),
+                                SWIZZLE[128]["tma"], x.numel() * x.element_size())
+    if len(_input_maps) >= _MAP_CACHE:
+        _input_maps.pop(next(iter(_input_maps)))
+    _input_maps[key] = tmap
+    return tmap
+
+
 def extra_functions(plan: dict) -> tuple[str, ...]:
-    """The module's kernels besides the main one: the layout passes, and the split kernel and its
-    reduction where the plan has them."""
-    name = plan["kernel_name"]
-    return (f"{name}_prep", f"{name}_prep_cl") + (splitk.kernel_names(name) if plan["tma"].split_k > 1 else ())
+    """The module's kernels besides the main one: the layout passes (none where A is read in
+    place), and the split kernel and its reduction where the plan has them."""
+    name, tp = plan["kernel_name"], plan["tma"]
+    prep = () if tp.a_in_place else (f"{name}_prep", f"{name}_prep_cl")
+    return prep + (splitk.kernel_names(name) if tp.split_k > 1 else ())
 
 
 _sm_counts: dict[int, int] = {}
@@ -296,7 +317,11 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
     precision = c.precision
     _planes_w, maps_w = derived(weight, c.weights_key, c.make_weights)
     cl = channels_last(x)
-    if cl and c.in_place_cl:
+    if tp.a_in_place:
+        if not x.is_contiguous() or x.data_ptr() % 16:  # (the tensor map needs the layout, 16-byte aligned)
+            x = x.clone(memory_format=torch.contiguous_format)
+        ws_planes = [x]
+    elif cl and c.in_place_cl:
         ws_planes = [x]  # read in place: already the layout (and tf32 maps round on the way)
     else:
         if not cl:
@@ -310,7 +335,9 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
         pack = runtime.arg_pack((kernel.function.value, fn), ("ptr",) * (1 + c.planes) + ("int",))
         pack.set([x.data_ptr(), *(w.data_ptr() for w in ws_planes), batch])
         runtime.launch_packed(kernel, kernel.extra[fn], blocks, _PREP_THREADS, 0, pack, stream)
-    if tp.phases:  # an im2col map per stride phase, plane by plane
+    if tp.a_in_place:
+        values = [_nchw_map(x, tp, batch)]
+    elif tp.phases:  # an im2col map per stride phase, plane by plane
         values = [_input_map(w, tp, c.size, batch, precision, ph) for w in ws_planes for ph in tp.phases]
     else:
         values = [_input_map(w, tp, c.size, batch, precision) for w in ws_planes]

@@ -633,3 +633,88 @@ def test_tma_stride_phases_render_a_gemm_per_phase_and_fit_the_box_limits():
                      "tile": {"engine": "tma"}})
     with pytest.raises(PlanError, match="box limits"):
         build_plan(wide, target=HOPPER)
+
+
+# ---- a 16-bit 1x1 conv reads its NC(D)HW input in place ------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("cin,size", [(256, (56, 56)), (24, (8, 16)), (8, (192,)), (16, (4, 4, 8))])
+def test_a_16_bit_1x1_conv_reads_its_nchw_input_in_place(precision, cin, size):
+    """No layout pass: A is loaded from [batch][C_IN][positions] by a tiled 3-D map (64 positions x
+    BKC channels), fed to wgmma transposed (MN-major), and the prep kernels are not in the module."""
+    from specgen import tmarun
+
+    spec = spec_of(cin=cin, cout=64, size=size, kernel=1, padding=0, precision=precision, tile={"engine": "tma"})
+    plan = build_plan(spec, target=HOPPER)
+    tp = plan["tma"]
+    assert tp.a_in_place
+    text = render_plan(plan)
+    assert "cp.async.bulk.tensor.3d.shared::cluster.global.tile" in text and "im2col" not in text
+    assert "_prep(" not in text and "_prep_cl(" not in text
+    assert "acc, 1, 1, 1, 0;" in text  # imm-trans-a 1: A is MN-major
+    assert "descriptor_mn(rows)" in text
+    assert "A_CHUNK_BYTES = BKC * 128" in text and f"BKC = {tp.bkc};" in text
+    assert not any(name.endswith(("_prep", "_prep_cl")) for name in tmarun.extra_functions(plan))
+    assert "no layout pass" in describe(plan)
+
+
+@pytest.mark.parametrize("why,data", [
+    ("tf32 operands must be K-major", dict(precision="tf32")),
+    ("fp32: hi and lo planes", dict(precision="fp32")),
+    ("a stride", dict(precision="bf16", conv={"stride": 2})),
+    ("padding", dict(precision="bf16", padding=1)),
+    ("a 3x3 kernel", dict(precision="bf16", kernel=3, padding=1)),
+    ("rows of positions not whole 16-byte units (14 x 14 x 2 bytes)", dict(precision="bf16", size=(14, 14))),
+    ("positions not whole m64 tiles, and a split kernel", dict(precision="bf16", size=(12, 10), cin=1024, cout=256)),
+])
+def test_other_convs_keep_the_layout_pass(why, data):
+    extra = {"kernel": 1, "padding": 0, "size": (16, 16), "cin": 64, "cout": 64, **data}
+    plan = build_plan(spec_of(tile={"engine": "tma"}, **extra), target=HOPPER)
+    assert plan["engine"] == "tma" and not plan["tma"].a_in_place, why
+    assert "layout pass" in describe(plan)
+
+
+@pytest.mark.parametrize("size,rows", [((28, 28), 832), ((12, 10), 128), ((200,), 256)])
+def test_positions_that_are_not_whole_m64_tiles_pad_m_per_sample(size, rows):
+    """M runs over the positions rounded up to whole m64 tiles per sample (every A load lies in one
+    sample); the padding rows are computed on zeros and never stored; no split kernel."""
+    spec = spec_of(cin=64, cout=64, size=size, kernel=1, padding=0, precision="bf16", tile={"engine": "tma"})
+    plan = build_plan(spec, target=HOPPER)
+    tp = plan["tma"]
+    assert tp.a_in_place and tp.padded_rows and tp.grid_positions == rows and tp.split_k == 1
+    text = render_plan(plan)
+    assert f"constexpr int M_POSITIONS = {rows};" in text
+    assert "const int m_total = batch * M_POSITIONS;" in text
+    assert "row_mine[i][h] = row_p[i][h] < POSITIONS;" in text
+    assert "if (c_stored && m < m_total && row_mine[i][h]) out[" in text
+    assert f"M padded to {rows} rows per sample" in describe(plan)
+    whole = build_plan(spec_of(cin=64, cout=64, size=(16, 16), kernel=1, padding=0, precision="bf16",
+                               tile={"engine": "tma"}), target=HOPPER)
+    assert whole["tma"].a_in_place and not whole["tma"].padded_rows
+    assert "M_POSITIONS" not in render_plan(whole)
+
+
+def test_the_channels_last_plan_of_a_1x1_conv_reads_its_own_layout():
+    """The channels-last variant keeps the im2col map over the channels-last input (read in place too)."""
+    spec = spec_of(cin=64, cout=64, size=(16, 16), kernel=1, padding=0, precision="bf16", tile={"engine": "tma"})
+    plan = build_plan(spec, None, HOPPER, None, pipeline._CHANNELS_LAST)
+    assert plan["engine"] == "tma" and not plan["tma"].a_in_place and plan["tma"].channels_last_out
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("cin,cout,size,epilogue", [
+    (256, 64, (56, 56), ["relu"]),
+    (64, 256, (56, 56), ["relu"]),
+    (1024, 256, (8, 8), [{"add": {"input": "shortcut"}}, "relu"]),  # a split kernel
+    (40, 100, (8, 8), [{"amax": {"dims": [1]}}]),  # a reduction over the channels
+    (512, 128, (28, 28), ["relu"]),  # M padded per sample
+    (40, 100, (12, 10), [{"softmax": 1}]),  # ... with a softmax over the channels
+])
+def test_nchw_in_place_kernels_compile_without_spills(precision, cin, cout, size, epilogue):
+    spec = spec_of(cin=cin, cout=cout, size=size, kernel=1, padding=0, precision=precision, epilogue=epilogue,
+                   tile={"engine": "tma"})
+    sp = pipeline.specialize(spec, "sm_90")
+    assert sp.plan["engine"] == "tma" and sp.plan["tma"].a_in_place
+    assert sp.build.spill_bytes == 0, f"{sp.build.spill_bytes} bytes spilled"

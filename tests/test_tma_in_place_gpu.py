@@ -1,0 +1,105 @@
+"""A bf16 / fp16 1x1 conv on the TMA engine reading its NC(D)HW input where it lies (no layout pass;
+`TmaPlan.a_in_place`) against PyTorch on the GPU (marker `gpu`; skipped without an sm_90 GPU): at
+the mode's bar (within 2x of PyTorch's own error in that dtype against float64), outputs poisoned,
+fresh inputs per check; batches 1 and odd ones (a last M tile past the batch), channels not a
+multiple of the K-block, positions that are not whole m64 tiles (M padded per sample), every epilogue kind the engine takes, the split kernel, and the inputs the
+tensor map cannot read as they are (channels-last for the contiguous kernel, a misaligned view),
+which are copied first and must give the same bits."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from specgen import tmarun  # noqa: E402
+from specgen.module import FusedLayer  # noqa: E402
+from specgen.spec import validate  # noqa: E402
+
+from gpu_helpers import as_channels_last, compare, randomize  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
+
+DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.fixture(autouse=True)
+def _hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the TMA engine needs an sm_90 GPU")
+
+
+CASES = {
+    # name: (input channels, size, conv, epilogue)
+    "c256_to_64": (256, [16, 16], {"out_channels": 64}, ["relu"]),
+    "c24_to_40_padded_k": (24, [8, 16], {"out_channels": 40}, ["sigmoid"]),
+    "c8_conv1d": (8, [192], {"out_channels": 96}, [{"gelu": {"approximate": "none"}}]),
+    "c16_conv3d": (16, [4, 4, 8], {"out_channels": 48}, ["relu", {"mul": 0.5}]),
+    "c64_to_300_no_bias": (64, [8, 8], {"out_channels": 300, "bias": False}, [{"add": {"param": "shift"}}, "tanh"]),
+    "c64_residual": (64, [16, 8], {"out_channels": 64}, [{"add": {"input": "shortcut"}}, "relu"]),
+    "c40_amax_channels": (40, [8, 8], {"out_channels": 100}, [{"amax": {"dims": [1]}}]),
+    "c32_softmax_channels": (32, [8, 16], {"out_channels": 64}, [{"softmax": 1}]),
+    # positions that are not whole m64 tiles: M padded per sample, the padding rows not stored
+    "c256_28_padded": (256, [28, 28], {"out_channels": 64}, ["relu"]),
+    "c64_residual_padded": (64, [12, 10], {"out_channels": 72}, [{"add": {"input": "shortcut"}}, "relu"]),
+    "c40_amax_padded": (40, [12, 10], {"out_channels": 100}, [{"amax": {"dims": [1]}}, {"sub": 0.5}]),
+    "c32_softmax_padded_1d": (32, [200], {"out_channels": 64}, [{"softmax": 1}]),
+}
+
+
+def _layer(name: str, precision: str) -> FusedLayer:
+    cin, size, conv, epilogue = CASES[name]
+    spec = validate({"name": f"nchw_{name}_{precision}", "input": {"channels": cin, "size": size},
+                     "conv": {"kernel": 1, **conv}, "epilogue": epilogue, "precision": precision,
+                     "tile": {"engine": "tma"}})
+    layer = FusedLayer(spec).cuda()
+    assert layer.specialize().plan["tma"].a_in_place
+    return layer
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_1x1_conv_reading_its_input_in_place_meets_the_modes_bar(name, precision):
+    layer = _layer(name, precision)
+    compare(layer, 1, seed=1)
+    compare(layer, 3, seed=2)
+    compare(layer, 5, seed=3)
+    compare(layer, 2, seed=4, channels_last=True)  # (the layer's channels-last kernel)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_split_kernel_reads_the_input_in_place_too(precision):
+    spec = validate({"name": f"nchw_split_{precision}", "input": {"channels": 1024, "size": [8, 8]},
+                     "conv": {"out_channels": 256, "kernel": 1}, "epilogue": [{"add": {"input": "shortcut"}}, "relu"],
+                     "precision": precision, "tile": {"engine": "tma"}})
+    layer = FusedLayer(spec).cuda()
+    tp = layer.specialize().plan["tma"]
+    assert tp.a_in_place and tp.split_k > 1
+    sms = tmarun.sm_count(torch.cuda.current_device())
+    for batch, seed in ((1, 1), (3, 2)):
+        assert tmarun.uses_split(tp, batch, sms)
+        compare(layer, batch, seed=seed)
+    big = next(b for b in range(8, 4096) if not tmarun.uses_split(tp, b, sms))
+    compare(layer, big, seed=5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_inputs_the_map_cannot_read_in_place_are_copied_first(precision):
+    """A channels-last input run by the contiguous kernel (the caller's output is contiguous) and a
+    contiguous view that is not 16-byte aligned: both copied to a contiguous tensor first, the
+    outputs bit for bit those of the contiguous input."""
+    layer = _layer("c24_to_40_padded_k", precision)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    randomize(layer, gen)
+    shape = (3, 24, 8, 16)
+    flat = torch.randn(3 * 24 * 8 * 16 + 1, generator=gen, device="cuda").to(DTYPE[precision])
+    sliced = flat[1:].view(shape)
+    assert sliced.is_contiguous() and sliced.data_ptr() % 16
+    x = sliced.clone()
+    with torch.no_grad():
+        want = layer(x)
+        assert bool(torch.isfinite(want).all())
+        assert torch.equal(layer(sliced), want)
+        out = torch.full_like(want, float("nan"))
+        layer(as_channels_last(x), out=out)
+        assert torch.equal(out, want)
