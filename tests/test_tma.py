@@ -718,3 +718,18 @@ def test_nchw_in_place_kernels_compile_without_spills(precision, cin, cout, size
     sp = pipeline.specialize(spec, "sm_90")
     assert sp.plan["engine"] == "tma" and sp.plan["tma"].a_in_place
     assert sp.build.spill_bytes == 0, f"{sp.build.spill_bytes} bytes spilled"
+
+
+@pytest.mark.parametrize("precision,size,align", [
+    ("bf16", (12, 12), 16), ("bf16", (14, 14), 8), ("bf16", (10, 9), 4), ("bf16", (7, 7), 2),
+    ("tf32", (7, 7), 4), ("tf32", (9, 7), 4), ("tf32", (14, 14), 16), ("fp32", (10, 9), 8),
+])
+def test_the_layout_pass_reads_rows_in_their_widest_aligned_pieces(precision, size, align):
+    """A channel's row of the input starts as aligned as its byte length allows (x 16-byte aligned):
+    the pass reads 16 bytes at a time in pieces of that width (value by value below 4 bytes)."""
+    plan = build_plan(spec_of(cin=64, cout=64, size=size, precision=precision, tile={"engine": "tma"}), target=HOPPER)
+    assert not plan["tma"].a_in_place
+    text = render_plan(plan)
+    assert f"constexpr int PREP_ALIGN = {align};" in text
+    assert ("const uint2 lo = __ldg" in text) == (align == 8)
+    assert ("make_uint4(__ldg(w), __ldg(w + 1)" in text) == (align == 4)

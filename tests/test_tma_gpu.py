@@ -54,6 +54,9 @@ CASES = {
     "wide_k": (256, [7, 7], {"out_channels": 128, "kernel": 3, "padding": 1}, ["relu"]),
     "cout_8": (64, [16, 16], {"out_channels": 8, "kernel": 3}, ["relu"]),
     "cout_300": (32, [9, 7], {"out_channels": 300, "kernel": 3, "padding": 1}, ["relu"]),
+    # the layout pass's row reads: 8-byte pieces (bf16 rows of 196 values), 4-byte ones (bf16 90, fp32 63)
+    "rows_14x14": (48, [14, 14], {"out_channels": 32, "kernel": 3, "padding": 1}, ["relu"]),
+    "rows_10x9": (16, [10, 9], {"out_channels": 24, "kernel": 3, "padding": 1}, ["relu"]),
     # reductions over the channels, on the accumulators (one block holds every channel)
     "min_channels": (16, [11, 13], {"out_channels": 64, "kernel": 3}, [{"mul": 2.0}, {"amin": {"dims": [1], "keepdim": True}}, "tanh"]),
     "lse_channels": (32, [9, 10], {"out_channels": 40, "kernel": 3, "padding": 1}, [{"add": {"param": "shift"}}, {"logsumexp": {"dims": [1]}}]),
@@ -200,14 +203,15 @@ def test_tma_random_specs():
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_a_pool_after_a_deep_conv_runs_split(precision):
-    """The conv on the TMA engine (tf32: the slab engine in TF32, `plan.slab_in_tf32`) into T0, the
-    max pool and what follows over an identity conv."""
+    """The conv into T0, the max pool and what follows over an identity conv: the conv on the TMA
+    engine in bf16, on the slab engine in tf32 (`plan.slab_in_tf32`) and in fp32 (3 input channels: at most
+    `plan.SLAB_TF32_MAX_CHANNELS`, `tail.split_engine`)."""
     data = {"name": f"split_{precision}", "input": {"channels": 3, "size": [33, 31]},
             "conv": {"out_channels": 64, "kernel": 7, "stride": 2, "padding": 3},  # (24 channels: fp32 would not pay)
             "epilogue": ["relu", {"max_pool": {"kernel": 3, "stride": 2, "padding": 1}}, "sigmoid"], "precision": precision}
     layer = FusedLayer(validate(data)).cuda()
     plan = layer.specialize().plan
-    assert plan["engine"] == "sequence" and plan["parts"][0]["plan"]["engine"] == ("slab" if precision == "tf32" else "tma")
+    assert plan["engine"] == "sequence" and plan["parts"][0]["plan"]["engine"] == ("tma" if precision == "bf16" else "slab")
     check(layer, 1, seed=1)
     check(layer, 3, seed=2)
     check(layer, 2, seed=3, channels_last=True)
@@ -346,7 +350,7 @@ def test_a_16_bit_depthwise_conv_reads_a_channels_last_input(precision):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
-@pytest.mark.parametrize("size", [[12, 12], [9, 11]])  # positions a multiple of the layout pass's vector, and not
+@pytest.mark.parametrize("size", [[12, 12], [9, 11], [14, 14]])  # rows of whole 16-byte vectors, of 2 (bf16) or 4-byte units, of 8-byte ones (bf16)
 def test_the_layout_pass_reads_a_misaligned_input_as_an_aligned_copy(precision, size):
     """A contiguous input at an address that is not 16-byte aligned (a view with an offset) takes the
     layout pass's element-wise reads: the output is bit for bit the aligned copy's."""
