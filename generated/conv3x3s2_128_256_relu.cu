@@ -188,14 +188,16 @@ constexpr int PREP_P_TILES = 49, PREP_C_TILES = 2;  // tiles per sample
 using In = float;  // the layer's input element
 using Operand = float;  // what the tensor cores read
 constexpr int PREP_VEC = 16 / sizeof(In), PREP_SV = 16 / sizeof(Operand);  // elements per 16-byte read, write
-// Every channel's row of the input starts 16-byte aligned (where x does): rows are read in vectors.
-constexpr bool PREP_VEC_ROWS = true;
+// Every channel's row of the input (12544 bytes) starts PREP_ALIGN-byte aligned (where x is 16-byte
+// aligned): a vector of PREP_VEC values is read in 16 / PREP_ALIGN loads of PREP_ALIGN bytes (from 4 bytes on).
+constexpr int PREP_ALIGN = 16;
+constexpr bool PREP_VEC_ROWS = PREP_ALIGN >= 4;
 static_assert(PREP_TP % PREP_VEC == 0 && PREP_TC % PREP_SV == 0 && CIP % PREP_TC == 0, "the tile is whole vectors");
 static_assert(PREP_TC * PREP_TP % (256 * PREP_VEC) == 0 && PREP_TC * PREP_TP % (256 * PREP_SV) == 0, "whole rounds of 256 threads");
 
 __device__ __forceinline__ float to_float(In v) { return v; }
 
-// PREP_VEC consecutive input values from a 16-byte aligned address, as floats.
+// PREP_VEC consecutive input values (16 bytes) from a PREP_ALIGN-byte aligned address, as floats.
 __device__ __forceinline__ void load_row_vector(const In* __restrict__ src, float (&v)[PREP_VEC]) {
   const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
   v[0] = __uint_as_float(raw.x); v[1] = __uint_as_float(raw.y); v[2] = __uint_as_float(raw.z); v[3] = __uint_as_float(raw.w);
