@@ -8,7 +8,9 @@ in hardware:
   CIP, by a small layout kernel in the same .cu (`<kernel>_prep`). It also rounds the values for
   the tensor cores once (TF32: round to nearest; fp32 mode: split into a TF32 part and its
   remainder, two planes), so the main loop does no conversions. A channels-last bf16/fp16 input
-  whose channels need no padding is read as it is.
+  whose channels need no padding is read as it is; so is the NC(D)HW input of a bf16 / fp16 1x1
+  conv of stride 1 (`reads_nchw_in_place`), whose A tiles are then tiled loads of 64 positions x
+  BKC channels that wgmma reads as a transposed (MN-major) operand.
 * A K-block is (one tap, BKC channels). Its A tile, BM consecutive output positions x BKC
   channels, is one TMA load in im2col mode: the hardware walks the positions (across rows and
   samples), adds the tap's offset, and fills zeros where a tap falls in the padding. Its B tile
