@@ -653,9 +653,9 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         raise ValueError(f"BN {cfg.bn} does not hold the {cout} channels the epilogue reduces or normalizes over")
     # split K counts the blocks an SM holds at once; a reduction or softmax over the channels has
     # none (the split kernel's parts would each hold part of K of every channel, to be added before it)
-    split_parts = 1 if whole_n or phases else cfg.split_k or splitk.choose(
-        math.prod(conv_out), cout, cfg.bm, n_tiles, k_iters, (target.sm_count or 132) * cfg.blocks_per_sm)
     positions = math.prod(conv_out)
+    split_parts = 1 if whole_n or phases else cfg.split_k or splitk.choose(
+        positions, cout, cfg.bm, n_tiles, k_iters, (target.sm_count or 132) * cfg.blocks_per_sm)
     in_place = not channels_last and reads_nchw_in_place(spec) and (positions % NCHW_CHUNK == 0 or split_parts == 1)
     if in_place and positions % NCHW_CHUNK:  # M per sample padded to whole m64 tiles
         grid = (1, 1, -(-positions // NCHW_CHUNK) * NCHW_CHUNK)
@@ -672,7 +672,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         k_iters=k_iters, k_total=taps * cip, row_bytes=row, ksteps=row // 32,
         swizzle_desc=SWIZZLE[row]["desc"], swizzle_tma=SWIZZLE[row]["tma"], a_bytes=a_bytes, b_bytes=b_bytes,
         stage_bytes=stage_bytes, stage_tx=planes * cfg.kb_per_stage * (cfg.bm + cfg.bn) * row, smem_bytes=smem,
-        n_tiles=n_tiles, cout=cout, positions=math.prod(conv_out), in_positions=in_positions, rank=nd + 2,
+        n_tiles=n_tiles, cout=cout, positions=positions, in_positions=in_positions, rank=nd + 2,
         lower=lower, upper=upper, elem_strides=rev(tuple(geo["stride"])), prep_tc=prep_tc, prep_tp=prep_tp,
         prep_tiles=-(-in_positions // prep_tp) * -(-cip // prep_tc), acc_regs=acc,
         split_k=split_parts, split_iters=k_iters // split_parts, channel_reduction=reduces,

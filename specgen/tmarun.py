@@ -186,6 +186,14 @@ def channels_last(x: torch.Tensor) -> bool:
 _input_maps: dict[tuple, runtime.TensorMap] = {}
 
 
+def _keep_map(key: tuple, tmap: runtime.TensorMap) -> runtime.TensorMap:
+    """`tmap` kept among the input maps under `key` (the oldest dropped past _MAP_CACHE)."""
+    if len(_input_maps) >= _MAP_CACHE:
+        _input_maps.pop(next(iter(_input_maps)))
+    _input_maps[key] = tmap
+    return tmap
+
+
 def _input_map(ws: torch.Tensor, tp: TmaPlan, spatial: tuple[int, ...], batch: int, precision: str,
                phase=None) -> runtime.TensorMap:
     """The im2col map of a channels-last [batch][positions][CIP] tensor, for the conv or one of its
@@ -209,10 +217,7 @@ def _input_map(ws: torch.Tensor, tp: TmaPlan, spatial: tuple[int, ...], batch: i
         map_dtype(precision, ws.dtype), ws.data_ptr(), dims, tuple(strides), lower, upper, tp.bkc, tp.bm,
         (1, *elem_strides, 1), tp.swizzle_tma, ws.numel() * ws.element_size(),
     )
-    if len(_input_maps) >= _MAP_CACHE:
-        _input_maps.pop(next(iter(_input_maps)))
-    _input_maps[key] = tmap
-    return tmap
+    return _keep_map(key, tmap)
 
 
 def _nchw_map(x: torch.Tensor, tp: TmaPlan, batch: int) -> runtime.TensorMap:
@@ -227,10 +232,7 @@ def _nchw_map(x: torch.Tensor, tp: TmaPlan, batch: int) -> runtime.TensorMap:
     tmap = runtime.encode_tiled(MAP_DTYPE[x.dtype], x.data_ptr(), (tp.positions, cin, batch),
                                 (tp.positions * e, cin * tp.positions * e), (NCHW_CHUNK, tp.bkc, 1),
                                 SWIZZLE[128]["tma"], x.numel() * x.element_size())
-    if len(_input_maps) >= _MAP_CACHE:
-        _input_maps.pop(next(iter(_input_maps)))
-    _input_maps[key] = tmap
-    return tmap
+    return _keep_map(key, tmap)
 
 
 def extra_functions(plan: dict) -> tuple[str, ...]:
@@ -314,33 +316,13 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
         for first in range(0, batch, per_launch):
             launch(sp, kernel, x[first:first + per_launch], weight, bias, params, out[first:first + per_launch], stream)
         return out
-    precision = c.precision
     _planes_w, maps_w = derived(weight, c.weights_key, c.make_weights)
-    cl = channels_last(x)
     if tp.a_in_place:
         if not x.is_contiguous() or x.data_ptr() % 16:  # (the tensor map needs the layout, 16-byte aligned)
             x = x.clone(memory_format=torch.contiguous_format)
-        ws_planes = [x]
-    elif cl and c.in_place_cl:
-        ws_planes = [x]  # read in place: already the layout (and tf32 maps round on the way)
-    else:
-        if not cl:
-            x = x.contiguous()
-        shape = (batch, tp.in_positions, tp.cip)
-        ws_planes = [torch.empty(shape, device=x.device, dtype=c.operand_dtype) for _ in range(c.planes)]
-        if cl:
-            fn, blocks = c.prep_cl, -(-batch * tp.in_positions * tp.cip // _PREP_THREADS)
-        else:
-            fn, blocks = c.prep, batch * tp.prep_tiles
-        pack = runtime.arg_pack((kernel.function.value, fn), ("ptr",) * (1 + c.planes) + ("int",))
-        pack.set([x.data_ptr(), *(w.data_ptr() for w in ws_planes), batch])
-        runtime.launch_packed(kernel, kernel.extra[fn], blocks, _PREP_THREADS, 0, pack, stream)
-    if tp.a_in_place:
         values = [_nchw_map(x, tp, batch)]
-    elif tp.phases:  # an im2col map per stride phase, plane by plane
-        values = [_input_map(w, tp, c.size, batch, precision, ph) for w in ws_planes for ph in tp.phases]
     else:
-        values = [_input_map(w, tp, c.size, batch, precision) for w in ws_planes]
+        values = _laid_out_maps(c, kernel, x, batch, stream)
     values += maps_w
     if c.has_bias:
         values.append(as_float32(bias).data_ptr())
@@ -365,3 +347,28 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
     pack = runtime.arg_pack((kernel.function.value, "main"), c.main_kinds)
     runtime.launch_packed(kernel, kernel.function, grid, tp.threads, tp.smem_bytes, pack.set(values), stream)
     return out
+
+
+def _laid_out_maps(c: "_Call", kernel: runtime.LoadedKernel, x: torch.Tensor, batch: int, stream: int) -> list:
+    """The im2col maps of `x` laid out channels-last: `x` itself where it is already (a channels-last
+    input whose channels need no padding), else a workspace the layout pass writes (`<kernel>_prep`
+    from a contiguous input, `_prep_cl` from a channels-last one); a map per stride phase, plane by plane."""
+    tp = c.tp
+    cl = channels_last(x)
+    if cl and c.in_place_cl:
+        ws_planes = [x]  # read in place: already the layout (and tf32 maps round on the way)
+    else:
+        if not cl:
+            x = x.contiguous()
+        shape = (batch, tp.in_positions, tp.cip)
+        ws_planes = [torch.empty(shape, device=x.device, dtype=c.operand_dtype) for _ in range(c.planes)]
+        if cl:
+            fn, blocks = c.prep_cl, -(-batch * tp.in_positions * tp.cip // _PREP_THREADS)
+        else:
+            fn, blocks = c.prep, batch * tp.prep_tiles
+        pack = runtime.arg_pack((kernel.function.value, fn), ("ptr",) * (1 + c.planes) + ("int",))
+        pack.set([x.data_ptr(), *(w.data_ptr() for w in ws_planes), batch])
+        runtime.launch_packed(kernel, kernel.extra[fn], blocks, _PREP_THREADS, 0, pack, stream)
+    if tp.phases:
+        return [_input_map(w, tp, c.size, batch, c.precision, ph) for w in ws_planes for ph in tp.phases]
+    return [_input_map(w, tp, c.size, batch, c.precision) for w in ws_planes]
