@@ -6,7 +6,8 @@ in each precision asked, through `specgen.bench.bench` (peers measured in the sa
 
 Prints one table per layer and precision, then a summary: specgen's time, its ratios to eager in
 the same precision (fp32: cuDNN with TF32 off), to eager on channels-last tensors and to
-torch.compile, and the geomeans. Needs a CUDA GPU.
+torch.compile, and the geomeans, each measured two ways (one call from an idle GPU, and calls back
+to back: see `specgen.bench`). Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -63,22 +64,29 @@ def main(argv=None) -> int:
                                  compile=precision not in args.no_compile, ceil=ceil)
             results.append(result)
             print(bench.format_table(result), flush=True)
-    print("\nsummary (ms; ratios are the other's time over specgen's)")
+    print("\nsummary (ms; ratios are the other's time over specgen's; 'idle': one call from an idle GPU,"
+          " 'streamed': calls back to back)")
     for precision in args.precision:
         rows = [r for r in results if r["precision"] == precision]
-        ratios = {"x eager": [], "x eager cl": [], "x compile": []}
-        print(f"{precision}: {'layer':28}{'engine':34}{'specgen':>9}{'x eager':>9}{'x eager cl':>11}{'x compile':>10}{'% floor':>8}")
+        ratios = {f"{k} {how}": [] for how in ("idle", "streamed") for k in ("x eager", "x eager cl", "x compile")}
+        print(f"{precision}: {'layer':28}{'engine':34}{'idle':>8}{'streamed':>9}  {'x eager':>13}{'x eager cl':>13}"
+              f"{'x compile':>13}{'% floor':>8}")
+        print(f"      {'':62}{'':17}  {'idle / str.':>13}{'idle / str.':>13}{'idle / str.':>13}")
         for r in rows:
             by = {row["name"]: row for row in r["rows"]}
-            me = by["specgen"]["ms"]
-            e, cl = by["eager"]["ms"] / me, by["eager channels_last"]["ms"] / me
-            c = by["torch.compile"]["ms"] / me if "torch.compile" in by else None
-            ratios["x eager"].append(e)
-            ratios["x eager cl"].append(cl)
-            ratios["x compile"].append(c)
-            cs = f"{c:10.2f}" if c else f"{'-':>10}"
-            mark = bench.SLOWER_MARK if by["specgen"]["slower_than_eager"] else ""
-            print(f"      {r['spec']:28}{r['engine'][:33]:34}{me:9.3f}{e:9.2f}{cl:11.2f}{cs}{by['specgen']['pct_of_floor']:8.0f}{mark}")
+            me = by["specgen"]
+            cells = []
+            for key, peer in (("x eager", "eager"), ("x eager cl", "eager channels_last"), ("x compile", "torch.compile")):
+                if peer not in by:
+                    cells.append(f"{'-':>13}")
+                    continue
+                idle, streamed = by[peer]["ms"] / me["ms"], by[peer]["ms_stream"] / me["ms_stream"]
+                ratios[f"{key} idle"].append(idle)
+                ratios[f"{key} streamed"].append(streamed)
+                cells.append(f"{idle:7.2f}/{streamed:5.2f}")
+            mark = bench.slower_mark(me) if me["slower_than_eager"] else ""
+            print(f"      {r['spec']:28}{r['engine'][:33]:34}{me['ms']:8.3f}{me['ms_stream']:9.3f}  {''.join(cells)}"
+                  f"{me['pct_of_floor']:8.0f}{mark}")
         print("      geomean: " + ", ".join(f"{k} {geomean(v):.2f}" for k, v in ratios.items() if any(v)))
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": bench.environment(), "results": results}, indent=1))

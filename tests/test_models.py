@@ -162,6 +162,30 @@ def test_spec_bench_marks_specgen_rows_slower_than_eager():
     assert not bench.slower_than_eager("eager channels_last", 1.2, 1.0)
 
 
+def test_spec_bench_marks_a_row_slower_by_either_measure():
+    from specgen import bench
+
+    # (idle ms, streamed ms) of specgen against eager's (1.0, 1.0): which measure lost is named
+    cases = {(1.2, 0.8): " (one call from idle)", (0.8, 1.2): " (streamed)", (1.2, 1.2): "", (0.9, 0.9): None}
+    for (idle, streamed), says in cases.items():
+        slower = bench.slower_than_eager("specgen", idle, 1.0, streamed, 1.0)
+        assert slower == (says is not None)
+        eager = {"name": "eager", "ms": 1.0, "ms_stream": 1.0, "vs_eager": 1.0, "stream_vs_eager": 1.0,
+                 "vs_compile": None, "stream_vs_compile": None, "rel_l2": 0.0, "peak_bytes": 0, "slower_than_eager": False}
+        me = {**eager, "name": "specgen", "ms": idle, "ms_stream": streamed, "vs_eager": 1.0 / idle,
+              "stream_vs_eager": 1.0 / streamed, "slower_than_eager": slower, "pct_of_floor": 50.0}
+        result = {"spec": "s", "batch": 1, "flops": 1e9, "fewest_bytes": 1e6, "engine": "fp32 FFMA", "floor_ms": 0.1,
+                  "floor_ffma_ms": 0.1, "folding_speedup": None, "rows": [eager, me]}
+        line = bench.format_table(result).splitlines()[-1]
+        assert line.startswith("specgen") and f"{streamed:9.3f}{1.0 / streamed:9.2f}" in line
+        if says is None:
+            assert "slower" not in line
+        else:
+            assert line.endswith(bench.SLOWER_MARK + says)
+    # the streamed times alone never mark a row that PyTorch runs
+    assert not bench.slower_than_eager("eager channels_last", 1.0, 1.0, 1.5, 1.0)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
