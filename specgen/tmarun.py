@@ -322,7 +322,9 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
             x = x.clone(memory_format=torch.contiguous_format)
         values = [_nchw_map(x, tp, batch)]
     else:
-        values = _laid_out_maps(c, kernel, x, batch, stream)
+        # (the workspace must outlive the launches: freed before them, its block could go to the
+        # next allocation on this stream, such as a 16-bit bias widened below, and be overwritten)
+        values, workspace = _laid_out_maps(c, kernel, x, batch, stream)
     values += maps_w
     if c.has_bias:
         values.append(as_float32(bias).data_ptr())
@@ -349,10 +351,13 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
     return out
 
 
-def _laid_out_maps(c: "_Call", kernel: runtime.LoadedKernel, x: torch.Tensor, batch: int, stream: int) -> list:
-    """The im2col maps of `x` laid out channels-last: `x` itself where it is already (a channels-last
-    input whose channels need no padding), else a workspace the layout pass writes (`<kernel>_prep`
-    from a contiguous input, `_prep_cl` from a channels-last one); a map per stride phase, plane by plane."""
+def _laid_out_maps(c: "_Call", kernel: runtime.LoadedKernel, x: torch.Tensor, batch: int,
+                   stream: int) -> tuple[list, list]:
+    """The im2col maps of `x` laid out channels-last (a map per stride phase, plane by plane), and
+    the tensors they read: `x` itself where it is already laid out (a channels-last input whose
+    channels need no padding), else a workspace the layout pass writes (`<kernel>_prep` from a
+    contiguous input, `_prep_cl` from a channels-last one). The caller holds those tensors until
+    its launches are queued."""
     tp = c.tp
     cl = channels_last(x)
     if cl and c.in_place_cl:
@@ -370,5 +375,5 @@ def _laid_out_maps(c: "_Call", kernel: runtime.LoadedKernel, x: torch.Tensor, ba
         pack.set([x.data_ptr(), *(w.data_ptr() for w in ws_planes), batch])
         runtime.launch_packed(kernel, kernel.extra[fn], blocks, _PREP_THREADS, 0, pack, stream)
     if tp.phases:
-        return [_input_map(w, tp, c.size, batch, c.precision, ph) for w in ws_planes for ph in tp.phases]
-    return [_input_map(w, tp, c.size, batch, c.precision) for w in ws_planes]
+        return [_input_map(w, tp, c.size, batch, c.precision, ph) for w in ws_planes for ph in tp.phases], ws_planes
+    return [_input_map(w, tp, c.size, batch, c.precision) for w in ws_planes], ws_planes

@@ -733,3 +733,62 @@ def test_the_layout_pass_reads_rows_in_their_widest_aligned_pieces(precision, si
     assert f"constexpr int PREP_ALIGN = {align};" in text
     assert ("const uint2 lo = __ldg" in text) == (align == 8)
     assert ("make_uint4(__ldg(w), __ldg(w + 1)" in text) == (align == 4)
+
+
+@pytest.mark.parametrize("data", [
+    dict(precision="bf16", input={"channels": 64, "size": [14, 14]},
+         conv={"out_channels": 300, "kernel": 3, "padding": 1}),  # the layout pass, a 16-bit bias widened
+    dict(precision="fp32", input={"channels": 64, "size": [9, 9]},
+         conv={"out_channels": 64, "kernel": 3, "padding": 1}, tile={"engine": "tma"}),  # hi and lo planes
+    dict(precision="bf16", input={"channels": 32, "size": [8, 8]},
+         conv={"out_channels": 32, "kernel": 4, "stride": 2, "padding": 1, "transposed": True}),  # stride phases
+])
+def test_the_layout_pass_workspace_outlives_the_launches(monkeypatch, data):
+    """The workspace the layout pass writes must be held until the main kernel is queued: freed
+    earlier, torch's allocator may hand its block to the next allocation on the stream (a widened
+    16-bit bias), whose write lands before the main kernel reads. Driver calls stubbed out."""
+    import types
+    import weakref
+
+    from specgen import runtime, tmarun
+
+    spec = validate({"name": "ws", "epilogue": ["relu"], **data})
+    plan = build_plan(spec, target=HOPPER)
+    assert plan["engine"] == "tma" and not plan["tma"].a_in_place
+    name = plan["kernel_name"]
+    made, queued = [], []
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):  # every tensor the launch allocates, watched
+        t = real_empty(*args, **kwargs)
+        made.append(weakref.ref(t))
+        return t
+
+    def launch_packed(kernel, fn, *args):
+        fn = getattr(fn, "value", fn)
+        queued.append(fn)
+        if fn != "prep":  # the workspace must still be alive when the GEMM (or its split) is queued
+            assert all(ref() is not None for ref in made), "a tensor the maps read was freed before the launch"
+
+    class Pack:
+        def set(self, values):
+            return self
+
+    monkeypatch.setattr(tmarun.torch, "empty", empty)
+    monkeypatch.setattr(tmarun, "_calls", {})  # (each case's launch arguments made afresh)
+    monkeypatch.setattr(runtime, "encode_im2col", lambda *a: types.SimpleNamespace(address=1))
+    monkeypatch.setattr(runtime, "encode_tiled", lambda *a: types.SimpleNamespace(address=1))
+    monkeypatch.setattr(runtime, "arg_pack", lambda key, kinds: Pack())
+    monkeypatch.setattr(runtime, "launch_packed", launch_packed)
+    monkeypatch.setattr(tmarun, "sm_count", lambda index: 132)
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    kernel = types.SimpleNamespace(function=types.SimpleNamespace(value="main"), extra={f"{name}_prep": "prep", f"{name}_prep_cl": "prep_cl",
+                                                             **{n: n for n in splitk.kernel_names(name)}})
+    sp = types.SimpleNamespace(plan=plan, spec=spec, key=f"ws-{name}-{spec.precision}")
+    dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
+    weight = torch.randn(spec.weight_shape()).to(dtype)
+    bias = torch.randn(spec.conv.out_channels).to(dtype)
+    x = torch.randn(1, spec.input.channels, *spec.input.size).to(dtype)
+    tmarun.launch(sp, kernel, x, weight, bias, {}, real_empty(1), 0)
+    # the pass, then the GEMM (or its split and reduction), and a workspace was made
+    assert queued[0] == "prep" and queued[1:] in (["main"], list(splitk.kernel_names(name))) and made
