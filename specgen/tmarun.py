@@ -183,14 +183,22 @@ def channels_last(x: torch.Tensor) -> bool:
     return x.dim() > 2 and x.movedim(1, -1).is_contiguous()
 
 
-_input_maps: dict[tuple, runtime.TensorMap] = {}
+# key -> (the layer's TmaPlan, the map). A key names the plan by id(); the entry holds the plan, so
+# that id cannot pass to another layer's plan (a freed object's id is reused) while the entry lives.
+_input_maps: dict[tuple, tuple[TmaPlan, runtime.TensorMap]] = {}
 
 
-def _keep_map(key: tuple, tmap: runtime.TensorMap) -> runtime.TensorMap:
+def _kept_map(key: tuple, tp: TmaPlan) -> runtime.TensorMap | None:
+    """The input map kept under `key` for the plan `tp`, or None."""
+    hit = _input_maps.get(key)
+    return hit[1] if hit is not None and hit[0] is tp else None
+
+
+def _keep_map(key: tuple, tp: TmaPlan, tmap: runtime.TensorMap) -> runtime.TensorMap:
     """`tmap` kept among the input maps under `key` (the oldest dropped past _MAP_CACHE)."""
     if len(_input_maps) >= _MAP_CACHE:
         _input_maps.pop(next(iter(_input_maps)))
-    _input_maps[key] = tmap
+    _input_maps[key] = (tp, tmap)
     return tmap
 
 
@@ -200,7 +208,7 @@ def _input_map(ws: torch.Tensor, tp: TmaPlan, spatial: tuple[int, ...], batch: i
     stride phases (`TmaPhase`: its own box corners, stride 1); cached: it depends only on the
     address, the batch, the layer and the phase."""
     key = (ws.data_ptr(), batch, ws.dtype, id(tp), None if phase is None else phase.index)
-    tmap = _input_maps.get(key)
+    tmap = _kept_map(key, tp)
     if tmap is not None:
         return tmap
     e = tp.elem_bytes
@@ -217,7 +225,7 @@ def _input_map(ws: torch.Tensor, tp: TmaPlan, spatial: tuple[int, ...], batch: i
         map_dtype(precision, ws.dtype), ws.data_ptr(), dims, tuple(strides), lower, upper, tp.bkc, tp.bm,
         (1, *elem_strides, 1), tp.swizzle_tma, ws.numel() * ws.element_size(),
     )
-    return _keep_map(key, tmap)
+    return _keep_map(key, tp, tmap)
 
 
 def _nchw_map(x: torch.Tensor, tp: TmaPlan, batch: int) -> runtime.TensorMap:
@@ -225,14 +233,14 @@ def _nchw_map(x: torch.Tensor, tp: TmaPlan, batch: int) -> runtime.TensorMap:
     (`TmaPlan.a_in_place`): a box of 64 positions x BKC channels of one sample, 128-byte-swizzled;
     cached like the im2col maps."""
     key = (x.data_ptr(), batch, x.dtype, id(tp), "nchw")
-    tmap = _input_maps.get(key)
+    tmap = _kept_map(key, tp)
     if tmap is not None:
         return tmap
     cin, e = x.shape[1], tp.elem_bytes
     tmap = runtime.encode_tiled(MAP_DTYPE[x.dtype], x.data_ptr(), (tp.positions, cin, batch),
                                 (tp.positions * e, cin * tp.positions * e), (NCHW_CHUNK, tp.bkc, 1),
                                 SWIZZLE[128]["tma"], x.numel() * x.element_size())
-    return _keep_map(key, tmap)
+    return _keep_map(key, tp, tmap)
 
 
 def extra_functions(plan: dict) -> tuple[str, ...]:
