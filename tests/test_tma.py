@@ -686,8 +686,16 @@ def test_positions_that_are_not_whole_m64_tiles_pad_m_per_sample(size, rows):
     text = render_plan(plan)
     assert f"constexpr int M_POSITIONS = {rows};" in text
     assert "const int m_total = batch * M_POSITIONS;" in text
-    assert "row_mine[i][h] = row_p[i][h] < POSITIONS;" in text
+    assert "row_mine[i][h] = q < POSITIONS;" in text
     assert "if (c_stored && m < m_total && row_mine[i][h]) out[" in text
+    # a padding row computes on its sample's last position, so that what the epilogue reads there
+    # (an extra input of the output's shape) lies in bounds: past the last sample's last channel,
+    # its own position would read beyond the tensor
+    assert "row_p[i][h] = row_mine[i][h] ? q : POSITIONS - 1;" in text
+    residual = spec_of(cin=64, cout=64, size=size, kernel=1, padding=0, precision="bf16", tile={"engine": "tma"},
+                       epilogue=[{"add": {"input": "shortcut"}}, "relu"])
+    text = render_plan(build_plan(residual, target=HOPPER))
+    assert "row_p[i][h] = row_mine[i][h] ? q : POSITIONS - 1;" in text and "input_value(i_shortcut, e_out)" in text
     assert f"M padded to {rows} rows per sample" in describe(plan)
     whole = build_plan(spec_of(cin=64, cout=64, size=(16, 16), kernel=1, padding=0, precision="bf16",
                                tile={"engine": "tma"}), target=HOPPER)
