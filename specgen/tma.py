@@ -9,8 +9,9 @@ in hardware:
   the tensor cores once (TF32: round to nearest; fp32 mode: split into a TF32 part and its
   remainder, two planes), so the main loop does no conversions. A channels-last bf16/fp16 input
   whose channels need no padding is read as it is; so is the NC(D)HW input of a bf16 / fp16 1x1
-  conv of stride 1 (`reads_nchw_in_place`), whose A tiles are then tiled loads of 64 positions x
-  BKC channels that wgmma reads as a transposed (MN-major) operand.
+  conv without padding (`reads_nchw_in_place`), whose A tiles are then tiled loads of 64 positions x
+  BKC channels that wgmma reads as a transposed (MN-major) operand (a strided one reads the input's
+  subsampled copy, `TmaPlan.subsample`).
 * A K-block is (one tap, BKC channels). Its A tile, BM consecutive output positions x BKC
   channels, is one TMA load in im2col mode: the hardware walks the positions (across rows and
   samples), adds the tap's offset, and fills zeros where a tap falls in the padding. Its B tile
@@ -199,6 +200,11 @@ class TmaPlan:
     # positions rounded up to them per sample (`padded_rows`), and rows past the positions are
     # computed on zeros and not stored.
     a_in_place: bool = False
+    # A strided 1x1 conv read in place: its output positions are the input's every stride-th
+    # (no padding), so the launch first copies those (x[..., ::s_h, ::s_w], a quarter of the input
+    # at stride 2) to a contiguous tensor, and the kernel is the stride-1 conv of that copy: no
+    # layout pass over the whole input. The strides (D, H, W order, as the spec), or () at stride 1.
+    subsample: tuple[int, ...] = ()
 
     @property
     def gemms(self) -> int:
@@ -421,8 +427,10 @@ NCHW_CHUNK = 64
 
 def reads_nchw_in_place(spec: LayerSpec) -> bool:
     """Whether the engine can read an NC(D)HW input where it lies, with no layout pass: a bf16 /
-    fp16 1x1 conv of stride 1 and no padding (M is then the input's own positions, and K its
-    channels) whose rows of positions are whole 16-byte units (a tensor map's strides must be).
+    fp16 1x1 conv without padding (M is then the input's own positions, and K its channels) whose
+    rows of output positions are whole 16-byte units (a tensor map's strides must be). A strided
+    one reads the subsampled copy of its input the launch makes (`TmaPlan.subsample`), a stride-1
+    conv over the output's positions.
     Where the positions are not whole m64 tiles the plan pads M per sample (`TmaPlan.padded_rows`)
     and has no split kernel, so it reads in place only where the planner gives it none.
 
@@ -434,8 +442,8 @@ def reads_nchw_in_place(spec: LayerSpec) -> bool:
     geo = spec.conv_geometry()
     return (
         spec.precision in ("bf16", "fp16") and not spec.conv.transposed and spec.conv.groups == 1
-        and all(k == 1 for k in geo["kernel"]) and all(s == 1 for s in geo["stride"])
-        and all(p == 0 for p in geo["padding"]) and math.prod(spec.input.size) * ELEM_BYTES[spec.precision] % 16 == 0
+        and all(k == 1 for k in geo["kernel"]) and all(p == 0 for p in geo["padding"])
+        and math.prod(spec.conv_output().sizes[1:]) * ELEM_BYTES[spec.precision] % 16 == 0
     )
 
 
@@ -680,6 +688,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         blocks_per_sm=cfg.blocks_per_sm, phases=phases, grid=grid, grid_positions=math.prod(grid),
         n_pad=n_tiles * cfg.bn, w_pairs=pairs, channels_last_out=channels_last and nd >= 2 and not reduces,
         a_in_place=in_place,
+        subsample=tuple(geo["stride"]) if in_place and any(st > 1 for st in geo["stride"]) else (),
         producer_regs=REGS_TWO_BLOCKS["producer"] if two else PRODUCER_REGS,
         consumer_regs=REGS_TWO_BLOCKS["consumer"] if two else CONSUMER_REGS,
     )
@@ -699,6 +708,8 @@ def describe(tp: TmaPlan) -> str:
         f"warpgroups{', two blocks per SM' if tp.blocks_per_sm == 2 else ''}; "
         + ("A read from the NC(D)HW input where it lies (tiled TMA loads of 64 positions x "
            f"{tp.bkc} channels, positions contiguous: wgmma's A operand transposed), no layout pass"
+           + (f" (the stride-{'x'.join(map(str, tp.subsample))} positions copied out first, a stride-1 conv of the copy)"
+              if tp.subsample else "")
            + (f"; M padded to {tp.grid_positions} rows per sample (whole m64 tiles), the rows past the "
               f"{tp.positions} positions not stored" if tp.padded_rows else "")
            if tp.a_in_place else f"a layout pass lays the input out channels-last ({tp.cip} channels)")

@@ -2,9 +2,10 @@
 
 Per forward (on torch's current stream, so it also runs under CUDA-graph capture):
 
-1. A 16-bit 1x1 conv of stride 1 (`TmaPlan.a_in_place`) reads a contiguous input where it lies: its
-   A tiles are loaded from [batch][C_IN][positions] by a tiled tensor map (any other layout is made
-   contiguous first). Otherwise `<kernel>_prep` writes the input channels-last with its channels padded, [batch][positions][CIP]
+1. A 16-bit 1x1 conv without padding (`TmaPlan.a_in_place`) reads a contiguous input where it lies:
+   its A tiles are loaded from [batch][C_IN][positions] by a tiled tensor map (any other layout is
+   made contiguous first; a strided conv's input positions, every stride-th, are copied out first,
+   `TmaPlan.subsample`). Otherwise `<kernel>_prep` writes the input channels-last with its channels padded, [batch][positions][CIP]
    (split into hi and lo planes in fp32 mode), into a workspace from torch's allocator;
    `<kernel>_prep_cl` does the same from a channels-last input. A channels-last input whose
    channels need no padding is read in place (but in fp32 mode, which needs the planes). In tf32
@@ -326,6 +327,8 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
         return out
     _planes_w, maps_w = derived(weight, c.weights_key, c.make_weights)
     if tp.a_in_place:
+        if tp.subsample:  # a strided 1x1 conv: the stride-1 conv of the positions it reads
+            x = x[(slice(None), slice(None), *(slice(None, None, st) for st in tp.subsample))]
         if not x.is_contiguous() or x.data_ptr() % 16:  # (the tensor map needs the layout, 16-byte aligned)
             x = x.clone(memory_format=torch.contiguous_format)
         values = [_nchw_map(x, tp, batch)]

@@ -3,6 +3,7 @@ geometry, rendering, nvcc resources (no spills) and the weight layout the launch
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import replace
 
@@ -662,7 +663,8 @@ def test_a_16_bit_1x1_conv_reads_its_nchw_input_in_place(precision, cin, size):
 @pytest.mark.parametrize("why,data", [
     ("tf32 operands must be K-major", dict(precision="tf32")),
     ("fp32: hi and lo planes", dict(precision="fp32")),
-    ("a stride", dict(precision="bf16", conv={"stride": 2})),
+    ("a stride whose output rows are not whole 16-byte units (7 x 7 x 2 bytes)",
+     dict(precision="bf16", conv={"stride": 2}, size=(14, 14))),
     ("padding", dict(precision="bf16", padding=1)),
     ("a 3x3 kernel", dict(precision="bf16", kernel=3, padding=1)),
     ("rows of positions not whole 16-byte units (14 x 14 x 2 bytes)", dict(precision="bf16", size=(14, 14))),
@@ -743,6 +745,67 @@ def test_the_layout_pass_reads_rows_in_their_widest_aligned_pieces(precision, si
     assert ("make_uint4(__ldg(w), __ldg(w + 1)" in text) == (align == 4)
 
 
+class _StubbedDriver:
+    """tmarun.launch without a GPU: the driver calls stubbed out, what they were given recorded
+    (`queued`: the functions launched, `tiled`: the tiled maps' arguments), and every tensor the
+    launch allocates watched (`made`: weak references)."""
+
+    def __init__(self, monkeypatch):
+        import types
+        import weakref
+
+        from specgen import runtime, tmarun
+
+        self.tmarun, self.made, self.queued, self.tiled, self.alive_at_launch = tmarun, [], [], [], []
+        real_empty = self.real_empty = torch.empty
+
+        def empty(*args, **kwargs):
+            t = real_empty(*args, **kwargs)
+            self.made.append(weakref.ref(t))
+            return t
+
+        def launch_packed(kernel, fn, *args):
+            fn = getattr(fn, "value", fn)
+            self.queued.append(fn)
+            if fn != "prep":  # whether what the maps read is still alive when the GEMM (or its split) is queued
+                self.alive_at_launch.append(all(ref() is not None for ref in self.made))
+
+        class Pack:
+            def set(self, values):
+                return self
+
+        def tiled(*args):
+            self.tiled.append(args)
+            return types.SimpleNamespace(address=1)
+
+        monkeypatch.setattr(tmarun.torch, "empty", empty)
+        monkeypatch.setattr(tmarun, "_calls", {})  # (each case's launch arguments made afresh)
+        monkeypatch.setattr(runtime, "encode_im2col", lambda *a: types.SimpleNamespace(address=1))
+        monkeypatch.setattr(runtime, "encode_tiled", tiled)
+        monkeypatch.setattr(runtime, "arg_pack", lambda key, kinds: Pack())
+        monkeypatch.setattr(runtime, "launch_packed", launch_packed)
+        monkeypatch.setattr(tmarun, "sm_count", lambda index: 132)
+        monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+
+    def launch(self, data: dict, batch: int = 1):
+        """Plan `data` (a spec's fields) for Hopper and launch it on a random input; the plan."""
+        import types
+
+        spec = validate({"name": "ws", "epilogue": ["relu"], **data})
+        plan = build_plan(spec, target=HOPPER)
+        name = plan["kernel_name"]
+        kernel = types.SimpleNamespace(function=types.SimpleNamespace(value="main"),
+                                       extra={f"{name}_prep": "prep", f"{name}_prep_cl": "prep_cl",
+                                              **{n: n for n in splitk.kernel_names(name)}})
+        sp = types.SimpleNamespace(plan=plan, spec=spec, key=f"stub-{len(self.queued)}-{name}-{spec.precision}")
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision, torch.float32)
+        weight = torch.randn(spec.weight_shape()).to(dtype)
+        bias = torch.randn(spec.conv.out_channels).to(dtype)
+        self.x = torch.randn(batch, spec.input.channels, *spec.input.size).to(dtype)
+        self.tmarun.launch(sp, kernel, self.x, weight, bias, {}, self.real_empty(1), 0)
+        return plan
+
+
 @pytest.mark.parametrize("data", [
     dict(precision="bf16", input={"channels": 64, "size": [14, 14]},
          conv={"out_channels": 300, "kernel": 3, "padding": 1}),  # the layout pass, a 16-bit bias widened
@@ -755,48 +818,49 @@ def test_the_layout_pass_workspace_outlives_the_launches(monkeypatch, data):
     """The workspace the layout pass writes must be held until the main kernel is queued: freed
     earlier, torch's allocator may hand its block to the next allocation on the stream (a widened
     16-bit bias), whose write lands before the main kernel reads. Driver calls stubbed out."""
-    import types
-    import weakref
-
-    from specgen import runtime, tmarun
-
-    spec = validate({"name": "ws", "epilogue": ["relu"], **data})
-    plan = build_plan(spec, target=HOPPER)
+    stub = _StubbedDriver(monkeypatch)
+    plan = stub.launch(data)
     assert plan["engine"] == "tma" and not plan["tma"].a_in_place
     name = plan["kernel_name"]
-    made, queued = [], []
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):  # every tensor the launch allocates, watched
-        t = real_empty(*args, **kwargs)
-        made.append(weakref.ref(t))
-        return t
-
-    def launch_packed(kernel, fn, *args):
-        fn = getattr(fn, "value", fn)
-        queued.append(fn)
-        if fn != "prep":  # the workspace must still be alive when the GEMM (or its split) is queued
-            assert all(ref() is not None for ref in made), "a tensor the maps read was freed before the launch"
-
-    class Pack:
-        def set(self, values):
-            return self
-
-    monkeypatch.setattr(tmarun.torch, "empty", empty)
-    monkeypatch.setattr(tmarun, "_calls", {})  # (each case's launch arguments made afresh)
-    monkeypatch.setattr(runtime, "encode_im2col", lambda *a: types.SimpleNamespace(address=1))
-    monkeypatch.setattr(runtime, "encode_tiled", lambda *a: types.SimpleNamespace(address=1))
-    monkeypatch.setattr(runtime, "arg_pack", lambda key, kinds: Pack())
-    monkeypatch.setattr(runtime, "launch_packed", launch_packed)
-    monkeypatch.setattr(tmarun, "sm_count", lambda index: 132)
-    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
-    kernel = types.SimpleNamespace(function=types.SimpleNamespace(value="main"), extra={f"{name}_prep": "prep", f"{name}_prep_cl": "prep_cl",
-                                                             **{n: n for n in splitk.kernel_names(name)}})
-    sp = types.SimpleNamespace(plan=plan, spec=spec, key=f"ws-{name}-{spec.precision}")
-    dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
-    weight = torch.randn(spec.weight_shape()).to(dtype)
-    bias = torch.randn(spec.conv.out_channels).to(dtype)
-    x = torch.randn(1, spec.input.channels, *spec.input.size).to(dtype)
-    tmarun.launch(sp, kernel, x, weight, bias, {}, real_empty(1), 0)
     # the pass, then the GEMM (or its split and reduction), and a workspace was made
-    assert queued[0] == "prep" and queued[1:] in (["main"], list(splitk.kernel_names(name))) and made
+    assert stub.queued[0] == "prep" and stub.queued[1:] in (["main"], list(splitk.kernel_names(name))) and stub.made
+    assert stub.alive_at_launch and all(stub.alive_at_launch), "a tensor the maps read was freed before the launch"
+
+
+@pytest.mark.parametrize("size,stride,out,padded", [
+    ((56, 56), 2, (28, 28), True), ((31, 33), 2, (16, 17), True), ((64, 64), 2, (32, 32), False),
+    ((3, 8, 16), (1, 2, 2), (3, 4, 8), True), ((383,), 3, (128,), False),
+])
+def test_a_strided_1x1_conv_reads_its_subsampled_input_in_place(monkeypatch, size, stride, out, padded):
+    """A 16-bit 1x1 conv of stride > 1 without padding is the stride-1 conv of its input's every
+    stride-th position: the launch copies those out (contiguous) and the kernel reads the copy in
+    place; no layout pass. The kernel is the stride-1 kernel of the output's size."""
+    strides = stride if isinstance(stride, tuple) else (stride,) * len(size)
+    data = dict(precision="bf16", input={"channels": 64, "size": list(size)},
+                conv={"out_channels": 128, "kernel": 1, "stride": list(strides)}, tile={"engine": "tma"})
+    stub = _StubbedDriver(monkeypatch)
+    plan = stub.launch(data, batch=3)
+    tp = plan["tma"]
+    assert tp.a_in_place and tp.subsample == strides and tp.padded_rows == padded
+    assert tp.positions == math.prod(out) and "prep" not in stub.queued and stub.queued == ["main"]
+    args = stub.tiled[-1]  # the input's map (after the weights'): [batch][C_IN][output positions] of the copy
+    assert args[2] == (math.prod(out), 64, 3) and args[-1] == 3 * 64 * math.prod(out) * 2
+    assert args[1] != stub.x.data_ptr()  # (the copy, not the input)
+    assert "stride-1 conv of that copy" in render_plan(plan) and "copied out first" in describe(plan)
+    # the same kernel as the stride-1 conv over the output's size, but for the spec it was rendered from
+    same = dict(data, input={"channels": 64, "size": list(out)}, conv={"out_channels": 128, "kernel": 1})
+    code = lambda p: [l for l in render_plan(p).splitlines()  # noqa: E731
+                      if not l.startswith("//") and not re.match(r"constexpr int (IN_|K_|IN_POSITIONS)", l)]
+    assert code(plan) == code(build_plan(validate({"name": "ws", "epilogue": ["relu"], **same}), target=HOPPER))
+
+
+@pytest.mark.parametrize("data", [
+    dict(precision="tf32", conv={"out_channels": 64, "kernel": 1, "stride": 2}),  # tf32: K-major A only
+    dict(precision="bf16", conv={"out_channels": 64, "kernel": 1, "stride": 2, "padding": 1}),  # padded
+    dict(precision="bf16", conv={"out_channels": 64, "kernel": 1, "stride": 4}),  # 7^2 out: 98-byte rows
+])
+def test_strided_1x1_convs_the_map_cannot_read_keep_the_pass(data):
+    spec = validate({"name": "s", "input": {"channels": 64, "size": [28, 28]}, "epilogue": ["relu"],
+                     "tile": {"engine": "tma"}, **data})
+    tp = build_plan(spec, target=HOPPER)["tma"]
+    assert not tp.a_in_place and tp.subsample == ()

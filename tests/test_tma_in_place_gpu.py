@@ -2,7 +2,8 @@
 `TmaPlan.a_in_place`) against PyTorch on the GPU (marker `gpu`; skipped without an sm_90 GPU): at
 the mode's bar (within 2x of PyTorch's own error in that dtype against float64), outputs poisoned,
 fresh inputs per check; batches 1 and odd ones (a last M tile past the batch), channels not a
-multiple of the K-block, positions that are not whole m64 tiles (M padded per sample), every epilogue kind the engine takes, the split kernel, and the inputs the
+multiple of the K-block, positions that are not whole m64 tiles (M padded per sample), strided
+convs (their input subsampled first), every epilogue kind the engine takes, the split kernel, and the inputs the
 tensor map cannot read as they are (channels-last for the contiguous kernel, a misaligned view),
 which are copied first and must give the same bits."""
 
@@ -44,6 +45,11 @@ CASES = {
     "c64_residual_padded": (64, [12, 10], {"out_channels": 72}, [{"add": {"input": "shortcut"}}, "relu"]),
     "c40_amax_padded": (40, [12, 10], {"out_channels": 100}, [{"amax": {"dims": [1]}}, {"sub": 0.5}]),
     "c32_softmax_padded_1d": (32, [200], {"out_channels": 64}, [{"softmax": 1}]),
+    # strided: the launch copies out every stride-th position, the kernel is the stride-1 conv of the copy
+    "c256_stride2_padded": (256, [56, 56], {"out_channels": 128, "stride": 2}, ["relu"]),  # 28^2 out
+    "c64_stride2_residual_odd": (64, [31, 33], {"out_channels": 72, "stride": 2}, [{"add": {"input": "shortcut"}}, "relu"]),
+    "c16_stride_1x2x2_3d": (16, [3, 8, 16], {"out_channels": 40, "stride": [1, 2, 2]}, ["relu"]),
+    "c32_stride3_1d": (32, [383], {"out_channels": 48, "stride": 3}, [{"amax": {"dims": [1]}}]),
 }
 
 
