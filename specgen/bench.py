@@ -57,15 +57,12 @@ def _time_stream(fn, reps: int, warmup: int = 3) -> float:
     loop of calls (as many as take about STREAM_REP_MS) between two CUDA events. What a layer costs
     inside a model whose host runs ahead of the GPU; `_time`'s single call from an idle GPU also
     counts the host's launch work and the GPU's wake-up, which move a 0.1 ms layer by +-30%."""
+    from specgen import measured
+
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    calls = max(1, min(STREAM_MAX_CALLS, int(STREAM_REP_MS / max(start.elapsed_time(end), 1e-3))))
+    calls = measured._calls_per_rep(lambda _: fn(), [None], STREAM_REP_MS, STREAM_MAX_CALLS)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -145,7 +145,8 @@ def _alternate(runs: list, calls: list[int], reps: int) -> tuple[float, float]:
     return statistics.median(times[0]), statistics.median(times[1])
 
 
-def _calls_per_rep(fn, inputs: list) -> int:
+def _calls_per_rep(fn, inputs: list, target_ms: float = TARGET_REP_MS, most: int = MAX_INNER) -> int:
+    """How many calls of `fn(inputs[0])` take about `target_ms` (from one timed call; 1 to `most`)."""
     import torch
 
     start = torch.cuda.Event(enable_timing=True)
@@ -155,7 +156,7 @@ def _calls_per_rep(fn, inputs: list) -> int:
     end.record()
     end.synchronize()
     once = max(start.elapsed_time(end), 1e-3)
-    return max(1, min(MAX_INNER, int(TARGET_REP_MS / once)))
+    return max(1, min(most, int(target_ms / once)))
 
 
 GRAPH_CALLS = 20  # at most this many calls captured in each contender's graph (compare_graphed)

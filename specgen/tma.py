@@ -194,8 +194,8 @@ class TmaPlan:
     # keeps the format, as PyTorch's conv does. False where the channels are reduced (one channel:
     # either layout) and for a 1-D conv (PyTorch has no such memory format).
     channels_last_out: bool = False
-    # A 16-bit 1x1 conv of stride 1 on an NC(D)HW input: its A tiles are loaded from the input where
-    # it lies (`a_in_place`), no layout pass; see `reads_nchw_in_place`. Each m64 tile then lies in
+    # A 16-bit 1x1 conv without padding on an NC(D)HW input: its A tiles are loaded from the input
+    # where it lies (`a_in_place`), no layout pass; see `reads_nchw_in_place`. Each m64 tile then lies in
     # one sample: where the positions are not whole m64 tiles, M runs over GRID_POSITIONS = the
     # positions rounded up to them per sample (`padded_rows`), and rows past the positions are
     # computed on zeros and not stored.
@@ -427,7 +427,7 @@ NCHW_CHUNK = 64
 
 def reads_nchw_in_place(spec: LayerSpec) -> bool:
     """Whether the engine can read an NC(D)HW input where it lies, with no layout pass: a bf16 /
-    fp16 1x1 conv without padding (M is then the input's own positions, and K its channels) whose
+    fp16 1x1 conv without padding (M is then the output's positions, and K the input channels) whose
     rows of output positions are whole 16-byte units (a tensor map's strides must be). A strided
     one reads the subsampled copy of its input the launch makes (`TmaPlan.subsample`), a stride-1
     conv over the output's positions.
