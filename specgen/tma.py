@@ -205,6 +205,11 @@ class TmaPlan:
     # at stride 2) to a contiguous tensor, and the kernel is the stride-1 conv of that copy: no
     # layout pass over the whole input. The strides (D, H, W order, as the spec), or () at stride 1.
     subsample: tuple[int, ...] = ()
+    # A 16-bit output: the epilogue transposes each thread's values across its group of four lanes
+    # and stores four at once (`_stores_quads`): four neighbouring positions of one channel
+    # (NC(D)HW), or eight neighbouring channels of one row (channels-last). A warp's stores then
+    # fill whole 32-byte sectors; a value (or pair) at a time, they half-filled them.
+    store_quads: bool = False
 
     @property
     def gemms(self) -> int:
@@ -689,9 +694,29 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         n_pad=n_tiles * cfg.bn, w_pairs=pairs, channels_last_out=channels_last and nd >= 2 and not reduces,
         a_in_place=in_place,
         subsample=tuple(geo["stride"]) if in_place and any(st > 1 for st in geo["stride"]) else (),
+        store_quads=_stores_quads(channels_last and nd >= 2 and not reduces, eb, cfg.bn, cout, positions,
+                                  reduces or norm_at is not None, bool(phases), bool(spec.inputs()) and acc >= 128),
         producer_regs=REGS_TWO_BLOCKS["producer"] if two else PRODUCER_REGS,
         consumer_regs=REGS_TWO_BLOCKS["consumer"] if two else CONSUMER_REGS,
     )
+
+
+def _stores_quads(channels_last_out: bool, elem_bytes: int, bn: int, cout: int, positions: int,
+                  whole_n: bool, phased: bool, tight: bool) -> bool:
+    """Whether the epilogue stores four values of a lane at once (`TmaPlan.store_quads`): a 16-bit
+    NC(D)HW output whose positions come in fours (four neighbouring positions of one channel, 8
+    bytes), or a 16-bit channels-last one whose channels come in eights (eight neighbouring
+    channels of one row, 16 bytes, from two n8 blocks: BN a multiple of 16). A float output's
+    stores already fill whole sectors (eight positions, or a quad's four pairs): there the quads
+    measured slower (NOTES v37). Never with stride phases or a reduction or softmax over the
+    channels, nor where registers are `tight`: an extra input's reads beside 128 accumulators a
+    thread (a 1x1 conv of 512 channels at 28^2 plus a residual spilled 200 bytes, against 16 one
+    value at a time)."""
+    if phased or whole_n or tight or elem_bytes != 2:
+        return False
+    if channels_last_out:
+        return bn % 16 == 0 and cout % 8 == 0
+    return positions % 4 == 0
 
 
 def describe(tp: TmaPlan) -> str:

@@ -689,7 +689,8 @@ def test_positions_that_are_not_whole_m64_tiles_pad_m_per_sample(size, rows):
     assert f"constexpr int M_POSITIONS = {rows};" in text
     assert "const int m_total = batch * M_POSITIONS;" in text
     assert "row_mine[i][h] = q < POSITIONS;" in text
-    assert "if (c_stored && m < m_total && row_mine[i][h]) out[" in text
+    # (the positions come in fours: a lane stores four of one channel, never a padding row's)
+    assert tp.store_quads and "if (cq < C_OUT && mq < m_total && p < POSITIONS) {" in text
     # a padding row computes on its sample's last position, so that what the epilogue reads there
     # (an extra input of the output's shape) lies in bounds: past the last sample's last channel,
     # its own position would read beyond the tensor
@@ -864,3 +865,61 @@ def test_strided_1x1_convs_the_map_cannot_read_keep_the_pass(data):
                      "tile": {"engine": "tma"}, **data})
     tp = build_plan(spec, target=HOPPER)["tma"]
     assert not tp.a_in_place and tp.subsample == ()
+
+
+@pytest.mark.parametrize("why,data,quads", [
+    ("NCHW bf16, 28^2", {"precision": "bf16"}, True),
+    ("NCHW fp16", {"precision": "fp16"}, True),
+    ("NCHW tf32 (eight floats of a channel already fill a sector)", {"precision": "tf32"}, False),
+    ("NCHW 3xTF32", {"precision": "fp32"}, False),
+    ("positions not in fours (7^2)", {"precision": "bf16", "size": (7, 7)}, False),
+    ("1-D, 30 positions", {"precision": "bf16", "size": (30,)}, False),
+    ("a transposed conv's stride phases", {"precision": "bf16", "conv": {"transposed": True, "stride": 2}}, False),
+    ("a sum over the channels", {"precision": "bf16", "epilogue": ["relu", {"sum": {"dims": [1]}}]}, False),
+])
+def test_an_nchw_output_stores_four_positions_of_a_channel_at_once(why, data, quads):
+    """A 16-bit output whose positions come in fours: each lane's values are transposed across its
+    group of four lanes and leave as four neighbouring positions of one channel (8 bytes)."""
+    extra = {"kernel": 3, "padding": 1, "size": (28, 28), "cin": 64, "cout": 64, **data}
+    plan = build_plan(spec_of(tile={"engine": "tma"}, **extra), target=HOPPER)
+    assert plan["engine"] == "tma" and plan["tma"].store_quads == quads, why
+    text = render_plan(plan)
+    assert ("transpose4(q, r, 4);" in text) == quads, why
+    if quads:
+        assert "store_v2(o, " in text, why
+
+
+@pytest.mark.parametrize("why,data,quads", [
+    ("bf16, 64 channels", {"precision": "bf16"}, True),
+    ("fp16, 48 channels (n8 blocks in pairs: BN 48)", {"precision": "fp16", "cout": 48}, True),
+    ("bf16, 60 channels (not in eights)", {"precision": "bf16", "cout": 60}, False),
+    ("tf32 (its float pairs already fill whole sectors)", {"precision": "tf32"}, False),
+    ("a transposed conv's stride phases", {"precision": "bf16", "conv": {"transposed": True, "stride": 2}}, False),
+])
+def test_a_channels_last_16_bit_output_stores_eight_channels_of_a_row_at_once(why, data, quads):
+    """Channels-last: each lane's channel pairs of two n8 blocks are transposed across its quad and
+    leave as eight neighbouring channels of one row (16 bytes)."""
+    extra = {"kernel": 3, "padding": 1, "size": (28, 28), "cin": 64, "cout": 64, **data}
+    plan = build_plan(spec_of(tile={"engine": "tma"}, **extra), None, HOPPER, None, pipeline._CHANNELS_LAST)
+    tp = plan["tma"]
+    assert plan["engine"] == "tma" and tp.channels_last_out and tp.store_quads == quads, why
+    if quads:
+        assert tp.bn % 16 == 0, why
+    text = render_plan(plan)
+    assert ("transpose4(q, tq, 1);" in text) == quads, why
+    assert ("store_v4(out + " in text) == quads, why
+
+
+def test_quad_stores_are_left_out_where_an_extra_input_meets_128_accumulators():
+    """A residual's reads beside 128 accumulators a thread: the quads' held values spilled 200 bytes
+    (16 one value at a time), so such a plan stores a value at a time; 64 accumulators keep them."""
+    wide = spec_of(cin=256, cout=512, kernel=1, padding=0, size=(28, 28), precision="bf16",
+                   epilogue=[{"add": {"input": "r"}}, "relu"], tile={"engine": "tma"})
+    tp = build_plan(wide, target=HOPPER)["tma"]
+    assert tp.acc_regs == 128 and not tp.store_quads
+    assert build_plan(spec_of(cin=256, cout=512, kernel=1, padding=0, size=(28, 28), precision="bf16",
+                              tile={"engine": "tma"}), target=HOPPER)["tma"].store_quads
+    narrow = spec_of(cin=64, cout=64, size=(28, 28), precision="bf16", epilogue=[{"add": {"input": "r"}}, "relu"],
+                     tile={"engine": "tma"})
+    tp = build_plan(narrow, target=HOPPER)["tma"]
+    assert tp.acc_regs <= 64 and tp.store_quads
