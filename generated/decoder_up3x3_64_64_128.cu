@@ -357,7 +357,6 @@ __device__ __forceinline__ void conv_block(
   // B tile KB_PER_STAGE * A_BYTES further on.
   const unsigned tiles = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const int m_total = batch * GRID_POSITIONS;
-  const int m0 = blockIdx.x / (N_TILES * GRID_GEMMS) * BM, n0 = blockIdx.x % N_TILES * BN;
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -374,31 +373,35 @@ __device__ __forceinline__ void conv_block(
     // ---- producer ----------------------------------------------------------------------------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (threadIdx.x == 0) {
-      // The input coordinates of the block's first position, tap 0 (the TMA walks on from there).
-      const int sample = m0 / GRID_POSITIONS, p = m0 % GRID_POSITIONS;
-      const int od = p / (GRID_H * GRID_W), oh = p / GRID_W % GRID_H, ow = p % GRID_W;
-      const int w0 = ow + Ph::LOWER_W, h0 = oh + Ph::LOWER_H, d0 = od + Ph::LOWER_D;  // stride 1 within the phase
-      #pragma unroll 1
-      for (int kt = 0; kt < ITERS; ++kt) {
-        const int s = kt % STAGES;
-        mbar_wait(smem_u32(&empty_bar[s]), ((kt / STAGES) & 1) ^ 1);  // the consumers are done with it (passes at once on the first round)
-        const unsigned full = smem_u32(&full_bar[s]);
-        mbar_expect_tx(full, STAGE_TX);
-        #pragma unroll
-        for (int j = 0; j < KB_PER_STAGE; ++j) {
-          const int kb = (k_first + kt) * KB_PER_STAGE + j;  // K-block: tap kb / CB, channels kb % CB * BKC ..
-          const int tap = kb / CB, c = kb % CB * BKC;
-          const bool second = kt >= Ph::K_ITERS;  // the pair's second W phase (its own taps along W, box and weights)
-          const int kb2 = kb - (second ? Ph::K_ITERS * KB_PER_STAGE : 0), tap2 = kb2 / CB, c2 = kb2 % CB * BKC;
-          const int kp_w = second ? Ph2::KP_W : Ph::KP_W;
-          const int kd = tap2 / (Ph::KP_H * kp_w), kh = tap2 / kp_w % Ph::KP_H, kw = tap2 % kp_w;  // the phase's tap t'
-          const unsigned a = tiles + s * STAGE_BYTES + j * A_BYTES, b = tiles + s * STAGE_BYTES + KB_PER_STAGE * A_BYTES + j * B_BYTES;
-          tma_im2col(a + 0 * PLANE_BYTES, second ? map_a2_hi : map_a_hi, full, c2,
-                     ow + (second ? Ph2::LOWER_W : Ph::LOWER_W), h0, d0, sample, kw, kh, kd);
-          tma_tile(b + 0 * PLANE_BYTES, map_b_hi, full, tap2 * CIP + c2, (second ? PH + 1 : PH) * N_PAD + n0);
-          tma_im2col(a + 1 * PLANE_BYTES, second ? map_a2_lo : map_a_lo, full, c2,
-                     ow + (second ? Ph2::LOWER_W : Ph::LOWER_W), h0, d0, sample, kw, kh, kd);
-          tma_tile(b + 1 * PLANE_BYTES, map_b_lo, full, tap2 * CIP + c2, (second ? PH + 1 : PH) * N_PAD + n0);
+      {  // the block's one tile
+        const int tile = blockIdx.x, it0 = 0;
+        const int m0 = tile / (N_TILES * GRID_GEMMS) * BM, n0 = tile % N_TILES * BN;
+        // The input coordinates of the tile's first position, tap 0 (the TMA walks on from there).
+        const int sample = m0 / GRID_POSITIONS, p = m0 % GRID_POSITIONS;
+        const int od = p / (GRID_H * GRID_W), oh = p / GRID_W % GRID_H, ow = p % GRID_W;
+        const int w0 = ow + Ph::LOWER_W, h0 = oh + Ph::LOWER_H, d0 = od + Ph::LOWER_D;  // stride 1 within the phase
+        #pragma unroll 1
+        for (int kt = 0; kt < ITERS; ++kt) {
+          const int it = it0 + kt, s = it % STAGES;  // (the stages go round across the block's tiles)
+          mbar_wait(smem_u32(&empty_bar[s]), ((it / STAGES) & 1) ^ 1);  // the consumers are done with it (passes at once on the first round)
+          const unsigned full = smem_u32(&full_bar[s]);
+          mbar_expect_tx(full, STAGE_TX);
+          #pragma unroll
+          for (int j = 0; j < KB_PER_STAGE; ++j) {
+            const int kb = (k_first + kt) * KB_PER_STAGE + j;  // K-block: tap kb / CB, channels kb % CB * BKC ..
+            const int tap = kb / CB, c = kb % CB * BKC;
+            const bool second = kt >= Ph::K_ITERS;  // the pair's second W phase (its own taps along W, box and weights)
+            const int kb2 = kb - (second ? Ph::K_ITERS * KB_PER_STAGE : 0), tap2 = kb2 / CB, c2 = kb2 % CB * BKC;
+            const int kp_w = second ? Ph2::KP_W : Ph::KP_W;
+            const int kd = tap2 / (Ph::KP_H * kp_w), kh = tap2 / kp_w % Ph::KP_H, kw = tap2 % kp_w;  // the phase's tap t'
+            const unsigned a = tiles + s * STAGE_BYTES + j * A_BYTES, b = tiles + s * STAGE_BYTES + KB_PER_STAGE * A_BYTES + j * B_BYTES;
+            tma_im2col(a + 0 * PLANE_BYTES, second ? map_a2_hi : map_a_hi, full, c2,
+                       ow + (second ? Ph2::LOWER_W : Ph::LOWER_W), h0, d0, sample, kw, kh, kd);
+            tma_tile(b + 0 * PLANE_BYTES, map_b_hi, full, tap2 * CIP + c2, (second ? PH + 1 : PH) * N_PAD + n0);
+            tma_im2col(a + 1 * PLANE_BYTES, second ? map_a2_lo : map_a_lo, full, c2,
+                       ow + (second ? Ph2::LOWER_W : Ph::LOWER_W), h0, d0, sample, kw, kh, kd);
+            tma_tile(b + 1 * PLANE_BYTES, map_b_lo, full, tap2 * CIP + c2, (second ? PH + 1 : PH) * N_PAD + n0);
+          }
         }
       }
     }
@@ -408,128 +411,132 @@ __device__ __forceinline__ void conv_block(
   // ---- consumers ------------------------------------------------------------------------------------
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int wg = warpgroup - 1;  // rows wg * (BM / 2) .. of the block's tile
-  float acc[WM][ACC], acc2[WM][ACC];  // the pair's first W phase's sums, its second's
-  #pragma unroll
-  for (int i = 0; i < WM; ++i)
-    #pragma unroll
-    for (int e = 0; e < ACC; ++e) acc[i][e] = acc2[i][e] = 0.0f;
-
-  #pragma unroll 1
-  for (int kt = 0; kt < Ph::K_ITERS; ++kt) {
-    const int s = kt % STAGES;
-    mbar_wait(smem_u32(&full_bar[s]), (kt / STAGES) & 1);  // the stage's bytes have landed
-    const unsigned stage = tiles + s * STAGE_BYTES;
-    float part[WM][ACC];  // this stage's sums (the first product overwrites them)
-    wgmma_fence();
-    #pragma unroll
-    for (int j = 0; j < KB_PER_STAGE; ++j) {
-      const unsigned a = stage + j * A_BYTES, b = stage + KB_PER_STAGE * A_BYTES + j * B_BYTES;
-      #pragma unroll
-      for (int k = 0; k < KSTEPS; ++k) {
-        const unsigned long long b_hi = descriptor(b + 32 * k);
-        const unsigned long long b_lo = descriptor(b + PLANE_BYTES + 32 * k);
-        #pragma unroll
-        for (int i = 0; i < WM; ++i) {
-          const unsigned rows = a + (wg * WM + i) * 64 * ROW_BYTES + 32 * k;  // this warpgroup's m64 tile i
-          // small products first; the stage's first product starts its sums
-          wgmma(part[i], descriptor(rows + PLANE_BYTES), b_hi, j > 0 || k > 0);
-          wgmma(part[i], descriptor(rows), b_lo, 1);
-          wgmma(part[i], descriptor(rows), b_hi, 1);
-        }
-      }
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
+  {  // the block's one tile
+    const int tile = blockIdx.x, it0 = 0;
+    const int m0 = tile / (N_TILES * GRID_GEMMS) * BM, n0 = tile % N_TILES * BN;
+    float acc[WM][ACC], acc2[WM][ACC];  // the pair's first W phase's sums, its second's
     #pragma unroll
     for (int i = 0; i < WM; ++i)
       #pragma unroll
-      for (int e = 0; e < ACC; ++e) acc[i][e] += part[i][e];  // rounded to nearest
-    mbar_arrive(smem_u32(&empty_bar[s]));  // this thread is done with the stage
-  }
+      for (int e = 0; e < ACC; ++e) acc[i][e] = acc2[i][e] = 0.0f;
 
-  #pragma unroll 1
-  for (int kt = Ph::K_ITERS; kt < ITERS; ++kt) {
-    const int s = kt % STAGES;
-    mbar_wait(smem_u32(&full_bar[s]), (kt / STAGES) & 1);  // the stage's bytes have landed
-    const unsigned stage = tiles + s * STAGE_BYTES;
-    float part[WM][ACC];  // this stage's sums (the first product overwrites them)
-    wgmma_fence();
-    #pragma unroll
-    for (int j = 0; j < KB_PER_STAGE; ++j) {
-      const unsigned a = stage + j * A_BYTES, b = stage + KB_PER_STAGE * A_BYTES + j * B_BYTES;
+    #pragma unroll 1
+    for (int kt = 0; kt < Ph::K_ITERS; ++kt) {
+      const int it = it0 + kt, s = it % STAGES;
+      mbar_wait(smem_u32(&full_bar[s]), (it / STAGES) & 1);  // the stage's bytes have landed
+      const unsigned stage = tiles + s * STAGE_BYTES;
+      float part[WM][ACC];  // this stage's sums (the first product overwrites them)
+      wgmma_fence();
       #pragma unroll
-      for (int k = 0; k < KSTEPS; ++k) {
-        const unsigned long long b_hi = descriptor(b + 32 * k);
-        const unsigned long long b_lo = descriptor(b + PLANE_BYTES + 32 * k);
+      for (int j = 0; j < KB_PER_STAGE; ++j) {
+        const unsigned a = stage + j * A_BYTES, b = stage + KB_PER_STAGE * A_BYTES + j * B_BYTES;
         #pragma unroll
-        for (int i = 0; i < WM; ++i) {
-          const unsigned rows = a + (wg * WM + i) * 64 * ROW_BYTES + 32 * k;  // this warpgroup's m64 tile i
-          // small products first; the stage's first product starts its sums
-          wgmma(part[i], descriptor(rows + PLANE_BYTES), b_hi, j > 0 || k > 0);
-          wgmma(part[i], descriptor(rows), b_lo, 1);
-          wgmma(part[i], descriptor(rows), b_hi, 1);
+        for (int k = 0; k < KSTEPS; ++k) {
+          const unsigned long long b_hi = descriptor(b + 32 * k);
+          const unsigned long long b_lo = descriptor(b + PLANE_BYTES + 32 * k);
+          #pragma unroll
+          for (int i = 0; i < WM; ++i) {
+            const unsigned rows = a + (wg * WM + i) * 64 * ROW_BYTES + 32 * k;  // this warpgroup's m64 tile i
+            // small products first; the stage's first product starts its sums
+            wgmma(part[i], descriptor(rows + PLANE_BYTES), b_hi, j > 0 || k > 0);
+            wgmma(part[i], descriptor(rows), b_lo, 1);
+            wgmma(part[i], descriptor(rows), b_hi, 1);
+          }
         }
       }
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    #pragma unroll
-    for (int i = 0; i < WM; ++i)
+      wgmma_commit();
+      wgmma_wait<0>();
       #pragma unroll
-      for (int e = 0; e < ACC; ++e) acc2[i][e] += part[i][e];  // rounded to nearest
-    mbar_arrive(smem_u32(&empty_bar[s]));  // this thread is done with the stage
-  }
-
-  // ---- epilogue ----------------------------------------------------------------------------------------
-  // Thread (warp w, lane: gq = lane / 4, tq = lane % 4) holds, per m64 tile i and n8 block j, rows
-  // 16 w + gq and 16 w + gq + 8 and channels 8 j + 2 tq, 8 j + 2 tq + 1.
-  const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-  // Channels outer, rows inner, and every value computed (a row past the end on the last row's
-  // coordinates, a channel past the end on the last channel's) with only its store skipped: the
-  // code is straight-line, so a channel's bias and per-channel parameters are read once for the
-  // thread's 2 x WM rows. A row's (sample, position) is worked out once, before the channels.
-  int row_sample[WM][2], row_p[WM][2];
-  bool row_mine[WM][2];  // the row's grid position holds an output of the phase
-  bool row_mine2[WM][2];  // ... and of the pair's second W phase (at the next output along W)
-  #pragma unroll
-  for (int i = 0; i < WM; ++i) {
-    #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = m0 + (wg * WM + i) * 64 + 16 * warp + gq + 8 * h, row = m < m_total ? m : m_total - 1;
-      row_sample[i][h] = row / GRID_POSITIONS;
-      row_p[i][h] = phase_output<PH>(row % GRID_POSITIONS, row_mine[i][h]);  // in the output
-      phase_output<PH + 1>(row % GRID_POSITIONS, row_mine2[i][h]);  // (its output: the next along W)
-    }
-  }
-  #pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
-    #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const bool c_stored = n0 + 8 * j + 2 * tq + e < C_OUT;
-      const int cj = c_stored ? n0 + 8 * j + 2 * tq + e : C_OUT - 1;  // the output channel
-      const float bias_c = __ldg(bias + cj);  // the channel's bias
-      #pragma unroll
-      for (int i = 0; i < WM; ++i) {
+      for (int i = 0; i < WM; ++i)
         #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int m = m0 + (wg * WM + i) * 64 + 16 * warp + gq + 8 * h;
-          const int sample = row_sample[i][h], p = row_p[i][h];
-          float pair[2];  // outputs 2j and 2j + 1 of the row: the pair's first and second W phase
-          {
-            float v = acc[i][4 * j + 2 * h + e] + bias_c;  // the conv and its bias
-            v = fmaxf(v, 0.0f);  // epilogue[0] relu
-            pair[0] = v;
+        for (int e = 0; e < ACC; ++e) acc[i][e] += part[i][e];  // rounded to nearest
+      mbar_arrive(smem_u32(&empty_bar[s]));  // this thread is done with the stage
+    }
+
+    #pragma unroll 1
+    for (int kt = Ph::K_ITERS; kt < ITERS; ++kt) {
+      const int it = it0 + kt, s = it % STAGES;
+      mbar_wait(smem_u32(&full_bar[s]), (it / STAGES) & 1);  // the stage's bytes have landed
+      const unsigned stage = tiles + s * STAGE_BYTES;
+      float part[WM][ACC];  // this stage's sums (the first product overwrites them)
+      wgmma_fence();
+      #pragma unroll
+      for (int j = 0; j < KB_PER_STAGE; ++j) {
+        const unsigned a = stage + j * A_BYTES, b = stage + KB_PER_STAGE * A_BYTES + j * B_BYTES;
+        #pragma unroll
+        for (int k = 0; k < KSTEPS; ++k) {
+          const unsigned long long b_hi = descriptor(b + 32 * k);
+          const unsigned long long b_lo = descriptor(b + PLANE_BYTES + 32 * k);
+          #pragma unroll
+          for (int i = 0; i < WM; ++i) {
+            const unsigned rows = a + (wg * WM + i) * 64 * ROW_BYTES + 32 * k;  // this warpgroup's m64 tile i
+            // small products first; the stage's first product starts its sums
+            wgmma(part[i], descriptor(rows + PLANE_BYTES), b_hi, j > 0 || k > 0);
+            wgmma(part[i], descriptor(rows), b_lo, 1);
+            wgmma(part[i], descriptor(rows), b_hi, 1);
           }
-          {
-            float v = acc2[i][4 * j + 2 * h + e] + bias_c;  // the conv and its bias
-            v = fmaxf(v, 0.0f);  // epilogue[0] relu
-            pair[1] = v;
-          }
-          if (c_stored && m < m_total && row_mine[i][h]) {
-            float* __restrict__ o = out + static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p;
-            // (an even output width: p is even, the pair one aligned 8-byte store)
-            if (row_mine2[i][h]) *reinterpret_cast<float2*>(o) = make_float2(pair[0], pair[1]);
-            else o[0] = pair[0];
+        }
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      #pragma unroll
+      for (int i = 0; i < WM; ++i)
+        #pragma unroll
+        for (int e = 0; e < ACC; ++e) acc2[i][e] += part[i][e];  // rounded to nearest
+      mbar_arrive(smem_u32(&empty_bar[s]));  // this thread is done with the stage
+    }
+
+    // ---- epilogue ----------------------------------------------------------------------------------------
+    // Thread (warp w, lane: gq = lane / 4, tq = lane % 4) holds, per m64 tile i and n8 block j, rows
+    // 16 w + gq and 16 w + gq + 8 and channels 8 j + 2 tq, 8 j + 2 tq + 1.
+    const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+    // Channels outer, rows inner, and every value computed (a row past the end on the last row's
+    // coordinates, a channel past the end on the last channel's) with only its store skipped: the
+    // code is straight-line, so a channel's bias and per-channel parameters are read once for the
+    // thread's 2 x WM rows. A row's (sample, position) is worked out once, before the channels.
+    int row_sample[WM][2], row_p[WM][2];
+    bool row_mine[WM][2];  // the row's grid position holds an output of the phase
+    bool row_mine2[WM][2];  // ... and of the pair's second W phase (at the next output along W)
+    #pragma unroll
+    for (int i = 0; i < WM; ++i) {
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int m = m0 + (wg * WM + i) * 64 + 16 * warp + gq + 8 * h, row = m < m_total ? m : m_total - 1;
+        row_sample[i][h] = row / GRID_POSITIONS;
+        row_p[i][h] = phase_output<PH>(row % GRID_POSITIONS, row_mine[i][h]);  // in the output
+        phase_output<PH + 1>(row % GRID_POSITIONS, row_mine2[i][h]);  // (its output: the next along W)
+      }
+    }
+    #pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool c_stored = n0 + 8 * j + 2 * tq + e < C_OUT;
+        const int cj = c_stored ? n0 + 8 * j + 2 * tq + e : C_OUT - 1;  // the output channel
+        const float bias_c = __ldg(bias + cj);  // the channel's bias
+        #pragma unroll
+        for (int i = 0; i < WM; ++i) {
+          #pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int m = m0 + (wg * WM + i) * 64 + 16 * warp + gq + 8 * h;
+            const int sample = row_sample[i][h], p = row_p[i][h];
+            float pair[2];  // outputs 2j and 2j + 1 of the row: the pair's first and second W phase
+            {
+              float v = acc[i][4 * j + 2 * h + e] + bias_c;  // the conv and its bias
+              v = fmaxf(v, 0.0f);  // epilogue[0] relu
+              pair[0] = v;
+            }
+            {
+              float v = acc2[i][4 * j + 2 * h + e] + bias_c;  // the conv and its bias
+              v = fmaxf(v, 0.0f);  // epilogue[0] relu
+              pair[1] = v;
+            }
+            if (c_stored && m < m_total && row_mine[i][h]) {
+              float* __restrict__ o = out + static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p;
+              // (an even output width: p is even, the pair one aligned 8-byte store)
+              if (row_mine2[i][h]) *reinterpret_cast<float2*>(o) = make_float2(pair[0], pair[1]);
+              else o[0] = pair[0];
+            }
           }
         }
       }

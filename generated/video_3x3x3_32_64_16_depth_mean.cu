@@ -398,7 +398,6 @@ __device__ __forceinline__ void conv_block(
   // B tile KB_PER_STAGE * A_BYTES further on.
   const unsigned tiles = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const int m_total = batch * POSITIONS;
-  const int m0 = blockIdx.x / N_TILES * BM, n0 = blockIdx.x % N_TILES * BN;
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -415,26 +414,30 @@ __device__ __forceinline__ void conv_block(
     // ---- producer ----------------------------------------------------------------------------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (threadIdx.x == 0) {
-      // The input coordinates of the block's first position, tap 0 (the TMA walks on from there).
-      const int sample = m0 / POSITIONS, p = m0 % POSITIONS;
-      const int od = p / (OUT_H * OUT_W), oh = p / OUT_W % OUT_H, ow = p % OUT_W;
-      const int w0 = ow * S_W - P_W, h0 = oh * S_H - P_H, d0 = od * S_D - P_D;
-      #pragma unroll 1
-      for (int kt = 0; kt < ITERS; ++kt) {
-        const int s = kt % STAGES;
-        mbar_wait(smem_u32(&empty_bar[s]), ((kt / STAGES) & 1) ^ 1);  // the consumers are done with it (passes at once on the first round)
-        const unsigned full = smem_u32(&full_bar[s]);
-        mbar_expect_tx(full, STAGE_TX);
-        #pragma unroll
-        for (int j = 0; j < KB_PER_STAGE; ++j) {
-          const int kb = (k_first + kt) * KB_PER_STAGE + j;  // K-block: tap kb / CB, channels kb % CB * BKC ..
-          const int tap = kb / CB, c = kb % CB * BKC;
-          const int kd = tap / (K_H * K_W), kh = tap / K_W % K_H, kw = tap % K_W;
-          const unsigned a = tiles + s * STAGE_BYTES + j * A_BYTES, b = tiles + s * STAGE_BYTES + KB_PER_STAGE * A_BYTES + j * B_BYTES;
-          tma_im2col(a + 0 * PLANE_BYTES, map_a_hi, full, c, w0, h0, d0, sample, kw, kh, kd);
-          tma_tile(b + 0 * PLANE_BYTES, map_b_hi, full, tap * CIP + c, n0);
-          tma_im2col(a + 1 * PLANE_BYTES, map_a_lo, full, c, w0, h0, d0, sample, kw, kh, kd);
-          tma_tile(b + 1 * PLANE_BYTES, map_b_lo, full, tap * CIP + c, n0);
+      {  // the block's one tile
+        const int tile = blockIdx.x, it0 = 0;
+        const int m0 = tile / N_TILES * BM, n0 = tile % N_TILES * BN;
+        // The input coordinates of the tile's first position, tap 0 (the TMA walks on from there).
+        const int sample = m0 / POSITIONS, p = m0 % POSITIONS;
+        const int od = p / (OUT_H * OUT_W), oh = p / OUT_W % OUT_H, ow = p % OUT_W;
+        const int w0 = ow * S_W - P_W, h0 = oh * S_H - P_H, d0 = od * S_D - P_D;
+        #pragma unroll 1
+        for (int kt = 0; kt < ITERS; ++kt) {
+          const int it = it0 + kt, s = it % STAGES;  // (the stages go round across the block's tiles)
+          mbar_wait(smem_u32(&empty_bar[s]), ((it / STAGES) & 1) ^ 1);  // the consumers are done with it (passes at once on the first round)
+          const unsigned full = smem_u32(&full_bar[s]);
+          mbar_expect_tx(full, STAGE_TX);
+          #pragma unroll
+          for (int j = 0; j < KB_PER_STAGE; ++j) {
+            const int kb = (k_first + kt) * KB_PER_STAGE + j;  // K-block: tap kb / CB, channels kb % CB * BKC ..
+            const int tap = kb / CB, c = kb % CB * BKC;
+            const int kd = tap / (K_H * K_W), kh = tap / K_W % K_H, kw = tap % K_W;
+            const unsigned a = tiles + s * STAGE_BYTES + j * A_BYTES, b = tiles + s * STAGE_BYTES + KB_PER_STAGE * A_BYTES + j * B_BYTES;
+            tma_im2col(a + 0 * PLANE_BYTES, map_a_hi, full, c, w0, h0, d0, sample, kw, kh, kd);
+            tma_tile(b + 0 * PLANE_BYTES, map_b_hi, full, tap * CIP + c, n0);
+            tma_im2col(a + 1 * PLANE_BYTES, map_a_lo, full, c, w0, h0, d0, sample, kw, kh, kd);
+            tma_tile(b + 1 * PLANE_BYTES, map_b_lo, full, tap * CIP + c, n0);
+          }
         }
       }
     }
@@ -444,97 +447,101 @@ __device__ __forceinline__ void conv_block(
   // ---- consumers ------------------------------------------------------------------------------------
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int wg = warpgroup - 1;  // rows wg * (BM / 2) .. of the block's tile
-  float acc[WM][ACC];
-  #pragma unroll
-  for (int i = 0; i < WM; ++i)
-    #pragma unroll
-    for (int e = 0; e < ACC; ++e) acc[i][e] = 0.0f;
-
-  #pragma unroll 1
-  for (int kt = 0; kt < ITERS; ++kt) {
-    const int s = kt % STAGES;
-    mbar_wait(smem_u32(&full_bar[s]), (kt / STAGES) & 1);  // the stage's bytes have landed
-    const unsigned stage = tiles + s * STAGE_BYTES;
-    float part[WM][ACC];  // this stage's sums (the first product overwrites them)
-    wgmma_fence();
-    #pragma unroll
-    for (int j = 0; j < KB_PER_STAGE; ++j) {
-      const unsigned a = stage + j * A_BYTES, b = stage + KB_PER_STAGE * A_BYTES + j * B_BYTES;
-      #pragma unroll
-      for (int k = 0; k < KSTEPS; ++k) {
-        const unsigned long long b_hi = descriptor(b + 32 * k);
-        const unsigned long long b_lo = descriptor(b + PLANE_BYTES + 32 * k);
-        #pragma unroll
-        for (int i = 0; i < WM; ++i) {
-          const unsigned rows = a + (wg * WM + i) * 64 * ROW_BYTES + 32 * k;  // this warpgroup's m64 tile i
-          // small products first; the stage's first product starts its sums
-          wgmma(part[i], descriptor(rows + PLANE_BYTES), b_hi, j > 0 || k > 0);
-          wgmma(part[i], descriptor(rows), b_lo, 1);
-          wgmma(part[i], descriptor(rows), b_hi, 1);
-        }
-      }
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
+  {  // the block's one tile
+    const int tile = blockIdx.x, it0 = 0;
+    const int m0 = tile / N_TILES * BM, n0 = tile % N_TILES * BN;
+    float acc[WM][ACC];
     #pragma unroll
     for (int i = 0; i < WM; ++i)
       #pragma unroll
-      for (int e = 0; e < ACC; ++e) acc[i][e] += part[i][e];  // rounded to nearest
-    mbar_arrive(smem_u32(&empty_bar[s]));  // this thread is done with the stage
-  }
+      for (int e = 0; e < ACC; ++e) acc[i][e] = 0.0f;
 
-  // ---- epilogue ----------------------------------------------------------------------------------------
-  // Thread (warp w, lane: gq = lane / 4, tq = lane % 4) holds, per m64 tile i and n8 block j, rows
-  // 16 w + gq and 16 w + gq + 8 and channels 8 j + 2 tq, 8 j + 2 tq + 1.
-  const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-  // epilogue[0] softmax over the channels: the block holds every channel (N_TILES = 1), a row's in the four lanes
-  // tq = 0..3 of its quad. Each lane takes its values through the ops before the softmax and keeps
-  // them in their registers, with the row's max; then the sum of exp(v - max); two shuffles join
-  // each over the quad (every lane takes part: rows past the batch are computed and not stored).
-  // Each value is then normalized.
-  #pragma unroll
-  for (int i = 0; i < WM; ++i) {
-    #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = m0 + (wg * WM + i) * 64 + 16 * warp + gq + 8 * h;  // the row: sample * POSITIONS + p
-      float mx = -CUDART_INF_F;  // the row's max
+    #pragma unroll 1
+    for (int kt = 0; kt < ITERS; ++kt) {
+      const int it = it0 + kt, s = it % STAGES;
+      mbar_wait(smem_u32(&full_bar[s]), (it / STAGES) & 1);  // the stage's bytes have landed
+      const unsigned stage = tiles + s * STAGE_BYTES;
+      float part[WM][ACC];  // this stage's sums (the first product overwrites them)
+      wgmma_fence();
       #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
+      for (int j = 0; j < KB_PER_STAGE; ++j) {
+        const unsigned a = stage + j * A_BYTES, b = stage + KB_PER_STAGE * A_BYTES + j * B_BYTES;
         #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int cj = 8 * j + 2 * tq + e;  // the output channel
-          if (cj < C_OUT) {
-            float v = acc[i][4 * j + 2 * h + e] + __ldg(bias + cj);  // the conv and its bias
-            acc[i][4 * j + 2 * h + e] = v;
-            mx = fmaxf(mx, v);
+        for (int k = 0; k < KSTEPS; ++k) {
+          const unsigned long long b_hi = descriptor(b + 32 * k);
+          const unsigned long long b_lo = descriptor(b + PLANE_BYTES + 32 * k);
+          #pragma unroll
+          for (int i = 0; i < WM; ++i) {
+            const unsigned rows = a + (wg * WM + i) * 64 * ROW_BYTES + 32 * k;  // this warpgroup's m64 tile i
+            // small products first; the stage's first product starts its sums
+            wgmma(part[i], descriptor(rows + PLANE_BYTES), b_hi, j > 0 || k > 0);
+            wgmma(part[i], descriptor(rows), b_lo, 1);
+            wgmma(part[i], descriptor(rows), b_hi, 1);
           }
         }
       }
+      wgmma_commit();
+      wgmma_wait<0>();
       #pragma unroll
-      for (int lanes = 1; lanes < 4; lanes *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, lanes));
-      float sum = 0.0f;  // the row's sum of exp(v - max)
-      #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
+      for (int i = 0; i < WM; ++i)
         #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int cj = 8 * j + 2 * tq + e;
-          if (cj < C_OUT) sum += expf(acc[i][4 * j + 2 * h + e] - mx);
-        }
-      }
+        for (int e = 0; e < ACC; ++e) acc[i][e] += part[i][e];  // rounded to nearest
+      mbar_arrive(smem_u32(&empty_bar[s]));  // this thread is done with the stage
+    }
+
+    // ---- epilogue ----------------------------------------------------------------------------------------
+    // Thread (warp w, lane: gq = lane / 4, tq = lane % 4) holds, per m64 tile i and n8 block j, rows
+    // 16 w + gq and 16 w + gq + 8 and channels 8 j + 2 tq, 8 j + 2 tq + 1.
+    const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
+    // epilogue[0] softmax over the channels: the block holds every channel (N_TILES = 1), a row's in the four lanes
+    // tq = 0..3 of its quad. Each lane takes its values through the ops before the softmax and keeps
+    // them in their registers, with the row's max; then the sum of exp(v - max); two shuffles join
+    // each over the quad (every lane takes part: rows past the batch are computed and not stored).
+    // Each value is then normalized.
+    #pragma unroll
+    for (int i = 0; i < WM; ++i) {
       #pragma unroll
-      for (int lanes = 1; lanes < 4; lanes *= 2) sum += __shfl_xor_sync(0xffffffffu, sum, lanes);  // the same on all four
-      const float nb = sum;  // the sum
-      if (m < m_total) {
-        const int sample = m / POSITIONS, p = m % POSITIONS;
+      for (int h = 0; h < 2; ++h) {
+        const int m = m0 + (wg * WM + i) * 64 + 16 * warp + gq + 8 * h;  // the row: sample * POSITIONS + p
+        float mx = -CUDART_INF_F;  // the row's max
         #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
           #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int cj = 8 * j + 2 * tq + e;  // the output channel
             if (cj < C_OUT) {
-              float v = acc[i][4 * j + 2 * h + e];
-              v = expf(v - mx) / nb;  // softmax
-              out[static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p] = v;
+              float v = acc[i][4 * j + 2 * h + e] + __ldg(bias + cj);  // the conv and its bias
+              acc[i][4 * j + 2 * h + e] = v;
+              mx = fmaxf(mx, v);
+            }
+          }
+        }
+        #pragma unroll
+        for (int lanes = 1; lanes < 4; lanes *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, lanes));
+        float sum = 0.0f;  // the row's sum of exp(v - max)
+        #pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          #pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int cj = 8 * j + 2 * tq + e;
+            if (cj < C_OUT) sum += expf(acc[i][4 * j + 2 * h + e] - mx);
+          }
+        }
+        #pragma unroll
+        for (int lanes = 1; lanes < 4; lanes *= 2) sum += __shfl_xor_sync(0xffffffffu, sum, lanes);  // the same on all four
+        const float nb = sum;  // the sum
+        if (m < m_total) {
+          const int sample = m / POSITIONS, p = m % POSITIONS;
+          #pragma unroll
+          for (int j = 0; j < BN / 8; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int cj = 8 * j + 2 * tq + e;  // the output channel
+              if (cj < C_OUT) {
+                float v = acc[i][4 * j + 2 * h + e];
+                v = expf(v - mx) / nb;  // softmax
+                out[static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p] = v;
+              }
             }
           }
         }

@@ -1378,8 +1378,11 @@ def _describe(plan: dict) -> str:
     if plan["engine"] == "tma":
         tp = plan["tma"]
         return "\n".join([
-            f"kernel {plan['kernel_name']}: {tp.threads} threads/block, one block per {tp.bm} positions x {tp.bn} channels "
-            f"({tp.n_tiles} block(s) along channels), {tp.smem_bytes} bytes shared memory; "
+            f"kernel {plan['kernel_name']}: {tp.threads} threads/block, "
+            f"{'tiles' if tp.persistent else 'one block per'} {tp.bm} positions x {tp.bn} channels "
+            f"({tp.n_tiles} {'tile(s)' if tp.persistent else 'block(s)'} along channels"
+            f"{'; each block walks tiles, as many blocks as the SMs hold' if tp.persistent else ''}), "
+            f"{tp.smem_bytes} bytes shared memory; "
             + ("no layout pass (A read in place)" if tp.a_in_place else f"layout pass {plan['kernel_name']}_prep"),
             _engine_summary(plan),
             "rewrites: " + ("; ".join(plan["rewrites"]) or "none"),

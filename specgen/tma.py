@@ -210,6 +210,11 @@ class TmaPlan:
     # (NC(D)HW), or eight neighbouring channels of one row (channels-last). A warp's stores then
     # fill whole 32-byte sectors; a value (or pair) at a time, they half-filled them.
     store_quads: bool = False
+    # The main kernel's blocks each walk tiles blockIdx.x, + gridDim.x, ... (launched with as many
+    # blocks as the SMs hold at once): a block's producer then loads the next tile's stages while its
+    # consumers run this tile's epilogue. Not with stride phases (a block's phase comes from its
+    # index) nor a softmax or reduction over the channels (whose epilogue then spilled 972 bytes).
+    persistent: bool = False
 
     @property
     def gemms(self) -> int:
@@ -694,6 +699,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         n_pad=n_tiles * cfg.bn, w_pairs=pairs, channels_last_out=channels_last and nd >= 2 and not reduces,
         a_in_place=in_place,
         subsample=tuple(geo["stride"]) if in_place and any(st > 1 for st in geo["stride"]) else (),
+        persistent=not phases and not whole_n,
         store_quads=_stores_quads(channels_last and nd >= 2 and not reduces, eb, cfg.bn, cout, positions,
                                   reduces or norm_at is not None, bool(phases), bool(spec.inputs()) and acc >= 128),
         producer_regs=REGS_TWO_BLOCKS["producer"] if two else PRODUCER_REGS,
@@ -730,7 +736,8 @@ def describe(tp: TmaPlan) -> str:
         f"implicit GEMM on Hopper ({mode} wgmma m64n{tp.bn}k{tp.kstep}, both operands from shared memory, fed by TMA "
         f"{'tiled' if tp.a_in_place else 'im2col'} loads){phases}: block tile {tp.bm} positions x {tp.bn} channels, {walked} stages of {tp.kb_per_stage} "
         f"K-block(s) of {tp.bkc} channels, {tp.stages}-stage mbarrier pipeline, 1 producer warp + 2 consumer "
-        f"warpgroups{', two blocks per SM' if tp.blocks_per_sm == 2 else ''}; "
+        f"warpgroups{', two blocks per SM' if tp.blocks_per_sm == 2 else ''}"
+        f"{', each block walking tiles (as many blocks as the SMs hold)' if tp.persistent else ''}; "
         + ("A read from the NC(D)HW input where it lies (tiled TMA loads of 64 positions x "
            f"{tp.bkc} channels, positions contiguous: wgmma's A operand transposed), no layout pass"
            + (f" (the stride-{'x'.join(map(str, tp.subsample))} positions copied out first, a stride-1 conv of the copy)"
@@ -739,6 +746,8 @@ def describe(tp: TmaPlan) -> str:
               f"{tp.positions} positions not stored" if tp.padded_rows else "")
            if tp.a_in_place else f"a layout pass lays the input out channels-last ({tp.cip} channels)")
         + ("; the output channels-last, as the input" if tp.channels_last_out else "")
+        + (f"; stores of {'eight channels of a row' if tp.channels_last_out else 'four positions of a channel'} "
+           "at once (transposed across four lanes)" if tp.store_quads else "")
         + (f"; for small batches K split {tp.split_k} ways ({tp.split_iters} stages a block), "
            f"the parts added in order by a second kernel" if tp.split_k > 1 else "")
         + ("; the softmax over the channels taken on the accumulators (shuffles among the 4 lanes of a row)"

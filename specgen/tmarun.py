@@ -357,6 +357,8 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
         runtime.launch_packed(kernel, kernel.extra[c.split[1]], -(-m_total * tp.cout // splitk.REDUCE_THREADS),
                               splitk.REDUCE_THREADS, 0, pack, stream)
         return out
+    if tp.persistent:  # (each block walks its tiles: as many blocks as the SMs hold at once, at most one per tile)
+        grid = min(grid, sm_count(x.get_device()) * tp.blocks_per_sm)
     pack = runtime.arg_pack((kernel.function.value, "main"), c.main_kinds)
     runtime.launch_packed(kernel, kernel.function, grid, tp.threads, tp.smem_bytes, pack.set(values), stream)
     return out

@@ -137,6 +137,9 @@ def test_every_extent_is_a_literal_and_loops_have_constant_trip_counts():
                  "constexpr int OUT_D = 1, OUT_H = 10, OUT_W = 12;", "constexpr int CIP = 64;"):
         assert line in text
     for var, start, bound in re.findall(r"for \(int (\w+) = ([^;]+); \1 < ([^;]+);", text):
+        if var == "tile":  # (a block's walk over the batch's tiles: the batch is the one run-time value)
+            assert bound == "tile_total" and "const int tile_total = (m_total + BM - 1) / BM * N_TILES;" in text
+            continue
         assert re.fullmatch(r"[A-Z0-9_ ()*/+\-]+", bound), f"loop over {var} has a run-time bound: {bound}"
     assert f"wgmma.mma_async.sync.aligned.m64n{plan['tma'].bn}k8.f32.tf32.tf32" in text
     assert "cp.async.bulk.tensor.4d.shared::cluster.global.im2col" in text
@@ -748,7 +751,7 @@ def test_the_layout_pass_reads_rows_in_their_widest_aligned_pieces(precision, si
 
 class _StubbedDriver:
     """tmarun.launch without a GPU: the driver calls stubbed out, what they were given recorded
-    (`queued`: the functions launched, `tiled`: the tiled maps' arguments), and every tensor the
+    (`queued`: the functions launched, `grids`: their blocks, `tiled`: the tiled maps' arguments), and every tensor the
     launch allocates watched (`made`: weak references)."""
 
     def __init__(self, monkeypatch):
@@ -758,6 +761,7 @@ class _StubbedDriver:
         from specgen import runtime, tmarun
 
         self.tmarun, self.made, self.queued, self.tiled, self.alive_at_launch = tmarun, [], [], [], []
+        self.grids = []  # each launch's blocks
         real_empty = self.real_empty = torch.empty
 
         def empty(*args, **kwargs):
@@ -768,6 +772,7 @@ class _StubbedDriver:
         def launch_packed(kernel, fn, *args):
             fn = getattr(fn, "value", fn)
             self.queued.append(fn)
+            self.grids.append(args[0])
             if fn != "prep":  # whether what the maps read is still alive when the GEMM (or its split) is queued
                 self.alive_at_launch.append(all(ref() is not None for ref in self.made))
 
@@ -923,3 +928,45 @@ def test_quad_stores_are_left_out_where_an_extra_input_meets_128_accumulators():
                      tile={"engine": "tma"})
     tp = build_plan(narrow, target=HOPPER)["tma"]
     assert tp.acc_regs <= 64 and tp.store_quads
+
+
+@pytest.mark.parametrize("data,batch,persistent", [
+    (dict(precision="bf16", input={"channels": 64, "size": [56, 56]}, conv={"out_channels": 256, "kernel": 1}), 64, True),
+    (dict(precision="bf16", input={"channels": 64, "size": [56, 56]}, conv={"out_channels": 256, "kernel": 1}), 1, True),
+    (dict(precision="tf32", input={"channels": 64, "size": [28, 28]},
+          conv={"out_channels": 64, "kernel": 3, "padding": 1}), 16, True),
+    (dict(precision="bf16", input={"channels": 32, "size": [8, 8]},
+          conv={"out_channels": 32, "kernel": 4, "stride": 2, "padding": 1, "transposed": True}), 64, False),
+])
+def test_the_main_kernel_is_launched_with_the_blocks_the_sms_hold(monkeypatch, data, batch, persistent):
+    """Each block of the main kernel walks tiles blockIdx.x, + gridDim.x, ...: it is launched with
+    min(tiles, SMs x blocks per SM) blocks (the producer then loads a tile's stages while the
+    consumers finish the one before). Stride phases keep a block per tile (the block's phase is
+    picked from blockIdx.x), and so does the split kernel. Driver calls stubbed out (132 SMs)."""
+    stub = _StubbedDriver(monkeypatch)
+    plan = stub.launch(data, batch=batch)
+    tp = plan["tma"]
+    tiles = -(-batch * (tp.grid_positions or tp.positions) // tp.bm) * tp.n_tiles * tp.grid_gemms
+    launched = dict(zip(stub.queued, stub.grids))
+    name = plan["kernel_name"]
+    split = splitk.kernel_names(name)
+    if split[0] in launched:  # (the split kernel ran instead: a block per tile, its parts along y)
+        assert launched[split[0]] == tiles and "main" not in launched
+        return
+    assert tp.persistent == persistent
+    assert ("each block walking tiles" in describe(plan)) == persistent
+    assert launched["main"] == (min(tiles, 132 * tp.blocks_per_sm) if persistent else tiles)
+    text = render_plan(plan)
+    walks = "for (int tile = blockIdx.x; tile < tile_total; tile += gridDim.x, it0 += ITERS) {"
+    assert text.count(walks) == (2 if persistent else 0)  # (the producer's and the consumers')
+    assert text.count("const int tile = blockIdx.x, it0 = 0;") == (0 if persistent else 2)
+    # (the last stage of each tile is given back before the next tile's loads wait on it)
+    assert ("mbar_arrive(smem_u32(&empty_bar[(it0 + ITERS - 1) % STAGES]));" in text) == (persistent and not tp.split)
+
+
+def test_a_softmax_over_the_channels_keeps_a_block_per_tile():
+    """Its epilogue in the tile loop spilled 972 bytes: such plans keep a block per tile."""
+    spec = spec_of(cin=16, cout=256, size=(20, 22), precision="bf16", epilogue=["relu", {"softmax": {"dim": 1}}],
+                   tile={"engine": "tma"})
+    tp = build_plan(spec, target=HOPPER)["tma"]
+    assert tp.channel_norm and not tp.persistent
