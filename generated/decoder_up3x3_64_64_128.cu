@@ -331,8 +331,8 @@ extern "C" __global__ void __launch_bounds__(256) specgen_decoder_up3x3_64_64_12
 }
 
 // ---- the conv --------------------------------------------------------------------------------------------
-// One block: M tile blockIdx.x / N_TILES, N tile blockIdx.x % N_TILES. SPLIT = 1: the block walks
-// all of K and runs the epilogue (specgen_decoder_up3x3_64_64_128).
+// Tile t: M tile t / N_TILES, N tile t % N_TILES (and its stride phase); block b holds tile b.
+// SPLIT = 1: the block walks all of K and runs the epilogue (specgen_decoder_up3x3_64_64_128).
 namespace {
 template <int SPLIT, int PH>
 __device__ __forceinline__ void conv_block(

@@ -87,6 +87,9 @@ namespace body {
 //     its 64 positions by BN channels with wgmma.mma_async m64n128k8 (tf32, both operands from
 //     shared memory), keeps one stage's products in flight, and gives a stage back through its
 //     "empty" mbarrier.
+//   * The kernel is launched with as many blocks as the SMs hold at once (or one per tile, if fewer):
+//     a block walks tiles blockIdx.x, + gridDim.x, ..., its stages going round across them, so the
+//     producer loads the next tile's first stages while the consumers run this tile's epilogue.
 //   * fp32 mode (3xTF32): every operand x = hi(x) + lo(x) with hi(x) = x rounded to TF32;
 //     a*b = lo(a)hi(b) + hi(a)lo(b) + hi(a)hi(b) (the dropped lo(a)lo(b) is below 2^-21 |ab|). The
 //     tensor cores add with truncation, so each stage is summed apart and added to the total in fp32.
@@ -330,9 +333,9 @@ extern "C" __global__ void __launch_bounds__(256) specgen_kb11_body_prep_cl(
 }
 
 // ---- the conv --------------------------------------------------------------------------------------------
-// One block: M tile blockIdx.x / N_TILES, N tile blockIdx.x % N_TILES. SPLIT = 1: the block walks
-// all of K and runs the epilogue (specgen_kb11_body); SPLIT = SPLIT_K: part blockIdx.y of K, its sums
-// written to `partial` (specgen_kb11_body_split).
+// Tile t: M tile t / N_TILES, N tile t % N_TILES; a block walks tiles blockIdx.x, blockIdx.x + gridDim.x and so on.
+// SPLIT = 1: the block walks all of K and runs the epilogue (specgen_kb11_body); SPLIT = SPLIT_K: part blockIdx.y of K, its sums
+// written to `partial` (specgen_kb11_body_split, one tile a block).
 namespace {
 template <int SPLIT>
 __device__ __forceinline__ void conv_block(

@@ -367,8 +367,8 @@ extern "C" __global__ void __launch_bounds__(256) specgen_kb49_prep_cl(
 }
 
 // ---- the conv --------------------------------------------------------------------------------------------
-// One block: M tile blockIdx.x / N_TILES, N tile blockIdx.x % N_TILES. SPLIT = 1: the block walks
-// all of K and runs the epilogue (specgen_kb49).
+// Tile t: M tile t / N_TILES, N tile t % N_TILES (and its stride phase); block b holds tile b.
+// SPLIT = 1: the block walks all of K and runs the epilogue (specgen_kb49).
 namespace {
 template <int SPLIT, int PH>
 __device__ __forceinline__ void conv_block(

@@ -364,8 +364,8 @@ extern "C" __global__ void __launch_bounds__(256) specgen_up3d_3x3x3_32_64_16_pr
 }
 
 // ---- the conv --------------------------------------------------------------------------------------------
-// One block: M tile blockIdx.x / N_TILES, N tile blockIdx.x % N_TILES. SPLIT = 1: the block walks
-// all of K and runs the epilogue (specgen_up3d_3x3x3_32_64_16).
+// Tile t: M tile t / N_TILES, N tile t % N_TILES (and its stride phase); block b holds tile b.
+// SPLIT = 1: the block walks all of K and runs the epilogue (specgen_up3d_3x3x3_32_64_16).
 namespace {
 template <int SPLIT, int PH>
 __device__ __forceinline__ void conv_block(

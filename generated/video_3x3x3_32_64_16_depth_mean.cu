@@ -376,8 +376,8 @@ extern "C" __global__ void __launch_bounds__(256) specgen_video_3x3x3_32_64_16_d
 }
 
 // ---- the conv --------------------------------------------------------------------------------------------
-// One block: M tile blockIdx.x / N_TILES, N tile blockIdx.x % N_TILES. SPLIT = 1: the block walks
-// all of K and runs the epilogue (specgen_video_3x3x3_32_64_16_depth_mean).
+// Tile t: M tile t / N_TILES, N tile t % N_TILES; block b holds tile b.
+// SPLIT = 1: the block walks all of K and runs the epilogue (specgen_video_3x3x3_32_64_16_depth_mean).
 namespace {
 template <int SPLIT>
 __device__ __forceinline__ void conv_block(
