@@ -667,6 +667,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         raise ValueError("a transposed conv's stride phases have no split kernel")
     norm_at, reduces = channel_norm(spec), channel_reduction(spec)
     whole_n = reduces or norm_at is not None
+    cl_out = channels_last and nd >= 2 and not reduces  # (`TmaPlan.channels_last_out`)
     if whole_n and n_tiles > 1:
         raise ValueError(f"BN {cfg.bn} does not hold the {cout} channels the epilogue reduces or normalizes over")
     # split K counts the blocks an SM holds at once; a reduction or softmax over the channels has
@@ -696,12 +697,12 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         split_k=split_parts, split_iters=k_iters // split_parts, channel_reduction=reduces,
         channel_norm=norm_at is not None,
         blocks_per_sm=cfg.blocks_per_sm, phases=phases, grid=grid, grid_positions=math.prod(grid),
-        n_pad=n_tiles * cfg.bn, w_pairs=pairs, channels_last_out=channels_last and nd >= 2 and not reduces,
+        n_pad=n_tiles * cfg.bn, w_pairs=pairs, channels_last_out=cl_out,
         a_in_place=in_place,
         subsample=tuple(geo["stride"]) if in_place and any(st > 1 for st in geo["stride"]) else (),
         persistent=not phases and not whole_n,
-        store_quads=_stores_quads(channels_last and nd >= 2 and not reduces, eb, cfg.bn, cout, positions,
-                                  reduces or norm_at is not None, bool(phases), bool(spec.inputs()) and acc >= 128),
+        store_quads=_stores_quads(cl_out, eb, cfg.bn, cout, positions, whole_n, bool(phases),
+                                  bool(spec.inputs()) and acc >= 128),
         producer_regs=REGS_TWO_BLOCKS["producer"] if two else PRODUCER_REGS,
         consumer_regs=REGS_TWO_BLOCKS["consumer"] if two else CONSUMER_REGS,
     )
