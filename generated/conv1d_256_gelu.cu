@@ -177,7 +177,8 @@ __device__ __forceinline__ float tf32_round(float x) { return __uint_as_float((_
 // ---- the layout pass: [batch][C_IN][positions] -> [batch][positions][CIP] ----------------------------
 // One block transposes a tile of PREP_TC channels x PREP_TP positions of one sample through shared
 // memory: 16-byte reads along positions (PREP_VEC input elements), 16-byte writes along channels
-// (PREP_SV operand elements), so that every access moves whole sectors.
+// (PREP_SV operand elements), so that every access moves whole sectors, and lanes mapped so that a
+// warp's shared-memory accesses fall in different banks (see PREP_RT, PREP_GW and PREP_ROW).
 namespace {
 constexpr int PREP_TC = 64, PREP_TP = 64;  // tile: channels, positions
 constexpr int PREP_P_TILES = 64, PREP_C_TILES = 4;  // tiles per sample
@@ -190,6 +191,23 @@ constexpr int PREP_ALIGN = 16;
 constexpr bool PREP_VEC_ROWS = PREP_ALIGN >= 4;
 static_assert(PREP_TP % PREP_VEC == 0 && PREP_TC % PREP_SV == 0 && CIP % PREP_TC == 0, "the tile is whole vectors");
 static_assert(PREP_TC * PREP_TP % (256 * PREP_VEC) == 0 && PREP_TC * PREP_TP % (256 * PREP_SV) == 0, "whole rounds of 256 threads");
+// Reads: a warp takes 32 / PREP_RT rows (channels) of PREP_RT vectors each. For 16-bit inputs that is
+// 8 rows of 64 bytes, whose 32 lanes' first words fall in 32 different banks (rows PREP_ROW = 1 mod 32
+// words apart); float inputs take whole 128-byte row pieces.
+constexpr int PREP_RT = PREP_VEC == 8 ? 4 : (PREP_TP / PREP_VEC < 32 ? PREP_TP / PREP_VEC : 32);
+// Writes: the PREP_GW vectors of channels of one position lie in neighbouring lanes (a run of
+// 16 * PREP_GW bytes of the output row), and a warp takes 32 / PREP_GW positions.
+constexpr int PREP_GW = PREP_TC / PREP_SV < 4 ? PREP_TC / PREP_SV : 4;
+static_assert(PREP_TP / PREP_VEC % PREP_RT == 0 && PREP_TC % (32 / PREP_RT) == 0 && PREP_TP % (32 / PREP_GW) == 0, "a warp's reads and writes stay in one tile");
+// The tile's row stride in floats: the smallest above PREP_TP that puts the write's PREP_GW channel
+// vectors (PREP_SV rows apart) 32 / PREP_GW banks apart, so that a warp's 32 reads of one value each
+// (PREP_GW vectors x 32 / PREP_GW neighbouring positions) hit 32 different banks.
+constexpr int prep_row() {
+  int s = PREP_TP + 1;
+  while (PREP_GW > 1 && PREP_SV * s % 32 != 32 / PREP_GW) ++s;
+  return s;
+}
+constexpr int PREP_ROW = prep_row();
 
 __device__ __forceinline__ float to_float(In v) { return v; }
 
@@ -197,6 +215,12 @@ __device__ __forceinline__ float to_float(In v) { return v; }
 __device__ __forceinline__ void load_row_vector(const In* __restrict__ src, float (&v)[PREP_VEC]) {
   const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
   v[0] = __uint_as_float(raw.x); v[1] = __uint_as_float(raw.y); v[2] = __uint_as_float(raw.z); v[3] = __uint_as_float(raw.w);
+}
+
+// One 16-byte store, written as PTX: the compiler otherwise split the store of a vector built from
+// 16-bit pairs into four 4-byte ones, which quarter-fill the sectors. `p` is 16-byte aligned.
+__device__ __forceinline__ void store_16(void* p, unsigned a, unsigned b, unsigned c, unsigned d) {
+  asm volatile("st.global.v4.b32 [%0], { %1, %2, %3, %4 };\n" :: "l"(__cvta_generic_to_global(p)), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
 
 // One input value as the tensor cores read it: split into hi and lo.
@@ -209,11 +233,14 @@ __device__ __forceinline__ void store_operand(Operand* __restrict__ hi, Operand*
 // PREP_SV consecutive operand values at element i (16-byte aligned), as the tensor cores read them:
 // split into hi and lo.
 __device__ __forceinline__ void store_operands(Operand* __restrict__ hi, Operand* __restrict__ lo, size_t i, const float (&v)[PREP_SV]) {
-  float4 h, l;
-  h.x = tf32_round(v[0]); h.y = tf32_round(v[1]); h.z = tf32_round(v[2]); h.w = tf32_round(v[3]);
-  l.x = v[0] - h.x; l.y = v[1] - h.y; l.z = v[2] - h.z; l.w = v[3] - h.w;  // exact
-  *reinterpret_cast<float4*>(hi + i) = h;
-  *reinterpret_cast<float4*>(lo + i) = l;
+  float h[4], l[4];
+  #pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    h[k] = tf32_round(v[k]);
+    l[k] = v[k] - h[k];  // exact
+  }
+  store_16(hi + i, __float_as_uint(h[0]), __float_as_uint(h[1]), __float_as_uint(h[2]), __float_as_uint(h[3]));
+  store_16(lo + i, __float_as_uint(l[0]), __float_as_uint(l[1]), __float_as_uint(l[2]), __float_as_uint(l[3]));
 }
 }  // namespace
 
@@ -223,7 +250,7 @@ extern "C" __global__ void __launch_bounds__(256) specgen_conv1d_256_gelu_prep(
     Operand* __restrict__ x_lo,  // [batch][IN_D][IN_H][IN_W][CIP]: its lo part
     int batch)
 {
-  __shared__ float tile[PREP_TC][PREP_TP + 1];  // (+1: a column's reads fall in different banks)
+  __shared__ float tile[PREP_TC][PREP_ROW];
   const int c_tile = blockIdx.x % PREP_C_TILES, p_tile = blockIdx.x / PREP_C_TILES % PREP_P_TILES;
   const int n = blockIdx.x / (PREP_C_TILES * PREP_P_TILES);
   const int c0 = c_tile * PREP_TC, p0 = p_tile * PREP_TP;
@@ -232,8 +259,10 @@ extern "C" __global__ void __launch_bounds__(256) specgen_conv1d_256_gelu_prep(
   // Read: each thread PREP_VEC positions of one channel at a time (zeros past the channels and positions).
   #pragma unroll
   for (int i = 0; i < PREP_TC * PREP_TP / (256 * PREP_VEC); ++i) {
-    const int e = i * 256 + threadIdx.x;
-    const int tc = e / (PREP_TP / PREP_VEC), tp = e % (PREP_TP / PREP_VEC) * PREP_VEC;
+    const int e = i * 256 + threadIdx.x, warp_piece = e / 32;  // (the tile's pieces of 32 / PREP_RT rows x PREP_RT vectors)
+    constexpr int ROWS = 32 / PREP_RT, PIECES_PER_ROW = PREP_TP / PREP_VEC / PREP_RT;
+    const int tc = warp_piece / PIECES_PER_ROW * ROWS + e % 32 / PREP_RT;
+    const int tp = (warp_piece % PIECES_PER_ROW * PREP_RT + e % PREP_RT) * PREP_VEC;
     const int c = c0 + tc, p = p0 + tp;
     float v[PREP_VEC];
     if (c < C_IN && vector_rows && p + PREP_VEC <= IN_POSITIONS) {
@@ -251,7 +280,7 @@ extern "C" __global__ void __launch_bounds__(256) specgen_conv1d_256_gelu_prep(
   #pragma unroll
   for (int i = 0; i < PREP_TC * PREP_TP / (256 * PREP_SV); ++i) {
     const int e = i * 256 + threadIdx.x;
-    const int tp = e / (PREP_TC / PREP_SV), tc = e % (PREP_TC / PREP_SV) * PREP_SV;
+    const int tp = e / PREP_GW % PREP_TP, tc = (e / (PREP_GW * PREP_TP) * PREP_GW + e % PREP_GW) * PREP_SV;
     if (p0 + tp < IN_POSITIONS) {
       float v[PREP_SV];
       #pragma unroll
