@@ -66,6 +66,19 @@ def random_input(spec, batch: int, gen: torch.Generator) -> torch.Tensor:
     return x.to(DTYPE[spec.precision])
 
 
+def allocated_by(call):
+    """`call()`'s result, and the bytes it asked torch's caching allocator for at its peak beyond
+    what was live before, as requested. (max_memory_allocated counts the cached block each request
+    landed in, and a block is not split when less than 1 MB would remain: a 1.9 MB output reusing
+    a free 2.5 MB block counted as 2.5 MB, which made an allocation test fail now and then.)"""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_stats()["requested_bytes.all.current"]
+    result = call()
+    torch.cuda.synchronize()
+    return result, torch.cuda.memory_stats()["requested_bytes.all.peak"] - base
+
+
 def poisoned(shape, dtype=torch.float32) -> torch.Tensor:
     """An output tensor full of NaN: what the kernel does not write stays NaN."""
     return torch.full(tuple(shape), float("nan"), device="cuda", dtype=dtype)

@@ -19,7 +19,7 @@ from specgen import reference  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 from specgen.spec import SpecError, load_specs, validate  # noqa: E402
 
-from gpu_helpers import captured, compare, randomize, rel_l2  # noqa: E402
+from gpu_helpers import allocated_by, captured, compare, randomize, rel_l2  # noqa: E402
 from strategies import specs as random_specs  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
@@ -154,12 +154,7 @@ def test_only_the_output_is_allocated():
     layer = FusedLayer(shrink(load_specs(EXAMPLES / "kb90.yaml")[0])).cuda()
     x = torch.randn(16, 8, 8, 10, 12, device="cuda")
     layer(x)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = layer(x)
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
+    out, extra = allocated_by(lambda: layer(x))
     assert extra <= out.numel() * 4 + 512, f"forward allocated {extra} bytes; the output alone is {out.numel() * 4}"
 
 

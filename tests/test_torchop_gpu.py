@@ -15,7 +15,7 @@ from specgen.ops import NORMS  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 from specgen.spec import load_specs  # noqa: E402
 
-from gpu_helpers import captured  # noqa: E402
+from gpu_helpers import allocated_by, captured  # noqa: E402
 from test_torchop import EXAMPLES, example_specs as _example_specs, first_output, shrink  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
@@ -204,11 +204,6 @@ def test_inference_forward_allocates_only_the_output():
     for mode in (torch.no_grad, torch.inference_mode):
         with mode():
             layer(x)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            out = layer(x)
-            torch.cuda.synchronize()
-            extra = torch.cuda.max_memory_allocated() - base
+            out, extra = allocated_by(lambda: layer(x))
         assert out.grad_fn is None
         assert extra <= out.numel() * 4 + 512, f"{mode.__name__}: forward allocated {extra} bytes"
