@@ -247,8 +247,8 @@ constexpr bool PREP_VEC_ROWS = PREP_ALIGN >= 4;
 static_assert(PREP_TP % PREP_VEC == 0 && PREP_TC % PREP_SV == 0 && CIP % PREP_TC == 0, "the tile is whole vectors");
 static_assert(PREP_TC * PREP_TP % (256 * PREP_VEC) == 0 && PREP_TC * PREP_TP % (256 * PREP_SV) == 0, "whole rounds of 256 threads");
 // Reads: a warp takes 32 / PREP_RT rows (channels) of PREP_RT vectors each. For 16-bit inputs that is
-// 8 rows of 64 bytes, whose 32 lanes' first words fall in 32 different banks (rows PREP_ROW = 1 mod 32
-// words apart); float inputs take whole 128-byte row pieces.
+// 8 rows of 64 bytes; in tiles of 32 channels or more (rows PREP_ROW = 1 mod 32 words apart) their 32
+// lanes' first words fall in 32 different banks. Float inputs take whole 128-byte row pieces.
 constexpr int PREP_RT = PREP_VEC == 8 ? 4 : (PREP_TP / PREP_VEC < 32 ? PREP_TP / PREP_VEC : 32);
 // Writes: the PREP_GW vectors of channels of one position lie in neighbouring lanes (a run of
 // 16 * PREP_GW bytes of the output row), and a warp takes 32 / PREP_GW positions.
@@ -272,8 +272,9 @@ __device__ __forceinline__ void load_row_vector(const In* __restrict__ src, floa
   v[0] = __uint_as_float(raw.x); v[1] = __uint_as_float(raw.y); v[2] = __uint_as_float(raw.z); v[3] = __uint_as_float(raw.w);
 }
 
-// One 16-byte store, written as PTX: the compiler otherwise split the store of a vector built from
-// 16-bit pairs into four 4-byte ones, which quarter-fill the sectors. `p` is 16-byte aligned.
+// One 16-byte store, written as PTX: the compiler otherwise split this pass's 16-byte C++ vector
+// stores (of 16-bit pairs and of float4s alike) into 4-byte ones, each a quarter of a sector. `p` is
+// 16-byte aligned.
 __device__ __forceinline__ void store_16(void* p, unsigned a, unsigned b, unsigned c, unsigned d) {
   asm volatile("st.global.v4.b32 [%0], { %1, %2, %3, %4 };\n" :: "l"(__cvta_generic_to_global(p)), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
