@@ -103,6 +103,12 @@ constexpr int XS_ITERS = 9;  // staged chunks per thread
 constexpr float S0_NEGATIVE_SLOPE = 0.2f;  // epilogue[0] leaky_relu negative_slope = 0.2
 constexpr float S2_MIN = -1.0f;  // epilogue[2] clamp min = -1.0
 constexpr float S2_MAX = 1.0f;  // epilogue[2] clamp max = 1.0
+constexpr float S3_R0 = 0.39894208f;  // epilogue[3] gelu on |x| <= 1.0 (bounded by epilogue[2] clamp): x/2 + x^2 R(x^2), R's x^0 coefficient
+constexpr float S3_R1 = -0.06648834f;  // epilogue[3] gelu on |x| <= 1.0 (bounded by epilogue[2] clamp): x/2 + x^2 R(x^2), R's x^2 coefficient
+constexpr float S3_R2 = 0.00996649f;  // epilogue[3] gelu on |x| <= 1.0 (bounded by epilogue[2] clamp): x/2 + x^2 R(x^2), R's x^4 coefficient
+constexpr float S3_R3 = -0.001176263f;  // epilogue[3] gelu on |x| <= 1.0 (bounded by epilogue[2] clamp): x/2 + x^2 R(x^2), R's x^6 coefficient
+constexpr float S3_R4 = 0.00010662534f;  // epilogue[3] gelu on |x| <= 1.0 (bounded by epilogue[2] clamp): x/2 + x^2 R(x^2), R's x^8 coefficient
+constexpr float S3_R5 = -5.8611035e-06f;  // epilogue[3] gelu on |x| <= 1.0 (bounded by epilogue[2] clamp): x/2 + x^2 R(x^2), R's x^10 coefficient
 
 // 3xTF32: x = hi + lo exactly, hi = x rounded to TF32 (10 mantissa bits, to nearest), lo = x - hi.
 __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
@@ -343,7 +349,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) specgen_kb90(
                     v = ((v) > 0.0f ? (v) : (v) * S0_NEGATIVE_SLOPE);  // epilogue[0] leaky_relu (negative_slope=0.2)
                     v = (v + pc_sum_tensor);  // epilogue[1] add (param='sum_tensor')
                     v = fminf(fmaxf(v, S2_MIN), S2_MAX);  // epilogue[2] clamp (min=-1.0, max=1.0)
-                    v = (0.5f * (v) * (1.0f + erff((v) * 0.707106781186547524f)));  // epilogue[3] gelu (approximate='none')
+                    v = (v) * fmaf(v, fmaf(fmaf(fmaf(fmaf(fmaf(S3_R5, (v) * (v), S3_R4), (v) * (v), S3_R3), (v) * (v), S3_R2), (v) * (v), S3_R1), (v) * (v), S3_R0), 0.5f);  // epilogue[3] gelu (approximate='none', on |x| <= 1.0: a polynomial)
                     out_n[((cj * T1_D + d) * T1_H + h) * T1_W + w] = v;
                   }
                 }

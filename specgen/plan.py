@@ -119,12 +119,25 @@ def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], chan
                                    "comment": f"epilogue[{index}] {stage.op}: the channel's {key}"})
             preloaded[key] = f"pc{index}_{key}"
     detail = ", ".join(f"{k}={v!r}" for k, v in stage.args.model_dump().items() if v is not None)
+    code, code_preloaded = row.cuda(stage.args, "v", names), row.cuda(stage.args, "v", preloaded)
+    bound = ops.output_bound(spec.epilogue[index - 1]) if index > 0 else None
+    if stage.op == "gelu" and stage.args.approximate == "none" and bound is not None and bound <= ops.GELU_BOUNDED_MAX:
+        # The stage before bounds x: the exact GELU as a polynomial over that range (ops.GELU_BOUNDED_R).
+        coefficients = []
+        for degree, value in enumerate(ops.GELU_BOUNDED_R):
+            coefficients.append(f"S{index}_R{degree}")
+            constants.append(Constant(coefficients[-1], c_float(value),
+                                      f"epilogue[{index}] gelu on |x| <= {bound!r} (bounded by epilogue[{index - 1}] "
+                                      f"{spec.epilogue[index - 1].op}): x/2 + x^2 R(x^2), R's x^{2 * degree} coefficient",
+                                      "float"))
+        code = code_preloaded = ops.gelu_bounded_code("v", coefficients)
+        detail += f"{', ' if detail else ''}on |x| <= {bound!r}: a polynomial"
     return {
         "index": index,
         "op": stage.op,
         "comment": f"epilogue[{index}] {stage.op}" + (f" ({detail})" if detail else ""),
-        "code": row.cuda(stage.args, "v", names),
-        "code_preloaded": row.cuda(stage.args, "v", preloaded),
+        "code": code,
+        "code_preloaded": code_preloaded,
         "channel_values": channel_values,
         "params": list(row.params(stage.args)),
         "inputs": inputs,
