@@ -51,6 +51,14 @@
 
 namespace {
 
+// 8- and 16-byte stores, written as PTX: the compiler otherwise split C++ vector stores (of 16-bit
+// pairs, and of float4s alike) into 4-byte ones, which fill only part of each sector. `p` is aligned
+// to the width. (The epilogue's four 16-bit values of a lane: four positions of a channel in
+// NC(D)HW, eight channels of a row channels-last; the layout pass's 16 bytes of channels.)
+__device__ __forceinline__ void store_v4(void* p, unsigned a, unsigned b, unsigned c, unsigned d) {
+  asm volatile("st.global.v4.b32 [%0], { %1, %2, %3, %4 };\n" :: "l"(__cvta_generic_to_global(p)), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
 // ---- input, one sample ------------------------------------------------------------------------------
 constexpr int C_IN = 128;  // input channels
 constexpr int IN_D = 1, IN_H = 112, IN_W = 112;  // input extents (d, h, w; 1 for dims the conv lacks)
@@ -217,13 +225,6 @@ __device__ __forceinline__ void load_row_vector(const In* __restrict__ src, floa
   v[0] = __uint_as_float(raw.x); v[1] = __uint_as_float(raw.y); v[2] = __uint_as_float(raw.z); v[3] = __uint_as_float(raw.w);
 }
 
-// One 16-byte store, written as PTX: the compiler otherwise split this pass's 16-byte C++ vector
-// stores (of 16-bit pairs and of float4s alike) into 4-byte ones, each a quarter of a sector. `p` is
-// 16-byte aligned.
-__device__ __forceinline__ void store_16(void* p, unsigned a, unsigned b, unsigned c, unsigned d) {
-  asm volatile("st.global.v4.b32 [%0], { %1, %2, %3, %4 };\n" :: "l"(__cvta_generic_to_global(p)), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
-}
-
 // One input value as the tensor cores read it: split into hi and lo.
 __device__ __forceinline__ void store_operand(Operand* __restrict__ hi, Operand* __restrict__ lo, size_t i, float v) {
   const float h = tf32_round(v);
@@ -240,8 +241,8 @@ __device__ __forceinline__ void store_operands(Operand* __restrict__ hi, Operand
     h[k] = tf32_round(v[k]);
     l[k] = v[k] - h[k];  // exact
   }
-  store_16(hi + i, __float_as_uint(h[0]), __float_as_uint(h[1]), __float_as_uint(h[2]), __float_as_uint(h[3]));
-  store_16(lo + i, __float_as_uint(l[0]), __float_as_uint(l[1]), __float_as_uint(l[2]), __float_as_uint(l[3]));
+  store_v4(hi + i, __float_as_uint(h[0]), __float_as_uint(h[1]), __float_as_uint(h[2]), __float_as_uint(h[3]));
+  store_v4(lo + i, __float_as_uint(l[0]), __float_as_uint(l[1]), __float_as_uint(l[2]), __float_as_uint(l[3]));
 }
 }  // namespace
 

@@ -642,6 +642,15 @@ def output_bound(stage) -> Optional[float]:
     return None
 
 
+def gelu_polynomial_bound(stage, before) -> Optional[float]:
+    """The bound on |x| that epilogue stage `before` puts on the exact GELU `stage` that follows it,
+    where it lets the GELU be the polynomial (at most GELU_BOUNDED_MAX); None otherwise."""
+    if stage.op != "gelu" or stage.args.approximate != "none" or before is None:
+        return None
+    bound = output_bound(before)
+    return bound if bound is not None and bound <= GELU_BOUNDED_MAX else None
+
+
 def gelu_bounded_code(x: str, coefficients: list[str]) -> str:
     """x (1/2 + x R(x^2)) in fmaf's, R's coefficients named lowest degree first (see GELU_BOUNDED_R):
     the fmaf forms 1/2 + x R exactly before rounding, where the two nearly cancel (x near -sqrt 2)."""

@@ -119,17 +119,16 @@ def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], chan
                                    "comment": f"epilogue[{index}] {stage.op}: the channel's {key}"})
             preloaded[key] = f"pc{index}_{key}"
     detail = ", ".join(f"{k}={v!r}" for k, v in stage.args.model_dump().items() if v is not None)
-    code, code_preloaded = row.cuda(stage.args, "v", names), row.cuda(stage.args, "v", preloaded)
-    bound = ops.output_bound(spec.epilogue[index - 1]) if index > 0 else None
-    if stage.op == "gelu" and stage.args.approximate == "none" and bound is not None and bound <= ops.GELU_BOUNDED_MAX:
-        # The stage before bounds x: the exact GELU as a polynomial over that range (ops.GELU_BOUNDED_R).
-        coefficients = []
-        for degree, value in enumerate(ops.GELU_BOUNDED_R):
-            coefficients.append(f"S{index}_R{degree}")
-            constants.append(Constant(coefficients[-1], c_float(value),
+    before = spec.epilogue[index - 1] if index > 0 else None
+    bound = ops.gelu_polynomial_bound(stage, before)
+    if bound is None:
+        code, code_preloaded = row.cuda(stage.args, "v", names), row.cuda(stage.args, "v", preloaded)
+    else:  # the stage before bounds x: the exact GELU as a polynomial over that range (ops.GELU_BOUNDED_R)
+        coefficients = [f"S{index}_R{degree}" for degree in range(len(ops.GELU_BOUNDED_R))]
+        for degree, (cname, value) in enumerate(zip(coefficients, ops.GELU_BOUNDED_R)):
+            constants.append(Constant(cname, c_float(value),
                                       f"epilogue[{index}] gelu on |x| <= {bound!r} (bounded by epilogue[{index - 1}] "
-                                      f"{spec.epilogue[index - 1].op}): x/2 + x^2 R(x^2), R's x^{2 * degree} coefficient",
-                                      "float"))
+                                      f"{before.op}): x/2 + x^2 R(x^2), R's x^{2 * degree} coefficient", "float"))
         code = code_preloaded = ops.gelu_bounded_code("v", coefficients)
         detail += f"{', ' if detail else ''}on |x| <= {bound!r}: a polynomial"
     return {
