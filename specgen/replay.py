@@ -14,8 +14,9 @@ A call replays the graph when all of these hold, and otherwise runs the model as
 - the positional arguments are tensors of the captured shapes, dtypes and device, no keywords;
 - no CUDA-graph capture is underway on the current stream (a caller's own graph captures the
   plain path);
-- the model's parameters and buffers are unchanged since the capture (their version counters):
-  an in-place update (an optimizer step, `load_state_dict`) makes the next call capture again, and
+- the model's parameters and buffers are unchanged since the capture (their version counters and
+  addresses): an in-place update (an optimizer step, `load_state_dict`) or new storage
+  (`p.data = ...`) makes the next call capture again, and
   so do a conversion (`.to()`, `.half()`, ...), `copy.deepcopy` and pickling (the copy captures
   its own graph on its first call that can replay). A parameter replaced by another tensor object
   is not seen: call `recapture()` after that.
@@ -142,7 +143,7 @@ class GraphReplay(nn.Module):
             with tmarun.reusing_caches(), torch.cuda.graph(graph):
                 static_out = self.module(*static_in)
         self._tensors = self._watched()
-        self._versions = [t._version for t in self._tensors]
+        self._versions = [(t._version, t.data_ptr()) for t in self._tensors]
         self._flags = _flags()
         self._graph, self._static_in, self._static_out = graph, static_in, static_out
         self.captures += 1
@@ -171,7 +172,7 @@ class GraphReplay(nn.Module):
         try:
             if self._graph is None:
                 self._capture(args)
-            elif [t._version for t in self._tensors] != self._versions:
+            elif [(t._version, t.data_ptr()) for t in self._tensors] != self._versions:
                 self._capture(self._static_in)
             for static, t in zip(self._static_in, args):
                 static.copy_(t)

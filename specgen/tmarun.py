@@ -107,20 +107,21 @@ def cache_readable(t: torch.Tensor) -> tuple[bool, bool]:
 
 
 def derived(t: torch.Tensor, what: str, make):
-    """`make(t)`, kept while `t` lives and is unchanged (its version counter), remade under capture
-    (but see `reusing_caches`)."""
+    """`make(t)`, kept while `t` lives and is unchanged (its version counter, which an in-place
+    update moves, and its address, which `t.data = ...` changes), remade under capture (but see
+    `reusing_caches`)."""
     read, keep = cache_readable(t)
     key = (id(t), what)
     if read:
         hit = _derived.get(key)
-        if hit is not None and hit[0]() is t and hit[1] == t._version:
+        if hit is not None and hit[0]() is t and hit[1] == (t._version, t.data_ptr()):
             return hit[2]
     with torch.no_grad():
         value = make(t.detach())
     if keep:
         for k in [k for k, v in _derived.items() if v[0]() is None]:  # forget tensors that are gone
             del _derived[k]
-        _derived[key] = (weakref.ref(t), t._version, value)
+        _derived[key] = (weakref.ref(t), (t._version, t.data_ptr()), value)
     return value
 
 

@@ -470,14 +470,14 @@ def gemm_weight(weight: torch.Tensor, layout: tuple) -> torch.Tensor:
     read, keep = tmarun.cache_readable(weight)
     if read:
         hit = _permuted.get(id(weight))
-        if hit is not None and hit[0]() is weight and hit[1] == weight._version and hit[2] == layout:
+        if hit is not None and hit[0]() is weight and hit[1] == (weight._version, weight.data_ptr()) and hit[2] == layout:
             return hit[3]
     with torch.no_grad():
         w = _phase_weights(weight.detach(), layout) if layout[0] == "phases" else _permuted_weights(weight.detach(), layout)
     if keep:
         for k in [k for k, v in _permuted.items() if v[0]() is None]:  # forget weights that are gone
             del _permuted[k]
-        _permuted[id(weight)] = (weakref.ref(weight), weight._version, layout, w)
+        _permuted[id(weight)] = (weakref.ref(weight), (weight._version, weight.data_ptr()), layout, w)
     return w
 
 
