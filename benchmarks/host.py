@@ -91,6 +91,9 @@ def main():
                 row("eager gpu kernel time per call", kernels(lambda: eager(x)))
                 row("eager F.conv2d alone", host(lambda: torch.nn.functional.conv2d(x, eager[0].weight, eager[0].bias, padding=1)))
             row("layer(x) no_grad", host(lambda: layer(x)))
+            fast = layer._fast
+            if fast is not None:  # the FFMA and implicit-GEMM engines keep their last plain launch
+                row("layer._fast.run(x, ()) (the recorded launch alone)", host(lambda: fast.run(x, ())))
             row("layer.forward(x) no_grad", host(lambda: layer.forward(x)))
             w, b = layer.conv.weight, layer.conv.bias
             params = layer._launch_params() if layer._param_names else {}

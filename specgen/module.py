@@ -81,6 +81,7 @@ class FusedLayer(nn.Module):
         self._twin_specialized: pipeline.Specialized | None = None
         self._twin_op = self._twin_spec_op = None
         self._specialized: pipeline.Specialized | None = None
+        self._fast: torchop.FastLaunch | None = None  # the last plain inference launch, for repeats
         self._op = None
         if torch.cuda.is_available():
             self.specialize()  # compile at construction (never during a graph capture)
@@ -146,7 +147,7 @@ class FusedLayer(nn.Module):
         """The layer's tensors became `dtype`: run in the matching precision from now on."""
         precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, self._precision32)
         self.spec = self.spec.model_copy(update={"precision": precision})
-        self._specialized = None
+        self._specialized = self._fast = None
         if torch.cuda.is_available():
             self.specialize()
         else:
@@ -275,6 +276,12 @@ class FusedLayer(nn.Module):
         With `out` (a preallocated contiguous output of the right shape and the layer's dtype) the kernel fills
         it directly on CUDA (the raw launch) and no autograd graph is recorded, on any device.
         """
+        if not torch.compiler.is_compiling():
+            fast = self._fast  # a repeat of the last inference call: its checks and one launch
+            if fast is not None and out is None and not torch.is_grad_enabled():
+                y = fast.run(x, inputs)
+                if y is not None:
+                    return y
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self._name}: expected a torch.Tensor input, got {type(x).__name__}")
         if inputs or self._input_names:
@@ -380,7 +387,29 @@ class FusedLayer(nn.Module):
         params = self._launch_params() if self._param_names else {}
         if inputs:
             params.update(zip(self._input_names, inputs))
-        return torchop.launch(self._specialized or self.specialize(), x, weight, bias, params, out)
+        sp = self._specialized or self.specialize()
+        if out is not None or self._twin_spec is not None or self._stats_size:
+            return torchop.launch(sp, x, weight, bias, params, out)
+        # A plain inference call: kept as a FastLaunch where it is one launch, for the next call.
+        record = []
+        y = torchop.launch(sp, x, weight, bias, params, None, record=record)
+        sources = self._fast_sources(conv) if record else None
+        self._fast = None if sources is None else record[0].bind(sources)
+        return y
+
+    def _fast_sources(self, conv) -> list | None:
+        """(container, name, tensor) for each of the layer's tensors a launch reads: the conv's weight
+        and bias, then the per-channel parameters (FastLaunch checks them on every call); None if
+        one is a plain attribute, not a parameter or buffer."""
+        sources = []
+        for owner, name in ((conv, "weight"), *(((conv, "bias"),) if self._has_bias else ()),
+                            *((self, name) for name in self._param_names)):
+            container = owner._parameters if name in owner._parameters else owner._buffers
+            tensor = container.get(name)
+            if tensor is None:
+                return None
+            sources.append((container, name, tensor))
+        return sources
 
     def _launch_params(self) -> dict:
         """The per-channel tensors by name, as the raw launch reads them."""

@@ -361,6 +361,53 @@ def launch(
                 _check(lib, result, "cuLaunchKernelEx")
 
 
+class Prepared:
+    """One plain launch worked out once: its own argument array (pointer slots, then the batch) and
+    launch configuration, so a later call only writes the pointers that changed and launches.
+    Owned by one thread (the arrays are not shared); `FusedLayer`'s repeat inference calls use it."""
+
+    __slots__ = ("kernel", "function", "values", "argv", "_batch", "config", "ref")
+
+    def __init__(self, kernel: LoadedKernel, function: ctypes.c_void_p, grid_x: int, grid_y: int,
+                 pointers: list[int], batch: int, threads: int | None = None, smem_bytes: int | None = None):
+        n = len(pointers)
+        self.kernel, self.function = kernel, function
+        self.values = (ctypes.c_uint64 * n)(*pointers)
+        self._batch = ctypes.c_int(batch)
+        self.argv = (ctypes.c_void_p * (n + 1))(
+            *[ctypes.addressof(self.values) + 8 * i for i in range(n)], ctypes.addressof(self._batch))
+        config = self.config = _LaunchConfig()
+        config.grid[0], config.grid[1], config.grid[2] = grid_x, grid_y, 1
+        config.block[0], config.block[1], config.block[2] = kernel.threads if threads is None else threads, 1, 1
+        config.shared_mem_bytes = kernel.smem_bytes if smem_bytes is None else smem_bytes
+        config.num_attrs = 0
+        self.ref = ctypes.byref(config)
+
+    def launch(self, stream: int) -> None:
+        """Launch on `stream` with the argument values as they are now."""
+        _make_current(self.kernel)
+        self.config.stream = stream
+        result = _libcuda.cuLaunchKernelEx(self.ref, self.function, self.argv, None)
+        if result != 0:
+            _check(_libcuda, result, "cuLaunchKernelEx")
+
+
+def prepare(kernel: LoadedKernel, blocks_per_sample: int, pointers: list[int], batch: int) -> Prepared | None:
+    """`launch`'s single launch as a `Prepared` one; None where `launch` would take several (a
+    batch over GRID_Y_MAX) or size a cluster."""
+    if batch > GRID_Y_MAX or kernel.cluster_at_launch is not None:
+        return None
+    return Prepared(kernel, kernel.function, blocks_per_sample, batch, pointers, batch)
+
+
+def prepare_flat(kernel: LoadedKernel, positions: int, block_m: int, n_tiles: int, pointers: list[int],
+                 batch: int) -> Prepared | None:
+    """`launch_flat`'s single launch as a `Prepared` one; None where it would take several."""
+    if batch > _flat_per_launch(positions, block_m, n_tiles):
+        return None
+    return Prepared(kernel, kernel.function, -(-batch * positions // block_m) * n_tiles, 1, pointers, batch)
+
+
 def launch_function(kernel: LoadedKernel, function: ctypes.c_void_p, grid_x: int, grid_y: int, threads: int,
                     smem_bytes: int, pointers: list[int], batch: int, stream: int) -> None:
     """One launch of another kernel of `kernel`'s module (pointer arguments, then the batch): a
@@ -370,6 +417,11 @@ def launch_function(kernel: LoadedKernel, function: ctypes.c_void_p, grid_x: int
     values[: len(pointers)] = pointers
     batch_arg.value = batch
     _launch_kernel(lib, function, grid_x, grid_y, threads, smem_bytes, stream, argv)
+
+
+def _flat_per_launch(positions: int, block_m: int, n_tiles: int) -> int:
+    """Samples one flat launch covers (its M index is a 32-bit int, its grid at most GRID_X_MAX)."""
+    return max(1, min(GRID_X_MAX // positions, GRID_X_MAX // n_tiles * block_m // positions))
 
 
 def launch_flat(
@@ -388,7 +440,7 @@ def launch_flat(
     launches, with `strides` as in `launch`."""
     lib = _libcuda
     values, batch_arg, argv = _prepare(kernel, len(pointers))
-    per_launch = max(1, min(GRID_X_MAX // positions, GRID_X_MAX // n_tiles * block_m // positions))
+    per_launch = _flat_per_launch(positions, block_m, n_tiles)
     for first in range(0, batch, per_launch):
         count = min(per_launch, batch - first)
         for i, (ptr, stride) in enumerate(zip(pointers, strides)):

@@ -641,10 +641,12 @@ PRECISION_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.b
 
 
 def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict, out: torch.Tensor | None,
-           stats: torch.Tensor | None = None):
+           stats: torch.Tensor | None = None, record: list | None = None):
     """Run the kernel on CUDA `x` (the layer's dtype) into `out` (allocated when None), on the current stream.
     A layer with statistic stages runs its sequence of kernels (specgen.tailrun); `stats` receives
-    the batch statistics of its training-mode batch norms."""
+    the batch statistics of its training-mode batch norms. `record`: where the call is one plain
+    launch into an output it allocates (the FFMA and implicit-GEMM engines, a contiguous input),
+    a `FastLaunch` of it is appended, for the caller to repeat."""
     sp = kernel_for(sp, x, out)
     if out is not None and not out.is_contiguous() and _writes_format(sp) is None and tmarun.channels_last(out):
         # A channels-last `out` for a kernel that writes NC(D)HW (the layer has no channels-last
@@ -669,6 +671,8 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     fmt = lp.memory_format or torch.contiguous_format
     if out is None:
         out = torch.empty(shape, device=x.device, dtype=dtype, memory_format=fmt)
+    elif record is not None:
+        raise ValueError("launch: record takes an output launch allocates (out=None)")
     elif tuple(out.shape) != shape or out.dtype != dtype or out.device != x.device or not out.is_contiguous(memory_format=fmt):
         raise ValueError(
             f"{sp.spec.name}: out must be a {dtype} tensor of shape {list(shape)} on {x.device}, contiguous or "
@@ -685,14 +689,16 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
         return tmarun.launch(sp, kernel, x, weight, bias, params, out, stream)
     if not x.is_contiguous() and tmarun.channels_last(x):
         x = _from_channels_last(sp, kernel, x, stream, dtype if lp.native_16 else torch.float32)
+        record = None
     if dtype == torch.float32:
-        return _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream)
+        return _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream, record)
     # A 16-bit layer: its weights, bias and parameters as float32 (widened once per tensor version).
     wide = tmarun.as_float32
     weight, bias = wide(weight), None if bias is None else wide(bias)
     if lp.native_16:
         # x and out in the layer's dtype, read and written by the kernel itself.
-        return _launch_fp32(sp, lp, kernel, x, weight, bias, {k: wide(v) for k, v in params.items()}, out, batch, stream)
+        return _launch_fp32(sp, lp, kernel, x, weight, bias, {k: wide(v) for k, v in params.items()}, out, batch, stream,
+                            record)
     # An engine without a 16-bit path: fp32 arithmetic on the (exactly) widened tensors, the output
     # rounded to the layer's dtype once.
     # (an extra input is new on every call: widened afresh, never cached)
@@ -723,7 +729,7 @@ def _from_channels_last(sp: pipeline.Specialized, kernel, x: torch.Tensor, strea
     return wide
 
 
-def _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream):
+def _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream, record=None):
     if out is None:
         out = torch.empty((batch, *lp.out_tail), device=x.device, dtype=torch.float32)
     if lp.igemm is not None:
@@ -749,7 +755,81 @@ def _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream):
                                     splitk.REDUCE_THREADS, 0, [partial.data_ptr(), *pointers[2:]], batch, stream)
             return out
         # (a transposed conv's stride phases are blocks of their own along x, beside each M tile's N tiles)
-        runtime.launch_flat(kernel, positions, bm, n_tiles * gemms, pointers, lp.strides, batch, stream)
-    else:
+        if record is None or (prepared := runtime.prepare_flat(kernel, positions, bm, n_tiles * gemms, pointers, batch)) is None:
+            runtime.launch_flat(kernel, positions, bm, n_tiles * gemms, pointers, lp.strides, batch, stream)
+            return out
+    elif record is None or (prepared := runtime.prepare(kernel, lp.blocks_per_sample, pointers, batch)) is None:
         runtime.launch(kernel, lp.blocks_per_sample, pointers, lp.strides, batch, stream)
+        return out
+    prepared.launch(stream)
+    held = (weight, bias, *(params[name] for name in lp.param_names))  # the tensors behind the fixed pointers
+    first_input = 2 + lp.has_bias + len(lp.param_names)  # pointers: x, weight, [bias], parameters, inputs, out
+    record.append(FastLaunch(sp, prepared, held, x.shape, out.shape, out.dtype, x.get_device(),
+                             tuple(range(first_input, first_input + len(lp.input_names))), len(pointers) - 1))
     return out
+
+
+def _no_fast_launch() -> None:
+    return None
+
+
+class FastLaunch:
+    """One layer's plain launch for one input shape, from a first call through `launch`: kernel,
+    grid and every argument but the addresses of x, the extra inputs and the output fixed
+    (`runtime.Prepared`). `run` repeats it for a call like the first and answers None for any
+    other, which then takes the full path. About a third of `launch`'s host time: a layer at
+    batch 1 is bound by it. `sources`, set by the caller (`bind`): the layer's own tensors the
+    fixed pointers come from, checked on every call to be the same objects, unchanged (version
+    counter) and at the same address."""
+
+    __slots__ = ("sp", "prepared", "held", "in_shape", "out_shape", "dtype", "device_index", "input_slots",
+                 "out_slot", "thread", "sources")
+
+    def __init__(self, sp, prepared: runtime.Prepared, held: tuple, in_shape: torch.Size, out_shape: torch.Size,
+                 dtype: torch.dtype, device_index: int, input_slots: tuple, out_slot: int):
+        self.sp, self.prepared, self.held = sp, prepared, held
+        self.in_shape, self.out_shape, self.dtype, self.device_index = in_shape, out_shape, dtype, device_index
+        self.input_slots, self.out_slot = input_slots, out_slot
+        self.thread = threading.get_ident()  # the argument array is this thread's
+        self.sources: tuple = ()
+
+    def __reduce__(self):
+        # A copy of the layer (deepcopy, pickle) starts without one: this one holds this process's
+        # addresses and the original layer's tensors.
+        return (_no_fast_launch, ())
+
+    def bind(self, sources) -> "FastLaunch":
+        """`sources`: (container, name, tensor) per tensor of the layer the fixed pointers come from
+        (a module's `_parameters` or `_buffers` dict, the name in it, the tensor found there)."""
+        self.sources = tuple((c, name, t, t._version, t.data_ptr()) for c, name, t in sources)
+        return self
+
+    def run(self, x: torch.Tensor, inputs: tuple) -> torch.Tensor | None:
+        """The layer on `x` (and its extra inputs) by the recorded launch; None where the call is
+        not like the recorded one."""
+        if (
+            type(x) is not torch.Tensor
+            or x.dtype != self.dtype
+            or x.shape != self.in_shape
+            or x.get_device() != self.device_index
+            or not x.is_contiguous()
+            or x.data_ptr() % 16
+            or len(inputs) != len(self.input_slots)
+            or threading.get_ident() != self.thread
+            or tmarun.capturing(x)  # a capture remakes the derived weights inside the graph
+        ):
+            return None
+        for container, name, t, version, ptr in self.sources:
+            if container.get(name) is not t or t._version != version or t.data_ptr() != ptr:
+                return None
+        values = self.prepared.values
+        for slot, t in zip(self.input_slots, inputs):
+            if (type(t) is not torch.Tensor or t.dtype != self.dtype or t.shape != self.out_shape
+                    or t.get_device() != self.device_index or not t.is_contiguous() or t.data_ptr() % 16):
+                return None
+            values[slot] = t.data_ptr()
+        out = x.new_empty(self.out_shape)
+        values[0] = x.data_ptr()
+        values[self.out_slot] = out.data_ptr()
+        self.prepared.launch(_current_stream(self.device_index))
+        return out

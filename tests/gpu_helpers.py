@@ -175,8 +175,14 @@ def compare(layer, batch: int, seed: int, channels_last: bool = False) -> dict:
     if channels_last:  # extra inputs in the output's format, as a channels-last model hands them on
         extras = {name: as_channels_last(t) for name, t in extras.items()}
     x, out = run(layer, batch, seed, channels_last, extras)
+    return check_output(layer, x, extras, out, f"{spec.name} at batch {batch}")
+
+
+def check_output(layer, x: torch.Tensor, extras: dict, out: torch.Tensor, what: str) -> dict:
+    """`out`, the layer's output on `x` (and `extras`, its extra inputs by name), against the
+    reference at its precision's bar (see `compare`)."""
+    spec = layer.spec
     params = {**layer.spec_params(), **extras}
-    what = f"{spec.name} at batch {batch}"
     with torch.no_grad():
         ref64 = reference.forward64(spec, x, layer.conv.weight, layer.conv.bias, params)
         if spec.precision == "fp32":

@@ -1,0 +1,97 @@
+"""Repeat inference calls on the GPU (marker `gpu`; skipped without CUDA): a FusedLayer keeps its
+last plain launch (`torchop.FastLaunch`) and repeats it while the calls are alike; any change to
+the layer's tensors (in place, or replaced) or to the input's shape takes the full path again.
+Each output is checked against float64 at the mode's bar, and bit for bit against the full path
+into a NaN-poisoned output (so an element the repeat leaves unwritten fails)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from specgen import FusedLayer, torchop  # noqa: E402
+from specgen.spec import validate  # noqa: E402
+
+from gpu_helpers import check_output, extra_inputs, poisoned, random_input, randomize  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
+
+# name -> (input channels, size, conv, epilogue, engine, precision)
+CASES = {
+    "ffma_fp32": (3, [32, 32], {"out_channels": 16, "kernel": 3, "padding": 1}, ["relu"], "ffma", "fp32"),
+    "ffma_bf16": (8, [12, 12], {"out_channels": 16, "kernel": 3, "padding": 1}, ["batch_norm", {"hardtanh": {"min_val": 0.0, "max_val": 6.0}}], "ffma", "bf16"),
+    "igemm_inputs_fp32": (16, [10, 10], {"out_channels": 24, "kernel": 3, "padding": 1},
+                          ["batch_norm", {"add": {"input": "shortcut"}}, {"mul": {"input": "gate"}}, "relu"], "igemm", "fp32"),
+    "igemm_tf32": (32, [9, 11], {"out_channels": 48, "kernel": 1}, [{"add": {"input": "shortcut"}}, "relu"], "igemm", "tf32"),
+    "slab_fp32": (8, [20, 20], {"out_channels": 32, "kernel": 3}, [{"div": {"value": 2.0}}, "hardtanh"], "slab", "fp32"),
+}
+
+
+def _layer(name: str) -> FusedLayer:
+    cin, size, conv, epilogue, engine, precision = CASES[name]
+    spec = validate({"name": f"fast_{name}", "input": {"channels": cin, "size": size}, "conv": conv, "epilogue": epilogue,
+                     "precision": precision, "tile": {"engine": engine}})
+    layer = FusedLayer(spec).cuda().eval()
+    assert layer.specialize().plan["engine"] == engine
+    return layer
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_repeat_calls_take_the_recorded_launch_until_the_layer_changes(name, monkeypatch):
+    layer = _layer(name)
+    spec = layer.spec
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    randomize(layer, gen)
+    full = []  # the calls that took the full path
+    real = torchop.launch
+    monkeypatch.setattr(torchop, "launch", lambda *a, **k: (full.append(a[1].shape[0]), real(*a, **k))[1])
+    weight = layer.conv.weight
+    steps = [
+        (2, None, True),  # the first call: the full path, recorded
+        (2, None, False),  # alike: the recorded launch
+        (2, lambda: weight.mul_(-0.5), True),  # the weight changed in place (version counter)
+        (2, None, False),
+        (3, None, True),  # another batch
+        (3, lambda: setattr(weight, "data", weight.data * 1.5), True),  # the weight's storage replaced
+        (3, None, False),
+    ]
+    for step, (batch, change, takes_full) in enumerate(steps):
+        with torch.no_grad():
+            if change is not None:
+                change()
+            x = random_input(spec, batch, gen)
+            extras = extra_inputs(spec, batch, gen)
+            before = len(full)
+            y = layer(x, *extras.values())
+            took_full = len(full) > before
+            assert took_full == takes_full, f"call {step}: full path {took_full}, expected {takes_full}"
+            assert layer._fast is not None, f"call {step}: no launch recorded"
+            check_output(layer, x, extras, y, f"{spec.name} call {step}")
+            into = poisoned(y.shape, y.dtype)
+            layer(x, *extras.values(), out=into)  # the full path (out= never records)
+            assert torch.equal(y, into), f"call {step}: the recorded launch and the full path differ"
+
+
+def test_grad_enabled_calls_and_other_inputs_take_the_full_path(monkeypatch):
+    layer = _layer("ffma_fp32")
+    spec = layer.spec
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    randomize(layer, gen)
+    x = random_input(spec, 2, gen)
+    with torch.no_grad():
+        layer(x)
+    assert layer._fast is not None
+    full = []
+    real = torchop.launch
+    monkeypatch.setattr(torchop, "launch", lambda *a, **k: (full.append(1), real(*a, **k))[1])
+    y = layer(x)  # autograd on: the op's formula, a graph recorded
+    assert y.requires_grad and len(full) == 1
+    with torch.no_grad():
+        cl = x.contiguous(memory_format=torch.channels_last)
+        check_output(layer, cl, {}, layer(cl), "a channels-last input")
+        offset = torch.empty(x.numel() + 1, device="cuda")[1:].view_as(x).copy_(x)  # 4 bytes past an aligned start
+        check_output(layer, offset, {}, layer(offset), "an input 4 bytes off alignment")
+        assert len(full) == 3
+        with pytest.raises(ValueError, match="expected an input of shape"):
+            layer(x[:, :2])
