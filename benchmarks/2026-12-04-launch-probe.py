@@ -6,22 +6,21 @@ median of 25 loops of 200 calls. Records: benchmarks/2026-12-04-h200-v39-launch-
 
     python benchmarks/2026-12-04-launch-probe.py
 """
-import time, torch
+import sys
+from pathlib import Path
+
+import torch
 from specgen.module import FusedLayer
 from specgen.spec import LayerSpec
 from specgen import torchop, runtime
 
-def host(fn, n=200, loops=25):
-    for _ in range(50): fn()
-    torch.cuda.synchronize()
-    best = []
-    for _ in range(loops):
-        t = time.perf_counter()
-        for _ in range(n): fn()
-        best.append((time.perf_counter() - t) / n)
-        torch.cuda.synchronize()
-    best.sort()
-    return best[0] * 1e6, best[len(best)//2] * 1e6
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host import host_times  # noqa: E402
+
+def host(fn):
+    """(min, median) host time per call over 25 loops of 200 calls."""
+    times = host_times(fn, 200, 25)
+    return times[0], times[len(times) // 2]
 
 def row(name, us):
     print(f"  {name:58} min {us[0]:7.2f} med {us[1]:7.2f} us", flush=True)

@@ -13,18 +13,22 @@ from specgen.module import FusedLayer
 from specgen.spec import LayerSpec, load_specs
 from specgen import torchop, runtime
 
-def host(fn, n=200, loops=15):
-    """Host time per call: loops short enough (n calls, a few launches each) that the launch queue
-    never fills, so the GPU never holds the host back."""
+def host_times(fn, n=200, loops=15):
+    """Host time per call of each loop, sorted, in us: loops short enough (n calls, a few launches
+    each) that the launch queue never fills, so the GPU never holds the host back."""
     for _ in range(50): fn()
     torch.cuda.synchronize()
-    best = []
+    times = []
     for _ in range(loops):
         t = time.perf_counter()
         for _ in range(n): fn()
-        best.append((time.perf_counter() - t) / n)
+        times.append((time.perf_counter() - t) / n * 1e6)
         torch.cuda.synchronize()
-    return min(best) * 1e6
+    return sorted(times)
+
+def host(fn, n=200, loops=15):
+    """Host time per call: the best loop's (`host_times`)."""
+    return host_times(fn, n, loops)[0]
 
 def kernels(fn, n=50):
     """GPU time per call: the kernels' own durations (no gaps), from the profiler."""
