@@ -30,7 +30,7 @@ import math
 import torch
 import torch.nn as nn
 
-from specgen import pipeline, reference, torchop
+from specgen import pipeline, reference, tmarun, torchop
 from specgen.spec import LayerSpec, load
 
 
@@ -388,7 +388,9 @@ class FusedLayer(nn.Module):
         if inputs:
             params.update(zip(self._input_names, inputs))
         sp = self._specialized or self.specialize()
-        if out is not None or self._twin_spec is not None or self._stats_size:
+        if out is not None or self._twin_spec is not None or self._stats_size or tmarun.capturing(x):
+            # (under a CUDA-graph capture the derived weights are made inside the graph, whose
+            # memory holds nothing until a replay: a launch kept from it must not run outside)
             return torchop.launch(sp, x, weight, bias, params, out)
         # A plain inference call: kept as a FastLaunch where it is one launch, for the next call.
         record = []

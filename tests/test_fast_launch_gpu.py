@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from specgen import FusedLayer, torchop  # noqa: E402
 from specgen.spec import validate  # noqa: E402
 
-from gpu_helpers import check_output, extra_inputs, poisoned, random_input, randomize  # noqa: E402
+from gpu_helpers import captured, check_output, extra_inputs, poisoned, random_input, randomize  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
 
@@ -95,3 +95,23 @@ def test_grad_enabled_calls_and_other_inputs_take_the_full_path(monkeypatch):
         assert len(full) == 3
         with pytest.raises(ValueError, match="expected an input of shape"):
             layer(x[:, :2])
+
+
+@pytest.mark.parametrize("name", ["igemm_tf32", "ffma_bf16"])
+def test_a_call_captured_in_a_graph_is_not_kept(name):
+    """Under capture the derived weights (permuted, widened) are made inside the graph, whose memory
+    holds nothing until a replay: an eager call right after the capture must not reuse them."""
+    layer = _layer(name)
+    spec = layer.spec
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    randomize(layer, gen)
+    x = random_input(spec, 2, gen)
+    extras = extra_inputs(spec, 2, gen)
+    graph, out = captured(lambda t: layer(t, *extras.values()), x, grad=False)
+    with torch.no_grad():
+        x2 = random_input(spec, 2, gen)
+        check_output(layer, x2, extras, layer(x2, *extras.values()), f"{spec.name}: an eager call after a capture")
+        check_output(layer, x2, extras, layer(x2, *extras.values()), f"{spec.name}: its repeat")
+    graph.replay()
+    torch.cuda.synchronize()
+    check_output(layer, x, extras, out, f"{spec.name}: the graph's replay")
