@@ -30,8 +30,11 @@ SPEC = {
 def captured(monkeypatch):
     calls = []
 
-    def fake_launch(sp, x, weight, bias, params, out):
+    def fake_launch(sp, x, weight, bias, params, out, record=None):
         calls.append((sp, x, weight, bias, params, out))
+        if record is not None:  # a plain call asks for its launch to be kept: keep a stand-in
+            record.append(torchop.FastLaunch(sp, types.SimpleNamespace(values=[0] * 4), (), x.shape, x.shape, x.dtype,
+                                             x.get_device(), (), 3))
         return "launched"
 
     monkeypatch.setattr(torchop, "launch", fake_launch)
@@ -62,6 +65,11 @@ def test_launch_reads_the_layers_tensors_without_module_attribute_lookups(captur
     (sp, got_x, weight, bias, params, out), = captured
     assert sp is layer._specialized and got_x is x and out is None
     assert weight is layer.conv.weight and bias is layer.conv.bias and params == {"shift": layer.shift}
+    # the kept launch checks the layer's very tensors, where they live, on every repeat
+    sources = [(container, name, t) for container, name, t, _, _ in layer._fast.sources]
+    assert sources == [(layer.conv._parameters, "weight", layer.conv.weight), (layer.conv._parameters, "bias", layer.conv.bias),
+                       (layer._parameters, "shift", layer.shift)]
+    assert layer._launch(x, torch.empty(3, 4, 6, 6)) == "launched" and layer._fast is not None  # out= keeps it as it is
 
 
 def test_launch_finds_buffers_of_an_imported_layer(captured):
@@ -83,6 +91,10 @@ def test_launch_finds_buffers_of_an_imported_layer(captured):
     assert weight is model.conv.weight and bias is None
     tensors = {id(t) for t in params.values()}
     assert {id(model.bn.running_mean), id(model.bn.running_var)} <= tensors
+    kept = {name: (container, t) for container, name, t, _, _ in layer._fast.sources}
+    assert kept["weight"] == (model.conv._parameters, model.conv.weight)
+    buffers = [t for container, t in kept.values() if container is layer._buffers]
+    assert {id(model.bn.running_mean), id(model.bn.running_var)} <= {id(t) for t in buffers}
 
 
 @pytest.mark.parametrize(
