@@ -143,7 +143,7 @@ class GraphReplay(nn.Module):
             with tmarun.reusing_caches(), torch.cuda.graph(graph):
                 static_out = self.module(*static_in)
         self._tensors = self._watched()
-        self._versions = [(t._version, t.data_ptr()) for t in self._tensors]
+        self._versions = [tmarun.state(t) for t in self._tensors]
         self._flags = _flags()
         self._graph, self._static_in, self._static_out = graph, static_in, static_out
         self.captures += 1
@@ -172,7 +172,7 @@ class GraphReplay(nn.Module):
         try:
             if self._graph is None:
                 self._capture(args)
-            elif [(t._version, t.data_ptr()) for t in self._tensors] != self._versions:
+            elif [tmarun.state(t) for t in self._tensors] != self._versions:
                 self._capture(self._static_in)
             for static, t in zip(self._static_in, args):
                 static.copy_(t)

@@ -284,20 +284,26 @@ class _PlainConfigs(threading.local):
 _plain = _PlainConfigs()
 
 
+def _plain_config(grid_x: int, grid_y: int, threads: int, smem_bytes: int) -> tuple:
+    """A launch configuration without attributes, and the reference cuLaunchKernelEx takes; its
+    stream is set per launch."""
+    config = _LaunchConfig()
+    config.grid[0], config.grid[1], config.grid[2] = grid_x, grid_y, 1
+    config.block[0], config.block[1], config.block[2] = threads, 1, 1
+    config.shared_mem_bytes = smem_bytes
+    config.num_attrs = 0
+    return config, ctypes.byref(config)
+
+
 def _launch_kernel(lib, function: ctypes.c_void_p, grid_x: int, grid_y: int, threads: int, smem_bytes: int,
                    stream: int, argv) -> None:
     """One launch of `function` on a (grid_x, grid_y) grid of `threads`-thread blocks."""
     key = (function.value, grid_x, grid_y, threads, smem_bytes)
     packed = _plain.by_key.get(key)
     if packed is None:
-        config = _LaunchConfig()
-        config.grid[0], config.grid[1], config.grid[2] = grid_x, grid_y, 1
-        config.block[0], config.block[1], config.block[2] = threads, 1, 1
-        config.shared_mem_bytes = smem_bytes
-        config.num_attrs = 0
         if len(_plain.by_key) >= 4096:  # grids that come and go with the batch: keep the table small
             _plain.by_key.clear()
-        packed = _plain.by_key[key] = (config, ctypes.byref(config))
+        packed = _plain.by_key[key] = _plain_config(grid_x, grid_y, threads, smem_bytes)
     config, ref = packed
     config.stream = stream
     result = lib.cuLaunchKernelEx(ref, function, argv, None)
@@ -362,32 +368,27 @@ def launch(
 
 
 class Prepared:
-    """One plain launch worked out once: its own argument array (pointer slots, then the batch) and
-    launch configuration, so a later call only writes the pointers that changed and launches.
-    Owned by one thread (the arrays are not shared); `FusedLayer`'s repeat inference calls use it."""
+    """One plain launch of a kernel's main function worked out once: its own argument array
+    (pointer slots, then the batch) and launch configuration, so a later call only writes the
+    pointers that changed and launches. Owned by one thread (the arrays are not shared);
+    `FusedLayer`'s repeat inference calls use it."""
 
-    __slots__ = ("kernel", "function", "values", "argv", "_batch", "config", "ref")
+    __slots__ = ("kernel", "values", "argv", "_batch", "config", "ref")
 
-    def __init__(self, kernel: LoadedKernel, function: ctypes.c_void_p, grid_x: int, grid_y: int,
-                 pointers: list[int], batch: int, threads: int | None = None, smem_bytes: int | None = None):
+    def __init__(self, kernel: LoadedKernel, grid_x: int, grid_y: int, pointers: list[int], batch: int):
         n = len(pointers)
-        self.kernel, self.function = kernel, function
+        self.kernel = kernel
         self.values = (ctypes.c_uint64 * n)(*pointers)
         self._batch = ctypes.c_int(batch)
         self.argv = (ctypes.c_void_p * (n + 1))(
             *[ctypes.addressof(self.values) + 8 * i for i in range(n)], ctypes.addressof(self._batch))
-        config = self.config = _LaunchConfig()
-        config.grid[0], config.grid[1], config.grid[2] = grid_x, grid_y, 1
-        config.block[0], config.block[1], config.block[2] = kernel.threads if threads is None else threads, 1, 1
-        config.shared_mem_bytes = kernel.smem_bytes if smem_bytes is None else smem_bytes
-        config.num_attrs = 0
-        self.ref = ctypes.byref(config)
+        self.config, self.ref = _plain_config(grid_x, grid_y, kernel.threads, kernel.smem_bytes)
 
     def launch(self, stream: int) -> None:
         """Launch on `stream` with the argument values as they are now."""
         _make_current(self.kernel)
         self.config.stream = stream
-        result = _libcuda.cuLaunchKernelEx(self.ref, self.function, self.argv, None)
+        result = _libcuda.cuLaunchKernelEx(self.ref, self.kernel.function, self.argv, None)
         if result != 0:
             _check(_libcuda, result, "cuLaunchKernelEx")
 
@@ -397,7 +398,7 @@ def prepare(kernel: LoadedKernel, blocks_per_sample: int, pointers: list[int], b
     batch over GRID_Y_MAX) or size a cluster."""
     if batch > GRID_Y_MAX or kernel.cluster_at_launch is not None:
         return None
-    return Prepared(kernel, kernel.function, blocks_per_sample, batch, pointers, batch)
+    return Prepared(kernel, blocks_per_sample, batch, pointers, batch)
 
 
 def prepare_flat(kernel: LoadedKernel, positions: int, block_m: int, n_tiles: int, pointers: list[int],
@@ -405,7 +406,7 @@ def prepare_flat(kernel: LoadedKernel, positions: int, block_m: int, n_tiles: in
     """`launch_flat`'s single launch as a `Prepared` one; None where it would take several."""
     if batch > _flat_per_launch(positions, block_m, n_tiles):
         return None
-    return Prepared(kernel, kernel.function, -(-batch * positions // block_m) * n_tiles, 1, pointers, batch)
+    return Prepared(kernel, -(-batch * positions // block_m) * n_tiles, 1, pointers, batch)
 
 
 def launch_function(kernel: LoadedKernel, function: ctypes.c_void_p, grid_x: int, grid_y: int, threads: int,

@@ -106,22 +106,27 @@ def cache_readable(t: torch.Tensor) -> tuple[bool, bool]:
     return reusing(), False
 
 
-def derived(t: torch.Tensor, what: str, make):
-    """`make(t)`, kept while `t` lives and is unchanged (its version counter, which an in-place
-    update moves, and its address, which `t.data = ...` changes), remade under capture (but see
-    `reusing_caches`)."""
+def state(t: torch.Tensor) -> tuple[int, int]:
+    """What moves when `t`'s values may have changed: its version counter (an in-place update) and
+    its address (`t.data = ...`, which leaves the counter alone)."""
+    return t._version, t.data_ptr()
+
+
+def derived(t: torch.Tensor, what, make):
+    """`make(t)`, kept per (`t`, `what`: any hashable) while `t` lives and is unchanged (`state`),
+    remade under capture (but see `reusing_caches`)."""
     read, keep = cache_readable(t)
     key = (id(t), what)
     if read:
         hit = _derived.get(key)
-        if hit is not None and hit[0]() is t and hit[1] == (t._version, t.data_ptr()):
+        if hit is not None and hit[0]() is t and hit[1] == state(t):
             return hit[2]
     with torch.no_grad():
         value = make(t.detach())
     if keep:
         for k in [k for k, v in _derived.items() if v[0]() is None]:  # forget tensors that are gone
             del _derived[k]
-        _derived[key] = (weakref.ref(t), (t._version, t.data_ptr()), value)
+        _derived[key] = (weakref.ref(t), state(t), value)
     return value
 
 

@@ -32,7 +32,6 @@ import functools
 import hashlib
 import math
 import threading
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -448,13 +447,6 @@ def _launch_plan(sp: pipeline.Specialized) -> _LaunchPlan:
     return lp
 
 
-# The implicit-GEMM engine reads its weights as [C_OUT][TAPS_PAD][CIP] (tap-major K, zero padding).
-# The permuted copy is kept per weight tensor and remade when the tensor changes (its version
-# counter moves on every in-place update, e.g. an optimizer step); under CUDA-graph capture it is
-# always remade, so that a replay recomputes it from the current weights.
-_permuted: dict[int, tuple] = {}
-
-
 def gemm_layout(plan: dict) -> tuple:
     """How an implicit-GEMM plan's kernel reads its weights: (c_in, taps, padded c_in, padded taps);
     for a transposed conv ("phases", c_in, padded c_in, ((flat taps, padded count) per stride phase))."""
@@ -465,20 +457,12 @@ def gemm_layout(plan: dict) -> tuple:
 
 
 def gemm_weight(weight: torch.Tensor, layout: tuple) -> torch.Tensor:
-    """`weight` [C_OUT, C_IN, k...] as the implicit-GEMM kernel reads it: [C_OUT, TAPS_PAD, CIP];
-    for a transposed conv ([C_IN, C_OUT, k...]), each stride phase's taps so, phase after phase."""
-    read, keep = tmarun.cache_readable(weight)
-    if read:
-        hit = _permuted.get(id(weight))
-        if hit is not None and hit[0]() is weight and hit[1] == (weight._version, weight.data_ptr()) and hit[2] == layout:
-            return hit[3]
-    with torch.no_grad():
-        w = _phase_weights(weight.detach(), layout) if layout[0] == "phases" else _permuted_weights(weight.detach(), layout)
-    if keep:
-        for k in [k for k, v in _permuted.items() if v[0]() is None]:  # forget weights that are gone
-            del _permuted[k]
-        _permuted[id(weight)] = (weakref.ref(weight), (weight._version, weight.data_ptr()), layout, w)
-    return w
+    """`weight` [C_OUT, C_IN, k...] as the implicit-GEMM kernel reads it: [C_OUT, TAPS_PAD, CIP]
+    (tap-major K, zero padding); for a transposed conv ([C_IN, C_OUT, k...]), each stride phase's
+    taps so, phase after phase. Kept per weight tensor and layout while the tensor is unchanged,
+    remade under CUDA-graph capture (`tmarun.derived`)."""
+    make = _phase_weights if layout[0] == "phases" else _permuted_weights
+    return tmarun.derived(weight, ("gemm", layout), functools.partial(make, layout=layout))
 
 
 def _plain_channel_axes(weight: torch.Tensor, groups: int) -> torch.Tensor:
@@ -645,8 +629,8 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     """Run the kernel on CUDA `x` (the layer's dtype) into `out` (allocated when None), on the current stream.
     A layer with statistic stages runs its sequence of kernels (specgen.tailrun); `stats` receives
     the batch statistics of its training-mode batch norms. `record`: where the call is one plain
-    launch into an output it allocates (the FFMA and implicit-GEMM engines, a contiguous input),
-    a `FastLaunch` of it is appended, for the caller to repeat."""
+    launch (the FFMA, slab and implicit-GEMM engines, a contiguous input), a `FastLaunch` of it is
+    appended, for the caller to repeat."""
     sp = kernel_for(sp, x, out)
     if out is not None and not out.is_contiguous() and _writes_format(sp) is None and tmarun.channels_last(out):
         # A channels-last `out` for a kernel that writes NC(D)HW (the layer has no channels-last
@@ -671,8 +655,6 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     fmt = lp.memory_format or torch.contiguous_format
     if out is None:
         out = torch.empty(shape, device=x.device, dtype=dtype, memory_format=fmt)
-    elif record is not None:
-        raise ValueError("launch: record takes an output launch allocates (out=None)")
     elif tuple(out.shape) != shape or out.dtype != dtype or out.device != x.device or not out.is_contiguous(memory_format=fmt):
         raise ValueError(
             f"{sp.spec.name}: out must be a {dtype} tensor of shape {list(shape)} on {x.device}, contiguous or "
@@ -755,17 +737,19 @@ def _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream, re
                                     splitk.REDUCE_THREADS, 0, [partial.data_ptr(), *pointers[2:]], batch, stream)
             return out
         # (a transposed conv's stride phases are blocks of their own along x, beside each M tile's N tiles)
-        if record is None or (prepared := runtime.prepare_flat(kernel, positions, bm, n_tiles * gemms, pointers, batch)) is None:
+        prepared = None if record is None else runtime.prepare_flat(kernel, positions, bm, n_tiles * gemms, pointers, batch)
+        if prepared is None:
             runtime.launch_flat(kernel, positions, bm, n_tiles * gemms, pointers, lp.strides, batch, stream)
-            return out
-    elif record is None or (prepared := runtime.prepare(kernel, lp.blocks_per_sample, pointers, batch)) is None:
-        runtime.launch(kernel, lp.blocks_per_sample, pointers, lp.strides, batch, stream)
-        return out
-    prepared.launch(stream)
-    held = (weight, bias, *(params[name] for name in lp.param_names))  # the tensors behind the fixed pointers
-    first_input = 2 + lp.has_bias + len(lp.param_names)  # pointers: x, weight, [bias], parameters, inputs, out
-    record.append(FastLaunch(sp, prepared, held, x.shape, out.shape, out.dtype, x.get_device(),
-                             tuple(range(first_input, first_input + len(lp.input_names))), len(pointers) - 1))
+    else:
+        prepared = None if record is None else runtime.prepare(kernel, lp.blocks_per_sample, pointers, batch)
+        if prepared is None:
+            runtime.launch(kernel, lp.blocks_per_sample, pointers, lp.strides, batch, stream)
+    if prepared is not None:  # one plain launch: run it as kept, and keep it
+        prepared.launch(stream)
+        held = (weight, bias, *(params[name] for name in lp.param_names))  # the tensors behind the fixed pointers
+        first_input = 2 + lp.has_bias + len(lp.param_names)  # pointers: x, weight, [bias], parameters, inputs, out
+        record.append(FastLaunch(prepared, held, x.shape, out.shape, out.dtype, x.get_device(),
+                                 tuple(range(first_input, first_input + len(lp.input_names))), len(pointers) - 1))
     return out
 
 
@@ -782,12 +766,12 @@ class FastLaunch:
     fixed pointers come from, checked on every call to be the same objects, unchanged (version
     counter) and at the same address."""
 
-    __slots__ = ("sp", "prepared", "held", "in_shape", "out_shape", "dtype", "device_index", "input_slots",
+    __slots__ = ("prepared", "held", "in_shape", "out_shape", "dtype", "device_index", "input_slots",
                  "out_slot", "thread", "sources")
 
-    def __init__(self, sp, prepared: runtime.Prepared, held: tuple, in_shape: torch.Size, out_shape: torch.Size,
+    def __init__(self, prepared: runtime.Prepared, held: tuple, in_shape: torch.Size, out_shape: torch.Size,
                  dtype: torch.dtype, device_index: int, input_slots: tuple, out_slot: int):
-        self.sp, self.prepared, self.held = sp, prepared, held
+        self.prepared, self.held = prepared, held
         self.in_shape, self.out_shape, self.dtype, self.device_index = in_shape, out_shape, dtype, device_index
         self.input_slots, self.out_slot = input_slots, out_slot
         self.thread = threading.get_ident()  # the argument array is this thread's
@@ -801,7 +785,7 @@ class FastLaunch:
     def bind(self, sources) -> "FastLaunch":
         """`sources`: (container, name, tensor) per tensor of the layer the fixed pointers come from
         (a module's `_parameters` or `_buffers` dict, the name in it, the tensor found there)."""
-        self.sources = tuple((c, name, t, t._version, t.data_ptr()) for c, name, t in sources)
+        self.sources = tuple((c, name, t, *tmarun.state(t)) for c, name, t in sources)
         return self
 
     def run(self, x: torch.Tensor, inputs: tuple) -> torch.Tensor | None:

@@ -45,7 +45,7 @@ def fast(monkeypatch):
     monkeypatch.setattr(torchop, "_current_stream", lambda index: 77)
     weight = torch.nn.Parameter(torch.randn(4, 3, 3, 3))
     container = {"weight": weight}
-    f = torchop.FastLaunch(None, _Prepared(4), (weight,), torch.Size((2, 3, 8, 8)), OUT_SHAPE, torch.float32, -1, (2,), 3)
+    f = torchop.FastLaunch(_Prepared(4), (weight,), torch.Size((2, 3, 8, 8)), OUT_SHAPE, torch.float32, -1, (2,), 3)
     return _Recorded(f.bind([(container, "weight", weight)]), container)
 
 

@@ -33,7 +33,7 @@ def captured(monkeypatch):
     def fake_launch(sp, x, weight, bias, params, out, record=None):
         calls.append((sp, x, weight, bias, params, out))
         if record is not None:  # a plain call asks for its launch to be kept: keep a stand-in
-            record.append(torchop.FastLaunch(sp, types.SimpleNamespace(values=[0] * 4), (), x.shape, x.shape, x.dtype,
+            record.append(torchop.FastLaunch(types.SimpleNamespace(values=[0] * 4), (), x.shape, x.shape, x.dtype,
                                              x.get_device(), (), 3))
         return "launched"
 
