@@ -110,10 +110,13 @@ constexpr float S3_R3 = -0.001176263f;  // epilogue[3] gelu on |x| <= 1.0 (bound
 constexpr float S3_R4 = 0.00010662534f;  // epilogue[3] gelu on |x| <= 1.0 (bounded by epilogue[2] clamp): x/2 + x^2 R(x^2), R's x^8 coefficient
 constexpr float S3_R5 = -5.8611035e-06f;  // epilogue[3] gelu on |x| <= 1.0 (bounded by epilogue[2] clamp): x/2 + x^2 R(x^2), R's x^10 coefficient
 
-// 3xTF32: x = hi + lo exactly, hi = x rounded to TF32 (10 mantissa bits, to nearest), lo = x - hi.
+// 3xTF32: x = hi + lo exactly, hi = x truncated to TF32 (its low 13 bits cleared), lo = x - hi
+// (exact); the tensor core reads lo's top 19 bits. One AND and one subtraction per value: with
+// |lo| < 2^-10 |x| (rounding hi would halve that at one more instruction), the dropped lo * lo
+// term and lo's own TF32 rounding stay near 2^-20 of each product.
 __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
-  hi = (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u;
-  lo = __float_as_uint(x - __uint_as_float(hi));  // the tensor core reads its top 19 bits
+  hi = __float_as_uint(x) & 0xFFFFE000u;
+  lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
 // d += a * b for one 16 x 8 x 8 tile (a: 16 positions x 8 K, b: 8 K x 8 channels).

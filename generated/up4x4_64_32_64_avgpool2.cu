@@ -118,10 +118,12 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-// 3xTF32: x = hi + lo exactly, hi = x rounded to TF32 (10 mantissa bits, to nearest, ties away
-// from zero); the tensor core reads lo's top 19 bits.
+// 3xTF32: x = hi + lo exactly, hi = x truncated to TF32 (its low 13 bits cleared), lo = x - hi
+// (exact); the tensor core reads lo's top 19 bits. One AND and one subtraction per value: with
+// |lo| < 2^-10 |x| (rounding hi would halve that at one more instruction), the dropped lo * lo
+// term and lo's own TF32 rounding stay near 2^-20 of each product.
 __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
-  hi = (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u;
+  hi = __float_as_uint(x) & 0xFFFFE000u;
   lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
