@@ -2,14 +2,16 @@
 with PyTorch's default flags (TF32 convolutions), under no_grad: what a user running inference sees.
 
     python benchmarks/models_batches.py [--batch 1 8 64] [--model ResNet18 ...] [--memory-format auto]
-                                        [--dtype bf16] [--json FILE]
+                                        [--dtype bf16] [--no-tf32] [--json FILE]
 
 Each (model, batch) is one `specgen.bench.bench_model` run: ms per forward (CUDA events around one
 forward, median of 20, two inputs alternating), for eager, torch.compile (default mode and
 reduce-overhead, its CUDA graphs), `from_module` with its defaults (a CUDA graph where it measures
 faster) and the fused model without the graph; rel. L2 of each against the float64 model.
 `--dtype bf16` / `fp16` converts the model and its input first (`.to(dtype)`), as a user running a
-16-bit model would: from_module then specializes its chains in that precision. The
+16-bit model would: from_module then specializes its chains in that precision. `--no-tf32` turns
+PyTorch's TF32 flags off first (cuDNN and matmul), as a user asking for strict fp32 would: eager and
+torch.compile then run in fp32, and from_module specializes in fp32 mode (3xTF32). The
 summary gives the geomean ratios of specgen over eager and over each torch.compile mode. Needs a GPU.
 """
 
@@ -47,7 +49,12 @@ def main(argv=None) -> int:
                     help="from_module's memory_format (default: as_given)")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                     help="the model's and its input's dtype (default fp32: its convs in TF32, PyTorch's default)")
+    ap.add_argument("--no-tf32", action="store_true",
+                    help="PyTorch's TF32 flags off: strict fp32 for every contender (from_module in fp32 mode)")
     args = ap.parse_args(argv)
+    if args.no_tf32:
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
     results = []
     env = bench.environment()
     for name in args.model:
@@ -56,6 +63,7 @@ def main(argv=None) -> int:
             torch.manual_seed(batch)
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
             label = name if args.dtype == "fp32" else f"{name} {args.dtype}"
+            label += " strict fp32" if args.no_tf32 else ""
             result = bench.bench_model(cls.make().to(dtype), cls.example_input(batch, seed=batch).to(dtype), label=label,
                                        compile_fused=False,
                                         memory_format=args.memory_format)
