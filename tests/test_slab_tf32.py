@@ -143,3 +143,27 @@ def test_tf32_slab_layers_meet_the_bar(data, batch, fp32_reference):
     from gpu_helpers import compare
 
     compare(FusedLayer(validate(data)).cuda(), batch, seed=batch)
+
+
+@pytest.mark.nvcc
+def test_fp32_splits_truncate_and_exact_sums_round():
+    """fp32 mode splits each 3xTF32 operand with an AND and a subtraction (hi truncated); a tf32
+    layer computed exactly (exact sums, held to PyTorch's fp32-level error) rounds hi first, an add
+    of half a TF32 unit more. Read from the PTX: the rounding add is the immediate 4096."""
+    from specgen import compile as compile_mod
+
+    def ptx(data):
+        (plan,) = slab_plans(data)
+        return plan, compile_mod.compile_ptx(render_plan(plan), "sm_90")
+
+    def rounding_adds(text):
+        return sum(1 for line in text.splitlines() if line.strip().startswith("add.s32") and line.rstrip().endswith(", 4096;"))
+
+    def masks(text):
+        return sum(1 for line in text.splitlines() if line.strip().startswith("and.b32") and line.rstrip().endswith(", -8192;"))
+
+    fp32_plan, fp32 = ptx(THREE[0])
+    exact_plan, exact = ptx(THREE[2])
+    assert not fp32_plan["settings"].exact_sums and exact_plan["settings"].exact_sums
+    assert masks(fp32) > 0 and rounding_adds(fp32) == 0
+    assert masks(exact) > 0 and rounding_adds(exact) >= masks(exact) // 2
