@@ -260,7 +260,7 @@ def test_a_build_that_spills_is_rebuilt_with_one_block_per_sm(tmp_path, monkeypa
     from specgen.compile import compile_cubin
 
     monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path / "cache"))
-    spec = validate({"name": "tight", "input": {"channels": 12, "size": [33, 40]},
+    spec = validate({"name": "tight", "input": {"channels": 8, "size": [33, 40]},
                      "conv": {"out_channels": 96, "kernel": 3}, "epilogue": ["relu"], "tile": {"tensor_cores": True}})
     plan = build_plan(spec)
     assert plan["min_blocks"] == 2
