@@ -50,7 +50,7 @@ def test_a_tf32_stem_runs_its_slab_products_in_tf32(data):
     (plan,) = slab_plans(data)
     assert plan["mma"]["products"] == 1
     text = render_plan(plan)
-    assert "to_tf32(" in text and "split_tf32(" not in text
+    assert "tf32_round(" in text and "split_tf32(" not in text
     assert "TF32 mma.sync" in describe(build_plan(validate(data)))
 
 
@@ -58,7 +58,7 @@ def test_a_tf32_stem_runs_its_slab_products_in_tf32(data):
 def test_other_slab_layers_keep_3xtf32(data):
     plans = slab_plans(data)
     assert plans and all(p["mma"]["products"] == 3 for p in plans)
-    assert all("split_tf32(" in render_plan(p) and "to_tf32(" not in render_plan(p) for p in plans)
+    assert all("split_tf32(" in render_plan(p) and "tf32_round(" not in render_plan(p) for p in plans)
 
 
 def test_an_fp32_stems_pool_split_runs_its_body_on_the_slab_engine():
