@@ -803,7 +803,7 @@ class FastLaunch:
             or tmarun.capturing(x)  # a capture remakes the derived weights inside the graph
         ):
             return None
-        for container, name, t, version, ptr in self.sources:
+        for container, name, t, version, ptr in self.sources:  # (tmarun.state, inlined: every call runs this)
             if container.get(name) is not t or t._version != version or t.data_ptr() != ptr:
                 return None
         values = self.prepared.values
