@@ -101,6 +101,17 @@ class SlabTiling(TemplateValues):
     # tensor-core products per multiply-add: 3 (3xTF32, fp32-accurate) or 1 (TF32 operands, for a
     # tf32 layer whose cuDNN conv runs in TF32 too: `plan.SLAB_TF32_MAX_CHANNELS`)
     products: int = 3
+    # wgmma (sm_90a, `plan._wgmma_tiling`): a warpgroup multiplies 64 output channels (the weights,
+    # A, from registers) by NB positions of the slab (B, read by descriptor from the staged planes).
+    # The slab's positions are those of its staged input rows (XS_W per row; the last XS_W - BOX_W
+    # of each are computed and dropped), so a tap is one row offset for every position.
+    wgmma: bool = False
+    nb: int = 0  # positions per wgmma (the N of m64nNBk8)
+    n_tiles: int = 0  # N tiles per slab
+    c_tiles: int = 0  # 64-channel tiles per box (the M tiles)
+    chunks: int = 0  # planes of 8 input channels (CIP / 8)
+    xs_rows: int = 0  # staged rows of a plane that hold input: XS_D * XS_H * XS_W
+    plane_rows: int = 0  # rows of a plane: the staged ones and those the last N tile's last tap reads
 
     @property
     def m_groups(self) -> int:

@@ -50,12 +50,14 @@ def request(spec: LayerSpec, arch: str | None = None, runtime_dims: bool = False
     before anything is compiled. `igemm_config` is a planner setting for a tile: an
     `igemm.IgemmConfig` or a `tma.TmaConfig` (either makes its engine run); `settings` the other
     planner settings (`plan.Settings`: never written into the spec). A plan on Hopper's
-    wgmma (the TMA engine, or the implicit GEMM's wgmma tiles) is built for sm_90a (its instruction set)."""
+    wgmma (the TMA engine, the implicit GEMM's or the slab engine's wgmma tiles) is built for sm_90a (its
+    instruction set)."""
     tma_config = igemm_config if isinstance(igemm_config, tma.TmaConfig) else None
     ig_config = None if tma_config is not None else igemm_config
     plan = build_plan(spec, ig_config, targets.resolve(arch), tma_config, settings)
-    ig = plan.get("igemm")
-    if plan["engine"] == "tma" or plan.get("tma") is not None or (ig is not None and ig.wgmma):  # (a sequence's body too)
+    ig, slab = plan.get("igemm"), plan.get("mma")
+    if plan["engine"] == "tma" or plan.get("tma") is not None or (ig is not None and ig.wgmma) \
+            or (slab is not None and slab.wgmma):  # (a sequence's body too)
         if arch not in (None, "sm_90", "sm_90a"):
             raise PlanError([f"tile: the {plan['engine']} engine's wgmma plan runs on sm_90a (H100/H200) only, not {arch}"])
         arch = "sm_90a"

@@ -324,6 +324,101 @@ def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, 
     return None
 
 
+# ---- the slab engine on wgmma (sm_90a) -------------------------------------------------------
+WGMMA_THREADS = 256  # two warpgroups
+WGMMA_MAX_K = 512  # fp32 mode sums all of K in the accumulators, which add with truncation (NOTES v15a)
+WGMMA_MAX_ROW = 256  # staged positions per row (XS_W)
+WGMMA_MAX_SLAB_H = 8
+WGMMA_ALIGN_FLOATS = 256  # the planes start 1024-byte aligned (the swizzle is by shared-memory address)
+
+
+def wgmma_why_not(cin_g: int, k3, s3, role, products: int, target: Target) -> list[str]:
+    """Why the slab engine cannot run this layer on wgmma (empty: it can)."""
+    taps = k3[0] * k3[1] * k3[2]
+    return [
+        why
+        for why, bad in (
+            (f"wgmma needs sm_90a (Hopper), the target is {target.arch}", not igemm_engine.has_wgmma(target)),
+            ("the conv's stride along H or W is not 1 (a tap must be one row offset for every position)", s3[1] != 1 or s3[2] != 1),
+            ("the width is reduced one position at a time", role["w"] not in ("F", "R1")),
+            (f"taps x input channels padded to 8 is {taps * _round_up(cin_g, 8)}, more than the {WGMMA_MAX_K} one running "
+             "3xTF32 sum keeps to fp32 accuracy", products == 3 and taps * _round_up(cin_g, 8) > WGMMA_MAX_K),
+        )
+        if bad
+    ]
+
+
+def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, s3, p3, d3, c_kept: bool,
+                  products: int, target: Target) -> SlabTiling | None:
+    """The slab engine's tiling on wgmma, or None if nothing fits in shared memory.
+
+    A slab is one output depth and SH output rows of the box. Its input is staged as CIP / 8
+    planes (fp32 mode: a hi and a lo plane each, the 3xTF32 split done once while staging) of rows
+    of 8 input channels (32 bytes, the K of one k-step), one row per staged input position
+    (zd, zh, zw), XS_W = BOX_W + (K_W - 1) DIL_W per input row. Output position (h, w) of the
+    slab is taken as row p = h * XS_W + w: its tap (kd, kh, kw) then reads row p + offset(tap),
+    the same offset for every position, so a k-step's B operand (NB positions x 8 channels) is NB
+    consecutive rows, read by one descriptor. The XS_W - BOX_W positions past each row's last are
+    computed and dropped. A warpgroup multiplies 64 channels (A: the weights, from registers) by
+    NB positions; 64 x NB accumulators per unit, NB / 2 registers a thread."""
+    if wgmma_why_not(cin_g, k3, s3, role, products, target):
+        return None
+    in_box = {a: role[a] in ("F", "R1") for a in AXES}
+    box_c = min(_round_up(cout, 8), 256) if cout <= 256 else _balanced(t1[0], 256, 64)
+    weight_channels = box_c if c_kept else cout
+    ws = _round_up(weight_channels, 8)
+    swizzle = ws % 32 == 0
+    while not swizzle and ws % 32 not in (8, 24):
+        ws += 8
+    cip = _round_up(cin_g, 8)
+    taps = k3[0] * k3[1] * k3[2]
+    k_pad = taps * cip
+    c_tiles = _ceil_div(box_c, 64)
+    halo_w, halo_h = (k3[2] - 1) * d3[2], (k3[1] - 1) * d3[1]
+    bw = _balanced(t1[3], WGMMA_MAX_ROW - halo_w)
+    xs_w = bw + halo_w
+    user_box = tile.box if tile is not None and tile.box is not None else None
+    best = None
+    for sh in range(min(WGMMA_MAX_SLAB_H, t1[2]) if in_box["h"] else 1, 0, -1):
+        xs_h = sh + halo_h
+        nv = sh * xs_w  # the slab's positions, dropped ones included
+        for nb_max in (64, 128, 256):
+            n_tiles = _ceil_div(nv, nb_max)
+            nb = _round_up(_ceil_div(nv, n_tiles), 8)
+            units = c_tiles * n_tiles
+            off_max = ((k3[0] - 1) * xs_h + halo_h) * xs_w + halo_w
+            xs_rows = k3[0] * xs_h * xs_w
+            plane_rows = _round_up(max(xs_rows, n_tiles * nb + off_max), 8)
+            x_floats = (2 if products == 3 else 1) * (cip // 8) * plane_rows * 8 + WGMMA_ALIGN_FLOATS
+            bh = sh * min(4, _ceil_div(t1[2], sh)) if not has_tail and in_box["h"] else sh
+            bd = min(4, t1[1]) if not has_tail and in_box["d"] and bh >= t1[2] else 1
+            box = [box_c, bd, min(bh, t1[2]), bw]
+            nf = math.prod(b for a, b in zip(AXES, box) if role[a] == "F")
+            nr = math.prod(b for a, b in zip(AXES, box) if role[a] == "R1")
+            direct = has_tail and nf == 1 and nr >= 32 * MMA_WARPS_ONE_BLOCK
+            floats = {"w": k_pad * ws, "x": x_floats, "box": math.prod(box) if has_tail and not direct else 0,
+                      "red": 2 * max(32 * MMA_WARPS_ONE_BLOCK, nf) if has_tail else 0}
+            smem = 4 * sum(floats.values())
+            if smem > target.smem_per_block:
+                continue
+            two_blocks = 2 * (smem + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and nb <= 128
+            waste = (n_tiles * nb * c_tiles * 64) / (sh * bw * box_c)
+            key = (two_blocks, units % (WGMMA_THREADS // 128) == 0, -round(waste, 2), sh)
+            if best is None or key > best[0]:
+                best = (key, SlabTiling(
+                    box=box, threads=WGMMA_THREADS, warps=WGMMA_THREADS // 32, wm=nb // 16, wn=8, units=units,
+                    unit_iters=_ceil_div(units, WGMMA_THREADS // 128), n_groups=c_tiles, slab=(1, sh),
+                    slabs=(bd, _ceil_div(box[2], sh)), m_slab=nv, mt=_ceil_div(nv, 16), cip=cip, k_pad=k_pad,
+                    ksteps=k_pad // 8, ws=ws, swizzle=swizzle, xs=(k3[0], xs_h, xs_w), xs_wp=xs_w, ci_stride=0,
+                    stage="planes", stage_batch=0, x_floats=x_floats, w_floats=floats["w"], direct_fold=direct,
+                    products=products, wgmma=True, nb=nb, n_tiles=n_tiles, c_tiles=c_tiles, chunks=cip // 8,
+                    xs_rows=xs_rows, plane_rows=plane_rows,
+                ))
+    if best is not None and user_box is not None:
+        raise PlanError(["tile.box: the slab engine on wgmma chooses its own box (leave tile.box out)"])
+    return best[1] if best else None
+
+
 NESTED_POOL_TILE = 16  # most register-tile values (CT x PT) per level when two or more pools nest
 
 
@@ -410,6 +505,10 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     target = target or targets.DEFAULT
     if not target.has_cp_async:
         raise TargetError(f"{spec.name}: {target.arch} has no cp.async, which every specgen engine stages with")
+    if exact_tf32(spec) and spec.tile is not None and spec.tile.wgmma:
+        raise PlanError(["tile.wgmma: this tf32 layer of few input channels is computed as cuDNN computes it, in fp32, "
+                         "each k-step's products summed apart (`exact_tf32`); the slab engine on wgmma keeps one running "
+                         "3xTF32 sum (rel. L2 near 1e-6): ask for precision: fp32, or leave tile.wgmma out"])
     if exact_tf32(spec):
         # ---- a tf32 layer of few input channels computes in 3xTF32, as cuDNN computes it in fp32 -
         try:
@@ -700,7 +799,10 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
     asks_slab = tile is not None and tile.engine == "slab"  # the slab engine is the box kernel on tensor cores
     if asks_slab and tile.tensor_cores is False:
         raise PlanError(["tile.engine: slab runs on tensor cores, but tile.tensor_cores is false"])
-    want_mma = True if asks_slab else tile.tensor_cores if (tile is not None and tile.tensor_cores is not None) \
+    asks_wgmma = tile is not None and tile.wgmma is True  # the slab engine on wgmma
+    if asks_wgmma and tile.tensor_cores is False:
+        raise PlanError(["tile.wgmma: wgmma runs on tensor cores, but tile.tensor_cores is false"])
+    want_mma = True if (asks_slab or asks_wgmma) else tile.tensor_cores if (tile is not None and tile.tensor_cores is not None) \
         else (worth_it and not ffma_pinned)
     mma_why_not = [
         why
@@ -717,7 +819,18 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
     if tile is not None and tile.tensor_cores and mma_why_not:
         raise PlanError([f"tile.tensor_cores: cannot use tensor cores here: {'; '.join(mma_why_not)}"])
     mma = None
-    if want_mma and not mma_why_not:
+    if asks_wgmma and mma_why_not:
+        raise PlanError([f"tile.wgmma: the slab engine cannot run this layer: {'; '.join(mma_why_not)}"])
+    if want_mma and not mma_why_not and asks_wgmma:
+        products = 1 if slab_in_tf32(spec) else 3
+        why = wgmma_why_not(cin // groups, k3, s3, srole, products, target)
+        if why:
+            raise PlanError([f"tile.wgmma: the slab engine cannot run this layer on wgmma: {'; '.join(why)}"])
+        mma = _wgmma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F",
+                            products, target)
+        if mma is None:
+            raise PlanError(["tile.wgmma: the slab engine's staged planes and weights do not fit in shared memory"])
+    elif want_mma and not mma_why_not:
         mma = _mma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F", target)
         if mma is not None and slab_in_tf32(spec):
             mma = replace(mma, products=1)
@@ -853,7 +966,8 @@ def _box_memory(spec: LayerSpec, bt: BoxTiling, role: dict, reductions: list, ba
     if mma is not None:
         raw_per_c = (cin // groups) * (math.prod(fold["orig_kernel"]) if fold is not None else taps)
         raw_stride = raw_per_c | 1
-        raw_c = min(weight_channels, x_floats // raw_stride)
+        raw_floats = x_floats - (WGMMA_ALIGN_FLOATS if mma.wgmma else 0)  # (the planes start 1024-byte aligned)
+        raw_c = min(weight_channels, raw_floats // raw_stride)
         raw_c = raw_c - raw_c % 32 if raw_c >= 32 and raw_c < weight_channels else raw_c
         if raw_c >= 8 and (fold is None or taps <= 64):
             iters = _ceil_div(raw_c * raw_per_c, threads)  # copied floats per thread, in near-equal batches of <= 8
@@ -958,7 +1072,8 @@ def _box_occupancy(bt: BoxTiling, smem_bytes: int, reductions: list, levels: lis
     mma, threads = bt.mma, bt.threads
     min_blocks = 1
     if mma is not None:  # two blocks per SM when shared memory and registers allow: one stages while the other computes
-        regs = 4 * mma.wm * mma.wn + 64  # accumulators + fragments, addresses and the epilogue
+        # accumulators + fragments, addresses and the epilogue (wgmma: NB / 2 accumulators, two k-steps' A)
+        regs = mma.nb // 2 + 64 if mma.wgmma else 4 * mma.wm * mma.wn + 64
         min_blocks = 2 if 2 * (smem_bytes + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and 2 * threads * max(regs, 128) <= target.regs_per_sm else 1
     elif not reductions and len(levels) == 1:
         fit = min(target.smem_per_block // max(1, smem_bytes), 2048 // threads)
@@ -1261,7 +1376,7 @@ def _tile_pins_other_engine(tile) -> bool:
     """A tile that sets fields only the slab and FFMA engines have (left to the planner, they keep it there)."""
     return tile is not None and (
         tile.tensor_cores is False or tile.channels_per_thread is not None or tile.positions_per_thread is not None
-        or tile.box is not None or tile.threads is not None
+        or tile.box is not None or tile.threads is not None or tile.wgmma is not None
     )
 
 
@@ -1368,6 +1483,12 @@ def _engine_summary(plan: dict) -> str:
             text += f"; x and out read and written as {plan['precision']} (widened on load, rounded once on store)"
         return text
     sd, sh = mma.slab
+    if mma.wgmma:
+        return (
+            f"tensor cores ({'3xTF32' if mma.products == 3 else 'TF32'} wgmma m64n{mma.nb}k8, sm_90a): slabs of {sh} rows x "
+            f"{mma.xs_wp} staged positions ({plan['box'][3]} kept per row), {mma.c_tiles * mma.n_tiles} warpgroup tiles of "
+            f"64 channels x {mma.nb} positions per slab"
+        )
     return (
         f"tensor cores ({'3xTF32' if mma.products == 3 else 'TF32'} mma.sync m16n8k8): slabs of {sd}x{sh}x{plan['box'][3]} positions, warp tile "
         f"{16 * mma.wm} positions x {8 * mma.wn} channels, {mma.units} warp tiles per slab"

@@ -109,6 +109,17 @@ class TileSpec(Model):
     # cores with the block's weights staged once: few input channels) or "ffma"; left out, the
     # planner chooses.
     engine: Optional[Literal["tma", "igemm", "slab", "ffma"]] = None
+    # The slab engine's tensor-core instruction: true = wgmma (Hopper, sm_90a: a warpgroup's 64
+    # output channels x up to 256 positions per instruction, the input read by descriptor from
+    # shared memory), false = mma.sync; left out, mma.sync (the planner does not choose wgmma yet).
+    wgmma: Optional[bool] = None
+
+    @model_validator(mode="after")
+    def _wgmma_on_the_slab_engine(self):
+        if self.wgmma is not None and self.engine not in (None, "slab"):
+            raise ValueError(f"tile.wgmma: chooses the slab engine's instruction; tile.engine is {self.engine!r}, "
+                             "not 'slab' (leave one of them out)")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------
