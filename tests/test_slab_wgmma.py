@@ -1,0 +1,196 @@
+"""The slab engine on wgmma (`tile: {wgmma: true}`, sm_90a): the planner's refusals, the geometry
+of its plan checked by a numpy model of the kernel (the staged planes, each tap one row offset,
+the positions a warpgroup tile covers and where the epilogue puts them), the rendered source, the
+nvcc build (no spills, no serialized wgmma), and on the GPU (marker `gpu`) the results against the
+precision's bar."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from specgen import target as targets
+from specgen.plan import PlanError, build_plan, describe
+from specgen.render import render_plan
+from specgen.spec import SpecError, validate
+
+
+def layer(name, channels, size, out, kernel, precision="fp32", epilogue=("relu",), tile=None, **conv):
+    return {"name": name, "input": {"channels": channels, "size": size}, "precision": precision,
+            "conv": {"out_channels": out, "kernel": kernel, **conv}, "epilogue": list(epilogue),
+            "tile": {"wgmma": True, **(tile or {})}}
+
+
+LAYERS = [
+    # the seed kb90's layer, smaller: 8 channels, 3x3x3, no padding, its epilogue
+    layer("kb90_small", 8, [6, 12, 20], 64, 3, epilogue=[{"leaky_relu": {"negative_slope": 0.2}},
+                                                           {"add": {"param": "sum_tensor"}},
+                                                           {"clamp": {"min": -1.0, "max": 1.0}}, "gelu"]),
+    layer("padded_40", 3, [10, 30], 40, 3, padding=1),  # 3 channels padded to 8; 40 of a 64-channel tile
+    layer("dilated_two_planes", 12, [9, 17], 64, 3, padding=2, dilation=2),  # 16 padded channels: 2 planes
+    layer("line_128", 8, [70], 128, 5, padding=2),  # two 64-channel tiles
+    layer("depth_stride", 4, [7, 9, 11], 64, 3, stride=[2, 1, 1], padding=1),
+    layer("wide_rows", 8, [5, 300], 64, 3, padding=1),  # rows wider than one N tile: boxes along W
+    layer("tf32_stem", 3, [20, 36], 64, 7, precision="tf32", padding=3),  # TF32 products (`slab_in_tf32`)
+    layer("bn_relu", 8, [12, 20], 64, 3, padding=1, bias=False, epilogue=[{"batch_norm": {}}, "relu"]),
+    layer("sum_hw", 8, [12, 20], 64, 3, epilogue=["relu", {"sum": {"dims": [2, 3]}}]),
+    layer("mean_all", 8, [16, 16], 64, 3, epilogue=["sigmoid", {"mean": {"dims": [1, 2, 3]}}]),
+]
+IDS = [d["name"] for d in LAYERS]
+
+
+def slab_plan(data):
+    plan = build_plan(validate(data))
+    plans = [p["plan"] for p in plan["parts"]] if plan.get("parts") else [plan]
+    (body,) = [p for p in plans if p["engine"] == "slab"]
+    return body
+
+
+@pytest.mark.parametrize("data", LAYERS, ids=IDS)
+def test_the_plan_runs_the_slab_engine_on_wgmma(data):
+    plan = slab_plan(data)
+    mma = plan["mma"]
+    assert mma.wgmma and plan["threads"] == 256
+    assert mma.n_tiles * mma.nb >= mma.slab[1] * mma.xs[2] and mma.nb % 8 == 0 and 8 <= mma.nb <= 256
+    assert mma.c_tiles * 64 >= plan["box"][0] and mma.k_pad == plan["taps"] * mma.cip and mma.cip % 8 == 0
+    assert mma.products == (1 if data["precision"] == "tf32" else 3)
+    assert "wgmma m64n" in describe(build_plan(validate(data)))
+
+
+def simulate(plan, x, weight, bias):
+    """The conv (T1 before the epilogue's ops, bias added) of one sample as the kernel computes it,
+    in float64: every box, slab and warpgroup tile, the planes staged row by row, each k-step's B
+    rows at p0 + tap_row(tap), and the epilogue's map from (tile, position) to T1. Also checks that
+    no tile reads past a plane's rows and that every T1 element is written exactly once."""
+    mma = plan["mma"]
+    cin, cout = plan["cin"], plan["cout"]
+    k_d, k_h, k_w = plan["kernel"]
+    s_d = plan["stride"][0]
+    dil_d, dil_h, dil_w = plan["dilation"]
+    p_d, p_h, p_w = plan["padding"]
+    in_d, in_h, in_w = plan["in"]
+    t1 = plan["t1"]
+    box = plan["box"]
+    xs_d, xs_h, xs_w = mma.xs
+    slab_h, (slabs_d, slabs_h) = mma.slab[1], mma.slabs
+    nb, rows = mma.nb, mma.plane_rows
+    x = x.reshape(cin, in_d, in_h, in_w)
+    w = weight.reshape(cout, cin, k_d * k_h * k_w)
+    taps = np.arange(k_d * k_h * k_w)
+    kd, kh, kw = taps // (k_h * k_w), taps // k_w % k_h, taps % k_w
+    tap_row = (kd * xs_h + kh * dil_h) * xs_w + kw * dil_w
+    out = np.zeros(t1)
+    written = np.zeros(t1, dtype=int)
+    r = np.arange(rows)
+    zd, zh, zw = r // (xs_h * xs_w), r // xs_w % xs_h, r % xs_w
+    tiles = [math.ceil(t / b) for t, b in zip(t1, box)]
+    for tc, td, th, tw in np.ndindex(*tiles):
+        cb, db, hb, wb = tc * box[0], td * box[1], th * box[2], tw * box[3]
+        for slab in range(slabs_d * slabs_h):
+            sd0, sh0 = slab // slabs_h, slab % slabs_h * slab_h
+            d_in = (db + sd0) * s_d - p_d + zd * dil_d
+            h_in, w_in = hb + sh0 - p_h + zh, wb - p_w + zw
+            ok = (r < mma.xs_rows) & (d_in >= 0) & (d_in < in_d) & (h_in >= 0) & (h_in < in_h) & (w_in >= 0) & (w_in < in_w)
+            planes = np.zeros((rows, mma.cip))
+            planes[ok, :cin] = x[:, d_in[ok], h_in[ok], w_in[ok]].T
+            for unit in range(mma.units):
+                ct, nt = unit % mma.c_tiles, unit // mma.c_tiles
+                p = nt * nb + np.arange(nb)
+                assert (p[-1] + tap_row.max()) < rows, "a tile reads past its plane"
+                ch = cb + ct * 64 + np.arange(64)
+                a = np.zeros((64, len(taps), mma.cip))
+                valid = ch < min(cout, cb + box[0])
+                a[valid, :, :cin] = w[ch[valid]].transpose(0, 2, 1)
+                acc = np.einsum("ctk,tpk->cp", a, planes[p[None, :] + tap_row[:, None]])
+                ph, pw = sh0 + p // xs_w, p % xs_w
+                d, h, wo = db + sd0, hb + ph, wb + pw
+                keep_p = (p < slab_h * xs_w) & (pw < box[3]) & (d < t1[1]) & (h < t1[2]) & (wo < t1[3])
+                keep_c = (np.arange(64) + ct * 64 < box[0]) & (ch < t1[0])
+                cc, pp = np.nonzero(keep_c[:, None] & keep_p[None, :])
+                out[ch[cc], d, h[pp], wo[pp]] = acc[cc, pp] + (bias[ch[cc]] if bias is not None else 0.0)
+                np.add.at(written, (ch[cc], d, h[pp], wo[pp]), 1)
+    assert written.min() == 1 and written.max() == 1, "every T1 element written exactly once"
+    return out
+
+
+@pytest.mark.parametrize("data", LAYERS, ids=IDS)
+def test_the_plans_geometry_computes_the_conv(data):
+    plan = slab_plan(data)
+    spec = validate(data)
+    g = spec.conv_geometry()
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1, spec.input.channels, *spec.input.size, generator=gen, dtype=torch.float64)
+    weight = torch.randn(spec.conv.out_channels, spec.input.channels, *g["kernel"], generator=gen, dtype=torch.float64)
+    bias = torch.randn(spec.conv.out_channels, generator=gen, dtype=torch.float64)
+    conv = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}[spec.ndim]
+    want = conv(x, weight, bias, stride=g["stride"], padding=g["padding"], dilation=g["dilation"])[0]
+    got = simulate(plan, x.numpy(), weight.numpy(), bias.numpy())
+    np.testing.assert_allclose(got.reshape(want.shape), want.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("data", LAYERS, ids=IDS)
+def test_the_source_multiplies_on_wgmma(data):
+    plan = slab_plan(data)
+    text = render_plan(plan)
+    mma = plan["mma"]
+    assert f"wgmma.mma_async.sync.aligned.m64n{mma.nb}k8.f32.tf32.tf32" in text
+    assert "mma.sync.aligned" not in text
+    assert ("split_tf32(" in text) == (mma.products == 3) and ("tf32_round(" in text) == (mma.products == 1)
+    assert "fence.proxy.async.shared::cta" in text  # the planes' stores made visible to wgmma
+
+
+def test_wgmma_refuses_what_it_cannot_run():
+    with pytest.raises(PlanError, match="tile.wgmma: the slab engine cannot run this layer on wgmma: the conv's stride along H or W"):
+        build_plan(validate(layer("strided", 8, [20, 20], 64, 3, stride=2)))
+    with pytest.raises(PlanError, match="wgmma needs sm_90a"):
+        build_plan(validate(layer("ampere", 8, [20, 20], 64, 3)), target=targets.resolve("sm_80"))
+    with pytest.raises(PlanError, match="more than the 512 one running 3xTF32 sum"):
+        build_plan(validate(layer("deep", 16, [9, 20, 20], 64, 5)))
+    with pytest.raises(PlanError, match="tile.wgmma: the slab engine cannot run this layer: the conv has groups"):
+        build_plan(validate(layer("grouped", 16, [20, 20], 32, 3, groups=2)))
+    with pytest.raises(PlanError, match="tile.wgmma: this tf32 layer of few input channels is computed as cuDNN"):
+        build_plan(validate(layer("exact", 8, [12, 20], 64, 3, precision="tf32", padding=1)))
+    with pytest.raises(SpecError, match="tile.wgmma: chooses the slab engine's instruction; tile.engine is 'tma'"):
+        validate(layer("tma", 8, [20, 20], 64, 3, tile={"engine": "tma"}))
+
+
+def test_left_to_the_planner_the_slab_engine_stays_on_mma_sync():
+    data = {**LAYERS[0]}
+    del data["tile"]
+    plan = build_plan(validate(data))
+    assert plan["engine"] == "slab" and not plan["mma"].wgmma
+
+
+@pytest.mark.nvcc
+def test_wgmma_slab_kernels_build_for_sm_90a_without_spills(tmp_path, monkeypatch):
+    from specgen import pipeline
+
+    monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path / "cache"))
+    picked = [LAYERS[i] for i in (0, 2, 6, 8, 9)]  # 3-D fp32, two planes, tf32, a tail, a full reduction
+    built = pipeline.specialize_many([validate(d) for d in picked], "sm_90", tuned=False)
+    assert len(built) == len(picked)
+    for item in built:
+        log = item.build.log
+        assert item.build.spill_bytes == 0, (item.spec.name, log)
+        assert "sm_90a" in log, (item.spec.name, log)
+        # ptxas serializes wgmma (and says so) when it cannot prove the A registers are not rewritten in flight
+        assert "serialized" not in log and "C7510" not in log and "C7511" not in log, (item.spec.name, log)
+    # the run-time-extents rendering `specgen bench` times against (its K loop not unrolled) builds too
+    slow = pipeline.specialize_runtime_dims(validate(picked[0]), "sm_90")
+    assert slow.build.spill_bytes == 0 and "__constant__ int KSTEPS" in slow.source
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("data", LAYERS, ids=IDS)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_wgmma_slab_layers_meet_the_bar(data, batch, fp32_reference):
+    from specgen.module import FusedLayer
+
+    from gpu_helpers import compare
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma runs on sm_90a (H100 / H200) only")
+    compare(FusedLayer(validate(data)).cuda(), batch, seed=batch)
