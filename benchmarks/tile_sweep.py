@@ -1,6 +1,8 @@
 """Time every tile `specgen tune` offers for each spec, plus more of the implicit GEMM's wgmma tiles
-(two to four warpgroups, 64 to 256 channels, 3 or 4 stages, 1 to 4 blocks per SM), with no cap on
-their number and nothing stored: the sweep behind a change to the planner's or the tuner's tiles.
+(two to four warpgroups, 64 to 256 channels, 3 or 4 stages, 1 to 4 blocks per SM) and, for a layer on
+the slab engine, its wgmma variants (`tune.SLAB_WGMMA_CANDIDATES`: run tests/test_slab_wgmma.py on the
+GPU first), with no cap on their number and nothing stored: the sweep behind a change to the
+planner's or the tuner's tiles.
 
     python benchmarks/tile_sweep.py BATCH FILE.yaml [FILE.yaml ...]
 
@@ -40,6 +42,7 @@ def main(argv: list[str]) -> int:
 
     tune.candidates = every
     tune.MAX_CANDIDATES = 10**6
+    tune.SLAB_WGMMA_CANDIDATES = True
     specs = [s for path in paths for s in specgen.load_specs(path)]
     for result in tune.tune(specs, batch, store=False):
         print(result.table(), flush=True)

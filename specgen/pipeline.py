@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from specgen import cache, planindex, target as targets, tma
 from specgen.log import get_logger
-from specgen.plan import DEFAULT_SETTINGS, PlanError, Settings, build_plan
+from specgen.plan import DEFAULT_SETTINGS, PlanError, Settings, SlabConfig, build_plan
 from specgen.render import render_plan
 from specgen.spec import LayerSpec
 
@@ -48,11 +48,13 @@ def request(spec: LayerSpec, arch: str | None = None, runtime_dims: bool = False
     the target and every limit of it the plan used, so they are part of the source and the cache key.
     A `target.TargetError` (an arch older than sm_80 or unknown, or a spec that cannot fit it) comes
     before anything is compiled. `igemm_config` is a planner setting for a tile: an
-    `igemm.IgemmConfig` or a `tma.TmaConfig` (either makes its engine run); `settings` the other
+    `igemm.IgemmConfig`, a `tma.TmaConfig` or a `plan.SlabConfig` (each makes its engine run); `settings` the other
     planner settings (`plan.Settings`: never written into the spec). A plan on Hopper's
     wgmma (the TMA engine, the implicit GEMM's or the slab engine's wgmma tiles) is built for sm_90a (its
     instruction set)."""
     tma_config = igemm_config if isinstance(igemm_config, tma.TmaConfig) else None
+    if isinstance(igemm_config, SlabConfig):  # the slab engine's candidate: a planner setting of its own
+        settings, igemm_config = replace(settings, slab=igemm_config), None
     ig_config = None if tma_config is not None else igemm_config
     plan = build_plan(spec, ig_config, targets.resolve(arch), tma_config, settings)
     ig, slab = plan.get("igemm"), plan.get("mma")

@@ -215,6 +215,13 @@ def _warp_tiles(mt: int, nt: int, warps: int = MMA_WARPS) -> tuple[int, int, int
     return best[1] if best else None
 
 
+def _forced_warp_tile(mt: int, nt: int, wm: int, wn: int, warps: int = MMA_WARPS) -> tuple[int, int, int] | None:
+    """(wm, wn, units) for a warp tile a tuner's candidate names, or None where it takes more than
+    two warp tiles per warp or reaches past the box's channels by a whole n-tile group."""
+    units = _ceil_div(mt, wm) * _ceil_div(nt, wn)
+    return (wm, wn, units) if units <= 2 * warps and wn <= max(nt, 1) else None
+
+
 def _bank_conflicts(cs: int, s_w: int) -> int:
     """Worst bank multiplicity of an A-fragment load: 8 positions s_w apart x 4 planes cs apart."""
     banks = [(g * s_w + t * cs) % 32 for g in range(8) for t in range(4)]
@@ -228,10 +235,10 @@ def _bank_spread_stride(plane: int, s_w: int, multiple: int) -> int:
 
 
 def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, s3, p3, d3, c_kept: bool,
-                target: Target = targets.DEFAULT) -> SlabTiling | None:
+                target: Target = targets.DEFAULT, warp_tile: tuple[int, int] | None = None) -> SlabTiling | None:
     """Box, slab and warp tiling of the tensor-core engine, or None if nothing fits in shared memory.
     `role` sizes the box (axes "F" and "R1" are in it); c_kept: the channels are kept (a block
-    stages only its box's weights)."""
+    stages only its box's weights); warp_tile: (wm, wn), a tuner's candidate for the planner's."""
     in_box = {a: role[a] in ("F", "R1") for a in AXES}
     box_c = cout if cout <= 128 else _balanced(t1[0], 64, 8)
     weight_channels = box_c if c_kept else cout
@@ -274,7 +281,7 @@ def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, 
         if m_slab < 16 and size is not None:  # under one m-tile of positions: tensor cores would idle
             break
         mt = _ceil_div(m_slab, 16)
-        tiles = _warp_tiles(mt, _ceil_div(box[0], 8))
+        tiles = _warp_tiles(mt, _ceil_div(box[0], 8)) if warp_tile is None else _forced_warp_tile(mt, _ceil_div(box[0], 8), *warp_tile)
         if tiles is None:
             if size is None:
                 raise PlanError([f"tile.box: {m_slab} positions x {box[0]} channels per box are more than {MMA_WARPS} warps take "
@@ -312,7 +319,8 @@ def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, 
             # One block per SM: twice the warps hide its latencies (staging, barriers); measured
             # 1.5x on a full reduction. The slab stays; the warp tiles are dealt out again.
             warps = MMA_WARPS_ONE_BLOCK
-            wm, wn, units = _warp_tiles(mt, _ceil_div(box[0], 8), warps) or (wm, wn, units)
+            if warp_tile is None:
+                wm, wn, units = _warp_tiles(mt, _ceil_div(box[0], 8), warps) or (wm, wn, units)
         return SlabTiling(
             box=box, threads=32 * warps, warps=warps, wm=wm, wn=wn, units=units,
             unit_iters=_ceil_div(units, warps), n_groups=_ceil_div(_ceil_div(box[0], 8), wn),
@@ -349,7 +357,7 @@ def wgmma_why_not(cin_g: int, k3, s3, role, products: int, target: Target) -> li
 
 
 def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, s3, p3, d3, c_kept: bool,
-                  products: int, target: Target) -> SlabTiling | None:
+                  products: int, target: Target, slab_h: int = 0) -> SlabTiling | None:
     """The slab engine's tiling on wgmma, or None if nothing fits in shared memory.
 
     A slab is one output depth and SH output rows of the box. Its input is staged as CIP / 8
@@ -380,6 +388,8 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
     user_box = tile.box if tile is not None and tile.box is not None else None
     best = None
     for sh in range(min(WGMMA_MAX_SLAB_H, t1[2]) if in_box["h"] else 1, 0, -1):
+        if slab_h and sh != min(slab_h, t1[2] if in_box["h"] else 1):  # (a tuner's candidate: its rows only)
+            continue
         xs_h = sh + halo_h
         nv = sh * xs_w  # the slab's positions, dropped ones included
         for nb_max in (64, 128, 256):
@@ -403,7 +413,9 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
                 continue
             two_blocks = 2 * (smem + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and nb <= 128
             waste = (n_tiles * nb * c_tiles * 64) / (sh * bw * box_c)
-            key = (two_blocks, units % (WGMMA_THREADS // 128) == 0, -round(waste, 2), sh)
+            # two blocks per SM (one stages while the other multiplies), no idle warpgroup, the least
+            # waste, then the most positions per wgmma and the tallest slab
+            key = (two_blocks, units % (WGMMA_THREADS // 128) == 0, -round(waste, 2), nb, sh)
             if best is None or key > best[0]:
                 best = (key, SlabTiling(
                     box=box, threads=WGMMA_THREADS, warps=WGMMA_THREADS // 32, wm=nb // 16, wn=8, units=units,
@@ -467,6 +479,34 @@ def _affine_fold(spec: LayerSpec, level0: dict, consts: list[Constant]) -> dict 
 
 
 @dataclass(frozen=True)
+class SlabConfig:
+    """A tuner's candidate for the slab engine (a planner setting, like the GEMM engines' tile
+    configs): wgmma = 1 runs it on wgmma (sm_90a), 0 on mma.sync; on mma.sync, a warp tile of wm
+    m-tiles (16 positions) x wn n-tiles (8 channels); on wgmma, slab_h output rows per slab. 0: the
+    planner's choice."""
+
+    wgmma: int = 0
+    wm: int = 0
+    wn: int = 0
+    slab_h: int = 0
+
+    def __post_init__(self):
+        if self.wgmma not in (0, 1):
+            raise ValueError(f"wgmma must be 0 or 1, got {self.wgmma}")
+        if not (0 <= self.wm <= MMA_MAX_WM and 0 <= self.wn <= MMA_MAX_WN and (self.wm == 0) == (self.wn == 0)):
+            raise ValueError(f"a warp tile is 1..{MMA_MAX_WM} m-tiles x 1..{MMA_MAX_WN} n-tiles (or 0 x 0), got {self.wm} x {self.wn}")
+        if self.wgmma and self.wm:
+            raise ValueError("a warp tile is mma.sync's; wgmma tiles are a warpgroup's 64 channels")
+        if not 0 <= self.slab_h <= WGMMA_MAX_SLAB_H or (self.slab_h and not self.wgmma):
+            raise ValueError(f"slab_h (1..{WGMMA_MAX_SLAB_H}) is a wgmma slab's rows, got {self.slab_h}")
+
+    def label(self) -> str:
+        if self.wgmma:
+            return "slab wgmma" + (f" {self.slab_h} rows" if self.slab_h else "")
+        return "slab mma.sync" + (f" w{16 * self.wm}x{8 * self.wn}" if self.wm else "")
+
+
+@dataclass(frozen=True)
 class Settings:
     """Planner settings: inputs of a plan beside the spec, never written into it (the spec, its
     banner and its cache key stay the user's)."""
@@ -484,9 +524,11 @@ class Settings:
     # plan beside its contiguous one, chosen per call by the input's memory format
     # (`pipeline.channels_last_variant`).
     channels_last: bool = False
+    slab: SlabConfig | None = None  # the slab engine's instruction and tile (a tuner's candidate)
 
     def summary(self) -> str:
         parts = ([f"min_blocks {self.min_blocks}"] if self.min_blocks else []) + ([] if self.rewrites else ["no rewrites"])
+        parts += [self.slab.label()] if self.slab is not None else []
         parts += ["exact sums"] if self.exact_sums else []
         parts += ["channels-last input and output"] if self.channels_last else []
         return ", ".join(parts)
@@ -505,7 +547,7 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     target = target or targets.DEFAULT
     if not target.has_cp_async:
         raise TargetError(f"{spec.name}: {target.arch} has no cp.async, which every specgen engine stages with")
-    if exact_tf32(spec) and spec.tile is not None and spec.tile.wgmma:
+    if exact_tf32(spec) and ((spec.tile is not None and spec.tile.wgmma) or (settings.slab is not None and settings.slab.wgmma)):
         raise PlanError(["tile.wgmma: this tf32 layer of few input channels is computed as cuDNN computes it, in fp32, "
                          "each k-step's products summed apart (`exact_tf32`); the slab engine on wgmma keeps one running "
                          "3xTF32 sum (rel. L2 near 1e-6): ask for precision: fp32, or leave tile.wgmma out"])
@@ -774,11 +816,13 @@ class BoxMemory:
 
 
 def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dict, reductions: list,
-                in3: tuple, k3: tuple, s3: tuple, p3: tuple, d3: tuple, taps: int, target: Target) -> BoxTiling:
+                in3: tuple, k3: tuple, s3: tuple, p3: tuple, d3: tuple, taps: int, target: Target,
+                slab: SlabConfig | None = None) -> BoxTiling:
     """Pass 5, the box engines' tiling (slab on tensor cores, else FFMA): the box of T1 a block
     owns, the register tile, the threads, the blocks per sample and their clusters, and the tail's
     owners (the kept elements of a box and the lanes each). A tile's fields in the spec decide where
-    given. (The TMA and implicit-GEMM engines tile for themselves: `tma.plan_tma`, `igemm.plan_igemm`.)"""
+    given; `slab`, a tuner's candidate, makes the slab engine run with its instruction and tile.
+    (The TMA and implicit-GEMM engines tile for themselves: `tma.plan_tma`, `igemm.plan_igemm`.)"""
     nd = spec.ndim
     cin, cout, groups = spec.input.channels, spec.conv.out_channels, spec.conv.groups
     tile = spec.tile
@@ -796,11 +840,12 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
     # Left to the planner, tensor cores only where the GEMM is deep and wide enough to pay for
     # staging the input (measured: K = 24..36 or 16 output channels ran faster on FFMA).
     worth_it = (cin // groups) * taps >= MMA_MIN_K and cout >= MMA_MIN_CHANNELS
-    asks_slab = tile is not None and tile.engine == "slab"  # the slab engine is the box kernel on tensor cores
-    if asks_slab and tile.tensor_cores is False:
+    # the slab engine is the box kernel on tensor cores (a tuner's slab candidate asks for it too)
+    asks_slab = (tile is not None and tile.engine == "slab") or slab is not None
+    if asks_slab and tile is not None and tile.tensor_cores is False:
         raise PlanError(["tile.engine: slab runs on tensor cores, but tile.tensor_cores is false"])
-    asks_wgmma = tile is not None and tile.wgmma is True  # the slab engine on wgmma
-    if asks_wgmma and tile.tensor_cores is False:
+    asks_wgmma = (tile is not None and tile.wgmma is True) or (slab is not None and slab.wgmma == 1)  # on wgmma
+    if asks_wgmma and tile is not None and tile.tensor_cores is False:
         raise PlanError(["tile.wgmma: wgmma runs on tensor cores, but tile.tensor_cores is false"])
     want_mma = True if (asks_slab or asks_wgmma) else tile.tensor_cores if (tile is not None and tile.tensor_cores is not None) \
         else (worth_it and not ffma_pinned)
@@ -827,11 +872,12 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         if why:
             raise PlanError([f"tile.wgmma: the slab engine cannot run this layer on wgmma: {'; '.join(why)}"])
         mma = _wgmma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F",
-                            products, target)
+                            products, target, slab.slab_h if slab is not None else 0)
         if mma is None:
             raise PlanError(["tile.wgmma: the slab engine's staged planes and weights do not fit in shared memory"])
     elif want_mma and not mma_why_not:
-        mma = _mma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F", target)
+        mma = _mma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F", target,
+                          (slab.wm, slab.wn) if slab is not None and slab.wm else None)
         if mma is not None and slab_in_tf32(spec):
             mma = replace(mma, products=1)
         if mma is None and asks_slab:
@@ -1126,7 +1172,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     # ---- passes 5 and 6: the box engines' tiling, shared memory, row accesses and occupancy -------
     tile = spec.tile
     cout_g = cout // groups
-    bt = _box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, target)
+    bt = _box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, target, settings.slab)
     mma, box, ct, pt, threads = bt.mma, bt.box, bt.ct, bt.pt, bt.threads
     thread_tiles, tile_iters, split_channels = bt.thread_tiles, bt.tile_iters, bt.split_channels
     f_axes, r1_axes, f1_axes, tiles, chunks = bt.f_axes, bt.r1_axes, bt.f1_axes, bt.tiles, bt.chunks

@@ -1,9 +1,10 @@
 """Autotuning: the tensor-core engines' tile shapes, measured on this GPU and kept per GPU.
 
 The planner guesses one tile from sweeps of real layers (`tma.default_config` on Hopper,
-`igemm.default_config` elsewhere). `specgen tune` tries a handful of others (`candidates`: other
-tile shapes and pipeline depths of the same engine, and on Hopper the other engine's tiles where
-both can run the layer): all of them compile in one parallel batch, the ones
+`igemm.default_config` elsewhere, `plan._warp_tiles` for the slab engine). `specgen tune` tries a
+handful of others (`candidates`: other tile shapes and pipeline depths of the same engine, and on
+Hopper the other engine's tiles where both can run the layer; for the slab engine, other mma.sync
+warp tiles, `slab_candidates`): all of them compile in one parallel batch, the ones
 that spill registers are dropped, each is timed on the GPU (CUDA events around loops of calls,
 warm-up first, the candidates interleaved rep by rep, the median of the reps, inputs rotated
 through enough fresh random sets to exceed the L2 cache) and checked against the float64
@@ -49,7 +50,7 @@ from specgen.compile import CompileError
 from specgen.igemm import IgemmConfig, _cip_and_bk
 from specgen.tma import TmaConfig
 from specgen.log import get_logger
-from specgen.plan import PlanError, build_plan
+from specgen.plan import PlanError, Settings, SlabConfig, build_plan
 from specgen.spec import LayerSpec
 
 SCHEMA = 1
@@ -102,6 +103,8 @@ def _templates(split: bool, cout: int, wgmma_ok: bool = False) -> list[tuple[str
 
 
 def label(cfg) -> str:
+    if isinstance(cfg, SlabConfig):
+        return cfg.label()
     if isinstance(cfg, TmaConfig):
         split = {0: "", 1: " no split"}.get(cfg.split_k, f" split {cfg.split_k}")
         two = " 2 blocks/SM" if cfg.blocks_per_sm == 2 else ""
@@ -116,20 +119,23 @@ def config_record(cfg) -> dict | None:
     """A tile config as JSON data (its engine named)."""
     if cfg is None:
         return None
-    return {"engine": "tma" if isinstance(cfg, TmaConfig) else "igemm", **asdict(cfg)}
+    engine = "tma" if isinstance(cfg, TmaConfig) else "slab" if isinstance(cfg, SlabConfig) else "igemm"
+    return {"engine": engine, **asdict(cfg)}
 
 
 def config_from(data: dict):
     """The config a `config_record` describes; raises KeyError/TypeError/ValueError on a bad one."""
-    cls = TmaConfig if data.get("engine") == "tma" else IgemmConfig
+    cls = {"tma": TmaConfig, "slab": SlabConfig}.get(data.get("engine"), IgemmConfig)
     # (a field added since the record was written takes its default; one without a default is required)
     return cls(**{f.name: int(data[f.name] if f.default is MISSING else data.get(f.name, f.default)) for f in fields(cls)})
 
 
 def plan_with(spec: LayerSpec, cfg, target=None) -> dict:
-    """The plan for a tile config of either engine."""
+    """The plan for a tile config of any engine."""
     if isinstance(cfg, TmaConfig):
         return build_plan(spec, None, target, cfg)
+    if isinstance(cfg, SlabConfig):
+        return build_plan(spec, None, target, settings=Settings(slab=cfg))
     return build_plan(spec, cfg, target)
 
 
@@ -139,8 +145,10 @@ def heuristic(spec: LayerSpec) -> dict:
 
 
 def tunable(spec: LayerSpec) -> bool:
-    """Whether the heuristic plan runs a tensor-core engine with tile candidates (tma or igemm)."""
-    return heuristic(spec)["engine"] in ("igemm", "tma")
+    """Whether the heuristic plan runs a tensor-core engine with tile candidates (tma, igemm, or the
+    slab engine on tensor cores)."""
+    plan = heuristic(spec)
+    return plan["engine"] in ("igemm", "tma") or (plan["engine"] == "slab" and plan["mma"] is not None)
 
 
 def _tuning_target():
@@ -154,6 +162,8 @@ def candidates(spec: LayerSpec) -> list:
     `build_candidates`.)"""
     plan = heuristic(spec)
     engine = plan["engine"]
+    if engine == "slab" and plan["mma"] is not None:
+        return slab_candidates(spec, plan)
     if engine not in ("igemm", "tma"):
         return []
     own = plan[engine].config
@@ -194,6 +204,40 @@ def candidates(spec: LayerSpec) -> list:
     return out[:MAX_CANDIDATES]
 
 
+# The slab engine's candidates: mma.sync warp tiles that won or came close in the v40 sweeps (kb90's
+# 2 x 4, kb65's 2 x 4 against the planner's 3 x 2) and their neighbours; on Hopper the same layer on
+# wgmma, with the planner's slab and with taller slabs (one block per SM, more positions per wgmma).
+SLAB_WARP_TILES = ((2, 4), (4, 2), (3, 2), (2, 2), (1, 4), (4, 1))
+SLAB_WGMMA_ROWS = (0, 4, 8)
+# The wgmma slab joins the candidates once its GPU tests (tests/test_slab_wgmma.py, marker gpu) have
+# passed on a Hopper GPU: until then it runs only where a spec asks for it (tile.wgmma).
+SLAB_WGMMA_CANDIDATES = False
+
+
+def slab_candidates(spec: LayerSpec, plan: dict) -> list:
+    """The slab engine's candidates that plan for this layer (the heuristic plan is measured as
+    well, first): other warp tiles on mma.sync, and wgmma where the target has it and the layer
+    allows it (`plan.wgmma_why_not`). Plans that come out the same as one already listed are left out."""
+    seen = {_slab_shape(plan["mma"])}
+    out = []
+    wgmma = [SlabConfig(1, slab_h=h) for h in SLAB_WGMMA_ROWS] \
+        if SLAB_WGMMA_CANDIDATES and igemm.has_wgmma(_tuning_target()) else []
+    for cfg in [SlabConfig(0, wm, wn) for wm, wn in SLAB_WARP_TILES] + wgmma:
+        try:
+            got = plan_with(spec, cfg)
+        except (PlanError, ValueError):
+            continue
+        if got["engine"] != "slab" or got["mma"] is None or _slab_shape(got["mma"]) in seen:
+            continue
+        seen.add(_slab_shape(got["mma"]))
+        out.append(cfg)
+    return out[:MAX_CANDIDATES]
+
+
+def _slab_shape(mma) -> tuple:
+    return (mma.wgmma, mma.wm, mma.wn, tuple(mma.slab), mma.nb)
+
+
 @dataclass
 class Candidate:
     config: IgemmConfig | TmaConfig | None  # None: the heuristic plan as the pipeline builds it
@@ -207,6 +251,9 @@ class Candidate:
     def name(self) -> str:
         if self.config is None:
             plan = self.item.plan
+            if plan["engine"] == "slab":
+                mma = plan["mma"]
+                return "heuristic (" + label(SlabConfig(1, slab_h=mma.slab[1]) if mma.wgmma else SlabConfig(0, mma.wm, mma.wn)) + ")"
             return "heuristic (" + label(plan[plan["engine"]].config) + ")"
         return label(self.config)
 
@@ -536,11 +583,12 @@ def main(specs: list[LayerSpec], batch: int = DEFAULT_TUNE_BATCH, reps: int = RE
         raise ValueError(f"--reps: expected a positive int, got {reps!r}")
     todo = []
     for spec in specs:
-        engine = heuristic(spec)["engine"]
-        if engine in ("igemm", "tma"):
+        if tunable(spec):
             todo.append(spec)
         else:
-            print(f"{spec.name}: runs on the {engine} engine, which has no tile candidates: nothing to tune")
+            engine = heuristic(spec)["engine"]
+            print(f"{spec.name}: runs on the {engine} engine{' off tensor cores' if engine == 'slab' else ''}, "
+                  "which has no tile candidates: nothing to tune")
     if not todo:
         return 0
     try:

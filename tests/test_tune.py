@@ -102,6 +102,60 @@ def test_layers_off_the_implicit_gemm_engine_have_no_candidates():
     assert tune.candidates(spec) == []
 
 
+def slab_layer() -> dict:
+    """The seed kb90's layer, smaller: 8 input channels, left to the planner on the slab engine."""
+    return {"name": "tune_slab", "input": {"channels": 8, "size": [6, 20, 30]}, "conv": {"out_channels": 64, "kernel": 3},
+            "epilogue": ["relu"], "precision": "fp32"}
+
+
+def test_slab_layers_have_warp_tile_candidates():
+    """The slab engine's candidates: other mma.sync warp tiles (each plans with its own tile, none
+    the heuristic's), kept and read back like the other engines' choices."""
+    from specgen.plan import SlabConfig
+
+    spec = validate(slab_layer())
+    plan = tune.heuristic(spec)
+    assert plan["engine"] == "slab" and tune.tunable(spec)
+    cands = tune.candidates(spec)
+    assert cands and all(isinstance(c, SlabConfig) and not c.wgmma for c in cands)
+    shapes = {(plan["mma"].wm, plan["mma"].wn)}
+    for cfg in cands:
+        got = tune.plan_with(spec, cfg)["mma"]
+        assert (got.wm, got.wn) == (cfg.wm, cfg.wn) and (got.wm, got.wn) not in shapes
+        shapes.add((got.wm, got.wn))
+        assert tune.config_from(tune.config_record(cfg)) == cfg and tune.label(cfg).startswith("slab mma.sync w")
+    source = pipeline.request(spec, "sm_90", igemm_config=cands[0])[1]
+    assert f"constexpr int WM = {cands[0].wm};" in source and f"constexpr int WN = {cands[0].wn};" in source
+
+
+def test_wgmma_slab_candidates_wait_for_their_gpu_tests(monkeypatch):
+    from specgen.plan import SlabConfig
+
+    spec = validate(slab_layer())
+    assert not any(c.wgmma for c in tune.candidates(spec))
+    monkeypatch.setattr(tune, "SLAB_WGMMA_CANDIDATES", True)
+    wgmma = [c for c in tune.candidates(spec) if isinstance(c, SlabConfig) and c.wgmma]
+    assert wgmma and all(tune.plan_with(spec, c)["mma"].wgmma for c in wgmma)
+
+
+def test_a_bad_slab_config_is_refused():
+    from specgen.plan import SlabConfig
+
+    for bad in ({"wgmma": 2}, {"wm": 3}, {"wm": 5, "wn": 1}, {"wgmma": 1, "wm": 2, "wn": 2}, {"slab_h": 2}):
+        with pytest.raises(ValueError):
+            SlabConfig(**bad)
+
+
+@pytest.mark.nvcc
+def test_slab_candidates_compile(cache_dir):
+    spec = validate(slab_layer())
+    (cands,) = tune.build_candidates([spec])
+    assert cands[0].config is None and cands[0].item.plan["engine"] == "slab"
+    assert len(cands) == len(tune.candidates(spec)) + 1
+    assert all(c.item is not None or "spills" in c.error for c in cands), [(c.name, c.error) for c in cands]
+    assert len({c.item.key for c in cands if c.item is not None}) == sum(c.item is not None for c in cands)
+
+
 @pytest.mark.nvcc
 def test_candidates_compile_in_one_batch_without_spills(cache_dir):
     specs = [validate(layer(precision="fp32")), validate(layer(channels=128, out=128, precision="tf32"))]
