@@ -192,13 +192,14 @@ __device__ __forceinline__ unsigned long long b_descriptor(const float* b, int k
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int N>  // until at most N committed groups of this warpgroup are still running
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // Shared memory written by this thread's ordinary stores becomes visible to the tensor cores' reads.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// d (+)= a * B for the warpgroup's 64 positions x BN channels and 8 of K: a in registers (this
-// warp's 16 rows, laid out as for mma.sync m16n8k8), B from shared memory. accumulate = 0 overwrites d.
-__device__ __forceinline__ void wgmma_tf32(float (&d)[WN][4], const unsigned (&a)[4], unsigned long long b, int accumulate) {
+// d (+)= a * B: 64 rows x 64 columns x 8 of K; a in registers (this warp's 16 rows, laid out as
+// for mma.sync m16n8k8), B from shared memory by descriptor. accumulate = 0 overwrites d.
+__device__ __forceinline__ void wgmma_tf32(float (&d)[8][4], const unsigned (&a)[4], unsigned long long b, int accumulate) {
   asm volatile(
       "{\n.reg .pred acc;\nsetp.ne.b32 acc, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {"
@@ -289,7 +290,7 @@ __device__ __forceinline__ void compute_chunk_wgmma(const float* __restrict__ a_
     wgmma_tf32(acc, a_hi[s], b_descriptor(b_s, 8 * s), 1);
   }
   wgmma_commit();
-  wgmma_wait_all();  // the chunk's sums are read next
+  wgmma_wait<0>();  // the chunk's sums are read next
 }
 
 // The shared-memory pipeline buffers (the same for every GEMM of the kernel).

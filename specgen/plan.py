@@ -215,6 +215,17 @@ def _warp_tiles(mt: int, nt: int, warps: int = MMA_WARPS) -> tuple[int, int, int
     return best[1] if best else None
 
 
+def _weight_stride(weight_channels: int) -> tuple[int, bool]:
+    """(row stride, swizzled) of the slab engine's staged weights [K][channels]. Fragment loads
+    read 4 K rows x 8 channels: on 32 distinct banks when the rows are XOR-swizzled (channel block
+    ^= K row % 4; rows a multiple of 32 channels) or padded to 8 or 24 channels past a multiple of 32."""
+    ws = _round_up(weight_channels, 8)
+    swizzle = ws % 32 == 0
+    while not swizzle and ws % 32 not in (8, 24):
+        ws += 8
+    return ws, swizzle
+
+
 def _forced_warp_tile(mt: int, nt: int, wm: int, wn: int, warps: int = MMA_WARPS) -> tuple[int, int, int] | None:
     """(wm, wn, units) for a warp tile a tuner's candidate names, or None where it takes more than
     two warp tiles per warp or reaches past the box's channels by a whole n-tile group."""
@@ -242,12 +253,7 @@ def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, 
     in_box = {a: role[a] in ("F", "R1") for a in AXES}
     box_c = cout if cout <= 128 else _balanced(t1[0], 64, 8)
     weight_channels = box_c if c_kept else cout
-    # B-fragment loads read 4 K rows x 8 channels: on 32 distinct banks when the rows are XOR-
-    # swizzled (channel block ^= K row % 4; rows a multiple of 32 channels) or padded.
-    ws = _round_up(weight_channels, 8)
-    swizzle = ws % 32 == 0
-    while not swizzle and ws % 32 not in (8, 24):
-        ws += 8
+    ws, swizzle = _weight_stride(weight_channels)
     cip = _round_up(cin_g, 4)
     taps = k3[0] * k3[1] * k3[2]
     k_pad = _round_up(taps * cip, 8)
@@ -374,10 +380,7 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
     in_box = {a: role[a] in ("F", "R1") for a in AXES}
     box_c = min(_round_up(cout, 8), 256) if cout <= 256 else _balanced(t1[0], 256, 64)
     weight_channels = box_c if c_kept else cout
-    ws = _round_up(weight_channels, 8)
-    swizzle = ws % 32 == 0
-    while not swizzle and ws % 32 not in (8, 24):
-        ws += 8
+    ws, swizzle = _weight_stride(weight_channels)  # (wgmma's A fragments read w_s as mma.sync's B fragments do)
     cip = _round_up(cin_g, 8)
     taps = k3[0] * k3[1] * k3[2]
     k_pad = taps * cip
