@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from specgen import target as targets
 from specgen.plan import PlanError, build_plan, describe
@@ -110,6 +111,8 @@ def simulate(plan, x, weight, bias):
                 keep_p = (p < slab_h * xs_w) & (pw < box[3]) & (d < t1[1]) & (h < t1[2]) & (wo < t1[3])
                 keep_c = (np.arange(64) + ct * 64 < box[0]) & (ch < t1[0])
                 cc, pp = np.nonzero(keep_c[:, None] & keep_p[None, :])
+                if d >= t1[1]:  # a slab past the last depth (the box's last slabs): nothing kept
+                    continue
                 out[ch[cc], d, h[pp], wo[pp]] = acc[cc, pp] + (bias[ch[cc]] if bias is not None else 0.0)
                 np.add.at(written, (ch[cc], d, h[pp], wo[pp]), 1)
     assert written.min() == 1 and written.max() == 1, "every T1 element written exactly once"
@@ -118,6 +121,10 @@ def simulate(plan, x, weight, bias):
 
 @pytest.mark.parametrize("data", LAYERS, ids=IDS)
 def test_the_plans_geometry_computes_the_conv(data):
+    check_geometry(data)
+
+
+def check_geometry(data):
     plan = slab_plan(data)
     spec = validate(data)
     g = spec.conv_geometry()
@@ -129,6 +136,35 @@ def test_the_plans_geometry_computes_the_conv(data):
     want = conv(x, weight, bias, stride=g["stride"], padding=g["padding"], dilation=g["dilation"])[0]
     got = simulate(plan, x.numpy(), weight.numpy(), bias.numpy())
     np.testing.assert_allclose(got.reshape(want.shape), want.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@st.composite
+def wgmma_layers(draw):
+    """Random layers the wgmma slab takes: 1 to 3 spatial dims, stride 1 along H and W (any along
+    D), padding, dilation, 1 to 16 input channels, 8 to 200 output channels, an optional sum."""
+    nd = draw(st.integers(1, 3))
+    kernel = [draw(st.integers(1, 4)) for _ in range(nd)]
+    dilation = [draw(st.integers(1, 2)) for _ in range(nd)]
+    padding = [draw(st.integers(0, (k - 1) * d)) for k, d in zip(kernel, dilation)]
+    stride = [draw(st.integers(1, 2))] + [1] * (nd - 1) if nd == 3 else [1] * nd
+    size = [draw(st.integers((k - 1) * d + 1, (k - 1) * d + 1 + (12 if i + 1 < nd else 40)))
+            for i, (k, d) in enumerate(zip(kernel, dilation))]
+    cin = draw(st.integers(1, 16))
+    k_pad = -(-cin // 8) * 8 * math.prod(kernel)
+    if k_pad > 512:  # (fp32 mode's limit: one running sum)
+        kernel, padding, k_pad = [1] * nd, [0] * nd, -(-cin // 8) * 8
+    most = min(25, 120_000 // (4 * k_pad * 8))  # output channels x 8 whose weights leave room for the planes
+    epilogue = ["relu"] + ([{"sum": {"dims": [1]}}] if draw(st.booleans()) else [])
+    return layer("random", cin, size, draw(st.integers(1, most)) * 8, kernel, stride=stride, padding=padding,
+                 dilation=dilation, epilogue=epilogue)
+
+
+@settings(max_examples=200, deadline=None)
+@given(wgmma_layers())
+def test_random_plans_compute_the_conv(data):
+    """The numpy model of the kernel's walk, on random geometry: the conv in float64, no read past a
+    plane, every output written once."""
+    check_geometry(data)
 
 
 @pytest.mark.parametrize("data", LAYERS, ids=IDS)
