@@ -343,6 +343,7 @@ WGMMA_THREADS = 256  # two warpgroups
 WGMMA_MAX_K = 512  # fp32 mode sums all of K in the accumulators, which add with truncation (NOTES v15a)
 WGMMA_MAX_ROW = 256  # staged positions per row (XS_W)
 WGMMA_MAX_SLAB_H = 8
+WGMMA_TWO_BLOCKS_NB = 128  # positions per wgmma whose accumulators (NB / 2 a thread) fit two blocks' 128 registers
 WGMMA_ALIGN_FLOATS = 256  # the planes start 1024-byte aligned (the swizzle is by shared-memory address)
 
 
@@ -414,7 +415,8 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
             smem = 4 * sum(floats.values())
             if smem > target.smem_per_block:
                 continue
-            two_blocks = 2 * (smem + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and nb <= 128
+            # (two blocks: at most 128 registers a thread, which hold 64 accumulators beside the rest)
+            two_blocks = 2 * (smem + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and nb <= WGMMA_TWO_BLOCKS_NB
             waste = (n_tiles * nb * c_tiles * 64) / (sh * bw * box_c)
             # two blocks per SM (one stages while the other multiplies), no idle warpgroup, the least
             # waste, then the most positions per wgmma and the tallest slab
@@ -1121,7 +1123,7 @@ def _box_occupancy(bt: BoxTiling, smem_bytes: int, reductions: list, levels: lis
     mma, threads = bt.mma, bt.threads
     min_blocks = 1
     if mma is not None:  # two blocks per SM when shared memory and registers allow: one stages while the other computes
-        # accumulators + fragments, addresses and the epilogue (wgmma: NB / 2 accumulators, two k-steps' A)
+        # accumulators + fragments, addresses and the epilogue (wgmma: NB / 2 accumulators)
         regs = mma.nb // 2 + 64 if mma.wgmma else 4 * mma.wm * mma.wn + 64
         min_blocks = 2 if 2 * (smem_bytes + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and 2 * threads * max(regs, 128) <= target.regs_per_sm else 1
     elif not reductions and len(levels) == 1:
