@@ -112,6 +112,9 @@ class SlabTiling(TemplateValues):
     chunks: int = 0  # planes of 8 input channels (CIP / 8)
     xs_rows: int = 0  # staged rows of a plane that hold input: XS_D * XS_H * XS_W
     plane_rows: int = 0  # rows of a plane: the staged ones and those the last N tile's last tap reads
+    # the epilogue stores two neighbouring positions of a row as one float2: every row length (XS_W,
+    # BOX_W, T1's W) is even, so a kept position at an even p has its neighbour p + 1 kept too
+    pair_stores: bool = False
 
     @property
     def m_groups(self) -> int:

@@ -430,6 +430,7 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
                     stage="planes", stage_batch=0, x_floats=x_floats, w_floats=floats["w"], direct_fold=direct,
                     products=products, wgmma=True, nb=nb, n_tiles=n_tiles, c_tiles=c_tiles, chunks=cip // 8,
                     xs_rows=xs_rows, plane_rows=plane_rows,
+                    pair_stores=not has_tail and xs_w % 2 == 0 and bw % 2 == 0 and t1[3] % 2 == 0,
                 ))
     if best is not None and user_box is not None:
         raise PlanError(["tile.box: the slab engine on wgmma chooses its own box (leave tile.box out)"])

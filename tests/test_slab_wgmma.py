@@ -109,6 +109,8 @@ def simulate(plan, x, weight, bias):
                 ph, pw = sh0 + p // xs_w, p % xs_w
                 d, h, wo = db + sd0, hb + ph, wb + pw
                 keep_p = (p < slab_h * xs_w) & (pw < box[3]) & (d < t1[1]) & (h < t1[2]) & (wo < t1[3])
+                if mma.pair_stores:  # the epilogue stores p and p + 1 (p even) together, kept where p is
+                    assert (keep_p[0::2] == keep_p[1::2]).all() and nb % 2 == 0, "a pair store splits"
                 keep_c = (np.arange(64) + ct * 64 < box[0]) & (ch < t1[0])
                 cc, pp = np.nonzero(keep_c[:, None] & keep_p[None, :])
                 if d >= t1[1]:  # a slab past the last depth (the box's last slabs): nothing kept
@@ -176,6 +178,7 @@ def test_the_source_multiplies_on_wgmma(data):
     assert "mma.sync.aligned" not in text
     assert ("split_tf32(" in text) == (mma.products == 3) and ("tf32_round(" in text) == (mma.products == 1)
     assert "fence.proxy.async.shared::cta" in text  # the planes' stores made visible to wgmma
+    assert ("store_pair(out_n" in text) == mma.pair_stores
 
 
 def test_wgmma_refuses_what_it_cannot_run():
