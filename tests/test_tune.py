@@ -251,6 +251,21 @@ def test_the_pipeline_uses_a_stored_choice_for_this_gpu(fake_gpu, monkeypatch, e
     pipeline.forget(spec)
 
 
+def test_the_pipeline_uses_a_stored_slab_choice(fake_gpu, monkeypatch):
+    """A stored slab candidate (a warp tile) replaces the planner's, and reads back from its record."""
+    spec = validate(slab_layer())
+    heuristic = tune.heuristic(spec)["mma"]
+    chosen = tune.candidates(spec)[0]
+    monkeypatch.setattr(pipeline.cache, "get_or_build", lambda req: _FakeBuild(req))
+    pipeline.forget(spec)
+    assert (pipeline.specialize(spec).plan["mma"].wm, pipeline.specialize(spec).plan["mma"].wn) == (heuristic.wm, heuristic.wn)
+    tune.store_choice(spec, fake_gpu, 64, chosen, [], batch=64)
+    assert tune.stored_choice(spec)["config"] == chosen
+    got = pipeline.specialize(spec).plan
+    assert (got["mma"].wm, got["mma"].wn) == (chosen.wm, chosen.wn) and got["settings"].slab == chosen
+    pipeline.forget(spec)
+
+
 class _FakeBuild:
     spill_bytes = 0
 
