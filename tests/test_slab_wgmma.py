@@ -233,3 +233,16 @@ def test_wgmma_slab_layers_meet_the_bar(data, batch, fp32_reference):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma runs on sm_90a (H100 / H200) only")
     compare(FusedLayer(validate(data)).cuda(), batch, seed=batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("data", [LAYERS[0], LAYERS[1], LAYERS[8]], ids=[LAYERS[i]["name"] for i in (0, 1, 8)])
+def test_wgmma_slab_layers_take_channels_last_inputs(data, fp32_reference):
+    """A channels-last input reaches the slab engine through its layout pass (`_from_cl`)."""
+    from specgen.module import FusedLayer
+
+    from gpu_helpers import compare
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma runs on sm_90a (H100 / H200) only")
+    compare(FusedLayer(validate(data)).cuda(), 2, seed=11, channels_last=True)
