@@ -212,7 +212,7 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--plot", metavar="FILE.png", default=None, help="draw a roofline and the speedups (needs matplotlib)")
     be.set_defaults(run=cmd_bench)
 
-    t = sub.add_parser("tune", help="time the implicit-GEMM tile candidates on this GPU and keep the fastest (GPU)")
+    t = sub.add_parser("tune", help="time the tensor-core engines' tile candidates on this GPU and keep the fastest correct one (GPU)")
     t.add_argument("files", nargs="+", metavar="FILE.yaml")
     t.add_argument("--batch", type=int, default=64, help="the batch to time at; the choice holds for its power-of-two bucket")
     t.add_argument("--reps", type=int, default=15, help="timed reps per candidate (the median is kept)")
