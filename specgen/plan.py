@@ -396,23 +396,23 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
             continue
         xs_h = sh + halo_h
         nv = sh * xs_w  # the slab's positions, dropped ones included
+        off_max = ((k3[0] - 1) * xs_h + halo_h) * xs_w + halo_w  # the last tap's row offset
+        xs_rows = k3[0] * xs_h * xs_w
+        bh = sh * min(4, _ceil_div(t1[2], sh)) if not has_tail and in_box["h"] else sh
+        bd = min(4, t1[1]) if not has_tail and in_box["d"] and bh >= t1[2] else 1
+        box = [box_c, bd, min(bh, t1[2]), bw]
+        nf = math.prod(b for a, b in zip(AXES, box) if role[a] == "F")
+        nr = math.prod(b for a, b in zip(AXES, box) if role[a] == "R1")
+        direct = has_tail and nf == 1 and nr >= 32 * MMA_WARPS_ONE_BLOCK
+        floats = {"w": k_pad * ws, "box": math.prod(box) if has_tail and not direct else 0,
+                  "red": 2 * max(32 * MMA_WARPS_ONE_BLOCK, nf) if has_tail else 0}
         for nb_max in (64, 128, 256):
             n_tiles = _ceil_div(nv, nb_max)
             nb = _round_up(_ceil_div(nv, n_tiles), 8)
             units = c_tiles * n_tiles
-            off_max = ((k3[0] - 1) * xs_h + halo_h) * xs_w + halo_w
-            xs_rows = k3[0] * xs_h * xs_w
             plane_rows = _round_up(max(xs_rows, n_tiles * nb + off_max), 8)
             x_floats = (2 if products == 3 else 1) * (cip // 8) * plane_rows * 8 + WGMMA_ALIGN_FLOATS
-            bh = sh * min(4, _ceil_div(t1[2], sh)) if not has_tail and in_box["h"] else sh
-            bd = min(4, t1[1]) if not has_tail and in_box["d"] and bh >= t1[2] else 1
-            box = [box_c, bd, min(bh, t1[2]), bw]
-            nf = math.prod(b for a, b in zip(AXES, box) if role[a] == "F")
-            nr = math.prod(b for a, b in zip(AXES, box) if role[a] == "R1")
-            direct = has_tail and nf == 1 and nr >= 32 * MMA_WARPS_ONE_BLOCK
-            floats = {"w": k_pad * ws, "x": x_floats, "box": math.prod(box) if has_tail and not direct else 0,
-                      "red": 2 * max(32 * MMA_WARPS_ONE_BLOCK, nf) if has_tail else 0}
-            smem = 4 * sum(floats.values())
+            smem = 4 * (sum(floats.values()) + x_floats)
             if smem > target.smem_per_block:
                 continue
             # (two blocks: at most 128 registers a thread, which hold 64 accumulators beside the rest)
@@ -870,9 +870,9 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
     if tile is not None and tile.tensor_cores and mma_why_not:
         raise PlanError([f"tile.tensor_cores: cannot use tensor cores here: {'; '.join(mma_why_not)}"])
     mma = None
-    if asks_wgmma and mma_why_not:
-        raise PlanError([f"tile.wgmma: the slab engine cannot run this layer: {'; '.join(mma_why_not)}"])
-    if want_mma and not mma_why_not and asks_wgmma:
+    if asks_wgmma:  # (want_mma is then true)
+        if mma_why_not:
+            raise PlanError([f"tile.wgmma: the slab engine cannot run this layer: {'; '.join(mma_why_not)}"])
         products = 1 if slab_in_tf32(spec) else 3
         why = wgmma_why_not(cin // groups, k3, s3, srole, products, target)
         if why:
