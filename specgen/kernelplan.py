@@ -115,6 +115,14 @@ class SlabTiling(TemplateValues):
     # the epilogue stores two neighbouring positions of a row as one float2: every row length (XS_W,
     # BOX_W, T1's W) is even, so a kept position at an even p has its neighbour p + 1 kept too
     pair_stores: bool = False
+    # Strided along H or W (`plan.wgmma_phases`): the input staged by phase. periods: (H, W) tap
+    # periods of the phases; phase_rows: rows XS_H[j] of each H phase j; phase_base: the first
+    # plane row of H phase j's group; w_phases: W phases per staged input row. Stride 1: one phase.
+    phased: bool = False
+    periods: tuple = (1, 1)
+    phase_rows: tuple = ()
+    phase_base: tuple = ()
+    w_phases: int = 1
 
     @property
     def m_groups(self) -> int:

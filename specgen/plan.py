@@ -347,20 +347,29 @@ WGMMA_TWO_BLOCKS_NB = 128  # positions per wgmma whose accumulators (NB / 2 a th
 WGMMA_ALIGN_FLOATS = 256  # the planes start 1024-byte aligned (the swizzle is by shared-memory address)
 
 
-def wgmma_why_not(cin_g: int, k3, s3, role, products: int, target: Target) -> list[str]:
+def wgmma_why_not(cin_g: int, k3, role, products: int, target: Target) -> list[str]:
     """Why the slab engine cannot run this layer on wgmma (empty: it can)."""
     taps = k3[0] * k3[1] * k3[2]
     return [
         why
         for why, bad in (
             (f"wgmma needs sm_90a (Hopper), the target is {target.arch}", not igemm_engine.has_wgmma(target)),
-            ("the conv's stride along H or W is not 1 (a tap must be one row offset for every position)", s3[1] != 1 or s3[2] != 1),
             ("the width is reduced one position at a time", role["w"] not in ("F", "R1")),
             (f"taps x input channels padded to 8 is {taps * _round_up(cin_g, 8)}, more than the {WGMMA_MAX_K} one running "
              "3xTF32 sum keeps to fp32 accuracy", products == 3 and taps * _round_up(cin_g, 8) > WGMMA_MAX_K),
         )
         if bad
     ]
+
+
+def wgmma_phases(k: int, s: int, dil: int) -> tuple[int, list[int]]:
+    """A strided axis of the wgmma slab, staged by phase: tap t reads input S (o + q) + r of output
+    o, with q = t DIL // S and r = t DIL % S, so the input positions of residue r, staged apart and
+    in order, put every tap one offset q from its output. r depends on t % PERIOD only (PERIOD =
+    S / gcd(DIL, S)), and phase j < min(K, PERIOD) holds residue j DIL % S. Returns PERIOD and, per
+    phase, the largest q of its taps (the positions it stages past the slab's own)."""
+    period = s // math.gcd(dil, s)
+    return period, [max(t * dil // s for t in range(j, k, period)) for j in range(min(k, period))]
 
 
 def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, s3, p3, d3, c_kept: bool,
@@ -375,8 +384,16 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
     the same offset for every position, so a k-step's B operand (NB positions x 8 channels) is NB
     consecutive rows, read by one descriptor. The XS_W - BOX_W positions past each row's last are
     computed and dropped. A warpgroup multiplies 64 channels (A: the weights, from registers) by
-    NB positions; 64 x NB accumulators per unit, NB / 2 registers a thread."""
-    if wgmma_why_not(cin_g, k3, s3, role, products, target):
+    NB positions; 64 x NB accumulators per unit, NB / 2 registers a thread.
+
+    Strided along H or W, the input is staged by phase (`wgmma_phases`): H phase j is a group of
+    rows holding, for each staged depth zd and W phase i, XS_H[j] = SH + (its largest q) rows of
+    XS_W = BOX_W + (the largest q along W) positions; row (a, b) of the group's (zd, i) block holds
+    input row S_H (h0 + a) + j DIL_H % S_H, column S_W (w0 + b) + i DIL_W % S_W. Tap (kd, kh, kw)
+    of phases (j, i) and offsets (qh, qw) then reads row p + base(j) + ((kd W_PHASES + i) XS_H[j]
+    + qh) XS_W + qw for every position p = h XS_W + w: again one offset. The staged input is no
+    larger than the strided slab's own (no position is staged twice)."""
+    if wgmma_why_not(cin_g, k3, role, products, target):
         return None
     in_box = {a: role[a] in ("F", "R1") for a in AXES}
     box_c = min(_round_up(cout, 8), 256) if cout <= 256 else _balanced(t1[0], 256, 64)
@@ -386,7 +403,9 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
     taps = k3[0] * k3[1] * k3[2]
     k_pad = taps * cip
     c_tiles = _ceil_div(box_c, 64)
-    halo_w, halo_h = (k3[2] - 1) * d3[2], (k3[1] - 1) * d3[1]
+    period_h, q_h = wgmma_phases(k3[1], s3[1], d3[1])
+    period_w, q_w = wgmma_phases(k3[2], s3[2], d3[2])
+    halo_w = max(q_w)  # (stride 1: (K_W - 1) DIL_W)
     bw = _balanced(t1[3], WGMMA_MAX_ROW - halo_w)
     xs_w = bw + halo_w
     user_box = tile.box if tile is not None and tile.box is not None else None
@@ -394,10 +413,16 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
     for sh in range(min(WGMMA_MAX_SLAB_H, t1[2]) if in_box["h"] else 1, 0, -1):
         if slab_h and sh != min(slab_h, t1[2] if in_box["h"] else 1):  # (a tuner's candidate: its rows only)
             continue
-        xs_h = sh + halo_h
+        phase_rows = tuple(sh + q for q in q_h)  # rows of each H phase (stride 1: one, SH + (K_H - 1) DIL_H)
+        group_rows = [k3[0] * len(q_w) * rows * xs_w for rows in phase_rows]
+        phase_base = tuple(sum(group_rows[:j]) for j in range(len(phase_rows)))
+        xs_h = max(phase_rows)
         nv = sh * xs_w  # the slab's positions, dropped ones included
-        off_max = ((k3[0] - 1) * xs_h + halo_h) * xs_w + halo_w  # the last tap's row offset
-        xs_rows = k3[0] * xs_h * xs_w
+        tap_rows = [phase_base[kh % period_h] + ((kd * len(q_w) + kw % period_w) * phase_rows[kh % period_h]
+                    + kh * d3[1] // s3[1]) * xs_w + kw * d3[2] // s3[2]
+                    for kd in range(k3[0]) for kh in range(k3[1]) for kw in range(k3[2])]
+        off_max = max(tap_rows)  # the last tap's row offset
+        xs_rows = sum(group_rows)
         bh = sh * min(4, _ceil_div(t1[2], sh)) if not has_tail and in_box["h"] else sh
         bd = min(4, t1[1]) if not has_tail and in_box["d"] and bh >= t1[2] else 1
         box = [box_c, bd, min(bh, t1[2]), bw]
@@ -431,6 +456,8 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
                     products=products, wgmma=True, nb=nb, n_tiles=n_tiles, c_tiles=c_tiles, chunks=cip // 8,
                     xs_rows=xs_rows, plane_rows=plane_rows,
                     pair_stores=not has_tail and xs_w % 2 == 0 and bw % 2 == 0 and t1[3] % 2 == 0,
+                    phased=s3[1] != 1 or s3[2] != 1, periods=(period_h, period_w), phase_rows=phase_rows,
+                    phase_base=phase_base, w_phases=len(q_w),
                 ))
     if best is not None and user_box is not None:
         raise PlanError(["tile.box: the slab engine on wgmma chooses its own box (leave tile.box out)"])
@@ -874,7 +901,7 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         if mma_why_not:
             raise PlanError([f"tile.wgmma: the slab engine cannot run this layer: {'; '.join(mma_why_not)}"])
         products = 1 if slab_in_tf32(spec) else 3
-        why = wgmma_why_not(cin // groups, k3, s3, srole, products, target)
+        why = wgmma_why_not(cin // groups, k3, srole, products, target)
         if why:
             raise PlanError([f"tile.wgmma: the slab engine cannot run this layer on wgmma: {'; '.join(why)}"])
         mma = _wgmma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F",
@@ -1540,6 +1567,7 @@ def _engine_summary(plan: dict) -> str:
             f"tensor cores ({'3xTF32' if mma.products == 3 else 'TF32'} wgmma m64n{mma.nb}k8, sm_90a): slabs of {sh} rows x "
             f"{mma.xs_wp} staged positions ({plan['box'][3]} kept per row), {mma.c_tiles * mma.n_tiles} warpgroup tiles of "
             f"64 channels x {mma.nb} positions per slab"
+            + (f"; input staged by phase ({len(mma.phase_rows)} H x {mma.w_phases} W phases)" if mma.phased else "")
         )
     return (
         f"tensor cores ({'3xTF32' if mma.products == 3 else 'TF32'} mma.sync m16n8k8): slabs of {sd}x{sh}x{plan['box'][3]} positions, warp tile "
