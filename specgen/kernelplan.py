@@ -123,6 +123,14 @@ class SlabTiling(TemplateValues):
     phase_rows: tuple = ()
     phase_base: tuple = ()
     w_phases: int = 1
+    # the next slab's input loaded into registers (STAGE_ITERS x 8 a thread) while the current slab
+    # multiplies, written to the planes after it: staging hidden at one block per SM
+    prefetch: bool = False
+
+    @property
+    def stage_iters(self) -> int:
+        """wgmma: the staged rows (of all planes) per thread and slab."""
+        return -(-self.chunks * self.plane_rows // self.threads)
 
     @property
     def m_groups(self) -> int:

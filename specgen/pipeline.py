@@ -80,7 +80,8 @@ def _without_spills(item: Specialized, arch: str | None, igemm_config=None,
     banner and its cache key stay the user's), and kept if it spills less. A `tile.min_blocks` the
     user wrote is left alone. One that still spills with a tf32 layer's exact sums
     (`plan.Settings.exact_sums`) is built once more with the running sum (its accuracy is fp32
-    mode's), and kept if it spills less."""
+    mode's), and kept if it spills less. A wgmma slab that prefetches the next slab's rows (the
+    planner's choice) and still spills is built once more without the prefetch."""
     spec = item.spec
     pinned = spec.tile is not None and spec.tile.min_blocks
     one_block = 1 if item.plan["min_blocks"] > 1 and not pinned else None
@@ -88,6 +89,10 @@ def _without_spills(item: Specialized, arch: str | None, igemm_config=None,
     retries = [replace(settings, min_blocks=one_block)] if one_block else []
     if getattr(item.plan.get("settings"), "exact_sums", False):
         retries.append(replace(settings, min_blocks=one_block, exact_sums=False))
+    mma = item.plan.get("mma")
+    if mma is not None and mma.wgmma and mma.prefetch and (settings.slab is None or not settings.slab.prefetch):
+        # the wgmma slab's prefetched rows take registers: without them (the planner's prefetch only)
+        retries.append(replace(settings, slab=SlabConfig(1, slab_h=settings.slab.slab_h if settings.slab else 0, prefetch=2)))
     for retry in retries:
         if item.build.spill_bytes == 0:
             break

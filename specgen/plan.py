@@ -345,6 +345,15 @@ WGMMA_MAX_ROW = 256  # staged positions per row (XS_W)
 WGMMA_MAX_SLAB_H = 8
 WGMMA_TWO_BLOCKS_NB = 128  # positions per wgmma whose accumulators (NB / 2 a thread) fit two blocks' 128 registers
 WGMMA_ALIGN_FLOATS = 256  # the planes start 1024-byte aligned (the swizzle is by shared-memory address)
+# registers a thread of a block alone on its SM may give to the next slab's rows (8 a row) beside its
+# NB / 2 accumulators and about 64 others, leaving ptxas room under its 255
+WGMMA_PREFETCH_MAX_REGS = 208
+
+
+def wgmma_registers(nb: int, stage_iters: int, prefetch: bool) -> int:
+    """A wgmma slab thread's registers, estimated: NB / 2 accumulators, the next slab's rows when
+    prefetched, and about 64 for fragments, addresses and the epilogue."""
+    return nb // 2 + 64 + (8 * stage_iters if prefetch else 0)
 
 
 def wgmma_why_not(cin_g: int, k3, role, products: int, target: Target) -> list[str]:
@@ -373,7 +382,7 @@ def wgmma_phases(k: int, s: int, dil: int) -> tuple[int, list[int]]:
 
 
 def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, s3, p3, d3, c_kept: bool,
-                  products: int, target: Target, slab_h: int = 0) -> SlabTiling | None:
+                  products: int, target: Target, slab_h: int = 0, prefetch: int = 0) -> SlabTiling | None:
     """The slab engine's tiling on wgmma, or None if nothing fits in shared memory.
 
     A slab is one output depth and SH output rows of the box. Its input is staged as CIP / 8
@@ -392,7 +401,11 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
     input row S_H (h0 + a) + j DIL_H % S_H, column S_W (w0 + b) + i DIL_W % S_W. Tap (kd, kh, kw)
     of phases (j, i) and offsets (qh, qw) then reads row p + base(j) + ((kd W_PHASES + i) XS_H[j]
     + qh) XS_W + qw for every position p = h XS_W + w: again one offset. The staged input is no
-    larger than the strided slab's own (no position is staged twice)."""
+    larger than the strided slab's own (no position is staged twice).
+
+    Staging is hidden behind the products either by a second block on the SM, or, for a block alone
+    on its SM with several slabs per box, by prefetch: each thread loads the next slab's rows into
+    registers while the current slab multiplies (`prefetch`: 0 the planner's choice, 1 on, 2 off)."""
     if wgmma_why_not(cin_g, k3, role, products, target):
         return None
     in_box = {a: role[a] in ("F", "R1") for a in AXES}
@@ -423,12 +436,17 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
                     for kd in range(k3[0]) for kh in range(k3[1]) for kw in range(k3[2])]
         off_max = max(tap_rows)  # the last tap's row offset
         xs_rows = sum(group_rows)
-        bh = sh * min(4, _ceil_div(t1[2], sh)) if not has_tail and in_box["h"] else sh
-        bd = min(4, t1[1]) if not has_tail and in_box["d"] and bh >= t1[2] else 1
-        box = [box_c, bd, min(bh, t1[2]), bw]
-        nf = math.prod(b for a, b in zip(AXES, box) if role[a] == "F")
-        nr = math.prod(b for a, b in zip(AXES, box) if role[a] == "R1")
-        direct = has_tail and nf == 1 and nr >= 32 * MMA_WARPS_ONE_BLOCK
+        # A block walks up to 4 slabs a box, staging its weights once (and, prefetching, hiding all
+        # but the first slab's staging); a box that a reduction keeps in shared memory stays one slab.
+        for tall in (True, False):
+            bh = sh * min(4, _ceil_div(t1[2], sh)) if tall and in_box["h"] else sh
+            bd = min(4, t1[1]) if tall and not has_tail and in_box["d"] and bh >= t1[2] else 1
+            box = [box_c, bd, min(bh, t1[2]), bw]
+            nf = math.prod(b for a, b in zip(AXES, box) if role[a] == "F")
+            nr = math.prod(b for a, b in zip(AXES, box) if role[a] == "R1")
+            direct = has_tail and nf == 1 and nr >= 32 * MMA_WARPS_ONE_BLOCK  # (folded as computed: no box kept)
+            if not has_tail or direct:
+                break
         floats = {"w": k_pad * ws, "box": math.prod(box) if has_tail and not direct else 0,
                   "red": 2 * max(32 * MMA_WARPS_ONE_BLOCK, nf) if has_tail else 0}
         for nb_max in (64, 128, 256):
@@ -442,22 +460,30 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
                 continue
             # (two blocks: at most 128 registers a thread, which hold 64 accumulators beside the rest)
             two_blocks = 2 * (smem + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and nb <= WGMMA_TWO_BLOCKS_NB
+            stage_iters = _ceil_div((cip // 8) * plane_rows, WGMMA_THREADS)
+            slabs = (bd, _ceil_div(box[2], sh))
+            can_prefetch = slabs[0] * slabs[1] > 1 and wgmma_registers(nb, stage_iters, True) <= WGMMA_PREFETCH_MAX_REGS
+            if prefetch == 1 and not can_prefetch:
+                continue
+            pf = can_prefetch and (prefetch == 1 or (prefetch == 0 and not two_blocks))
+            two_blocks = two_blocks and wgmma_registers(nb, stage_iters, pf) <= 128
             waste = (n_tiles * nb * c_tiles * 64) / (sh * bw * box_c)
-            # two blocks per SM (one stages while the other multiplies), no idle warpgroup, the least
-            # waste, then the most positions per wgmma and the tallest slab
-            key = (two_blocks, units % (WGMMA_THREADS // 128) == 0, -round(waste, 2), nb, sh)
+            # staging hidden (two blocks per SM, one staging while the other multiplies, or the next
+            # slab prefetched), no idle warpgroup, the least waste, then the most positions per
+            # wgmma and the tallest slab
+            key = (two_blocks or pf, two_blocks, units % (WGMMA_THREADS // 128) == 0, -round(waste, 2), nb, sh)
             if best is None or key > best[0]:
                 best = (key, SlabTiling(
                     box=box, threads=WGMMA_THREADS, warps=WGMMA_THREADS // 32, wm=nb // 16, wn=8, units=units,
                     unit_iters=_ceil_div(units, WGMMA_THREADS // 128), n_groups=c_tiles, slab=(1, sh),
-                    slabs=(bd, _ceil_div(box[2], sh)), m_slab=nv, mt=_ceil_div(nv, 16), cip=cip, k_pad=k_pad,
+                    slabs=slabs, m_slab=nv, mt=_ceil_div(nv, 16), cip=cip, k_pad=k_pad,
                     ksteps=k_pad // 8, ws=ws, swizzle=swizzle, xs=(k3[0], xs_h, xs_w), xs_wp=xs_w, ci_stride=0,
                     stage="planes", stage_batch=0, x_floats=x_floats, w_floats=floats["w"], direct_fold=direct,
                     products=products, wgmma=True, nb=nb, n_tiles=n_tiles, c_tiles=c_tiles, chunks=cip // 8,
                     xs_rows=xs_rows, plane_rows=plane_rows,
                     pair_stores=not has_tail and xs_w % 2 == 0 and bw % 2 == 0 and t1[3] % 2 == 0,
                     phased=s3[1] != 1 or s3[2] != 1, periods=(period_h, period_w), phase_rows=phase_rows,
-                    phase_base=phase_base, w_phases=len(q_w),
+                    phase_base=phase_base, w_phases=len(q_w), prefetch=pf,
                 ))
     if best is not None and user_box is not None:
         raise PlanError(["tile.box: the slab engine on wgmma chooses its own box (leave tile.box out)"])
@@ -522,6 +548,7 @@ class SlabConfig:
     wm: int = 0
     wn: int = 0
     slab_h: int = 0
+    prefetch: int = 0  # wgmma: the next slab's rows loaded during the current one's products (1), not (2)
 
     def __post_init__(self):
         if self.wgmma not in (0, 1):
@@ -532,10 +559,12 @@ class SlabConfig:
             raise ValueError("a warp tile is mma.sync's; wgmma tiles are a warpgroup's 64 channels")
         if not 0 <= self.slab_h <= WGMMA_MAX_SLAB_H or (self.slab_h and not self.wgmma):
             raise ValueError(f"slab_h (1..{WGMMA_MAX_SLAB_H}) is a wgmma slab's rows, got {self.slab_h}")
+        if self.prefetch not in (0, 1, 2) or (self.prefetch and not self.wgmma):
+            raise ValueError(f"prefetch (1 on, 2 off, 0 the planner's) is a wgmma slab's, got {self.prefetch}")
 
     def label(self) -> str:
         if self.wgmma:
-            return "slab wgmma" + (f" {self.slab_h} rows" if self.slab_h else "")
+            return "slab wgmma" + (f" {self.slab_h} rows" if self.slab_h else "") + {0: "", 1: " prefetch", 2: " no prefetch"}[self.prefetch]
         return "slab mma.sync" + (f" w{16 * self.wm}x{8 * self.wn}" if self.wm else "")
 
 
@@ -905,7 +934,12 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         if why:
             raise PlanError([f"tile.wgmma: the slab engine cannot run this layer on wgmma: {'; '.join(why)}"])
         mma = _wgmma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F",
-                            products, target, slab.slab_h if slab is not None else 0)
+                            products, target, slab.slab_h if slab is not None else 0, slab.prefetch if slab is not None else 0)
+        if mma is None and slab is not None and slab.prefetch == 1 and _wgmma_tiling(
+                tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F", products, target,
+                slab.slab_h) is not None:
+            raise PlanError(["tile.wgmma: no slab of this layer can prefetch the next one (a box of one slab, or no registers "
+                             f"left for the next slab's rows beside its accumulators: at most {WGMMA_PREFETCH_MAX_REGS} estimated)"])
         if mma is None:
             raise PlanError(["tile.wgmma: the slab engine's staged planes and weights do not fit in shared memory"])
     elif want_mma and not mma_why_not:
@@ -1152,7 +1186,7 @@ def _box_occupancy(bt: BoxTiling, smem_bytes: int, reductions: list, levels: lis
     min_blocks = 1
     if mma is not None:  # two blocks per SM when shared memory and registers allow: one stages while the other computes
         # accumulators + fragments, addresses and the epilogue (wgmma: NB / 2 accumulators)
-        regs = mma.nb // 2 + 64 if mma.wgmma else 4 * mma.wm * mma.wn + 64
+        regs = wgmma_registers(mma.nb, mma.stage_iters, mma.prefetch) if mma.wgmma else 4 * mma.wm * mma.wn + 64
         min_blocks = 2 if 2 * (smem_bytes + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and 2 * threads * max(regs, 128) <= target.regs_per_sm else 1
     elif not reductions and len(levels) == 1:
         fit = min(target.smem_per_block // max(1, smem_bytes), 2048 // threads)
@@ -1568,6 +1602,7 @@ def _engine_summary(plan: dict) -> str:
             f"{mma.xs_wp} staged positions ({plan['box'][3]} kept per row), {mma.c_tiles * mma.n_tiles} warpgroup tiles of "
             f"64 channels x {mma.nb} positions per slab"
             + (f"; input staged by phase ({len(mma.phase_rows)} H x {mma.w_phases} W phases)" if mma.phased else "")
+            + ("; the next slab's input prefetched into registers" if mma.prefetch else "")
         )
     return (
         f"tensor cores ({'3xTF32' if mma.products == 3 else 'TF32'} mma.sync m16n8k8): slabs of {sd}x{sh}x{plan['box'][3]} positions, warp tile "

@@ -206,7 +206,8 @@ def candidates(spec: LayerSpec) -> list:
 
 # The slab engine's candidates: mma.sync warp tiles that won or came close in the v40 sweeps (kb90's
 # 2 x 4, kb65's 2 x 4 against the planner's 3 x 2) and their neighbours; on Hopper the same layer on
-# wgmma, with the planner's slab and with taller slabs (one block per SM, more positions per wgmma).
+# wgmma, with the planner's slab and with taller slabs (one block per SM, more positions per wgmma),
+# and with the next slab's rows prefetched into registers or not (the planner's slab).
 SLAB_WARP_TILES = ((2, 4), (4, 2), (3, 2), (2, 2), (1, 4), (4, 1))
 SLAB_WGMMA_ROWS = (0, 4, 8)
 # The wgmma slab joins the candidates once its GPU tests (tests/test_slab_wgmma.py, marker gpu) have
@@ -220,7 +221,7 @@ def slab_candidates(spec: LayerSpec, plan: dict) -> list:
     allows it (`plan.wgmma_why_not`). Plans that come out the same as one already listed are left out."""
     seen = {_slab_shape(plan["mma"])}
     out = []
-    wgmma = [SlabConfig(1, slab_h=h) for h in SLAB_WGMMA_ROWS] \
+    wgmma = [SlabConfig(1, slab_h=h) for h in SLAB_WGMMA_ROWS] + [SlabConfig(1, prefetch=p) for p in (1, 2)] \
         if SLAB_WGMMA_CANDIDATES and igemm.has_wgmma(_tuning_target()) else []
     for cfg in [SlabConfig(0, wm, wn) for wm, wn in SLAB_WARP_TILES] + wgmma:
         try:
@@ -235,7 +236,7 @@ def slab_candidates(spec: LayerSpec, plan: dict) -> list:
 
 
 def _slab_shape(mma) -> tuple:
-    return (mma.wgmma, mma.wm, mma.wn, tuple(mma.slab), mma.nb)
+    return (mma.wgmma, mma.wm, mma.wn, tuple(mma.slab), mma.nb, mma.prefetch)
 
 
 @dataclass
@@ -253,7 +254,8 @@ class Candidate:
             plan = self.item.plan
             if plan["engine"] == "slab":
                 mma = plan["mma"]
-                return "heuristic (" + label(SlabConfig(1, slab_h=mma.slab[1]) if mma.wgmma else SlabConfig(0, mma.wm, mma.wn)) + ")"
+                return "heuristic (" + label(SlabConfig(1, slab_h=mma.slab[1], prefetch=1 if mma.prefetch else 2) if mma.wgmma
+                                             else SlabConfig(0, mma.wm, mma.wn)) + ")"
             return "heuristic (" + label(plan[plan["engine"]].config) + ")"
         return label(self.config)
 

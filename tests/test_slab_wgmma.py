@@ -209,6 +209,37 @@ def test_the_source_multiplies_on_wgmma(data):
     assert ("split_tf32(" in text) == (mma.products == 3) and ("tf32_round(" in text) == (mma.products == 1)
     assert "fence.proxy.async.shared::cta" in text  # the planes' stores made visible to wgmma
     assert ("store_pair(out_n" in text) == mma.pair_stores
+    # prefetching: the next slab's rows loaded before the products, the K loop not unrolled
+    assert ("load_rows(x_n, next" in text) == mma.prefetch and ("stage_planes(x_n" in text) == (not mma.prefetch)
+    assert ("#pragma unroll 1\n  for (int s = 0; s < KSTEPS; s += 2)" in text) == mma.prefetch
+
+
+def test_prefetch_where_a_block_is_alone_on_its_sm():
+    """The planner prefetches the next slab's rows where staging is not hidden by a second block;
+    a planner setting (the tuner's candidates) turns it on or off, and refuses it with the reason
+    where a box holds one slab."""
+    from specgen.plan import SlabConfig, Settings
+
+    def plan_of(data, **slab):
+        plan = build_plan(validate(data), settings=Settings(slab=SlabConfig(1, **slab)) if slab else None) \
+            if slab else build_plan(validate(data))
+        plans = [p["plan"] for p in plan["parts"]] if plan.get("parts") else [plan]
+        (body,) = [p for p in plans if p["engine"] == "slab"]
+        return body
+
+    stem = plan_of(by_name("stem_fp32"))
+    assert stem["mma"].prefetch and stem["min_blocks"] == 1 and stem["mma"].slabs[0] * stem["mma"].slabs[1] > 1
+    assert "the next slab's input prefetched into registers" in describe(build_plan(validate(by_name("stem_fp32"))))
+    kb90 = plan_of(by_name("kb90_small"))
+    assert not kb90["mma"].prefetch and kb90["min_blocks"] == 2  # (a second block hides staging)
+    assert plan_of(by_name("kb90_small"), prefetch=1)["mma"].prefetch
+    assert not plan_of(by_name("stem_fp32"), prefetch=2)["mma"].prefetch
+    with pytest.raises(PlanError, match="no slab of this layer can prefetch the next one"):
+        plan_of(by_name("line_128"), prefetch=1)  # one slab a box
+
+
+def by_name(name):
+    return next(d for d in LAYERS if d["name"] == name)
 
 
 def test_wgmma_refuses_what_it_cannot_run():
@@ -240,6 +271,7 @@ def test_wgmma_slab_kernels_build_for_sm_90a_without_spills(tmp_path, monkeypatc
     picked = [LAYERS[i] for i in (0, 2, 6, 8, 9, 10, 11, 13)]
     built = pipeline.specialize_many([validate(d) for d in picked], "sm_90", tuned=False)
     assert len(built) == len(picked)
+    assert any(item.plan["mma"].prefetch for item in built)  # (the stem prefetches the next slab's rows)
     for item in built:
         log = item.build.log
         assert item.build.spill_bytes == 0, (item.spec.name, log)
@@ -275,3 +307,23 @@ def test_wgmma_slab_layers_take_channels_last_inputs(data, fp32_reference):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma runs on sm_90a (H100 / H200) only")
     compare(FusedLayer(validate(data)).cuda(), 2, seed=11, channels_last=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["kb90_small", "stem_fp32", "kb65_small", "strided_3d", "mean_all"])
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_wgmma_slab_with_and_without_prefetch(name, prefetch, fp32_reference):
+    """Each layer with the next slab's rows prefetched into registers (1) and staged in turn (2), as
+    the tuner's candidates build them, against float64 (poisoned output, fresh inputs)."""
+    from specgen import cache, pipeline, tune
+    from specgen.plan import SlabConfig
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma runs on sm_90a (H100 / H200) only")
+    spec = validate(by_name(name))
+    plan, source, req = pipeline.request(spec, None, igemm_config=SlabConfig(1, prefetch=prefetch))
+    assert plan["mma"].prefetch == (prefetch == 1)
+    cand = tune.Candidate(SlabConfig(1, prefetch=prefetch), pipeline.Specialized(spec, plan, source, cache.get_or_build(req)))
+    tune.measure(spec, [cand], batch=3, reps=1)
+    assert cand.ok, (name, prefetch, cand.rel_l2)
+

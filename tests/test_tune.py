@@ -141,7 +141,8 @@ def test_wgmma_slab_candidates_wait_for_their_gpu_tests(monkeypatch):
 def test_a_bad_slab_config_is_refused():
     from specgen.plan import SlabConfig
 
-    for bad in ({"wgmma": 2}, {"wm": 3}, {"wm": 5, "wn": 1}, {"wgmma": 1, "wm": 2, "wn": 2}, {"slab_h": 2}):
+    for bad in ({"wgmma": 2}, {"wm": 3}, {"wm": 5, "wn": 1}, {"wgmma": 1, "wm": 2, "wn": 2}, {"slab_h": 2},
+                {"prefetch": 1}, {"wgmma": 1, "prefetch": 3}):
         with pytest.raises(ValueError):
             SlabConfig(**bad)
 
