@@ -345,6 +345,11 @@ WGMMA_MAX_ROW = 256  # staged positions per row (XS_W)
 WGMMA_MAX_SLAB_H = 8
 WGMMA_TWO_BLOCKS_NB = 128  # positions per wgmma whose accumulators (NB / 2 a thread) fit two blocks' 128 registers
 WGMMA_ALIGN_FLOATS = 256  # the planes start 1024-byte aligned (the swizzle is by shared-memory address)
+# Left to the planner, the slab engine runs on mma.sync until the wgmma slab has run on a GPU (its
+# tests, tests/test_slab_wgmma.py, marker gpu) and won there (benchmarks/tile_sweep.py). True: on
+# sm_90a every layer the wgmma slab can run (`wgmma_why_not`, and not `exact_tf32`) runs on it,
+# unless its spec says `tile: {wgmma: false}` or a tuned choice pins mma.sync.
+SLAB_WGMMA_DEFAULT = False
 # registers a thread of a block alone on its SM may give to the next slab's rows (8 a row) beside its
 # NB / 2 accumulators and about 64 others, leaving ptxas room under its 255
 WGMMA_PREFETCH_MAX_REGS = 208
@@ -879,11 +884,13 @@ class BoxMemory:
 
 def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dict, reductions: list,
                 in3: tuple, k3: tuple, s3: tuple, p3: tuple, d3: tuple, taps: int, target: Target,
-                slab: SlabConfig | None = None) -> BoxTiling:
+                slab: SlabConfig | None = None, exact_sums: bool = False) -> BoxTiling:
     """Pass 5, the box engines' tiling (slab on tensor cores, else FFMA): the box of T1 a block
     owns, the register tile, the threads, the blocks per sample and their clusters, and the tail's
     owners (the kept elements of a box and the lanes each). A tile's fields in the spec decide where
     given; `slab`, a tuner's candidate, makes the slab engine run with its instruction and tile.
+    `exact_sums`: the layer sums each k-step's products apart (`Settings.exact_sums`: a tf32 layer
+    computed exactly), which the slab engine does on mma.sync only.
     (The TMA and implicit-GEMM engines tile for themselves: `tma.plan_tma`, `igemm.plan_igemm`.)"""
     nd = spec.ndim
     cin, cout, groups = spec.input.channels, spec.conv.out_channels, spec.conv.groups
@@ -943,10 +950,18 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         if mma is None:
             raise PlanError(["tile.wgmma: the slab engine's staged planes and weights do not fit in shared memory"])
     elif want_mma and not mma_why_not:
-        mma = _mma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F", target,
-                          (slab.wm, slab.wn) if slab is not None and slab.wm else None)
-        if mma is not None and slab_in_tf32(spec):
-            mma = replace(mma, products=1)
+        mma = None
+        if SLAB_WGMMA_DEFAULT and slab is None and (tile is None or (tile.wgmma is None and tile.box is None)) \
+                and not exact_sums:  # (the planner's default on sm_90a, where the layer allows it)
+            products = 1 if slab_in_tf32(spec) else 3
+            if not wgmma_why_not(cin // groups, k3, srole, products, target):
+                mma = _wgmma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3,
+                                    role["c"] == "F", products, target)
+        if mma is None:
+            mma = _mma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F", target,
+                              (slab.wm, slab.wn) if slab is not None and slab.wm else None)
+            if mma is not None and slab_in_tf32(spec):
+                mma = replace(mma, products=1)
         if mma is None and asks_slab:
             raise PlanError(["tile.engine: the slab engine's staged input and weights do not fit in shared memory"])
         if mma is None and tile is not None and tile.tensor_cores:
@@ -1239,7 +1254,8 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     # ---- passes 5 and 6: the box engines' tiling, shared memory, row accesses and occupancy -------
     tile = spec.tile
     cout_g = cout // groups
-    bt = _box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, target, settings.slab)
+    bt = _box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, target, settings.slab,
+                     bool(settings.exact_sums))
     mma, box, ct, pt, threads = bt.mma, bt.box, bt.ct, bt.pt, bt.threads
     thread_tiles, tile_iters, split_channels = bt.thread_tiles, bt.tile_iters, bt.split_channels
     f_axes, r1_axes, f1_axes, tiles, chunks = bt.f_axes, bt.r1_axes, bt.f1_axes, bt.tiles, bt.chunks

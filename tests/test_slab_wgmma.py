@@ -262,6 +262,32 @@ def test_left_to_the_planner_the_slab_engine_stays_on_mma_sync():
     assert plan["engine"] == "slab" and not plan["mma"].wgmma
 
 
+def test_the_planners_wgmma_switch(monkeypatch):
+    """`plan.SLAB_WGMMA_DEFAULT` (off until the wgmma slab has run on a GPU): on, the planner runs
+    every slab layer it can on wgmma on sm_90a, and mma.sync where the layer or its spec says no."""
+    from specgen import plan as plan_module
+    from specgen.plan import Settings, SlabConfig
+
+    def on_slab(data):
+        plan = build_plan(validate(data))
+        return any(p["plan"]["engine"] == "slab" for p in plan["parts"]) if plan.get("parts") else plan["engine"] == "slab"
+
+    free_layers = [{k: v for k, v in data.items() if k != "tile"} for data in LAYERS]
+    slab_layers = [data for data in free_layers if on_slab(data)]  # (the others the planner gives another engine)
+    assert len(slab_layers) >= 8
+    monkeypatch.setattr(plan_module, "SLAB_WGMMA_DEFAULT", True)
+    for free in slab_layers:
+        assert slab_plan(free)["mma"].wgmma, free["name"]
+        assert not slab_plan({**free, "tile": {"wgmma": False}})["mma"].wgmma
+        sm80 = build_plan(validate(free), target=targets.resolve("sm_80"))
+        assert not any(p["plan"].get("mma") is not None and p["plan"]["mma"].wgmma for p in sm80.get("parts") or [{"plan": sm80}])
+    kb90 = {k: v for k, v in LAYERS[0].items() if k != "tile"}
+    assert not build_plan(validate(kb90), settings=Settings(slab=SlabConfig(0, 2, 4)))["mma"].wgmma  # a tuned mma.sync tile
+    exact = layer("exact", 8, [12, 20], 64, 3, precision="tf32", padding=1)
+    del exact["tile"]
+    assert not build_plan(validate(exact))["mma"].wgmma  # (computed as fp32, one running sum would not do)
+
+
 @pytest.mark.nvcc
 def test_wgmma_slab_kernels_build_for_sm_90a_without_spills(tmp_path, monkeypatch):
     from specgen import pipeline
