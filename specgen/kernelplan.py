@@ -126,11 +126,20 @@ class SlabTiling(TemplateValues):
     # the next slab's input loaded into registers (STAGE_ITERS x 8 a thread) while the current slab
     # multiplies, written to the planes after it: staging hidden at one block per SM
     prefetch: bool = False
+    # the K_W taps along W packed with the input channels into one K run per (kd, kh) of CIP values
+    # ((kw, ci) at kw C_IN_G + ci, `plan.wgmma_k`): a staged row per output column, holding its
+    # input at every W tap; the GEMM's taps are then (kd, kh)
+    packed_w: bool = False
+
+    @property
+    def row_iters(self) -> int:
+        """wgmma: the staged rows of one plane per thread and slab."""
+        return -(-self.plane_rows // self.threads)
 
     @property
     def stage_iters(self) -> int:
         """wgmma: the staged rows (of all planes) per thread and slab."""
-        return -(-self.chunks * self.plane_rows // self.threads)
+        return self.chunks * self.row_iters
 
     @property
     def m_groups(self) -> int:

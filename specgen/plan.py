@@ -361,16 +361,28 @@ def wgmma_registers(nb: int, stage_iters: int, prefetch: bool) -> int:
     return nb // 2 + 64 + (8 * stage_iters if prefetch else 0)
 
 
+def wgmma_k(cin_g: int, k3) -> tuple[int, bool]:
+    """The K of one GEMM tap of the wgmma slab, padded to a k-step (8), and whether the W taps are
+    packed into it. A k-step reads 8 K values of one position; with fewer than 8 input channels a
+    tap's channels alone would leave most of them zero (the stem's 3 of 8), so the K_W taps along W
+    and the channels are packed together, (kw, ci) at kw C_IN_G + ci of one K run per (kd, kh), where
+    that takes fewer k-steps. (Not with 8 or more channels: what packing saves there is small, and a
+    row per output column stages each input value once per W tap.)"""
+    plain, packed = _round_up(cin_g, 8), _round_up(k3[2] * cin_g, 8)
+    return (packed, True) if cin_g < 8 and packed < k3[2] * plain else (plain, False)
+
+
 def wgmma_why_not(cin_g: int, k3, role, products: int, target: Target) -> list[str]:
     """Why the slab engine cannot run this layer on wgmma (empty: it can)."""
-    taps = k3[0] * k3[1] * k3[2]
+    cip, packed = wgmma_k(cin_g, k3)
+    k_pad = k3[0] * k3[1] * cip * (1 if packed else k3[2])
     return [
         why
         for why, bad in (
             (f"wgmma needs sm_90a (Hopper), the target is {target.arch}", not igemm_engine.has_wgmma(target)),
             ("the width is reduced one position at a time", role["w"] not in ("F", "R1")),
-            (f"taps x input channels padded to 8 is {taps * _round_up(cin_g, 8)}, more than the {WGMMA_MAX_K} one running "
-             "3xTF32 sum keeps to fp32 accuracy", products == 3 and taps * _round_up(cin_g, 8) > WGMMA_MAX_K),
+            (f"taps x input channels padded to 8 is {k_pad}, more than the {WGMMA_MAX_K} one running "
+             "3xTF32 sum keeps to fp32 accuracy", products == 3 and k_pad > WGMMA_MAX_K),
         )
         if bad
     ]
@@ -417,12 +429,12 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
     box_c = min(_round_up(cout, 8), 256) if cout <= 256 else _balanced(t1[0], 256, 64)
     weight_channels = box_c if c_kept else cout
     ws, swizzle = _weight_stride(weight_channels)  # (wgmma's A fragments read w_s as mma.sync's B fragments do)
-    cip = _round_up(cin_g, 8)
-    taps = k3[0] * k3[1] * k3[2]
-    k_pad = taps * cip
+    cip, packed = wgmma_k(cin_g, k3)
+    k_pad = k3[0] * k3[1] * cip * (1 if packed else k3[2])
     c_tiles = _ceil_div(box_c, 64)
     period_h, q_h = wgmma_phases(k3[1], s3[1], d3[1])
-    period_w, q_w = wgmma_phases(k3[2], s3[2], d3[2])
+    # packed: a staged row per output column, holding every W tap's input (no W phases, no halo)
+    period_w, q_w = (1, [0]) if packed else wgmma_phases(k3[2], s3[2], d3[2])
     halo_w = max(q_w)  # (stride 1: (K_W - 1) DIL_W)
     bw = _balanced(t1[3], WGMMA_MAX_ROW - halo_w)
     xs_w = bw + halo_w
@@ -438,7 +450,7 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
         nv = sh * xs_w  # the slab's positions, dropped ones included
         tap_rows = [phase_base[kh % period_h] + ((kd * len(q_w) + kw % period_w) * phase_rows[kh % period_h]
                     + kh * d3[1] // s3[1]) * xs_w + kw * d3[2] // s3[2]
-                    for kd in range(k3[0]) for kh in range(k3[1]) for kw in range(k3[2])]
+                    for kd in range(k3[0]) for kh in range(k3[1]) for kw in range(1 if packed else k3[2])]
         off_max = max(tap_rows)  # the last tap's row offset
         xs_rows = sum(group_rows)
         # A block walks up to 4 slabs a box, staging its weights once (and, prefetching, hiding all
@@ -465,7 +477,7 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
                 continue
             # (two blocks: at most 128 registers a thread, which hold 64 accumulators beside the rest)
             two_blocks = 2 * (smem + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and nb <= WGMMA_TWO_BLOCKS_NB
-            stage_iters = _ceil_div((cip // 8) * plane_rows, WGMMA_THREADS)
+            stage_iters = (cip // 8) * _ceil_div(plane_rows, WGMMA_THREADS)  # (plane by plane: SlabTiling.stage_iters)
             slabs = (bd, _ceil_div(box[2], sh))
             can_prefetch = slabs[0] * slabs[1] > 1 and wgmma_registers(nb, stage_iters, True) <= WGMMA_PREFETCH_MAX_REGS
             if prefetch == 1 and not can_prefetch:
@@ -488,7 +500,7 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
                     xs_rows=xs_rows, plane_rows=plane_rows,
                     pair_stores=not has_tail and xs_w % 2 == 0 and bw % 2 == 0 and t1[3] % 2 == 0,
                     phased=s3[1] != 1 or s3[2] != 1, periods=(period_h, period_w), phase_rows=phase_rows,
-                    phase_base=phase_base, w_phases=len(q_w), prefetch=pf,
+                    phase_base=phase_base, w_phases=len(q_w), prefetch=pf, packed_w=packed,
                 ))
     if best is not None and user_box is not None:
         raise PlanError(["tile.box: the slab engine on wgmma chooses its own box (leave tile.box out)"])
@@ -1619,6 +1631,7 @@ def _engine_summary(plan: dict) -> str:
             f"64 channels x {mma.nb} positions per slab"
             + (f"; input staged by phase ({len(mma.phase_rows)} H x {mma.w_phases} W phases)" if mma.phased else "")
             + ("; the next slab's input prefetched into registers" if mma.prefetch else "")
+            + (f"; the W taps packed into K ({mma.cip} per (kd, kh))" if mma.packed_w else "")
         )
     return (
         f"tensor cores ({'3xTF32' if mma.products == 3 else 'TF32'} mma.sync m16n8k8): slabs of {sd}x{sh}x{plan['box'][3]} positions, warp tile "

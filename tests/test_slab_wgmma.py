@@ -47,6 +47,8 @@ LAYERS = [
     layer("stride_dilation", 8, [23, 25], 40, 3, stride=[3, 2], padding=[2, 1], dilation=2),  # 3 H phases; 1 W phase
     layer("line_stride_3", 8, [95], 128, 4, stride=3, padding=1),
     layer("strided_3d", 4, [6, 11, 13], 64, 3, stride=2, padding=1),
+    # the ResNet stem at its size: alone on its SM (its planes and weights take 190 KB), it prefetches
+    layer("stem_224", 3, [224, 224], 64, 7, stride=2, padding=3),
 ]
 IDS = [d["name"] for d in LAYERS]
 
@@ -64,7 +66,10 @@ def test_the_plan_runs_the_slab_engine_on_wgmma(data):
     mma = plan["mma"]
     assert mma.wgmma and plan["threads"] == 256
     assert mma.n_tiles * mma.nb >= mma.slab[1] * mma.xs[2] and mma.nb % 8 == 0 and 8 <= mma.nb <= 256
-    assert mma.c_tiles * 64 >= plan["box"][0] and mma.k_pad == plan["taps"] * mma.cip and mma.cip % 8 == 0
+    k_d, k_h, k_w = plan["kernel"]
+    gemm_taps = k_d * k_h if mma.packed_w else plan["taps"]  # (the W taps packed into K: one run per (kd, kh))
+    assert mma.c_tiles * 64 >= plan["box"][0] and mma.k_pad == gemm_taps * mma.cip and mma.cip % 8 == 0
+    assert mma.packed_w == (plan["cin"] < 8 and -(-k_w * plan["cin"] // 8) < k_w * -(-plan["cin"] // 8))
     assert mma.products == (1 if data["precision"] == "tf32" else 3)
     assert "wgmma m64n" in describe(build_plan(validate(data)))
 
@@ -88,9 +93,15 @@ def simulate(plan, x, weight, bias):
     nb, rows = mma.nb, mma.plane_rows
     x = x.reshape(cin, in_d, in_h, in_w)
     w = weight.reshape(cout, cin, k_d * k_h * k_w)
-    taps = np.arange(k_d * k_h * k_w)
-    kd, kh, kw = taps // (k_h * k_w), taps // k_w % k_h, taps % k_w
-    # the staged input by phase (one phase at stride 1): tap_row() and stage_planes() of the template
+    # The GEMM's taps and K runs: (kd, kh, kw) and its channels, or, the W taps packed into K,
+    # (kd, kh) and (kw, ci) = divmod(k, C_IN_G) of its run (`plan.wgmma_k`)
+    k_w_gemm = 1 if mma.packed_w else k_w
+    taps = np.arange(k_d * k_h * k_w_gemm)
+    kd, kh, kw = taps // (k_h * k_w_gemm), taps // k_w_gemm % k_h, taps % k_w_gemm
+    run_kw, run_ci = (np.arange(mma.cip) // cin, np.arange(mma.cip) % cin) if mma.packed_w else \
+        (np.zeros(mma.cip, dtype=int), np.arange(mma.cip))
+    run_ok = (run_kw < k_w) & (run_ci < cin)  # (the run's padding: zeros)
+    # the staged input by phase (one phase at stride 1): tap_row() and load_row() of the template
     (period_h, period_w), phase_rows, base, w_phases = mma.periods, np.array(mma.phase_rows), np.array(mma.phase_base), mma.w_phases
     hp, wp = kh % period_h, kw % period_w
     tap_row = base[hp] + ((kd * w_phases + wp) * phase_rows[hp] + kh * dil_h // s_h) * xs_w + kw * dil_w // s_w
@@ -109,17 +120,21 @@ def simulate(plan, x, weight, bias):
             sd0, sh0 = slab // slabs_h, slab % slabs_h * slab_h
             d_in = (db + sd0) * s_d - p_d + zd * dil_d
             h_in, w_in = (hb + sh0) * s_h - p_h + zh, wb * s_w - p_w + zw
-            ok = (r < mma.xs_rows) & (d_in >= 0) & (d_in < in_d) & (h_in >= 0) & (h_in < in_h) & (w_in >= 0) & (w_in < in_w)
             planes = np.zeros((rows, mma.cip))
-            planes[ok, :cin] = x[:, d_in[ok], h_in[ok], w_in[ok]].T
+            for k in np.nonzero(run_ok)[0]:  # K value k of every row: channel run_ci[k] at column w_in + run_kw[k] DIL_W
+                col = w_in + run_kw[k] * dil_w
+                ok = (r < mma.xs_rows) & (d_in >= 0) & (d_in < in_d) & (h_in >= 0) & (h_in < in_h) & (col >= 0) & (col < in_w)
+                planes[ok, k] = x[run_ci[k], d_in[ok], h_in[ok], col[ok]]
             for unit in range(mma.units):
                 ct, nt = unit % mma.c_tiles, unit // mma.c_tiles
                 p = nt * nb + np.arange(nb)
                 assert (p[-1] + tap_row.max()) < rows, "a tile reads past its plane"
                 ch = cb + ct * 64 + np.arange(64)
-                a = np.zeros((64, len(taps), mma.cip))
+                a = np.zeros((64, len(taps), mma.cip))  # [channel][GEMM tap][K of its run]: the template's w_s
                 valid = ch < min(cout, cb + box[0])
-                a[valid, :, :cin] = w[ch[valid]].transpose(0, 2, 1)
+                conv_tap = taps[:, None] * (k_w if mma.packed_w else 1) + run_kw[None, :]  # (kd, kh, kw) of each K
+                for k in np.nonzero(run_ok)[0]:
+                    a[np.ix_(valid, np.arange(len(taps)), [k])] = w[ch[valid]][:, run_ci[k], conv_tap[:, k]][:, :, None]
                 acc = np.einsum("ctk,tpk->cp", a, planes[p[None, :] + tap_row[:, None]])
                 ph, pw = sh0 + p // xs_w, p % xs_w
                 d, h, wo = db + sd0, hb + ph, wb + pw
@@ -227,13 +242,13 @@ def test_prefetch_where_a_block_is_alone_on_its_sm():
         (body,) = [p for p in plans if p["engine"] == "slab"]
         return body
 
-    stem = plan_of(by_name("stem_fp32"))
+    stem = plan_of(by_name("stem_224"))
     assert stem["mma"].prefetch and stem["min_blocks"] == 1 and stem["mma"].slabs[0] * stem["mma"].slabs[1] > 1
-    assert "the next slab's input prefetched into registers" in describe(build_plan(validate(by_name("stem_fp32"))))
+    assert "the next slab's input prefetched into registers" in describe(build_plan(validate(by_name("stem_224"))))
     kb90 = plan_of(by_name("kb90_small"))
     assert not kb90["mma"].prefetch and kb90["min_blocks"] == 2  # (a second block hides staging)
     assert plan_of(by_name("kb90_small"), prefetch=1)["mma"].prefetch
-    assert not plan_of(by_name("stem_fp32"), prefetch=2)["mma"].prefetch
+    assert not plan_of(by_name("stem_224"), prefetch=2)["mma"].prefetch
     with pytest.raises(PlanError, match="no slab of this layer can prefetch the next one"):
         plan_of(by_name("line_128"), prefetch=1)  # one slab a box
 
@@ -294,10 +309,11 @@ def test_wgmma_slab_kernels_build_for_sm_90a_without_spills(tmp_path, monkeypatc
 
     monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path / "cache"))
     # 3-D fp32, two planes, tf32, a tail, a full reduction; staged by phase: a fold, a stem, three H phases
-    picked = [LAYERS[i] for i in (0, 2, 6, 8, 9, 10, 11, 13)]
+    # the stem at its size: packed W taps, by phase, prefetching
+    picked = [LAYERS[i] for i in (0, 2, 6, 8, 9, 10, 11, 13)] + [by_name("stem_224")]
     built = pipeline.specialize_many([validate(d) for d in picked], "sm_90", tuned=False)
     assert len(built) == len(picked)
-    assert any(item.plan["mma"].prefetch for item in built)  # (the stem prefetches the next slab's rows)
+    assert built[-1].plan["mma"].prefetch and built[-1].plan["mma"].packed_w
     for item in built:
         log = item.build.log
         assert item.build.spill_bytes == 0, (item.spec.name, log)
@@ -336,7 +352,7 @@ def test_wgmma_slab_layers_take_channels_last_inputs(data, fp32_reference):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["kb90_small", "stem_fp32", "kb65_small", "strided_3d", "mean_all"])
+@pytest.mark.parametrize("name", ["kb90_small", "stem_fp32", "kb65_small", "strided_3d", "mean_all", "stem_224"])
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_wgmma_slab_with_and_without_prefetch(name, prefetch, fp32_reference):
     """Each layer with the next slab's rows prefetched into registers (1) and staged in turn (2), as
