@@ -57,14 +57,22 @@ def request(spec: LayerSpec, arch: str | None = None, runtime_dims: bool = False
         settings, igemm_config = replace(settings, slab=igemm_config), None
     ig_config = None if tma_config is not None else igemm_config
     plan = build_plan(spec, ig_config, targets.resolve(arch), tma_config, settings)
+    arch = build_arch(plan, arch)
+    source = render_plan(plan, runtime_dims=runtime_dims)
+    return plan, source, cache.BuildRequest(spec.name, source, spec.canonical_json(), arch)
+
+
+def build_arch(plan: dict, arch: str | None) -> str | None:
+    """The arch a plan builds for: `arch`, or sm_90a where the plan runs on Hopper's wgmma (the TMA
+    engine, the implicit GEMM's or the slab engine's wgmma tiles, a sequence's body included), whose
+    instructions exist only there. PlanError if `arch` names another GPU."""
     ig, slab = plan.get("igemm"), plan.get("mma")
     if plan["engine"] == "tma" or plan.get("tma") is not None or (ig is not None and ig.wgmma) \
             or (slab is not None and slab.wgmma):  # (a sequence's body too)
         if arch not in (None, "sm_90", "sm_90a"):
             raise PlanError([f"tile: the {plan['engine']} engine's wgmma plan runs on sm_90a (H100/H200) only, not {arch}"])
-        arch = "sm_90a"
-    source = render_plan(plan, runtime_dims=runtime_dims)
-    return plan, source, cache.BuildRequest(spec.name, source, spec.canonical_json(), arch)
+        return "sm_90a"
+    return arch
 
 
 def specialize_runtime_dims(spec: LayerSpec, arch: str | None = None) -> Specialized:

@@ -27,6 +27,7 @@ CLUSTERED = {
     "input": {"channels": 8, "size": [32, 32]},
     "conv": {"out_channels": 32, "kernel": 3},
     "epilogue": [{"logsumexp": {"dims": [1, 2, 3]}}],
+    "tile": {"wgmma": False},  # (the mma.sync slab's plan, whose blocks of a sample form a cluster)
 }
 EM_CUDA = 190
 BAD = 'extern "C" __global__ void k(float* y){\n  float a = 1.0f;\n  y[threadIdx.x] = a\n}\n// tail 1\n'
@@ -225,6 +226,23 @@ def test_clustered_spec_same_kernel_through_both_compilers(cache_env):
     major, minor = nvrtc.version()
     if f"cuda_{major}.{minor}." in nvcc_release:
         assert builds["nvcc"].registers == builds["nvrtc"].registers
+
+
+@needs_nvrtc
+def test_a_wgmma_slab_kernel_builds_through_nvrtc_for_sm_90a(cache_env):
+    """The slab engine on wgmma (a strided, prefetching stem: its rows in a register array, the
+    W taps packed into K) through both compilers: sm_90a cubins with the same entry point and ELF
+    flags, no spills."""
+    spec = validate({"name": "stem_wgmma", "input": {"channels": 3, "size": [224, 224]},
+                     "conv": {"out_channels": 64, "kernel": 7, "stride": 2, "padding": 3}, "epilogue": ["relu"],
+                     "tile": {"wgmma": True}})
+    plan, source, req = pipeline.request(spec)
+    assert req.arch == "sm_90a" and plan["mma"].wgmma and plan["mma"].prefetch and plan["mma"].packed_w
+    builds = {compiler: cache.get_or_build(cache.BuildRequest(spec.name, source, spec.canonical_json(), "sm_90a",
+                                                               compiler=compiler)) for compiler in ("nvcc", "nvrtc")}
+    elf = {k: _elf(b.cubin.read_bytes(), plan["kernel_name"]) for k, b in builds.items()}
+    assert elf["nvcc"] == elf["nvrtc"] and elf["nvcc"][0] == EM_CUDA
+    assert all(b.spill_bytes == 0 and b.registers > 0 for b in builds.values())
 
 
 # ---------------------------------------------------------------------------- GPU

@@ -65,8 +65,8 @@ def test_shallow_layers_stay_on_ffma_unless_asked():
 def test_tensor_core_tiling_invariants(spec):  # spec: a mapping
     """Whatever the layer: the warp tiles cover the slab, K is padded to whole k-steps, the staged
     input holds every tap of every position, and shared memory fits."""
-    try:
-        valid = validate({**spec, "tile": {"tensor_cores": True}})
+    try:  # (mma.sync's tiling: the wgmma slab's is tests/test_slab_wgmma.py's)
+        valid = validate({**spec, "tile": {"tensor_cores": True, "wgmma": False}})
     except SpecError as err:  # the strategy can draw an empty pooled output: a clean rejection
         assert "spans" in str(err)
         return
@@ -213,9 +213,12 @@ def test_runtime_dims_rendering_compiles(name, tmp_path):
     """`specgen bench` builds this variant on the GPU machine; make sure it builds everywhere."""
     from specgen.compile import compile_cubin
 
+    from specgen.pipeline import build_arch
+
     src = tmp_path / "kernel.cu"
-    src.write_text(render_plan(build_plan(SPECS[name]), runtime_dims=True))
-    report = compile_cubin(src, tmp_path / "kernel.cubin", "sm_90")
+    plan = build_plan(SPECS[name])
+    src.write_text(render_plan(plan, runtime_dims=True))
+    report = compile_cubin(src, tmp_path / "kernel.cubin", build_arch(plan, "sm_90"))
     assert report.registers > 0, report.log
 
 
@@ -261,7 +264,7 @@ def test_a_build_that_spills_is_rebuilt_with_one_block_per_sm(tmp_path, monkeypa
 
     monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path / "cache"))
     spec = validate({"name": "tight", "input": {"channels": 8, "size": [33, 40]},
-                     "conv": {"out_channels": 96, "kernel": 3}, "epilogue": ["relu"], "tile": {"tensor_cores": True}})
+                     "conv": {"out_channels": 96, "kernel": 3}, "epilogue": ["relu"], "tile": {"tensor_cores": True, "wgmma": False}})
     plan = build_plan(spec)
     assert plan["min_blocks"] == 2
     (tmp_path / "k.cu").write_text(render_plan(plan))
@@ -270,7 +273,7 @@ def test_a_build_that_spills_is_rebuilt_with_one_block_per_sm(tmp_path, monkeypa
     item = pipeline.specialize(spec)
     assert item.build.spill_bytes == 0, item.build.log
     assert item.plan["min_blocks"] == 1 and "__launch_bounds__(THREADS)" in item.source
-    pinned = validate({**spec.model_dump(), "tile": {"tensor_cores": True, "min_blocks": 2}})
+    pinned = validate({**spec.model_dump(), "tile": {"tensor_cores": True, "wgmma": False, "min_blocks": 2}})
     assert pipeline.specialize(pinned).plan["min_blocks"] == 2  # what the user writes is kept
 
 

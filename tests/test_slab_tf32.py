@@ -5,6 +5,8 @@ and on the GPU (marker `gpu`) the results against the tf32 bar (2x PyTorch's own
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from specgen.plan import build_plan, describe
@@ -51,7 +53,7 @@ def test_a_tf32_stem_runs_its_slab_products_in_tf32(data):
     assert plan["mma"]["products"] == 1
     text = render_plan(plan)
     assert "tf32_round(" in text and "split_tf32(" not in text
-    assert "TF32 mma.sync" in describe(build_plan(validate(data)))
+    assert re.search(r"TF32 (mma\.sync|wgmma)", describe(build_plan(validate(data))))  # (the slab on either instruction)
 
 
 @pytest.mark.parametrize("data", THREE, ids=[d["name"] for d in THREE])
@@ -117,7 +119,8 @@ def test_the_slab_epilogue_reads_a_channels_parameters_once():
     text = render_plan(plan)
     epilogue = text[text.index("A channel at a time"):]
     epilogue = epilogue[: epilogue.index("\n}\n")]
-    before, loop = epilogue.split("for (int i = 0; i < WM; ++i)", 1)
+    positions = "for (int j = 0; j < NB / 8; ++j)" if plan["mma"].wgmma else "for (int i = 0; i < WM; ++i)"
+    before, loop = epilogue.split(positions, 1)
     assert "const float pc0_invstd = __frsqrt_rn(pc_bn_running_var + S0_EPS);" in before
     assert "__ldg(" not in loop and "__frsqrt_rn" not in loop
     assert "pc0_invstd" in loop
@@ -152,9 +155,11 @@ def test_fp32_splits_truncate_and_exact_sums_round():
     of half a TF32 unit more. Read from the PTX: the rounding add is the immediate 4096."""
     from specgen import compile as compile_mod
 
+    from specgen.pipeline import build_arch
+
     def ptx(data):
         (plan,) = slab_plans(data)
-        return plan, compile_mod.compile_ptx(render_plan(plan), "sm_90")
+        return plan, compile_mod.compile_ptx(render_plan(plan), build_arch(plan, "sm_90"))
 
     def rounding_adds(text):
         return sum(1 for line in text.splitlines() if line.strip().startswith("add.s32") and line.rstrip().endswith(", 4096;"))
