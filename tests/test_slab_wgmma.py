@@ -74,6 +74,57 @@ def test_the_plan_runs_the_slab_engine_on_wgmma(data):
     assert "wgmma m64n" in describe(build_plan(validate(data)))
 
 
+def gemm_taps(plan):
+    """The GEMM's taps (kd, kh, kw) and the K run of each: its channels, or, the W taps packed into
+    K, (kd, kh) and (kw, ci) = divmod(k, C_IN_G) of its run (`plan.wgmma_k`). Returns the taps'
+    (kd, kh, kw), each K value's (kw, ci) within a run, and which of them are not padding."""
+    mma, cin = plan["mma"], plan["cin"]
+    k_d, k_h, k_w = plan["kernel"]
+    k_w_gemm = 1 if mma.packed_w else k_w
+    taps = np.arange(k_d * k_h * k_w_gemm)
+    kd, kh, kw = taps // (k_h * k_w_gemm), taps // k_w_gemm % k_h, taps % k_w_gemm
+    run_kw, run_ci = (np.arange(mma.cip) // cin, np.arange(mma.cip) % cin) if mma.packed_w else \
+        (np.zeros(mma.cip, dtype=int), np.arange(mma.cip))
+    return (kd, kh, kw), (run_kw, run_ci), (run_kw < k_w) & (run_ci < cin)
+
+
+def model_tap_rows(plan):
+    """tap_row() of the template: the plane row each GEMM tap reads, less the position's own."""
+    mma = plan["mma"]
+    (kd, kh, kw), _, _ = gemm_taps(plan)
+    _, s_h, s_w = plan["stride"]
+    _, dil_h, dil_w = plan["dilation"]
+    (period_h, period_w), phase_rows, base = mma.periods, np.array(mma.phase_rows), np.array(mma.phase_base)
+    hp, wp = kh % period_h, kw % period_w
+    return base[hp] + ((kd * mma.w_phases + wp) * phase_rows[hp] + kh * dil_h // s_h) * mma.xs[2] + kw * dil_w // s_w
+
+
+def model_planes(plan, x, d0, h0, w0):
+    """load_row() of the template over every row: the planes ([PLANE_ROWS][CIP], the K values of
+    each row) of the slab whose first output is T1 position (d0, h0, w0), from one sample `x`
+    ([C_IN, IN_D, IN_H, IN_W]); zeros outside the input and past XS_ROWS."""
+    mma = plan["mma"]
+    s_d, s_h, s_w = plan["stride"]
+    dil_d, dil_h, dil_w = plan["dilation"]
+    p_d, p_h, p_w = plan["padding"]
+    in_d, in_h, in_w = plan["in"]
+    xs_w, w_phases, phase_rows, base = mma.xs[2], mma.w_phases, np.array(mma.phase_rows), np.array(mma.phase_base)
+    _, (run_kw, run_ci), run_ok = gemm_taps(plan)
+    r = np.arange(mma.plane_rows)
+    rp = np.searchsorted(base, r, side="right") - 1  # the H phase of row r
+    u = r - base[rp]
+    zd = u // (w_phases * phase_rows[rp] * xs_w)
+    zh = s_h * (u // xs_w % phase_rows[rp]) + rp * dil_h % s_h  # input row past the slab's first, likewise column
+    zw = s_w * (u % xs_w) + u // (phase_rows[rp] * xs_w) % w_phases * dil_w % s_w
+    d_in, h_in, w_in = d0 * s_d - p_d + zd * dil_d, h0 * s_h - p_h + zh, w0 * s_w - p_w + zw
+    planes = np.zeros((mma.plane_rows, mma.cip))
+    for k in np.nonzero(run_ok)[0]:  # K value k of every row: channel run_ci[k] at column w_in + run_kw[k] DIL_W
+        col = w_in + run_kw[k] * dil_w
+        ok = (r < mma.xs_rows) & (d_in >= 0) & (d_in < in_d) & (h_in >= 0) & (h_in < in_h) & (col >= 0) & (col < in_w)
+        planes[ok, k] = x[run_ci[k], d_in[ok], h_in[ok], col[ok]]
+    return planes
+
+
 def simulate(plan, x, weight, bias):
     """The conv (T1 before the epilogue's ops, bias added) of one sample as the kernel computes it,
     in float64: every box, slab and warpgroup tile, the planes staged row by row, each k-step's B
@@ -82,9 +133,6 @@ def simulate(plan, x, weight, bias):
     mma = plan["mma"]
     cin, cout = plan["cin"], plan["cout"]
     k_d, k_h, k_w = plan["kernel"]
-    s_d, s_h, s_w = plan["stride"]
-    dil_d, dil_h, dil_w = plan["dilation"]
-    p_d, p_h, p_w = plan["padding"]
     in_d, in_h, in_w = plan["in"]
     t1 = plan["t1"]
     box = plan["box"]
@@ -93,48 +141,26 @@ def simulate(plan, x, weight, bias):
     nb, rows = mma.nb, mma.plane_rows
     x = x.reshape(cin, in_d, in_h, in_w)
     w = weight.reshape(cout, cin, k_d * k_h * k_w)
-    # The GEMM's taps and K runs: (kd, kh, kw) and its channels, or, the W taps packed into K,
-    # (kd, kh) and (kw, ci) = divmod(k, C_IN_G) of its run (`plan.wgmma_k`)
-    k_w_gemm = 1 if mma.packed_w else k_w
-    taps = np.arange(k_d * k_h * k_w_gemm)
-    kd, kh, kw = taps // (k_h * k_w_gemm), taps // k_w_gemm % k_h, taps % k_w_gemm
-    run_kw, run_ci = (np.arange(mma.cip) // cin, np.arange(mma.cip) % cin) if mma.packed_w else \
-        (np.zeros(mma.cip, dtype=int), np.arange(mma.cip))
-    run_ok = (run_kw < k_w) & (run_ci < cin)  # (the run's padding: zeros)
-    # the staged input by phase (one phase at stride 1): tap_row() and load_row() of the template
-    (period_h, period_w), phase_rows, base, w_phases = mma.periods, np.array(mma.phase_rows), np.array(mma.phase_base), mma.w_phases
-    hp, wp = kh % period_h, kw % period_w
-    tap_row = base[hp] + ((kd * w_phases + wp) * phase_rows[hp] + kh * dil_h // s_h) * xs_w + kw * dil_w // s_w
+    _, (run_kw, run_ci), run_ok = gemm_taps(plan)
+    tap_row = model_tap_rows(plan)
     out = np.zeros(t1)
     written = np.zeros(t1, dtype=int)
-    r = np.arange(rows)
-    rp = np.searchsorted(base, r, side="right") - 1  # the H phase of row r
-    u = r - base[rp]
-    zd = u // (w_phases * phase_rows[rp] * xs_w)
-    zh = s_h * (u // xs_w % phase_rows[rp]) + rp * dil_h % s_h  # input row past the slab's first, likewise column
-    zw = s_w * (u % xs_w) + u // (phase_rows[rp] * xs_w) % w_phases * dil_w % s_w
     tiles = [math.ceil(t / b) for t, b in zip(t1, box)]
     for tc, td, th, tw in np.ndindex(*tiles):
         cb, db, hb, wb = tc * box[0], td * box[1], th * box[2], tw * box[3]
         for slab in range(slabs_d * slabs_h):
             sd0, sh0 = slab // slabs_h, slab % slabs_h * slab_h
-            d_in = (db + sd0) * s_d - p_d + zd * dil_d
-            h_in, w_in = (hb + sh0) * s_h - p_h + zh, wb * s_w - p_w + zw
-            planes = np.zeros((rows, mma.cip))
-            for k in np.nonzero(run_ok)[0]:  # K value k of every row: channel run_ci[k] at column w_in + run_kw[k] DIL_W
-                col = w_in + run_kw[k] * dil_w
-                ok = (r < mma.xs_rows) & (d_in >= 0) & (d_in < in_d) & (h_in >= 0) & (h_in < in_h) & (col >= 0) & (col < in_w)
-                planes[ok, k] = x[run_ci[k], d_in[ok], h_in[ok], col[ok]]
+            planes = model_planes(plan, x, db + sd0, hb + sh0, wb)
             for unit in range(mma.units):
                 ct, nt = unit % mma.c_tiles, unit // mma.c_tiles
                 p = nt * nb + np.arange(nb)
                 assert (p[-1] + tap_row.max()) < rows, "a tile reads past its plane"
                 ch = cb + ct * 64 + np.arange(64)
-                a = np.zeros((64, len(taps), mma.cip))  # [channel][GEMM tap][K of its run]: the template's w_s
+                a = np.zeros((64, len(tap_row), mma.cip))  # [channel][GEMM tap][K of its run]: the template's w_s
                 valid = ch < min(cout, cb + box[0])
-                conv_tap = taps[:, None] * (k_w if mma.packed_w else 1) + run_kw[None, :]  # (kd, kh, kw) of each K
+                conv_tap = np.arange(len(tap_row))[:, None] * (k_w if mma.packed_w else 1) + run_kw[None, :]  # (kd, kh, kw) of each K
                 for k in np.nonzero(run_ok)[0]:
-                    a[np.ix_(valid, np.arange(len(taps)), [k])] = w[ch[valid]][:, run_ci[k], conv_tap[:, k]][:, :, None]
+                    a[np.ix_(valid, np.arange(len(tap_row)), [k])] = w[ch[valid]][:, run_ci[k], conv_tap[:, k]][:, :, None]
                 acc = np.einsum("ctk,tpk->cp", a, planes[p[None, :] + tap_row[:, None]])
                 ph, pw = sh0 + p // xs_w, p % xs_w
                 d, h, wo = db + sd0, hb + ph, wb + pw
@@ -179,6 +205,108 @@ def check_geometry(data):
     np.testing.assert_allclose(got.reshape(want.shape), want.numpy(), rtol=1e-12, atol=1e-12)
 
 
+# ---- the generated staging code, compiled for the host ------------------------------------------
+
+HOST_SHIMS = """#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+static inline float __ldg(const float* p) { return *p; }
+"""
+
+HOST_MAIN = """
+// argv: the sample's input file (float32, [C_IN][IN_D][IN_H][IN_W]), then slab origins d0 h0 w0 ...
+// stdout (binary): each GEMM tap's tap_row(), then per origin the planes [CHUNKS][PLANE_ROWS][8]
+// as load_row() fills them, from the origins load_rows() and stage_planes() pass it.
+int main(int argc, char** argv) {
+  std::vector<float> x(IN_PER_SAMPLE);
+  FILE* f = std::fopen(argv[1], "rb");
+  if (!f || std::fread(x.data(), sizeof(float), x.size(), f) != x.size()) return 2;
+  std::fclose(f);
+  for (int t = 0; t < KSTEPS / CHUNKS; ++t) {
+    const int row = tap_row(t);
+    std::fwrite(&row, sizeof(int), 1, stdout);
+  }
+  for (int a = 2; a + 2 < argc; a += 3) {
+    const int d0 = std::atoi(argv[a]), h0 = std::atoi(argv[a + 1]), w0 = std::atoi(argv[a + 2]);
+    for (int chunk = 0; chunk < CHUNKS; ++chunk)
+      for (int r = 0; r < PLANE_ROWS; ++r) {
+        float v[8];
+        load_row(x.data(), chunk, r, d0 * S_D - P_D, h0 * S_H - P_H, w0 * S_W - P_W, v);
+        std::fwrite(v, sizeof(float), 8, stdout);
+      }
+  }
+  return 0;
+}
+"""
+
+
+def _function(source: str, head: str) -> str:
+    """The definition that starts with `head` in `source`, through its closing brace."""
+    start = source.index(head)
+    depth, i = 0, source.index("{", start)
+    while True:
+        depth += {"{": 1, "}": -1}.get(source[i], 0)
+        if depth == 0:
+            return source[start:i + 1]
+        i += 1
+
+
+def host_staging_program(source: str) -> str:
+    """The generated kernel's constants, tap_row() and load_row(), as a host C++ program."""
+    namespace = source[source.index("namespace {"):source.index("}  // namespace")]
+    constants, pending = [], ""
+    for line in namespace.splitlines():
+        if pending or line.startswith("constexpr "):
+            pending += line + "\n"
+            if ";" in line.split("//")[0]:
+                constants.append(pending)
+                pending = ""
+    return (HOST_SHIMS + "".join(constants) + _function(source, "__device__ __forceinline__ int tap_row(")
+            + "\n" + _function(source, "__device__ __forceinline__ void load_row(") + "\n" + HOST_MAIN)
+
+
+@pytest.mark.parametrize("data", LAYERS, ids=IDS)
+def test_the_generated_staging_code_stages_the_models_planes(data, tmp_path):
+    """The rendered tap_row() and load_row(), compiled for the host (g++) and run over slabs at the
+    box's corners and past the input's edges: the same tap rows and the same planes, value for value,
+    as the numpy model whose walk computes the conv (`simulate`). The model checks the plan; this
+    checks that the template renders it."""
+    check_staging_code(data, tmp_path)
+
+
+def check_staging_code(data, tmp_path):
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    plan = slab_plan(data)
+    source = render_plan(plan)
+    for call in ("load_row(x_n, chunk, i * THREADS + threadIdx.x, d0 * S_D - P_D, h0 * S_H - P_H, w0 * S_W - P_W",):
+        assert call in source  # (the origins the harness passes, as the kernel passes them)
+    (tmp_path / "staging.cpp").write_text(host_staging_program(source))
+    subprocess.run([cxx, "-std=c++17", "-O1", "-o", str(tmp_path / "staging"), str(tmp_path / "staging.cpp")], check=True,
+                   capture_output=True)
+    cin, (in_d, in_h, in_w), t1, box = plan["cin"], plan["in"], plan["t1"], plan["box"]
+    x = np.random.default_rng(5).standard_normal((cin, in_d, in_h, in_w)).astype(np.float32)
+    (tmp_path / "x.bin").write_bytes(x.tobytes())
+    origins = {(0, 0, 0), (max(0, t1[1] - 1), max(0, t1[2] - 1), max(0, t1[3] - box[3])),
+               (t1[1] // 2, t1[2] // 2, (t1[3] // 2) // box[3] * box[3]), (0, t1[2] - plan["mma"].slab[1], 0)}
+    args = [str(v) for o in sorted(origins) for v in o]
+    run = subprocess.run([str(tmp_path / "staging"), str(tmp_path / "x.bin"), *args], check=True, capture_output=True)
+    taps = len(model_tap_rows(plan))
+    rows = np.frombuffer(run.stdout[:4 * taps], dtype=np.int32)
+    np.testing.assert_array_equal(rows, model_tap_rows(plan))
+    planes = np.frombuffer(run.stdout[4 * taps:], dtype=np.float32).reshape(len(origins), plan["mma"].chunks, -1, 8)
+    for got, origin in zip(planes, sorted(origins)):
+        want = model_planes(plan, x.astype(np.float64), *origin).reshape(-1, plan["mma"].chunks, 8).transpose(1, 0, 2)
+        np.testing.assert_array_equal(got, want.astype(np.float32), err_msg=f"slab at T1 {origin}")
+
+
 @st.composite
 def wgmma_layers(draw):
     """Random layers the wgmma slab takes: 1 to 3 spatial dims, stride 1 to 4 (the input staged by
@@ -199,6 +327,22 @@ def wgmma_layers(draw):
     epilogue = ["relu"] + ([{"sum": {"dims": [1]}}] if draw(st.booleans()) else [])
     return layer("random", cin, size, draw(st.integers(1, most)) * 8, kernel, stride=stride, padding=padding,
                  dilation=dilation, epilogue=epilogue)
+
+
+@settings(max_examples=40, deadline=None)
+@given(wgmma_layers())
+def test_random_layers_generated_staging_code(data):
+    """The host-compiled staging code against the model on random geometry (dilations with W
+    phases, packed W taps with dilation: what the fixed layers do not reach)."""
+    import tempfile
+
+    try:
+        build_plan(validate(data))
+    except PlanError as e:
+        assume("staged planes and weights do not fit in shared memory" not in str(e))
+        raise
+    with tempfile.TemporaryDirectory() as tmp:
+        check_staging_code(data, __import__("pathlib").Path(tmp))
 
 
 @settings(max_examples=200, deadline=None)
