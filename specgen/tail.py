@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specgen import __version__, ops
 from specgen.kernelplan import KernelPlan, KernelStep, LayerStep, SequencePart, SequencePlan, TemplateValues
@@ -544,6 +544,12 @@ def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None) -> Seq
     return plan
 
 
+def _rest_settings(settings):
+    """The planner settings of a sequence's later kernels: the layer's, less the slab engine's tile
+    (`Settings.slab`, a tuner's candidate for the body's conv, not for an identity conv)."""
+    return replace(settings, slab=None) if settings is not None and settings.slab is not None else settings
+
+
 def plan_split(spec: LayerSpec, at: int, body_engine: str | None, why, target=None, settings=None,
                tma_config=None) -> SequencePlan:
     """A layer as two kernels: the body (the conv and stages [0, at), on `body_engine`, or the
@@ -560,7 +566,7 @@ def plan_split(spec: LayerSpec, at: int, body_engine: str | None, why, target=No
     rest, rest_out = rest_spec(spec, seg)
     if spec.precision in ("bf16", "fp16"):  # T0 is in the layer's dtype: the rest widens it (exactly) and rounds once
         rest = rest.model_copy(update={"precision": spec.precision})
-    rest_plan = with_changes(build_plan(rest, None, target, settings=settings), kernel_name=f"{prefix}_rest")
+    rest_plan = with_changes(build_plan(rest, None, target, settings=_rest_settings(settings)), kernel_name=f"{prefix}_rest")
     parts = (SequencePart(role="body", namespace="body", spec=body, plan=body_plan),
              SequencePart(role="rest", namespace="rest", spec=rest, plan=rest_plan, segment=seg))
     t0 = list(body.shapes()[-1].sizes)
@@ -624,7 +630,7 @@ def plan_sequence(spec: LayerSpec, igemm_config=None, target=None, tma_config=No
         current = u
         if seg.rest:
             rest, rest_out = rest_spec(spec, seg)
-            rest_plan = with_changes(build_plan(rest, None, target, settings=settings),
+            rest_plan = with_changes(build_plan(rest, None, target, settings=_rest_settings(settings)),
                                      kernel_name=f"{prefix}_e{seg.index}_rest")
             out = "out" if last else f"t{seg.rest[-1] + 1}"
             if out != "out":

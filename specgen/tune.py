@@ -146,9 +146,17 @@ def heuristic(spec: LayerSpec) -> dict:
 
 def tunable(spec: LayerSpec) -> bool:
     """Whether the heuristic plan runs a tensor-core engine with tile candidates (tma, igemm, or the
-    slab engine on tensor cores)."""
+    slab engine on tensor cores, also as the body of a sequence: the stem's conv before its pool)."""
     plan = heuristic(spec)
-    return plan["engine"] in ("igemm", "tma") or (plan["engine"] == "slab" and plan["mma"] is not None)
+    return plan["engine"] in ("igemm", "tma") or slab_part(plan) is not None
+
+
+def slab_part(plan: dict) -> dict | None:
+    """The plan's slab engine on tensor cores: the plan itself, or a sequence's body (a
+    `plan.SlabConfig` is the body's there: `tail._rest_settings`); None if neither runs it."""
+    if plan["engine"] == "sequence":
+        plan = next(p["plan"] for p in plan["parts"] if p["role"] == "body")
+    return plan if plan["engine"] == "slab" and plan["mma"] is not None else None
 
 
 def _tuning_target():
@@ -162,7 +170,7 @@ def candidates(spec: LayerSpec) -> list:
     `build_candidates`.)"""
     plan = heuristic(spec)
     engine = plan["engine"]
-    if engine == "slab" and plan["mma"] is not None:
+    if slab_part(plan) is not None:
         return slab_candidates(spec, plan)
     if engine not in ("igemm", "tma"):
         return []
@@ -219,7 +227,7 @@ def slab_candidates(spec: LayerSpec, plan: dict) -> list:
     """The slab engine's candidates that plan for this layer (the heuristic plan is measured as
     well, first): other warp tiles on mma.sync, and wgmma where the target has it and the layer
     allows it (`plan.wgmma_why_not`). Plans that come out the same as one already listed are left out."""
-    seen = {_slab_shape(plan["mma"])}
+    seen = {_slab_shape(slab_part(plan)["mma"])}
     out = []
     wgmma = [SlabConfig(1, slab_h=h) for h in SLAB_WGMMA_ROWS] + [SlabConfig(1, prefetch=p) for p in (1, 2)] \
         if SLAB_WGMMA_CANDIDATES and igemm.has_wgmma(_tuning_target()) else []
@@ -228,7 +236,8 @@ def slab_candidates(spec: LayerSpec, plan: dict) -> list:
             got = plan_with(spec, cfg)
         except (PlanError, ValueError):
             continue
-        if got["engine"] != "slab" or got["mma"] is None or _slab_shape(got["mma"]) in seen:
+        got = slab_part(got)
+        if got is None or _slab_shape(got["mma"]) in seen:
             continue
         seen.add(_slab_shape(got["mma"]))
         out.append(cfg)
@@ -252,8 +261,8 @@ class Candidate:
     def name(self) -> str:
         if self.config is None:
             plan = self.item.plan
-            if plan["engine"] == "slab":
-                mma = plan["mma"]
+            if slab_part(plan) is not None:
+                mma = slab_part(plan)["mma"]
                 return "heuristic (" + label(SlabConfig(1, slab_h=mma.slab[1], prefetch=1 if mma.prefetch else 2) if mma.wgmma
                                              else SlabConfig(0, mma.wm, mma.wn)) + ")"
             return "heuristic (" + label(plan[plan["engine"]].config) + ")"

@@ -147,6 +147,34 @@ def test_a_bad_slab_config_is_refused():
             SlabConfig(**bad)
 
 
+def stem_layer() -> dict:
+    """A ResNet stem, smaller: its max pool splits it in two kernels, the conv on the slab engine."""
+    return {"name": "tune_stem", "input": {"channels": 3, "size": [40, 48]}, "precision": "fp32",
+            "conv": {"out_channels": 64, "kernel": 7, "stride": 2, "padding": 3},
+            "epilogue": ["relu", {"max_pool": {"kernel": 3, "stride": 2, "padding": 1}}]}
+
+
+def test_a_split_layer_tunes_its_slab_body(monkeypatch):
+    """A layer split before its pool (the stem) has its body's slab candidates: each plans the body
+    with its tile and leaves the pool's kernel as the planner has it."""
+    from specgen.plan import SlabConfig
+
+    spec = validate(stem_layer())
+    plan = tune.heuristic(spec)
+    assert plan["engine"] == "sequence" and tune.slab_part(plan) is not None and tune.tunable(spec)
+    rest = next(p["plan"] for p in plan["parts"] if p["role"] == "rest")
+    monkeypatch.setattr(tune, "SLAB_WGMMA_CANDIDATES", True)
+    cands = tune.candidates(spec)
+    assert cands and all(isinstance(c, SlabConfig) for c in cands) and any(c.wgmma for c in cands)
+    for cfg in cands:
+        got = tune.plan_with(spec, cfg)
+        body = tune.slab_part(got)["mma"]
+        assert body.wgmma == bool(cfg.wgmma) and (cfg.wgmma or (body.wm, body.wn) == (cfg.wm, cfg.wn))
+        assert next(p["plan"] for p in got["parts"] if p["role"] == "rest") == rest
+    source = pipeline.request(spec, "sm_90", igemm_config=next(c for c in cands if c.wgmma))[1]
+    assert "wgmma.mma_async" in source and source.count("__global__") >= 2
+
+
 @pytest.mark.nvcc
 def test_slab_candidates_compile(cache_dir):
     spec = validate(slab_layer())
@@ -155,6 +183,9 @@ def test_slab_candidates_compile(cache_dir):
     assert len(cands) == len(tune.candidates(spec)) + 1
     assert all(c.item is not None or "spills" in c.error for c in cands), [(c.name, c.error) for c in cands]
     assert len({c.item.key for c in cands if c.item is not None}) == sum(c.item is not None for c in cands)
+    (stem,) = tune.build_candidates([validate(stem_layer())])  # (a sequence: the body's candidates)
+    assert stem[0].item.plan["engine"] == "sequence" and len(stem) > 1
+    assert all(c.item is not None and c.item.build.spill_bytes == 0 for c in stem), [(c.name, c.error) for c in stem]
 
 
 @pytest.mark.nvcc
