@@ -350,15 +350,20 @@ WGMMA_ALIGN_FLOATS = 256  # the planes start 1024-byte aligned (the swizzle is b
 # sm_90a every layer the wgmma slab can run (`wgmma_why_not`, and not `exact_tf32`) runs on it,
 # unless its spec says `tile: {wgmma: false}` or a tuned choice pins mma.sync.
 SLAB_WGMMA_DEFAULT = False
-# registers a thread of a block alone on its SM may give to the next slab's rows (8 a row) beside its
-# NB / 2 accumulators and about 64 others, leaving ptxas room under its 255
-WGMMA_PREFETCH_MAX_REGS = 208
+# the most registers (`wgmma_registers`, an estimate) a thread of a block alone on its SM may have
+# with the next slab's rows (8 a row) beside its accumulators: ptxas's limit is 255, and the
+# estimate was off by -17 to +38 on the test layers and the seeds; a build that still spills is
+# rebuilt without the prefetch (`pipeline._without_spills`)
+WGMMA_PREFETCH_MAX_REGS = 232
 
 
-def wgmma_registers(nb: int, stage_iters: int, prefetch: bool) -> int:
+def wgmma_registers(nb: int, stage_iters: int, prefetch: bool, packed: bool = False) -> int:
     """A wgmma slab thread's registers, estimated: NB / 2 accumulators, the next slab's rows when
-    prefetched, and about 64 for fragments, addresses and the epilogue."""
-    return nb // 2 + 64 + (8 * stage_iters if prefetch else 0)
+    prefetched, and about 64 for fragments, addresses and the epilogue; 32 more where the W taps
+    are packed into K (a staged value's own column bounds). Checked against ptxas on the test
+    layers (2026-12-05-cpu2-v42-wgmma-slab-build.txt): packed layers took 12-36 registers more than
+    the estimate without that term."""
+    return nb // 2 + 64 + (32 if packed else 0) + (8 * stage_iters if prefetch else 0)
 
 
 def wgmma_k(cin_g: int, k3) -> tuple[int, bool]:
@@ -479,11 +484,11 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
             two_blocks = 2 * (smem + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and nb <= WGMMA_TWO_BLOCKS_NB
             stage_iters = (cip // 8) * _ceil_div(plane_rows, WGMMA_THREADS)  # (plane by plane: SlabTiling.stage_iters)
             slabs = (bd, _ceil_div(box[2], sh))
-            can_prefetch = slabs[0] * slabs[1] > 1 and wgmma_registers(nb, stage_iters, True) <= WGMMA_PREFETCH_MAX_REGS
+            can_prefetch = slabs[0] * slabs[1] > 1 and wgmma_registers(nb, stage_iters, True, packed) <= WGMMA_PREFETCH_MAX_REGS
             if prefetch == 1 and not can_prefetch:
                 continue
             pf = can_prefetch and (prefetch == 1 or (prefetch == 0 and not two_blocks))
-            two_blocks = two_blocks and wgmma_registers(nb, stage_iters, pf) <= 128
+            two_blocks = two_blocks and wgmma_registers(nb, stage_iters, pf, packed) <= 128
             waste = (n_tiles * nb * c_tiles * 64) / (sh * bw * box_c)
             # staging hidden (two blocks per SM, one staging while the other multiplies, or the next
             # slab prefetched), no idle warpgroup, the least waste, then the most positions per
@@ -1213,7 +1218,7 @@ def _box_occupancy(bt: BoxTiling, smem_bytes: int, reductions: list, levels: lis
     min_blocks = 1
     if mma is not None:  # two blocks per SM when shared memory and registers allow: one stages while the other computes
         # accumulators + fragments, addresses and the epilogue (wgmma: NB / 2 accumulators)
-        regs = wgmma_registers(mma.nb, mma.stage_iters, mma.prefetch) if mma.wgmma else 4 * mma.wm * mma.wn + 64
+        regs = wgmma_registers(mma.nb, mma.stage_iters, mma.prefetch, mma.packed_w) if mma.wgmma else 4 * mma.wm * mma.wn + 64
         min_blocks = 2 if 2 * (smem_bytes + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and 2 * threads * max(regs, 128) <= target.regs_per_sm else 1
     elif not reductions and len(levels) == 1:
         fit = min(target.smem_per_block // max(1, smem_bytes), 2048 // threads)
