@@ -352,7 +352,7 @@ WGMMA_ALIGN_FLOATS = 256  # the planes start 1024-byte aligned (the swizzle is b
 SLAB_WGMMA_DEFAULT = False
 # the most registers (`wgmma_registers`, an estimate) a thread of a block alone on its SM may have
 # with the next slab's rows (8 a row) beside its accumulators: ptxas's limit is 255, and the
-# estimate was off by -17 to +38 on the test layers and the seeds; a build that still spills is
+# estimate was off by -35 to +20 on the test layers and the seeds; a build that still spills is
 # rebuilt without the prefetch (`pipeline._without_spills`)
 WGMMA_PREFETCH_MAX_REGS = 232
 
@@ -361,8 +361,8 @@ def wgmma_registers(nb: int, stage_iters: int, prefetch: bool, packed: bool = Fa
     """A wgmma slab thread's registers, estimated: NB / 2 accumulators, the next slab's rows when
     prefetched, and about 64 for fragments, addresses and the epilogue; 32 more where the W taps
     are packed into K (a staged value's own column bounds). Checked against ptxas on the test
-    layers (2026-12-05-cpu2-v42-wgmma-slab-build.txt): packed layers took 12-36 registers more than
-    the estimate without that term."""
+    layers (benchmarks/2026-12-05-cpu2-v42-wgmma-slab-build.txt): packed layers took 12-36
+    registers more than the estimate without that term."""
     return nb // 2 + 64 + (32 if packed else 0) + (8 * stage_iters if prefetch else 0)
 
 
