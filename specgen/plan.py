@@ -950,30 +950,28 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
     if tile is not None and tile.tensor_cores and mma_why_not:
         raise PlanError([f"tile.tensor_cores: cannot use tensor cores here: {'; '.join(mma_why_not)}"])
     mma = None
+    products = 1 if slab_in_tf32(spec) else 3  # (the slab engine's, on either instruction)
+
+    def wgmma_tiling(slab_h: int = 0, prefetch: int = 0) -> SlabTiling | None:
+        return _wgmma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F",
+                             products, target, slab_h, prefetch)
+
     if asks_wgmma:  # (want_mma is then true)
         if mma_why_not:
             raise PlanError([f"tile.wgmma: the slab engine cannot run this layer: {'; '.join(mma_why_not)}"])
-        products = 1 if slab_in_tf32(spec) else 3
         why = wgmma_why_not(cin // groups, k3, srole, products, target)
         if why:
             raise PlanError([f"tile.wgmma: the slab engine cannot run this layer on wgmma: {'; '.join(why)}"])
-        mma = _wgmma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F",
-                            products, target, slab.slab_h if slab is not None else 0, slab.prefetch if slab is not None else 0)
-        if mma is None and slab is not None and slab.prefetch == 1 and _wgmma_tiling(
-                tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F", products, target,
-                slab.slab_h) is not None:
+        mma = wgmma_tiling(slab.slab_h, slab.prefetch) if slab is not None else wgmma_tiling()
+        if mma is None and slab is not None and slab.prefetch == 1 and wgmma_tiling(slab.slab_h) is not None:
             raise PlanError(["tile.wgmma: no slab of this layer can prefetch the next one (a box of one slab, or no registers "
                              f"left for the next slab's rows beside its accumulators: at most {WGMMA_PREFETCH_MAX_REGS} estimated)"])
         if mma is None:
             raise PlanError(["tile.wgmma: the slab engine's staged planes and weights do not fit in shared memory"])
     elif want_mma and not mma_why_not:
-        mma = None
         if SLAB_WGMMA_DEFAULT and slab is None and (tile is None or (tile.wgmma is None and tile.box is None)) \
-                and not exact_sums:  # (the planner's default on sm_90a, where the layer allows it)
-            products = 1 if slab_in_tf32(spec) else 3
-            if not wgmma_why_not(cin // groups, k3, srole, products, target):
-                mma = _wgmma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3,
-                                    role["c"] == "F", products, target)
+                and not exact_sums:  # (the planner's default on sm_90a: None where wgmma_why_not refuses the layer)
+            mma = wgmma_tiling()
         if mma is None:
             mma = _mma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F", target,
                               (slab.wm, slab.wn) if slab is not None and slab.wm else None)

@@ -547,7 +547,7 @@ def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None) -> Seq
 def _rest_settings(settings):
     """The planner settings of a sequence's later kernels: the layer's, less the slab engine's tile
     (`Settings.slab`, a tuner's candidate for the body's conv, not for an identity conv)."""
-    return replace(settings, slab=None) if settings is not None and settings.slab is not None else settings
+    return replace(settings, slab=None) if settings is not None else None
 
 
 def plan_split(spec: LayerSpec, at: int, body_engine: str | None, why, target=None, settings=None,

@@ -261,8 +261,8 @@ class Candidate:
     def name(self) -> str:
         if self.config is None:
             plan = self.item.plan
-            if slab_part(plan) is not None:
-                mma = slab_part(plan)["mma"]
+            if (part := slab_part(plan)) is not None:
+                mma = part["mma"]
                 return "heuristic (" + label(SlabConfig(1, slab_h=mma.slab[1], prefetch=1 if mma.prefetch else 2) if mma.wgmma
                                              else SlabConfig(0, mma.wm, mma.wn)) + ")"
             return "heuristic (" + label(plan[plan["engine"]].config) + ")"
