@@ -347,7 +347,7 @@ WGMMA_TWO_BLOCKS_NB = 128  # positions per wgmma whose accumulators (NB / 2 a th
 WGMMA_ALIGN_FLOATS = 256  # the planes start 1024-byte aligned (the swizzle is by shared-memory address)
 # Left to the planner, the slab engine runs on mma.sync until the wgmma slab has run on a GPU (its
 # tests, tests/test_slab_wgmma.py, marker gpu) and won there (benchmarks/tile_sweep.py). True: on
-# sm_90a every layer the wgmma slab can run (`wgmma_why_not`, and not `exact_tf32`) runs on it,
+# sm_90a every layer the wgmma slab can run (`wgmma_why_not`) runs on it,
 # unless its spec says `tile: {wgmma: false}` or a tuned choice pins mma.sync.
 SLAB_WGMMA_DEFAULT = False
 # the most registers (`wgmma_registers`, an estimate) a thread of a block alone on its SM may have
@@ -357,13 +357,14 @@ SLAB_WGMMA_DEFAULT = False
 WGMMA_PREFETCH_MAX_REGS = 232
 
 
-def wgmma_registers(nb: int, stage_iters: int, prefetch: bool, packed: bool = False) -> int:
+def wgmma_registers(nb: int, stage_iters: int, prefetch: bool, packed: bool = False, exact: bool = False) -> int:
     """A wgmma slab thread's registers, estimated: NB / 2 accumulators, the next slab's rows when
     prefetched, and about 64 for fragments, addresses and the epilogue; 32 more where the W taps
-    are packed into K (a staged value's own column bounds). Checked against ptxas on the test
-    layers (benchmarks/2026-12-05-cpu2-v42-wgmma-slab-build.txt): packed layers took 12-36
-    registers more than the estimate without that term."""
-    return nb // 2 + 64 + (32 if packed else 0) + (8 * stage_iters if prefetch else 0)
+    are packed into K (a staged value's own column bounds); NB more with exact sums (two k-steps'
+    sums in flight beside the total). Checked against ptxas on the test layers
+    (benchmarks/2026-12-05-cpu2-v42-wgmma-slab-build.txt): packed layers took 12-36 registers more
+    than the estimate without that term."""
+    return nb // 2 + 64 + (32 if packed else 0) + (8 * stage_iters if prefetch else 0) + (nb if exact else 0)
 
 
 def wgmma_k(cin_g: int, k3) -> tuple[int, bool]:
@@ -377,8 +378,9 @@ def wgmma_k(cin_g: int, k3) -> tuple[int, bool]:
     return (packed, True) if cin_g < 8 and packed < k3[2] * plain else (plain, False)
 
 
-def wgmma_why_not(cin_g: int, k3, role, products: int, target: Target) -> list[str]:
-    """Why the slab engine cannot run this layer on wgmma (empty: it can)."""
+def wgmma_why_not(cin_g: int, k3, role, products: int, target: Target, exact: bool = False) -> list[str]:
+    """Why the slab engine cannot run this layer on wgmma (empty: it can). `exact`: each k-step's
+    products are summed apart (`Settings.exact_sums`), so no running sum limits K."""
     cip, packed = wgmma_k(cin_g, k3)
     k_pad = k3[0] * k3[1] * cip * (1 if packed else k3[2])
     return [
@@ -387,7 +389,7 @@ def wgmma_why_not(cin_g: int, k3, role, products: int, target: Target) -> list[s
             (f"wgmma needs sm_90a (Hopper), the target is {target.arch}", not igemm_engine.has_wgmma(target)),
             ("the width is reduced one position at a time", role["w"] not in ("F", "R1")),
             (f"taps x input channels padded to 8 is {k_pad}, more than the {WGMMA_MAX_K} one running "
-             "3xTF32 sum keeps to fp32 accuracy", products == 3 and k_pad > WGMMA_MAX_K),
+             "3xTF32 sum keeps to fp32 accuracy", products == 3 and not exact and k_pad > WGMMA_MAX_K),
         )
         if bad
     ]
@@ -404,7 +406,7 @@ def wgmma_phases(k: int, s: int, dil: int) -> tuple[int, list[int]]:
 
 
 def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, s3, p3, d3, c_kept: bool,
-                  products: int, target: Target, slab_h: int = 0, prefetch: int = 0) -> SlabTiling | None:
+                  products: int, target: Target, slab_h: int = 0, prefetch: int = 0, exact: bool = False) -> SlabTiling | None:
     """The slab engine's tiling on wgmma, or None if nothing fits in shared memory.
 
     A slab is one output depth and SH output rows of the box. Its input is staged as CIP / 8
@@ -427,8 +429,12 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
 
     Staging is hidden behind the products either by a second block on the SM, or, for a block alone
     on its SM with several slabs per box, by prefetch: each thread loads the next slab's rows into
-    registers while the current slab multiplies (`prefetch`: 0 the planner's choice, 1 on, 2 off)."""
-    if wgmma_why_not(cin_g, k3, role, products, target):
+    registers while the current slab multiplies (`prefetch`: 0 the planner's choice, 1 on, 2 off).
+
+    `exact`: each k-step's products are summed apart (`Settings.exact_sums`), two k-steps' sums in
+    registers beside the total: NB / 2 registers more a set, so 32 positions a wgmma are tried too
+    (two blocks per SM at 112 estimated registers); no prefetch."""
+    if wgmma_why_not(cin_g, k3, role, products, target, exact):
         return None
     in_box = {a: role[a] in ("F", "R1") for a in AXES}
     box_c = min(_round_up(cout, 8), 256) if cout <= 256 else _balanced(t1[0], 256, 64)
@@ -471,7 +477,7 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
                 break
         floats = {"w": k_pad * ws, "box": math.prod(box) if has_tail and not direct else 0,
                   "red": 2 * max(32 * MMA_WARPS_ONE_BLOCK, nf) if has_tail else 0}
-        for nb_max in (64, 128, 256):
+        for nb_max in ((32,) if exact else ()) + (64, 128, 256):
             n_tiles = _ceil_div(nv, nb_max)
             nb = _round_up(_ceil_div(nv, n_tiles), 8)
             units = c_tiles * n_tiles
@@ -484,11 +490,13 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
             two_blocks = 2 * (smem + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and nb <= WGMMA_TWO_BLOCKS_NB
             stage_iters = (cip // 8) * _ceil_div(plane_rows, WGMMA_THREADS)  # (plane by plane: SlabTiling.stage_iters)
             slabs = (bd, _ceil_div(box[2], sh))
-            can_prefetch = slabs[0] * slabs[1] > 1 and wgmma_registers(nb, stage_iters, True, packed) <= WGMMA_PREFETCH_MAX_REGS
+            # (not with exact sums: in the K loop a prefetching kernel does not unroll, ptxas serialized
+            # the products of their three register sets, C7511/C7515)
+            can_prefetch = slabs[0] * slabs[1] > 1 and not exact and wgmma_registers(nb, stage_iters, True, packed) <= WGMMA_PREFETCH_MAX_REGS
             if prefetch == 1 and not can_prefetch:
                 continue
             pf = can_prefetch and (prefetch == 1 or (prefetch == 0 and not two_blocks))
-            two_blocks = two_blocks and wgmma_registers(nb, stage_iters, pf, packed) <= 128
+            two_blocks = two_blocks and wgmma_registers(nb, stage_iters, pf, packed, exact) <= 128
             waste = (n_tiles * nb * c_tiles * 64) / (sh * bw * box_c)
             # staging hidden (two blocks per SM, one staging while the other multiplies, or the next
             # slab prefetched), no idle warpgroup, the least waste, then the most positions per
@@ -631,10 +639,6 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     target = target or targets.DEFAULT
     if not target.has_cp_async:
         raise TargetError(f"{spec.name}: {target.arch} has no cp.async, which every specgen engine stages with")
-    if exact_tf32(spec) and ((spec.tile is not None and spec.tile.wgmma) or (settings.slab is not None and settings.slab.wgmma)):
-        raise PlanError(["tile.wgmma: this tf32 layer of few input channels is computed as cuDNN computes it, in fp32, "
-                         "each k-step's products summed apart (`exact_tf32`); the slab engine on wgmma keeps one running "
-                         "3xTF32 sum (rel. L2 near 1e-6): ask for precision: fp32, or leave tile.wgmma out"])
     if exact_tf32(spec):
         # ---- a tf32 layer of few input channels computes in 3xTF32, as cuDNN computes it in fp32 -
         try:
@@ -907,7 +911,7 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
     owners (the kept elements of a box and the lanes each). A tile's fields in the spec decide where
     given; `slab`, a tuner's candidate, makes the slab engine run with its instruction and tile.
     `exact_sums`: the layer sums each k-step's products apart (`Settings.exact_sums`: a tf32 layer
-    computed exactly), which the slab engine does on mma.sync only.
+    computed exactly), on either instruction.
     (The TMA and implicit-GEMM engines tile for themselves: `tma.plan_tma`, `igemm.plan_igemm`.)"""
     nd = spec.ndim
     cin, cout, groups = spec.input.channels, spec.conv.out_channels, spec.conv.groups
@@ -954,23 +958,23 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
 
     def wgmma_tiling(slab_h: int = 0, prefetch: int = 0) -> SlabTiling | None:
         return _wgmma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F",
-                             products, target, slab_h, prefetch)
+                             products, target, slab_h, prefetch, exact_sums)
 
     if asks_wgmma:  # (want_mma is then true)
         if mma_why_not:
             raise PlanError([f"tile.wgmma: the slab engine cannot run this layer: {'; '.join(mma_why_not)}"])
-        why = wgmma_why_not(cin // groups, k3, srole, products, target)
+        why = wgmma_why_not(cin // groups, k3, srole, products, target, exact_sums)
         if why:
             raise PlanError([f"tile.wgmma: the slab engine cannot run this layer on wgmma: {'; '.join(why)}"])
         mma = wgmma_tiling(slab.slab_h, slab.prefetch) if slab is not None else wgmma_tiling()
         if mma is None and slab is not None and slab.prefetch == 1 and wgmma_tiling(slab.slab_h) is not None:
-            raise PlanError(["tile.wgmma: no slab of this layer can prefetch the next one (a box of one slab, or no registers "
-                             f"left for the next slab's rows beside its accumulators: at most {WGMMA_PREFETCH_MAX_REGS} estimated)"])
+            raise PlanError(["tile.wgmma: no slab of this layer can prefetch the next one (a box of one slab, exact sums, or no "
+                             f"registers left for the next slab's rows beside its accumulators: at most {WGMMA_PREFETCH_MAX_REGS} estimated)"])
         if mma is None:
             raise PlanError(["tile.wgmma: the slab engine's staged planes and weights do not fit in shared memory"])
     elif want_mma and not mma_why_not:
-        if SLAB_WGMMA_DEFAULT and slab is None and (tile is None or (tile.wgmma is None and tile.box is None)) \
-                and not exact_sums:  # (the planner's default on sm_90a: None where wgmma_why_not refuses the layer)
+        if SLAB_WGMMA_DEFAULT and slab is None and (tile is None or (tile.wgmma is None and tile.box is None)):
+            # (the planner's default on sm_90a: None where wgmma_why_not refuses the layer)
             mma = wgmma_tiling()
         if mma is None:
             mma = _mma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F", target,

@@ -49,6 +49,11 @@ LAYERS = [
     layer("strided_3d", 4, [6, 11, 13], 64, 3, stride=2, padding=1),
     # the ResNet stem at its size: alone on its SM (its planes and weights take 190 KB), it prefetches
     layer("stem_224", 3, [224, 224], 64, 7, stride=2, padding=3),
+    # tf32 layers computed as fp32 (`exact_tf32`): each k-step's products summed apart
+    layer("exact_kb90", 8, [6, 12, 20], 64, 3, precision="tf32", epilogue=[{"leaky_relu": {"negative_slope": 0.2}}, "gelu"]),
+    layer("exact_kb65", 8, [42, 46], 64, 3, precision="tf32", epilogue=[{"avg_pool": {"kernel": 4}}, "sigmoid",
+                                                                         {"sum": {"dims": [1, 2, 3]}}]),
+    layer("exact_deep", 8, [10, 12, 14], 32, [3, 5, 5], precision="tf32", padding=1),  # K = 600: past one running sum's 512
 ]
 IDS = [d["name"] for d in LAYERS]
 
@@ -70,7 +75,8 @@ def test_the_plan_runs_the_slab_engine_on_wgmma(data):
     gemm_taps = k_d * k_h if mma.packed_w else plan["taps"]  # (the W taps packed into K: one run per (kd, kh))
     assert mma.c_tiles * 64 >= plan["box"][0] and mma.k_pad == gemm_taps * mma.cip and mma.cip % 8 == 0
     assert mma.packed_w == (plan["cin"] < 8 and -(-k_w * plan["cin"] // 8) < k_w * -(-plan["cin"] // 8))
-    assert mma.products == (1 if data["precision"] == "tf32" else 3)
+    assert mma.products == (1 if data["precision"] == "tf32" and not data["name"].startswith("exact") else 3)
+    assert bool(plan["settings"].exact_sums) == data["name"].startswith("exact")  # (`exact_tf32`)
     assert "wgmma m64n" in describe(build_plan(validate(data)))
 
 
@@ -408,8 +414,6 @@ def test_wgmma_refuses_what_it_cannot_run():
         build_plan(validate(layer("deep", 16, [9, 20, 20], 64, 5)))
     with pytest.raises(PlanError, match="tile.wgmma: the slab engine cannot run this layer: the conv has groups"):
         build_plan(validate(layer("grouped", 16, [20, 20], 32, 3, groups=2)))
-    with pytest.raises(PlanError, match="tile.wgmma: this tf32 layer of few input channels is computed as cuDNN"):
-        build_plan(validate(layer("exact", 8, [12, 20], 64, 3, precision="tf32", padding=1)))
     with pytest.raises(SpecError, match="tile.wgmma: chooses the slab engine's instruction; tile.engine is 'tma'"):
         validate(layer("tma", 8, [20, 20], 64, 3, tile={"engine": "tma"}))
 
@@ -444,7 +448,28 @@ def test_the_planners_wgmma_switch(monkeypatch):
     assert not build_plan(validate(kb90), settings=Settings(slab=SlabConfig(0, 2, 4)))["mma"].wgmma  # a tuned mma.sync tile
     exact = layer("exact", 8, [12, 20], 64, 3, precision="tf32", padding=1)
     del exact["tile"]
-    assert not build_plan(validate(exact))["mma"].wgmma  # (computed as fp32, one running sum would not do)
+    assert build_plan(validate(exact))["mma"].wgmma  # (computed as fp32, each k-step summed apart)
+    assert build_plan(validate(exact))["settings"].exact_sums
+
+
+def test_exact_sums_on_wgmma():
+    """A tf32 layer computed as fp32 (`exact_tf32`) sums each k-step's three products into one of
+    two register sets (the first product overwrites it) and adds it to the total once waited for,
+    rounded to nearest, as mma.sync's exact sums do; no running sum limits its K; its two sets are
+    in the register estimate. The fp32 layer keeps the running sum."""
+    from specgen.plan import wgmma_registers
+
+    exact = slab_plan(by_name("exact_kb90"))
+    fp32 = slab_plan({**by_name("exact_kb90"), "precision": "fp32"})
+    text, plain = render_plan(exact), render_plan(fp32)
+    assert exact["settings"].exact_sums and not fp32["settings"].exact_sums
+    assert "wgmma_tf32(part, a_lo, hi_d + rows, 0);" in text and "add_part(acc, part);" in text
+    assert "add_part" not in plain and "wgmma_tf32(acc, a_lo, hi_d + rows, 1);" in plain
+    mma = exact["mma"]
+    assert wgmma_registers(mma.nb, 0, False, False, True) == wgmma_registers(mma.nb, 0, False) + mma.nb
+    assert slab_plan(by_name("exact_deep"))["mma"].k_pad > 512
+    with pytest.raises(PlanError, match="more than the 512 one running 3xTF32 sum"):
+        build_plan(validate({**by_name("exact_deep"), "precision": "fp32"}))
 
 
 @pytest.mark.nvcc
@@ -454,7 +479,7 @@ def test_wgmma_slab_kernels_build_for_sm_90a_without_spills(tmp_path, monkeypatc
     monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path / "cache"))
     # 3-D fp32, two planes, tf32, a tail, a full reduction; staged by phase: a fold, a stem, three H phases
     # the stem at its size: packed W taps, by phase, prefetching
-    picked = [LAYERS[i] for i in (0, 2, 6, 8, 9, 10, 11, 13)] + [by_name("stem_224")]
+    picked = [LAYERS[i] for i in (0, 2, 6, 8, 9, 10, 11, 13)] + [by_name(n) for n in ("exact_kb90", "exact_deep", "stem_224")]
     built = pipeline.specialize_many([validate(d) for d in picked], "sm_90", tuned=False)
     assert len(built) == len(picked)
     assert built[-1].plan["mma"].prefetch and built[-1].plan["mma"].packed_w
@@ -464,6 +489,22 @@ def test_wgmma_slab_kernels_build_for_sm_90a_without_spills(tmp_path, monkeypatc
         assert "sm_90a" in log, (item.spec.name, log)
         # ptxas serializes wgmma (and says so) when it cannot prove the A registers are not rewritten in flight
         assert "serialized" not in log and "C7510" not in log and "C7511" not in log, (item.spec.name, log)
+    # exact sums at kb65's size, alone on its SM: not prefetching (in a K loop that a prefetching
+    # kernel does not unroll, ptxas serialized the products of their register sets)
+    from specgen import cache
+    from specgen.plan import SlabConfig
+
+    kb65 = {**by_name("exact_kb65"), "input": {"channels": 8, "size": [256, 256]}}
+    plan, _, req = pipeline.request(validate(kb65), None)
+    assert not plan["mma"].prefetch and plan["settings"].exact_sums and plan["min_blocks"] == 1
+    build = cache.get_or_build(req)
+    assert build.spill_bytes == 0 and "serialized" not in build.log, build.log
+    from specgen.plan import Settings
+
+    as_fp32 = validate({**kb65, "precision": "fp32"})  # (what `exact_tf32` plans, with exact sums)
+    assert build_plan(as_fp32, settings=Settings(slab=SlabConfig(1, prefetch=1)))["mma"].prefetch
+    with pytest.raises(PlanError, match="no slab of this layer can prefetch the next one"):
+        build_plan(as_fp32, settings=Settings(exact_sums=True, slab=SlabConfig(1, prefetch=1)))
     # the run-time-extents rendering `specgen bench` times against (its K loop not unrolled) builds too
     for data in (picked[0], by_name("stem_224")):  # (the stem: prefetching, its rows in a register array)
         slow = pipeline.specialize_runtime_dims(validate(data), "sm_90")
