@@ -345,11 +345,13 @@ WGMMA_MAX_ROW = 256  # staged positions per row (XS_W)
 WGMMA_MAX_SLAB_H = 8
 WGMMA_TWO_BLOCKS_NB = 128  # positions per wgmma whose accumulators (NB / 2 a thread) fit two blocks' 128 registers
 WGMMA_ALIGN_FLOATS = 256  # the planes start 1024-byte aligned (the swizzle is by shared-memory address)
-# Left to the planner, the slab engine runs on mma.sync until the wgmma slab has run on a GPU (its
-# tests, tests/test_slab_wgmma.py, marker gpu) and won there (benchmarks/tile_sweep.py). True: on
-# sm_90a every layer the wgmma slab can run (`wgmma_why_not`) runs on it,
-# unless its spec says `tile: {wgmma: false}` or a tuned choice pins mma.sync.
-SLAB_WGMMA_DEFAULT = False
+# Left to the planner, the slab engine runs on wgmma on sm_90a where that was measured faster on an
+# H200 (benchmarks/NOTES.md, v43): layers whose output is stored as computed (kb90 3.41 -> 2.46 ms,
+# the ResNet stem's conv in fp32 0.50 -> 0.44 and in tf32 0.34 -> 0.26), each that the wgmma slab
+# can run (`wgmma_why_not`), unless its spec says `tile: {wgmma: false}` or a tuned choice pins
+# mma.sync. Not where a reduction follows the conv in the same kernel (kb65 ran 1.09 -> 1.21), nor
+# with exact sums (not timed yet): the tuner tries wgmma there. False: mma.sync wherever not asked.
+SLAB_WGMMA_DEFAULT = True
 # the most registers (`wgmma_registers`, an estimate) a thread of a block alone on its SM may have
 # with the next slab's rows (8 a row) beside its accumulators: ptxas's limit is 255, and the
 # estimate was off by -35 to +20 on the test layers and the seeds; a build that still spills is
@@ -427,9 +429,11 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
     + qh) XS_W + qw for every position p = h XS_W + w: again one offset. The staged input is no
     larger than the strided slab's own (no position is staged twice).
 
-    Staging is hidden behind the products either by a second block on the SM, or, for a block alone
-    on its SM with several slabs per box, by prefetch: each thread loads the next slab's rows into
-    registers while the current slab multiplies (`prefetch`: 0 the planner's choice, 1 on, 2 off).
+    Staging is hidden behind the products by a second block on the SM where two fit. A block alone
+    on its SM with several slabs per box can prefetch: each thread loads the next slab's rows into
+    registers while the current slab multiplies (`prefetch`: 1 on; 0, the planner's, and 2 off).
+    Measured on an H200 (benchmarks/NOTES.md, v43), the prefetch lost on every layer timed (kb65
+    1.29 against 1.21 ms, the fp32 stem 0.477 against 0.441): the tuner tries it, the planner not.
 
     `exact`: each k-step's products are summed apart (`Settings.exact_sums`), two k-steps' sums in
     registers beside the total: NB / 2 registers more a set, so 32 positions a wgmma are tried too
@@ -495,12 +499,12 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
             can_prefetch = slabs[0] * slabs[1] > 1 and not exact and wgmma_registers(nb, stage_iters, True, packed) <= WGMMA_PREFETCH_MAX_REGS
             if prefetch == 1 and not can_prefetch:
                 continue
-            pf = can_prefetch and (prefetch == 1 or (prefetch == 0 and not two_blocks))
+            pf = can_prefetch and prefetch == 1
             two_blocks = two_blocks and wgmma_registers(nb, stage_iters, pf, packed, exact) <= 128
             waste = (n_tiles * nb * c_tiles * 64) / (sh * bw * box_c)
             # staging hidden (two blocks per SM, one staging while the other multiplies, or the next
-            # slab prefetched), no idle warpgroup, the least waste, then the most positions per
-            # wgmma and the tallest slab
+            # slab prefetched, when asked), no idle warpgroup, the least waste, then the most
+            # positions per wgmma and the tallest slab
             key = (two_blocks or pf, two_blocks, units % (WGMMA_THREADS // 128) == 0, -round(waste, 2), nb, sh)
             if best is None or key > best[0]:
                 best = (key, SlabTiling(
@@ -578,7 +582,7 @@ class SlabConfig:
     wm: int = 0
     wn: int = 0
     slab_h: int = 0
-    prefetch: int = 0  # wgmma: the next slab's rows loaded during the current one's products (1), not (2)
+    prefetch: int = 0  # wgmma: the next slab's rows loaded during the current one's products (1), not (2; the planner's)
 
     def __post_init__(self):
         if self.wgmma not in (0, 1):
@@ -973,8 +977,9 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         if mma is None:
             raise PlanError(["tile.wgmma: the slab engine's staged planes and weights do not fit in shared memory"])
     elif want_mma and not mma_why_not:
-        if SLAB_WGMMA_DEFAULT and slab is None and (tile is None or (tile.wgmma is None and tile.box is None)):
-            # (the planner's default on sm_90a: None where wgmma_why_not refuses the layer)
+        if SLAB_WGMMA_DEFAULT and slab is None and (tile is None or (tile.wgmma is None and tile.box is None)) \
+                and not reductions and not exact_sums:
+            # (the planner's default on sm_90a where measured faster: None where wgmma_why_not refuses the layer)
             mma = wgmma_tiling()
         if mma is None:
             mma = _mma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F", target,

@@ -218,20 +218,21 @@ def candidates(spec: LayerSpec) -> list:
 # and with the next slab's rows prefetched into registers or not (the planner's slab).
 SLAB_WARP_TILES = ((2, 4), (4, 2), (3, 2), (2, 2), (1, 4), (4, 1))
 SLAB_WGMMA_ROWS = (0, 4, 8)
-# The wgmma slab joins the candidates once its GPU tests (tests/test_slab_wgmma.py, marker gpu) have
-# passed on a Hopper GPU: until then it runs only where a spec asks for it (tile.wgmma).
-SLAB_WGMMA_CANDIDATES = False
+# The wgmma slab among the slab engine's candidates on Hopper (its GPU tests, tests/test_slab_wgmma.py,
+# passed on an H200: benchmarks/NOTES.md, v43).
+SLAB_WGMMA_CANDIDATES = True
 
 
 def slab_candidates(spec: LayerSpec, plan: dict) -> list:
     """The slab engine's candidates that plan for this layer (the heuristic plan is measured as
-    well, first): other warp tiles on mma.sync, and wgmma where the target has it and the layer
-    allows it (`plan.wgmma_why_not`). Plans that come out the same as one already listed are left out."""
+    well, first): mma.sync with the planner's and other warp tiles, and wgmma where the target has
+    it and the layer allows it (`plan.wgmma_why_not`). Plans that come out the same as one already listed are left out."""
     seen = {_slab_shape(slab_part(plan)["mma"])}
     out = []
     wgmma = [SlabConfig(1, slab_h=h) for h in SLAB_WGMMA_ROWS] + [SlabConfig(1, prefetch=p) for p in (1, 2)] \
         if SLAB_WGMMA_CANDIDATES and igemm.has_wgmma(_tuning_target()) else []
-    for cfg in [SlabConfig(0, wm, wn) for wm, wn in SLAB_WARP_TILES] + wgmma:
+    # (SlabConfig(0): mma.sync with the planner's warp tile, where the heuristic runs wgmma)
+    for cfg in [SlabConfig(0)] + [SlabConfig(0, wm, wn) for wm, wn in SLAB_WARP_TILES] + wgmma:
         try:
             got = plan_with(spec, cfg)
         except (PlanError, ValueError):

@@ -236,7 +236,9 @@ def test_a_wgmma_slab_kernel_builds_through_nvrtc_for_sm_90a(cache_env):
     spec = validate({"name": "stem_wgmma", "input": {"channels": 3, "size": [224, 224]},
                      "conv": {"out_channels": 64, "kernel": 7, "stride": 2, "padding": 3}, "epilogue": ["relu"],
                      "tile": {"wgmma": True}})
-    plan, source, req = pipeline.request(spec)
+    from specgen.plan import SlabConfig
+
+    plan, source, req = pipeline.request(spec, igemm_config=SlabConfig(1, prefetch=1))  # (a tuner's candidate)
     assert req.arch == "sm_90a" and plan["mma"].wgmma and plan["mma"].prefetch and plan["mma"].packed_w
     builds = {compiler: cache.get_or_build(cache.BuildRequest(spec.name, source, spec.canonical_json(), "sm_90a",
                                                                compiler=compiler)) for compiler in ("nvcc", "nvrtc")}

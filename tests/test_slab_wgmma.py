@@ -47,7 +47,7 @@ LAYERS = [
     layer("stride_dilation", 8, [23, 25], 40, 3, stride=[3, 2], padding=[2, 1], dilation=2),  # 3 H phases; 1 W phase
     layer("line_stride_3", 8, [95], 128, 4, stride=3, padding=1),
     layer("strided_3d", 4, [6, 11, 13], 64, 3, stride=2, padding=1),
-    # the ResNet stem at its size: alone on its SM (its planes and weights take 190 KB), it prefetches
+    # the ResNet stem at its size: alone on its SM (its planes and weights take 190 KB)
     layer("stem_224", 3, [224, 224], 64, 7, stride=2, padding=3),
     # tf32 layers computed as fp32 (`exact_tf32`): each k-step's products summed apart
     layer("exact_kb90", 8, [6, 12, 20], 64, 3, precision="tf32", epilogue=[{"leaky_relu": {"negative_slope": 0.2}}, "gelu"]),
@@ -380,9 +380,9 @@ def test_the_source_multiplies_on_wgmma(data):
 
 
 def test_prefetch_where_a_block_is_alone_on_its_sm():
-    """The planner prefetches the next slab's rows where staging is not hidden by a second block;
-    a planner setting (the tuner's candidates) turns it on or off, and refuses it with the reason
-    where a box holds one slab."""
+    """The planner does not prefetch the next slab's rows (measured slower on every layer timed); a
+    planner setting (the tuner's candidates) turns it on where a block is alone on its SM, and
+    refuses it with the reason where a box holds one slab."""
     from specgen.plan import SlabConfig, Settings
 
     def plan_of(data, **slab):
@@ -393,8 +393,12 @@ def test_prefetch_where_a_block_is_alone_on_its_sm():
         return body
 
     stem = plan_of(by_name("stem_224"))
+    assert not stem["mma"].prefetch and stem["min_blocks"] == 1
+    stem = plan_of(by_name("stem_224"), prefetch=1)
     assert stem["mma"].prefetch and stem["min_blocks"] == 1 and stem["mma"].slabs[0] * stem["mma"].slabs[1] > 1
-    assert "the next slab's input prefetched into registers" in describe(build_plan(validate(by_name("stem_224"))))
+    slab = SlabConfig(1, prefetch=1)
+    assert "the next slab's input prefetched into registers" in describe(build_plan(validate(by_name("stem_224")),
+                                                                                   settings=Settings(slab=slab)))
     kb90 = plan_of(by_name("kb90_small"))
     assert not kb90["mma"].prefetch and kb90["min_blocks"] == 2  # (a second block hides staging)
     assert plan_of(by_name("kb90_small"), prefetch=1)["mma"].prefetch
@@ -418,16 +422,11 @@ def test_wgmma_refuses_what_it_cannot_run():
         validate(layer("tma", 8, [20, 20], 64, 3, tile={"engine": "tma"}))
 
 
-def test_left_to_the_planner_the_slab_engine_stays_on_mma_sync():
-    data = {**LAYERS[0]}
-    del data["tile"]
-    plan = build_plan(validate(data))
-    assert plan["engine"] == "slab" and not plan["mma"].wgmma
-
-
 def test_the_planners_wgmma_switch(monkeypatch):
-    """`plan.SLAB_WGMMA_DEFAULT` (off until the wgmma slab has run on a GPU): on, the planner runs
-    every slab layer it can on wgmma on sm_90a, and mma.sync where the layer or its spec says no."""
+    """`plan.SLAB_WGMMA_DEFAULT` (on: measured faster on an H200 where the conv's output is stored as
+    computed): the planner runs such slab layers on wgmma on sm_90a, and mma.sync where a reduction
+    follows the conv in the same kernel, where a tf32 layer sums its k-steps apart, where the spec
+    says `tile: {wgmma: false}` or a tuned choice pins mma.sync, and on sm_80. Off, mma.sync."""
     from specgen import plan as plan_module
     from specgen.plan import Settings, SlabConfig
 
@@ -438,18 +437,20 @@ def test_the_planners_wgmma_switch(monkeypatch):
     free_layers = [{k: v for k, v in data.items() if k != "tile"} for data in LAYERS]
     slab_layers = [data for data in free_layers if on_slab(data)]  # (the others the planner gives another engine)
     assert len(slab_layers) >= 8
-    monkeypatch.setattr(plan_module, "SLAB_WGMMA_DEFAULT", True)
+    stored = [d for d in slab_layers if not slab_plan(d)["reductions"] and not slab_plan(d)["settings"].exact_sums]
+    assert {"kb90_small", "stem_224"} <= {d["name"] for d in stored} and len(stored) < len(slab_layers)
     for free in slab_layers:
-        assert slab_plan(free)["mma"].wgmma, free["name"]
+        assert slab_plan(free)["mma"].wgmma == (free in stored), free["name"]
         assert not slab_plan({**free, "tile": {"wgmma": False}})["mma"].wgmma
         sm80 = build_plan(validate(free), target=targets.resolve("sm_80"))
         assert not any(p["plan"].get("mma") is not None and p["plan"]["mma"].wgmma for p in sm80.get("parts") or [{"plan": sm80}])
     kb90 = {k: v for k, v in LAYERS[0].items() if k != "tile"}
     assert not build_plan(validate(kb90), settings=Settings(slab=SlabConfig(0, 2, 4)))["mma"].wgmma  # a tuned mma.sync tile
+    assert not build_plan(validate(kb90), settings=Settings(slab=SlabConfig(0)))["mma"].wgmma  # the planner's mma.sync tile
     exact = layer("exact", 8, [12, 20], 64, 3, precision="tf32", padding=1)
-    del exact["tile"]
-    assert build_plan(validate(exact))["mma"].wgmma  # (computed as fp32, each k-step summed apart)
-    assert build_plan(validate(exact))["settings"].exact_sums
+    assert build_plan(validate(exact))["mma"].wgmma and build_plan(validate(exact))["settings"].exact_sums  # (asked)
+    monkeypatch.setattr(plan_module, "SLAB_WGMMA_DEFAULT", False)
+    assert not any(slab_plan(free)["mma"].wgmma for free in slab_layers)
 
 
 def test_exact_sums_on_wgmma():
@@ -478,21 +479,27 @@ def test_wgmma_slab_kernels_build_for_sm_90a_without_spills(tmp_path, monkeypatc
 
     monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path / "cache"))
     # 3-D fp32, two planes, tf32, a tail, a full reduction; staged by phase: a fold, a stem, three H phases
-    # the stem at its size: packed W taps, by phase, prefetching
+    # the stem at its size: packed W taps, by phase
     picked = [LAYERS[i] for i in (0, 2, 6, 8, 9, 10, 11, 13)] + [by_name(n) for n in ("exact_kb90", "exact_deep", "stem_224")]
     built = pipeline.specialize_many([validate(d) for d in picked], "sm_90", tuned=False)
     assert len(built) == len(picked)
-    assert built[-1].plan["mma"].prefetch and built[-1].plan["mma"].packed_w
+    assert built[-1].plan["mma"].packed_w
     for item in built:
         log = item.build.log
         assert item.build.spill_bytes == 0, (item.spec.name, log)
         assert "sm_90a" in log, (item.spec.name, log)
         # ptxas serializes wgmma (and says so) when it cannot prove the A registers are not rewritten in flight
         assert "serialized" not in log and "C7510" not in log and "C7511" not in log, (item.spec.name, log)
-    # exact sums at kb65's size, alone on its SM: not prefetching (in a K loop that a prefetching
-    # kernel does not unroll, ptxas serialized the products of their register sets)
     from specgen import cache
     from specgen.plan import SlabConfig
+
+    # the stem prefetching (a tuner's candidate): its K loop not unrolled, no spill
+    plan, _, req = pipeline.request(validate(by_name("stem_224")), None, igemm_config=SlabConfig(1, prefetch=1))
+    assert plan["mma"].prefetch and plan["mma"].packed_w
+    build = cache.get_or_build(req)
+    assert build.spill_bytes == 0 and "serialized" not in build.log, build.log
+    # exact sums at kb65's size, alone on its SM: not prefetching (in a K loop that a prefetching
+    # kernel does not unroll, ptxas serialized the products of their register sets)
 
     kb65 = {**by_name("exact_kb65"), "input": {"channels": 8, "size": [256, 256]}}
     plan, _, req = pipeline.request(validate(kb65), None)
@@ -506,9 +513,9 @@ def test_wgmma_slab_kernels_build_for_sm_90a_without_spills(tmp_path, monkeypatc
     with pytest.raises(PlanError, match="no slab of this layer can prefetch the next one"):
         build_plan(as_fp32, settings=Settings(exact_sums=True, slab=SlabConfig(1, prefetch=1)))
     # the run-time-extents rendering `specgen bench` times against (its K loop not unrolled) builds too
-    for data in (picked[0], by_name("stem_224")):  # (the stem: prefetching, its rows in a register array)
-        slow = pipeline.specialize_runtime_dims(validate(data), "sm_90")
-        assert slow.build.spill_bytes == 0 and "__constant__ int KSTEPS" in slow.source
+    for data, cfg in ((picked[0], None), (by_name("stem_224"), SlabConfig(1, prefetch=1))):  # (prefetching: rows in a register array)
+        plan, source, req = pipeline.request(validate(data), "sm_90", igemm_config=cfg, runtime_dims=True)
+        assert cache.get_or_build(req).spill_bytes == 0 and "__constant__ int KSTEPS" in source
 
 
 @pytest.mark.gpu

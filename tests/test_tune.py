@@ -109,33 +109,38 @@ def slab_layer() -> dict:
 
 
 def test_slab_layers_have_warp_tile_candidates():
-    """The slab engine's candidates: other mma.sync warp tiles (each plans with its own tile, none
-    the heuristic's), kept and read back like the other engines' choices."""
+    """The slab engine's candidates: mma.sync with the planner's and other warp tiles (each plans
+    with its own tile) and the wgmma slab's variants, none the heuristic's (wgmma on sm_90a for this
+    layer), kept and read back like the other engines' choices."""
     from specgen.plan import SlabConfig
 
     spec = validate(slab_layer())
     plan = tune.heuristic(spec)
-    assert plan["engine"] == "slab" and tune.tunable(spec)
+    assert plan["engine"] == "slab" and plan["mma"].wgmma and tune.tunable(spec)
     cands = tune.candidates(spec)
-    assert cands and all(isinstance(c, SlabConfig) and not c.wgmma for c in cands)
-    shapes = {(plan["mma"].wm, plan["mma"].wn)}
+    assert cands and all(isinstance(c, SlabConfig) for c in cands)
+    sync = [c for c in cands if not c.wgmma]
+    assert sync[0] == SlabConfig(0) and len(sync) >= 4
+    shapes = {tune._slab_shape(plan["mma"])}
     for cfg in cands:
         got = tune.plan_with(spec, cfg)["mma"]
-        assert (got.wm, got.wn) == (cfg.wm, cfg.wn) and (got.wm, got.wn) not in shapes
-        shapes.add((got.wm, got.wn))
-        assert tune.config_from(tune.config_record(cfg)) == cfg and tune.label(cfg).startswith("slab mma.sync w")
-    source = pipeline.request(spec, "sm_90", igemm_config=cands[0])[1]
-    assert f"constexpr int WM = {cands[0].wm};" in source and f"constexpr int WN = {cands[0].wn};" in source
+        assert got.wgmma == bool(cfg.wgmma) and tune._slab_shape(got) not in shapes
+        assert cfg.wgmma or not cfg.wm or (got.wm, got.wn) == (cfg.wm, cfg.wn)
+        shapes.add(tune._slab_shape(got))
+        assert tune.config_from(tune.config_record(cfg)) == cfg and tune.label(cfg).startswith("slab ")
+    tiled = next(c for c in sync if c.wm)
+    source = pipeline.request(spec, "sm_90", igemm_config=tiled)[1]
+    assert f"constexpr int WM = {tiled.wm};" in source and f"constexpr int WN = {tiled.wn};" in source
 
 
-def test_wgmma_slab_candidates_wait_for_their_gpu_tests(monkeypatch):
+def test_wgmma_slab_candidates_follow_their_switch(monkeypatch):
     from specgen.plan import SlabConfig
 
     spec = validate(slab_layer())
-    assert not any(c.wgmma for c in tune.candidates(spec))
-    monkeypatch.setattr(tune, "SLAB_WGMMA_CANDIDATES", True)
     wgmma = [c for c in tune.candidates(spec) if isinstance(c, SlabConfig) and c.wgmma]
     assert wgmma and all(tune.plan_with(spec, c)["mma"].wgmma for c in wgmma)
+    monkeypatch.setattr(tune, "SLAB_WGMMA_CANDIDATES", False)
+    assert not any(c.wgmma for c in tune.candidates(spec))
 
 
 def test_a_bad_slab_config_is_refused():
@@ -169,7 +174,7 @@ def test_a_split_layer_tunes_its_slab_body(monkeypatch):
     for cfg in cands:
         got = tune.plan_with(spec, cfg)
         body = tune.slab_part(got)["mma"]
-        assert body.wgmma == bool(cfg.wgmma) and (cfg.wgmma or (body.wm, body.wn) == (cfg.wm, cfg.wn))
+        assert body.wgmma == bool(cfg.wgmma) and (cfg.wgmma or not cfg.wm or (body.wm, body.wn) == (cfg.wm, cfg.wn))
         assert next(p["plan"] for p in got["parts"] if p["role"] == "rest") == rest
     source = pipeline.request(spec, "sm_90", igemm_config=next(c for c in cands if c.wgmma))[1]
     assert "wgmma.mma_async" in source and source.count("__global__") >= 2
@@ -287,14 +292,14 @@ def test_the_pipeline_uses_a_stored_slab_choice(fake_gpu, monkeypatch):
     """A stored slab candidate (a warp tile) replaces the planner's, and reads back from its record."""
     spec = validate(slab_layer())
     heuristic = tune.heuristic(spec)["mma"]
-    chosen = tune.candidates(spec)[0]
+    chosen = next(c for c in tune.candidates(spec) if c.wm)  # an mma.sync warp tile (the heuristic: wgmma)
     monkeypatch.setattr(pipeline.cache, "get_or_build", lambda req: _FakeBuild(req))
     pipeline.forget(spec)
-    assert (pipeline.specialize(spec).plan["mma"].wm, pipeline.specialize(spec).plan["mma"].wn) == (heuristic.wm, heuristic.wn)
+    assert tune._slab_shape(pipeline.specialize(spec).plan["mma"]) == tune._slab_shape(heuristic)
     tune.store_choice(spec, fake_gpu, 64, chosen, [], batch=64)
     assert tune.stored_choice(spec)["config"] == chosen
     got = pipeline.specialize(spec).plan
-    assert (got["mma"].wm, got["mma"].wn) == (chosen.wm, chosen.wn) and got["settings"].slab == chosen
+    assert not got["mma"].wgmma and (got["mma"].wm, got["mma"].wn) == (chosen.wm, chosen.wn) and got["settings"].slab == chosen
     pipeline.forget(spec)
 
 
