@@ -352,11 +352,11 @@ WGMMA_ALIGN_FLOATS = 256  # the planes start 1024-byte aligned (the swizzle is b
 # mma.sync. Not where a reduction follows the conv in the same kernel (kb65 ran 1.09 -> 1.21), nor
 # with exact sums (not timed yet): the tuner tries wgmma there. False: mma.sync wherever not asked.
 SLAB_WGMMA_DEFAULT = True
-# the most registers (`wgmma_registers`, an estimate) a thread of a block alone on its SM may have
-# with the next slab's rows (8 a row) beside its accumulators: ptxas's limit is 255, and the
-# estimate was off by -35 to +20 on the test layers and the seeds; a build that still spills is
+# the most registers (`wgmma_registers`, an estimate) a wgmma slab thread may have: with the next
+# slab's rows beside its accumulators, or exact sums' two further sets; ptxas's limit is 255, and
+# the estimate was off by -35 to +20 on the test layers and the seeds; a build that still spills is
 # rebuilt without the prefetch (`pipeline._without_spills`)
-WGMMA_PREFETCH_MAX_REGS = 232
+WGMMA_MAX_REGS = 232
 
 
 def wgmma_registers(nb: int, stage_iters: int, prefetch: bool, packed: bool = False, exact: bool = False) -> int:
@@ -496,10 +496,12 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
             slabs = (bd, _ceil_div(box[2], sh))
             # (not with exact sums: in the K loop a prefetching kernel does not unroll, ptxas serialized
             # the products of their three register sets, C7511/C7515)
-            can_prefetch = slabs[0] * slabs[1] > 1 and not exact and wgmma_registers(nb, stage_iters, True, packed) <= WGMMA_PREFETCH_MAX_REGS
+            can_prefetch = slabs[0] * slabs[1] > 1 and not exact and wgmma_registers(nb, stage_iters, True, packed) <= WGMMA_MAX_REGS
             if prefetch == 1 and not can_prefetch:
                 continue
             pf = can_prefetch and prefetch == 1
+            if wgmma_registers(nb, stage_iters, pf, packed, exact) > WGMMA_MAX_REGS:
+                continue  # (exact sums at a large NB: three sets of NB / 2 accumulators would spill)
             two_blocks = two_blocks and wgmma_registers(nb, stage_iters, pf, packed, exact) <= 128
             waste = (n_tiles * nb * c_tiles * 64) / (sh * bw * box_c)
             # staging hidden (two blocks per SM, one staging while the other multiplies, or the next
@@ -973,7 +975,7 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         mma = wgmma_tiling(slab.slab_h, slab.prefetch) if slab is not None else wgmma_tiling()
         if mma is None and slab is not None and slab.prefetch == 1 and wgmma_tiling(slab.slab_h) is not None:
             raise PlanError(["tile.wgmma: no slab of this layer can prefetch the next one (a box of one slab, exact sums, or no "
-                             f"registers left for the next slab's rows beside its accumulators: at most {WGMMA_PREFETCH_MAX_REGS} estimated)"])
+                             f"registers left for the next slab's rows beside its accumulators: at most {WGMMA_MAX_REGS} estimated)"])
         if mma is None:
             raise PlanError(["tile.wgmma: the slab engine's staged planes and weights do not fit in shared memory"])
     elif want_mma and not mma_why_not:
@@ -1225,7 +1227,8 @@ def _box_occupancy(bt: BoxTiling, smem_bytes: int, reductions: list, levels: lis
     min_blocks = 1
     if mma is not None:  # two blocks per SM when shared memory and registers allow: one stages while the other computes
         # accumulators + fragments, addresses and the epilogue (wgmma: NB / 2 accumulators)
-        regs = wgmma_registers(mma.nb, mma.stage_iters, mma.prefetch, mma.packed_w) if mma.wgmma else 4 * mma.wm * mma.wn + 64
+        regs = wgmma_registers(mma.nb, mma.stage_iters, mma.prefetch, mma.packed_w, bool(settings.exact_sums)) if mma.wgmma \
+            else 4 * mma.wm * mma.wn + 64
         min_blocks = 2 if 2 * (smem_bytes + BLOCK_RESERVED_SMEM) <= target.smem_per_sm and 2 * threads * max(regs, 128) <= target.regs_per_sm else 1
     elif not reductions and len(levels) == 1:
         fit = min(target.smem_per_block // max(1, smem_bytes), 2048 // threads)

@@ -469,6 +469,16 @@ def test_exact_sums_on_wgmma():
     mma = exact["mma"]
     assert wgmma_registers(mma.nb, 0, False, False, True) == wgmma_registers(mma.nb, 0, False) + mma.nb
     assert slab_plan(by_name("exact_deep"))["mma"].k_pad > 512
+    # the estimate with the two sets decides the blocks per SM, and caps NB (one row of 4 x 100
+    # positions, 3-D: alone on its SM, its planner once took NB 200, 364 estimated registers)
+    from specgen.plan import WGMMA_MAX_REGS
+
+    wide = layer("exact_wide", 8, [4, 6, 100], 64, 3, precision="tf32")
+    for data in (wide, by_name("exact_kb90"), by_name("exact_deep"), by_name("exact_kb65")):
+        plan = slab_plan(data)
+        m = plan["mma"]
+        regs = wgmma_registers(m.nb, m.stage_iters, m.prefetch, m.packed_w, True)
+        assert plan["settings"].exact_sums and regs <= WGMMA_MAX_REGS and (plan["min_blocks"] == 1 or regs <= 128), data["name"]
     with pytest.raises(PlanError, match="more than the 512 one running 3xTF32 sum"):
         build_plan(validate({**by_name("exact_deep"), "precision": "fp32"}))
 
