@@ -14,7 +14,7 @@ import torch
 from hypothesis import assume, given, settings, strategies as st
 
 from specgen import target as targets
-from specgen.plan import PlanError, build_plan, describe
+from specgen.plan import PlanError, build_plan, describe, exact_tf32
 from specgen.render import render_plan
 from specgen.spec import SpecError, validate
 
@@ -75,8 +75,10 @@ def test_the_plan_runs_the_slab_engine_on_wgmma(data):
     gemm_taps = k_d * k_h if mma.packed_w else plan["taps"]  # (the W taps packed into K: one run per (kd, kh))
     assert mma.c_tiles * 64 >= plan["box"][0] and mma.k_pad == gemm_taps * mma.cip and mma.cip % 8 == 0
     assert mma.packed_w == (plan["cin"] < 8 and -(-k_w * plan["cin"] // 8) < k_w * -(-plan["cin"] // 8))
-    assert mma.products == (1 if data["precision"] == "tf32" and not data["name"].startswith("exact") else 3)
-    assert bool(plan["settings"].exact_sums) == data["name"].startswith("exact")  # (`exact_tf32`)
+    exact = exact_tf32(validate(data))
+    assert exact == data["name"].startswith("exact")  # (the layers named so are the exact ones)
+    assert mma.products == (1 if data["precision"] == "tf32" and not exact else 3)
+    assert bool(plan["settings"].exact_sums) == exact
     assert "wgmma m64n" in describe(build_plan(validate(data)))
 
 
