@@ -271,6 +271,7 @@ PART_ROLES = {  # a part's role -> what it needs beside its plan
     "rest": ("spec", "segment"),  # the stages after a split, over an identity conv
     "tail": ("segment",),  # a statistic stage's kernels (`tail.TailPlan`)
     "tapsum": ("folded_spec",),  # a fold's tap sums (`tapsum.TapsumPlan`)
+    "boxmean": ("folded_spec",),  # a box fold's means (`boxfold.BoxmeanPlan`)
 }
 
 

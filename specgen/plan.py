@@ -657,7 +657,7 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     if may_rewrite and (plain := forward_equivalent(spec)) is not None:
         # ---- rewrite: a transposed conv of stride 1 is a plain conv (every engine runs it) ---
         return _as_transposed(build_plan(plain, igemm_config, target, tma_config, settings), spec, plain)
-    from specgen import poolfold, tail, tapsum
+    from specgen import boxfold, poolfold, tail, tapsum
 
     if igemm_config is None and tma_config is None and (pf := poolfold.find(spec, may_rewrite)) is not None:
         # ---- rewrite: an avg pool after a strided transposed conv makes a plain conv with it --
@@ -666,6 +666,9 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     if igemm_config is None and tma_config is None and (fold := tapsum.find(spec, may_rewrite)) is not None:
         # ---- rewrite: a mean over whole spatial dims of the conv, taken before it -----------
         return tapsum.plan_fold(spec, fold, target, settings)
+    if igemm_config is None and tma_config is None and (box := boxfold.find(spec, may_rewrite)) is not None:
+        # ---- rewrite: an avg pool after a stride-1 conv, taken before the conv's taps --------
+        return boxfold.plan_fold(spec, box, target, settings)
     if tail.is_sequence(spec):  # statistic stages: a sequence of kernels, each part planned on its own
         if igemm_config is None and (fused := tail.plan_channel_norm(spec, target, tma_config, settings)) is not None:
             return fused  # a softmax over the channels in the TMA epilogue (with what it can take after it)

@@ -154,7 +154,7 @@ def launch_spec(plan: dict) -> LaunchSpec:
     if isinstance(plan, SequencePlan):  # a part that is not an engine's kernel (a fold's sum) is named by its role only
         parts = tuple(
             launch_spec(part.plan) if part.role in ("body", "rest")
-            else LaunchSpec(part.plan.kernel_name if part.role == "tapsum" else "", part.role)
+            else LaunchSpec(part.plan.kernel_name if part.role in ("tapsum", "boxmean") else "", part.role)
             for part in plan.parts
         )
         return LaunchSpec(plan.kernel_name, engine, parts=parts)
@@ -253,6 +253,7 @@ def load_plan(blob: bytes) -> dict:
     import specgen.tail  # noqa: F401
     import specgen.tapsum  # noqa: F401
     import specgen.poolfold  # noqa: F401
+    import specgen.boxfold  # noqa: F401
 
     plan = _PlanUnpickler(io.BytesIO(blob)).load()
     if not isinstance(plan, Mapping) or not isinstance(plan.get("engine"), str):

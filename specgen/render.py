@@ -62,7 +62,7 @@ def render_plan(plan: dict, template: str | None = None, runtime_dims: bool = Fa
 
         if runtime_dims:
             raise TemplateError("tail.cu.j2: a layer with statistic stages has no run-time-dimensions rendering")
-        part_templates = {"tail": "tail.cu.j2", "tapsum": "tapsum.cu.j2"}
+        part_templates = {"tail": "tail.cu.j2", "tapsum": "tapsum.cu.j2", "boxmean": "boxmean.cu.j2"}
         parts = [render_plan(p.plan, part_templates.get(p.role)) for p in plan.parts]
         return _checked(tail.join(plan, parts), plan)
     if template is None:

@@ -684,6 +684,40 @@ def sequence_plan(spec: LayerSpec, parts: tuple, steps: tuple, buffers: dict, st
     })
 
 
+def prefixed_sequence(spec: LayerSpec, inner, part: SequencePart, step: KernelStep, s_size: int, why: list, rewrite: str,
+                      adds_per_sample: int, weight_transform: dict) -> SequencePlan:
+    """The plan of a fold: `part`'s kernel (`step`) reads x and writes buffer "s" (`s_size` values per
+    sample), then `inner`, the plan of the layer `part.folded_spec` that reads s in x's place (its
+    steps one part later where it is a sequence itself). The launch hands the inner layer the
+    user's weights through `weight_transform` (specgen.torchop.transformed_weight)."""
+    if isinstance(inner, SequencePlan):  # the inner layer's epilogue has statistic stages or a split of its own
+        parts = (part, *inner.parts)
+        steps = [step]
+        for st in inner.steps:  # the inner sequence's steps, one part later, reading s where they read x
+            if isinstance(st, LayerStep):
+                st = replace(st, part=st.part + 1, in_="s" if st.in_ == "x" else st.in_)
+            else:
+                st = replace(st, part=st.part + 1, args=["s" if a == "x" else a for a in st.args])
+            steps.append(st)
+        buffers = {"s": s_size, **inner.buffers}
+        why = [*why, *inner.why]
+        stats_floats = inner.stats_floats
+    else:
+        folded = part.folded_spec
+        parts = (part, SequencePart(role="body", namespace="body", spec=folded, plan=inner))
+        steps = [step, LayerStep(part=1, in_="s", out="out", out_shape=list(folded.shapes()[-1].sizes))]
+        buffers = {"s": s_size}
+        stats_floats = 0
+    return sequence_plan(
+        spec, parts, tuple(steps), buffers, stats_floats, why,
+        kernel_name=step.name,
+        rewrites=[rewrite, *inner.rewrites],
+        flops_per_sample=inner.flops_per_sample + adds_per_sample,
+        in_per_sample=spec.input.channels * math.prod(spec.input.size),
+        weight_transforms=[weight_transform],
+    )
+
+
 def _layer_bytes(plan) -> int:
     """Bytes per sample a body-engine kernel moves: its input and its output (weights once per launch)."""
     return 4 * (plan.in_per_sample + plan.out_per_sample)
@@ -707,11 +741,12 @@ def describe(plan: SequencePlan) -> str:
             lines.append(f"  {n}. {p.kernel_name}: {what}; reads {step.in_}, writes {step.out} "
                          f"{step.out_shape or '(one value per sample)'}; {moved} bytes per sample")
             lines += [f"       {line}" for line in describe_plan(p).splitlines()]
-        elif part.role == "tapsum":
-            from specgen.tapsum import describe as describe_tapsum
+        elif part.role in ("tapsum", "boxmean"):
+            from specgen import boxfold, tapsum
 
+            describe_fold = tapsum.describe if part.role == "tapsum" else boxfold.describe
             moved = part.plan.bytes_per_sample
-            lines.append(f"  {n}. {step.name}: {describe_tapsum(part.plan)}; reads {step.args[0]}, "
+            lines.append(f"  {n}. {step.name}: {describe_fold(part.plan)}; reads {step.args[0]}, "
                          f"writes {step.args[-1]}; {moved} bytes per sample")
         else:
             tp = part.plan

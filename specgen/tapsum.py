@@ -35,12 +35,11 @@ the data TF32 would round, and the conv is now small.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
 from specgen import __version__, ops
-from specgen.kernelplan import KernelStep, LayerStep, SequencePart, SequencePlan, TemplateValues
+from specgen.kernelplan import KernelStep, SequencePart, SequencePlan, TemplateValues
 from specgen.spec import LayerSpec
 
 THREADS = 256  # threads per block (at most)
@@ -217,48 +216,23 @@ def plan_fold(spec: LayerSpec, fold: Fold, target=None, settings=None) -> Sequen
     sequence where its epilogue needs one) reading S. The launch hands the folded conv the folded
     weights (`weight_transforms`, specgen.torchop.tap_fold_weight)."""
     from specgen.plan import DEFAULT_SETTINGS, build_plan
-    from specgen.tail import sequence_plan
+    from specgen.tail import prefixed_sequence
 
     inner = build_plan(fold.spec, None, target, settings=settings or DEFAULT_SETTINGS)
-    prefix = f"specgen_{spec.name}"
-    tp = tapsum_plan(spec, fold, f"{prefix}_tapsum")
+    tp = tapsum_plan(spec, fold, f"specgen_{spec.name}_tapsum")
     tap_part = SequencePart(role="tapsum", namespace="tapsum", plan=tp, folded_spec=fold.spec)  # (the layer the later parts are of)
     tap_step = KernelStep(part=0, name=tp.kernel_name, threads=tp.threads, grid_x=tp.grid_x, once=False, args=["x", "s"])
     op = spec.epilogue[fold.at].op
     why = [f"epilogue[{fold.at}] {op} {'sums' if op == 'sum' else 'averages'} whole spatial dims of a linear conv: "
            f"the conv reads the input's sums per tap ({fold.tap_count} per input channel) instead of its "
            f"{fold.positions} output positions (the stages after it are numbered as the folded layer's)"]
-    if isinstance(inner, SequencePlan):  # the folded conv's epilogue has statistic stages or a split of its own
-        parts = (tap_part, *inner.parts)
-        steps = [tap_step]
-        for st in inner.steps:  # the inner sequence's steps, one part later, reading S where they read x
-            if isinstance(st, LayerStep):
-                st = dataclasses.replace(st, part=st.part + 1, in_="s" if st.in_ == "x" else st.in_)
-            else:
-                st = dataclasses.replace(st, part=st.part + 1, args=["s" if a == "x" else a for a in st.args])
-            steps.append(st)
-        buffers = {"s": tp.s_per_sample, **inner.buffers}
-        why += inner.why
-        stats_floats = inner.stats_floats
-    else:
-        parts = (tap_part, SequencePart(role="body", namespace="body", spec=fold.spec, plan=inner))
-        steps = [tap_step, LayerStep(part=1, in_="s", out="out", out_shape=list(fold.spec.shapes()[-1].sizes))]
-        buffers = {"s": tp.s_per_sample}
-        stats_floats = 0
     rewrite = (f"tap-sum fold: epilogue[{fold.at}] {op} over whole spatial dims, taken before "
                f"the conv (the input summed per tap: {fold.tap_count} sums per input channel; the conv over them "
                f"in fp32, its weights / {fold.positions})")
-    return sequence_plan(
-        spec, parts, tuple(steps), buffers, stats_floats, why,
-        kernel_name=tp.kernel_name,
-        rewrites=[rewrite, *inner.rewrites],
-        flops_per_sample=inner.flops_per_sample + tp.adds_per_sample,
-        in_per_sample=spec.input.channels * math.prod(spec.input.size),
-        weight_transforms=[{
-            "kind": "tap_fold", "transposed": spec.conv.transposed, "groups": spec.conv.groups,
-            "reduced": list(fold.reduced), "positions": fold.positions, "sets": [list(t.of_tap) for t in fold.taps],
-        }],
-    )
+    return prefixed_sequence(spec, inner, tap_part, tap_step, tp.s_per_sample, why, rewrite, tp.adds_per_sample, {
+        "kind": "tap_fold", "transposed": spec.conv.transposed, "groups": spec.conv.groups,
+        "reduced": list(fold.reduced), "positions": fold.positions, "sets": [list(t.of_tap) for t in fold.taps],
+    })
 
 
 @dataclass(frozen=True, eq=False)

@@ -543,12 +543,20 @@ def pool_fold_weight(weight: torch.Tensor, groups: int, dims: list) -> torch.Ten
     return w.to(weight.dtype).contiguous()
 
 
+def box_fold_weight(weight: torch.Tensor, taps: int) -> torch.Tensor:
+    """The 1x1 conv over the box means (specgen.boxfold): [C_OUT, C_IN / groups, k...] read as
+    [C_OUT, C_IN / groups * taps, 1...], each input channel's taps in order (a view of the weights)."""
+    return weight.reshape(weight.shape[0], weight.shape[1] * taps, *([1] * (weight.dim() - 2))).contiguous()
+
+
 def transformed_weight(weight: torch.Tensor, transform: dict) -> torch.Tensor:
     """One of a plan's `weight_transforms` applied to the conv weight it receives."""
     if transform["kind"] == "transposed_to_plain":  # a stride-1 transposed conv planned as a plain conv
         return forward_weight(weight, transform["groups"])
     if transform["kind"] == "tap_fold":  # a mean over whole dims taken before the conv
         return tap_fold_weight(weight, transform["reduced"], transform["positions"], transform["transposed"], transform["sets"])
+    if transform["kind"] == "box_fold":  # an avg pool taken before the conv's taps: a 1x1 conv over the box means
+        return box_fold_weight(weight, transform["taps"])
     if transform["kind"] == "transposed_pool_fold":  # an avg pool after a strided transposed conv
         return pool_fold_weight(weight, transform["groups"], transform["dims"])
     raise ValueError(f"unknown weight transform {transform['kind']!r}")

@@ -252,6 +252,9 @@ def run_sequence(spec, plan: dict, x: torch.Tensor, weight, bias, params: dict) 
 
             buffers[step["args"][-1]] = torch.from_numpy(tapsum_model.run(part["plan"], buffers[step["args"][0]].reshape(batch, -1).numpy()))
             spec = part["folded_spec"]  # the later parts' stage numbers are the folded layer's
+        elif part["role"] == "boxmean":  # the input's box means per tap (box_means below)
+            buffers[step["args"][-1]] = box_means(part["plan"], buffers[step["args"][0]]).reshape(batch, -1)
+            spec = part["folded_spec"]
         elif step["name"] == part["plan"]["kernels"][-1]["name"]:  # a tail's last kernel: run the whole tail
             tp = part["plan"]
             src = buffers[step["args"][0]].reshape(batch, -1).numpy()
@@ -263,3 +266,22 @@ def run_sequence(spec, plan: dict, x: torch.Tensor, weight, bias, params: dict) 
             buffers[step["args"][-1]] = torch.from_numpy(_apply_steps(spec, tp, y, {**params, **bound}, batch))
     return buffers["out"].reshape(batch, *plan["out_shape"])
 
+
+
+def box_means(bp, x: torch.Tensor) -> torch.Tensor:
+    """The box-mean kernel (specgen.boxfold) from its plan's dims, by torch's own average pool: per
+    tap k, the pool of the input shifted by k (after the conv's padding), cut to the pooled extents.
+    [batch, C_IN * TAPS, OD, OH, OW], channel c's taps at c * TAPS + t, t row-major over (D, H, W)."""
+    batch = x.shape[0]
+    dims = bp["dims"]
+    v = x.double().reshape(batch, bp["cin"], *[d["size"] for d in dims])
+    pads = [p for d in reversed(dims) for p in (d["pad"], d["pad"])]
+    v = torch.nn.functional.pad(v, pads)
+    means = []
+    for kd in range(dims[0]["kernel"]):
+        for kh in range(dims[1]["kernel"]):
+            for kw in range(dims[2]["kernel"]):
+                shifted = v[:, :, kd:, kh:, kw:]
+                pooled = torch.nn.functional.avg_pool3d(shifted, [d["window"] for d in dims])
+                means.append(pooled[:, :, : dims[0]["out"], : dims[1]["out"], : dims[2]["out"]])
+    return torch.stack(means, dim=2).reshape(batch, bp["cin"] * bp["taps"], *[d["out"] for d in dims])

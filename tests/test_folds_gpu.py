@@ -12,12 +12,13 @@ torch = pytest.importorskip("torch")
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from specgen import poolfold, tapsum  # noqa: E402
+from specgen import boxfold, poolfold, tapsum  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 from specgen.plan import forward_equivalent  # noqa: E402
 from specgen.spec import SpecError, validate  # noqa: E402
 
 from gpu_helpers import captured, compare  # noqa: E402
+from test_boxfold import FOLDS as BOX_FOLDS, foldable as box_foldable, layer as box_layer  # noqa: E402
 from test_poolfold import CASES as POOL_FOLDS, pooled  # noqa: E402
 from test_tapsum import FOLDS, foldable, layer  # noqa: E402
 
@@ -105,13 +106,48 @@ def test_the_random_gpu_pool_folds_ran():
     assert pool_ran["cases"] >= 25, pool_ran
 
 
-@pytest.mark.parametrize("kind", ["tap_fold", "transposed_pool_fold"])
+BOX_LARGE = {
+    # KernelBench 65 at a quarter of its area, and padded with two groups and a batch norm after the pool
+    "kb65_quarter": box_layer(8, [192, 192], 64, [{"avg_pool": 4}, "sigmoid", {"sum": {"dims": [1, 2, 3]}}]),
+    "padded_bn": box_layer(12, [61, 70], 128, [{"avg_pool": 4}, {"batch_norm": {}}, "silu"], padding=1, groups=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOX_FOLDS) + sorted(BOX_LARGE))
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_box_folded_layers_match_float64(name, precision, batch):
+    spec = validate({**{**BOX_FOLDS, **BOX_LARGE}[name], "precision": precision})
+    layer = FusedLayer(spec).cuda()
+    plan = layer.specialize().plan
+    if precision == "fp32":
+        assert boxfold.find(spec) is not None and plan["parts"][0]["role"] == "boxmean"
+    compare(layer, batch, seed=batch + len(name))
+
+
+box_ran = {"cases": 0}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(data=box_foldable(), batch=st.integers(1, 3))
+def test_random_box_folds_on_the_gpu(data, batch):
+    check_random(data, batch, "fp32", lambda spec: boxfold.find(spec) is not None, box_ran)
+
+
+def test_the_random_gpu_box_folds_ran():
+    if box_ran["cases"] == 0:
+        test_random_box_folds_on_the_gpu()
+    assert box_ran["cases"] >= 15, box_ran
+
+
+@pytest.mark.parametrize("kind", ["tap_fold", "transposed_pool_fold", "box_fold"])
 def test_folded_layers_replay_in_a_cuda_graph_with_new_weights(kind):
     """The folds' weight transforms run inside the capture (no host-to-device copy there), so each
     replay folds the weights as they are then: an in-place update between replays shows."""
     from specgen import reference
 
-    data = FOLDS["global_mean_2d"] if kind == "tap_fold" else POOL_FOLDS["window4_2d"]
+    data = {"tap_fold": FOLDS["global_mean_2d"], "transposed_pool_fold": POOL_FOLDS["window4_2d"],
+            "box_fold": BOX_FOLDS["kb65_like"]}[kind]
     layer = FusedLayer(validate({**data, "precision": "fp32"})).cuda()
     assert layer.specialize().plan["weight_transforms"][0]["kind"] == kind
     gen = torch.Generator(device="cuda").manual_seed(11)

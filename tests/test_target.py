@@ -30,6 +30,13 @@ NO_CLUSTERS = ("sm_80", "sm_86", "sm_89")
 CLUSTER_CODE = ("cooperative_groups", "cg::", "__cluster_dims__", "cluster.sync", "map_shared_rank")
 
 
+def one_kernel(spec):
+    """`spec` pinned to the slab engine: kb65 as one kernel (the avg-pool fold), not the box fold's sequence."""
+    from specgen.spec import TileSpec
+
+    return spec.model_copy(update={"tile": TileSpec(engine="slab")})
+
+
 # ---- the built-in targets ---------------------------------------------------------------------
 
 
@@ -101,7 +108,7 @@ def test_every_example_plans_within_the_target(arch):
 
 def test_clusters_are_used_where_the_target_has_them():
     # the same specs join partials in clusters on sm_90: the no-cluster path above is the target's doing
-    kb65_90 = build_plan(SPECS["kb65"], target=targets.get("sm_90"))
+    kb65_90 = build_plan(one_kernel(SPECS["kb65"]), target=targets.get("sm_90"))
     assert kb65_90["cluster_at_launch"] and kb65_90["cluster"] == 16
     lse_90 = build_plan(SPECS["conv2d_leaky_scale_lse_all"], target=targets.get("sm_90"))
     assert lse_90["cluster"] == 8 and "__cluster_dims__" in render_plan(lse_90)
@@ -110,8 +117,8 @@ def test_clusters_are_used_where_the_target_has_them():
 
 
 def test_less_shared_memory_gives_smaller_boxes_and_pipelines():
-    kb65_86 = build_plan(SPECS["kb65"], target=targets.get("sm_86"))
-    kb65_90 = build_plan(SPECS["kb65"], target=targets.get("sm_90"))
+    kb65_86 = build_plan(one_kernel(SPECS["kb65"]), target=targets.get("sm_86"))
+    kb65_90 = build_plan(one_kernel(SPECS["kb65"]), target=targets.get("sm_90"))
     assert kb65_90["smem_bytes"] > targets.get("sm_86").smem_per_block >= kb65_86["smem_bytes"]
     # the implicit GEMM keeps its tile with fewer cp.async stages (on sm_90 Hopper's TMA engine takes
     # this layer: sm_80 has the implicit GEMM's full pipeline)
