@@ -172,3 +172,67 @@ def test_random_folds_match_the_reference(data, batch):
 
 def test_the_random_folds_ran():
     assert ran["cases"] >= 20, ran  # (after the test above, in file order: most drawn layers fold)
+
+
+# ---- the box-mean kernel itself, compiled for the host ---------------------------------------------
+
+HOST_PRELUDE = """// the CUDA names the kernel uses, for a host build that runs every thread in turn
+#include <cstdio>
+#include <cstdlib>
+struct Index3 { int x, y, z; };
+static Index3 blockIdx, threadIdx;
+#define __global__
+#define __launch_bounds__(n)
+#define __restrict__
+"""
+
+HOST_MAIN = """
+int main(int argc, char** argv) {
+  // argv: batch, x file, b file; every (block, thread) of the grid in turn
+  const int batch = atoi(argv[1]);
+  float* x = (float*)malloc(sizeof(float) * (size_t)batch * PER_SAMPLE_IN);
+  float* b = (float*)malloc(sizeof(float) * (size_t)batch * PER_SAMPLE_B);
+  FILE* f = fopen(argv[2], "rb");
+  if (fread(x, sizeof(float), (size_t)batch * PER_SAMPLE_IN, f) != (size_t)batch * PER_SAMPLE_IN) return 2;
+  fclose(f);
+  for (size_t i = 0; i < (size_t)batch * PER_SAMPLE_B; ++i) b[i] = 0.0f / 0.0f;  // poisoned
+  for (int n = 0; n < batch; ++n)
+    for (int bx = 0; bx < GRID_X; ++bx)
+      for (int tx = 0; tx < THREADS; ++tx) {
+        blockIdx = {bx, n, 0};
+        threadIdx = {tx, 0, 0};
+        KERNEL(x, b, batch);
+      }
+  f = fopen(argv[3], "wb");
+  fwrite(b, sizeof(float), (size_t)batch * PER_SAMPLE_B, f);
+  fclose(f);
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs a host C++ compiler (g++)")
+@pytest.mark.parametrize("name", sorted(FOLDS))
+def test_the_box_mean_kernel_computes_the_means(name, tmp_path):
+    """The rendered box-mean kernel, built for the host with every thread run in turn, against the
+    model of the means (torch's pool): its index arithmetic, bounds and write layout."""
+    import subprocess
+
+    import numpy as np
+
+    spec = spec_of(name)
+    plan = build_plan(spec)
+    bp = plan["parts"][0]["plan"]
+    source = render_plan(bp, "boxmean.cu.j2")
+    (tmp_path / "box.cpp").write_text(HOST_PRELUDE + source + f"\n#define KERNEL {bp.kernel_name}\n"
+                                      f"constexpr int GRID_X = {bp.grid_x};\n" + HOST_MAIN)
+    subprocess.run(["g++", "-O1", "-std=c++17", "-o", str(tmp_path / "box"), str(tmp_path / "box.cpp")], check=True,
+                   capture_output=True)
+    batch = 2
+    x = torch.rand(batch, bp.per_sample_in, generator=torch.Generator().manual_seed(len(name)), dtype=torch.float32)
+    x.numpy().tofile(tmp_path / "x.bin")
+    subprocess.run([str(tmp_path / "box"), str(batch), str(tmp_path / "x.bin"), str(tmp_path / "b.bin")], check=True)
+    got = torch.from_numpy(np.fromfile(tmp_path / "b.bin", dtype=np.float32)).double().reshape(batch, -1)
+    want = tail_model.box_means(bp, x).reshape(batch, -1)
+    assert not got.isnan().any()
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), (got - want).abs().max()
