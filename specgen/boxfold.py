@@ -43,6 +43,8 @@ from specgen import __version__
 from specgen.kernelplan import KernelStep, SequencePart, SequencePlan, TemplateValues
 from specgen.spec import LayerSpec
 
+# The planner takes the box fold where it applies (False: never; the avg-pool fold's one kernel as before).
+ENABLED = True
 THREADS = 256  # threads per block: one per (input channel, pooled position)
 MIN_GAIN = 3  # fold only where the taps shrink at least this much: prod(K + P - 1) / prod(K)
 MIN_INTENSITY = 32  # ... and the multiply-adds saved per byte of B written and read again, at least
@@ -76,7 +78,7 @@ def find(spec: LayerSpec, rewrites: bool = True) -> BoxFold | None:
     planner's setting, beside the spec's own)."""
     from specgen import tapsum
 
-    if not (spec.rewrites and rewrites) or spec.tile is not None or spec.precision != "fp32" or not spec.epilogue:
+    if not (ENABLED and spec.rewrites and rewrites) or spec.tile is not None or spec.precision != "fp32" or not spec.epilogue:
         return None
     if spec.conv.transposed:
         return None  # (a stride-1 transposed conv reaches here as the plain conv it equals)

@@ -17,6 +17,11 @@ from specgen.spec import validate
 from test_tapsum import random_tensors
 
 
+@pytest.fixture(autouse=True)
+def box_fold_on(monkeypatch):
+    monkeypatch.setattr(boxfold, "ENABLED", True)  # (whatever the planner's default)
+
+
 def layer(cin, size, cout, epilogue, **conv):
     return {"name": "box", "input": {"channels": cin, "size": size},
             "conv": {"out_channels": cout, "kernel": conv.pop("kernel", 3), **conv}, "epilogue": epilogue}
@@ -80,6 +85,12 @@ def test_what_does_not_fold():
     assert fold(precision="tf32") is None and fold(precision="bf16") is None  # fp32 tensors only
     assert fold(rewrites=False) is None
     assert boxfold.find(validate({**base, "precision": "fp32"}), rewrites=False) is None
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    spec = spec_of("kb65_like")
+    monkeypatch.setattr(boxfold, "ENABLED", False)
+    assert boxfold.find(spec) is None and "avg-pool fold" in build_plan(spec)["rewrites"][0]
 
 
 def test_the_tf32_default_of_a_few_channel_layer_folds_as_fp32():

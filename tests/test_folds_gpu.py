@@ -113,16 +113,24 @@ BOX_LARGE = {
 }
 
 
+def box_fold_on():
+    """The box fold taken where it applies, whatever the planner's default (`boxfold.ENABLED`)."""
+    from unittest import mock
+
+    return mock.patch.object(boxfold, "ENABLED", True)
+
+
 @pytest.mark.parametrize("name", sorted(BOX_FOLDS) + sorted(BOX_LARGE))
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_box_folded_layers_match_float64(name, precision, batch):
     spec = validate({**{**BOX_FOLDS, **BOX_LARGE}[name], "precision": precision})
-    layer = FusedLayer(spec).cuda()
-    plan = layer.specialize().plan
-    if precision == "fp32":
-        assert boxfold.find(spec) is not None and plan["parts"][0]["role"] == "boxmean"
-    compare(layer, batch, seed=batch + len(name))
+    with box_fold_on():
+        layer = FusedLayer(spec).cuda()
+        plan = layer.specialize().plan
+        if precision == "fp32":
+            assert boxfold.find(spec) is not None and plan["parts"][0]["role"] == "boxmean"
+        compare(layer, batch, seed=batch + len(name))
 
 
 box_ran = {"cases": 0}
@@ -131,7 +139,8 @@ box_ran = {"cases": 0}
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(data=box_foldable(), batch=st.integers(1, 3))
 def test_random_box_folds_on_the_gpu(data, batch):
-    check_random(data, batch, "fp32", lambda spec: boxfold.find(spec) is not None, box_ran)
+    with box_fold_on():
+        check_random(data, batch, "fp32", lambda spec: boxfold.find(spec) is not None, box_ran)
 
 
 def test_the_random_gpu_box_folds_ran():
@@ -141,13 +150,14 @@ def test_the_random_gpu_box_folds_ran():
 
 
 @pytest.mark.parametrize("kind", ["tap_fold", "transposed_pool_fold", "box_fold"])
-def test_folded_layers_replay_in_a_cuda_graph_with_new_weights(kind):
+def test_folded_layers_replay_in_a_cuda_graph_with_new_weights(kind, monkeypatch):
     """The folds' weight transforms run inside the capture (no host-to-device copy there), so each
     replay folds the weights as they are then: an in-place update between replays shows."""
     from specgen import reference
 
     data = {"tap_fold": FOLDS["global_mean_2d"], "transposed_pool_fold": POOL_FOLDS["window4_2d"],
             "box_fold": BOX_FOLDS["kb65_like"]}[kind]
+    monkeypatch.setattr(boxfold, "ENABLED", True)
     layer = FusedLayer(validate({**data, "precision": "fp32"})).cuda()
     assert layer.specialize().plan["weight_transforms"][0]["kind"] == kind
     gen = torch.Generator(device="cuda").manual_seed(11)

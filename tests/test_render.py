@@ -89,8 +89,11 @@ def test_constants_are_named_with_comments():
     assert "constexpr int OUT_PER_SAMPLE = 3444224;" in text
 
 
-def test_avg_pool_fold_is_reported():
+def test_avg_pool_fold_is_reported(monkeypatch):
+    from specgen import boxfold
     from specgen.spec import TileSpec
+
+    monkeypatch.setattr(boxfold, "ENABLED", True)
 
     kb65 = SPECS[[s.name for s in SPECS].index("kb65")]
     assert build_plan(kb65)["rewrites"][0].startswith("box fold")  # left to the planner: the box fold (specgen.boxfold)
