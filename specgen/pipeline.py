@@ -100,7 +100,7 @@ def _without_spills(item: Specialized, arch: str | None, igemm_config=None,
     mma = item.plan.get("mma")
     if mma is not None and mma.wgmma and mma.prefetch and (settings.slab is None or not settings.slab.prefetch):
         # the wgmma slab's prefetched rows take registers: without them (the planner's prefetch only)
-        retries.append(replace(settings, slab=SlabConfig(1, slab_h=settings.slab.slab_h if settings.slab else 0, prefetch=2)))
+        retries.append(replace(settings, slab=replace(settings.slab or SlabConfig(1), wgmma=1, prefetch=2)))
     for retry in retries:
         if item.build.spill_bytes == 0:
             break

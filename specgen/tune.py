@@ -4,7 +4,8 @@ The planner guesses one tile from sweeps of real layers (`tma.default_config` on
 `igemm.default_config` elsewhere, `plan._warp_tiles` for the slab engine). `specgen tune` tries a
 handful of others (`candidates`: other tile shapes and pipeline depths of the same engine, and on
 Hopper the other engine's tiles where both can run the layer; for the slab engine, other mma.sync
-warp tiles, `slab_candidates`): all of them compile in one parallel batch, the ones
+warp tiles, `slab_candidates`, and for a box-folded layer the same layer without the fold,
+`plan.SlabConfig.no_box_fold`): all of them compile in one parallel batch, the ones
 that spill registers are dropped, each is timed on the GPU (CUDA events around loops of calls,
 warm-up first, the candidates interleaved rep by rep, the median of the reps, inputs rotated
 through enough fresh random sets to exceed the L2 cache) and checked against the float64
@@ -227,26 +228,37 @@ def slab_candidates(spec: LayerSpec, plan: dict) -> list:
     """The slab engine's candidates that plan for this layer (the heuristic plan is measured as
     well, first): mma.sync with the planner's and other warp tiles, and wgmma where the target has
     it and the layer allows it (`plan.wgmma_why_not`). Plans that come out the same as one already listed are left out."""
-    seen = {_slab_shape(slab_part(plan)["mma"])}
+    seen = {_slab_shape(slab_part(plan)["mma"], _box_folded(plan))}
     out = []
     wgmma = [SlabConfig(1, slab_h=h) for h in SLAB_WGMMA_ROWS] + [SlabConfig(1, prefetch=p) for p in (1, 2)] \
         if SLAB_WGMMA_CANDIDATES and igemm.has_wgmma(_tuning_target()) else []
     # (SlabConfig(0): mma.sync with the planner's warp tile, where the heuristic runs wgmma)
-    for cfg in [SlabConfig(0)] + [SlabConfig(0, wm, wn) for wm, wn in SLAB_WARP_TILES] + wgmma:
+    cfgs = [SlabConfig(0)] + [SlabConfig(0, wm, wn) for wm, wn in SLAB_WARP_TILES] + wgmma
+    if _box_folded(plan):
+        # the layer without its box fold too (the avg-pool fold in one kernel), on its best tiles of
+        # the seeds' sweeps, so the tuner keeps the fold only where it measures faster
+        cfgs[1:1] = [SlabConfig(0, no_box_fold=1)] + [SlabConfig(0, wm, wn, no_box_fold=1) for wm, wn in SLAB_WARP_TILES[:2]] \
+            + [replace(c, no_box_fold=1) for c in wgmma[:1]]
+    for cfg in cfgs:
         try:
             got = plan_with(spec, cfg)
         except (PlanError, ValueError):
             continue
-        got = slab_part(got)
-        if got is None or _slab_shape(got["mma"]) in seen:
+        shape = None if slab_part(got) is None else _slab_shape(slab_part(got)["mma"], _box_folded(got))
+        if shape is None or shape in seen:
             continue
-        seen.add(_slab_shape(got["mma"]))
+        seen.add(shape)
         out.append(cfg)
     return out[:MAX_CANDIDATES]
 
 
-def _slab_shape(mma) -> tuple:
-    return (mma.wgmma, mma.wm, mma.wn, tuple(mma.slab), mma.nb, mma.prefetch)
+def _slab_shape(mma, folded: bool = False) -> tuple:
+    return (mma.wgmma, mma.wm, mma.wn, tuple(mma.slab), mma.nb, mma.prefetch, folded)
+
+
+def _box_folded(plan: dict) -> bool:
+    """Whether the plan is a box fold's sequence (specgen.boxfold)."""
+    return plan["engine"] == "sequence" and any(p["role"] == "boxmean" for p in plan["parts"])
 
 
 @dataclass
@@ -264,8 +276,9 @@ class Candidate:
             plan = self.item.plan
             if (part := slab_part(plan)) is not None:
                 mma = part["mma"]
+                fold = ", box fold" if _box_folded(plan) else ""
                 return "heuristic (" + label(SlabConfig(1, slab_h=mma.slab[1], prefetch=1 if mma.prefetch else 2) if mma.wgmma
-                                             else SlabConfig(0, mma.wm, mma.wn)) + ")"
+                                             else SlabConfig(0, mma.wm, mma.wn)) + fold + ")"
             return "heuristic (" + label(plan[plan["engine"]].config) + ")"
         return label(self.config)
 

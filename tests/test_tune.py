@@ -147,9 +147,38 @@ def test_a_bad_slab_config_is_refused():
     from specgen.plan import SlabConfig
 
     for bad in ({"wgmma": 2}, {"wm": 3}, {"wm": 5, "wn": 1}, {"wgmma": 1, "wm": 2, "wn": 2}, {"slab_h": 2},
-                {"prefetch": 1}, {"wgmma": 1, "prefetch": 3}):
+                {"prefetch": 1}, {"wgmma": 1, "prefetch": 3}, {"no_box_fold": 2}):
         with pytest.raises(ValueError):
             SlabConfig(**bad)
+
+
+def test_a_box_folded_layer_is_also_tuned_without_its_fold(monkeypatch):
+    """A box-folded layer (specgen.boxfold) has candidates without the fold: each plans the layer in
+    one kernel (the avg-pool fold) with its tile, the others keep the fold and tile its 1x1 conv;
+    the record names the choice, so a stored unfolded choice plans unfolded again."""
+    from specgen import boxfold
+    from specgen.plan import SlabConfig
+
+    monkeypatch.setattr(boxfold, "ENABLED", True)
+    monkeypatch.setattr(tune, "SLAB_WGMMA_CANDIDATES", True)
+    spec = validate({"name": "tune_box", "input": {"channels": 8, "size": [26, 23]}, "precision": "fp32",
+                     "conv": {"out_channels": 64, "kernel": 3},
+                     "epilogue": [{"avg_pool": 4}, "sigmoid", {"sum": {"dims": [1, 2, 3]}}]})
+    assert tune._box_folded(tune.heuristic(spec)) and tune.tunable(spec)
+    cands = tune.candidates(spec)
+    unfolded = [c for c in cands if c.no_box_fold]
+    assert unfolded and len(unfolded) < len(cands) and any(c.wgmma for c in unfolded)
+    for cfg in cands:
+        got = tune.plan_with(spec, cfg)
+        assert tune._box_folded(got) == (not cfg.no_box_fold)
+        assert got["engine"] == ("sequence" if not cfg.no_box_fold else "slab")
+        assert tune.slab_part(got)["mma"].wgmma == bool(cfg.wgmma)
+        assert tune.config_from(tune.config_record(cfg)) == cfg
+    assert tune.label(unfolded[0]).endswith("no box fold")
+    unfolded_source = pipeline.request(spec, "sm_90", igemm_config=unfolded[0])[1]
+    assert "boxmean" not in unfolded_source and "box means" not in unfolded_source
+    monkeypatch.setattr(boxfold, "ENABLED", False)  # no fold planned: nothing to leave out
+    assert not any(c.no_box_fold for c in tune.candidates(spec))
 
 
 def stem_layer() -> dict:
