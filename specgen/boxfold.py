@@ -43,7 +43,8 @@ from specgen import __version__
 from specgen.kernelplan import KernelStep, SequencePart, SequencePlan, TemplateValues
 from specgen.spec import LayerSpec
 
-# The planner takes the box fold where it applies (False: never; the avg-pool fold's one kernel as before).
+# The planner takes the box fold where it applies (False: never; the avg-pool fold's one kernel as
+# before). Either way `specgen tune` times the layer both ways (`plan.SlabConfig.box_fold`).
 ENABLED = True
 THREADS = 256  # threads per block: one per (input channel, pooled position)
 MIN_GAIN = 3  # fold only where the taps shrink at least this much: prod(K + P - 1) / prod(K)
@@ -73,12 +74,12 @@ class BoxFold:
         return math.prod(k + p - 1 for k, p in zip(self.kernel, self.window)) / self.taps
 
 
-def find(spec: LayerSpec, rewrites: bool = True) -> BoxFold | None:
+def find(spec: LayerSpec, rewrites: bool = True, enabled: bool | None = None) -> BoxFold | None:
     """The box fold of `spec`, or None where it does not apply or would not pay (`rewrites`: the
-    planner's setting, beside the spec's own)."""
+    planner's setting, beside the spec's own; `enabled`: a tuner's candidate's, None: `ENABLED`)."""
     from specgen import tapsum
 
-    if not (ENABLED and spec.rewrites and rewrites) or spec.tile is not None or spec.precision != "fp32" or not spec.epilogue:
+    if not ((ENABLED if enabled is None else enabled) and spec.rewrites and rewrites) or spec.tile is not None or spec.precision != "fp32" or not spec.epilogue:
         return None
     if spec.conv.transposed:
         return None  # (a stride-1 transposed conv reaches here as the plain conv it equals)

@@ -585,9 +585,9 @@ class SlabConfig:
     wn: int = 0
     slab_h: int = 0
     prefetch: int = 0  # wgmma: the next slab's rows loaded during the current one's products (1), not (2; the planner's)
-    # 1: the box fold left out (specgen.boxfold), so the tuner can time the layer's one-kernel plan
-    # (the avg-pool fold) against the folded one; 0: the planner's (folded where the fold pays)
-    no_box_fold: int = 0
+    # the box fold (specgen.boxfold) where it applies and pays (1), never (2: the avg-pool fold's one
+    # kernel), 0: the planner's (`boxfold.ENABLED`); so the tuner times a layer both ways
+    box_fold: int = 0
 
     def __post_init__(self):
         if self.wgmma not in (0, 1):
@@ -600,11 +600,11 @@ class SlabConfig:
             raise ValueError(f"slab_h (1..{WGMMA_MAX_SLAB_H}) is a wgmma slab's rows, got {self.slab_h}")
         if self.prefetch not in (0, 1, 2) or (self.prefetch and not self.wgmma):
             raise ValueError(f"prefetch (1 on, 2 off, 0 the planner's) is a wgmma slab's, got {self.prefetch}")
-        if self.no_box_fold not in (0, 1):
-            raise ValueError(f"no_box_fold must be 0 or 1, got {self.no_box_fold}")
+        if self.box_fold not in (0, 1, 2):
+            raise ValueError(f"box_fold (1 on, 2 off, 0 the planner's) must be 0, 1 or 2, got {self.box_fold}")
 
     def label(self) -> str:
-        unfolded = " no box fold" if self.no_box_fold else ""
+        unfolded = {0: "", 1: " box fold", 2: " no box fold"}[self.box_fold]
         if self.wgmma:
             return "slab wgmma" + (f" {self.slab_h} rows" if self.slab_h else "") + {0: "", 1: " prefetch", 2: " no prefetch"}[self.prefetch] + unfolded
         return "slab mma.sync" + (f" w{16 * self.wm}x{8 * self.wn}" if self.wm else "") + unfolded
@@ -672,8 +672,8 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     if igemm_config is None and tma_config is None and (fold := tapsum.find(spec, may_rewrite)) is not None:
         # ---- rewrite: a mean over whole spatial dims of the conv, taken before it -----------
         return tapsum.plan_fold(spec, fold, target, settings)
-    box_ok = may_rewrite and not (settings.slab is not None and settings.slab.no_box_fold)
-    if igemm_config is None and tma_config is None and (box := boxfold.find(spec, box_ok)) is not None:
+    box_on = {0: None, 1: True, 2: False}[settings.slab.box_fold if settings.slab is not None else 0]
+    if igemm_config is None and tma_config is None and (box := boxfold.find(spec, may_rewrite, box_on)) is not None:
         # ---- rewrite: an avg pool after a stride-1 conv, taken before the conv's taps --------
         return boxfold.plan_fold(spec, box, target, settings)
     if tail.is_sequence(spec):  # statistic stages: a sequence of kernels, each part planned on its own

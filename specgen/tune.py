@@ -4,8 +4,8 @@ The planner guesses one tile from sweeps of real layers (`tma.default_config` on
 `igemm.default_config` elsewhere, `plan._warp_tiles` for the slab engine). `specgen tune` tries a
 handful of others (`candidates`: other tile shapes and pipeline depths of the same engine, and on
 Hopper the other engine's tiles where both can run the layer; for the slab engine, other mma.sync
-warp tiles, `slab_candidates`, and for a box-folded layer the same layer without the fold,
-`plan.SlabConfig.no_box_fold`): all of them compile in one parallel batch, the ones
+warp tiles, `slab_candidates`, and for a layer the box fold applies to, the layer with and without
+the fold, `plan.SlabConfig.box_fold`): all of them compile in one parallel batch, the ones
 that spill registers are dropped, each is timed on the GPU (CUDA events around loops of calls,
 warm-up first, the candidates interleaved rep by rep, the median of the reps, inputs rotated
 through enough fresh random sets to exceed the L2 cache) and checked against the float64
@@ -46,7 +46,7 @@ import statistics
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
-from specgen import cache, igemm, measured, pipeline, target as targets, tma
+from specgen import boxfold, cache, igemm, measured, pipeline, target as targets, tma
 from specgen.compile import CompileError
 from specgen.igemm import IgemmConfig, _cip_and_bk
 from specgen.tma import TmaConfig
@@ -234,11 +234,13 @@ def slab_candidates(spec: LayerSpec, plan: dict) -> list:
         if SLAB_WGMMA_CANDIDATES and igemm.has_wgmma(_tuning_target()) else []
     # (SlabConfig(0): mma.sync with the planner's warp tile, where the heuristic runs wgmma)
     cfgs = [SlabConfig(0)] + [SlabConfig(0, wm, wn) for wm, wn in SLAB_WARP_TILES] + wgmma
-    if _box_folded(plan):
-        # the layer without its box fold too (the avg-pool fold in one kernel), on its best tiles of
-        # the seeds' sweeps, so the tuner keeps the fold only where it measures faster
-        cfgs[1:1] = [SlabConfig(0, no_box_fold=1)] + [SlabConfig(0, wm, wn, no_box_fold=1) for wm, wn in SLAB_WARP_TILES[:2]] \
-            + [replace(c, no_box_fold=1) for c in wgmma[:1]]
+    if boxfold.find(spec, enabled=True) is not None:
+        # the layer the other way too: without its box fold (the avg-pool fold in one kernel) where the
+        # planner takes the fold, with it where the planner does not (`boxfold.ENABLED`), on the best
+        # tiles of the seeds' sweeps, so a stored choice takes the fold only where it measured faster
+        other = 2 if _box_folded(plan) else 1
+        cfgs[1:1] = [SlabConfig(0, box_fold=other)] + [SlabConfig(0, wm, wn, box_fold=other) for wm, wn in SLAB_WARP_TILES[:2]] \
+            + [replace(c, box_fold=other) for c in wgmma[:1]]
     for cfg in cfgs:
         try:
             got = plan_with(spec, cfg)

@@ -147,38 +147,41 @@ def test_a_bad_slab_config_is_refused():
     from specgen.plan import SlabConfig
 
     for bad in ({"wgmma": 2}, {"wm": 3}, {"wm": 5, "wn": 1}, {"wgmma": 1, "wm": 2, "wn": 2}, {"slab_h": 2},
-                {"prefetch": 1}, {"wgmma": 1, "prefetch": 3}, {"no_box_fold": 2}):
+                {"prefetch": 1}, {"wgmma": 1, "prefetch": 3}, {"box_fold": 3}):
         with pytest.raises(ValueError):
             SlabConfig(**bad)
 
 
-def test_a_box_folded_layer_is_also_tuned_without_its_fold(monkeypatch):
-    """A box-folded layer (specgen.boxfold) has candidates without the fold: each plans the layer in
-    one kernel (the avg-pool fold) with its tile, the others keep the fold and tile its 1x1 conv;
-    the record names the choice, so a stored unfolded choice plans unfolded again."""
+@pytest.mark.parametrize("planner_folds", [True, False])
+def test_a_box_foldable_layer_is_tuned_with_and_without_its_fold(monkeypatch, planner_folds):
+    """A layer the box fold applies to (specgen.boxfold) has candidates both ways, whichever way the
+    planner takes (`boxfold.ENABLED`): a folded candidate plans the box means and a 1x1 conv with
+    its tile, an unfolded one the layer in one kernel (the avg-pool fold); the record names the
+    choice, so a stored choice plans the same way again."""
     from specgen import boxfold
     from specgen.plan import SlabConfig
 
-    monkeypatch.setattr(boxfold, "ENABLED", True)
+    monkeypatch.setattr(boxfold, "ENABLED", planner_folds)
     monkeypatch.setattr(tune, "SLAB_WGMMA_CANDIDATES", True)
     spec = validate({"name": "tune_box", "input": {"channels": 8, "size": [26, 23]}, "precision": "fp32",
                      "conv": {"out_channels": 64, "kernel": 3},
                      "epilogue": [{"avg_pool": 4}, "sigmoid", {"sum": {"dims": [1, 2, 3]}}]})
-    assert tune._box_folded(tune.heuristic(spec)) and tune.tunable(spec)
+    assert tune._box_folded(tune.heuristic(spec)) == planner_folds and tune.tunable(spec)
     cands = tune.candidates(spec)
-    unfolded = [c for c in cands if c.no_box_fold]
-    assert unfolded and len(unfolded) < len(cands) and any(c.wgmma for c in unfolded)
+    other = [c for c in cands if c.box_fold]
+    assert other and len(other) < len(cands) and any(c.wgmma for c in other)
+    assert {c.box_fold for c in other} == {2 if planner_folds else 1}
     for cfg in cands:
         got = tune.plan_with(spec, cfg)
-        assert tune._box_folded(got) == (not cfg.no_box_fold)
-        assert got["engine"] == ("sequence" if not cfg.no_box_fold else "slab")
+        folded = cfg.box_fold == 1 or (planner_folds and cfg.box_fold == 0)
+        assert tune._box_folded(got) == folded and got["engine"] == ("sequence" if folded else "slab")
         assert tune.slab_part(got)["mma"].wgmma == bool(cfg.wgmma)
         assert tune.config_from(tune.config_record(cfg)) == cfg
-    assert tune.label(unfolded[0]).endswith("no box fold")
-    unfolded_source = pipeline.request(spec, "sm_90", igemm_config=unfolded[0])[1]
-    assert "boxmean" not in unfolded_source and "box means" not in unfolded_source
-    monkeypatch.setattr(boxfold, "ENABLED", False)  # no fold planned: nothing to leave out
-    assert not any(c.no_box_fold for c in tune.candidates(spec))
+    assert tune.label(other[0]).endswith("no box fold" if planner_folds else " box fold")
+    source = pipeline.request(spec, "sm_90", igemm_config=other[0])[1]
+    assert ("box means" in source) != planner_folds
+    plain = validate({**spec.model_dump(), "conv": {"out_channels": 64, "kernel": 3, "stride": 2}})
+    assert not any(c.box_fold for c in tune.candidates(plain))  # (a strided conv: no box fold)
 
 
 def stem_layer() -> dict:
