@@ -246,7 +246,8 @@ def slab_candidates(spec: LayerSpec, plan: dict) -> list:
             got = plan_with(spec, cfg)
         except (PlanError, ValueError):
             continue
-        shape = None if slab_part(got) is None else _slab_shape(slab_part(got)["mma"], _box_folded(got))
+        part = slab_part(got)
+        shape = None if part is None else _slab_shape(part["mma"], _box_folded(got))
         if shape is None or shape in seen:
             continue
         seen.add(shape)
