@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from specgen import reference
+from specgen import reference, render
 from specgen.kernelplan import SequencePlan
 from specgen.module import FusedLayer
 from specgen.spec import LayerSpec
@@ -204,7 +204,7 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
         weight, bias = fused.conv.weight, fused.conv.bias
         return lambda x: torchop.launch(rt, x, weight, bias, params, None)
 
-    if fused.specialize().plan["engine"] not in ("igemm", "tma", "sequence"):  # GEMM engines and sequences have no run-time-dims rendering
+    if render.has_runtime_dims(fused.specialize().plan):  # (not the GEMM engines, nor a statistic stage's kernels)
         contenders.append(("specgen runtime-dims", runtime_dims, x_sets))
 
     rows = []

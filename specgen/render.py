@@ -21,6 +21,12 @@ MAX_SOURCE_BYTES = 2 << 20
 # One template per engine. The slab and FFMA engines extend box.cu.j2, the box kernel they share
 # (its banner, constants, signature, tiles, pools and reductions).
 TEMPLATES = {"tma": "tma.cu.j2", "igemm": "igemm.cu.j2", "slab": "slab.cu.j2", "ffma": "ffma.cu.j2"}
+# A sequence's parts that are not a conv engine's plan, by role.
+PART_TEMPLATES = {"tail": "tail.cu.j2", "tapsum": "tapsum.cu.j2", "boxmean": "boxmean.cu.j2"}
+# The templates without a run-time-dimensions rendering (`specgen bench`'s measurement of what
+# specializing saves), and what they render.
+NO_RUNTIME_DIMS = {"igemm.cu.j2": "the igemm engine", "tma.cu.j2": "the tma engine",
+                   "tail.cu.j2": "a statistic stage's kernels", "tapsum.cu.j2": "the tap-sum fold's kernel"}
 
 
 class SourceTooLarge(SpecError):
@@ -60,18 +66,15 @@ def render_plan(plan: dict, template: str | None = None, runtime_dims: bool = Fa
     if template is None and isinstance(plan, SequencePlan):  # one source: each part's in its own namespace
         from specgen import tail
 
-        if runtime_dims:
-            raise TemplateError("tail.cu.j2: a layer with statistic stages has no run-time-dimensions rendering")
-        part_templates = {"tail": "tail.cu.j2", "tapsum": "tapsum.cu.j2", "boxmean": "boxmean.cu.j2"}
-        parts = [render_plan(p.plan, part_templates.get(p.role)) for p in plan.parts]
+        parts = [render_plan(p.plan, PART_TEMPLATES.get(p.role), runtime_dims) for p in plan.parts]
         return _checked(tail.join(plan, parts), plan)
     if template is None:
         engine = plan.get("engine")
         if engine not in TEMPLATES:
             raise TemplateError(f"no template for the engine {engine!r}; known: {', '.join(TEMPLATES)}")
         template = TEMPLATES[engine]
-    if runtime_dims and template in ("igemm.cu.j2", "tma.cu.j2"):
-        raise TemplateError(f"{template}: the {plan.get('engine')} engine has no run-time-dimensions rendering")
+    if runtime_dims and template in NO_RUNTIME_DIMS:
+        raise TemplateError(f"{template} ({NO_RUNTIME_DIMS[template]}): no run-time-dimensions rendering")
     try:
         text = environment().get_template(template).render(**plan, runtime_dims=runtime_dims)
     except jinja2.TemplateSyntaxError as err:
@@ -83,6 +86,16 @@ def render_plan(plan: dict, template: str | None = None, runtime_dims: bool = Fa
     text = re.sub(r"[ \t]+\n", "\n", text)
     text = re.sub(r"\n{3,}", "\n\n", text)
     return _checked(text, plan)
+
+
+def has_runtime_dims(plan) -> bool:
+    """Whether `render_plan(plan, runtime_dims=True)` has a rendering to give: every kernel of the
+    plan (each part of a sequence) comes from a template that has one."""
+    if isinstance(plan, SequencePlan):
+        return all(has_runtime_dims(p.plan) if p.role not in PART_TEMPLATES
+                   else PART_TEMPLATES[p.role] not in NO_RUNTIME_DIMS for p in plan.parts)
+    engine = plan.get("engine")
+    return engine in TEMPLATES and TEMPLATES[engine] not in NO_RUNTIME_DIMS
 
 
 def _checked(text: str, plan: dict) -> str:

@@ -148,6 +148,30 @@ def test_box_fold_variants_compile_without_spills(tmp_path, monkeypatch):
         assert f"specgen_{item.spec.name}_boxmean" in item.build.log
 
 
+@pytest.mark.nvcc
+def test_the_run_time_dimensions_rendering_of_a_box_fold(tmp_path):
+    """`specgen bench` times a box-folded layer against its rendering with the extents read at run
+    time: every part of the sequence renders that way where its engine has one, and it builds."""
+    from specgen.compile import compile_cubin
+    from specgen.pipeline import build_arch
+    from specgen.render import TemplateError, has_runtime_dims
+
+    plan = build_plan(spec_of("kb65_like"))
+    assert has_runtime_dims(plan)
+    text = render_plan(plan, runtime_dims=True)
+    assert text != render_plan(plan)
+    assert "__constant__ int OUT_POS" in text and "__constant__ int C_IN" in text  # the box means' extents
+    assert text.count("RUNTIME-DIMENSIONS VARIANT") == 2  # the box-mean kernel's, the 1x1 conv's
+    (tmp_path / "kernel.cu").write_text(text)
+    report = compile_cubin(tmp_path / "kernel.cu", tmp_path / "kernel.cubin", build_arch(plan, "sm_90"))
+    assert report.registers > 0 and report.spill_bytes == 0, report.log
+    # a statistic stage's kernels (the softmax after the 1x1 conv) have none, nor its GEMM engine
+    with_tail = build_plan(spec_of("conv1d_softmax"))
+    assert not has_runtime_dims(with_tail)
+    with pytest.raises(TemplateError, match="no run-time-dimensions rendering"):
+        render_plan(with_tail, runtime_dims=True)
+
+
 # ---- random foldable layers ---------------------------------------------------------------------
 
 
@@ -193,6 +217,7 @@ HOST_PRELUDE = """// the CUDA names the kernel uses, for a host build that runs 
 struct Index3 { int x, y, z; };
 static Index3 blockIdx, threadIdx;
 #define __global__
+#define __constant__
 #define __launch_bounds__(n)
 #define __restrict__
 """
@@ -223,10 +248,12 @@ int main(int argc, char** argv) {
 
 
 @pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs a host C++ compiler (g++)")
+@pytest.mark.parametrize("runtime_dims", [False, True], ids=["literal", "runtime_dims"])
 @pytest.mark.parametrize("name", sorted(FOLDS))
-def test_the_box_mean_kernel_computes_the_means(name, tmp_path):
+def test_the_box_mean_kernel_computes_the_means(name, runtime_dims, tmp_path):
     """The rendered box-mean kernel, built for the host with every thread run in turn, against the
-    model of the means (torch's pool): its index arithmetic, bounds and write layout."""
+    model of the means (torch's pool): its index arithmetic, bounds and write layout; also in the
+    rendering `specgen bench` measures constant folding against (extents as variables)."""
     import subprocess
 
     import numpy as np
@@ -234,7 +261,8 @@ def test_the_box_mean_kernel_computes_the_means(name, tmp_path):
     spec = spec_of(name)
     plan = build_plan(spec)
     bp = plan["parts"][0]["plan"]
-    source = render_plan(bp, "boxmean.cu.j2")
+    source = render_plan(bp, "boxmean.cu.j2", runtime_dims=runtime_dims)
+    assert ("__constant__ int OUT_POS" in source) == runtime_dims
     (tmp_path / "box.cpp").write_text(HOST_PRELUDE + source + f"\n#define KERNEL {bp.kernel_name}\n"
                                       f"constexpr int GRID_X = {bp.grid_x};\n" + HOST_MAIN)
     subprocess.run(["g++", "-O1", "-std=c++17", "-o", str(tmp_path / "box"), str(tmp_path / "box.cpp")], check=True,

@@ -282,3 +282,29 @@ def test_the_banner_prints_no_unset_fields():
     banner = render(spec).split("How this kernel works")[0]
     assert "add: {param: shift}" in banner and "clamp: {max: 1.0}" in banner and "null" not in banner
     assert "spec hash: " + spec.shape_hash in banner and "cache key" in banner
+
+
+def test_which_plans_have_a_run_time_dimensions_rendering():
+    """`specgen bench` adds the run-time-dimensions row only where every kernel of the plan has that
+    rendering: the FFMA and slab engines, a sequence of them, not the GEMM engines nor a statistic
+    stage's kernels (a training batch norm after an FFMA body)."""
+    from specgen.render import has_runtime_dims
+    from specgen.spec import validate
+
+    def plan_of(epilogue, cin=8, cout=16, size=(32, 32), **tile):
+        return build_plan(validate({"name": "rt", "precision": "fp32", "input": {"channels": cin, "size": list(size)},
+                                    "conv": {"out_channels": cout, "kernel": 3}, "epilogue": epilogue,
+                                    **({"tile": tile} if tile else {})}))
+
+    ffma = plan_of(["relu"], engine="ffma")
+    assert ffma["engine"] == "ffma" and has_runtime_dims(ffma)
+    assert "__constant__ int C_IN" in render_plan(ffma, runtime_dims=True)
+    gemm = plan_of(["relu"], cin=64, cout=128, size=(56, 56), engine="igemm")
+    assert gemm["engine"] == "igemm" and not has_runtime_dims(gemm)
+    with pytest.raises(TemplateError, match=r"igemm.cu.j2 \(the igemm engine\): no run-time-dimensions rendering"):
+        render_plan(gemm, runtime_dims=True)
+    stats = plan_of([{"batch_norm": {"training": True}}])
+    roles = [(p.role, p.plan.get("engine")) for p in stats.parts]
+    assert roles == [("body", "ffma"), ("tail", None)] and not has_runtime_dims(stats)
+    with pytest.raises(TemplateError, match="tail.cu.j2"):
+        render_plan(stats, runtime_dims=True)
