@@ -224,3 +224,26 @@ def test_bench_model_on_the_gpu():
     assert all(r["ms"] > 0 and r["rel_l2"] < 1e-4 for r in result["rows"])
     assert all(c["how"] in ("measured", "cached") and c["specgen_ms"] > 0 for c in result["chains"])
     print(bench.format_model_table(result))
+
+
+@pytest.mark.gpu
+def test_spec_bench_keeps_going_without_its_runtime_dims_row(monkeypatch, capsys):
+    """The runtime-dims rendering is a measurement no layer runs: where it cannot be built, the
+    bench reports the layer without that row (and says why) rather than failing."""
+    from specgen import bench, pipeline
+    from specgen.compile import CompileError
+    from specgen.spec import validate
+
+    spec = validate({"name": "rt_row", "precision": "fp32", "input": {"channels": 8, "size": [16, 16]},
+                     "conv": {"out_channels": 16, "kernel": 3}, "epilogue": ["relu"], "tile": {"engine": "ffma"}})
+    result = bench.bench(spec, 2, reps=3, compile=False)
+    assert "specgen runtime-dims" in [r["name"] for r in result["rows"]] and result["folding_speedup"] > 0
+
+    def broken(*args, **kwargs):
+        raise CompileError("nvcc failed (a stand-in)", command=["nvcc"], log="", returncode=1)
+
+    monkeypatch.setattr(pipeline, "specialize_runtime_dims", broken)
+    result = bench.bench(spec, 2, reps=3, compile=False)
+    names = [r["name"] for r in result["rows"]]
+    assert "specgen runtime-dims" not in names and "specgen" in names and result["folding_speedup"] is None
+    assert "rt_row: no runtime-dims row (CompileError: nvcc failed (a stand-in))" in capsys.readouterr().err
