@@ -69,6 +69,7 @@ class _Sequence:
     out_shape: tuple
     stats_floats: int
     dtype: torch.dtype
+    raw_x: bool  # a kernel step reads x by its address, as NC(D)HW (a box-mean or tap-sum kernel)
 
 
 _sequences: dict[str, _Sequence] = {}
@@ -116,8 +117,9 @@ def _sequence(sp: pipeline.Specialized) -> _Sequence:
                     args.append(("b", arg))
                     strides.append(per_sample[arg])
             steps.append(_Kernel(f"{sp.key}:{step.name}", step, tuple(args), tuple(strides), step.once, step.grid_x))
+        raw_x = any(type(st) is _Kernel and ("b", "x") in st.args for st in steps)
         seq = _sequences[sp.key] = _Sequence(parts, tuple(steps), tuple(buffers), tuple(plan.out_shape),
-                                             plan.stats_floats, dtype)
+                                             plan.stats_floats, dtype, raw_x)
     return seq
 
 
@@ -184,6 +186,10 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
         return out
     if out.data_ptr() % 16:
         raise ValueError(f"{sp.spec.name}: out must start at a 16-byte aligned address (got a view with an offset)")
+    if seq.raw_x and not x.is_contiguous():
+        # (a body step reads a channels-last x through its own engine; a kernel step that reads x
+        # by address reads NC(D)HW only)
+        x = x.contiguous()
     device_index = x.get_device()
     stream = torchop._current_stream(device_index)
     buffers = {"x": x, "out": out}

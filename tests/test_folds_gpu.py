@@ -133,6 +133,20 @@ def test_box_folded_layers_match_float64(name, precision, batch):
         compare(layer, batch, seed=batch + len(name))
 
 
+@pytest.mark.parametrize("kind", ["box_fold", "tap_sum"])
+def test_folds_take_a_channels_last_input(kind):
+    """A fold's first kernel reads x by address as NC(D)HW: a channels-last input (as a
+    channels-last model hands it on) is laid out for it first, not read as if it were NCHW (a
+    summed output hides that: KernelBench 65's sum was off by 2e-4 only)."""
+    data = {"box_fold": BOX_FOLDS["padded_groups"], "tap_sum": FOLDS["mean_h_keep_w"]}[kind]  # (outputs not summed whole)
+    spec = validate({**data, "precision": "fp32"})
+    with box_fold_on():
+        layer = FusedLayer(spec).cuda()
+        role = layer.specialize().plan["parts"][0]["role"]
+        assert role == {"box_fold": "boxmean", "tap_sum": "tapsum"}[kind]
+        compare(layer, 2, seed=5, channels_last=True)
+
+
 box_ran = {"cases": 0}
 
 
