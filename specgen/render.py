@@ -88,14 +88,20 @@ def render_plan(plan: dict, template: str | None = None, runtime_dims: bool = Fa
     return _checked(text, plan)
 
 
+def _templates_of(plan, template: str | None = None):
+    """The templates `render_plan(plan, template)` renders from, each part's for a sequence (None
+    for an engine without one)."""
+    if template is None and isinstance(plan, SequencePlan):
+        for p in plan.parts:
+            yield from _templates_of(p.plan, PART_TEMPLATES.get(p.role))
+    else:
+        yield template or TEMPLATES.get(plan.get("engine"))
+
+
 def has_runtime_dims(plan) -> bool:
     """Whether `render_plan(plan, runtime_dims=True)` has a rendering to give: every kernel of the
     plan (each part of a sequence) comes from a template that has one."""
-    if isinstance(plan, SequencePlan):
-        return all(has_runtime_dims(p.plan) if p.role not in PART_TEMPLATES
-                   else PART_TEMPLATES[p.role] not in NO_RUNTIME_DIMS for p in plan.parts)
-    engine = plan.get("engine")
-    return engine in TEMPLATES and TEMPLATES[engine] not in NO_RUNTIME_DIMS
+    return all(t is not None and t not in NO_RUNTIME_DIMS for t in _templates_of(plan))
 
 
 def _checked(text: str, plan: dict) -> str:
