@@ -468,7 +468,7 @@ __device__ __forceinline__ void conv_tile(
           const int cj = n0 + wn0 + j * 8 + 2 * tq + e;  // the output channel
           if (cj < C_OUT) {
             float v = acc[i][j][2 * h + e] + __ldg(bias + cj);  // the conv and its bias
-            v = (1.0f / (1.0f + expf(-(v))));  // epilogue[0] sigmoid
+            v = __fdividef(1.0f, 1.0f + expf(-(v)));  // epilogue[0] sigmoid
             out_m[static_cast<size_t>(cj) * POSITIONS] = v;
           }
         }
@@ -540,7 +540,7 @@ extern "C" __global__ void __launch_bounds__(256) specgen_conv1d_5_128_256_1024_
   #pragma unroll
   for (int part = 0; part < SPLIT_K; ++part) sum += __ldg(partial + (static_cast<size_t>(part) * C_OUT + cj) * m_total + m);
   float v = sum + __ldg(bias + cj);  // the conv and its bias
-  v = (1.0f / (1.0f + expf(-(v))));  // epilogue[0] sigmoid
+  v = __fdividef(1.0f, 1.0f + expf(-(v)));  // epilogue[0] sigmoid
   out[e_out] = v;
 }
 

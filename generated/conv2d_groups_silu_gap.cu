@@ -171,7 +171,7 @@ __device__ __forceinline__ void level0(
     #pragma unroll
     for (int i = 0; i < PT; ++i) {
       float v = acc[j][i];
-      v = ((v) / (1.0f + expf(-(v))));  // epilogue[0] silu
+      v = __fdividef(v, 1.0f + expf(-(v)));  // epilogue[0] silu
       v = (v + __ldg(p_shift + cj));  // epilogue[1] add (param='shift')
       out_v[j][i] = v;
     }

@@ -210,7 +210,7 @@ __device__ __forceinline__ void level1(
     for (int i = 0; i < PT; ++i) {
       float v = acc[j][i] / count[i];
 
-      v = (1.0f / (1.0f + expf(-(v))));  // epilogue[2] sigmoid
+      v = __fdividef(1.0f, 1.0f + expf(-(v)));  // epilogue[2] sigmoid
       out_v[j][i] = v;
     }
   }

@@ -565,7 +565,7 @@ __device__ __forceinline__ void conv_block(
               if (cj < C_OUT) {
                 float v = acc[i][4 * j + 2 * h + e];
                 v = expf(v - mx) / nb;  // softmax
-                v = (1.0f / (1.0f + expf(-(v))));  // epilogue[1] sigmoid
+                v = __fdividef(1.0f, 1.0f + expf(-(v)));  // epilogue[1] sigmoid
                 out[static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p] = v;
               }
             }

@@ -34,7 +34,7 @@ FUNCTIONS: dict[str, tuple[int, str, str]] = {
     "sqrt": (1, "sqrtf({0})", "sqrt"),
     "tanh": (1, "tanhf({0})", "tanh"),
     "erf": (1, "erff({0})", "erf"),
-    "sigmoid": (1, "(1.0f / (1.0f + expf(-({0}))))", "sigmoid"),
+    "sigmoid": (1, "__fdividef(1.0f, 1.0f + expf(-({0})))", "sigmoid"),
     "relu": (1, "fmaxf({0}, 0.0f)", "relu"),
     # PyTorch's softplus at its defaults (beta 1, threshold 20): the identity above 20
     "softplus": (1, "(({0}) > 20.0f ? ({0}) : log1pf(expf({0})))", "softplus"),

@@ -718,7 +718,10 @@ _POINTWISE_ROWS = [
     Pointwise(
         "sigmoid",
         NoArgs,
-        lambda a, x, k: f"(1.0f / (1.0f + expf(-({x}))))",
+        # expf is the accurate one (2 ulp); the division is __fdividef (2 ulp for a divisor below
+        # 2^126, past which the exact quotient is a denormal and this gives 0), which has no IEEE
+        # division's slow-path branch: a third of the instructions in an epilogue of sigmoids.
+        lambda a, x, k: f"__fdividef(1.0f, 1.0f + expf(-({x})))",
         lambda x, a, p: _torch().sigmoid(x),
         expr_function="sigmoid",
         spellings=(
@@ -783,7 +786,7 @@ _POINTWISE_ROWS = [
     Pointwise(
         "silu",
         NoArgs,
-        lambda a, x, k: f"(({x}) / (1.0f + expf(-({x}))))",
+        lambda a, x, k: f"__fdividef({x}, 1.0f + expf(-({x})))",  # (as sigmoid's division)
         lambda x, a, p: _F().silu(x),
         spellings=(Spelling(_INPLACE, ("F.silu",), (), ("SiLU",)),),
         expr_text=lambda t, a: f"({t[0]} * sigmoid({t[0]}))",
