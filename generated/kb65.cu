@@ -178,7 +178,7 @@ namespace body {
 //   * Tensor cores: the conv is an implicit GEMM, M = output positions, N = output channels,
 //     K = taps x input channels. The block stages its weights (B, [K][N]) once, then walks the box
 //     in slabs of 1 x 2 x 95 positions (d x h x w): the slab's input is copied to shared memory
-//     (4-byte cp.async; zeros for padding), and each warp computes a tile of 48 positions x 16 channels with
+//     (4-byte cp.async, each channel's slab one run of whole rows; zeros for padding), and each warp computes a tile of 48 positions x 16 channels with
 //     mma.sync m16n8k8 in 3xTF32: each fp32 operand x is split into a TF32 part hi(x) and the
 //     remainder lo(x) = x - hi(x), and a*b is accumulated as lo(a)hi(b) + hi(a)lo(b) + hi(a)hi(b) in
 //     fp32 (the dropped lo(a)lo(b) is below 2^-21 |a b|): fp32 accuracy at tensor-core speed.
@@ -298,19 +298,24 @@ __device__ __forceinline__ void cp_async_4(float* dst, const float* src, bool ok
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 4 : 0) : "memory");
 }
 
-// Stage the input of the slab whose first output is T1 position (d0, h0, w0) (asynchronously:
-// cp_async_commit and cp_async_wait follow): x_s[ci][zd][zh][zw] = x[ci][d0 * S_D - P_D + zd][...],
-// zero outside the input and for ci >= C_IN_G.
+// Stage the input of the slab whose first output is T1 position (d0, h0, w0 = 0) (asynchronously:
+// cp_async_commit and cp_async_wait follow): x_s[ci][zh][zw] = x[ci][d0 * S_D - P_D][h0 * S_H - P_H + zh][zw],
+// zero outside the input and for ci >= C_IN_G. The staged rows are whole input rows of one depth,
+// so each channel's slab is one run of RUN floats, in x as in x_s: element e of the slab is
+// channel e / RUN, offset e % RUN of its run, and lies in the input where its row does.
 __device__ __forceinline__ void stage_input(const float* __restrict__ x_n, float* __restrict__ x_s, int d0, int h0, int w0) {
-  const int id0 = d0 * S_D - P_D, ih0 = h0 * S_H - P_H, iw0 = w0 * S_W - P_W;
+  const int RUN = XS_H * IN_W;  // floats per channel (XS_D = 1, XS_W = IN_W)
+  const int id0 = d0 * S_D - P_D;  // the slab's input depth
+  const int first = (h0 * S_H - P_H) * IN_W;  // its run's first float in that depth's plane (negative: padding rows)
+  const bool d_ok = static_cast<unsigned>(id0) < IN_D;
+  (void)w0;
   #pragma unroll 4
   for (int q = 0; q < XS_ITERS; ++q) {
     const int e = q * THREADS + threadIdx.x;
     if (e < XS_ROWS * XS_W) {
-      const int row = e / XS_W, zw = e % XS_W, ci = row / (XS_D * XS_H);
-      const int id = id0 + row / XS_H % XS_D, ih = ih0 + row % XS_H, iw = iw0 + zw;
-      const bool ok = ci < C_IN_G && static_cast<unsigned>(id) < IN_D && static_cast<unsigned>(ih) < IN_H && static_cast<unsigned>(iw) < IN_W;
-      cp_async_4(x_s + ci * CI_STRIDE + row % (XS_D * XS_H) * XS_WP + zw, x_n + (ok ? ((ci * IN_D + id) * IN_H + ih) * IN_W + iw : 0), ok);
+      const int ci = e / RUN, off = e - ci * RUN;
+      const bool ok = d_ok && ci < C_IN_G && static_cast<unsigned>(first + off) < IN_H * IN_W;
+      cp_async_4(x_s + ci * CI_STRIDE + off, x_n + (ok ? (ci * IN_D + id0) * (IN_H * IN_W) + first + off : 0), ok);
     }
   }
 }
@@ -498,7 +503,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) __cluster_dims__(CLUSTE
                   const int cl = (ng * WN + j) * 8 + 2 * t + e, cj = ch_c * BOX_C + cl;  // channel in the box, in T1
                   if (pos_ok && cl < BOX_C && cj < T1_C) {
                     float v = acc[i][j][2 * r + e] + __ldg(bias + cj);
-                    v = (1.0f / (1.0f + expf(-(v))));  // epilogue[0] sigmoid
+                    v = __fdividef(1.0f, 1.0f + expf(-(v)));  // epilogue[0] sigmoid
                     a1[0] += v;
                   }
                 }

@@ -98,6 +98,10 @@ class SlabTiling(TemplateValues):
     x_floats: int
     w_floats: int
     direct_fold: bool
+    # 4-byte staging ("cp4") of slabs whose staged rows are whole input rows of one depth (no W
+    # padding, the box as wide as the output): each channel's slab is one contiguous run of
+    # XS_H x IN_W floats in x and in shared memory, copied without per-row index arithmetic
+    runs: bool = False
     # tensor-core products per multiply-add: 3 (3xTF32, fp32-accurate) or 1 (TF32 operands, for a
     # tf32 layer whose cuDNN conv runs in TF32 too: `plan.SLAB_TF32_MAX_CHANNELS`)
     products: int = 3

@@ -239,6 +239,11 @@ def _bank_conflicts(cs: int, s_w: int) -> int:
     return max(banks.count(b) for b in set(banks))
 
 
+# The slab engine stages whole-row slabs as one run per channel (`SlabTiling.runs`); False: row by
+# row, as before (kept for an A/B on a GPU).
+SLAB_RUNS = True
+
+
 def _bank_spread_stride(plane: int, s_w: int, multiple: int) -> int:
     """The stride between input-channel planes of the staged input: at least `plane`, a multiple of
     `multiple`, with the fewest A-fragment bank conflicts."""
@@ -327,13 +332,15 @@ def _mma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, 
             warps = MMA_WARPS_ONE_BLOCK
             if warp_tile is None:
                 wm, wn, units = _warp_tiles(mt, _ceil_div(box[0], 8), warps) or (wm, wn, units)
+        # whole input rows of one depth, the box as wide as T1: a channel's slab is one run (`SlabTiling.runs`)
+        runs = SLAB_RUNS and stage == "cp4" and xs[0] == 1 and xs[2] == in3[2] and p3[2] == 0 and in_box["w"] and w_tiles == 1
         return SlabTiling(
             box=box, threads=32 * warps, warps=warps, wm=wm, wn=wn, units=units,
             unit_iters=_ceil_div(units, warps), n_groups=_ceil_div(_ceil_div(box[0], 8), wn),
             slab=(sd, sh), slabs=(_ceil_div(box[1], sd), _ceil_div(box[2], sh)), m_slab=m_slab, mt=mt,
             cip=cip, k_pad=k_pad, ksteps=k_pad // 8, ws=ws, swizzle=swizzle, xs=xs, xs_wp=xs_wp,
             ci_stride=ci_stride, stage=stage, stage_batch=min(MMA_STAGE_BATCH, _ceil_div(cip * xs[0] * xs[1] * xs_wp // 4, 32 * warps)),
-            x_floats=floats["x"], w_floats=floats["w"], direct_fold=direct,
+            x_floats=floats["x"], w_floats=floats["w"], direct_fold=direct, runs=runs,
         )
     return None
 
