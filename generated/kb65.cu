@@ -172,19 +172,30 @@ namespace body {
 //   * Body: conv -> sigmoid. Its result is T1 = [64 x 1 x 95 x 95] per sample.
 //   * Tail: sum over c+h+w.
 //     A block owns a tile of the kept axes (d); it computes T1 box by box
-//     (box = 64 x 1 x 2 x 95 in c x d x h x w); one value is kept per box, so each thread folds its own
+//     (box = 64 x 1 x 8 x 95 in c x d x h x w); one value is kept per box, so each thread folds its own
 //     tensor-core fragments into its accumulator in a fixed order, and the block's threads are joined
 //     by a fixed tree, so the result does not depend on scheduling.
-//   * Tensor cores: the conv is an implicit GEMM, M = output positions, N = output channels,
-//     K = taps x input channels. The block stages its weights (B, [K][N]) once, then walks the box
-//     in slabs of 1 x 2 x 95 positions (d x h x w): the slab's input is copied to shared memory
-//     (4-byte cp.async, each channel's slab one run of whole rows; zeros for padding), and each warp computes a tile of 48 positions x 16 channels with
-//     mma.sync m16n8k8 in 3xTF32: each fp32 operand x is split into a TF32 part hi(x) and the
-//     remainder lo(x) = x - hi(x), and a*b is accumulated as lo(a)hi(b) + hi(a)lo(b) + hi(a)hi(b) in
-//     fp32 (the dropped lo(a)lo(b) is below 2^-21 |a b|): fp32 accuracy at tensor-core speed.
+//   * Tensor cores, wgmma (sm_90a): the conv is an implicit GEMM, M = output channels, N = output
+//     positions, K = taps x input channels (padded to 72). The block stages its weights once
+//     ([K][channels], the A operand: each warp loads its 16 channels x 8 of K into registers per k-step),
+//     then walks the box in slabs of one output depth x 2 output rows. A slab's input is staged as
+//     9 plane(s) of 8 input channels, one 32-byte row (the 8 K values of a k-step) per input position,
+//     95 positions per input row. Output position (h, w) of the slab is taken as plane row
+//     h * 95 + w: then tap (kd, kh, kw) reads row p + offset(tap) for every position p, and a
+//     k-step's B operand (96 positions x 8 channels) is 96 consecutive rows, read by one descriptor.
+//     The last 0 positions of each row are computed and dropped. Each warpgroup multiplies
+//     64 channels by 96 positions with wgmma m64n96k8, one k-step's products in flight while the next
+//     k-step's weights load.
+//     The block is alone on its SM: each thread loads the next slab's rows into registers while
+//     this slab multiplies, and writes them to the planes after.
+//     3xTF32: each fp32 operand x is split into a TF32 part hi(x) and the remainder lo(x) = x - hi(x)
+//     (the input once, into a hi and a lo plane, while staging; the weights as they load), and a*b
+//     is accumulated as lo(a)hi(b) + hi(a)lo(b) + hi(a)hi(b) in fp32: fp32 accuracy on tensor cores.
 //   * Weights of the block's channels are staged in shared memory once per block.
-//   Grid: x = 8 blocks per sample, y = sample; 256 threads per block;
-//   78080 bytes of dynamic shared memory.
+//   Grid: x = 1 kept tile(s) x a cluster of 1 to 12 blocks per sample, y = sample; the cluster's
+//   size is chosen at launch from the batch and how many clusters the GPU holds at once;
+//   256 threads per block;
+//   132096 bytes of dynamic shared memory.
 // =====================================================================================================
 namespace cg = cooperative_groups;
 
@@ -214,45 +225,44 @@ constexpr int OUT_PER_SAMPLE = 1;  // output elements per sample, shape []
 
 // ---- tiling -------------------------------------------------------------------------------------------
 constexpr int THREADS = 256;  // threads per block
-constexpr int BOX_C = 64, BOX_D = 1, BOX_H = 2, BOX_W = 95;  // T1 box computed per step
+constexpr int BOX_C = 64, BOX_D = 1, BOX_H = 8, BOX_W = 95;  // T1 box computed per step
 constexpr int TILES_C = 1, TILES_D = 1, TILES_H = 1, TILES_W = 1;  // blocks along each kept axis
 constexpr int WEIGHT_C = 64;  // channels whose weights a block needs
 constexpr int W_FLOATS = 4608;  // WEIGHT_C * C_IN_G * TAPS
 constexpr int W_STRIDE = 64;  // shared-memory row stride of the staged weights (WEIGHT_C, padded)
 constexpr int W_SMEM_FLOATS = 4608;  // weights staged in shared memory
 
-// ---- tensor cores -------------------------------------------------------------------------------------
-// K index k = tap * CIP + ci (input channels padded to CIP, a multiple of 4): the K columns t and
-// t + 4 a lane holds in a k-step are one compile-time tap and the lane's own channel offset.
-constexpr int WARPS = 8;  // warps per block
-constexpr int WM = 3;  // m-tiles (16 positions) per warp tile
-constexpr int WN = 2;  // n-tiles (8 channels) per warp tile
-constexpr int CIP = 72;  // input channels, padded to a multiple of 4 (rows of the padding are zero)
-constexpr int K_PAD = 72;  // TAPS * CIP, padded to a multiple of 8 (zero rows)
+// ---- tensor cores: wgmma ------------------------------------------------------------------------------
+// K index k = tap * CIP + ci; k-step s (8 of K) is tap s / CHUNKS and input channels 8 (s % CHUNKS)
+// to 8 (s % CHUNKS) + 7: row p + tap_row(tap) of plane s % CHUNKS.
+constexpr int WARPGROUPS = 2;  // warpgroups per block
+constexpr int CIP = 72;  // input channels, padded to a multiple of 8 (rows of the padding are zero)
+constexpr int CHUNKS = 9;  // planes of 8 input channels
+constexpr int K_PAD = 72;  // TAPS * CIP
 constexpr int KSTEPS = 9;  // k-steps of 8
-constexpr int SLAB_D = 1, SLAB_H = 2;  // a slab: the positions whose input is staged at once
-constexpr int SLABS_D = 1, SLABS_H = 1;  // slabs per box
-constexpr int M_SLAB = 190;  // positions per slab (d, h, w flattened, w fastest)
-constexpr int MT = 12;  // m-tiles per slab
-constexpr int N_GROUPS = 4;  // warp tiles along the box's channels
-constexpr int UNITS = 16;  // warp tiles per slab
-constexpr int UNIT_ITERS = 2;  // warp tiles per warp per slab
-constexpr int NT = 8;  // n-tiles per box
-constexpr int XS_D = 1, XS_H = 2, XS_W = 95;  // the staged input of a slab, per channel
-constexpr int XS_WP = 95;  // row stride of the staged input (XS_W)
-constexpr int XS_ROWS = 144;  // CIP * XS_D * XS_H staged rows
-constexpr int CI_STRIDE = 200;  // floats between staged channels (padded to spread A loads over banks)
-constexpr int XS_ITERS = 54;  // staged input elements per thread
-constexpr int CHUNKS_C = 1, CHUNKS_D = 1, CHUNKS_H = 48, CHUNKS_W = 1;  // boxes along each axis of the first reduction
-constexpr int R1_CHUNKS = 48;  // boxes per kept tile
-constexpr int CLUSTER = 8;  // blocks sharing a kept tile's boxes (a thread-block cluster)
-constexpr int CHUNK_ITERS = 6;  // boxes per block: box q * CLUSTER + rank
+constexpr int SLAB_H = 2;  // a slab: one output depth x SLAB_H output rows
+constexpr int SLABS_D = 1, SLABS_H = 4;  // slabs per box
+constexpr int XS_D = 1, XS_H = 2, XS_W = 95;  // staged input positions of a slab: K_D depths x XS_H rows x XS_W
+constexpr int XS_ROWS = 190;  // XS_D * XS_H * XS_W: a plane's rows that hold input
+constexpr int PLANE_ROWS = 192;  // a plane's rows: also those the last N tile's last tap reads (zeros)
+constexpr int PLANE_FLOATS = 1536;  // PLANE_ROWS * 8
+constexpr int NB = 96;  // positions per wgmma (its N)
+constexpr int N_TILES = 2;  // N tiles per slab: N_TILES * NB >= SLAB_H * XS_W
+constexpr int C_TILES = 1;  // 64-channel tiles (wgmma's M) per box
+constexpr int UNITS = 2;  // warpgroup tiles (64 channels x NB positions) per slab
+constexpr int UNIT_ITERS = 1;  // of them per warpgroup
+constexpr int ROW_ITERS = 1;  // staged rows of a plane per thread
+constexpr int STAGE_ITERS = 9;  // CHUNKS * ROW_ITERS: staged rows per thread (held in registers: the next slab's, loaded during this one's products)
+constexpr int CHUNKS_C = 1, CHUNKS_D = 1, CHUNKS_H = 12, CHUNKS_W = 1;  // boxes along each axis of the first reduction
+constexpr int R1_CHUNKS = 12;  // boxes per kept tile
+constexpr int MAX_CLUSTER = 12;  // blocks sharing a kept tile's boxes: a cluster of 1 .. MAX_CLUSTER, sized at launch
+constexpr int CHUNK_ITERS = 12;  // boxes per block, at most (a cluster of 1): box q * cluster_blocks + rank
 constexpr int BOX_FLOATS = 0;  // BOX_C * BOX_D * BOX_H * BOX_W
 constexpr int NF = 1;  // kept elements per block
-constexpr int NR = 12160;  // box elements folded into each kept element per box
+constexpr int NR = 48640;  // box elements folded into each kept element per box
 constexpr int LANES = 256;  // owner lanes per kept element
 constexpr int OWNER_ITERS = 1;  // (kept element, lane) pairs per thread
-constexpr int R_ITERS = 48;  // box elements per lane per box
+constexpr int R_ITERS = 190;  // box elements per lane per box
 
 // ---- op constants -------------------------------------------------------------------------------------
 // (none)
@@ -266,118 +276,221 @@ __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) 
   lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
-// d += a * b for one 16 x 8 x 8 tile (a: 16 positions x 8 K, b: 8 K x 8 channels).
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>  // until at most N committed groups of this warpgroup are still running
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Shared memory written by this thread's ordinary stores becomes visible to the tensor cores' reads.
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// d (+)= a * B: 64 rows x 96 columns x 8 of K; a in registers (this warp's 16 rows, laid out as
+// for mma.sync m16n8k8), B from shared memory by descriptor. accumulate = 0 overwrites d.
+__device__ __forceinline__ void wgmma_tf32(float (&d)[12][4], const unsigned (&a)[4], unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred acc;\nsetp.ne.b32 acc, %53, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k8.f32.tf32.tf32 {"
+      "%0, "
+      "%1, "
+      "%2, "
+      "%3, "
+      "%4, "
+      "%5, "
+      "%6, "
+      "%7, "
+      "%8, "
+      "%9, "
+      "%10, "
+      "%11, "
+      "%12, "
+      "%13, "
+      "%14, "
+      "%15, "
+      "%16, "
+      "%17, "
+      "%18, "
+      "%19, "
+      "%20, "
+      "%21, "
+      "%22, "
+      "%23, "
+      "%24, "
+      "%25, "
+      "%26, "
+      "%27, "
+      "%28, "
+      "%29, "
+      "%30, "
+      "%31, "
+      "%32, "
+      "%33, "
+      "%34, "
+      "%35, "
+      "%36, "
+      "%37, "
+      "%38, "
+      "%39, "
+      "%40, "
+      "%41, "
+      "%42, "
+      "%43, "
+      "%44, "
+      "%45, "
+      "%46, "
+      "%47"
+      "}, {%48, %49, %50, %51}, %52, acc, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+"+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+"+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+"+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+"+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+"+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+"+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+"+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+"+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+"+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+"+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+"+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
-// Offset in x_s of K index k (k = tap * CIP + ci) relative to its position's first tap; a padding
-// tap past the last reads tap 0 (its weights are zero).
-__device__ __forceinline__ int k_offset(int k) {
-  const int tap = k / CIP, ci = k % CIP;
+// The plane row that tap (kd, kh, kw) of slab position p reads, less p: with positions laid out as
+// the staged input's rows (XS_W per row), the same for every position.
+__device__ __forceinline__ int tap_row(int tap) {
   const int kd = tap / (K_H * K_W), kh = tap / K_W % K_H, kw = tap % K_W;
-  return (tap < TAPS ? (kd * DIL_D * XS_H + kh * DIL_H) * XS_WP + kw * DIL_W : 0) + ci * CI_STRIDE;
+  return (kd * XS_H + kh * DIL_H) * XS_W + kw * DIL_W;
 }
 
-// Offset in x_s of slab position p's first tap (p = (d * SLAB_H + h) * BOX_W + w).
-__device__ __forceinline__ int x_offset(int p) {
-  const int pd = p / (SLAB_H * BOX_W), ph = p / BOX_W % SLAB_H, pw = p % BOX_W;
-  return (pd * S_D * XS_H + ph * S_H) * XS_WP + pw * S_W;
+// The descriptor of the B operand whose first row is row `row` of `plane`: K-major rows of 32
+// bytes (8 TF32 values, one k-step), 32-byte swizzle, 8 rows x 32 bytes between groups of 8 rows
+// (the stride byte offset; the leading one is unused), base offset 0 -- which reads right from any
+// row, not only a multiple of 8 (benchmarks/2026-12-04-wgmma-probe.cu). Its low 14 bits are the
+// address / 16, so the descriptor of a row r further on is this one + 2 r (shared memory ends below
+// 2^18 bytes: the field never carries): a tile's k-steps add compile-time offsets to one descriptor.
+__device__ __forceinline__ unsigned long long plane_descriptor(const float* plane, int row) {
+  const unsigned long long address = static_cast<unsigned>(__cvta_generic_to_shared(plane)) + 32u * row;
+  return ((address & 0x3FFFF) >> 4) | (1ull << 16) | ((256ull >> 4) << 32) | (3ull << 62);
 }
 
-// cp.async groups: commit the copies issued so far; wait until at most N groups are in flight.
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-// Copy 4 bytes global -> shared without a register round trip; zeros when !ok (padding).
-__device__ __forceinline__ void cp_async_4(float* dst, const float* src, bool ok) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 4 : 0) : "memory");
+// Row r = (zd * XS_H + zh) * XS_W + zw of plane `chunk` holds input channels 8 chunk .. 8 chunk + 7
+// at input position (id0 + zd * DIL_D, ih0 + zh, iw0 + zw),
+// where (id0, ih0, iw0) is the input the slab's first output's first tap reads; zeros outside the
+// input, for channels past C_IN_G and in the rows past XS_ROWS. Loads its 8 values (each load
+// coalesced across the warp's consecutive rows).
+// (`chunk` is a compile-time constant wherever this is called: the staging loops run over the planes
+// unrolled, so a value's channel, or its (kw, ci), is a constant offset from one address per row.)
+__device__ __forceinline__ void load_row(const float* __restrict__ x_n, int chunk, int r, int id0, int ih0, int iw0, float (&v)[8]) {
+  const int zd = r / (XS_H * XS_W), zh = r / XS_W % XS_H, zw = r % XS_W;
+  const int id = id0 + zd * DIL_D, ih = ih0 + zh, iw = iw0 + zw;
+  const bool ok = r < XS_ROWS && static_cast<unsigned>(id) < IN_D && static_cast<unsigned>(ih) < IN_H &&
+                  static_cast<unsigned>(iw) < IN_W;
+  const float* __restrict__ src = x_n + (ok ? ((chunk * 8 * IN_D + id) * IN_H + ih) * IN_W + iw : 0);
+  #pragma unroll
+  for (int c = 0; c < 8; ++c) v[c] = ok && chunk * 8 + c < C_IN_G ? __ldg(src + c * (IN_D * IN_H * IN_W)) : 0.0f;
 }
 
-// Stage the input of the slab whose first output is T1 position (d0, h0, w0 = 0) (asynchronously:
-// cp_async_commit and cp_async_wait follow): x_s[ci][zh][zw] = x[ci][d0 * S_D - P_D][h0 * S_H - P_H + zh][zw],
-// zero outside the input and for ci >= C_IN_G. The staged rows are whole input rows of one depth,
-// so each channel's slab is one run of RUN floats, in x as in x_s: element e of the slab is
-// channel e / RUN, offset e % RUN of its run, and lies in the input where its row does.
-__device__ __forceinline__ void stage_input(const float* __restrict__ x_n, float* __restrict__ x_s, int d0, int h0, int w0) {
-  const int RUN = XS_H * IN_W;  // floats per channel (XS_D = 1, XS_W = IN_W)
-  const int id0 = d0 * S_D - P_D;  // the slab's input depth
-  const int first = (h0 * S_H - P_H) * IN_W;  // its run's first float in that depth's plane (negative: padding rows)
-  const bool d_ok = static_cast<unsigned>(id0) < IN_D;
-  (void)w0;
-  #pragma unroll 4
-  for (int q = 0; q < XS_ITERS; ++q) {
-    const int e = q * THREADS + threadIdx.x;
-    if (e < XS_ROWS * XS_W) {
-      const int ci = e / RUN, off = e - ci * RUN;
-      const bool ok = d_ok && ci < C_IN_G && static_cast<unsigned>(first + off) < IN_H * IN_W;
-      cp_async_4(x_s + ci * CI_STRIDE + off, x_n + (ok ? (ci * IN_D + id0) * (IN_H * IN_W) + first + off : 0), ok);
+// Writes row r of plane `chunk`, its values, split once into the hi and the lo plane. A row's two
+// 16-byte halves are swapped where bit 7 of its address is set (the 32-byte swizzle wgmma reads;
+// the planes are 1024-byte aligned, so that is bit 2 of r): a quarter-warp's 16-byte stores, to 8
+// consecutive rows, then fall on 32 distinct banks.
+__device__ __forceinline__ void store_row(const float (&v)[8], int chunk, int r, float* __restrict__ hi_s, float* __restrict__ lo_s) {
+  if (r >= PLANE_ROWS) return;  // (the last pass's threads past the plane)
+  const int half = r >> 2 & 1;  // the swizzle: channels 0..3 in 16-byte half `half`, 4..7 in the other
+  unsigned hi[8], lo[8];
+  #pragma unroll
+  for (int c = 0; c < 8; ++c) split_tf32(v[c], hi[c], lo[c]);
+  float4* const hi_row = reinterpret_cast<float4*>(hi_s + (chunk * PLANE_ROWS + r) * 8);
+  float4* const lo_row = reinterpret_cast<float4*>(lo_s + (chunk * PLANE_ROWS + r) * 8);
+  hi_row[half] = make_float4(__uint_as_float(hi[0]), __uint_as_float(hi[1]), __uint_as_float(hi[2]), __uint_as_float(hi[3]));
+  hi_row[half ^ 1] = make_float4(__uint_as_float(hi[4]), __uint_as_float(hi[5]), __uint_as_float(hi[6]), __uint_as_float(hi[7]));
+  lo_row[half] = make_float4(__uint_as_float(lo[0]), __uint_as_float(lo[1]), __uint_as_float(lo[2]), __uint_as_float(lo[3]));
+  lo_row[half ^ 1] = make_float4(__uint_as_float(lo[4]), __uint_as_float(lo[5]), __uint_as_float(lo[6]), __uint_as_float(lo[7]));
+}
+
+// The slab whose first output is T1 position (d0, h0, w0): this thread's rows of it, ROW_ITERS per
+// plane, loaded into registers, v[chunk * ROW_ITERS + i] = row i * THREADS + threadIdx.x of plane
+// chunk. Loaded while the tensor cores multiply the slab before it (the loads' latency hidden
+// behind its products), written to the planes (store_rows) once those products are done.
+__device__ __forceinline__ void load_rows(const float* __restrict__ x_n, float (&v)[STAGE_ITERS][8], int d0, int h0, int w0) {
+  #pragma unroll
+  for (int chunk = 0; chunk < CHUNKS; ++chunk) {
+    #pragma unroll
+    for (int i = 0; i < ROW_ITERS; ++i) {
+      float (&row)[8] = v[chunk * ROW_ITERS + i];
+      load_row(x_n, chunk, i * THREADS + threadIdx.x, d0 * S_D - P_D, h0 * S_H - P_H, w0 * S_W - P_W, row);
+      // An empty asm that "changes" the loaded values: the loads must then be issued here, before
+      // the products (asm statements keep their order). Otherwise the compiler, free to move a
+      // read-only load, sinks them to their use after the products and holds their addresses instead.
+      asm volatile("" : "+f"(row[0]), "+f"(row[1]), "+f"(row[2]), "+f"(row[3]), "+f"(row[4]), "+f"(row[5]), "+f"(row[6]), "+f"(row[7]));
     }
   }
 }
 
-// One warp tile: acc[i][j] = conv over all K of m-tile mg * WM + i (16 slab positions) and
-// n-tile j (8 channels) of the warp's channels, which start at column col0 of w_s, for the first
-// VALID m-tiles (those inside the slab: a compile-time count, so the K loop has no branch; the
-// accumulators of the others stay zero, and the epilogue skips their positions). In 3xTF32, whose
-// fragments take twice the registers, a second copy of the loop spilled: there each m-tile of the
-// last warp tile is tested at run time instead.
-// Lane (g, t) = (lane / 4, lane % 4) holds A rows g, g + 8 and K columns t, t + 4 of each tile.
-template <int VALID>
-__device__ __forceinline__ void conv_mma(const float* __restrict__ x_s, const float* __restrict__ w_s, int col0, int mg, float (&acc)[WM][WN][4]) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const float* __restrict__ w_lane = w_s + t * W_STRIDE + g;  // the lane's B row (K = t) and column
-  int bcol[WN];  // w_s column of each n-tile, XOR-swizzled by the K row: (col / 8 ^ k % 4) * 8
+__device__ __forceinline__ void store_rows(const float (&v)[STAGE_ITERS][8], float* __restrict__ hi_s, float* __restrict__ lo_s) {
   #pragma unroll
-  for (int j = 0; j < WN; ++j) bcol[j] = (col0 / 8 + j ^ t) * 8;
-  int xa[WM][2];  // x_s offsets of the lane's two A rows per m-tile, with its channel t
-  #pragma unroll
-  for (int i = 0; i < WM; ++i) {
+  for (int chunk = 0; chunk < CHUNKS; ++chunk) {
     #pragma unroll
-    for (int r = 0; r < 2; ++r) xa[i][r] = x_offset(min((mg * WM + i) * 16 + g + 8 * r, M_SLAB - 1)) + t * CI_STRIDE;
+    for (int i = 0; i < ROW_ITERS; ++i) store_row(v[chunk * ROW_ITERS + i], chunk, i * THREADS + threadIdx.x, hi_s, lo_s);
   }
+}
+
+// K-step s of a warpgroup tile: this warp's A fragment (channels a_col[0] + g, a_col[1] + g of w_s,
+// K columns 8 s + t and 8 s + t + 4, as mma.sync m16n8k8 lays out A) into registers, then its
+// product(s) with B = NB plane rows from the tile's first position + tap_row(tap) (hi_d / lo_d:
+// the descriptors of that first position's row in the first plane), committed as one group. wgmma
+// reads the A registers while it runs: k-steps alternate between two sets of them, and before a
+// set is loaded again the products that read it (two k-steps back) are waited for.
+__device__ __forceinline__ void k_step(unsigned long long hi_d, unsigned long long lo_d, const float* __restrict__ w_lane,
+                                       const int (&a_col)[2], int s, unsigned (&a_hi)[4], unsigned (&a_lo)[4], float (&acc)[NB / 8][4]) {
+  if (s >= 2) wgmma_wait<1>();  // the products of k-step s - 2 are done: their A registers are free
+  const float w0 = w_lane[(8 * s) * W_STRIDE + a_col[0]], w1 = w_lane[(8 * s) * W_STRIDE + a_col[1]];
+  const float w2 = w_lane[(8 * s + 4) * W_STRIDE + a_col[0]], w3 = w_lane[(8 * s + 4) * W_STRIDE + a_col[1]];
+  split_tf32(w0, a_hi[0], a_lo[0]);
+  split_tf32(w1, a_hi[1], a_lo[1]);
+  split_tf32(w2, a_hi[2], a_lo[2]);
+  split_tf32(w3, a_hi[3], a_lo[3]);
+  // the B tile's first row, past the tile's first position's: plane s % CHUNKS, tap s / CHUNKS (compile time)
+  const unsigned long long rows = 2ull * (s % CHUNKS * PLANE_ROWS + tap_row(s / CHUNKS));
+  wgmma_fence();  // the A registers just written (and, at s = 0, the zeroed accumulators) are ready
+  wgmma_tf32(acc, a_lo, hi_d + rows, 1);  // small products first
+  wgmma_tf32(acc, a_hi, lo_d + rows, 1);
+  wgmma_tf32(acc, a_hi, hi_d + rows, 1);
+  wgmma_commit();
+}
+
+// One warpgroup tile: acc = the conv over all K of channels [col0, col0 + 64) of w_s and slab
+// positions [p0, p0 + NB) (plane rows). acc[j][2 * r + e]: channel col0 + 16 * (warp % 4) + g + 8 * r,
+// position p0 + 8 * j + 2 * t + e (lane = 4 g + t).
+__device__ __forceinline__ void conv_wgmma(const float* __restrict__ hi_s, const float* __restrict__ lo_s, const float* __restrict__ w_s, int col0, int p0,
+                                           float (&acc)[NB / 8][4]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, wq = threadIdx.x / 32 % 4;
+  const float* __restrict__ w_lane = w_s + t * W_STRIDE;  // the lane's K row (t) of each k-step
+  // The lane's two A rows (channels), as w_s columns, XOR-swizzled by the K row: c ^ (k % 4) * 8, and k % 4 = t.
+  const int a_col[2] = {(col0 + 16 * wq + g) ^ (8 * t), (col0 + 16 * wq + g + 8) ^ (8 * t)};
   #pragma unroll
-  for (int i = 0; i < WM; ++i) {
+  for (int j = 0; j < NB / 8; ++j) {
     #pragma unroll
-    for (int j = 0; j < WN; ++j) {
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
-    }
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
   }
-  #pragma unroll
-  for (int s = 0; s < KSTEPS; ++s) {
-    const int k0 = k_offset(8 * s), k1 = k_offset(8 * s + 4);  // compile-time after unrolling
-    unsigned b_hi[WN][2], b_lo[WN][2];
-    #pragma unroll
-    for (int j = 0; j < WN; ++j) {
-      split_tf32(w_lane[(8 * s) * W_STRIDE + bcol[j]], b_hi[j][0], b_lo[j][0]);
-      split_tf32(w_lane[(8 * s + 4) * W_STRIDE + bcol[j]], b_hi[j][1], b_lo[j][1]);
-    }
-    #pragma unroll
-    for (int i = 0; i < WM; ++i) {
-      unsigned a_hi[4], a_lo[4];
-      split_tf32(x_s[xa[i][0] + k0], a_hi[0], a_lo[0]);
-      split_tf32(x_s[xa[i][1] + k0], a_hi[1], a_lo[1]);
-      split_tf32(x_s[xa[i][0] + k1], a_hi[2], a_lo[2]);
-      split_tf32(x_s[xa[i][1] + k1], a_hi[3], a_lo[3]);
-      #pragma unroll
-      for (int j = 0; j < WN; ++j) {  // small products first
-        mma_tf32(acc[i][j], a_lo, b_hi[j]);
-        mma_tf32(acc[i][j], a_hi, b_lo[j]);
-        mma_tf32(acc[i][j], a_hi, b_hi[j]);
-      }
-    }
+  unsigned long long hi_d = plane_descriptor(hi_s, p0), lo_d = plane_descriptor(lo_s, p0);
+  // (an empty asm that "changes" them: otherwise the compiler computes every k-step's descriptors
+  // once, before the loop over slabs, and keeps them all in registers, 2 x 2 x KSTEPS of them)
+  asm volatile("" : "+l"(hi_d), "+l"(lo_d));
+  unsigned a_hi[2][4], a_lo[2][4];  // two k-steps' A fragments
+  // Not unrolled (two k-steps an iteration, their rows and offsets computed as they go): unrolled
+  // beside the next slab's rows, the compiler computes every k-step's descriptors up front and
+  // holds them all, and spills.
+  #pragma unroll 1
+  for (int s = 0; s < KSTEPS; s += 2) {
+    k_step(hi_d, lo_d, w_lane, a_col, s, a_hi[0], a_lo[0], acc);
+    if (s + 1 < KSTEPS) k_step(hi_d, lo_d, w_lane, a_col, s + 1, a_hi[1], a_lo[1], acc);
   }
+  wgmma_wait<0>();  // every product is in acc
 }
 
 }  // namespace
 
-// One block: one sample (blockIdx.y) x one tile of the kept axes (blockIdx.x / CLUSTER).
-extern "C" __global__ void __launch_bounds__(THREADS, 2) __cluster_dims__(CLUSTER, 1, 1) specgen_kb65(
+// One block: one sample (blockIdx.y) x one tile of the kept axes (blockIdx.x / the cluster's size).
+extern "C" __global__ void __launch_bounds__(THREADS) specgen_kb65(
     const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
     const float* __restrict__ weight,  // [C_OUT, C_IN_G, K_D, K_H, K_W]
     const float* __restrict__ bias,    // [C_OUT]
@@ -386,9 +499,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) __cluster_dims__(CLUSTE
 {
   extern __shared__ float4 smem_f4[];
   float* const smem = reinterpret_cast<float*>(smem_f4);
-  float* const w_s = smem;  // weights, the GEMM's B operand: [K_PAD][W_STRIDE], k = tap * CIP + ci
-  float* const x_s = smem + W_SMEM_FLOATS;  // a slab's input: [CIP][CI_STRIDE], each [XS_D][XS_H][XS_WP]
-  float* const box_s = smem + W_SMEM_FLOATS + CIP * CI_STRIDE;  // one T1 box, [BOX_C][BOX_D][BOX_H][BOX_W]
+  float* const w_s = smem;  // weights, the GEMM's A operand: [K_PAD][W_STRIDE], k = tap * CIP + ci
+  // A slab's planes, 1024-byte aligned (wgmma's swizzle is by shared-memory address): [CHUNKS][PLANE_ROWS][8]
+  // each, the hi parts, then the lo parts. Before the first slab x_s (= hi_s) stages the weights.
+  const unsigned planes_at = static_cast<unsigned>(__cvta_generic_to_shared(smem + W_SMEM_FLOATS));  // a shared-memory address
+  float* const hi_s = smem + W_SMEM_FLOATS + (1024 - planes_at % 1024) % 1024 / 4;
+  float* const lo_s = hi_s + CHUNKS * PLANE_FLOATS;
+  float* const x_s = hi_s;
+  float* const box_s = smem + W_SMEM_FLOATS + 27904;  // one T1 box, [BOX_C][BOX_D][BOX_H][BOX_W]
   float* const red_s = box_s + BOX_FLOATS;    // lane partials, [2][NF * LANES]
   const int n = blockIdx.y;
   if (n >= batch) return;
@@ -396,10 +514,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) __cluster_dims__(CLUSTE
   float* __restrict__ out_n = out + static_cast<size_t>(n) * OUT_PER_SAMPLE;
 
   // Origin of this block's tile along each kept axis (0 along the others).
+  // The launch picks the cluster's size: large clusters spread a small batch over many blocks,
+  // small ones pack the GPU more fully.
   cg::cluster_group cluster = cg::this_cluster();
-  constexpr int cluster_blocks = CLUSTER;
-  const int rank = blockIdx.x % CLUSTER;  // this block's place in its cluster
-  int tile = blockIdx.x / CLUSTER;
+  const int cluster_blocks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());  // this block's place in its cluster
+  int tile = blockIdx.x / cluster_blocks;
   const int tile_w = tile % TILES_W; tile /= TILES_W;
   const int tile_h = tile % TILES_H; tile /= TILES_H;
   const int tile_d = tile % TILES_D;
@@ -407,9 +527,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) __cluster_dims__(CLUSTE
   const int c_origin = tile_c * BOX_C, d_origin = tile_d * BOX_D, h_origin = tile_h * BOX_H, w_origin = tile_w * BOX_W;
   const int c_weights = 0;  // first channel of w_s
 
-  // Stage the weights of channels [c_weights, c_weights + WEIGHT_C) as B: w_s[k = tap * CIP + ci][c ^ (k % 4) * 8],
+  // Stage the weights of channels [c_weights, c_weights + WEIGHT_C) as A: w_s[k = tap * CIP + ci][c ^ (k % 4) * 8],
   // 64 channels per pass. A pass copies its channels' weights (contiguous in `weight`) to x_s
-  // with coalesced loads; then one thread per (ci, c) pair, c fastest, writes them out as B:
+  // with coalesced loads; then one thread per (ci, c) pair, c fastest, writes them out as A:
   // a warp's stores fill one K row of w_s and its reads stride x_s by RAW_STRIDE (odd), so
   // neither side has bank conflicts.
   {
@@ -470,42 +590,46 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) __cluster_dims__(CLUSTE
       (void)ch_c; (void)ch_d; (void)ch_h; (void)ch_w;
       // One kept element per box: each thread folds its own fragments, in a fixed order.
   {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int wg = threadIdx.x / 128, wq = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    float next[STAGE_ITERS][8];  // the next slab's input rows, loaded while the current slab multiplies
+    load_rows(x_n, next, d_origin, ch_h * BOX_H, ch_w * BOX_W);
     #pragma unroll 1
     for (int slab = 0; slab < SLABS_D * SLABS_H; ++slab) {
-      const int sd0 = slab / SLABS_H * SLAB_D, sh0 = slab % SLABS_H * SLAB_H;  // slab origin in the box
-      __syncthreads();  // every warp is done reading the previous slab's input
-      stage_input(x_n, x_s, d_origin + sd0, ch_h * BOX_H + sh0, ch_w * BOX_W);
-      cp_async_commit();
-      cp_async_wait<0>();
+      const int sd0 = slab / SLABS_H, sh0 = slab % SLABS_H * SLAB_H;  // slab origin in the box
+      __syncthreads();  // every warpgroup's products have read the previous slab's planes
+      store_rows(next, hi_s, lo_s);
+      fence_async_shared();  // the planes, written by ordinary stores, become visible to wgmma
       __syncthreads();
+      if (slab + 1 < SLABS_D * SLABS_H)  // the next slab's loads, in flight during this slab's products
+        load_rows(x_n, next, d_origin + (slab + 1) / SLABS_H, ch_h * BOX_H + (slab + 1) % SLABS_H * SLAB_H, ch_w * BOX_W);
       #pragma unroll 1
       for (int ui = 0; ui < UNIT_ITERS; ++ui) {
-        const int unit = ui * WARPS + warp;
-        if (unit < UNITS) {  // the same for the whole warp
-          const int mg = unit / N_GROUPS, ng = unit % N_GROUPS;
-          float acc[WM][WN][4];
-          conv_mma<WM>(x_s, w_s, (ch_c * BOX_C - c_weights) + ng * WN * 8, mg, acc);
-          // Epilogue: acc[i][j][2 * r + e] is slab position (mg * WM + i) * 16 + g + 8 * r, channel
-          // (ng * WN + j) * 8 + 2 * t + e of the box.
+        const int unit = ui * WARPGROUPS + wg;
+        if (unit < UNITS) {  // the same for the whole warpgroup
+          const int ct = unit % C_TILES, nt = unit / C_TILES;  // its 64 channels and NB positions
+          float acc[NB / 8][4];
+          conv_wgmma(hi_s, lo_s, w_s, (ch_c * BOX_C - c_weights) + ct * 64, nt * NB, acc);
+          // The lane's first position, taken after the products (an asm the compiler cannot move
+          // before them): otherwise it computes the epilogue's positions and addresses ahead of the
+          // K loop and holds them in registers through it.
+          int q0;
+          asm volatile("mov.b32 %0, %1;" : "=r"(q0) : "r"(nt * NB + 2 * t));
+          // Epilogue: acc[j][2 * r + e] is channel ct * 64 + 16 * wq + g + 8 * r of the box and slab
+          // position p = q0 + 8 * j + e (q0 = nt * NB + 2 * t): slab row p / XS_W, column p % XS_W (kept below BOX_W).
           #pragma unroll
-          for (int i = 0; i < WM; ++i) {
+          for (int j = 0; j < NB / 8; ++j) {
             #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int p = (mg * WM + i) * 16 + g + 8 * r;
-              const int pd = sd0 + p / (SLAB_H * BOX_W), ph = sh0 + p / BOX_W % SLAB_H, pw = p % BOX_W;  // in the box
-              const int d = d_origin + pd, h = ch_h * BOX_H + ph, w = ch_w * BOX_W + pw;
-              const bool pos_ok = p < M_SLAB && d < T1_D && h < T1_H && w < T1_W;
+            for (int e = 0; e < 2; ++e) {
+              const int p = q0 + 8 * j + e, ph = sh0 + p / XS_W, pw = p % XS_W;  // in the box
+              const int d = d_origin + sd0, h = ch_h * BOX_H + ph, w = ch_w * BOX_W + pw;
+              const bool pos_ok = p < SLAB_H * XS_W && pw < BOX_W && d < T1_D && h < T1_H && w < T1_W;
               #pragma unroll
-              for (int j = 0; j < WN; ++j) {
-                #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                  const int cl = (ng * WN + j) * 8 + 2 * t + e, cj = ch_c * BOX_C + cl;  // channel in the box, in T1
-                  if (pos_ok && cl < BOX_C && cj < T1_C) {
-                    float v = acc[i][j][2 * r + e] + __ldg(bias + cj);
-                    v = __fdividef(1.0f, 1.0f + expf(-(v)));  // epilogue[0] sigmoid
-                    a1[0] += v;
-                  }
+              for (int r = 0; r < 2; ++r) {
+                const int cl = ct * 64 + 16 * wq + g + 8 * r, cj = ch_c * BOX_C + cl;  // channel in the box, in T1
+                if (pos_ok && cl < BOX_C && cj < T1_C) {
+                  float v = acc[j][2 * r + e] + __ldg(bias + cj);
+                  v = __fdividef(1.0f, 1.0f + expf(-(v)));  // epilogue[0] sigmoid
+                  a1[0] += v;
                 }
               }
             }
@@ -557,9 +681,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) __cluster_dims__(CLUSTE
       const int idx = k * THREADS + threadIdx.x, f = idx / LANES;
       if (idx % LANES == 0 && f < NF) {
         #pragma unroll
-        for (int other = 1; other < CLUSTER; ++other) {
-          const float* remote = cluster.map_shared_rank(red_s, other);
-          a1[k] += remote[f];
+        for (int other = 1; other < MAX_CLUSTER; ++other) {
+          if (other < cluster_blocks) {
+            const float* remote = cluster.map_shared_rank(red_s, other);
+            a1[k] += remote[f];
+          }
         }
       }
     }

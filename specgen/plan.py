@@ -356,8 +356,10 @@ WGMMA_ALIGN_FLOATS = 256  # the planes start 1024-byte aligned (the swizzle is b
 # H200 (benchmarks/NOTES.md, v43): layers whose output is stored as computed (kb90 3.41 -> 2.46 ms,
 # the ResNet stem's conv in fp32 0.50 -> 0.44 and in tf32 0.34 -> 0.26), each that the wgmma slab
 # can run (`wgmma_why_not`), unless its spec says `tile: {wgmma: false}` or a tuned choice pins
-# mma.sync. Not where a reduction follows the conv in the same kernel (kb65 ran 1.09 -> 1.21), nor
-# with exact sums (not timed yet): the tuner tries wgmma there. False: mma.sync wherever not asked.
+# mma.sync. Not where a reduction follows the conv in the same kernel (kb65 ran 1.09 -> 1.21), except
+# after an unstrided 1x1 conv, where the next slab is prefetched too (the box fold's 1x1 conv over
+# kb65's box means on an H100, v46: 0.50 ms on mma.sync, 0.36 on wgmma, 0.31 prefetching); nor with
+# exact sums (not timed yet): the tuner tries wgmma there. False: mma.sync wherever not asked.
 SLAB_WGMMA_DEFAULT = True
 # the most registers (`wgmma_registers`, an estimate) a wgmma slab thread may have: with the next
 # slab's rows beside its accumulators, or exact sums' two further sets; ptxas's limit is 255, and
@@ -440,7 +442,8 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
     on its SM with several slabs per box can prefetch: each thread loads the next slab's rows into
     registers while the current slab multiplies (`prefetch`: 1 on; 0, the planner's, and 2 off).
     Measured on an H200 (benchmarks/NOTES.md, v43), the prefetch lost on every layer timed (kb65
-    1.29 against 1.21 ms, the fp32 stem 0.477 against 0.441): the tuner tries it, the planner not.
+    1.29 against 1.21 ms, the fp32 stem 0.477 against 0.441): the tuner tries it, and the planner
+    only after an unstrided 1x1 conv followed by a reduction (v46, on an H100: 0.31 against 0.36 ms).
 
     `exact`: each k-step's products are summed apart (`Settings.exact_sums`), two k-steps' sums in
     registers beside the total: NB / 2 registers more a set, so 32 positions a wgmma are tried too
@@ -996,10 +999,13 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         if mma is None:
             raise PlanError(["tile.wgmma: the slab engine's staged planes and weights do not fit in shared memory"])
     elif want_mma and not mma_why_not:
+        # a 1x1 conv, unstrided, with a reduction after it (the box fold's second kernel): measured
+        # faster on wgmma, with the next slab prefetched (v46)
+        one_tap_reduction = bool(reductions) and math.prod(k3) == 1 and all(st == 1 for st in s3)
         if SLAB_WGMMA_DEFAULT and slab is None and (tile is None or (tile.wgmma is None and tile.box is None)) \
-                and not reductions and not exact_sums:
+                and (not reductions or one_tap_reduction) and not exact_sums:
             # (the planner's default on sm_90a where measured faster: None where wgmma_why_not refuses the layer)
-            mma = wgmma_tiling()
+            mma = (one_tap_reduction and wgmma_tiling(prefetch=1)) or wgmma_tiling()
         if mma is None:
             mma = _mma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F", target,
                               (slab.wm, slab.wn) if slab is not None and slab.wm else None)

@@ -19,7 +19,7 @@ def layer(*args, **conv):
 
 RUNS = {
     # the folded KernelBench 65's second kernel: a 1x1 conv over 72 box means, sigmoid, the sum of all
-    "fold_body": _layer(72, [95, 95], 64, ["sigmoid", {"sum": {"dims": [1, 2, 3]}}], kernel=1),
+    "fold_body": layer(72, [95, 95], 64, ["sigmoid", {"sum": {"dims": [1, 2, 3]}}], kernel=1),
     # padding rows above and below (none along W), a row of 33: the first and last slabs read zeros
     "pad_rows": layer(8, [30, 33], 32, ["relu"], padding=[1, 0]),
     # strided along H and W, taps past the last full stride: rows still whole

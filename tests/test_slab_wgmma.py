@@ -425,10 +425,11 @@ def test_wgmma_refuses_what_it_cannot_run():
 
 
 def test_the_planners_wgmma_switch(monkeypatch):
-    """`plan.SLAB_WGMMA_DEFAULT` (on: measured faster on an H200 where the conv's output is stored as
-    computed): the planner runs such slab layers on wgmma on sm_90a, and mma.sync where a reduction
-    follows the conv in the same kernel, where a tf32 layer sums its k-steps apart, where the spec
-    says `tile: {wgmma: false}` or a tuned choice pins mma.sync, and on sm_80. Off, mma.sync."""
+    """`plan.SLAB_WGMMA_DEFAULT` (on: measured faster where the conv's output is stored as computed,
+    and after an unstrided 1x1 conv with a reduction): the planner runs such slab layers on wgmma on
+    sm_90a (the 1x1 conv prefetching the next slab), and mma.sync where a reduction follows another
+    conv in the same kernel, where a tf32 layer sums its k-steps apart, where the spec says
+    `tile: {wgmma: false}` or a tuned choice pins mma.sync, and on sm_80. Off, mma.sync."""
     from specgen import plan as plan_module
     from specgen.plan import Settings, SlabConfig
 
@@ -439,7 +440,10 @@ def test_the_planners_wgmma_switch(monkeypatch):
     free_layers = [{k: v for k, v in data.items() if k != "tile"} for data in LAYERS]
     slab_layers = [data for data in free_layers if on_slab(data)]  # (the others the planner gives another engine)
     assert len(slab_layers) >= 8
-    stored = [d for d in slab_layers if not slab_plan(d)["reductions"] and not slab_plan(d)["settings"].exact_sums]
+    def one_tap(body):  # an unstrided 1x1 conv (a box-folded layer's second kernel, say)
+        return body["taps"] == 1 and all(s == 1 for s in body["stride"])
+
+    stored = [d for d in slab_layers if (not slab_plan(d)["reductions"] or one_tap(slab_plan(d))) and not slab_plan(d)["settings"].exact_sums]
     assert {"kb90_small", "stem_224"} <= {d["name"] for d in stored} and len(stored) < len(slab_layers)
     for free in slab_layers:
         assert slab_plan(free)["mma"].wgmma == (free in stored), free["name"]
@@ -449,6 +453,13 @@ def test_the_planners_wgmma_switch(monkeypatch):
     kb90 = {k: v for k, v in LAYERS[0].items() if k != "tile"}
     assert not build_plan(validate(kb90), settings=Settings(slab=SlabConfig(0, 2, 4)))["mma"].wgmma  # a tuned mma.sync tile
     assert not build_plan(validate(kb90), settings=Settings(slab=SlabConfig(0)))["mma"].wgmma  # the planner's mma.sync tile
+    # a reduction after the conv: mma.sync, unless the conv is an unstrided 1x1 (the box fold's second kernel)
+    summed = {"name": "summed", "input": {"channels": 72, "size": [95, 95]}, "conv": {"out_channels": 64, "kernel": 3},
+              "epilogue": ["sigmoid", {"sum": {"dims": [1, 2, 3]}}]}
+    assert not slab_plan(summed)["mma"].wgmma
+    one_tap = slab_plan({**summed, "conv": {"out_channels": 64, "kernel": 1}})["mma"]
+    assert one_tap.wgmma and one_tap.prefetch
+    assert not slab_plan({**summed, "conv": {"out_channels": 64, "kernel": 1, "stride": 2}})["mma"].wgmma
     exact = layer("exact", 8, [12, 20], 64, 3, precision="tf32", padding=1)
     assert build_plan(validate(exact))["mma"].wgmma and build_plan(validate(exact))["settings"].exact_sums  # (asked)
     monkeypatch.setattr(plan_module, "SLAB_WGMMA_DEFAULT", False)
