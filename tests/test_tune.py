@@ -171,6 +171,8 @@ def test_a_box_foldable_layer_is_tuned_with_and_without_its_fold(monkeypatch, pl
     other = [c for c in cands if c.box_fold]
     assert other and len(other) < len(cands) and any(c.wgmma for c in other)
     assert {c.box_fold for c in other} == {2 if planner_folds else 1}
+    if not planner_folds:  # the fold with its 1x1 conv on wgmma, prefetching (the planner's since v46)
+        assert SlabConfig(1, prefetch=1, box_fold=1) in other
     for cfg in cands:
         got = tune.plan_with(spec, cfg)
         folded = cfg.box_fold == 1 or (planner_folds and cfg.box_fold == 0)
