@@ -999,9 +999,10 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         if mma is None:
             raise PlanError(["tile.wgmma: the slab engine's staged planes and weights do not fit in shared memory"])
     elif want_mma and not mma_why_not:
-        # a 1x1 conv, unstrided, with a reduction after it (the box fold's second kernel): measured
-        # faster on wgmma, with the next slab prefetched (v46)
-        one_tap_reduction = bool(reductions) and math.prod(k3) == 1 and all(st == 1 for st in s3)
+        # a 1x1 conv, unstrided, with a reduction after it, in 3xTF32 (the box fold's second kernel):
+        # measured faster on wgmma, with the next slab prefetched (v46); in TF32 (one product, no
+        # split) not timed
+        one_tap_reduction = bool(reductions) and math.prod(k3) == 1 and all(st == 1 for st in s3) and products == 3
         if SLAB_WGMMA_DEFAULT and slab is None and (tile is None or (tile.wgmma is None and tile.box is None)) \
                 and (not reductions or one_tap_reduction) and not exact_sums:
             # (the planner's default on sm_90a where measured faster: None where wgmma_why_not refuses the layer)

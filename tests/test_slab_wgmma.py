@@ -440,8 +440,8 @@ def test_the_planners_wgmma_switch(monkeypatch):
     free_layers = [{k: v for k, v in data.items() if k != "tile"} for data in LAYERS]
     slab_layers = [data for data in free_layers if on_slab(data)]  # (the others the planner gives another engine)
     assert len(slab_layers) >= 8
-    def one_tap(body):  # an unstrided 1x1 conv (a box-folded layer's second kernel, say)
-        return body["taps"] == 1 and all(s == 1 for s in body["stride"])
+    def one_tap(body):  # an unstrided 1x1 conv in 3xTF32 (a box-folded layer's second kernel, say)
+        return body["taps"] == 1 and all(s == 1 for s in body["stride"]) and body["mma"].products == 3
 
     stored = [d for d in slab_layers if (not slab_plan(d)["reductions"] or one_tap(slab_plan(d))) and not slab_plan(d)["settings"].exact_sums]
     assert {"kb90_small", "stem_224"} <= {d["name"] for d in stored} and len(stored) < len(slab_layers)
