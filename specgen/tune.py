@@ -239,9 +239,10 @@ def slab_candidates(spec: LayerSpec, plan: dict) -> list:
         # planner takes the fold, with it where the planner does not (`boxfold.ENABLED`), on the best
         # tiles of the seeds' sweeps, so a stored choice takes the fold only where it measured faster
         other = 2 if _box_folded(plan) else 1
-        # (and wgmma prefetching: the planner's choice for a folded layer's 1x1 conv since v46)
+        # (and on wgmma, with the planner's slab and prefetching: the planner's choice for a folded
+        # layer's 1x1 conv since v46)
         cfgs[1:1] = [SlabConfig(0, box_fold=other)] + [SlabConfig(0, wm, wn, box_fold=other) for wm, wn in SLAB_WARP_TILES[:2]] \
-            + [replace(c, box_fold=other) for c in wgmma[:1] + wgmma[3:4]]
+            + ([SlabConfig(1, box_fold=other), SlabConfig(1, prefetch=1, box_fold=other)] if wgmma else [])
     for cfg in cfgs:
         try:
             got = plan_with(spec, cfg)
