@@ -428,7 +428,7 @@ def test_the_planners_wgmma_switch(monkeypatch):
     """`plan.SLAB_WGMMA_DEFAULT` (on: measured faster where the conv's output is stored as computed,
     and after an unstrided 1x1 conv with a reduction): the planner runs such slab layers on wgmma on
     sm_90a (the 1x1 conv prefetching the next slab), and mma.sync where a reduction follows another
-    conv in the same kernel, where a tf32 layer sums its k-steps apart, where the spec says
+    conv in the same kernel, where the spec says
     `tile: {wgmma: false}` or a tuned choice pins mma.sync, and on sm_80. Off, mma.sync."""
     from specgen import plan as plan_module
     from specgen.plan import Settings, SlabConfig
@@ -443,8 +443,9 @@ def test_the_planners_wgmma_switch(monkeypatch):
     def one_tap(body):  # an unstrided 1x1 conv in 3xTF32 (a box-folded layer's second kernel, say)
         return body["taps"] == 1 and all(s == 1 for s in body["stride"]) and body["mma"].products == 3
 
-    stored = [d for d in slab_layers if (not slab_plan(d)["reductions"] or one_tap(slab_plan(d))) and not slab_plan(d)["settings"].exact_sums]
-    assert {"kb90_small", "stem_224"} <= {d["name"] for d in stored} and len(stored) < len(slab_layers)
+    stored = [d for d in slab_layers if not slab_plan(d)["reductions"] or one_tap(slab_plan(d))]
+    assert {"kb90_small", "stem_224", "exact_kb90", "exact_deep"} <= {d["name"] for d in stored} and len(stored) < len(slab_layers)
+    assert any(slab_plan(d)["settings"].exact_sums for d in stored)  # (exact sums take wgmma too, v47)
     for free in slab_layers:
         assert slab_plan(free)["mma"].wgmma == (free in stored), free["name"]
         assert not slab_plan({**free, "tile": {"wgmma": False}})["mma"].wgmma
@@ -462,6 +463,8 @@ def test_the_planners_wgmma_switch(monkeypatch):
     assert not slab_plan({**summed, "conv": {"out_channels": 64, "kernel": 1, "stride": 2}})["mma"].wgmma
     exact = layer("exact", 8, [12, 20], 64, 3, precision="tf32", padding=1)
     assert build_plan(validate(exact))["mma"].wgmma and build_plan(validate(exact))["settings"].exact_sums  # (asked)
+    free_exact = slab_plan({k: v for k, v in exact.items() if k != "tile"})  # (not asked: the planner's default since v47)
+    assert free_exact["mma"].wgmma and not free_exact["mma"].prefetch and free_exact["settings"].exact_sums
     monkeypatch.setattr(plan_module, "SLAB_WGMMA_DEFAULT", False)
     assert not any(slab_plan(free)["mma"].wgmma for free in slab_layers)
 
