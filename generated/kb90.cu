@@ -28,7 +28,7 @@
 //   Every extent below is a compile-time constant, so every loop has a constant trip count and the
 //   compiler unrolls the convolution completely. Spatial extents are normalized to (D, H, W).
 //   * Body: conv -> leaky_relu -> add -> clamp -> gelu. Its result is T1 = [64 x 14 x 62 x 62] per sample.
-//   * No reduction: a block computes a box of T1 = 64 x 1 x 8 x 62 (c x d x h x w) and writes it out.
+//   * No reduction: a block computes a box of T1 = 64 x 1 x 16 x 62 (c x d x h x w) and writes it out.
 //   * Tensor cores, wgmma (sm_90a): the conv is an implicit GEMM, M = output channels, N = output
 //     positions, K = taps x input channels (padded to 8). The block stages its weights once
 //     ([K][channels], the A operand: each warp loads its 16 channels x 8 of K into registers per k-step),
@@ -44,7 +44,7 @@
 //     (the input once, into a hi and a lo plane, while staging; the weights as they load), and a*b
 //     is accumulated as lo(a)hi(b) + hi(a)lo(b) + hi(a)hi(b) in fp32: fp32 accuracy on tensor cores.
 //   * Weights of the block's channels are staged in shared memory once per block.
-//   Grid: x = 112 blocks per sample, y = sample; 256 threads per block;
+//   Grid: x = 56 blocks per sample, y = sample; 256 threads per block;
 //   105984 bytes of dynamic shared memory.
 // =====================================================================================================
 #include <math_constants.h>
@@ -75,8 +75,8 @@ constexpr int OUT_PER_SAMPLE = 3444224;  // output elements per sample, shape [6
 
 // ---- tiling -------------------------------------------------------------------------------------------
 constexpr int THREADS = 256;  // threads per block
-constexpr int BOX_C = 64, BOX_D = 1, BOX_H = 8, BOX_W = 62;  // T1 box computed per step
-constexpr int TILES_C = 1, TILES_D = 14, TILES_H = 8, TILES_W = 1;  // blocks along each kept axis
+constexpr int BOX_C = 64, BOX_D = 1, BOX_H = 16, BOX_W = 62;  // T1 box computed per step
+constexpr int TILES_C = 1, TILES_D = 14, TILES_H = 4, TILES_W = 1;  // blocks along each kept axis
 constexpr int WEIGHT_C = 64;  // channels whose weights a block needs
 constexpr int W_FLOATS = 13824;  // WEIGHT_C * C_IN_G * TAPS
 constexpr int W_STRIDE = 64;  // shared-memory row stride of the staged weights (WEIGHT_C, padded)
@@ -91,7 +91,7 @@ constexpr int CHUNKS = 1;  // planes of 8 input channels
 constexpr int K_PAD = 216;  // TAPS * CIP
 constexpr int KSTEPS = 27;  // k-steps of 8
 constexpr int SLAB_H = 2;  // a slab: one output depth x SLAB_H output rows
-constexpr int SLABS_D = 1, SLABS_H = 4;  // slabs per box
+constexpr int SLABS_D = 1, SLABS_H = 8;  // slabs per box
 constexpr int XS_D = 3, XS_H = 4, XS_W = 64;  // staged input positions of a slab: K_D depths x XS_H rows x XS_W
 constexpr int XS_ROWS = 768;  // XS_D * XS_H * XS_W: a plane's rows that hold input
 constexpr int PLANE_ROWS = 776;  // a plane's rows: also those the last N tile's last tap reads (zeros)

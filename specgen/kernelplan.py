@@ -134,6 +134,10 @@ class SlabTiling(TemplateValues):
     # ((kw, ci) at kw C_IN_G + ci, `plan.wgmma_k`): a staged row per output column, holding its
     # input at every W tap; the GEMM's taps are then (kd, kh)
     packed_w: bool = False
+    # a block walks boxes (item = sample x tiles + tile: blockIdx.x, + gridDim.x, ...) with its
+    # weights staged once, as many blocks as the SMs hold (`runtime.LoadedKernel.walk_blocks`): a
+    # wgmma slab layer whose boxes all hold the same channels and keep no reduction (`plan.SLAB_WALK`)
+    walk: bool = False
 
     @property
     def row_iters(self) -> int:

@@ -351,6 +351,22 @@ WGMMA_MAX_K = 512  # fp32 mode sums all of K in the accumulators, which add with
 WGMMA_MAX_ROW = 256  # staged positions per row (XS_W)
 WGMMA_MAX_SLAB_H = 8
 WGMMA_TWO_BLOCKS_NB = 128  # positions per wgmma whose accumulators (NB / 2 a thread) fit two blocks' 128 registers
+# Slabs a wgmma slab block walks along H (then D, where a box holds whole planes), staging its
+# weights once: WGMMA_BOX_SLABS, or WGMMA_TALL_BOX_SLABS where a sample still has at least
+# WGMMA_TALL_BOX_MIN_BOXES boxes of that height (blocks enough at a batch of a few samples).
+# Measured on an H100 (NOTES v47): kb90 at batch 128 2.54-2.62 ms with boxes of 4 slabs, 2.38-2.41
+# with 8 (56 boxes a sample), 2.41 with 16; at batch 8 0.198 -> 0.208. The 3-channel stem at
+# batch 8 (7 boxes a sample) lost with 8 (0.157 -> 0.168): it keeps 4.
+WGMMA_BOX_SLABS = 4
+WGMMA_TALL_BOX_SLABS = 8
+WGMMA_TALL_BOX_MIN_BOXES = 48
+WGMMA_MAX_BOX_SLABS = 32  # (a tuner's candidate: `SlabConfig.box_slabs`)
+# A wgmma slab block walks boxes (`SlabTiling.walk`) where every box holds the same channels and no
+# reduction is kept: the launch starts as many blocks as the SMs hold, each staging its weights once
+# for all its boxes. Off: measured on an H100 (NOTES v47) kb90 ran 2.62 -> 2.74 ms walking (its two
+# blocks per SM start together and stay in step, staging at the same time), its tf32 form 3.29 ->
+# 3.15. True: walk wherever it applies (the GPU tests run it so).
+SLAB_WALK = False
 WGMMA_ALIGN_FLOATS = 256  # the planes start 1024-byte aligned (the swizzle is by shared-memory address)
 # Left to the planner, the slab engine runs on wgmma on sm_90a where that was measured faster on an
 # H200 (benchmarks/NOTES.md, v43): layers whose output is stored as computed (kb90 3.41 -> 2.46 ms,
@@ -418,7 +434,8 @@ def wgmma_phases(k: int, s: int, dil: int) -> tuple[int, list[int]]:
 
 
 def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3, s3, p3, d3, c_kept: bool,
-                  products: int, target: Target, slab_h: int = 0, prefetch: int = 0, exact: bool = False) -> SlabTiling | None:
+                  products: int, target: Target, slab_h: int = 0, prefetch: int = 0, exact: bool = False,
+                  box_slabs: int = 0) -> SlabTiling | None:
     """The slab engine's tiling on wgmma, or None if nothing fits in shared memory.
 
     A slab is one output depth and SH output rows of the box. Its input is staged as CIP / 8
@@ -448,7 +465,8 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
 
     `exact`: each k-step's products are summed apart (`Settings.exact_sums`), two k-steps' sums in
     registers beside the total: NB / 2 registers more a set, so 32 positions a wgmma are tried too
-    (two blocks per SM at 112 estimated registers); no prefetch."""
+    (two blocks per SM at 112 estimated registers); no prefetch. `box_slabs`: the slabs a box
+    holds (a tuner's candidate), 0: WGMMA_BOX_SLABS or WGMMA_TALL_BOX_SLABS."""
     if wgmma_why_not(cin_g, k3, role, products, target, exact):
         return None
     in_box = {a: role[a] in ("F", "R1") for a in AXES}
@@ -479,11 +497,16 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
                     for kd in range(k3[0]) for kh in range(k3[1]) for kw in range(1 if packed else k3[2])]
         off_max = max(tap_rows)  # the last tap's row offset
         xs_rows = sum(group_rows)
-        # A block walks up to 4 slabs a box, staging its weights once (and, prefetching, hiding all
-        # but the first slab's staging); a box that a reduction keeps in shared memory stays one slab.
+        # A block walks up to WGMMA_BOX_SLABS slabs a box, staging its weights once (and, prefetching,
+        # hiding all but the first slab's staging); a box that a reduction keeps in shared memory stays one slab.
         for tall in (True, False):
-            bh = sh * min(4, _ceil_div(t1[2], sh)) if tall and in_box["h"] else sh
-            bd = min(4, t1[1]) if tall and not has_tail and in_box["d"] and bh >= t1[2] else 1
+            walked = box_slabs or WGMMA_BOX_SLABS
+            tall_h = sh * min(WGMMA_TALL_BOX_SLABS, _ceil_div(t1[2], sh))
+            if not box_slabs and tall and in_box["h"] and tall_h < t1[2] \
+                    and (t1[1] if in_box["d"] else 1) * _ceil_div(t1[2], tall_h) * _ceil_div(t1[3], bw) >= WGMMA_TALL_BOX_MIN_BOXES:
+                walked = WGMMA_TALL_BOX_SLABS  # (boxes enough a sample: taller ones, fewer weight stagings)
+            bh = sh * min(walked, _ceil_div(t1[2], sh)) if tall and in_box["h"] else sh
+            bd = min(walked, t1[1]) if tall and not has_tail and in_box["d"] and bh >= t1[2] else 1
             box = [box_c, bd, min(bh, t1[2]), bw]
             nf = math.prod(b for a, b in zip(AXES, box) if role[a] == "F")
             nr = math.prod(b for a, b in zip(AXES, box) if role[a] == "R1")
@@ -599,6 +622,11 @@ class SlabConfig:
     # the box fold (specgen.boxfold) where it applies and pays (1), never (2: the avg-pool fold's one
     # kernel), 0: the planner's (`boxfold.ENABLED`); so the tuner times a layer both ways
     box_fold: int = 0
+    # wgmma: blocks that walk the batch's boxes (1), a block per box (2), 0: the planner's (`SLAB_WALK`)
+    walk: int = 0
+    # wgmma: the slabs a box holds (1..WGMMA_MAX_BOX_SLABS), 0: the planner's (`WGMMA_BOX_SLABS`,
+    # `WGMMA_TALL_BOX_SLABS`)
+    box_slabs: int = 0
 
     def __post_init__(self):
         if self.wgmma not in (0, 1):
@@ -613,11 +641,16 @@ class SlabConfig:
             raise ValueError(f"prefetch (1 on, 2 off, 0 the planner's) is a wgmma slab's, got {self.prefetch}")
         if self.box_fold not in (0, 1, 2):
             raise ValueError(f"box_fold (1 on, 2 off, 0 the planner's) must be 0, 1 or 2, got {self.box_fold}")
+        if self.walk not in (0, 1, 2) or (self.walk and not self.wgmma):
+            raise ValueError(f"walk (1 on, 2 off, 0 the planner's) is a wgmma slab's, got {self.walk}")
+        if not 0 <= self.box_slabs <= WGMMA_MAX_BOX_SLABS or (self.box_slabs and not self.wgmma):
+            raise ValueError(f"box_slabs (1..{WGMMA_MAX_BOX_SLABS}) is a wgmma slab's, got {self.box_slabs}")
 
     def label(self) -> str:
         unfolded = {0: "", 1: " box fold", 2: " no box fold"}[self.box_fold]
         if self.wgmma:
-            return "slab wgmma" + (f" {self.slab_h} rows" if self.slab_h else "") + {0: "", 1: " prefetch", 2: " no prefetch"}[self.prefetch] + unfolded
+            return "slab wgmma" + (f" {self.slab_h} rows" if self.slab_h else "") + {0: "", 1: " prefetch", 2: " no prefetch"}[self.prefetch] \
+                + (f" {self.box_slabs} slabs a box" if self.box_slabs else "") + {0: "", 1: " walking", 2: " not walking"}[self.walk] + unfolded
         return "slab mma.sync" + (f" w{16 * self.wm}x{8 * self.wn}" if self.wm else "") + unfolded
 
 
@@ -983,9 +1016,9 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
     mma = None
     products = 1 if slab_in_tf32(spec) else 3  # (the slab engine's, on either instruction)
 
-    def wgmma_tiling(slab_h: int = 0, prefetch: int = 0) -> SlabTiling | None:
+    def wgmma_tiling(slab_h: int = 0, prefetch: int = 0, box_slabs: int = 0) -> SlabTiling | None:
         return _wgmma_tiling(tile, t1, srole, bool(reductions), cout, cin // groups, in3, k3, s3, p3, d3, role["c"] == "F",
-                             products, target, slab_h, prefetch, exact_sums)
+                             products, target, slab_h, prefetch, exact_sums, box_slabs)
 
     if asks_wgmma:  # (want_mma is then true)
         if mma_why_not:
@@ -993,7 +1026,7 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         why = wgmma_why_not(cin // groups, k3, srole, products, target, exact_sums)
         if why:
             raise PlanError([f"tile.wgmma: the slab engine cannot run this layer on wgmma: {'; '.join(why)}"])
-        mma = wgmma_tiling(slab.slab_h, slab.prefetch) if slab is not None else wgmma_tiling()
+        mma = wgmma_tiling(slab.slab_h, slab.prefetch, slab.box_slabs) if slab is not None else wgmma_tiling()
         if mma is None and slab is not None and slab.prefetch == 1 and wgmma_tiling(slab.slab_h) is not None:
             raise PlanError(["tile.wgmma: no slab of this layer can prefetch the next one (a box of one slab, exact sums, or no "
                              f"registers left for the next slab's rows beside its accumulators: at most {WGMMA_MAX_REGS} estimated)"])
@@ -1348,6 +1381,13 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         elif settings.min_blocks:
             min_blocks = settings.min_blocks
         cluster, cluster_at_launch = 1, False
+    asked_walk = settings.slab.walk if settings.slab is not None else 0
+    if (asked_walk == 1 or (SLAB_WALK and asked_walk == 0)) and engine == "slab" and mma is not None and mma.wgmma \
+            and not mma.prefetch and not reductions and cluster == 1 and not cluster_at_launch and not split_channels \
+            and tiles["c"] == 1 and weights_in_smem:
+        # (every box the same channels: the weights staged once a block; not beside a prefetch, whose
+        # registers are at their limit already: the stem's spilled 560 bytes walking)
+        mma = replace(mma, walk=True)
     return KernelPlan(
         version=__version__,
         name=spec.name,
@@ -1716,6 +1756,9 @@ def _describe(plan: dict) -> str:
     if plan["cluster_at_launch"]:
         blocks = f"{plan['f_tiles']} to {plan['blocks_per_sample']} blocks per sample"
         cluster = f"a cluster of 1 to {plan['cluster']} blocks per kept tile, sized at launch"
+    elif plan["mma"] is not None and plan["mma"].walk:
+        blocks = f"{plan['blocks_per_sample']} boxes per sample, walked by as many blocks as the SMs hold (weights staged once a block)"
+        cluster = "no cluster"
     else:
         blocks = f"{plan['blocks_per_sample']} blocks per sample"
         cluster = f"cluster of {plan['cluster']} block(s) per kept tile"

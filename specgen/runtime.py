@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 
 GRID_Y_MAX = 65535  # samples per launch: blockIdx.y indexes the sample
 GRID_X_MAX = (1 << 31) - 1
+INT32_MAX = (1 << 31) - 1
+# The most blocks a walking kernel's launch starts (None: as many as the device holds at once); the
+# GPU tests lower it so that each block walks several boxes at a small batch.
+WALK_BLOCKS_MAX: int | None = None
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _DEFAULT_SMEM_LIMIT = 48 * 1024
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
@@ -113,6 +117,17 @@ class LoadedKernel:
     _cluster_for: dict[int, int] = field(default_factory=dict)  # clusters in a launch -> cluster size
     # Other kernels of the same module, by name (e.g. the TMA engine's layout passes).
     extra: dict[str, ctypes.c_void_p] = field(default_factory=dict)
+    # A kernel whose blocks walk the batch's boxes (`SlabTiling.walk`): the blocks the device holds
+    # at once (blocks per SM x SMs), the most a launch starts; 0: a block per box.
+    walk_blocks: int = 0
+
+    def grid(self, blocks_per_sample: int, batch: int) -> tuple[int, int]:
+        """The (x, y) grid of a plain launch over `batch` samples."""
+        if not self.walk_blocks:
+            return blocks_per_sample, batch
+        if blocks_per_sample * batch > INT32_MAX:
+            raise ValueError(f"batch {batch}: {blocks_per_sample * batch} boxes, more than a walking kernel counts (2^31 - 1)")
+        return min(blocks_per_sample * batch, self.walk_blocks, WALK_BLOCKS_MAX or self.walk_blocks), 1
 
     def cluster_size(self, clusters: int) -> int:
         """The cluster size that finishes `clusters` clusters (kept tiles x samples) soonest:
@@ -182,11 +197,13 @@ def load(
     cluster_at_launch: tuple[int, int] | None = None,
     extra_functions: tuple[str, ...] = (),
     big_smem: tuple[str, ...] = (),
+    walk_blocks: int = 0,
 ) -> LoadedKernel:
     """The kernel of `cubin` in device `device_index`'s primary context (the one torch uses).
     `cluster_at_launch`: (largest cluster, boxes per kept tile) when the cluster is sized at launch.
     `extra_functions`: other kernels of the module to look up (in `LoadedKernel.extra`); those in
-    `big_smem` take the main kernel's dynamic shared memory (a split kernel), the others none."""
+    `big_smem` take the main kernel's dynamic shared memory (a split kernel), the others none.
+    `walk_blocks`: for a kernel whose blocks walk the batch's boxes, the most blocks a launch starts."""
     memo = _loaded.get((key, device_index))
     if memo is not None:
         return memo
@@ -233,7 +250,8 @@ def load(
         finally:
             if previous.value:
                 lib.cuCtxSetCurrent(previous)
-        memo = LoadedKernel(function, ctx, threads, smem_bytes, device_index, cluster_at_launch, extra=extra)
+        memo = LoadedKernel(function, ctx, threads, smem_bytes, device_index, cluster_at_launch, extra=extra,
+                            walk_blocks=walk_blocks)
         _loaded[(key, device_index)] = memo
         return memo
 
@@ -342,6 +360,12 @@ def launch(
     """
     lib = _libcuda
     values, batch_arg, argv = _prepare(kernel, len(pointers))
+    if kernel.walk_blocks:  # one launch whose blocks walk the whole batch
+        values[: len(pointers)] = pointers
+        batch_arg.value = batch
+        _launch_kernel(lib, kernel.function, *kernel.grid(blocks_per_sample, batch), kernel.threads, kernel.smem_bytes,
+                       stream, argv)
+        return
     if batch <= GRID_Y_MAX and kernel.cluster_at_launch is None:  # one plain launch: no offsets to apply
         values[: len(pointers)] = pointers
         batch_arg.value = batch
@@ -396,6 +420,8 @@ class Prepared:
 def prepare(kernel: LoadedKernel, blocks_per_sample: int, pointers: list[int], batch: int) -> Prepared | None:
     """`launch`'s single launch as a `Prepared` one; None where `launch` would take several (a
     batch over GRID_Y_MAX) or size a cluster."""
+    if kernel.walk_blocks:
+        return Prepared(kernel, *kernel.grid(blocks_per_sample, batch), pointers, batch)
     if batch > GRID_Y_MAX or kernel.cluster_at_launch is not None:
         return None
     return Prepared(kernel, blocks_per_sample, batch, pointers, batch)

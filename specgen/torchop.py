@@ -370,8 +370,10 @@ def load_kernel(sp: pipeline.Specialized, device_index: int):
     split = splitk.kernel_names(name) if engine is not None and engine.split_k > 1 else ()
     extra = tmarun.extra_functions(plan) if plan["engine"] == "tma" else (*split, f"{name}_from_cl")
     # (the split kernel takes the main kernel's dynamic shared memory)
+    mma = plan["mma"] if plan["engine"] == "slab" else None
+    walk_blocks = plan["min_blocks"] * tmarun.sm_count(device_index) if mma is not None and mma.walk else 0
     return runtime.load(sp.key, cubin_bytes(sp), name, plan["threads"], plan["smem_bytes"], device_index, cluster,
-                        extra, split[:1])
+                        extra, split[:1], walk_blocks)
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)

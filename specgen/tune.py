@@ -219,6 +219,9 @@ def candidates(spec: LayerSpec) -> list:
 # and with the next slab's rows prefetched into registers or not (the planner's slab).
 SLAB_WARP_TILES = ((2, 4), (4, 2), (3, 2), (2, 2), (1, 4), (4, 1))
 SLAB_WGMMA_ROWS = (0, 4, 8)
+# wgmma boxes of 4 and 8 slabs, and blocks walking the batch's boxes or not (NOTES v47: on kb90 8
+# slabs won at batch 128; walking lost on kb90 in fp32 and won a little on it as a tf32 layer)
+SLAB_WGMMA_BOX_SLABS = (4, 8)
 # The wgmma slab among the slab engine's candidates on Hopper (its GPU tests, tests/test_slab_wgmma.py,
 # passed on an H200: benchmarks/NOTES.md, v43).
 SLAB_WGMMA_CANDIDATES = True
@@ -231,6 +234,7 @@ def slab_candidates(spec: LayerSpec, plan: dict) -> list:
     seen = {_slab_shape(slab_part(plan)["mma"], _box_folded(plan))}
     out = []
     wgmma = [SlabConfig(1, slab_h=h) for h in SLAB_WGMMA_ROWS] + [SlabConfig(1, prefetch=p) for p in (1, 2)] \
+        + [SlabConfig(1, box_slabs=n) for n in SLAB_WGMMA_BOX_SLABS] + [SlabConfig(1, walk=w) for w in (1, 2)] \
         if SLAB_WGMMA_CANDIDATES and igemm.has_wgmma(_tuning_target()) else []
     # (SlabConfig(0): mma.sync with the planner's warp tile, where the heuristic runs wgmma)
     cfgs = [SlabConfig(0)] + [SlabConfig(0, wm, wn) for wm, wn in SLAB_WARP_TILES] + wgmma
@@ -258,7 +262,7 @@ def slab_candidates(spec: LayerSpec, plan: dict) -> list:
 
 
 def _slab_shape(mma, folded: bool = False) -> tuple:
-    return (mma.wgmma, mma.wm, mma.wn, tuple(mma.slab), mma.nb, mma.prefetch, folded)
+    return (mma.wgmma, mma.wm, mma.wn, tuple(mma.slab), tuple(mma.box), mma.nb, mma.prefetch, mma.walk, folded)
 
 
 def _box_folded(plan: dict) -> bool:
@@ -282,8 +286,9 @@ class Candidate:
             if (part := slab_part(plan)) is not None:
                 mma = part["mma"]
                 fold = ", box fold" if _box_folded(plan) else ""
+                box = f", {mma.slabs[0] * mma.slabs[1]} slabs a box" + (", walking" if mma.walk else "") if mma.wgmma else ""
                 return "heuristic (" + label(SlabConfig(1, slab_h=mma.slab[1], prefetch=1 if mma.prefetch else 2) if mma.wgmma
-                                             else SlabConfig(0, mma.wm, mma.wn)) + fold + ")"
+                                             else SlabConfig(0, mma.wm, mma.wn)) + box + fold + ")"
             return "heuristic (" + label(plan[plan["engine"]].config) + ")"
         return label(self.config)
 

@@ -231,3 +231,20 @@ def test_eager_autograd_records_the_ops_backward(monkeypatch):
     with torch.no_grad():
         frozen = [t.detach() for t in tensors]
     assert torchop.eager_autograd(op, None, (x.detach(), *frozen)).grad_fn is None
+
+
+@pytest.mark.parametrize("batch,grid_x", [(1, 6), (5, 30), (200, 264), (runtime.GRID_Y_MAX + 3, 264)])
+def test_a_walking_kernel_is_one_launch_of_at_most_the_blocks_the_device_holds(monkeypatch, batch, grid_x):
+    """A kernel whose blocks walk the batch's boxes (`SlabTiling.walk`) is one launch of
+    min(boxes, blocks the device holds) blocks along x, the whole batch passed, no pointer offsets."""
+    driver = FakeDriver(3)
+    monkeypatch.setattr(runtime, "_libcuda", driver)
+    kernel = runtime.LoadedKernel(ctypes.c_void_p(7), ctypes.c_void_p(99), 128, 0, 0, walk_blocks=264)
+    runtime.launch(kernel, 6, [4096, 8192, 16384], (64, 0, 32), batch, 5)
+    assert driver.launches == [{"grid": (grid_x, 1, 1), "block": 128, "stream": 5, "pointers": [4096, 8192, 16384], "batch": batch}]
+    prepared = runtime.prepare(kernel, 6, [4096, 8192, 16384], batch)
+    assert prepared is not None and tuple(prepared.config.grid) == (grid_x, 1, 1) and prepared._batch.value == batch
+    monkeypatch.setattr(runtime, "WALK_BLOCKS_MAX", 4)
+    assert kernel.grid(6, batch) == (4, 1)
+    with pytest.raises(ValueError, match="more than a walking kernel counts"):
+        kernel.grid(1 << 20, 1 << 12)

@@ -52,9 +52,14 @@ def test_every_loop_has_a_constant_trip_count(spec):
         # bounds are literals or named constexprs (UPPER_CASE, a GEMM's G::member, a stride phase's
         # Ph::MEMBER), never runtime values but the batch (which only a training-mode batch norm's
         # finalize kernel walks: its statistics span it, and a TMA block's walk over the batch's
-        # tiles: tile_total, from the batch)
+        # tiles: tile_total, from the batch; and a wgmma slab block's walk over the batch's boxes,
+        # from blockIdx.x, `SlabTiling.walk`)
         if var == "tile":
             assert bound == "tile_total" and "const int tile_total = (m_total + BM - 1) / BM * N_TILES;" in text
+            continue
+        if var == "item":
+            assert start == "blockIdx.x" and bound == "batch * TILES_PER_SAMPLE"
+            assert "const int TILES_PER_SAMPLE = TILES_D * TILES_H * TILES_W;" in text and "item += gridDim.x" in text
             continue
         assert re.fullmatch(r"(?:[A-Z0-9_ ()*/+\-]|batch|G::[a-z_]+|Ph::[A-Z_]+)+", bound), f"loop over {var} has a runtime bound: {bound}"
         assert re.fullmatch(r"(?:[A-Z0-9_ ()*/+\-]|Ph::[A-Z_]+)+", start), f"loop over {var} has a runtime start: {start}"

@@ -588,3 +588,91 @@ def test_wgmma_slab_with_and_without_prefetch(name, prefetch, fp32_reference):
     tune.measure(spec, [cand], batch=3, reps=1)
     assert cand.ok, (name, prefetch, cand.rel_l2)
 
+
+
+def test_wgmma_slab_blocks_walk_the_batchs_boxes(monkeypatch):
+    """`SlabTiling.walk`: a wgmma slab layer whose boxes all hold the same channels and keep no
+    reduction has its blocks walk the batch's boxes (the weights staged once a block); a reduction,
+    a prefetch, mma.sync, boxes of several channel ranges and `plan.SLAB_WALK = False` keep a
+    block per box. The rendering walks items from blockIdx.x by gridDim.x."""
+    from specgen import plan as plan_module
+    from specgen.plan import Settings, SlabConfig
+
+    kb90 = {k: v for k, v in by_name("kb90_small").items() if k != "tile"}
+    assert not plan_module.SLAB_WALK and not slab_plan(kb90)["mma"].walk  # (off by default: NOTES v47)
+    monkeypatch.setattr(plan_module, "SLAB_WALK", True)
+    body = slab_plan(kb90)
+    assert body["mma"].wgmma and body["mma"].walk and not body["reductions"]
+    source = render_plan(body)
+    assert "for (int item = blockIdx.x; item < batch * TILES_PER_SAMPLE; item += gridDim.x)" in source
+    assert "const int n = blockIdx.y;" not in source  # (the sample comes from the item)
+    assert not slab_plan({**kb90, "tile": {"wgmma": False}})["mma"].walk  # mma.sync
+    prefetching = build_plan(validate(kb90), settings=Settings(slab=SlabConfig(1, prefetch=1)))
+    assert prefetching["mma"].prefetch and not prefetching["mma"].walk
+    summed = {"name": "summed", "input": {"channels": 72, "size": [95, 95]}, "conv": {"out_channels": 64, "kernel": 1},
+              "epilogue": ["sigmoid", {"sum": {"dims": [1, 2, 3]}}]}
+    assert slab_plan(summed)["mma"].wgmma and not slab_plan(summed)["mma"].walk  # a reduction
+    wide = build_plan(validate({**layer("wide", 16, [6, 20], 320, 3), "tile": {"engine": "slab", "wgmma": True}}))
+    assert wide["tiles"]["c"] > 1 and not wide["mma"].walk  # boxes of two channel ranges: weights per box
+    monkeypatch.setattr(plan_module, "SLAB_WALK", False)
+    off = slab_plan(kb90)
+    assert off["mma"].wgmma and not off["mma"].walk and "const int n = blockIdx.y;" in render_plan(off)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["kb90_small", "depth_stride", "dilated_two_planes", "stem_224", "exact_kb90"])
+def test_walking_blocks_cover_every_box(name, monkeypatch, fp32_reference):
+    """Walking switched on (`plan.SLAB_WALK`), each block walks several boxes (the launch capped at
+    5 blocks, `runtime.WALK_BLOCKS_MAX`), at batch 3, against float64 (poisoned output, fresh inputs)."""
+    from specgen import plan as plan_module, runtime
+    from specgen.module import FusedLayer
+
+    from gpu_helpers import compare
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma runs on sm_90a (H100 / H200) only")
+    monkeypatch.setattr(plan_module, "SLAB_WALK", True)
+    data = {k: v for k, v in by_name(name).items() if k != "tile"}
+    assert slab_plan(data)["mma"].walk
+    monkeypatch.setattr(runtime, "WALK_BLOCKS_MAX", 5)
+    compare(FusedLayer(validate(data)).cuda(), 3, seed=5)
+
+
+def test_wgmma_boxes_grow_where_a_sample_keeps_blocks_enough():
+    """A wgmma slab block walks WGMMA_TALL_BOX_SLABS slabs where a sample still has at least
+    WGMMA_TALL_BOX_MIN_BOXES boxes of that height (kb90: 56 boxes of 16 rows), else WGMMA_BOX_SLABS
+    (the 3-channel stem: 4 boxes of 32 rows would leave a small batch's SMs idle)."""
+    import specgen
+    from specgen import plan as plan_module
+
+    kb90 = build_plan(specgen.load_specs("examples/kb90.yaml")[0])
+    assert kb90["mma"].wgmma and kb90["mma"].slabs == (1, plan_module.WGMMA_TALL_BOX_SLABS)
+    assert kb90["blocks_per_sample"] >= plan_module.WGMMA_TALL_BOX_MIN_BOXES
+    stem = {**layer("stem", 3, [224, 224], 64, 7, precision="tf32", stride=2, padding=3)}
+    body = slab_plan({k: v for k, v in stem.items() if k != "tile"})
+    assert body["mma"].wgmma and body["mma"].slabs[1] == plan_module.WGMMA_BOX_SLABS
+
+
+def test_the_tuners_walk_and_box_candidates():
+    """`SlabConfig.walk` and `SlabConfig.box_slabs` (tuner candidates on wgmma): walking asked for
+    walks where it applies whatever `plan.SLAB_WALK` says, and not asked for never; a box's slabs as
+    asked; both refused on mma.sync and out of range; a stored record without them still loads."""
+    import specgen
+    from specgen import tune
+    from specgen.plan import Settings, SlabConfig
+
+    kb90 = specgen.load_specs("examples/kb90.yaml")[0]
+    walking = build_plan(kb90, settings=Settings(slab=SlabConfig(1, walk=1)))
+    assert walking["mma"].walk and not build_plan(kb90)["mma"].walk
+    assert not build_plan(kb90, settings=Settings(slab=SlabConfig(1, walk=2)))["mma"].walk
+    four = build_plan(kb90, settings=Settings(slab=SlabConfig(1, box_slabs=4)))["mma"]
+    assert four.slabs == (1, 4) and build_plan(kb90)["mma"].slabs == (1, 8)
+    labels = [tune.label(c) for c in tune.candidates(kb90)]
+    assert "slab wgmma 4 slabs a box" in labels and "slab wgmma walking" in labels
+    for bad in ({"wgmma": 0, "walk": 1}, {"wgmma": 1, "walk": 3}, {"wgmma": 0, "box_slabs": 4}, {"wgmma": 1, "box_slabs": 99}):
+        with pytest.raises(ValueError):
+            SlabConfig(**bad)
+    record = tune.config_record(SlabConfig(1, walk=1, box_slabs=8))
+    assert tune.config_from(record) == SlabConfig(1, walk=1, box_slabs=8)
+    old = {k: v for k, v in record.items() if k not in ("walk", "box_slabs")}  # (written before v47)
+    assert tune.config_from(old) == SlabConfig(1)
