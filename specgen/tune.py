@@ -147,9 +147,26 @@ def heuristic(spec: LayerSpec) -> dict:
 
 def tunable(spec: LayerSpec) -> bool:
     """Whether the heuristic plan runs a tensor-core engine with tile candidates (tma, igemm, or the
-    slab engine on tensor cores, also as the body of a sequence: the stem's conv before its pool)."""
+    slab engine on tensor cores, also as the body of a sequence: the stem's conv before its pool),
+    or runs on FFMA a layer the slab engine can run too (`slab_instead`)."""
     plan = heuristic(spec)
-    return plan["engine"] in ("igemm", "tma") or slab_part(plan) is not None
+    return plan["engine"] in ("igemm", "tma") or slab_part(plan) is not None or slab_instead(spec, plan) is not None
+
+
+def slab_instead(spec: LayerSpec, plan: dict) -> dict | None:
+    """For a layer the planner puts on FFMA register tiles (alone or as a sequence's body) because
+    its GEMM looked too small for tensor cores (`plan.MMA_MIN_K`, `plan.MMA_MIN_CHANNELS`: KernelBench
+    24's 24 output channels, say), the slab engine's plan of it, whose candidates the tuner then
+    times against the FFMA kernel; None where the layer is on another engine or the slab engine
+    cannot run it (groups, a pool before the output, a transposed conv)."""
+    body = next(p["plan"] for p in plan["parts"] if p["role"] == "body") if plan["engine"] == "sequence" else plan
+    if body.get("engine") != "ffma":
+        return None
+    try:
+        slab = plan_with(spec, SlabConfig(0))
+    except (PlanError, ValueError):
+        return None
+    return slab if slab_part(slab) is not None else None
 
 
 def slab_part(plan: dict) -> dict | None:
@@ -173,6 +190,8 @@ def candidates(spec: LayerSpec) -> list:
     engine = plan["engine"]
     if slab_part(plan) is not None:
         return slab_candidates(spec, plan)
+    if (slab := slab_instead(spec, plan)) is not None:  # an FFMA layer: the slab engine's tiles against it
+        return ([SlabConfig(0)] + slab_candidates(spec, slab))[:MAX_CANDIDATES]
     if engine not in ("igemm", "tma"):
         return []
     own = plan[engine].config
@@ -289,6 +308,8 @@ class Candidate:
                 box = f", {mma.slabs[0] * mma.slabs[1]} slabs a box" + (", walking" if mma.walk else "") if mma.wgmma else ""
                 return "heuristic (" + label(SlabConfig(1, slab_h=mma.slab[1], prefetch=1 if mma.prefetch else 2) if mma.wgmma
                                              else SlabConfig(0, mma.wm, mma.wn)) + box + fold + ")"
+            if plan["engine"] not in ("igemm", "tma"):  # (FFMA register tiles: `slab_instead`)
+                return "heuristic (fp32 FFMA)"
             return "heuristic (" + label(plan[plan["engine"]].config) + ")"
         return label(self.config)
 

@@ -455,3 +455,32 @@ def test_tune_picks_a_candidate_that_matches_float64_and_is_reused(cache_dir, tm
     finally:
         tune.tune = real
     assert calls == []
+
+
+def test_an_ffma_layer_is_tuned_against_the_slab_engine():
+    """A layer the planner puts on FFMA register tiles because its GEMM looked small (24 output
+    channels, KernelBench 24's conv -> min over depth -> softmax) is tunable: the slab engine's
+    planner tile first, then its other tiles, each planning the body on the slab engine, against
+    the FFMA kernel (the heuristic, named so); a stored choice builds the slab engine. A grouped
+    conv, which the slab engine cannot run, stays untunable."""
+    from types import SimpleNamespace
+
+    from specgen.plan import SlabConfig
+
+    data = {"name": "few_out", "input": {"channels": 3, "size": [12, 16, 16]}, "conv": {"out_channels": 24, "kernel": 3},
+            "epilogue": [{"amin": {"dims": [2]}}, {"softmax": {"dim": [1]}}], "precision": "tf32"}
+    spec = validate(data)
+    plan = tune.heuristic(spec)
+    body = next(p["plan"] for p in plan["parts"] if p["role"] == "body")
+    assert body["engine"] == "ffma" and tune.slab_part(plan) is None
+    assert tune.tunable(spec)
+    cands = tune.candidates(spec)
+    assert cands[0] == SlabConfig(0) and len(cands) >= 3 and any(c.wgmma for c in cands)
+    for cfg in cands:
+        assert tune.slab_part(tune.plan_with(spec, cfg)) is not None, tune.label(cfg)
+    built, _source, _req = pipeline.request(spec, "sm_90", igemm_config=cands[0])
+    assert tune.slab_part(built) is not None
+    assert tune.Candidate(None, item=SimpleNamespace(plan=plan)).name == "heuristic (fp32 FFMA)"
+    grouped = validate({**data, "input": {"channels": 24, "size": [12, 16, 16]},
+                        "conv": {"out_channels": 24, "kernel": 3, "groups": 24}})
+    assert not tune.tunable(grouped) and tune.candidates(grouped) == []
