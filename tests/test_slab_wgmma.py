@@ -678,3 +678,27 @@ def test_the_tuners_walk_and_box_candidates():
     assert tune.config_from(record) == SlabConfig(1, walk=1, box_slabs=8)
     old = {k: v for k, v in record.items() if k not in ("walk", "box_slabs")}  # (written before v47)
     assert tune.config_from(old) == SlabConfig(1)
+
+
+@pytest.mark.nvcc
+def test_walking_kernels_build_for_sm_90a_without_spills(tmp_path, monkeypatch):
+    """The walking rendering (`plan.SLAB_WALK` on) of the GPU test's layers and of kb90 at its size
+    builds for sm_90a with no spill and no serialized wgmma, as does its run-time-dimensions rendering."""
+    import specgen
+    from specgen import compile as compile_mod, pipeline
+    from specgen import plan as plan_module
+
+    monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(plan_module, "SLAB_WALK", True)
+    picked = [{**{k: v for k, v in by_name(n).items() if k != "tile"}, "name": f"walking_{n}"}
+              for n in ("kb90_small", "depth_stride", "stem_224", "exact_kb90")]
+    specs = [validate(d) for d in picked] + [specgen.load_specs("examples/kb90.yaml")[0].model_copy(update={"name": "walking_kb90"})]
+    built = pipeline.specialize_many(specs, "sm_90", tuned=False)
+    assert len(built) == len(specs)
+    for item in built:
+        body = slab_plan(item.spec.model_dump(exclude_none=True)) if item.plan["engine"] == "sequence" else item.plan
+        assert body["mma"].walk and "item += gridDim.x" in item.source, item.spec.name
+        assert item.build.spill_bytes == 0 and "serialized" not in item.build.log, (item.spec.name, item.build.log)
+    kb90 = built[-1]
+    ptx = compile_mod.compile_ptx(render_plan(kb90.plan, runtime_dims=True), "sm_90a")
+    assert "specgen_walking_kb90" in ptx
