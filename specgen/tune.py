@@ -150,7 +150,22 @@ def tunable(spec: LayerSpec) -> bool:
     slab engine on tensor cores, also as the body of a sequence: the stem's conv before its pool),
     or runs on FFMA a layer the slab engine can run too (`slab_instead`)."""
     plan = heuristic(spec)
-    return plan["engine"] in ("igemm", "tma") or slab_part(plan) is not None or slab_instead(spec, plan) is not None
+    if plan["engine"] == "sequence" and gemm_engine(plan) is not None:
+        return len(candidates(spec)) > 1  # (a fold's body: a tile config makes the layer one kernel, which may not run)
+    return gemm_engine(plan) is not None or slab_part(plan) is not None or slab_instead(spec, plan) is not None
+
+
+def gemm_engine(plan: dict) -> str | None:
+    """The GEMM engine ("igemm", "tma") that runs the plan, or a sequence's body (the conv before a
+    norm's statistics: its tile config is the body's, `tail.plan_sequence`); None for the others."""
+    if plan["engine"] == "sequence":
+        plan = next(p["plan"] for p in plan["parts"] if p["role"] == "body")
+    return plan["engine"] if plan.get("engine") in ("igemm", "tma") else None
+
+
+def _gemm_body(plan: dict) -> dict:
+    """The plan, or a sequence's body: the part a GEMM engine's tile config sets."""
+    return next(p["plan"] for p in plan["parts"] if p["role"] == "body") if plan["engine"] == "sequence" else plan
 
 
 def slab_instead(spec: LayerSpec, plan: dict) -> dict | None:
@@ -187,16 +202,17 @@ def candidates(spec: LayerSpec) -> list:
     where both can run the layer. (Whether they compile without spills is decided by
     `build_candidates`.)"""
     plan = heuristic(spec)
-    engine = plan["engine"]
+    engine = gemm_engine(plan)
     if slab_part(plan) is not None:
         return slab_candidates(spec, plan)
     if (slab := slab_instead(spec, plan)) is not None:  # an FFMA layer: the slab engine's tiles against it
         return ([SlabConfig(0)] + slab_candidates(spec, slab))[:MAX_CANDIDATES]
-    if engine not in ("igemm", "tma"):
+    if engine is None:
         return []
-    own = plan[engine].config
+    body = _gemm_body(plan)  # (the plan itself, or a sequence's body: the candidates are its tiles)
+    own = body[engine].config
     out = [own]
-    if engine == "igemm" and plan["igemm"].w_pairs:  # a strided transposed conv: also one phase per block
+    if engine == "igemm" and body["igemm"].w_pairs:  # a strided transposed conv: also one phase per block
         out.append(replace(own, phases_per_block=1))
     target = _tuning_target()
     if engine == "tma" and spec.conv.transposed:
@@ -204,7 +220,7 @@ def candidates(spec: LayerSpec) -> list:
         ig = igemm.planner_config(spec, math.prod(spec.conv_geometry()["kernel"]), target)
         for cfg in (ig, replace(ig, phases_per_block=1)):
             try:
-                if cfg not in out and plan_with(spec, cfg)["engine"] == "igemm":
+                if cfg not in out and gemm_engine(plan_with(spec, cfg)) == "igemm":
                     out.append(cfg)
             except (PlanError, ValueError):
                 continue
@@ -213,7 +229,7 @@ def candidates(spec: LayerSpec) -> list:
             if cfg in out:
                 continue
             try:
-                if plan_with(spec, cfg)["engine"] == "tma":
+                if gemm_engine(plan_with(spec, cfg)) == "tma":
                     out.append(cfg)
             except (PlanError, ValueError):
                 continue
@@ -225,10 +241,12 @@ def candidates(spec: LayerSpec) -> list:
         if cfg in out:
             continue
         try:
-            if plan_with(spec, cfg)["engine"] == "igemm":
+            if gemm_engine(plan_with(spec, cfg)) == "igemm":
                 out.append(cfg)
         except (PlanError, ValueError):
             continue
+    if plan["engine"] == "sequence" and len(out) == 1:
+        return []  # (the body's own tile alone: nothing to time it against)
     return out[:MAX_CANDIDATES]
 
 
@@ -308,9 +326,10 @@ class Candidate:
                 box = f", {mma.slabs[0] * mma.slabs[1]} slabs a box" + (", walking" if mma.walk else "") if mma.wgmma else ""
                 return "heuristic (" + label(SlabConfig(1, slab_h=mma.slab[1], prefetch=1 if mma.prefetch else 2) if mma.wgmma
                                              else SlabConfig(0, mma.wm, mma.wn)) + box + fold + ")"
-            if plan["engine"] not in ("igemm", "tma"):  # (FFMA register tiles: `slab_instead`)
+            engine = gemm_engine(plan)
+            if engine is None:  # (FFMA register tiles: `slab_instead`)
                 return "heuristic (fp32 FFMA)"
-            return "heuristic (" + label(plan[plan["engine"]].config) + ")"
+            return "heuristic (" + label(_gemm_body(plan)[engine].config) + ")"
         return label(self.config)
 
 

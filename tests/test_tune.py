@@ -484,3 +484,30 @@ def test_an_ffma_layer_is_tuned_against_the_slab_engine():
     grouped = validate({**data, "input": {"channels": 24, "size": [12, 16, 16]},
                         "conv": {"out_channels": 24, "kernel": 3, "groups": 24}})
     assert not tune.tunable(grouped) and tune.candidates(grouped) == []
+
+
+def test_a_sequences_gemm_body_is_tuned():
+    """A layer split before a norm's statistics whose conv (the sequence's body) runs on a GEMM
+    engine is tunable: its candidates are the body's tiles, each planning the sequence with its body
+    on a GEMM engine, the body's own tile first; the heuristic is named by the body's tile. A
+    tap-sum-folded layer whose tile configs would make it one kernel that no GEMM engine runs is
+    not (nothing to time its body's tile against)."""
+    from types import SimpleNamespace
+
+    import specgen
+
+    norms = {s.name: s for s in specgen.load_specs("examples/norms.yaml")}
+    spec = norms["kb17"]
+    plan = tune.heuristic(spec)
+    assert plan["engine"] == "sequence" and tune.gemm_engine(plan) in ("tma", "igemm")
+    assert tune.tunable(spec)
+    cands = tune.candidates(spec)
+    body = next(p["plan"] for p in plan["parts"] if p["role"] == "body")
+    assert len(cands) > 1 and cands[0] == body[tune.gemm_engine(plan)].config
+    for cfg in cands:
+        got = tune.plan_with(spec, cfg)
+        assert got["engine"] == "sequence" and tune.gemm_engine(got) is not None, tune.label(cfg)
+    assert tune.Candidate(None, item=SimpleNamespace(plan=plan)).name == f"heuristic ({tune.label(cands[0])})"
+    folded = next(s for s in specgen.load_specs("examples/folds.yaml") if s.name == "head_3x3_256_512_14_bn_gap")
+    assert tune.gemm_engine(tune.heuristic(folded)) is not None
+    assert not tune.tunable(folded) and tune.candidates(folded) == []
