@@ -376,8 +376,11 @@ WGMMA_ALIGN_FLOATS = 256  # the planes start 1024-byte aligned (the swizzle is b
 # after an unstrided 1x1 conv, where the next slab is prefetched too (the box fold's 1x1 conv over
 # kb65's box means on an H100, v46: 0.50 ms on mma.sync, 0.36 on wgmma, 0.31 prefetching). With
 # exact sums too (a tf32 layer computed as fp32, v47 on an H100: kb90 4.08 -> 3.13 ms, the folded
-# kb65 0.84 -> 0.73), which never prefetch. False: mma.sync wherever not asked.
+# kb65 0.84 -> 0.73), which never prefetch, but for layers of at most WGMMA_EXACT_MIN_CHANNELS output
+# channels (KernelBench 21's 32, half of wgmma's 64-channel M tile padding: 2.54 ms on mma.sync,
+# 2.72 and 2.85 on wgmma in two runs). False: mma.sync wherever not asked.
 SLAB_WGMMA_DEFAULT = True
+WGMMA_EXACT_MIN_CHANNELS = 32
 # the most registers (`wgmma_registers`, an estimate) a wgmma slab thread may have: with the next
 # slab's rows beside its accumulators, or exact sums' two further sets; ptxas's limit is 255, and
 # the estimate was off by -35 to +20 on the test layers and the seeds; a build that still spills is
@@ -1037,8 +1040,10 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         # measured faster on wgmma, with the next slab prefetched (v46); in TF32 (one product, no
         # split) not timed
         one_tap_reduction = bool(reductions) and math.prod(k3) == 1 and all(st == 1 for st in s3) and products == 3
+        # (exact sums with at most WGMMA_EXACT_MIN_CHANNELS output channels stay on mma.sync: wgmma's
+        # 64-channel M tile would be half padding)
         if SLAB_WGMMA_DEFAULT and slab is None and (tile is None or (tile.wgmma is None and tile.box is None)) \
-                and (not reductions or one_tap_reduction):
+                and (not reductions or one_tap_reduction) and not (exact_sums and cout <= WGMMA_EXACT_MIN_CHANNELS):
             # (the planner's default on sm_90a where measured faster: None where wgmma_why_not refuses the layer)
             mma = (one_tap_reduction and wgmma_tiling(prefetch=1)) or wgmma_tiling()
         if mma is None:
