@@ -503,13 +503,13 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
         # A block walks up to WGMMA_BOX_SLABS slabs a box, staging its weights once (and, prefetching,
         # hiding all but the first slab's staging); a box that a reduction keeps in shared memory stays one slab.
         for tall in (True, False):
-            walked = box_slabs or WGMMA_BOX_SLABS
+            per_box = box_slabs or WGMMA_BOX_SLABS
             tall_h = sh * min(WGMMA_TALL_BOX_SLABS, _ceil_div(t1[2], sh))
             if not box_slabs and tall and in_box["h"] and tall_h < t1[2] \
                     and (t1[1] if in_box["d"] else 1) * _ceil_div(t1[2], tall_h) * _ceil_div(t1[3], bw) >= WGMMA_TALL_BOX_MIN_BOXES:
-                walked = WGMMA_TALL_BOX_SLABS  # (boxes enough a sample: taller ones, fewer weight stagings)
-            bh = sh * min(walked, _ceil_div(t1[2], sh)) if tall and in_box["h"] else sh
-            bd = min(walked, t1[1]) if tall and not has_tail and in_box["d"] and bh >= t1[2] else 1
+                per_box = WGMMA_TALL_BOX_SLABS  # (boxes enough a sample: taller ones, fewer weight stagings)
+            bh = sh * min(per_box, _ceil_div(t1[2], sh)) if tall and in_box["h"] else sh
+            bd = min(per_box, t1[1]) if tall and not has_tail and in_box["d"] and bh >= t1[2] else 1
             box = [box_c, bd, min(bh, t1[2]), bw]
             nf = math.prod(b for a, b in zip(AXES, box) if role[a] == "F")
             nr = math.prod(b for a, b in zip(AXES, box) if role[a] == "R1")
@@ -1387,9 +1387,9 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
             min_blocks = settings.min_blocks
         cluster, cluster_at_launch = 1, False
     asked_walk = settings.slab.walk if settings.slab is not None else 0
+    # (no reduction: no cluster, no channels split between blocks)
     if (asked_walk == 1 or (SLAB_WALK and asked_walk == 0)) and engine == "slab" and mma is not None and mma.wgmma \
-            and not mma.prefetch and not reductions and cluster == 1 and not cluster_at_launch and not split_channels \
-            and tiles["c"] == 1 and weights_in_smem:
+            and not mma.prefetch and not reductions and tiles["c"] == 1 and weights_in_smem:
         # (every box the same channels: the weights staged once a block; not beside a prefetch, whose
         # registers are at their limit already: the stem's spilled 560 bytes walking)
         mma = replace(mma, walk=True)

@@ -21,8 +21,8 @@ import threading
 from dataclasses import dataclass, field
 
 GRID_Y_MAX = 65535  # samples per launch: blockIdx.y indexes the sample
-GRID_X_MAX = (1 << 31) - 1
 INT32_MAX = (1 << 31) - 1
+GRID_X_MAX = INT32_MAX
 # The most blocks a walking kernel's launch starts (None: as many as the device holds at once); the
 # GPU tests lower it so that each block walks several boxes at a small batch.
 WALK_BLOCKS_MAX: int | None = None
@@ -360,16 +360,12 @@ def launch(
     """
     lib = _libcuda
     values, batch_arg, argv = _prepare(kernel, len(pointers))
-    if kernel.walk_blocks:  # one launch whose blocks walk the whole batch
+    if kernel.walk_blocks or (batch <= GRID_Y_MAX and kernel.cluster_at_launch is None):
+        # one plain launch, no offsets to apply (a walking kernel's blocks walk the whole batch)
         values[: len(pointers)] = pointers
         batch_arg.value = batch
         _launch_kernel(lib, kernel.function, *kernel.grid(blocks_per_sample, batch), kernel.threads, kernel.smem_bytes,
                        stream, argv)
-        return
-    if batch <= GRID_Y_MAX and kernel.cluster_at_launch is None:  # one plain launch: no offsets to apply
-        values[: len(pointers)] = pointers
-        batch_arg.value = batch
-        _launch_kernel(lib, kernel.function, blocks_per_sample, batch, kernel.threads, kernel.smem_bytes, stream, argv)
         return
     for first in range(0, batch, GRID_Y_MAX):
         count = min(GRID_Y_MAX, batch - first)
@@ -420,11 +416,9 @@ class Prepared:
 def prepare(kernel: LoadedKernel, blocks_per_sample: int, pointers: list[int], batch: int) -> Prepared | None:
     """`launch`'s single launch as a `Prepared` one; None where `launch` would take several (a
     batch over GRID_Y_MAX) or size a cluster."""
-    if kernel.walk_blocks:
-        return Prepared(kernel, *kernel.grid(blocks_per_sample, batch), pointers, batch)
-    if batch > GRID_Y_MAX or kernel.cluster_at_launch is not None:
+    if not kernel.walk_blocks and (batch > GRID_Y_MAX or kernel.cluster_at_launch is not None):
         return None
-    return Prepared(kernel, blocks_per_sample, batch, pointers, batch)
+    return Prepared(kernel, *kernel.grid(blocks_per_sample, batch), pointers, batch)
 
 
 def prepare_flat(kernel: LoadedKernel, positions: int, block_m: int, n_tiles: int, pointers: list[int],
