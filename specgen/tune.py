@@ -151,21 +151,21 @@ def tunable(spec: LayerSpec) -> bool:
     or runs on FFMA a layer the slab engine can run too (`slab_instead`)."""
     plan = heuristic(spec)
     if plan["engine"] == "sequence" and gemm_engine(plan) is not None:
-        return len(candidates(spec)) > 1  # (a fold's body: a tile config makes the layer one kernel, which may not run)
+        return bool(candidates(spec))  # ([] for a fold's body, whose tile configs make a layer no GEMM engine runs)
     return gemm_engine(plan) is not None or slab_part(plan) is not None or slab_instead(spec, plan) is not None
+
+
+def _body(plan: dict) -> dict:
+    """The plan, or a sequence's body (its conv): the part a tile config sets (`tail.plan_sequence`,
+    `tail._rest_settings`)."""
+    return next(p["plan"] for p in plan["parts"] if p["role"] == "body") if plan["engine"] == "sequence" else plan
 
 
 def gemm_engine(plan: dict) -> str | None:
     """The GEMM engine ("igemm", "tma") that runs the plan, or a sequence's body (the conv before a
-    norm's statistics: its tile config is the body's, `tail.plan_sequence`); None for the others."""
-    if plan["engine"] == "sequence":
-        plan = next(p["plan"] for p in plan["parts"] if p["role"] == "body")
-    return plan["engine"] if plan.get("engine") in ("igemm", "tma") else None
-
-
-def _gemm_body(plan: dict) -> dict:
-    """The plan, or a sequence's body: the part a GEMM engine's tile config sets."""
-    return next(p["plan"] for p in plan["parts"] if p["role"] == "body") if plan["engine"] == "sequence" else plan
+    norm's statistics); None for the others."""
+    engine = _body(plan).get("engine")
+    return engine if engine in ("igemm", "tma") else None
 
 
 def slab_instead(spec: LayerSpec, plan: dict) -> dict | None:
@@ -174,8 +174,7 @@ def slab_instead(spec: LayerSpec, plan: dict) -> dict | None:
     24's 24 output channels, say), the slab engine's plan of it, whose candidates the tuner then
     times against the FFMA kernel; None where the layer is on another engine or the slab engine
     cannot run it (groups, a pool before the output, a transposed conv)."""
-    body = next(p["plan"] for p in plan["parts"] if p["role"] == "body") if plan["engine"] == "sequence" else plan
-    if body.get("engine") != "ffma":
+    if _body(plan).get("engine") != "ffma":
         return None
     try:
         slab = plan_with(spec, SlabConfig(0))
@@ -187,9 +186,8 @@ def slab_instead(spec: LayerSpec, plan: dict) -> dict | None:
 def slab_part(plan: dict) -> dict | None:
     """The plan's slab engine on tensor cores: the plan itself, or a sequence's body (a
     `plan.SlabConfig` is the body's there: `tail._rest_settings`); None if neither runs it."""
-    if plan["engine"] == "sequence":
-        plan = next(p["plan"] for p in plan["parts"] if p["role"] == "body")
-    return plan if plan["engine"] == "slab" and plan["mma"] is not None else None
+    body = _body(plan)
+    return body if body["engine"] == "slab" and body["mma"] is not None else None
 
 
 def _tuning_target():
@@ -209,7 +207,7 @@ def candidates(spec: LayerSpec) -> list:
         return ([SlabConfig(0)] + slab_candidates(spec, slab))[:MAX_CANDIDATES]
     if engine is None:
         return []
-    body = _gemm_body(plan)  # (the plan itself, or a sequence's body: the candidates are its tiles)
+    body = _body(plan)  # (the plan itself, or a sequence's body: the candidates are its tiles)
     own = body[engine].config
     out = [own]
     if engine == "igemm" and body["igemm"].w_pairs:  # a strided transposed conv: also one phase per block
@@ -329,7 +327,7 @@ class Candidate:
             engine = gemm_engine(plan)
             if engine is None:  # (FFMA register tiles: `slab_instead`)
                 return "heuristic (fp32 FFMA)"
-            return "heuristic (" + label(_gemm_body(plan)[engine].config) + ")"
+            return "heuristic (" + label(_body(plan)[engine].config) + ")"
         return label(self.config)
 
 
