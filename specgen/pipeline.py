@@ -89,7 +89,14 @@ def _without_spills(item: Specialized, arch: str | None, igemm_config=None,
     user wrote is left alone. One that still spills with a tf32 layer's exact sums
     (`plan.Settings.exact_sums`) is built once more with the running sum (its accuracy is fp32
     mode's), and kept if it spills less. A wgmma slab that prefetches the next slab's rows (the
-    planner's choice) and still spills is built once more without the prefetch."""
+    planner's choice) and still spills is built once more without the prefetch.
+
+    Then, where the planner chose the tile (no tuned config, no tile in the spec), a smaller tile
+    of the same engine, kept if it spills less: an FFMA register tile of half the channels per
+    thread (twice the threads, each holding half the accumulators), an mma.sync slab warp tile of
+    half the n-tiles, a TMA tile of 128 positions instead of 256 (half the accumulators a consumer
+    thread holds through the epilogue). Each is a shape the tuner also times; a build that does not
+    spill is never rebuilt."""
     spec = item.spec
     pinned = spec.tile is not None and spec.tile.min_blocks
     one_block = 1 if item.plan["min_blocks"] > 1 and not pinned else None
@@ -101,14 +108,29 @@ def _without_spills(item: Specialized, arch: str | None, igemm_config=None,
     if mma is not None and mma.wgmma and mma.prefetch and (settings.slab is None or not settings.slab.prefetch):
         # the wgmma slab's prefetched rows take registers: without them (the planner's prefetch only)
         retries.append(replace(settings, slab=replace(settings.slab or SlabConfig(1), wgmma=1, prefetch=2)))
-    for retry in retries:
+    retries = [(retry, igemm_config) for retry in retries]
+    if igemm_config is None and spec.tile is None and settings.slab is None:
+        retries += _smaller_tiles(item.plan, replace(settings, min_blocks=one_block))
+    for retry, config in retries:
         if item.build.spill_bytes == 0:
             break
-        plan, source, req = request(spec, arch, igemm_config=igemm_config, settings=retry)
+        plan, source, req = request(spec, arch, igemm_config=config, settings=retry)
         build = cache.get_or_build(req)
         if build.spill_bytes < item.build.spill_bytes:
             item = Specialized(spec, plan, source, build)
     return item
+
+
+def _smaller_tiles(plan, settings: Settings) -> list[tuple[Settings, object]]:
+    """The spill retry's smaller tiles of the engine `plan` runs on, as (settings, tile config)."""
+    engine, mma, tp = plan.get("engine"), plan.get("mma"), plan.get("tma")
+    if engine == "ffma" and plan.get("ct", 1) > 1:
+        return [(replace(settings, ffma_ct=plan["ct"] // 2), None)]
+    if engine == "slab" and mma is not None and not mma.wgmma and mma.wn > 1:
+        return [(settings, SlabConfig(0, mma.wm, mma.wn // 2))]
+    if engine == "tma" and tp is not None and tp.config.bm == 256 and tp.config.blocks_per_sm == 1:
+        return [(settings, replace(tp.config, bm=128))]
+    return []
 
 
 def _tuned_config(spec: LayerSpec, arch: str | None):

@@ -676,10 +676,14 @@ class Settings:
     # (`pipeline.channels_last_variant`).
     channels_last: bool = False
     slab: SlabConfig | None = None  # the slab engine's instruction and tile (a tuner's candidate)
+    # The FFMA engine's channels per thread, at most this (None: the planner's, up to 8): the spill
+    # retry's smaller register tile (`pipeline._without_spills`). A tile's channels_per_thread wins.
+    ffma_ct: int | None = None
 
     def summary(self) -> str:
         parts = ([f"min_blocks {self.min_blocks}"] if self.min_blocks else []) + ([] if self.rewrites else ["no rewrites"])
         parts += [self.slab.label()] if self.slab is not None else []
+        parts += [f"FFMA tiles of at most {self.ffma_ct} channels"] if self.ffma_ct else []
         parts += ["exact sums"] if self.exact_sums else []
         parts += ["channels-last input and output"] if self.channels_last else []
         return ", ".join(parts)
@@ -968,13 +972,14 @@ class BoxMemory:
 
 def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dict, reductions: list,
                 in3: tuple, k3: tuple, s3: tuple, p3: tuple, d3: tuple, taps: int, target: Target,
-                slab: SlabConfig | None = None, exact_sums: bool = False) -> BoxTiling:
+                slab: SlabConfig | None = None, exact_sums: bool = False, ffma_ct: int | None = None) -> BoxTiling:
     """Pass 5, the box engines' tiling (slab on tensor cores, else FFMA): the box of T1 a block
     owns, the register tile, the threads, the blocks per sample and their clusters, and the tail's
     owners (the kept elements of a box and the lanes each). A tile's fields in the spec decide where
     given; `slab`, a tuner's candidate, makes the slab engine run with its instruction and tile.
     `exact_sums`: the layer sums each k-step's products apart (`Settings.exact_sums`: a tf32 layer
-    computed exactly), on either instruction.
+    computed exactly), on either instruction. `ffma_ct`: the FFMA register tile's channels, at most
+    this (`Settings.ffma_ct`).
     (The TMA and implicit-GEMM engines tile for themselves: `tma.plan_tma`, `igemm.plan_igemm`.)"""
     nd = spec.ndim
     cin, cout, groups = spec.input.channels, spec.conv.out_channels, spec.conv.groups
@@ -1062,11 +1067,14 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         threads = mma.threads
         thread_tiles = tile_iters = 0
     else:
-        ct_default = next(c for c in (8, 4, 2, 1) if cout_g % c == 0 and c <= cout) if c_in_box else 1
+        def widest(choices):
+            return next(c for c in choices if cout_g % c == 0 and c <= cout and c <= (ffma_ct or 8)) if c_in_box else 1
+
+        ct_default = widest((8, 4, 2, 1))
         if len(levels) >= 3 and tile_pt_default(t1, w_in_box) * ct_default > NESTED_POOL_TILE:
             # Two or more pools: every level holds its own CT x PT accumulators and its level
             # below's results at once; measured, 8 x 3 spills with two pools and 4 x 3 does not.
-            ct_default = next(c for c in (4, 2, 1) if cout_g % c == 0 and c <= cout) if c_in_box else 1
+            ct_default = widest((4, 2, 1))
         ct = pick(lambda v: v, ct_default, "channels_per_thread")
         if c_in_box and cout_g % ct:
             raise PlanError([f"tile.channels_per_thread: {ct} must divide the channels per group ({cout_g})"])
@@ -1345,7 +1353,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     tile = spec.tile
     cout_g = cout // groups
     bt = _box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, target, settings.slab,
-                     bool(settings.exact_sums))
+                     bool(settings.exact_sums), settings.ffma_ct)
     mma, box, ct, pt, threads = bt.mma, bt.box, bt.ct, bt.pt, bt.threads
     thread_tiles, tile_iters, split_channels = bt.thread_tiles, bt.tile_iters, bt.split_channels
     f_axes, r1_axes, f1_axes, tiles, chunks = bt.f_axes, bt.r1_axes, bt.f1_axes, bt.tiles, bt.chunks
