@@ -93,7 +93,7 @@ def _without_spills(item: Specialized, arch: str | None, igemm_config=None,
 
     Then, where the planner chose the tile (no tuned config, no tile in the spec), a smaller tile
     of the same engine, kept if it spills less: an FFMA register tile of half the channels per
-    thread (twice the threads, each holding half the accumulators), an mma.sync slab warp tile of
+    thread (twice the threads, each holding half the accumulators; then a quarter, ...), an mma.sync slab warp tile of
     half the n-tiles, a TMA tile of 128 positions instead of 256 (half the accumulators a consumer
     thread holds through the epilogue). Each is a shape the tuner also times; a build that does not
     spill is never rebuilt."""
@@ -125,7 +125,8 @@ def _smaller_tiles(plan, settings: Settings) -> list[tuple[Settings, object]]:
     """The spill retry's smaller tiles of the engine `plan` runs on, as (settings, tile config)."""
     engine, mma, tp = plan.get("engine"), plan.get("mma"), plan.get("tma")
     if engine == "ffma" and plan.get("ct", 1) > 1:
-        return [(replace(settings, ffma_ct=plan["ct"] // 2), None)]
+        halves = [plan["ct"] >> i for i in range(1, plan["ct"].bit_length())]  # ct / 2, ct / 4, ..., 1
+        return [(replace(settings, ffma_ct=ct), None) for ct in halves]
     if engine == "slab" and mma is not None and not mma.wgmma and mma.wn > 1:
         return [(settings, SlabConfig(0, mma.wm, mma.wn // 2))]
     if engine == "tma" and tp is not None and tp.config.bm == 256 and tp.config.blocks_per_sm == 1:

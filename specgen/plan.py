@@ -564,6 +564,15 @@ def _wgmma_tiling(tile, t1, role, has_tail: bool, cout: int, cin_g: int, in3, k3
 
 
 NESTED_POOL_TILE = 16  # most register-tile values (CT x PT) per level when two or more pools nest
+# The FFMA engine parallelizes over the outputs alone. A layer of few outputs and a deep K (many
+# input channels and taps into a few channels, often before a pool) would leave a sample a block of
+# 32 threads with millions of multiply-adds each (384 -> 16 channels of a 7x7 conv, 2x2 max pool:
+# 2.4 million). Left to the planner, the register tile shrinks (CT, then PT, halved) until a sample
+# has FFMA_SPREAD_TILES thread tiles or a tile FFMA_HEAVY_TILE_MACS multiply-adds or fewer, and
+# such heavy tiles are not stacked four to a thread where a sample has fewer than four times that
+# many. Chosen from that arithmetic; not timed.
+FFMA_SPREAD_TILES = 1024
+FFMA_HEAVY_TILE_MACS = 1 << 16
 
 
 def tile_pt_default(t1, w_in_box: bool) -> int:
@@ -1083,6 +1092,12 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         pt = pick(lambda v: v, tile_pt_default(t1, w_in_box), "positions_per_thread")
         if not w_in_box and pt != 1:
             raise PlanError(["tile.positions_per_thread: must be 1 when width is reduced one position at a time"])
+        heavy = False
+        if not reductions:
+            # (the conv outputs behind one T1 value: a pool's window, at the pools' strides)
+            macs_per_value = (cin // groups) * taps * math.prod(levels[0]["out"]) / math.prod(t1[1:])
+            ct, pt, heavy = _spread_heavy_tiles(ct, pt, t1, macs_per_value, tile is None or tile.channels_per_thread is None,
+                                                tile is None or tile.positions_per_thread is None)
 
         target_threads = 256
         # A reduction over channels whose kept part is small: the channels are split across a
@@ -1098,7 +1113,7 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
             box[3] = _balanced(t1[3], 16 * pt, pt)
         per_row = (box[0] // ct) * _ceil_div(box[3], pt)
         rows = max(1, target_threads // per_row)
-        if not reductions:
+        if not reductions and not heavy:
             rows *= 4  # four register tiles per thread amortize the block's weight staging
         if srole["h"] in ("F", "R1"):
             box[2] = _balanced(t1[2], rows)
@@ -1154,6 +1169,27 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         f_tiles=f_tiles, r1_chunks=r1_chunks, cluster=cluster, blocks_per_sample=blocks_per_sample, nf=nf, nr=nr,
         lanes=lanes, owner_iters=owner_iters,
     )
+
+
+def _spread_heavy_tiles(ct: int, pt: int, t1: tuple, macs_per_value: float, can_ct: bool, can_pt: bool) -> tuple[int, int, bool]:
+    """The FFMA register tile (CT, PT) for a layer of few outputs and a deep K, and whether its
+    tiles are still heavy (FFMA_SPREAD_TILES, FFMA_HEAVY_TILE_MACS). `can_ct` / `can_pt`: the planner
+    chose that extent (a tile's field pins it)."""
+    def tiles(c, p):
+        return _ceil_div(t1[0], c) * t1[1] * t1[2] * _ceil_div(t1[3], p)
+
+    def heavy(c, p):
+        return c * p * macs_per_value > FFMA_HEAVY_TILE_MACS
+
+    while tiles(ct, pt) < FFMA_SPREAD_TILES and heavy(ct, pt):
+        if can_ct and ct > 1 and (ct >= pt or not can_pt):
+            ct //= 2  # (a power of two dividing the channels per group: its half divides them too)
+        elif can_pt and pt > 1:
+            pt = max(1, pt // 2)
+        else:
+            break
+    # (stacked four to a thread, a sample of 4 x FFMA_SPREAD_TILES tiles still has enough threads)
+    return ct, pt, heavy(ct, pt) and tiles(ct, pt) < 4 * FFMA_SPREAD_TILES
 
 
 def _box_memory(spec: LayerSpec, bt: BoxTiling, role: dict, reductions: list, batched: bool, fold, taps: int,

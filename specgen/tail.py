@@ -361,6 +361,13 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> TailPlan
 # 1.28 -> 0.67 ms, 3 -> 64 3x3x3 (81) 1.31 -> 0.85 ms; but 3 -> 16 3x3x3 (16 output channels)
 # 0.32 -> 0.54 ms: there T0 is as large as the conv's work, and FFMA ran at about half its floor.
 POOL_SPLIT_MIN_K = 64
+# Fewer output channels split too where K is this deep: the FFMA engine parallelizes over the
+# outputs alone, so a few channels before a pool leave a sample a block of 32 to 256 threads with
+# hundreds of thousands of multiply-adds each (384 -> 16 channels of a 7x7 conv before a 2x2 max
+# pool: one block of 32 threads, 2.4 million each), while T0's extra write and read is the same
+# per output at any K. Chosen from that arithmetic, above the 81 of the measured 3 -> 16 loss; not
+# timed.
+POOL_SPLIT_FEW_CHANNELS_MIN_K = 512
 
 
 def pool_split(spec: LayerSpec, target, rewrites: bool = True) -> int | None:
@@ -370,7 +377,8 @@ def pool_split(spec: LayerSpec, target, rewrites: bool = True) -> int | None:
     would run on Hopper's TMA engine and on tensor cores by the planner's own bar (POOL_SPLIT_MIN_K),
     the conv and the pointwise ops before the pool run there and write T0, and the pool and what
     follows run as a further kernel over an identity conv that reads it (one more write and read
-    of T0). A strided transposed conv of 16 input channels or more splits the same way before any
+    of T0); with fewer than 32 output channels only from a K of POOL_SPLIT_FEW_CHANNELS_MIN_K. A
+    strided transposed conv of 16 input channels or more splits the same way before any
     pool or reduction: its stride phases run on a GEMM engine, where the FFMA gather that a
     fused pool or reduction would keep it on ran 2-14x slower (benchmarks/NOTES.md, v19); a deep
     plain conv of 32+ input channels before a reduction, where the whole layer would run on FFMA. Left
@@ -397,8 +405,9 @@ def pool_split(spec: LayerSpec, target, rewrites: bool = True) -> int | None:
     conv = spec.conv
     k = spec.input.channels * math.prod(spec.conv_geometry()["kernel"])
     # (before a reduction the bar stays twice as high: only windowed pools were measured at 64-127)
-    if conv.groups > 1 or conv.transposed or conv.out_channels < MMA_MIN_CHANNELS \
-            or k < (POOL_SPLIT_MIN_K if windowed else 2 * POOL_SPLIT_MIN_K):
+    few_channels = conv.out_channels < MMA_MIN_CHANNELS
+    if conv.groups > 1 or conv.transposed or (few_channels and not windowed) \
+            or k < (POOL_SPLIT_FEW_CHANNELS_MIN_K if few_channels else POOL_SPLIT_MIN_K if windowed else 2 * POOL_SPLIT_MIN_K):
         return None
     body = _cut(spec, first)
     if tma.why_not(body, [None], [], target) or not tma.worth_it(body):
