@@ -17,9 +17,11 @@ the conv and every stage, so a spec that validates describes a layer that can be
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -715,15 +717,63 @@ def _loc(loc: tuple) -> str:
     return "".join(parts)
 
 
+# Ops known by another name elsewhere, and how a spec writes them.
+OP_ALIASES = {"swish": "silu", "relu6": "hardtanh: {min_val: 0.0, max_val: 6.0}", "bias_add": "add: {param: bias}"}
+
+
+def _did_you_mean(word: str, choices) -> str:
+    """' (did you mean x?)' for the closest of `choices` to a misspelt `word`, else ''."""
+    close = difflib.get_close_matches(word.lower(), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _unknown_op_hint(word: str) -> str:
+    alias = OP_ALIASES.get(word.lower())
+    return f" (write {alias})" if alias else _did_you_mean(word, STAGE_MODELS)
+
+
+def _model_at(loc: tuple):
+    """The spec model that holds the field at the end of `loc` (a validation error's location),
+    or None where the walk leaves the models."""
+    model = LayerSpec
+    for item in loc[:-1]:
+        if isinstance(item, int):
+            continue
+        if model is LayerSpec and item == "epilogue":
+            model = None  # the stage: the next item names its op
+            continue
+        if model is None:
+            model = STAGE_MODELS.get(item)
+            continue
+        field = model.model_fields.get(item)
+        if field is None:
+            return None
+        inner = [a for a in (typing.get_args(field.annotation) or (field.annotation,))
+                 if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not inner:
+            return None
+        model = inner[0]
+    return model
+
+
 def format_validation_error(err: ValidationError) -> list[str]:
     problems = []
     for e in err.errors(include_url=False, include_input=True, include_context=False):
         where = _clip(_loc(tuple(e["loc"])), QUOTE_LIMIT)
         msg = _clip(e["msg"].removeprefix("Value error, "), MAX_PROBLEM_CHARS)
-        got = e.get("input")
+        got, quoted = e.get("input"), False
         if e["type"] == "stage":
             got = _stage_tag(got) or got
-        shown = "" if e["type"] == "value_error" or isinstance(got, (dict, BaseModel)) else f" (got {quote(got)})"
+            if isinstance(got, str) and got not in STAGE_MODELS:
+                msg = _clip(f"unknown op {quote(got)}{_unknown_op_hint(got)}; {msg}", MAX_PROBLEM_CHARS)
+                quoted = True  # (above: the list of ops may clip the message's end)
+        elif e["type"] == "extra_forbidden" and e["loc"] and isinstance(e["loc"][-1], str):
+            model = _model_at(tuple(e["loc"]))
+            if model is not None and not model.model_fields:
+                msg = "unknown field: this op takes no arguments"
+            elif model is not None:
+                msg = f"unknown field{_did_you_mean(e['loc'][-1], model.model_fields)}; expected one of {', '.join(model.model_fields)}"
+        shown = "" if e["type"] == "value_error" or quoted or isinstance(got, (dict, BaseModel)) else f" (got {quote(got)})"
         problems.append(f"{where}: {msg}{shown}" if where else f"{msg}{shown}")
     return problems
 
