@@ -1,5 +1,5 @@
-"""Layers of few outputs and a deep K before a pool: the plan before v48 (whole on FFMA, the planner's
-register tile) against v48's (split before the pool where the TMA engine runs the conv,
+"""Layers of few outputs and a deep K before a pool: v47's planner rules (whole on FFMA, the planner's
+register tile; v48's spill retry applies to both ways) against v48's (split before the pool where the TMA engine runs the conv,
 `tail.POOL_SPLIT_FEW_CHANNELS_MIN_K`; else FFMA tiles spread over more threads,
 `plan._spread_heavy_tiles`), with eager PyTorch in the same precision beside them.
 
