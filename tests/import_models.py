@@ -202,6 +202,51 @@ class ParamMethods(nn.Module):
         return torch.sub(x, self.a).div(self.b.abs() + 1)
 
 
+class ParamIndexed(nn.Module):
+    """Per-channel parameters shaped for broadcasting by indexing: p[None, :, None, None], p[:, None, None]."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.g = nn.Parameter(torch.randn(C))
+        self.b = nn.Parameter(torch.randn(C))
+
+    def forward(self, x):
+        return self.conv(x) * self.g[None, :, None, None] + self.b[:, None, None]
+
+
+class InplaceStatements(nn.Module):
+    """In-place ops written as statements on the conv's output, which the trace records as several
+    uses of one value (each returns that very tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        y = self.conv(x)
+        y.mul_(0.5)
+        y.add_(1.0)
+        torch.sigmoid_(y)
+        F.relu(y, inplace=True)
+        return y
+
+
+class InplaceAfterARead(nn.Module):
+    """A value read before an in-place op sees it unmutated (z), after it mutated (the sum): the
+    conv's output has two users, so the chain ends there and the in-place op runs as PyTorch."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        y = self.conv(x)
+        z = torch.tanh(y)
+        y.mul_(2.0)
+        return z + y
+
+
 class ReverseArith(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1023,6 +1068,8 @@ CASES: list[Case] = [
     Case(ConstArith, IMG, [["mul", "div", "sub", "add", "add", "mul", "div", "sub", "sub", "mul"]]),
     Case(ParamArith, IMG, [["add", "mul", "sub", "div"]]),
     Case(ParamMethods, IMG, [["add", "mul", "sub", "expr"]]),
+    Case(ParamIndexed, IMG, [["mul", "add"]]),
+    Case(InplaceStatements, IMG, [["mul", "add", "sigmoid", "relu"]]),
     Case(ReverseArith, IMG, [["expr", "expr", "add", "expr"]]),
     Case(MinMaxScalar, IMG, [["min", "max", "min", "max"]]),
     Case(ExprFunctions, IMG, [["expr"]]),

@@ -315,6 +315,16 @@ def test_explain_leaves_running_statistics_alone():
     assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
 
 
+def test_a_value_read_before_an_in_place_op_keeps_its_value():
+    model = im.InplaceAfterARead()
+    x = torch.randn(im.IMG)
+    report = explain(model, x)
+    assert report.specs == [] or all(spec.epilogue[0].op != "mul" for spec in report.specs)
+    fused = from_module(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x))
+
+
 def test_a_conv_feeding_two_branches_is_not_fused():
     report = explain(im.TwoBranches(), torch.randn(im.IMG))
     assert report.specs == []

@@ -14,8 +14,12 @@ chain that grows while the next node is something a spec can say:
   hand, `x * torch.sigmoid(x)`, ...) becomes one `expr` stage; a plain sequence of ops becomes
   the named stages (`leaky_relu`, `add`, ...);
 * pools and reductions map to their spec ops; shape ops (view, reshape, flatten, squeeze,
-  unsqueeze) that only drop or insert size-1 dims are absorbed, and the fused layer's output is
-  reshaped back to what the model returned;
+  unsqueeze, and indexing with None and whole slices: `p[None, :, None, None]`) that only drop or
+  insert size-1 dims are absorbed, and the fused layer's output is reshaped back to what the model
+  returned;
+* in-place ops written as statements (`y.mul_(0.5); y.add_(1.0); return y`), which the trace
+  records as several uses of y, read as the chain they compute: each returns that very tensor, so
+  later uses of y read its result (`graph.thread_inplace`; the model computes the same);
 * the statistic stages (the op table's NORMS rows) in module, functional and method forms:
   group, instance and layer norm (their weight and bias the model's own: per channel, or of the
   normalized shape), softmax and log_softmax over the dims the call names (a view that flattens

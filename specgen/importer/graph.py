@@ -58,6 +58,7 @@ class Capture:
         self.name = type(model).__name__
         self.gm: fx.GraphModule = fx.symbolic_trace(model)  # raises for untraceable models
         self.graph = self.gm.graph
+        thread_inplace(self.gm)
         self._propagate()
         self.nodes = list(self.graph.nodes)
         self.order = {n: i for i, n in enumerate(self.nodes)}
@@ -89,6 +90,41 @@ class Capture:
         for part in target.split("."):
             obj = getattr(obj, part)
         return obj
+
+
+def _returns_its_input(gm: fx.GraphModule, node: Node) -> bool:
+    """Whether `node` mutates its first argument in place and returns that very tensor: an in-place
+    Tensor method (`y.mul_(0.5)`), a torch or F function of that form (`torch.sigmoid_(y)`,
+    `F.relu_(y)`), a function or module called with inplace=True."""
+    if not node.args or not isinstance(node.args[0], Node):
+        return False
+    if node.op == "call_method":
+        return isinstance(node.target, str) and node.target.endswith("_") and not node.target.startswith("_")
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        module = getattr(node.target, "__module__", "") or ""
+        if name.endswith("_") and not name.startswith("_") and module.startswith("torch"):
+            return True
+        return node.kwargs.get("inplace") is True and module.startswith("torch")
+    if node.op == "call_module":
+        return getattr(gm.get_submodule(node.target), "inplace", False) is True
+    return False
+
+
+def thread_inplace(gm: fx.GraphModule) -> None:
+    """Later uses of a value mutated in place read the in-place op's result instead, as they would
+    after `y = y.mul_(0.5)`. The in-place op returns that very tensor, so the graph computes the same
+    as before; but `y.mul_(0.5); y.add_(1.0); return y`, a chain of statements that the trace records
+    as several uses of y, becomes the chain y -> mul_ -> add_ that a fused layer can take whole."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    changed = False
+    for node in list(gm.graph.nodes):
+        if _returns_its_input(gm, node):
+            value = node.args[0]
+            moved = value.replace_all_uses_with(node, delete_user_cb=lambda user, at=order[node]: order[user] > at)
+            changed = changed or bool(moved)
+    if changed:
+        gm.recompile()
 
 
 # ---- values and their uses ---------------------------------------------------------------------

@@ -114,6 +114,15 @@ class ShapeOp:
     input: Any
 
 
+def _inserts_dims_only(index) -> bool:
+    """Whether indexing with `index` (x[None, :, None], x[..., None]) only inserts size-1 dims: its
+    items are None, whole slices and at most one Ellipsis, and one at least is None."""
+    items = index if isinstance(index, tuple) else (index,)
+    whole = slice(None, None, None)
+    return (any(i is None for i in items) and sum(i is Ellipsis for i in items) <= 1
+            and all(i is None or i is Ellipsis or (isinstance(i, slice) and i == whole) for i in items))
+
+
 @dataclass(eq=False)
 class IdentityOp:
     input: Any
@@ -674,6 +683,9 @@ class Recognizer:
                 raise Reject("is called with more than the input")
             entry = _TABLES.modules[cls]
             return entry.build({"input": node.args[0], **entry.read(module, node.target)})
+        if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2 \
+                and _inserts_dims_only(node.args[1]):
+            return ShapeOp(node.args[0])  # p[None, :, None, None]: a view with size-1 dims inserted
         if node.op == "call_function":
             found = _TABLES.functions.get(node.target) if hashable(node.target) else None
         elif node.op == "call_method":
