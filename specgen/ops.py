@@ -114,7 +114,8 @@ class Spelling:
     operand times the argument (torch.add's alpha). `elementwise` (a reduction's spelling): the
     pointwise op this call is when a tensor stands where the dim goes (torch.max(x, y)); with a
     dim it returns (values, indices). `form` names a mapping the importer writes out itself, where
-    an argument changes what the call computes: 'power' (x ** c or c ** x), 'batch_norm' (eval
+    an argument changes what the call computes: 'power' (x ** c or c ** x), 'prelu' (its slope
+    along dim 1 where it has one per channel, as nn.PReLU applies it), 'batch_norm' (eval
     mode over the running statistics, a pointwise op; training mode or no running statistics, a
     statistic stage).
 
@@ -1030,6 +1031,13 @@ EXPR_ONLY: dict[str, ExprOnly] = {
         ),
         ExprOnly(
             "softsign", lambda t, a: f"({t[0]} / (1 + abs({t[0]})))", (Spelling("input", ("F.softsign",), (), ("Softsign",)),)
+        ),
+        # PReLU's slope, one per channel (applied along dim 1) or one for all: a per-channel operand
+        ExprOnly(
+            "prelu",
+            lambda t, a: f"(max({t[0]}, 0) + {t[1]} * min({t[0]}, 0))",
+            (Spelling("input, weight", ("F.prelu", "torch.prelu"), ("prelu",), ("PReLU",), operands=("input", "weight"),
+                      form="prelu"),),
         ),
         ExprOnly(
             "tanhshrink", lambda t, a: f"({t[0]} - tanh({t[0]}))", (Spelling("input", ("F.tanhshrink",), (), ("Tanhshrink",)),)

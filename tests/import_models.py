@@ -247,6 +247,20 @@ class InplaceAfterARead(nn.Module):
         return z + y
 
 
+class PReLUForms(nn.Module):
+    """PReLU with a slope per channel (along dim 1), with one slope, and functional."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.per_channel = nn.PReLU(C, init=0.1)
+        self.single = nn.PReLU()
+        self.slope = nn.Parameter(torch.rand(C))
+
+    def forward(self, x):
+        return F.prelu(self.single(self.per_channel(self.conv(x)) - 0.5), self.slope)
+
+
 class ReverseArith(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1069,6 +1083,7 @@ CASES: list[Case] = [
     Case(ParamArith, IMG, [["add", "mul", "sub", "div"]]),
     Case(ParamMethods, IMG, [["add", "mul", "sub", "expr"]]),
     Case(ParamIndexed, IMG, [["mul", "add"]]),
+    Case(PReLUForms, IMG, [["expr", "sub", "expr", "expr"]]),
     Case(InplaceStatements, IMG, [["mul", "add", "sigmoid", "relu"]]),
     Case(ReverseArith, IMG, [["expr", "expr", "add", "expr"]]),
     Case(MinMaxScalar, IMG, [["min", "max", "min", "max"]]),

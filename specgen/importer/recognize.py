@@ -12,6 +12,7 @@ through, and numbers made into tensors in forward.
 from __future__ import annotations
 
 import ast
+import math
 import operator
 import typing
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from specgen import ops
-from specgen.importer.graph import function_label, hashable
+from specgen.importer.graph import function_label, hashable, shape_of
 
 # =============================================================================================
 # What a node means: the descriptions the builders return
@@ -318,7 +319,20 @@ def _batch_norm(row, spelling: ops.Spelling) -> Callable[[dict], Any]:
     return build
 
 
-_FORMS = {"power": _power, "batch_norm": _batch_norm}
+def _prelu(row, spelling: ops.Spelling) -> Callable[[dict], PW]:
+    """PReLU: a slope per channel applies along dim 1 (as a batch norm's weight does, whatever the
+    tensor's rank); a single slope applies to every value."""
+
+    def build(b):
+        weight = b["weight"]
+        count = weight.tensor.numel() if isinstance(weight, TensorRef) else math.prod(shape_of(weight) or (2,)) \
+            if isinstance(weight, Node) else 1
+        return PW(row.name, (b["input"], Dim1(weight) if count != 1 else weight))
+
+    return build
+
+
+_FORMS = {"power": _power, "batch_norm": _batch_norm, "prelu": _prelu}
 
 
 def _pool(row: ops.Pool, spelling: ops.Spelling, nd: int) -> Callable[[dict], PoolOp]:
