@@ -190,9 +190,14 @@ def test_random_valid_specs_validate_and_round_trip(data):
     assert all(n >= 1 for n in spec.output_shape(1))
 
 
+def _nested(inner):
+    """Lists and mappings of `inner` (the recursion of JUNK)."""
+    return st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3))
+
+
 JUNK = st.recursive(
     st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=True) | st.text(max_size=6),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    _nested,
     max_leaves=12,
 )
 
