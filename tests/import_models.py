@@ -261,6 +261,32 @@ class PReLUForms(nn.Module):
         return F.prelu(self.single(self.per_channel(self.conv(x)) - 0.5), self.slope)
 
 
+class SizesInForward(nn.Module):
+    """A pool's window and a divisor read from the value's sizes in forward (fixed for the layer:
+    they do not involve the batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d(padding=1)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        y = F.avg_pool2d(y, y.size()[2:])  # a global average, written with the sizes
+        return y.sum(dim=1) / (y.shape[1] * 2)
+
+
+class DividedByTheBatch(nn.Module):
+    """A divisor that is the batch size: it varies per call, so the fused layer must not bake it in."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        return y / y.size(0)
+
+
 class ReverseArith(nn.Module):
     def __init__(self):
         super().__init__()
@@ -869,7 +895,8 @@ class ScalarParam(nn.Module):
 
 
 class SizeOfIntermediate(nn.Module):
-    """The size of a fused intermediate is read outside the chain (a stand-in tensor provides it)."""
+    """The size of a fused intermediate is read outside the chain (a stand-in tensor provides it):
+    its batch, which varies per call (a size free of the batch would be read as a number)."""
 
     def __init__(self):
         super().__init__()
@@ -878,7 +905,7 @@ class SizeOfIntermediate(nn.Module):
     def forward(self, x):
         y = self.conv(x)
         z = torch.relu(y)
-        return z * y.shape[-1]
+        return z * y.shape[0]
 
 
 class AdaptiveToTwo(nn.Module):
@@ -1084,6 +1111,7 @@ CASES: list[Case] = [
     Case(ParamMethods, IMG, [["add", "mul", "sub", "expr"]]),
     Case(ParamIndexed, IMG, [["mul", "add"]]),
     Case(PReLUForms, IMG, [["expr", "sub", "expr", "expr"]]),
+    Case(SizesInForward, IMG, [["relu", "avg_pool", "sum", "div"]]),
     Case(InplaceStatements, IMG, [["mul", "add", "sigmoid", "relu"]]),
     Case(ReverseArith, IMG, [["expr", "expr", "add", "expr"]]),
     Case(MinMaxScalar, IMG, [["min", "max", "min", "max"]]),
@@ -1156,6 +1184,7 @@ def _double():
 
 
 FALLBACKS: list[FallbackCase] = [
+    FallbackCase(DividedByTheBatch, IMG, [["relu"]], [("truediv", "computed by the model")]),
     FallbackCase(TwoBranches, IMG, [], [("conv", "is used by 2 nodes"), ("relu", "used more than once")]),
     FallbackCase(IntermediateReturned, IMG, [["relu"]], [("sigmoid", "also returned by the model")]),
     FallbackCase(CumsumAfterConv, IMG, [], [("cumsum", "torch.cumsum is not a supported op"), ("conv", "nothing to fuse")]),

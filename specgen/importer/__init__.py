@@ -17,6 +17,9 @@ chain that grows while the next node is something a spec can say:
   unsqueeze, and indexing with None and whole slices: `p[None, :, None, None]`) that only drop or
   insert size-1 dims are absorbed, and the fused layer's output is reshaped back to what the model
   returned;
+* sizes read in forward that do not involve the batch (a pool's window `x.size()[2:]`, a divisor
+  `x.shape[2] * x.shape[3]`) are numbers, as every size but the batch is fixed for a fused layer
+  (`graph.batch_free_value`); one that involves the batch (`x / x.size(0)`) stays the model's;
 * in-place ops written as statements (`y.mul_(0.5); y.add_(1.0); return y`), which the trace
   records as several uses of y, read as the chain they compute: each returns that very tensor, so
   later uses of y read its result (`graph.thread_inplace`; the model computes the same);

@@ -105,6 +105,7 @@ class Analysis(Capture):
         super().__init__(model, inputs)
         recognizer = Recognizer(self.gm)
         self.describe, self.classify = recognizer.describe, recognizer.classify
+        self.size_nodes = recognizer.size_nodes  # sizes read as numbers: erased with the chains that read them
         self.covered: dict[Node, _Chain] = {}
         self.regions = Regions(self)
         self.chains: list[_Chain] = []

@@ -36,14 +36,26 @@ def _info(value):
 
 
 _META_KEY = "specgen_tensor"
+_VALUE_KEY = "specgen_value"  # a number or a tuple of ints the node computed (a size, a product of sizes)
+
+
+def _plain(value):
+    """`value` if it is a number or a tuple / list / torch.Size of ints, else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    if isinstance(value, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    return None
 
 
 class _ShapeRecorder(fx.Interpreter):
-    """Runs the traced model and records every node's shape and dtype in node.meta."""
+    """Runs the traced model and records every node's shape and dtype in node.meta (and the value
+    of a node that computes a number or a tuple of ints)."""
 
     def run_node(self, n: Node):
         result = super().run_node(n)
         n.meta[_META_KEY] = _info(result)
+        n.meta[_VALUE_KEY] = _plain(result)
         return result
 
 
@@ -125,6 +137,67 @@ def thread_inplace(gm: fx.GraphModule) -> None:
             changed = changed or bool(moved)
     if changed:
         gm.recompile()
+
+
+# ---- sizes read in forward ---------------------------------------------------------------------
+
+# Integer arithmetic over sizes that a static value may go through.
+_SIZE_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.mod}
+
+
+def _size_tags(node: Node, memo: dict):
+    """The value `node` computes from tensor sizes alone, each number tagged with whether it
+    depends on a batch size: (value, batch) for a number, a tuple of those for a tuple; None for
+    anything else. A tensor's dim 0 is taken as its batch (what `from_module` leaves free)."""
+    if node in memo:
+        return memo[node]
+    memo[node] = None  # (a cycle cannot occur in a graph; this only guards the recursion)
+    value = node.meta.get(_VALUE_KEY)
+    out = None
+    args = node.args
+    if value is None:
+        pass
+    elif (node.op == "call_method" and node.target == "size" and not node.kwargs) or \
+            (node.op == "call_function" and node.target is builtins.getattr and len(args) == 2 and args[1] == "shape"):
+        if len(args) == 1 or node.target is builtins.getattr:
+            out = tuple((v, i == 0) for i, v in enumerate(value))
+        elif len(args) == 2 and isinstance(args[1], int) and isinstance(args[0], Node):
+            rank = len(shape_of(args[0]) or ())
+            out = (value, rank > 0 and args[1] % rank == 0)
+    elif node.op == "call_method" and node.target in ("dim", "ndimension") and isinstance(value, int):
+        out = (value, False)
+    elif node.op == "call_function" and node.target is operator.getitem and len(args) == 2 and isinstance(args[0], Node):
+        base = _size_tags(args[0], memo)
+        if isinstance(base, tuple) and base and isinstance(base[0], tuple):
+            try:
+                out = base[args[1]] if isinstance(args[1], (int, slice)) else None
+            except IndexError:
+                out = None
+    elif node.op == "call_function" and node.target in _SIZE_ARITHMETIC and len(args) == 2:
+        deps = []
+        for a in args:
+            if isinstance(a, Node):
+                tags = _size_tags(a, memo)
+                if not (isinstance(tags, tuple) and len(tags) == 2 and not isinstance(tags[0], tuple)):
+                    return None
+                deps.append(tags[1])
+            elif not isinstance(a, (int, float)) or isinstance(a, bool):
+                return None
+        out = (value, any(deps))
+    memo[node] = out
+    return out
+
+
+def batch_free_value(node: Node, memo: dict):
+    """What `node` computes from tensor sizes when none of it depends on a batch size (a pool's
+    window `x.size()[2:]`, a divisor `x.shape[2] * x.shape[3]`), as a plain number or tuple; None
+    otherwise. The fused layer is specialized for those sizes, as for every size but the batch."""
+    tags = _size_tags(node, memo)
+    if tags is None:
+        return None
+    if isinstance(tags[0], tuple):
+        return None if any(batch for _, batch in tags) else tuple(v for v, _ in tags)
+    return None if tags[1] else tags[0]
 
 
 # ---- values and their uses ---------------------------------------------------------------------

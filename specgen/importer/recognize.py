@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from specgen import ops
-from specgen.importer.graph import function_label, hashable, shape_of
+from specgen.importer.graph import batch_free_value, function_label, hashable, shape_of
 
 # =============================================================================================
 # What a node means: the descriptions the builders return
@@ -325,9 +325,12 @@ def _prelu(row, spelling: ops.Spelling) -> Callable[[dict], PW]:
 
     def build(b):
         weight = b["weight"]
-        count = weight.tensor.numel() if isinstance(weight, TensorRef) else math.prod(shape_of(weight) or (2,)) \
-            if isinstance(weight, Node) else 1
-        return PW(row.name, (b["input"], Dim1(weight) if count != 1 else weight))
+        if isinstance(weight, TensorRef):
+            count = weight.tensor.numel()
+        else:
+            shape = shape_of(weight) if isinstance(weight, Node) else ()
+            count = None if shape is None else math.prod(shape)  # (None: unknown, taken as one per channel)
+        return PW(row.name, (b["input"], weight if count == 1 else Dim1(weight)))
 
     return build
 
@@ -658,6 +661,22 @@ class Recognizer:
     def __init__(self, gm):
         self.gm = gm
         self._descs: dict[Node, Any] = {}
+        self._size_memo: dict = {}
+        # nodes computing sizes whose values a description took as numbers (`batch_free_value`)
+        self.size_nodes: set[Node] = set()
+
+    def _resolved(self, value):
+        """`value` with each node that computes sizes free of the batch (`x.size()[2:]`,
+        `x.shape[2] * x.shape[3]`) replaced by what it computed, for the layer's fixed shape."""
+        if isinstance(value, Node):
+            static = batch_free_value(value, self._size_memo)
+            if static is None:
+                return value
+            self.size_nodes.add(value)
+            return static
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._resolved(v) for v in value)
+        return value
 
     def describe(self, node: Node) -> str:
         """How the model's code wrote `node`: 'nn.ReLU (act)', 'Tensor.view', 'torch.cumsum'."""
@@ -712,7 +731,8 @@ class Recognizer:
         if entry.sig is None:
             bound = {"input": node.args[0] if node.args else node.kwargs.get("input")}
         else:
-            bound = _bind(entry.sig, tuple(node.args), dict(node.kwargs))
+            args = tuple(self._resolved(a) for a in node.args)
+            bound = _bind(entry.sig, args, {k: self._resolved(v) for k, v in node.kwargs.items()})
         if inplace:
             bound["inplace"] = True
         return entry.build(bound)

@@ -246,7 +246,7 @@ def fused_graph(imp: Analysis) -> fx.GraphModule:
                     ghost = graph.call_function(_shape_ghost, (inp, tuple(shape_of(node)[1:])))
                 for u in readers:
                     u.replace_input_with(node, ghost)
-        _erase(graph, sorted(chain.nodes, key=imp.order.get, reverse=True), imp.regions.leaf_nodes)
+        _erase(graph, sorted(chain.nodes, key=imp.order.get, reverse=True), imp.regions.leaf_nodes | imp.size_nodes)
     capturable(graph)  # (constants the chains left to the model)
     if imp.channels_last:
         run_channels_last(graph)
