@@ -261,6 +261,18 @@ class PReLUForms(nn.Module):
         return F.prelu(self.single(self.per_channel(self.conv(x)) - 0.5), self.slope)
 
 
+class DtypeKeepingConversions(nn.Module):
+    """Conversions to the dtype the value already has (mixed-precision code's habit) are the value."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x)).to(torch.float32)
+        return torch.tanh(y.to(dtype=y.dtype)).float()
+
+
 class SizesInForward(nn.Module):
     """A pool's window and a divisor read from the value's sizes in forward (fixed for the layer:
     they do not involve the batch)."""
@@ -1112,6 +1124,7 @@ CASES: list[Case] = [
     Case(ParamIndexed, IMG, [["mul", "add"]]),
     Case(PReLUForms, IMG, [["expr", "sub", "expr", "expr"]]),
     Case(SizesInForward, IMG, [["relu", "avg_pool", "sum", "div"]]),
+    Case(DtypeKeepingConversions, IMG, [["relu", "tanh"]]),
     Case(InplaceStatements, IMG, [["mul", "add", "sigmoid", "relu"]]),
     Case(ReverseArith, IMG, [["expr", "expr", "add", "expr"]]),
     Case(MinMaxScalar, IMG, [["min", "max", "min", "max"]]),

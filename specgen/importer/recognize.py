@@ -543,7 +543,8 @@ _FRAME = [
     ),
     _FrameRow(
         lambda nd: lambda b: IdentityOp(b["input"]),
-        ops.Spelling(None, methods=("contiguous", "float", "clone"), modules=("Identity",)),
+        # (a dtype conversion is fused only where it keeps the chain's dtype: checked on the recorded value)
+        ops.Spelling(None, methods=("contiguous", "float", "half", "bfloat16", "to", "clone"), modules=("Identity",)),
     ),
     # shape ops (absorbed when they only drop or insert size-1 dims)
     _FrameRow(
