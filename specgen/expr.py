@@ -1,9 +1,12 @@
 """The expression form of a pointwise stage: a small, closed grammar over `x`.
 
     expr ::= number | "x" | param | "-" expr | "+" expr | expr ("+"|"-"|"*"|"/") expr
-           | expr "**" number | func "(" expr {"," expr} ")" | "(" expr ")"
+           | expr "**" number | expr (">"|">="|"<"|"<=") expr | func "(" expr {"," expr} ")" | "(" expr ")"
 
-`param` is any other identifier: a learnable per-channel parameter of that name.
+`param` is any other identifier: a learnable per-channel parameter of that name. A comparison
+is 1 where it holds and 0 elsewhere (one operator: no chains such as 0 < x < 1);
+`where(c, a, b)` is a where c is not 0, else b (torch.where(x > 0, x, 0.2 * x) is
+`where(x > 0, x, 0.2 * x)`).
 The text is parsed with Python's `ast` (never evaluated) and every node is checked
 against the grammar; the checked tree is then printed as CUDA C or walked with torch.
 """
@@ -43,7 +46,10 @@ FUNCTIONS: dict[str, tuple[int, str, str]] = {
     "min": (2, "fminf({0}, {1})", "minimum"),
     "max": (2, "fmaxf({0}, {1})", "maximum"),
     "clamp": (3, "fminf(fmaxf({0}, {1}), {2})", "clamp"),
+    "where": (3, "(({0}) != 0.0f ? ({1}) : ({2}))", "where"),
 }
+# Comparisons: 1 where they hold, else 0 (C spelling; torch function)
+_COMPARISONS = {ast.Gt: (">", "gt"), ast.GtE: (">=", "ge"), ast.Lt: ("<", "lt"), ast.LtE: ("<=", "le")}
 RESERVED = {"x", *FUNCTIONS}
 
 
@@ -147,6 +153,11 @@ def _check(node: ast.AST, params: list[str]) -> None:
         exponent = node.right
         if not (isinstance(exponent, ast.Constant) and type(exponent.value) is int and 1 <= exponent.value <= 4):
             raise ExprError(f"{where}: '**' takes a whole-number exponent from 1 to 4")
+    elif isinstance(node, ast.Compare):
+        if len(node.ops) != 1 or type(node.ops[0]) not in _COMPARISONS:
+            raise ExprError(f"{where}: a comparison is one of > >= < <= between two expressions (no chains, no ==)")
+        _check(node.left, params)
+        _check(node.comparators[0], params)
     elif isinstance(node, ast.Call):
         name = node.func.id if isinstance(node.func, ast.Name) else None
         if name not in FUNCTIONS:
@@ -184,6 +195,10 @@ def _cuda(node: ast.expr, value: str, param_value: dict[str, str]) -> str:
         left = _cuda(node.left, value, param_value)
         right = _cuda(node.right, value, param_value)
         return f"({left} {_C_OPS[type(node.op)]} {right})"
+    if isinstance(node, ast.Compare):
+        left = _cuda(node.left, value, param_value)
+        right = _cuda(node.comparators[0], value, param_value)
+        return f"({left} {_COMPARISONS[type(node.ops[0])][0]} {right} ? 1.0f : 0.0f)"
     name = node.func.id
     inner = node.args[0] if len(node.args) == 1 else None
     if name == "tanh" and isinstance(inner, ast.Call) and inner.func.id == "softplus":
@@ -228,8 +243,20 @@ def _closure(node: ast.expr):
         left, right = _closure(node.left), _closure(node.right)
         fn = {ast.Add: torch.add, ast.Sub: torch.sub, ast.Mult: torch.mul, ast.Div: torch.div}[type(node.op)]
         return lambda x, p: fn(left(x, p), right(x, p))
+    if isinstance(node, ast.Compare):
+        left, right = _closure(node.left), _closure(node.comparators[0])
+        compare = getattr(torch, _COMPARISONS[type(node.ops[0])][1])
+
+        def comparison(x, p):
+            a = left(x, p)
+            return compare(a, right(x, p)).to(a.dtype)
+
+        return comparison
     args = [_closure(a) for a in node.args]
     name = FUNCTIONS[node.func.id][2]
+    if name == "where":
+        c, a, b = args
+        return lambda x, p: torch.where(c(x, p) != 0, a(x, p), b(x, p))
     if name == "detach":
         (a,) = args
         return lambda x, p: a(x, p).detach()

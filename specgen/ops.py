@@ -976,6 +976,9 @@ def _torch_function(fn: str, *more: str, text: str) -> ExprOnly:
 _SELU = (1.0507009873554805, 1.6732632423543772)
 _POWER = ("input", "exponent")
 
+# The comparisons among them: their result is the model's bool tensor (a 0 / 1 value inside an expr).
+COMPARISONS = ("gt", "ge", "lt", "le")
+
 EXPR_ONLY: dict[str, ExprOnly] = {
     row.name: row
     for row in [
@@ -1031,6 +1034,22 @@ EXPR_ONLY: dict[str, ExprOnly] = {
         ),
         ExprOnly(
             "softsign", lambda t, a: f"({t[0]} / (1 + abs({t[0]})))", (Spelling("input", ("F.softsign",), (), ("Softsign",)),)
+        ),
+        # comparisons (1 where they hold, else 0, in an expr: the model's bool tensor) and torch.where
+        *(
+            ExprOnly(
+                name,
+                lambda t, a, sign=sign: f"({t[0]} {sign} {t[1]})",
+                (Spelling("input, other", (f"operator.{name}", f"torch.{name}", f"torch.{long}"), (name, long),
+                          operands=("input", "other")),),
+            )
+            for name, long, sign in (("gt", "greater", ">"), ("ge", "greater_equal", ">="), ("lt", "less", "<"),
+                                     ("le", "less_equal", "<="))
+        ),
+        ExprOnly(
+            "where",
+            lambda t, a: f"where({t[0]}, {t[1]}, {t[2]})",
+            (Spelling("condition, input, other", ("torch.where",), (), operands=("condition", "input", "other")),),
         ),
         # PReLU's slope, one per channel (applied along dim 1) or one for all: a per-channel operand
         ExprOnly(

@@ -261,6 +261,20 @@ class PReLUForms(nn.Module):
         return F.prelu(self.single(self.per_channel(self.conv(x)) - 0.5), self.slope)
 
 
+class WhereForms(nn.Module):
+    """torch.where over comparisons, and a comparison as a 0 / 1 factor (continuous at their
+    thresholds, so that rounding cannot flip a branch into a visible difference)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        y = self.conv(x)
+        y = torch.where(y > 0, y, 0.1 * y)
+        return torch.where(0.5 <= y, torch.tanh(y - 0.5) + 0.5, y) * (y > -1)
+
+
 class DtypeKeepingConversions(nn.Module):
     """Conversions to the dtype the value already has (mixed-precision code's habit) are the value."""
 
@@ -1125,6 +1139,7 @@ CASES: list[Case] = [
     Case(PReLUForms, IMG, [["expr", "sub", "expr", "expr"]]),
     Case(SizesInForward, IMG, [["relu", "avg_pool", "sum", "div"]]),
     Case(DtypeKeepingConversions, IMG, [["relu", "tanh"]]),
+    Case(WhereForms, IMG, [["expr", "expr"]]),
     Case(InplaceStatements, IMG, [["mul", "add", "sigmoid", "relu"]]),
     Case(ReverseArith, IMG, [["expr", "expr", "add", "expr"]]),
     Case(MinMaxScalar, IMG, [["min", "max", "min", "max"]]),

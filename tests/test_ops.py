@@ -186,6 +186,23 @@ def test_a_wrong_arity_is_caught(monkeypatch):
     assert ops.expr_function_mismatches() == ["pointwise 'clamp' / expr function 'clamp': expr takes 3 argument(s), the row gives 1 + 1"]
 
 
+def test_comparisons_are_one_or_zero_and_where_selects():
+    torch = pytest.importorskip("torch")
+    from specgen.expr import parse
+
+    e = parse("where(x > 0, x, 0.2 * x) + (x <= a) * 3")
+    assert e.params == ("a",)
+    code = e.to_cuda("v", {"a": "pa"})
+    assert "(v > 0.0f ? 1.0f : 0.0f)" in code and "!= 0.0f ? (v) : ((0.2f * v))" in code and "(v <= pa ? 1.0f : 0.0f)" in code
+    x = torch.tensor([-2.0, -0.5, 0.0, 1.5, float("nan")])
+    a = torch.tensor(0.0)
+    got = e.to_torch(x, {"a": a})
+    want = torch.where(x > 0, x, 0.2 * x) + (x <= a).float() * 3
+    assert torch.equal(got[:4], want[:4]) and torch.isnan(got[4])  # NaN compares false: the other branch
+    assert parse("x * (x >= 1)").to_torch(torch.tensor([0.5, 1.0, 2.0]), {}).tolist() == [0.0, 1.0, 2.0]
+    assert parse("where(x < 1, 1, x)").to_torch(torch.tensor([0.5, 3.0]), {}).tolist() == [1.0, 3.0]
+
+
 def test_tanh_of_softplus_is_one_exp_and_a_division():
     """mish written out (tanh(softplus(x)) * x, as KernelBench 52 writes it) gets mish's cheap form:
     tanh(log1p(e)) = n / (n + 2), n = e (e + 2), e = exp(x); checked here in float32 on a sweep
@@ -271,3 +288,16 @@ int main() {{
     run = subprocess.run([str(tmp_path / "gelu")], check=True, capture_output=True, text=True, timeout=60)
     poly_rel, poly_abs, erff_rel, erff_abs = map(float, run.stdout.split())
     assert poly_rel <= 1e-6 and poly_abs <= 2 * erff_abs, run.stdout
+
+
+@pytest.mark.nvcc
+def test_comparisons_and_where_compile(tmp_path, monkeypatch):
+    from specgen import pipeline
+    from specgen.spec import validate
+
+    monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path / "cache"))
+    spec = validate({"name": "where_expr", "input": {"channels": 8, "size": [12, 12]}, "conv": {"out_channels": 32, "kernel": 3},
+                     "epilogue": [{"expr": "where(x > 0, x, 0.2 * x) * (x <= t)"}], "precision": "tf32"})
+    item = pipeline.specialize(spec, "sm_90", tuned=False)
+    assert item.build.registers > 0 and item.build.spill_bytes == 0, item.build.log
+    assert "? 1.0f : 0.0f" in item.source and "!= 0.0f ?" in item.source

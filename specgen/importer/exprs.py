@@ -115,6 +115,8 @@ class Regions:
             limit = max([limit] + [self.order[u] for u in node.users])
         cur_users = set(value_users(cur))
         for exit_ in reversed(list(members)):
+            if dtype_of(exit_) != chain.dtype:  # (a comparison's bool tensor is no stage's value)
+                continue
             area = ancestors(exit_, deps)
             if not cur_users <= area:
                 continue
@@ -126,7 +128,7 @@ class Regions:
         where = self.describe(node)
         inside = set(members) | {chain.out}
         shape = shape_of(node)
-        if dtype_of(node) != chain.dtype:
+        if dtype_of(node) != chain.dtype and not (desc.op in ops.COMPARISONS and dtype_of(node) == torch.bool):
             raise Reject(f"{where}: produces {dtype_of(node)}, the chain is {chain.dtype}")
         if shape is None or tuple(shape) != tuple(chain.view):
             raise Reject(f"{where}: its result has shape {shape and list(shape)}, not the chain's {list(chain.view)}")
