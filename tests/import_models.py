@@ -287,6 +287,35 @@ class DtypeKeepingConversions(nn.Module):
         return torch.tanh(y.to(dtype=y.dtype)).float()
 
 
+class _ResidualBlock(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return F.relu(self.bn(self.conv(x))) + x
+
+
+class ControlFlowOnValues(nn.Module):
+    """torch.fx cannot trace it (an if on a tensor's value); its children are imported one by one:
+    the stem and the two blocks fuse, the ReLU called twice (a shared module) stays as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(conv2d(padding=1), nn.ReLU())
+        self.block1 = _ResidualBlock(C)
+        self.block2 = _ResidualBlock(C)
+        self.act = nn.ReLU()
+        self.head = nn.Conv2d(C, 2, 1)
+
+    def forward(self, x):
+        y = self.act(self.block1(self.stem(x)))
+        if y.mean() > -1e9:  # always true: a branch on a value
+            y = self.block2(y)
+        return torch.sigmoid(self.head(self.act(y)))
+
+
 class SizesInForward(nn.Module):
     """A pool's window and a divisor read from the value's sizes in forward (fixed for the layer:
     they do not involve the batch)."""

@@ -325,6 +325,41 @@ def test_a_value_read_before_an_in_place_op_keeps_its_value():
         torch.testing.assert_close(fused(x), model(x))
 
 
+def test_an_untraceable_model_has_its_children_imported_one_by_one():
+    torch.manual_seed(0)
+    model = im._bn(im.ControlFlowOnValues)()
+    x = torch.randn(im.IMG)
+    report = explain(model, x)
+    assert [spec.name for spec in report.specs] == ["controlflowonvalues_stem_0", "controlflowonvalues_block1_conv",
+                                                     "controlflowonvalues_block2_conv"]
+    assert _ops(report) == [["relu"], ["batch_norm", "relu", "add"], ["batch_norm", "relu", "add"]]
+    assert "torch.fx cannot trace ControlFlowOnValues" in report.fallbacks[0].reason
+    assert any(fb.node.startswith("head.") for fb in report.fallbacks)  # a child's own fallbacks, named under it
+    fused = from_module(model, x)
+    assert fused is not model and isinstance(fused, im.ControlFlowOnValues)
+    assert [type(m).__name__ for m in model.children()] == ["Sequential", "_ResidualBlock", "_ResidualBlock", "ReLU", "Conv2d"]
+    assert isinstance(fused.act, nn.ReLU) and fused.head is model.head  # called twice / nothing to fuse: as they were
+    assert len(_fused_layers(fused)) == 3
+    assert {id(p) for p in fused.parameters()} == {id(p) for p in model.parameters()}
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x))
+        bigger = torch.randn((x.shape[0] + 3, *x.shape[1:]))
+        torch.testing.assert_close(fused(bigger), model(bigger))
+
+
+def test_an_untraceable_model_without_fusable_children_is_returned_as_it_is():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.act = nn.ReLU()
+
+        def forward(self, x):
+            return self.act(x) if x.sum() > 0 else x
+
+    model = Branchy()
+    assert from_module(model, torch.randn(2, 3, 4, 4)) is model
+
+
 def test_a_conv_feeding_two_branches_is_not_fused():
     report = explain(im.TwoBranches(), torch.randn(im.IMG))
     assert report.specs == []

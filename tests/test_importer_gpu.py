@@ -34,3 +34,18 @@ def test_from_module_on_cuda_matches_the_original(case):
         want64 = model.double()(x.double())
         model.float()
     assert_fp32(case.id, got, want64, want32)
+
+
+def test_an_untraceable_models_children_run_their_kernels():
+    torch.manual_seed(0)
+    model = im._bn(im.ControlFlowOnValues)().cuda().eval()
+    x = torch.randn(im.IMG, device="cuda")
+    fused = from_module(model, x, keep_slower=True)
+    layers = [m for m in fused.modules() if isinstance(m, FusedLayer)]
+    assert len(layers) == 3 and all(layer.key for layer in layers)
+    with torch.no_grad():
+        got = fused(x)
+        want32 = model(x)
+        want64 = model.double()(x.double())
+        model.float()
+    assert_fp32("ControlFlowOnValues", got, want64, want32)

@@ -35,6 +35,11 @@ chain that grows while the next node is something a spec can say:
   them); without running statistics the batch's, in either mode. Dropout fuses in eval mode, as
   the identity. Statistic stages run in float32 only: a bfloat16 or float16 chain ends before one.
 
+A model torch.fx cannot trace (an `if` on a tensor's value, ...) runs its own forward as written,
+and each direct child that one run on the example inputs calls once, with tensors, is imported on
+its own from the inputs it received (an untraceable child the same way, one level down); its
+specs are named after the parent and the attribute (`model_block1_conv`).
+
 A chain ends at a value that is used more than once (or returned), at an op outside the
 vocabulary, or where the spec would not validate; a chain with nothing after its convolution is
 not fused. Every node that runs as PyTorch is a fallback, with its reason.
@@ -66,6 +71,8 @@ that cannot replay (autograd on, other shapes, training mode) run the model chos
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from typing import Optional
 
 import torch
@@ -73,6 +80,7 @@ import torch.nn as nn
 
 from specgen import measured, pipeline
 from specgen.importer.chains import Analysis
+from specgen.importer.graph import SPEC_PREFIX
 from specgen.importer.recognize import supported_names
 from specgen.importer.report import Choice, Fallback, ImportReport, ModelImportError, spec_yaml_text
 from specgen.importer import rewrite
@@ -203,7 +211,14 @@ def explain(model: nn.Module, *example_inputs, measure: bool = False, precision:
     shape-recording run). Raises ModelImportError when the model fails on the inputs."""
     imp = _importer(model, example_inputs, precision)
     if isinstance(imp, str):
-        return ImportReport(type(model).__name__, [], [Fallback(type(model).__name__, imp)])
+        report = ImportReport(type(model).__name__, [], [Fallback(type(model).__name__, imp)])
+        for name, child, inputs in _child_calls(model, example_inputs):
+            with _child_prefix(model, name):
+                inner = explain(child, *inputs, measure=measure, precision=precision)
+            report.specs += inner.specs
+            report.fallbacks += [Fallback(f"{name}.{fb.node}", fb.reason) for fb in inner.fallbacks]
+            report.choices += inner.choices
+        return report
     if not measure:
         return imp.report()
     _specialize_all(imp)
@@ -252,8 +267,8 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, pr
         raise ValueError(f"memory_format: expected 'as_given', 'channels_last' or 'auto' (both timed), got {memory_format!r}")
     imp = _importer(model, example_inputs, precision)
     if isinstance(imp, str):
-        log.warning("%s runs as PyTorch: %s", type(model).__name__, imp)
-        return model
+        return _fused_children(model, example_inputs, imp, keep_slower=keep_slower, precision=precision,
+                               cuda_graph=cuda_graph, memory_format=memory_format)
     as_given = None
     if memory_format == "channels_last" or (memory_format == "auto" and _channels_last_worth_trying(imp, keep_slower)):
         cl = _importer(model, tuple(rewrite.to_channels_last(t) for t in example_inputs), precision)
@@ -308,6 +323,76 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, pr
         model.specgen_report = report  # the original, with the report that says why
         return model
     return fused
+
+
+@contextlib.contextmanager
+def _child_prefix(model: nn.Module, name: str):
+    """Spec names of `model`'s child `name`, imported on its own, start with the parent's and the
+    attribute's name (two blocks of one class get different names)."""
+    token = SPEC_PREFIX.set(f"{SPEC_PREFIX.get() or type(model).__name__.lower()}_{name}")
+    try:
+        yield
+    finally:
+        SPEC_PREFIX.reset(token)
+
+
+def _child_calls(model: nn.Module, example_inputs: tuple) -> list[tuple[str, nn.Module, tuple]]:
+    """The direct children of `model` that one run on the example inputs calls exactly once, with
+    tensors alone (positional), and those tensors: (name, child, inputs) in call order. The run's
+    buffer updates (training-mode batch norms) are undone."""
+    calls: dict[str, list] = {}
+    children = dict(model.named_children())
+    hooks = []
+    for name, child in children.items():
+        def record(module, args, name=name):
+            calls.setdefault(name, []).append(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+
+        hooks.append(child.register_forward_pre_hook(record))
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.no_grad():
+            model(*example_inputs)
+    except Exception as err:  # the model's own error on these inputs
+        raise ModelImportError(f"{type(model).__name__} fails on the example inputs: {type(err).__name__}: {err}") from None
+    finally:
+        for hook in hooks:
+            hook.remove()
+        with torch.no_grad():
+            for buf, saved in buffers:
+                buf.copy_(saved)
+    return [(name, children[name], args[0]) for name, args in calls.items()
+            if len(args) == 1 and args[0] and all(isinstance(a, torch.Tensor) for a in args[0])]
+
+
+def _fused_children(model: nn.Module, example_inputs: tuple, why: str, **options) -> nn.Module:
+    """A model torch.fx cannot trace (control flow on values, ...): its own forward runs as written,
+    and each direct child called once, with tensors, on the example inputs is imported on its own
+    (`from_module` on the inputs it received; an untraceable child the same way, one level down).
+    Returns a shallow copy of `model` with those children replaced (the same parameters), or
+    `model` itself where no child fused. `specgen_report` gathers the children's reports."""
+    log = get_logger()
+    report = ImportReport(type(model).__name__, [], [Fallback(type(model).__name__, f"{why}; its children are imported one by one")])
+    replaced: dict[str, nn.Module] = {}
+    for name, child, inputs in _child_calls(model, example_inputs):
+        with _child_prefix(model, name):
+            fused = from_module(child, *inputs, **options)
+        inner = getattr(fused, "specgen_report", None)
+        if inner is not None:
+            report.specs += inner.specs
+            report.fallbacks += [Fallback(f"{name}.{fb.node}", fb.reason) for fb in inner.fallbacks]
+            report.choices += inner.choices
+        if fused is not child:
+            replaced[name] = fused
+    if not replaced:
+        log.warning("%s runs as PyTorch: %s", type(model).__name__, why)
+        return model
+    log.info("%s: %s; %d of its children imported one by one (%s)", type(model).__name__, why, len(replaced),
+             ", ".join(replaced))
+    out = copy.copy(model)
+    out._modules = dict(model._modules)  # (its own children; parameters and buffers stay the model's)
+    out._modules.update(replaced)
+    out.specgen_report = report
+    return out
 
 
 def _graph_possible(model: nn.Module, example_inputs: tuple) -> Optional[str]:

@@ -158,7 +158,7 @@ class Analysis(Capture):
 
     def _layer_name(self, chain: _Chain) -> str:
         where = chain.conv.target if chain.conv.op == "call_module" else chain.weight.path
-        return sanitize(f"{self.name.lower()}_{where}", "layer")
+        return sanitize(f"{self.prefix}_{where}", "layer")
 
     # -- growing a chain ----------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ example inputs), and small helpers on nodes, shapes and names."""
 from __future__ import annotations
 
 import builtins
+import contextvars
 import operator
 import re
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ def _info(value):
         return tuple(_info(v) for v in value)
     return None
 
+
+# The start of spec names (default: the model's class name, lowercased); set while the children
+# of an untraceable model are imported one by one (the parent's, then the child's attribute name).
+SPEC_PREFIX: contextvars.ContextVar[str] = contextvars.ContextVar("specgen_spec_prefix", default="")
 
 _META_KEY = "specgen_tensor"
 _VALUE_KEY = "specgen_value"  # a number or a tuple of ints the node computed (a size, a product of sizes)
@@ -68,6 +73,7 @@ class Capture:
         self.model = model
         self.inputs = inputs
         self.name = type(model).__name__
+        self.prefix = SPEC_PREFIX.get() or self.name.lower()  # what its spec names start with
         self.gm: fx.GraphModule = fx.symbolic_trace(model)  # raises for untraceable models
         self.graph = self.gm.graph
         thread_inplace(self.gm)
