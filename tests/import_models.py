@@ -964,10 +964,24 @@ class SizeOfIntermediate(nn.Module):
 
 
 class AdaptiveToTwo(nn.Module):
+    """An adaptive pool whose output divides the input (6 x 6 -> 2 x 2): a 3 x 3 window, stride 3."""
+
     def __init__(self):
         super().__init__()
         self.conv = conv2d()
         self.pool = nn.AdaptiveAvgPool2d(2)
+
+    def forward(self, x):
+        return self.pool(torch.relu(self.conv(x)))
+
+
+class AdaptiveUneven(nn.Module):
+    """An adaptive pool whose output does not divide the input (6 x 6 -> 4 x 4): windows of two sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.pool = nn.AdaptiveMaxPool2d((4, None))
 
     def forward(self, x):
         return self.pool(torch.relu(self.conv(x)))
@@ -1169,6 +1183,7 @@ CASES: list[Case] = [
     Case(SizesInForward, IMG, [["relu", "avg_pool", "sum", "div"]]),
     Case(DtypeKeepingConversions, IMG, [["relu", "tanh"]]),
     Case(WhereForms, IMG, [["expr", "expr"]]),
+    Case(AdaptiveToTwo, IMG, [["relu", "avg_pool"]]),
     Case(InplaceStatements, IMG, [["mul", "add", "sigmoid", "relu"]]),
     Case(ReverseArith, IMG, [["expr", "expr", "add", "expr"]]),
     Case(MinMaxScalar, IMG, [["min", "max", "min", "max"]]),
@@ -1287,7 +1302,7 @@ FALLBACKS: list[FallbackCase] = [
         [("norm", "a fp16 layer with it cannot be planned")], id="SoftmaxFp16",
     ),
     FallbackCase(CeilModePool, IMG, [["relu"]], [("pool", "ceil_mode=True is not supported")]),
-    FallbackCase(AdaptiveToTwo, IMG, [["relu"]], [("pool", "output_size=2: only an output of 1 (a global pool) is fused")]),
+    FallbackCase(AdaptiveUneven, IMG, [["relu"]], [("pool", "output_size=(4, None) does not divide the input's [6, 6]")]),
     FallbackCase(PoolWithIndices, IMG, [["relu"]], [("pool", "return_indices=True is not supported")]),
     FallbackCase(EvenKernelSame, IMG, [], [("conv", "padding='same' with an even kernel span pads unevenly")]),
     FallbackCase(ReflectPadding, IMG, [], [("conv", "padding_mode='reflect'")]),

@@ -13,7 +13,8 @@ chain that grows while the next node is something a spec can say:
   pointwise DAG over the chain value, numbers and per-channel tensors (hardswish written out by
   hand, `x * torch.sigmoid(x)`, ...) becomes one `expr` stage; a plain sequence of ops becomes
   the named stages (`leaky_relu`, `add`, ...);
-* pools and reductions map to their spec ops; shape ops (view, reshape, flatten, squeeze,
+* pools and reductions map to their spec ops (an adaptive pool to 1 is a global pool; one whose
+  output size divides the input's is a windowed pool with kernel = stride = input / output); shape ops (view, reshape, flatten, squeeze,
   unsqueeze, and indexing with None and whole slices: `p[None, :, None, None]`) that only drop or
   insert size-1 dims are absorbed, and the fused layer's output is reshaped back to what the model
   returned;

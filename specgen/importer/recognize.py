@@ -359,9 +359,24 @@ def _pool(row: ops.Pool, spelling: ops.Spelling, nd: int) -> Callable[[dict], Po
         _refuse(spelling, b)
         size = b["output_size"]
         sizes = list(size) if isinstance(size, (list, tuple)) else [size]
-        if any(s != 1 for s in sizes):
-            raise Reject(f"output_size={size!r}: only an output of 1 (a global pool) is fused")
-        return PoolOp(b["input"], {row.name: {}}, nd)
+        if all(s == 1 for s in sizes):
+            return PoolOp(b["input"], {row.name: {}}, nd)
+        # An adaptive pool whose output size divides the input's is a windowed pool with
+        # kernel = stride = input / output (VGG's adaptive_avg_pool2d((7, 7)) on 14 x 14: 2 x 2).
+        shape = shape_of(b["input"]) if isinstance(b["input"], Node) else None
+        spatial = list(shape[-nd:]) if shape is not None and len(shape) >= nd + 1 else None
+        if spatial is not None and len(sizes) == 1:
+            sizes = sizes * nd
+        if spatial is None or len(sizes) != nd:
+            raise Reject(f"output_size={size!r}: only an output of 1 (a global pool) or one dividing the input is fused")
+        outs = [n if s is None else s for s, n in zip(sizes, spatial)]
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 or n % s for s, n in zip(outs, spatial)):
+            raise Reject(f"output_size={size!r} does not divide the input's {spatial}: its windows differ in size")
+        kernel = [n // s for s, n in zip(outs, spatial)]
+        if all(k == 1 for k in kernel):
+            return IdentityOp(b["input"])  # (the output is the input's size: the values as they are)
+        windowed = "avg_pool" if row.reduce == "avg" else "max_pool"
+        return PoolOp(b["input"], {windowed: {"kernel": kernel, "stride": kernel}}, nd)
 
     return window if row.windowed else to_one
 
