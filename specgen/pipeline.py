@@ -93,10 +93,10 @@ def _without_spills(item: Specialized, arch: str | None, igemm_config=None,
 
     Then, where the planner chose the tile (no tuned config, no tile in the spec), a smaller tile
     of the same engine, kept if it spills less: an FFMA register tile of half the channels per
-    thread (twice the threads, each holding half the accumulators; then a quarter, ...), an mma.sync slab warp tile of
-    half the n-tiles, a TMA tile of 128 positions instead of 256 (half the accumulators a consumer
-    thread holds through the epilogue). Each is a shape the tuner also times; a build that does not
-    spill is never rebuilt."""
+    thread (twice the threads, each holding half the accumulators; then a quarter, ...), an
+    mma.sync slab warp tile of half the n-tiles, a TMA tile of 128 positions instead of 256 (half
+    the accumulators a consumer thread holds through the epilogue). Each is a shape the tuner also
+    times; a build that does not spill is never rebuilt."""
     spec = item.spec
     pinned = spec.tile is not None and spec.tile.min_blocks
     one_block = 1 if item.plan["min_blocks"] > 1 and not pinned else None

@@ -14,10 +14,10 @@ chain that grows while the next node is something a spec can say:
   hand, `x * torch.sigmoid(x)`, ...) becomes one `expr` stage; a plain sequence of ops becomes
   the named stages (`leaky_relu`, `add`, ...);
 * pools and reductions map to their spec ops (an adaptive pool to 1 is a global pool; one whose
-  output size divides the input's is a windowed pool with kernel = stride = input / output); shape ops (view, reshape, flatten, squeeze,
-  unsqueeze, and indexing with None and whole slices: `p[None, :, None, None]`) that only drop or
-  insert size-1 dims are absorbed, and the fused layer's output is reshaped back to what the model
-  returned;
+  output size divides the input's is a windowed pool with kernel = stride = input / output);
+  shape ops (view, reshape, flatten, squeeze, unsqueeze, and indexing with None and whole slices:
+  `p[None, :, None, None]`) that only drop or insert size-1 dims are absorbed, and the fused
+  layer's output is reshaped back to what the model returned;
 * sizes read in forward that do not involve the batch (a pool's window `x.size()[2:]`, a divisor
   `x.shape[2] * x.shape[3]`) are numbers, as every size but the batch is fixed for a fused layer
   (`graph.batch_free_value`); one that involves the batch (`x / x.size(0)`) stays the model's;
