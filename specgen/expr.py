@@ -34,6 +34,8 @@ FUNCTIONS: dict[str, tuple[int, str, str]] = {
     "abs": (1, "fabsf({0})", "abs"),
     "exp": (1, "expf({0})", "exp"),
     "log": (1, "logf({0})", "log"),
+    "log1p": (1, "log1pf({0})", "log1p"),
+    "expm1": (1, "expm1f({0})", "expm1"),
     "sqrt": (1, "sqrtf({0})", "sqrt"),
     "tanh": (1, "tanhf({0})", "tanh"),
     "erf": (1, "erff({0})", "erf"),

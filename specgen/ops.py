@@ -726,7 +726,8 @@ _POINTWISE_ROWS = [
         lambda x, a, p: _torch().sigmoid(x),
         expr_function="sigmoid",
         spellings=(
-            Spelling("input", ("torch.sigmoid", "F.sigmoid", "torch.sigmoid_"), ("sigmoid", "sigmoid_"), ("Sigmoid",)),
+            Spelling("input", ("torch.sigmoid", "F.sigmoid", "torch.sigmoid_", "torch.special.expit"), ("sigmoid", "sigmoid_"),
+                     ("Sigmoid",)),
         ),
     ),
     Pointwise(
@@ -942,6 +943,15 @@ class AlphaArgs(Args):
     alpha: float = 1.0
 
 
+class ThresholdArgs(Args):
+    threshold: float
+    value: float
+
+
+class LambdArgs(Args):
+    lambd: float = 0.5
+
+
 @dataclass(frozen=True)
 class ExprOnly:
     """A PyTorch pointwise function that no op of the table names: the importer writes it as (part
@@ -1003,6 +1013,10 @@ EXPR_ONLY: dict[str, ExprOnly] = {
         ExprOnly("detach", lambda t, a: f"detach({t[0]})", (Spelling("input", ("torch.detach",), ("detach",)),)),
         _torch_function("exp", text="exp({x})"),
         _torch_function("log", text="log({x})"),
+        _torch_function("log1p", "torch.special.log1p", text="log1p({x})"),
+        _torch_function("expm1", "torch.special.expm1", text="expm1({x})"),
+        # (NaN gives 0 here, NaN in PyTorch)
+        ExprOnly("sign", lambda t, a: f"(({t[0]} > 0) - ({t[0]} < 0))", (Spelling("input", ("torch.sign",), ("sign", "sign_")),)),
         _torch_function("sqrt", text="sqrt({x})"),
         _torch_function("rsqrt", text="(1 / sqrt({x}))"),
         _torch_function("reciprocal", text="(1 / {x})"),
@@ -1026,6 +1040,29 @@ EXPR_ONLY: dict[str, ExprOnly] = {
             "selu",
             lambda t, a: f"({_SELU[0]!r} * (max({t[0]}, 0) + {_SELU[1]!r} * (exp(min({t[0]}, 0)) - 1)))",
             (Spelling(_INPLACE, ("F.selu", "torch.selu", "F.selu_"), (), ("SELU",)),),
+        ),
+        ExprOnly(
+            "logsigmoid", lambda t, a: f"(-softplus(-{t[0]}))", (Spelling("input", ("F.logsigmoid",), (), ("LogSigmoid",)),)
+        ),
+        ExprOnly(
+            "threshold",
+            lambda t, a: f"where({t[0]} > {expr_number(a['threshold'])}, {t[0]}, {expr_number(a['value'])})",
+            (Spelling("input, threshold, value, inplace=False", ("F.threshold", "F.threshold_", "torch.threshold",
+                                                                  "torch.threshold_"), (), ("Threshold",)),),
+            ThresholdArgs,
+        ),
+        ExprOnly(
+            "hardshrink",
+            lambda t, a: f"where(abs({t[0]}) > {expr_number(a['lambd'])}, {t[0]}, 0)",
+            (Spelling("input, lambd=0.5", ("F.hardshrink", "torch.hardshrink"), ("hardshrink",), ("Hardshrink",)),),
+            LambdArgs,
+        ),
+        ExprOnly(
+            "softshrink",
+            lambda t, a: (f"where({t[0]} > {expr_number(a['lambd'])}, {t[0]} - {expr_number(a['lambd'])}, "
+                          f"where({t[0]} < -{expr_number(a['lambd'])}, {t[0]} + {expr_number(a['lambd'])}, 0))"),
+            (Spelling("input, lambd=0.5", ("F.softshrink",), (), ("Softshrink",)),),
+            LambdArgs,
         ),
         ExprOnly(
             "hardsigmoid",

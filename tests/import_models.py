@@ -275,6 +275,20 @@ class WhereForms(nn.Module):
         return torch.where(0.5 <= y, torch.tanh(y - 0.5) + 0.5, y) * (y > -1)
 
 
+class MoreFunctions(nn.Module):
+    """Functions written as exprs: logsigmoid, softshrink, a threshold (continuous: value =
+    threshold), log1p, expm1, and expit as sigmoid."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        y = F.softshrink(F.logsigmoid(self.conv(x)) + 1.0, 0.25)
+        y = F.threshold(torch.log1p(y.abs()), 0.5, 0.5)
+        return torch.special.expit(torch.expm1(y) - 0.5)
+
+
 class DtypeKeepingConversions(nn.Module):
     """Conversions to the dtype the value already has (mixed-precision code's habit) are the value."""
 
@@ -1184,6 +1198,7 @@ CASES: list[Case] = [
     Case(DtypeKeepingConversions, IMG, [["relu", "tanh"]]),
     Case(WhereForms, IMG, [["expr", "expr"]]),
     Case(AdaptiveToTwo, IMG, [["relu", "avg_pool"]]),
+    Case(MoreFunctions, IMG, [["expr", "add", "expr", "expr", "expr", "expr", "expr", "sub", "sigmoid"]]),
     Case(InplaceStatements, IMG, [["mul", "add", "sigmoid", "relu"]]),
     Case(ReverseArith, IMG, [["expr", "expr", "add", "expr"]]),
     Case(MinMaxScalar, IMG, [["min", "max", "min", "max"]]),

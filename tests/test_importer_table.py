@@ -59,7 +59,10 @@ class Spelled(nn.Module):
             required = [
                 p for p in inspect.signature(cls).parameters.values() if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD
             ]
-            self.op = cls(C) if required else cls()  # nn.BatchNormNd(num_features)
+            if row_name == "threshold":  # its threshold and value have no defaults
+                self.op = cls(0.5, 0.0)
+            else:
+                self.op = cls(C) if required else cls()  # nn.BatchNormNd(num_features)
 
     def forward(self, x):
         x = self.conv(x)
@@ -81,6 +84,8 @@ class Spelled(nn.Module):
             return x * call(x, *more)
         if self.row == "where":  # its condition a comparison
             return call(x > 0.5, x, *more[1:])
+        if self.row == "threshold":
+            return call(x, 0.5, 0.0)
         return call(x, *more)
 
 
@@ -136,9 +141,14 @@ def test_a_spelling_added_to_a_row_is_recognized(monkeypatch):
             return torch.special.expit(self.conv(x))
 
     x = torch.randn(2, 3, 6, 6)
-    assert "torch.special.expit is not a supported op" in str(explain(Expit(), x))
     row = ops.POINTWISE["sigmoid"]
-    more = dataclasses.replace(row, spellings=(*row.spellings, ops.Spelling("input", ("torch.special.expit",))))
+    # (the row spells it; without that spelling it is unknown)
+    spellings = tuple(dataclasses.replace(sp, functions=tuple(f for f in sp.functions if f != "torch.special.expit"))
+                      for sp in row.spellings)
+    monkeypatch.setitem(ops.POINTWISE, "sigmoid", dataclasses.replace(row, spellings=spellings))
+    monkeypatch.setattr(recognize, "_TABLES", recognize._tables())
+    assert "torch.special.expit is not a supported op" in str(explain(Expit(), x))
+    more = dataclasses.replace(row, spellings=(*spellings, ops.Spelling("input", ("torch.special.expit",))))
     monkeypatch.setitem(ops.POINTWISE, "sigmoid", more)
     monkeypatch.setattr(recognize, "_TABLES", recognize._tables())
     report = explain(Expit(), x)

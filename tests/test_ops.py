@@ -291,13 +291,15 @@ int main() {{
 
 
 @pytest.mark.nvcc
-def test_comparisons_and_where_compile(tmp_path, monkeypatch):
+def test_comparisons_where_log1p_and_expm1_compile(tmp_path, monkeypatch):
     from specgen import pipeline
     from specgen.spec import validate
 
     monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path / "cache"))
     spec = validate({"name": "where_expr", "input": {"channels": 8, "size": [12, 12]}, "conv": {"out_channels": 32, "kernel": 3},
-                     "epilogue": [{"expr": "where(x > 0, x, 0.2 * x) * (x <= t)"}], "precision": "tf32"})
+                     "epilogue": [{"expr": "where(x > 0, x, 0.2 * x) * (x <= t) + log1p(abs(x)) - expm1(-abs(x))"}],
+                     "precision": "tf32"})
     item = pipeline.specialize(spec, "sm_90", tuned=False)
     assert item.build.registers > 0 and item.build.spill_bytes == 0, item.build.log
     assert "? 1.0f : 0.0f" in item.source and "!= 0.0f ?" in item.source
+    assert "log1pf(" in item.source and "expm1f(" in item.source
