@@ -981,7 +981,8 @@ class BoxMemory:
 
 def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dict, reductions: list,
                 in3: tuple, k3: tuple, s3: tuple, p3: tuple, d3: tuple, taps: int, target: Target,
-                slab: SlabConfig | None = None, exact_sums: bool = False, ffma_ct: int | None = None) -> BoxTiling:
+                slab: SlabConfig | None = None, exact_sums: bool = False, ffma_ct: int | None = None,
+                spread: bool = True) -> BoxTiling:
     """Pass 5, the box engines' tiling (slab on tensor cores, else FFMA): the box of T1 a block
     owns, the register tile, the threads, the blocks per sample and their clusters, and the tail's
     owners (the kept elements of a box and the lanes each). A tile's fields in the spec decide where
@@ -1093,7 +1094,7 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         if not w_in_box and pt != 1:
             raise PlanError(["tile.positions_per_thread: must be 1 when width is reduced one position at a time"])
         heavy = False
-        if not reductions:
+        if not reductions and spread:
             # (the conv outputs behind one T1 value: a pool's window, at the pools' strides)
             macs_per_value = (cin // groups) * taps * math.prod(levels[0]["out"]) / math.prod(t1[1:])
             ct, pt, heavy = _spread_heavy_tiles(ct, pt, t1, macs_per_value, tile is None or tile.channels_per_thread is None,
@@ -1390,6 +1391,15 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     cout_g = cout // groups
     bt = _box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, target, settings.slab,
                      bool(settings.exact_sums), settings.ffma_ct)
+    if bt.mma is None and not reductions:
+        # Spread heavy FFMA tiles only where that gives a sample more threads: smaller tiles on as
+        # many threads only lose register reuse (measured: 256 -> 8 channels 3x3 at 64^2, avg pool,
+        # fp32: 0.38 ms with 8 x 4 tiles, 0.56 with 4 x 4 on the same 256 threads, H100, NOTES v48)
+        plain = _box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, target, settings.slab,
+                            bool(settings.exact_sums), settings.ffma_ct, spread=False)
+        if (plain.ct, plain.pt) != (bt.ct, bt.pt) and \
+                bt.threads * bt.blocks_per_sample <= plain.threads * plain.blocks_per_sample:
+            bt = plain
     mma, box, ct, pt, threads = bt.mma, bt.box, bt.ct, bt.pt, bt.threads
     thread_tiles, tile_iters, split_channels = bt.thread_tiles, bt.tile_iters, bt.split_channels
     f_axes, r1_axes, f1_axes, tiles, chunks = bt.f_axes, bt.r1_axes, bt.f1_axes, bt.tiles, bt.chunks

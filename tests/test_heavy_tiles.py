@@ -31,9 +31,9 @@ LAYERS = {
 }
 
 
-def spec_of(name: str, **changes):
-    inp, conv, epilogue, precision = LAYERS[name]
-    return validate({"name": name, "input": inp, "conv": conv, "epilogue": epilogue, "precision": precision, **changes})
+def spec_of(key: str, **changes):
+    inp, conv, epilogue, precision = LAYERS[key]
+    return validate({"name": key, "input": inp, "conv": conv, "epilogue": epilogue, "precision": precision, **changes})
 
 
 def sample_threads(plan) -> int:
