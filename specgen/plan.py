@@ -570,7 +570,8 @@ NESTED_POOL_TILE = 16  # most register-tile values (CT x PT) per level when two 
 # 2.4 million). Left to the planner, the register tile shrinks (CT, then PT, halved) until a sample
 # has FFMA_SPREAD_TILES thread tiles or a tile FFMA_HEAVY_TILE_MACS multiply-adds or fewer, and
 # such heavy tiles are not stacked four to a thread where a sample has fewer than four times that
-# many. Chosen from that arithmetic; not timed.
+# many; kept only where a sample gets more threads (`_box_tiling`). Chosen from that arithmetic;
+# timed on three layers (an H100, NOTES v48: 1.2-3.8x, and 1.00x where the threads stay the same).
 FFMA_SPREAD_TILES = 1024
 FFMA_HEAVY_TILE_MACS = 1 << 16
 
@@ -1070,7 +1071,7 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
             raise PlanError(["tile.engine: the slab engine's staged input and weights do not fit in shared memory"])
         if mma is None and tile is not None and tile.tensor_cores:
             raise PlanError(["tile.tensor_cores: the staged input and weights do not fit in shared memory"])
-    split_channels = False
+    split_channels = spread_out = False
     if mma is not None:
         box = mma.box
         ct, pt = 8, 16
@@ -1097,8 +1098,10 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         if not reductions and spread:
             # (the conv outputs behind one T1 value: a pool's window, at the pools' strides)
             macs_per_value = (cin // groups) * taps * math.prod(levels[0]["out"]) / math.prod(t1[1:])
+            planned = (ct, pt)
             ct, pt, heavy = _spread_heavy_tiles(ct, pt, t1, macs_per_value, tile is None or tile.channels_per_thread is None,
                                                 tile is None or tile.positions_per_thread is None)
+            spread_out = (ct, pt) != planned
 
         target_threads = 256
         # A reduction over channels whose kept part is small: the channels are split across a
@@ -1164,12 +1167,21 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
             lanes *= 2
     owner_iters = _ceil_div(nf * lanes, threads)
 
-    return BoxTiling(
+    tiling = BoxTiling(
         mma=mma, box=box, ct=ct, pt=pt, threads=threads, thread_tiles=thread_tiles, tile_iters=tile_iters,
         split_channels=split_channels, f_axes=f_axes, r1_axes=r1_axes, f1_axes=f1_axes, tiles=tiles, chunks=chunks,
         f_tiles=f_tiles, r1_chunks=r1_chunks, cluster=cluster, blocks_per_sample=blocks_per_sample, nf=nf, nr=nr,
         lanes=lanes, owner_iters=owner_iters,
     )
+    if spread_out:
+        # The spread tiles only where a sample gets more threads: smaller tiles on as many threads
+        # only lose register reuse (256 -> 8 channels 3x3 at 64^2, avg pool, fp32: 0.38 ms with 8 x 4
+        # tiles, 0.56 with 4 x 4 on the same 256 threads; H100, NOTES v48)
+        plain = _box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, target, slab,
+                            exact_sums, ffma_ct, spread=False)
+        if threads * blocks_per_sample <= plain.threads * plain.blocks_per_sample:
+            return plain
+    return tiling
 
 
 def _spread_heavy_tiles(ct: int, pt: int, t1: tuple, macs_per_value: float, can_ct: bool, can_pt: bool) -> tuple[int, int, bool]:
@@ -1391,15 +1403,6 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     cout_g = cout // groups
     bt = _box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, target, settings.slab,
                      bool(settings.exact_sums), settings.ffma_ct)
-    if bt.mma is None and not reductions:
-        # Spread heavy FFMA tiles only where that gives a sample more threads: smaller tiles on as
-        # many threads only lose register reuse (measured: 256 -> 8 channels 3x3 at 64^2, avg pool,
-        # fp32: 0.38 ms with 8 x 4 tiles, 0.56 with 4 x 4 on the same 256 threads, H100, NOTES v48)
-        plain = _box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, target, settings.slab,
-                            bool(settings.exact_sums), settings.ffma_ct, spread=False)
-        if (plain.ct, plain.pt) != (bt.ct, bt.pt) and \
-                bt.threads * bt.blocks_per_sample <= plain.threads * plain.blocks_per_sample:
-            bt = plain
     mma, box, ct, pt, threads = bt.mma, bt.box, bt.ct, bt.pt, bt.threads
     thread_tiles, tile_iters, split_channels = bt.thread_tiles, bt.tile_iters, bt.split_channels
     f_axes, r1_axes, f1_axes, tiles, chunks = bt.f_axes, bt.r1_axes, bt.f1_axes, bt.tiles, bt.chunks

@@ -155,43 +155,46 @@ def _size_tags(node: Node, memo: dict):
     """The value `node` computes from tensor sizes alone, each number tagged with whether it
     depends on a batch size: (value, batch) for a number, a tuple of those for a tuple; None for
     anything else. A tensor's dim 0 is taken as its batch (what `from_module` leaves free)."""
-    if node in memo:
-        return memo[node]
-    memo[node] = None  # (a cycle cannot occur in a graph; this only guards the recursion)
-    value = node.meta.get(_VALUE_KEY)
-    out = None
-    args = node.args
+    if node not in memo:
+        memo[node] = _size_value(node, memo)
+    return memo[node]
+
+
+def _size_value(node: Node, memo: dict):
+    """`_size_tags` of `node`, computed (its inputs' through the memo)."""
+    value, args = node.meta.get(_VALUE_KEY), node.args
     if value is None:
-        pass
-    elif (node.op == "call_method" and node.target == "size" and not node.kwargs) or \
+        return None
+    if (node.op == "call_method" and node.target == "size" and not node.kwargs) or \
             (node.op == "call_function" and node.target is builtins.getattr and len(args) == 2 and args[1] == "shape"):
         if len(args) == 1 or node.target is builtins.getattr:
-            out = tuple((v, i == 0) for i, v in enumerate(value))
-        elif len(args) == 2 and isinstance(args[1], int) and isinstance(args[0], Node):
+            return tuple((v, i == 0) for i, v in enumerate(value))
+        if len(args) == 2 and isinstance(args[1], int) and isinstance(args[0], Node):
             rank = len(shape_of(args[0]) or ())
-            out = (value, rank > 0 and args[1] % rank == 0)
-    elif node.op == "call_method" and node.target in ("dim", "ndimension") and isinstance(value, int):
-        out = (value, False)
-    elif node.op == "call_function" and node.target is operator.getitem and len(args) == 2 and isinstance(args[0], Node):
+            return (value, rank > 0 and args[1] % rank == 0)
+        return None
+    if node.op == "call_method" and node.target in ("dim", "ndimension") and isinstance(value, int):
+        return (value, False)
+    if node.op == "call_function" and node.target is operator.getitem and len(args) == 2 and isinstance(args[0], Node):
         base = _size_tags(args[0], memo)
-        if isinstance(base, tuple) and base and isinstance(base[0], tuple):
+        if isinstance(base, tuple) and base and isinstance(base[0], tuple) and isinstance(args[1], (int, slice)):
             try:
-                out = base[args[1]] if isinstance(args[1], (int, slice)) else None
+                return base[args[1]]
             except IndexError:
-                out = None
-    elif node.op == "call_function" and node.target in _SIZE_ARITHMETIC and len(args) == 2:
-        deps = []
+                return None
+        return None
+    if node.op == "call_function" and node.target in _SIZE_ARITHMETIC and len(args) == 2:
+        batch = False
         for a in args:
             if isinstance(a, Node):
                 tags = _size_tags(a, memo)
                 if not (isinstance(tags, tuple) and len(tags) == 2 and not isinstance(tags[0], tuple)):
                     return None
-                deps.append(tags[1])
+                batch = batch or tags[1]
             elif not isinstance(a, (int, float)) or isinstance(a, bool):
                 return None
-        out = (value, any(deps))
-    memo[node] = out
-    return out
+        return (value, batch)
+    return None
 
 
 def batch_free_value(node: Node, memo: dict):
