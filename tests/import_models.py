@@ -941,6 +941,41 @@ class ReflectPadding(nn.Module):
         return torch.relu(self.conv(x))
 
 
+class OtherPaddingModes(nn.Module):
+    """Replicate and circular padding, 3-D and 1-D: each conv runs unpadded after its padded copy."""
+
+    def __init__(self, nd: int = 3):
+        super().__init__()
+        conv = {1: nn.Conv1d, 3: nn.Conv3d}[nd]
+        self.a = conv(C_IN, C, 3, padding=1, padding_mode="replicate")
+        self.b = conv(C, C, 3, padding=2, dilation=2, padding_mode="circular", bias=False)
+
+    def forward(self, x):
+        return F.silu(self.b(torch.tanh(self.a(x))))
+
+
+class ZeroPadIntoConv(nn.Module):
+    """An explicit zero F.pad, even per dim, before a conv: taken into the conv's padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d(padding=1)
+        self.w = nn.Parameter(torch.randn(C, C, 3, 3))
+
+    def forward(self, x):
+        y = torch.relu(self.conv(F.pad(x, (2, 2, 1, 1))))
+        return torch.sigmoid(F.conv2d(F.pad(y, [1, 1], mode="constant", value=0.0), self.w))
+
+
+class UnevenZeroPad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+
+    def forward(self, x):
+        return torch.relu(self.conv(F.pad(x, (1, 0, 1, 1))))
+
+
 class DoubleModel(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1198,6 +1233,7 @@ CASES: list[Case] = [
     Case(DtypeKeepingConversions, IMG, [["relu", "tanh"]]),
     Case(WhereForms, IMG, [["expr", "expr"]]),
     Case(AdaptiveToTwo, IMG, [["relu", "avg_pool"]]),
+    Case(ZeroPadIntoConv, IMG, [["relu"], ["sigmoid"]]),
     Case(MoreFunctions, IMG, [["expr", "add", "expr", "expr", "expr", "expr", "expr", "sub", "sigmoid"]]),
     Case(InplaceStatements, IMG, [["mul", "add", "sigmoid", "relu"]]),
     Case(ReverseArith, IMG, [["expr", "expr", "add", "expr"]]),
@@ -1319,8 +1355,14 @@ FALLBACKS: list[FallbackCase] = [
     FallbackCase(CeilModePool, IMG, [["relu"]], [("pool", "ceil_mode=True is not supported")]),
     FallbackCase(AdaptiveUneven, IMG, [["relu"]], [("pool", "output_size=(4, None) does not divide the input's [6, 6]")]),
     FallbackCase(PoolWithIndices, IMG, [["relu"]], [("pool", "return_indices=True is not supported")]),
-    FallbackCase(EvenKernelSame, IMG, [], [("conv", "padding='same' with an even kernel span pads unevenly")]),
-    FallbackCase(ReflectPadding, IMG, [], [("conv", "padding_mode='reflect'")]),
+    # (padding other than zeros on both sides: the padded copy stays PyTorch, the conv after it fuses)
+    FallbackCase(EvenKernelSame, IMG, [["relu"]], [("pad", "for conv's padding='same' over an even kernel span")]),
+    FallbackCase(ReflectPadding, IMG, [["relu"]], [("pad", "for conv's padding_mode='reflect'")]),
+    FallbackCase(OtherPaddingModes, VOL, [["tanh"], ["silu"]],
+                 [("pad", "for a's padding_mode='replicate'"), ("pad_1", "for b's padding_mode='circular'")]),
+    FallbackCase(lambda: OtherPaddingModes(nd=1), SEQ, [["tanh"], ["silu"]],
+                 [("pad_1", "for b's padding_mode='circular'")], id="OtherPaddingModes1d"),
+    FallbackCase(UnevenZeroPad, IMG, [["relu"]], [("pad", "F.pad is not a supported op")]),
     FallbackCase(_double, IMG, [], [("conv", "only float32, bfloat16 and float16 layers are fused")], id="DoubleModel"),
     FallbackCase(SizeOfIntermediate, IMG, [["relu"]], [("mul", "operand getitem is computed by the model")]),
     FallbackCase(lambda: Centering(dims=(1,)), IMG, [["relu"]],

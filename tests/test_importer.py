@@ -250,6 +250,27 @@ def test_conv_geometry_is_read_from_modules_and_functions():
     assert spec.canonical()["conv"]["padding"] == [1, 1]
 
 
+def test_padding_the_conv_cannot_say_is_written_out_and_a_zero_pad_is_taken_in():
+    """A conv padded otherwise than the same zeros on both sides runs unpadded after an F.pad that
+    stays PyTorch (as PyTorch runs it); a zero F.pad, even per dim, joins the conv's own padding."""
+    model = im.ZeroPadIntoConv()
+    report = explain(model, torch.randn(im.IMG))
+    assert [s.canonical()["conv"]["padding"] for s in report.specs] == [[2, 3], [0, 1]]
+    assert [s.name for s in report.specs] == ["zeropadintoconv_conv", "zeropadintoconv_w"]
+    fused = from_module(model, torch.randn(im.IMG))
+    assert not [n for n in fused.graph.nodes if n.target is torch.nn.functional.pad]
+    for make, kernel in ((im.ReflectPadding, [3, 3]), (im.EvenKernelSame, [2, 2])):
+        model = make().eval()
+        (spec,) = explain(model, torch.randn(im.IMG)).specs
+        assert spec.name.endswith("_conv") and spec.canonical()["conv"]["kernel"] == kernel
+        assert spec.canonical()["conv"]["padding"] == [0, 0]
+        fused, x = from_module(model, torch.randn(im.IMG)), torch.randn(3, *im.IMG[1:])
+        assert [n.kwargs.get("mode") for n in fused.graph.nodes if n.target is torch.nn.functional.pad] == \
+            ["reflect" if make is im.ReflectPadding else "constant"]
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), model(x))
+
+
 def test_the_report_round_trips_through_yaml():
     torch.manual_seed(0)
     report = explain(im.TwoChains(), torch.randn(im.IMG))

@@ -16,6 +16,7 @@ from torch.fx import Node
 from specgen import ops, tmarun
 from specgen.importer.exprs import Regions, ancestors, cut_points
 from specgen.importer.graph import (
+    CONV_MODULE_KEY,
     Capture,
     dtype_of,
     is_accessor,
@@ -157,7 +158,8 @@ class Analysis(Capture):
             self.covered[n] = chain
 
     def _layer_name(self, chain: _Chain) -> str:
-        where = chain.conv.target if chain.conv.op == "call_module" else chain.weight.path
+        where = chain.conv.target if chain.conv.op == "call_module" else \
+            chain.conv.meta.get(CONV_MODULE_KEY, chain.weight.path)
         return sanitize(f"{self.prefix}_{where}", "layer")
 
     # -- growing a chain ----------------------------------------------------------------------

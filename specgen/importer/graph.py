@@ -77,6 +77,7 @@ class Capture:
         self.gm: fx.GraphModule = fx.symbolic_trace(model)  # raises for untraceable models
         self.graph = self.gm.graph
         thread_inplace(self.gm)
+        explicit_padding(self.gm)
         self._propagate()
         self.nodes = list(self.graph.nodes)
         self.order = {n: i for i, n in enumerate(self.nodes)}
@@ -143,6 +144,165 @@ def thread_inplace(gm: fx.GraphModule) -> None:
             changed = changed or bool(moved)
     if changed:
         gm.recompile()
+
+
+# On an F.pad node `explicit_padding` wrote: the padding it stands for (what the report says of it)
+PADDING_KEY = "specgen_padding"
+# On a functional conv `explicit_padding` wrote for a conv module: the module's path (its chain's name)
+CONV_MODULE_KEY = "specgen_conv_module"
+_CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_MODULES = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+
+
+def _conv_call(gm: fx.GraphModule, node: Node) -> Optional[tuple[int, dict]]:
+    """(spatial dims, arguments by name) of a forward convolution called as a module or a function
+    with literal geometry, else None. A module's weight and bias are read by new get_attr nodes."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        nd = _CONV_MODULES.get(type(module))
+        if nd is None or len(node.args) != 1 or node.kwargs:
+            return None
+        with gm.graph.inserting_before(node):
+            weight = gm.graph.get_attr(f"{node.target}.weight")
+            bias = None if module.bias is None else gm.graph.get_attr(f"{node.target}.bias")
+        return nd, {"input": node.args[0], "weight": weight, "bias": bias, "stride": module.stride,
+                    "padding": module.padding, "dilation": module.dilation, "groups": module.groups,
+                    "padding_mode": module.padding_mode, "kernel": tuple(module.kernel_size)}
+    if node.op == "call_function":
+        nd = next((n for n, fn in _CONV_FUNCTIONS.items() if node.target is fn), None)
+        if nd is None:
+            return None
+        names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+        if len(node.args) > len(names) or not set(node.kwargs) <= set(names):
+            return None
+        bound = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1,
+                 **dict(zip(names, node.args)), **node.kwargs}
+        weight = bound["weight"]
+        if not (isinstance(weight, Node) and weight.op == "get_attr"):
+            return None
+        kernel = tuple(_fetch(gm, weight.target).shape[2:])
+        return nd, {**bound, "padding_mode": "zeros", "kernel": kernel}
+    return None
+
+
+def _fetch(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _per_dim(value, nd: int) -> Optional[tuple]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,) * nd
+    if isinstance(value, (tuple, list)) and len(value) == nd and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    return None
+
+
+def _same_pads(conv: dict, nd: int) -> Optional[list[tuple[int, int]]]:
+    """(before, after) per spatial dim of padding='same' as PyTorch pads it: the kernel's span less
+    one, the smaller half before."""
+    dilation = _per_dim(conv["dilation"], nd)
+    if dilation is None or len(conv["kernel"]) != nd:
+        return None
+    totals = [d * (k - 1) for d, k in zip(dilation, conv["kernel"])]
+    return [(t // 2, t - t // 2) for t in totals]
+
+
+def _pads_of(conv: dict, nd: int) -> Optional[list[tuple[int, int]]]:
+    padding = conv["padding"]
+    if padding == "same":
+        return _same_pads(conv, nd)
+    if padding == "valid":
+        return [(0, 0)] * nd
+    per = _per_dim(padding, nd)
+    return None if per is None else [(p, p) for p in per]
+
+
+def _replace_conv(gm: fx.GraphModule, node: Node, nd: int, conv: dict, source: Node, padding: tuple) -> None:
+    with gm.graph.inserting_before(node):
+        call = gm.graph.call_function(_CONV_FUNCTIONS[nd], (source, conv["weight"], conv["bias"], conv["stride"],
+                                                            padding, conv["dilation"], conv["groups"]))
+    if node.op == "call_module":
+        call.meta[CONV_MODULE_KEY] = node.target
+    node.replace_all_uses_with(call)
+    gm.graph.erase_node(node)
+
+
+def explicit_padding(gm: fx.GraphModule) -> None:
+    """Convolutions padded otherwise than the same zeros on both sides, written as PyTorch runs them:
+    the input padded first (`F.pad`, left running as PyTorch), then the conv unpadded, which a fused
+    chain can take. So a conv with padding_mode 'reflect', 'replicate' or 'circular', or with
+    padding='same' over an even kernel span (one more zero after than before), starts a chain like
+    any other. And the other way round, a zero `F.pad` that pads each spatial dim evenly before a
+    conv is taken into the conv's own padding, sparing the padded copy."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op not in ("call_module", "call_function"):
+            continue
+        if node.op == "call_function" and node.target is F.pad:
+            changed = _fold_zero_pad(gm, node) or changed
+            continue
+        found = _conv_call(gm, node) if node.op == "call_module" or node.target in _CONV_FUNCTIONS.values() else None
+        if found is None:
+            continue
+        nd, conv = found
+        pads = _pads_of(conv, nd)
+        uneven = pads is not None and any(a != b for a, b in pads)
+        if pads is None or (conv["padding_mode"] == "zeros" and not uneven):
+            _drop_unused(gm, conv)
+            continue
+        mode = {"zeros": "constant"}.get(conv["padding_mode"], conv["padding_mode"])
+        flat = tuple(v for pair in reversed(pads) for v in pair)  # F.pad's order: the last dim first
+        with gm.graph.inserting_before(node):
+            padded = gm.graph.call_function(F.pad, (conv["input"], flat), {"mode": mode})
+        why = f"padding_mode={conv['padding_mode']!r}" if conv["padding_mode"] != "zeros" else \
+            "padding='same' over an even kernel span (one more zero after than before)"
+        label = node.target if node.op == "call_module" else node.name
+        padded.meta[PADDING_KEY] = f"{label}'s {why}"
+        _replace_conv(gm, node, nd, conv, padded, (0,) * nd)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _drop_unused(gm: fx.GraphModule, conv: dict) -> None:
+    """Erase the get_attr nodes `_conv_call` made for a module conv left as it is."""
+    for key in ("weight", "bias"):
+        node = conv.get(key)
+        if isinstance(node, Node) and node.op == "get_attr" and not node.users:
+            gm.graph.erase_node(node)
+
+
+def _fold_zero_pad(gm: fx.GraphModule, pad: Node) -> bool:
+    """Take a zero F.pad that pads each spatial dim evenly into the one conv that reads it."""
+    names = ("input", "pad", "mode", "value")
+    if len(pad.args) > len(names) or not set(pad.kwargs) <= set(names):
+        return False
+    bound = {"mode": "constant", "value": None, **dict(zip(names, pad.args)), **pad.kwargs}
+    flat = bound["pad"]
+    if bound["mode"] != "constant" or bound["value"] not in (None, 0, 0.0) or len(pad.users) != 1:
+        return False
+    if not (isinstance(flat, (tuple, list)) and flat and len(flat) % 2 == 0
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in flat)):
+        return False
+    user = next(iter(pad.users))
+    found = _conv_call(gm, user)
+    if found is None:
+        return False
+    nd, conv = found
+    pairs = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)][::-1]  # outermost padded dim first
+    own = _pads_of(conv, nd) if conv["padding_mode"] == "zeros" else None
+    if conv["input"] is not pad or own is None or len(pairs) > nd or any(a != b for a, b in pairs) \
+            or any(a != b for a, b in own):
+        _drop_unused(gm, conv)
+        return False
+    extra = [0] * (nd - len(pairs)) + [a for a, _ in pairs]
+    _replace_conv(gm, user, nd, conv, bound["input"], tuple(p + e for (p, _), e in zip(own, extra)))
+    gm.graph.erase_node(pad)
+    return True
 
 
 # ---- sizes read in forward ---------------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from specgen import ops
-from specgen.importer.graph import batch_free_value, function_label, hashable, shape_of
+from specgen.importer.graph import PADDING_KEY, batch_free_value, function_label, hashable, shape_of
 
 # =============================================================================================
 # What a node means: the descriptions the builders return
@@ -735,6 +735,9 @@ class Recognizer:
         if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2 \
                 and _inserts_dims_only(node.args[1]):
             return ShapeOp(node.args[0])  # p[None, :, None, None]: a view with size-1 dims inserted
+        if PADDING_KEY in node.meta:
+            raise Reject(f"the padded copy of the input for {node.meta[PADDING_KEY]} runs as PyTorch "
+                         "(the conv after it is fused, unpadded)")
         if node.op == "call_function":
             found = _TABLES.functions.get(node.target) if hashable(node.target) else None
         elif node.op == "call_method":
