@@ -410,7 +410,12 @@ def pool_split(spec: LayerSpec, target, rewrites: bool = True) -> int | None:
             or k < (POOL_SPLIT_FEW_CHANNELS_MIN_K if few_channels else POOL_SPLIT_MIN_K if windowed else 2 * POOL_SPLIT_MIN_K):
         return None
     body = _cut(spec, first)
-    if tma.why_not(body, [None], [], target) or not tma.worth_it(body):
+    if tma.why_not(body, [None], [], target):
+        return None
+    if not tma.worth_it(body) and not (few_channels and windowed):
+        # (few channels over a deep K split anyway: the body then runs where the planner puts the
+        # conv alone, the implicit GEMM where the TMA engine's layout pass does not pay; whole, the
+        # FFMA engine gives each thread hundreds of thousands of multiply-adds)
         return None
     if not windowed:
         # A reduction after a plain conv of 32 input channels or more: split only where the whole
@@ -544,6 +549,8 @@ def plan_channel_norm(spec: LayerSpec, target=None, tma_config=None, settings=No
 def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None) -> SequencePlan:
     """The plan of a layer split before its first windowed pool (`pool_split`): the body (the conv
     and the pointwise ops before it, on `split_engine`'s engine) into T0, then the rest."""
+    from specgen import tma
+
     first = spec.epilogue[at]
     what = "a pool between the conv and the output" if first.kind == "pool" and ops.POOLS[first.op].windowed else "a fused reduction"
 
@@ -554,6 +561,8 @@ def plan_pool_split(spec: LayerSpec, at: int, target=None, settings=None) -> Seq
                 f"the pool and what follows read it in a further kernel over an identity conv (1x1 depthwise, weights 1: exact)")
 
     engine = split_engine(spec, at, target)
+    if engine == "tma" and not spec.conv.transposed and not tma.worth_it(_cut(spec, at)):
+        engine = None  # the conv alone where the planner puts it (few channels over a deep K: `pool_split`)
     plan = plan_split(spec, at, engine, why, target, settings)
     if engine is None and plan.parts[0].plan.engine == "ffma":
         # Left to the planner (few input channels: the slab engine), a body whose staged weights do

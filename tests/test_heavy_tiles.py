@@ -23,7 +23,8 @@ LAYERS = {
                       ["silu", {"max_pool": {"kernel": 2}}], "tf32"),
     "split_fp32": ({"channels": 384, "size": [17, 17]}, {"out_channels": 24, "kernel": 5, "padding": 2},
                    [{"add": {"param": "b2"}}, {"max_pool": {"kernel": 2}}], "fp32"),
-    # the TMA engine does not run these convs in fp32 (too few multiply-adds per input byte): FFMA, spread
+    # the TMA engine's layout pass does not pay for these convs in fp32 (too few multiply-adds per
+    # input byte): split, the body on the implicit GEMM; on FFMA (a tile naming it), spread
     "spread_fp32": ({"channels": 512, "size": [28, 28]}, {"out_channels": 16, "kernel": 3, "padding": 1},
                     [{"mul": {"value": 0.5}}, "tanh", {"avg_pool": {"kernel": 2}}], "fp32"),
     "spread_8ch": ({"channels": 256, "size": [32, 32]}, {"out_channels": 8, "kernel": 3, "padding": 1},
@@ -59,11 +60,20 @@ def test_few_channels_with_a_shallow_k_stay_whole():
 
 
 @pytest.mark.parametrize("name", ["spread_fp32", "spread_8ch"])
+def test_few_channels_with_a_deep_k_split_where_the_tma_engine_does_not_pay(name):
+    """In fp32 the TMA engine's layout pass does not pay for these convs alone (`tma.worth_it`): the
+    split's body runs where the planner puts the conv alone, the implicit GEMM."""
+    plan = build_plan(spec_of(name))
+    assert plan["engine"] == "sequence"
+    assert plan["parts"][0].plan["engine"] == "igemm"
+
+
+@pytest.mark.parametrize("name", ["spread_fp32", "spread_8ch"])
 def test_heavy_ffma_tiles_spread_over_more_threads(name):
-    spec = spec_of(name)
+    spec = spec_of(name, tile={"engine": "ffma"})
     plan = build_plan(spec)
     assert plan["engine"] == "ffma"
-    pinned = build_plan(spec_of(name, tile={"channels_per_thread": 8, "positions_per_thread": 4}))
+    pinned = build_plan(spec_of(name, tile={"engine": "ffma", "channels_per_thread": 8, "positions_per_thread": 4}))
     assert (pinned["ct"], pinned["pt"]) == (8, 4)
     assert plan["ct"] * plan["pt"] < 32 and sample_threads(plan) >= 4 * sample_threads(pinned)
 
@@ -103,4 +113,16 @@ def test_heavy_layers_on_the_gpu(name):
 
     layer = FusedLayer(spec_of(name, name=f"heavy_{name}")).cuda()
     for batch, seed in ((1, 1), (3, 2)):
+        compare(layer, batch, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["spread_fp32", "spread_8ch"])
+def test_spread_ffma_tiles_on_the_gpu(name):
+    from gpu_helpers import compare
+
+    from specgen import FusedLayer
+
+    layer = FusedLayer(spec_of(name, name=f"heavy_ffma_{name}", tile={"engine": "ffma"})).cuda()
+    for batch, seed in ((1, 3), (3, 4)):
         compare(layer, batch, seed)
