@@ -94,6 +94,42 @@ class ConvSpec(Model):
     transposed: bool = False
     output_padding: IntOrList = 0
 
+    @model_validator(mode="before")
+    @classmethod
+    def _padding_words(cls, data):
+        """`padding: same` or `valid`, as nn.Conv*d takes them, written as the numbers they pad."""
+        if not isinstance(data, dict) or not isinstance(data.get("padding"), str):
+            return data
+        if data["padding"] not in ("same", "valid"):
+            raise ValueError(f"padding: a number, one per spatial dim, 'same' or 'valid' (got {quote(data['padding'])})")
+        if data["padding"] == "valid":
+            return {**data, "padding": 0}
+        kernel, dilation, stride = data.get("kernel"), data.get("dilation", 1), data.get("stride", 1)
+        strides = stride if isinstance(stride, (list, tuple)) else [stride]
+        if data.get("transposed"):
+            raise ValueError("padding 'same' is a plain conv's (a transposed conv takes numbers)")
+        if any(v != 1 for v in strides):
+            raise ValueError(f"padding 'same' needs stride 1, as in PyTorch (got stride {stride!r})")
+        if not all(isinstance(v, int) and not isinstance(v, bool)
+                   for v in [*(kernel if isinstance(kernel, (list, tuple)) else [kernel]),
+                             *(dilation if isinstance(dilation, (list, tuple)) else [dilation])]):
+            return data  # (the fields' own checks report it)
+        if isinstance(kernel, (list, tuple)) or isinstance(dilation, (list, tuple)):
+            n = len(kernel) if isinstance(kernel, (list, tuple)) else len(dilation)
+            ks = list(kernel) if isinstance(kernel, (list, tuple)) else [kernel] * n
+            ds = list(dilation) if isinstance(dilation, (list, tuple)) else [dilation] * n
+            if len(ks) != len(ds):
+                return data  # (the geometry check reports the lengths)
+            spans = [d * (k - 1) for k, d in zip(ks, ds)]
+        else:
+            spans = [dilation * (kernel - 1)]
+        if any(t % 2 for t in spans):
+            raise ValueError(f"padding 'same' over an even kernel span (dilation x (kernel - 1) = {spans}) pads "
+                             "one more after than before, which a spec cannot say: pad the input first and "
+                             "give the conv padding 0")
+        padding = [t // 2 for t in spans]
+        return {**data, "padding": padding if len(padding) > 1 or isinstance(kernel, (list, tuple)) else padding[0]}
+
 
 class TileSpec(Model):
     """Optional tiling; every field left out is chosen by the planner. See specgen.plan."""

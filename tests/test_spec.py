@@ -145,6 +145,18 @@ def test_bad_specs_say_where_what_and_why(data, expected):
     assert expected in problems(data)
 
 
+def test_padding_same_and_valid_are_the_numbers_pytorch_pads():
+    same = validate(with_("conv.padding", "same"))
+    assert same.canonical()["conv"]["padding"] == [1, 1, 1] and same.shapes()[0].sizes[1:] == (16, 64, 64)
+    assert same.canonical_json() == validate(with_("conv.padding", 1)).canonical_json()  # the same layer, the same kernel
+    dilated = validate(with_("conv", {"out_channels": 8, "kernel": [3, 3, 5], "dilation": [1, 2, 2], "padding": "same"}))
+    assert dilated.canonical()["conv"]["padding"] == [1, 2, 4]
+    assert validate(with_("conv.padding", "valid")).canonical()["conv"]["padding"] == [0, 0, 0]
+    assert "padding 'same' over an even kernel span" in problems(with_("conv", {"out_channels": 8, "kernel": 2, "padding": "same"}))
+    assert "padding 'same' needs stride 1" in problems(with_("conv", {"out_channels": 8, "kernel": 3, "stride": 2, "padding": "same"}))
+    assert "padding: a number, one per spatial dim, 'same' or 'valid' (got 'full')" in problems(with_("conv.padding", "full"))
+
+
 def test_pool_after_reduction_and_param_after_channel_reduction():
     data = with_("epilogue", [{"sum": {"dims": [1]}}, {"avg_pool": 2}])
     assert "pooling after a reduction is not supported" in problems(data)
