@@ -1,7 +1,9 @@
 """Layers of few outputs and a deep K before a pool: v47's planner rules (whole on FFMA, the planner's
-register tile; v48's spill retry applies to both ways) against v48's (split before the pool where the TMA engine runs the conv,
-`tail.POOL_SPLIT_FEW_CHANNELS_MIN_K`; else FFMA tiles spread over more threads,
-`plan._spread_heavy_tiles`), with eager PyTorch in the same precision beside them.
+register tile; v48's spill retry applies to both ways) against today's (split before the pool,
+`tail.POOL_SPLIT_FEW_CHANNELS_MIN_K`, the conv on the TMA engine or, where its layout pass does not
+pay, on the implicit GEMM (v49); FFMA tiles spread over more threads where FFMA keeps a layer,
+`plan._spread_heavy_tiles`), with eager PyTorch in the same precision beside them. (The last row,
+an avg pool after a strided conv, splits both ways since v49: its v48 time was 2.33 ms at batch 64.)
 
     python benchmarks/heavy_tiles.py [--batch 8 64]
 
