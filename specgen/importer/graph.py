@@ -105,10 +105,7 @@ class Capture:
 
     def fetch(self, target: str):
         """The module, parameter or buffer at `target` (a dotted path in the traced module)."""
-        obj = self.gm
-        for part in target.split("."):
-            obj = getattr(obj, part)
-        return obj
+        return fetch(self.gm, target)
 
 
 def _returns_its_input(gm: fx.GraphModule, node: Node) -> bool:
@@ -156,36 +153,32 @@ _CONV_MODULES = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
 
 def _conv_call(gm: fx.GraphModule, node: Node) -> Optional[tuple[int, dict]]:
     """(spatial dims, arguments by name) of a forward convolution called as a module or a function
-    with literal geometry, else None. A module's weight and bias are read by new get_attr nodes."""
+    with literal geometry, else None. A module's weight and bias are given as their paths (str), a
+    function's as the nodes it reads."""
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
         nd = _CONV_MODULES.get(type(module))
         if nd is None or len(node.args) != 1 or node.kwargs:
             return None
-        with gm.graph.inserting_before(node):
-            weight = gm.graph.get_attr(f"{node.target}.weight")
-            bias = None if module.bias is None else gm.graph.get_attr(f"{node.target}.bias")
-        return nd, {"input": node.args[0], "weight": weight, "bias": bias, "stride": module.stride,
+        return nd, {"input": node.args[0], "weight": f"{node.target}.weight",
+                    "bias": None if module.bias is None else f"{node.target}.bias", "stride": module.stride,
                     "padding": module.padding, "dilation": module.dilation, "groups": module.groups,
                     "padding_mode": module.padding_mode, "kernel": tuple(module.kernel_size)}
-    if node.op == "call_function":
-        nd = next((n for n, fn in _CONV_FUNCTIONS.items() if node.target is fn), None)
-        if nd is None:
-            return None
-        names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-        if len(node.args) > len(names) or not set(node.kwargs) <= set(names):
-            return None
-        bound = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1,
-                 **dict(zip(names, node.args)), **node.kwargs}
-        weight = bound["weight"]
-        if not (isinstance(weight, Node) and weight.op == "get_attr"):
-            return None
-        kernel = tuple(_fetch(gm, weight.target).shape[2:])
-        return nd, {**bound, "padding_mode": "zeros", "kernel": kernel}
-    return None
+    nd = next((n for n, fn in _CONV_FUNCTIONS.items() if node.target is fn), None) if node.op == "call_function" else None
+    if nd is None:
+        return None
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+    if len(node.args) > len(names) or not set(node.kwargs) <= set(names):
+        return None
+    bound = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1, **dict(zip(names, node.args)), **node.kwargs}
+    weight = bound["weight"]
+    if not (isinstance(weight, Node) and weight.op == "get_attr"):
+        return None
+    return nd, {**bound, "padding_mode": "zeros", "kernel": tuple(fetch(gm, weight.target).shape[2:])}
 
 
-def _fetch(gm: fx.GraphModule, target: str):
+def fetch(gm: fx.GraphModule, target: str):
+    """The module, parameter or buffer at `target` (a dotted path in `gm`)."""
     obj = gm
     for part in target.split("."):
         obj = getattr(obj, part)
@@ -200,30 +193,27 @@ def _per_dim(value, nd: int) -> Optional[tuple]:
     return None
 
 
-def _same_pads(conv: dict, nd: int) -> Optional[list[tuple[int, int]]]:
-    """(before, after) per spatial dim of padding='same' as PyTorch pads it: the kernel's span less
-    one, the smaller half before."""
-    dilation = _per_dim(conv["dilation"], nd)
-    if dilation is None or len(conv["kernel"]) != nd:
-        return None
-    totals = [d * (k - 1) for d, k in zip(dilation, conv["kernel"])]
-    return [(t // 2, t - t // 2) for t in totals]
-
-
 def _pads_of(conv: dict, nd: int) -> Optional[list[tuple[int, int]]]:
+    """(before, after) per spatial dim of the conv's padding, 'same' as PyTorch pads it (the kernel's
+    span less one, the smaller half before); None where it is not literal."""
     padding = conv["padding"]
-    if padding == "same":
-        return _same_pads(conv, nd)
     if padding == "valid":
         return [(0, 0)] * nd
+    if padding == "same":
+        dilation = _per_dim(conv["dilation"], nd)
+        if dilation is None or len(conv["kernel"]) != nd:
+            return None
+        return [(t // 2, t - t // 2) for t in (d * (k - 1) for d, k in zip(dilation, conv["kernel"]))]
     per = _per_dim(padding, nd)
     return None if per is None else [(p, p) for p in per]
 
 
 def _replace_conv(gm: fx.GraphModule, node: Node, nd: int, conv: dict, source: Node, padding: tuple) -> None:
+    """`node` as the functional conv of `source` with `padding`; a module's weight and bias read by get_attr."""
     with gm.graph.inserting_before(node):
-        call = gm.graph.call_function(_CONV_FUNCTIONS[nd], (source, conv["weight"], conv["bias"], conv["stride"],
-                                                            padding, conv["dilation"], conv["groups"]))
+        weight, bias = (gm.graph.get_attr(t) if isinstance(t, str) else t for t in (conv["weight"], conv["bias"]))
+        call = gm.graph.call_function(_CONV_FUNCTIONS[nd], (source, weight, bias, conv["stride"], padding,
+                                                            conv["dilation"], conv["groups"]))
     if node.op == "call_module":
         call.meta[CONV_MODULE_KEY] = node.target
     node.replace_all_uses_with(call)
@@ -239,19 +229,15 @@ def explicit_padding(gm: fx.GraphModule) -> None:
     conv is taken into the conv's own padding, sparing the padded copy."""
     changed = False
     for node in list(gm.graph.nodes):
-        if node.op not in ("call_module", "call_function"):
-            continue
         if node.op == "call_function" and node.target is F.pad:
             changed = _fold_zero_pad(gm, node) or changed
             continue
-        found = _conv_call(gm, node) if node.op == "call_module" or node.target in _CONV_FUNCTIONS.values() else None
-        if found is None:
+        found = _conv_call(gm, node)
+        pads = None if found is None else _pads_of(found[1], found[0])
+        if pads is None:
             continue
         nd, conv = found
-        pads = _pads_of(conv, nd)
-        uneven = pads is not None and any(a != b for a, b in pads)
-        if pads is None or (conv["padding_mode"] == "zeros" and not uneven):
-            _drop_unused(gm, conv)
+        if conv["padding_mode"] == "zeros" and all(a == b for a, b in pads):
             continue
         mode = {"zeros": "constant"}.get(conv["padding_mode"], conv["padding_mode"])
         flat = tuple(v for pair in reversed(pads) for v in pair)  # F.pad's order: the last dim first
@@ -268,22 +254,14 @@ def explicit_padding(gm: fx.GraphModule) -> None:
         gm.recompile()
 
 
-def _drop_unused(gm: fx.GraphModule, conv: dict) -> None:
-    """Erase the get_attr nodes `_conv_call` made for a module conv left as it is."""
-    for key in ("weight", "bias"):
-        node = conv.get(key)
-        if isinstance(node, Node) and node.op == "get_attr" and not node.users:
-            gm.graph.erase_node(node)
-
-
 def _fold_zero_pad(gm: fx.GraphModule, pad: Node) -> bool:
     """Take a zero F.pad that pads each spatial dim evenly into the one conv that reads it."""
     names = ("input", "pad", "mode", "value")
-    if len(pad.args) > len(names) or not set(pad.kwargs) <= set(names):
+    if len(pad.args) > len(names) or not set(pad.kwargs) <= set(names) or len(pad.users) != 1:
         return False
     bound = {"mode": "constant", "value": None, **dict(zip(names, pad.args)), **pad.kwargs}
     flat = bound["pad"]
-    if bound["mode"] != "constant" or bound["value"] not in (None, 0, 0.0) or len(pad.users) != 1:
+    if bound["mode"] != "constant" or bound["value"] not in (None, 0, 0.0):
         return False
     if not (isinstance(flat, (tuple, list)) and flat and len(flat) % 2 == 0
             and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in flat)):
@@ -295,9 +273,7 @@ def _fold_zero_pad(gm: fx.GraphModule, pad: Node) -> bool:
     nd, conv = found
     pairs = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)][::-1]  # outermost padded dim first
     own = _pads_of(conv, nd) if conv["padding_mode"] == "zeros" else None
-    if conv["input"] is not pad or own is None or len(pairs) > nd or any(a != b for a, b in pairs) \
-            or any(a != b for a, b in own):
-        _drop_unused(gm, conv)
+    if conv["input"] is not pad or own is None or len(pairs) > nd or any(a != b for a, b in [*pairs, *own]):
         return False
     extra = [0] * (nd - len(pairs)) + [a for a, _ in pairs]
     _replace_conv(gm, user, nd, conv, bound["input"], tuple(p + e for (p, _), e in zip(own, extra)))
