@@ -160,10 +160,10 @@ def _channel_norm_code(spec: LayerSpec, index: int) -> dict:
     }
 
 
-def _can_fold_avg_pool(spec: LayerSpec, levels: list[dict], conv_stride, conv_dilation) -> bool:
+def _can_fold_avg_pool(spec: LayerSpec, levels: list[dict]) -> bool:
     """avg_pool(conv(x)) == conv'(x) with kernel K + k - 1 and the pool's stride, when the pool
     follows the conv (or per-channel affine stages after it, which commute with the average and
-    move after the pool), the conv has stride and dilation 1 and the pool has no padding.
+    move after the pool) and has the fold's geometry (`avg_pool_fold_geometry`).
     conv' has weights W'(t) = sum over window offsets e of W(t - e) / window: exact in real
     arithmetic; in float32 it reorders the sums (a few ulps of the largest partial sum)."""
     from specgen.tapsum import commutes_with_mean
@@ -172,13 +172,18 @@ def _can_fold_avg_pool(spec: LayerSpec, levels: list[dict], conv_stride, conv_di
     return (
         all(commutes_with_mean(spec, st["index"]) for st in conv["pointwise"])
         and pool["kind"] == "pool"
-        and pool["reduce"] == "avg"
         and pool["op"] == "avg_pool"
-        and all(s == 1 for s in conv_stride)
-        and all(d == 1 for d in conv_dilation)
-        and all(p == 0 for p in pool["padding"])
-        and all(d == 1 for d in pool["dilation"])
+        and avg_pool_fold_geometry(spec, pool["index"])
     )
+
+
+def avg_pool_fold_geometry(spec: LayerSpec, index: int) -> bool:
+    """Whether the avg pool at epilogue[index] has the avg-pool fold's geometry: a conv of stride
+    and dilation 1 under it, no padding (`tail.pool_split` leaves such a pool right after the conv to
+    the fold, and splits any other)."""
+    geo = spec.conv_geometry()
+    pool = spec.pool_geometry(spec.epilogue[index], f"epilogue[{index}]")
+    return all(v == 1 for v in (*geo["stride"], *geo["dilation"], *pool["dilation"])) and not any(pool["padding"])
 
 
 # ---- tensor-core tiling ----------------------------------------------------------------------
@@ -1386,7 +1391,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     rewrites: list[str] = []
     fold = None
     transposed = spec.conv.transposed
-    if may_rewrite and len(levels) > 1 and not transposed and _can_fold_avg_pool(spec, levels, s3, d3):
+    if may_rewrite and len(levels) > 1 and not transposed and _can_fold_avg_pool(spec, levels):
         fold, note, k3, s3, o3 = _fold_avg_pool(levels, k3, nd)
         rewrites.append(note)
         taps = k3[0] * k3[1] * k3[2]

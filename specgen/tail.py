@@ -384,7 +384,7 @@ def pool_split(spec: LayerSpec, target, rewrites: bool = True) -> int | None:
     plain conv of 32+ input channels before a reduction, where the whole layer would run on FFMA. Left
     to the planner only: a tile that names an engine keeps the layer whole."""
     from specgen import igemm, tma
-    from specgen.plan import MMA_MIN_CHANNELS
+    from specgen.plan import MMA_MIN_CHANNELS, avg_pool_fold_geometry
 
     if spec.tile is not None or is_sequence(spec):
         return None
@@ -400,7 +400,8 @@ def pool_split(spec: LayerSpec, target, rewrites: bool = True) -> int | None:
     windowed = spec.epilogue[first].kind == "pool" and ops.POOLS[spec.epilogue[first].op].windowed
     if not windowed and spec.input.channels < 32:  # a reduction (or global pool) after a conv of few channels
         return None
-    if first == 0 and spec.epilogue[0].op == "avg_pool" and spec.rewrites and rewrites and _avg_pool_folds(spec):
+    if first == 0 and spec.epilogue[0].op == "avg_pool" and spec.rewrites and rewrites \
+            and avg_pool_fold_geometry(spec, 0):
         return None  # an avg-pool right after the conv folds into it instead
     conv = spec.conv
     k = spec.input.channels * math.prod(spec.conv_geometry()["kernel"])
@@ -426,15 +427,6 @@ def pool_split(spec: LayerSpec, target, rewrites: bool = True) -> int | None:
         if plan_whole(spec, None, target, settings=Settings(rewrites=rewrites))["engine"] != "ffma":
             return None
     return first
-
-
-def _avg_pool_folds(spec: LayerSpec) -> bool:
-    """Whether the avg pool right after the conv has the geometry of the planner's avg-pool fold
-    (`plan._can_fold_avg_pool`): a conv of stride and dilation 1, a pool without padding. A strided
-    conv's pool does not fold, and is split from it like any other windowed pool."""
-    geo = spec.conv_geometry()
-    pool = spec.pool_geometry(spec.epilogue[0], "epilogue[0]")
-    return all(v == 1 for v in (*geo["stride"], *geo["dilation"])) and all(p == 0 for p in pool["padding"])
 
 
 def _channel_reduction_split(spec: LayerSpec, first: int, target) -> int | None:
