@@ -105,30 +105,21 @@ class ConvSpec(Model):
         if data["padding"] == "valid":
             return {**data, "padding": 0}
         kernel, dilation, stride = data.get("kernel"), data.get("dilation", 1), data.get("stride", 1)
-        strides = stride if isinstance(stride, (list, tuple)) else [stride]
         if data.get("transposed"):
             raise ValueError("padding 'same' is a plain conv's (a transposed conv takes numbers)")
-        if any(v != 1 for v in strides):
+        if any(v != 1 for v in (stride if isinstance(stride, (list, tuple)) else [stride])):
             raise ValueError(f"padding 'same' needs stride 1, as in PyTorch (got stride {stride!r})")
-        if not all(isinstance(v, int) and not isinstance(v, bool)
-                   for v in [*(kernel if isinstance(kernel, (list, tuple)) else [kernel]),
-                             *(dilation if isinstance(dilation, (list, tuple)) else [dilation])]):
+        per_dim = [list(v) for v in (kernel, dilation) if isinstance(v, (list, tuple))]
+        n = len(per_dim[0]) if per_dim else 1
+        ks, ds = (list(v) if isinstance(v, (list, tuple)) else [v] * n for v in (kernel, dilation))
+        if len(ks) != len(ds) or not all(isinstance(v, int) and not isinstance(v, bool) for v in ks + ds):
             return data  # (the fields' own checks report it)
-        if isinstance(kernel, (list, tuple)) or isinstance(dilation, (list, tuple)):
-            n = len(kernel) if isinstance(kernel, (list, tuple)) else len(dilation)
-            ks = list(kernel) if isinstance(kernel, (list, tuple)) else [kernel] * n
-            ds = list(dilation) if isinstance(dilation, (list, tuple)) else [dilation] * n
-            if len(ks) != len(ds):
-                return data  # (the geometry check reports the lengths)
-            spans = [d * (k - 1) for k, d in zip(ks, ds)]
-        else:
-            spans = [dilation * (kernel - 1)]
+        spans = [d * (k - 1) for k, d in zip(ks, ds)]
         if any(t % 2 for t in spans):
             raise ValueError(f"padding 'same' over an even kernel span (dilation x (kernel - 1) = {spans}) pads "
                              "one more after than before, which a spec cannot say: pad the input first and "
                              "give the conv padding 0")
-        padding = [t // 2 for t in spans]
-        return {**data, "padding": padding if len(padding) > 1 or isinstance(kernel, (list, tuple)) else padding[0]}
+        return {**data, "padding": [t // 2 for t in spans] if per_dim else spans[0] // 2}
 
 
 class TileSpec(Model):
