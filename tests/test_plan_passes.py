@@ -40,7 +40,7 @@ def test_a_global_pool_with_no_windowed_pool_after_it_starts_the_tail():
 def test_the_avg_pool_fold_grows_the_kernel_and_takes_the_pool_stride():
     spec = _spec([{"avg_pool": {"kernel": 2}}, "tanh"])
     (levels, _, _), _ = _levels(spec)
-    assert planner._can_fold_avg_pool(spec, levels, (1, 1, 1), (1, 1, 1))
+    assert planner._can_fold_avg_pool(spec, levels)
     fold, note, k3, s3, o3 = planner._fold_avg_pool(levels, (1, 3, 3), 2)
     assert k3 == (1, 4, 4) and s3 == (1, 2, 2) and o3 == (1, 7, 7)
     assert fold == {"orig_kernel": (1, 3, 3), "window": (1, 2, 2), "window_size": 4}
