@@ -153,7 +153,7 @@ def bench(spec: LayerSpec, batch: int, reps: int = 20, compile: bool = True, cei
     x_sets = [torch.randn(batch, spec.input.channels, *spec.input.size, device="cuda").to(dtype) for _ in range(2)]
     cl_sets = [_channels_last(x) for x in x_sets]
     # the spec's extra inputs (a shortcut): one random set, passed to every contender
-    extras = [torch.randn(spec.output_shape(batch), device="cuda").to(dtype) for _ in spec.inputs()]
+    extras = [torch.randn((batch, *shape), device="cuda").to(dtype) for shape in spec.inputs().values()]
     params = fused.spec_params()
     ref64 = reference.forward64(spec, x_sets[0], fused.conv.weight, fused.conv.bias,
                                 {**params, **dict(zip(spec.inputs(), extras))})

@@ -17,7 +17,7 @@ def check_one(spec, batch: int, seed: int) -> dict:
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * (0.3 if p.dim() > 1 else 1.0))
     x = torch.randn((batch, spec.input.channels, *spec.input.size), generator=gen, device="cuda")
-    extras = {name: torch.randn(spec.output_shape(batch), generator=gen, device="cuda") for name in spec.inputs()}
+    extras = {name: torch.randn((batch, *shape), generator=gen, device="cuda") for name, shape in spec.inputs().items()}
     out = torch.full(spec.output_shape(batch), float("nan"), device="cuda")
     with torch.no_grad():
         layer(x, *extras.values(), out=out)

@@ -70,7 +70,8 @@ class FusedLayer(nn.Module):
         self._name = self.spec.name
         self._input_shape = (self.spec.input.channels, *self.spec.input.size)
         self._param_names = tuple(self.spec.params())
-        self._input_names = tuple(self.spec.inputs())  # extra inputs: forward(x, *inputs)
+        self._input_shapes = self.spec.inputs()  # extra inputs: forward(x, *inputs), name -> shape per sample
+        self._input_names = tuple(self._input_shapes)
         self._out_tail = tuple(self.spec.shapes()[-1].sizes)
         self._has_bias = self.spec.conv.bias
         self._stats_size = reference.stats_size(self.spec)  # batch statistics the op returns (training-mode batch norms)
@@ -271,7 +272,8 @@ class FusedLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, *inputs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The layer on `x`, through its custom op (differentiable). `inputs`: the spec's extra
-        inputs (`spec.inputs()`, in that order), each of the output's shape and the layer's dtype.
+        inputs (`spec.inputs()`, in that order), each of its shape (the output's, or [batch, C, 1, ...]
+        where the spec says so) and the layer's dtype.
 
         With `out` (a preallocated contiguous output of the right shape and the layer's dtype) the kernel fills
         it directly on CUDA (the raw launch) and no autograd graph is recorded, on any device.
@@ -320,19 +322,21 @@ class FusedLayer(nn.Module):
         return _copy_out(self._name, y, out)
 
     def _check_extra_inputs(self, x: torch.Tensor, inputs: tuple) -> None:
-        """The extra inputs the spec names, each of the output's shape, x's dtype and device (the
-        raw launch reads them unchecked)."""
+        """The extra inputs the spec names, each of its shape (the output's, or one value per sample
+        and channel), x's dtype and device (the raw launch reads them unchecked)."""
         names = self._input_names
         if len(inputs) != len(names):
             want = f"the extra inputs {', '.join(names)}" if names else "no extra inputs"
             raise TypeError(f"{self._name}: takes x and {want} (spec.inputs()), got {len(inputs)} extra argument(s)")
-        shape = (x.shape[0], *self._out_tail)
+        shapes = self._input_shapes
         for name, t in zip(names, inputs):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{self._name}: extra input {name}: expected a torch.Tensor, got {type(t).__name__}")
+            shape = (x.shape[0], *shapes[name])
             if tuple(t.shape) != shape or t.dtype != x.dtype or t.device != x.device:
+                what = "the output's" if shapes[name] == self._out_tail else "one value per sample and channel"
                 raise ValueError(
-                    f"{self._name}: extra input {name}: expected a {x.dtype} tensor of shape {list(shape)} (the output's) "
+                    f"{self._name}: extra input {name}: expected a {x.dtype} tensor of shape {list(shape)} ({what}) "
                     f"on {x.device}, got {t.dtype} {list(t.shape)} on {t.device}"
                 )
 

@@ -79,9 +79,11 @@ class Param:
 
 @dataclass(frozen=True)
 class Input:
-    """An extra tensor operand the caller passes at run time, by its spec name (see OperandArgs.input)."""
+    """An extra tensor operand the caller passes at run time, by its spec name (see OperandArgs.input);
+    `shape`: its shape per sample where it is one value per sample and channel (OperandArgs.shape)."""
 
     name: str
+    shape: Optional[tuple[int, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -228,7 +230,11 @@ class ScalarArgs(Args):
 class OperandArgs(Args):
     """The other operand of add/sub/mul/div: a scalar `value`, a per-channel parameter `param`, or
     an extra tensor `input` that the caller passes at run time, of the layer's output shape
-    (`layer(x, shortcut)`: a residual's shortcut); only pointwise stages may follow an input's stage.
+    (`layer(x, shortcut)`: a residual's shortcut); only stages that keep the shape (pointwise and
+    statistic stages) may follow an input's stage.
+    An input's `shape` (its shape per sample, without the batch) may instead be [C, 1, ...]: one
+    value per sample and channel, broadcast over the positions as PyTorch broadcasts a tensor of
+    shape [N, C, 1, 1] (a diffusion block's time embedding); left out, the output's shape.
 
     Shorthands: `add: 2.0` means {value: 2.0}; `add: bias2` means {param: bias2}.
     """
@@ -238,6 +244,8 @@ class OperandArgs(Args):
     input: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
     # the layer's own value where a `save` stage named it (see SaveArgs)
     saved: Optional[str] = Field(default=None, pattern=IDENTIFIER_PATTERN)
+    # the extra input's shape per sample (checked against the layer's output by LayerSpec)
+    shape: Optional[list[Annotated[int, Field(gt=0)]]] = Field(default=None, min_length=2, max_length=4)
 
     @model_validator(mode="before")
     @classmethod
@@ -255,6 +263,9 @@ class OperandArgs(Args):
         if sum(v is not None for v in (self.value, self.param, self.input, self.saved)) != 1:
             raise ValueError("give exactly one of value (a number), param (a per-channel parameter name), "
                              "input (the name of an extra tensor passed at run time) or saved (the name of a save stage)")
+        if self.shape is not None and self.input is None:
+            raise ValueError("shape is an extra input's shape per sample: give it with input, not with "
+                             f"{'value' if self.value is not None else 'param' if self.param is not None else 'saved'}")
         return self
 
     @classmethod
@@ -265,7 +276,7 @@ class OperandArgs(Args):
         if isinstance(other, Param):
             return {"param": other.name}
         if isinstance(other, Input):
-            return {"input": other.name}
+            return {"input": other.name} if other.shape is None else {"input": other.name, "shape": list(other.shape)}
         if isinstance(other, Saved):
             return {"saved": other.name}
         return None

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
@@ -94,8 +94,11 @@ def spec_yaml(spec: LayerSpec) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100).rstrip()
 
 
-def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], channel: str) -> dict:
-    """One pointwise stage: named constants, and the C statement `v = <expr>;`."""
+def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], channel: str,
+                    sample: Optional[str] = "sample") -> dict:
+    """One pointwise stage: named constants, and the C statement `v = <expr>;`. `channel` and
+    `sample` name the element's channel and sample where the code runs (sample None: none is in
+    scope; an input of one value per sample and channel divides e_out by the sample's size)."""
     stage = spec.epilogue[index]
     row = ops.POINTWISE[stage.op]
     names: dict[str, str] = {}
@@ -112,6 +115,17 @@ def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], chan
     inputs = list(row.inputs(stage.args)) + list(row.saved(stage.args))
     for name in inputs:
         names[name] = preloaded[name] = f"input_value(i_{name}, e_out)"
+    # An input of one value per sample and channel (`shape: [C, 1, ...]`), read at the element's
+    # sample and channel (where no sample variable is in scope, e_out's: a sample lies whole in
+    # either memory format).
+    out = tuple(spec.shapes()[-1].sizes)
+    declared = spec.inputs()
+    channel_inputs = [n for n in row.inputs(stage.args) if declared[n] != out]
+    for name in channel_inputs:
+        at = sample or f"e_out / {math.prod(out)}"
+        if out and out[0] > 1:
+            at = f"{at} * {out[0]} + {channel}"
+        names[name] = preloaded[name] = f"input_value(i_{name}, {at})"
     channel_values = []  # computed once per channel where the parameters are preloaded
     if row.channel_values is not None:
         for key, code in row.channel_values(stage.args, preloaded).items():
@@ -140,6 +154,7 @@ def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], chan
         "channel_values": channel_values,
         "params": list(row.params(stage.args)),
         "inputs": inputs,
+        "channel_inputs": channel_inputs,  # (they read the channel variable)
     }
 
 
@@ -882,7 +897,7 @@ def _tail_reductions(spec: LayerSpec, shapes, t1: tuple, tail_start: int, consts
         if stage.kind == "pointwise":
             channel = "c_tail"
             if reductions:
-                reductions[-1]["pointwise"].append(_pointwise_code(spec, i, consts, channel))
+                reductions[-1]["pointwise"].append(_pointwise_code(spec, i, consts, channel, sample=None))
             continue
         before = shapes[i]
         if stage.kind == "pool":  # a global pool: mean / amax over the spatial dims, keepdim
@@ -1523,7 +1538,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         out_per_sample=out_per_sample,
         out_shape=list(out_shape),
         params=[{"name": n, "shape": list(s), "channels": s[0]} for n, s in params],
-        inputs=[{"name": n} for n in inputs],
+        inputs=[{"name": n, "per_sample": math.prod(shape)} for n, shape in spec.inputs().items()],
         constants=consts,
         # (a transposed conv: each output meets about taps / stride-volume of its taps)
         flops_per_sample=2 * math.prod(t1) * (cin // groups) * taps * math.prod(l.get("window", 1) for l in levels)

@@ -564,22 +564,46 @@ class LayerSpec(Model):
 
     def inputs(self) -> dict[str, tuple[int, ...]]:
         """The extra tensors the caller passes at run time (`add: {input: shortcut}`), name -> shape
-        per sample (the layer's output's: only pointwise stages follow an input's stage), in order of first use."""
-        names = [n for st in self.epilogue if st.kind == "pointwise" for n in ops.POINTWISE[st.op].inputs(st.args)]
-        if not names:
+        per sample, in order of first use: the layer's output's (only stages that keep the shape
+        follow an input's stage), or [C, 1, ...] for one value per sample and channel (`shape:`)."""
+        uses = [(n, getattr(st.args, "shape", None)) for st in self.epilogue if st.kind == "pointwise"
+                for n in ops.POINTWISE[st.op].inputs(st.args)]
+        if not uses:
             return {}
-        shape = tuple(self.shapes()[-1].sizes)
-        return {name: shape for name in names}
+        out = tuple(self.shapes()[-1].sizes)
+        found: dict[str, tuple[int, ...]] = {}
+        for name, shape in uses:
+            found.setdefault(name, out if shape is None else tuple(shape))
+        return found
 
     def _check_inputs(self) -> None:
         first = None
+        out = tuple(self.shapes()[-1].sizes)
+        per_channel = out[:1] + (1,) * (len(out) - 1)  # (an output reduced to a value per sample: ())
+        declared: dict[str, tuple[tuple[int, ...], int]] = {}
         for i, stage in enumerate(self.epilogue):
-            if stage.kind == "pointwise" and ops.POINTWISE[stage.op].inputs(stage.args):
+            names = ops.POINTWISE[stage.op].inputs(stage.args) if stage.kind == "pointwise" else ()
+            if names:
                 first = i if first is None else first
-            elif first is not None and stage.kind != "pointwise":
+                shape = out if stage.args.shape is None else tuple(stage.args.shape)
+                if shape not in (out, per_channel):
+                    raise SpecShapeError(
+                        f"epilogue[{i}].{stage.op}.shape: an extra input's shape per sample is the layer's output's "
+                        f"{list(out)} or one value per channel {list(per_channel)}, got {list(shape)}"
+                    )
+                for name in names:
+                    before = declared.setdefault(name, (shape, i))
+                    if before[0] != shape:
+                        raise SpecShapeError(
+                            f"epilogue[{i}].{stage.op}: extra input {name!r} has shape {list(shape)} here and "
+                            f"{list(before[0])} at epilogue[{before[1]}]; give one shape (or two names)"
+                        )
+            elif first is not None and stage.kind not in ("pointwise", "norm"):
+                # (a statistic stage keeps the shape: the body kernel reads the input where it is written)
                 raise SpecShapeError(
                     f"epilogue[{first}] ({self.epilogue[first].op}): an extra input is read at the layer's output shape, "
-                    f"so only pointwise stages may follow it; epilogue[{i}] is {stage.op} ({stage.kind})"
+                    f"so only pointwise and statistic stages (which keep the shape) may follow it; "
+                    f"epilogue[{i}] is {stage.op} ({stage.kind})"
                 )
 
     def _check_saved(self) -> list[str]:

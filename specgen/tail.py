@@ -271,11 +271,11 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> TailPlan
     eps_name = f"S{i}_EPS"
     for name, value in row.constants(args).items():
         consts.append(Constant(f"S{i}_{name.upper()}", c_float(value), f"epilogue[{i}] {stage.op} {name} = {value!r}", "float"))
-    pointwise = [_pointwise_code(spec, j, consts, "c_el") for j in segment.apply]
+    pointwise = [_pointwise_code(spec, j, consts, "c_el", sample="n") for j in segment.apply]
     has_channels = bool(shape.axes) and shape.axes[0].role == "c"
     c_stride = math.prod(sizes[1:]) if has_channels else 1
     affine = _affine_code(row, args, "e_el" if row.affine == "element" else "c_el") if row.params(args) else ""
-    needs_channel = bool(any(st["params"] for st in pointwise) or (affine and row.affine == "channel"))
+    needs_channel = bool(any(st["params"] or st["channel_inputs"] for st in pointwise) or (affine and row.affine == "channel"))
     params = list(dict.fromkeys([*row.params(args), *(p for st in pointwise for p in st["params"])]))
     inputs = list(dict.fromkeys(n for st in pointwise for n in st["inputs"]))
     tensors = [*(f"p_{n}" for n in params), *(f"i_{n}" for n in inputs)]  # what an applying kernel reads besides its input
@@ -299,7 +299,7 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> TailPlan
         # what each value goes through after its normalization: the norm's weight and bias, the stages after it
         steps=([{"code": affine, "comment": "its weight and bias"}] if affine else []) + pointwise,
         params=[{"name": n} for n in params],
-        inputs=[{"name": n} for n in inputs],
+        inputs=[{"name": n} for n in inputs],  # (extra inputs and saved values: the sequence binds each)
         constants=consts,
         in_shape=sizes,
         per_sample=per_sample,

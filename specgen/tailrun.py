@@ -110,9 +110,9 @@ def _sequence(sp: pipeline.Specialized) -> _Sequence:
                 if arg.startswith("p_"):
                     args.append(("p", arg[2:]))
                     strides.append(0)
-                elif arg.startswith("i_"):  # an extra input, of the output's shape: advances with it per sample
+                elif arg.startswith("i_"):  # an extra input (the output's shape, or [C, 1, ...]): a sample's worth per sample
                     args.append(("i", arg[2:]))
-                    strides.append(per_sample["out"])
+                    strides.append(4 * math.prod(sp.spec.inputs()[arg[2:]]))
                 else:
                     args.append(("b", arg))
                     strides.append(per_sample[arg])

@@ -6,7 +6,8 @@ specialized). Its schema lists the tensors the layer reads, in a fixed order, an
     specgen::kb90_1a2b3c4d5e6f(Tensor x, Tensor weight, Tensor bias, Tensor p_sum_tensor) -> Tensor
 
 (`bias` only when the conv has one; one `p_<name>` per per-channel parameter, in `spec.params()`
-order; then one `i_<name>` per extra input, in `spec.inputs()` order, of the output's shape).
+order; then one `i_<name>` per extra input, in `spec.inputs()` order, of the output's shape or
+one value per sample and channel).
 The op mutates nothing and returns a fresh contiguous tensor of shape
 `spec.output_shape(batch)`. A layer whose training-mode batch norms keep running statistics
 returns `(Tensor, Tensor)`: the output and the batch statistics (`reference.forward_with_stats`),
@@ -58,7 +59,7 @@ class SpecOp:
     specialized: pipeline.Specialized | None
     opdef: object  # torch.library.CustomOpDef
     stats_size: int = 0  # floats of batch statistics the op returns after the output (0: it returns the output only)
-    input_names: tuple[str, ...] = ()  # extra inputs (spec.inputs() order), after the parameters, each [batch, *out_tail]
+    input_names: tuple[str, ...] = ()  # extra inputs (spec.inputs() order), after the parameters, each [batch, *its shape]
     one_value_batch_norm: bool = False  # a batch-statistics batch norm sees one value per channel and sample
 
     @property
@@ -222,10 +223,12 @@ def _check_args(op: SpecOp, args) -> None:
     for name, t, want in zip(names, args[1:], op.arg_shapes):
         if tuple(t.shape) != want:
             raise ValueError(f"{label}: expected {name} of shape {list(want)}, got {list(t.shape)}")
-    want_input = (x.shape[0], *op.out_tail)
+    shapes = op.spec.inputs()
     for name, t in zip(op.input_names, args[1 + len(op.arg_shapes):]):
+        want_input = (x.shape[0], *shapes[name])
         if tuple(t.shape) != want_input:
-            raise ValueError(f"{label}: expected the extra input {name} of shape {list(want_input)} (the output's), "
+            what = "the output's" if shapes[name] == op.out_tail else "one value per sample and channel"
+            raise ValueError(f"{label}: expected the extra input {name} of shape {list(want_input)} ({what}), "
                              f"got {list(t.shape)}")
     if op.one_value_batch_norm and x.shape[0] == 1:
         reference.check_batch_stats_size(op.spec, 1)
@@ -395,7 +398,7 @@ class _LaunchPlan:
     strides: tuple  # bytes each pointer argument advances per sample
     param_names: tuple
     has_bias: bool
-    input_names: tuple = ()  # extra inputs: pointers after the parameters, advancing like the output
+    input_names: tuple = ()  # extra inputs: pointers after the parameters, advancing a sample's worth per sample
     # The implicit-GEMM engine: (positions per sample, block tile BM, blocks along N, the weight
     # layout (c_in, taps, padded c_in, padded taps), GEMMs); its grid is one flat axis over batch x
     # positions, times the blocks along N and the GEMMs (a transposed conv's stride phases).
@@ -433,7 +436,8 @@ def _launch_plan(sp: pipeline.Specialized) -> _LaunchPlan:
         native_16 = plan["io_ctype"] != "float"
         io_bytes = 2 if native_16 else 4
         out_stride = io_bytes * plan["out_per_sample"]
-        strides = (io_bytes * plan["in_per_sample"],) + (0,) * (n_inputs - 1) + (out_stride,) * len(input_names) + (out_stride,)
+        input_strides = tuple(io_bytes * i["per_sample"] for i in plan.get("inputs", ()))  # (the output's, or C values)
+        strides = (io_bytes * plan["in_per_sample"],) + (0,) * (n_inputs - 1) + input_strides + (out_stride,)
         blocks = plan["f_tiles"] if plan["cluster_at_launch"] else plan["blocks_per_sample"]  # see runtime.launch
         ig = plan.get("igemm")
         flat = None if ig is None else (ig.positions, ig.bm, ig.n_tiles, gemm_layout(plan), ig.grid_gemms)

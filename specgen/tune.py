@@ -568,7 +568,7 @@ def measure(spec: LayerSpec, cands: list[Candidate], batch: int, reps: int = REP
     xs = _inputs(spec, batch, torch, device)
     weight, bias, params = _tensors(spec, torch, device)
     # the spec's extra inputs: random, of the output's shape (the launch reads them among the tensors)
-    params.update({name: torch.randn(spec.output_shape(batch), device=device, dtype=xs[0].dtype) for name in spec.inputs()})
+    params.update({name: torch.randn((batch, *shape), device=device, dtype=xs[0].dtype) for name, shape in spec.inputs().items()})
     live = [c for c in cands if c.item is not None]
     outs = [torch.empty(spec.output_shape(batch), device=device, dtype=xs[0].dtype) for _ in live]
     with torch.no_grad():

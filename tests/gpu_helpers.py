@@ -138,9 +138,10 @@ def assert_low(what: str, out: torch.Tensor, ref64: torch.Tensor, ref_low: torch
 
 
 def extra_inputs(spec, batch: int, gen: torch.Generator) -> dict:
-    """Fresh random extra inputs (spec.inputs()), each of the output's shape and the layer's dtype."""
-    shape = spec.output_shape(batch)
-    return {name: torch.randn(shape, generator=gen, device="cuda").to(DTYPE[spec.precision]) for name in spec.inputs()}
+    """Fresh random extra inputs (spec.inputs()), each of its shape (the output's, or one value per
+    sample and channel) and the layer's dtype."""
+    return {name: torch.randn((batch, *shape), generator=gen, device="cuda").to(DTYPE[spec.precision])
+            for name, shape in spec.inputs().items()}
 
 
 def as_channels_last(t: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 every precision it has, against float64 at the mode's bar (fp32: rel. L2 <= 1e-5 and allclose to
 PyTorch fp32; tf32, bf16, fp16: within 2x PyTorch's own error). Outputs poisoned with NaN, fresh
 random inputs and extra inputs per check, batch 1 and odd batches, both input memory formats;
-gradients through the op; a residual block imported whole."""
+inputs of one value per sample and channel; gradients through the op; a residual block and a time
+embedding imported whole."""
 
 from __future__ import annotations
 
@@ -39,6 +40,28 @@ CASES = {
                       [{"batch_norm": {"training": True}}, {"sub": {"input": "shortcut"}}, "relu"], "sequence", ["fp32"]),
     "tail_group_norm": (8, [9, 9], {"out_channels": 16, "kernel": 3}, [{"group_norm": 4}, {"div": {"input": "scale"}}], "sequence",
                         ["fp32", "tf32"]),
+    # one value per sample and channel (`shape: [C, 1, ...]`, a time embedding), beside a shortcut
+    # of the output's shape; 1-D and 3-D; the implicit GEMM's split-K reduction; the tail engine
+    "tma_temb": (64, [14, 14], {"out_channels": 64, "kernel": 3, "padding": 1},
+                 [{"add": {"input": "temb", "shape": [64, 1, 1]}}, "silu"], "tma", ["fp32", "tf32", "bf16", "fp16"]),
+    "tma_temb_shortcut_3d": (16, [4, 6, 6], {"out_channels": 32, "kernel": 3, "padding": 1},
+                             [{"mul": {"input": "temb", "shape": [32, 1, 1, 1]}}, {"add": {"input": "shortcut"}}], "tma",
+                             ["tf32", "bf16"]),
+    "tma_temb_1d": (32, [50], {"out_channels": 48, "kernel": 3, "padding": 1},
+                    [{"sub": {"input": "temb", "shape": [48, 1]}}, "gelu"], "tma", ["tf32"]),
+    "igemm_temb": (16, [10, 10], {"out_channels": 24, "kernel": 3, "padding": 1},
+                   ["batch_norm", {"add": {"input": "temb", "shape": [24, 1, 1]}}, {"mul": {"input": "gate"}}, "relu"],
+                   "igemm", ["fp32", "tf32"]),
+    "igemm_temb_split": (256, [6, 6], {"out_channels": 32, "kernel": 3, "padding": 1},
+                         [{"add": {"input": "temb", "shape": [32, 1, 1]}}, "relu"], "igemm", ["fp32"]),
+    "tail_temb": (8, [9, 9], {"out_channels": 16, "kernel": 3}, [{"group_norm": 4}, {"add": {"input": "temb", "shape": [16, 1, 1]}},
+                                                                 "silu"], "sequence", ["fp32", "tf32"]),
+    # read by the body kernel before a statistic stage (the tail normalizes what it wrote)
+    "body_temb_group_norm": (64, [12, 12], {"out_channels": 64, "kernel": 3, "padding": 1},
+                             [{"add": {"input": "temb", "shape": [64, 1, 1]}}, {"group_norm": 8}, "silu"], "sequence",
+                             ["fp32", "tf32"]),
+    "body_shortcut_train_bn": (64, [10, 10], {"out_channels": 64, "kernel": 3, "padding": 1, "bias": False},
+                               [{"add": {"input": "shortcut"}}, {"batch_norm": {"training": True}}, "relu"], "sequence", ["tf32"]),
 }
 
 
@@ -66,19 +89,23 @@ def test_extra_inputs_match_float64(name, precision):
     check(layer, 2, seed=3, channels_last=True)
 
 
+def test_the_split_k_case_plans_a_split():
+    assert _layer("igemm_temb_split", "fp32").specialize().plan["igemm"].split_k > 1
+
+
 def test_a_transposed_conv_with_an_extra_input_runs_w_pairs_on_the_tma_engine_when_asked():
     for name in ("tma_transposed_even", "tma_transposed_odd_3d"):
         tp = _layer(name, "tf32").specialize().plan["tma"]
         assert tp.phases and tp.w_pairs, name
 
 
-@pytest.mark.parametrize("name", ["tma_3x3", "igemm", "tail_train_bn"])
+@pytest.mark.parametrize("name", ["tma_3x3", "igemm", "tail_train_bn", "tma_temb", "tail_temb"])
 def test_the_raw_launch_and_the_op_agree_and_gradients_reach_the_shortcut(name):
     layer = _layer(name, "fp32")
     spec = layer.spec
     gen = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn((3, spec.input.channels, *spec.input.size), generator=gen, device="cuda")
-    extras = [torch.randn(spec.output_shape(3), generator=gen, device="cuda", requires_grad=True) for _ in spec.inputs()]
+    extras = [torch.randn((3, *shape), generator=gen, device="cuda", requires_grad=True) for shape in spec.inputs().values()]
     layer.train()
     y = layer(x, *extras)  # through the op: differentiable
     with torch.no_grad():
@@ -132,3 +159,42 @@ def test_a_residual_block_imports_whole_and_matches_in_tf32():
             ref_tf32 = model(x)
     assert bool(torch.isfinite(got).all())
     assert rel_l2(got, ref64) <= 2 * max(rel_l2(ref_tf32, ref64), 2.0**-11)
+
+
+class TimeBlock(torch.nn.Module):
+    """A diffusion U-Net's residual block: group norm, SiLU, conv; the time embedding projected and
+    added per sample and channel; again; the block's input added."""
+
+    def __init__(self, c: int = 64, t: int = 128):
+        super().__init__()
+        nn = torch.nn
+        self.norm1, self.conv1 = nn.GroupNorm(8, c), nn.Conv2d(c, c, 3, padding=1)
+        self.emb = nn.Linear(t, c)
+        self.norm2, self.conv2 = nn.GroupNorm(8, c), nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x, t):
+        h = self.conv1(torch.nn.functional.silu(self.norm1(x)))
+        h = h + self.emb(torch.nn.functional.silu(t))[:, :, None, None]
+        h = self.conv2(torch.nn.functional.silu(self.norm2(h)))
+        return x + h
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_a_time_embedding_block_fuses_the_embedding_as_an_input_and_matches(precision):
+    torch.manual_seed(0)
+    model = TimeBlock().cuda().eval()
+    x, t = torch.randn(3, 64, 24, 24, device="cuda"), torch.randn(3, 128, device="cuda")
+    fused = from_module(copy.deepcopy(model), x, t, keep_slower=True, precision=precision)
+    shapes = [spec.inputs() for spec in fused.specgen_report.specs]
+    assert {(64, 1, 1)} <= {s for inputs in shapes for s in inputs.values()}, str(fused.specgen_report)
+    with torch.no_grad():
+        got = fused(x, t)
+        ref64 = copy.deepcopy(model).double()(x.double(), t.double())
+        with tf32_allowed(precision == "tf32"):
+            ref = model(x, t)
+    assert bool(torch.isfinite(got).all())
+    if precision == "fp32":
+        assert rel_l2(got, ref64) <= 1e-5
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    else:
+        assert rel_l2(got, ref64) <= 2 * max(rel_l2(ref, ref64), 2.0**-11)
