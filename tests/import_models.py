@@ -1188,6 +1188,34 @@ class ControlFlow(nn.Module):
         return x
 
 
+class TimeEmbedding(nn.Module):
+    """A diffusion block's time embedding: a per-sample vector, projected to the conv's channels
+    and added at every position ([N, C] viewed as [N, C, 1, 1]), then SiLU; in 3-D, a gate of the
+    same shape (`view`) multiplies. The operand is an extra input of one value per sample and channel.
+    (Not a Case: the embedding's mean and Linear run as PyTorch.)"""
+
+    def __init__(self, nd: int = 2):
+        super().__init__()
+        conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[nd]
+        self.nd = nd
+        self.conv = conv(C_IN, C, 3, padding=1)
+        self.emb = nn.Linear(C_IN, C)
+
+    def forward(self, x):
+        t = self.emb(x.mean(tuple(range(2, 2 + self.nd))))
+        if self.nd == 2:
+            return F.silu(self.conv(x) + t[:, :, None, None])
+        return torch.tanh(self.conv(x) * torch.sigmoid(t).view(t.shape[0], C, *([1] * self.nd)) - 0.5)
+
+
+# (model, input shape, the conv chain's epilogue ops)
+TIME_EMBEDDINGS = {
+    "2d": (lambda: TimeEmbedding(2), IMG, ["add", "silu"]),
+    "3d": (lambda: TimeEmbedding(3), VOL, ["mul", "sub", "tanh"]),
+    "1d": (lambda: TimeEmbedding(1), SEQ, ["mul", "sub", "tanh"]),
+}
+
+
 # -- the suite -----------------------------------------------------------------------------------
 
 

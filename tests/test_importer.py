@@ -196,6 +196,31 @@ def test_residual_blocks_fuse_their_shortcut_and_match(training):
             torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("name", sorted(im.TIME_EMBEDDINGS))
+def test_a_per_sample_channel_operand_is_an_extra_input_of_its_shape(name):
+    """A time embedding ([N, C] viewed as [N, C, 1, ...]) joins the conv's chain as an extra input
+    of one value per sample and channel; the embedding's own ops stay PyTorch; gradients reach it."""
+    make, shape, ops = im.TIME_EMBEDDINGS[name]
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(shape, requires_grad=True)
+    report = explain(model, x)
+    assert _ops(report) == [ops], str(report)
+    (spec,) = report.specs
+    ((input_name, input_shape),) = spec.inputs().items()
+    assert input_shape == (im.C,) + (1,) * (len(shape) - 2)
+    assert spec.epilogue[0].args.input == input_name and spec.epilogue[0].args.shape == list(input_shape)
+    assert all(f.node != "conv" for f in report.fallbacks)
+    fused = from_module(model, x)
+    y, want = fused(x), model(x)
+    torch.testing.assert_close(y, want)
+    grad = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, *model.parameters()], grad)
+    expected = torch.autograd.grad(want, [x, *model.parameters()], grad)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
+
+
 def test_a_scalar_parameter_is_shared_and_expanded():
     torch.manual_seed(0)
     model = im.ScalarParam()

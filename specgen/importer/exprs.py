@@ -31,10 +31,13 @@ _OPAQUE = object()  # an operand that is neither x, a number nor a parameter
 
 class InputRef:
     """An operand the model computes (or takes as its input) of the chain value's shape and dtype:
-    an extra input of the fused layer, passed at run time (a residual's shortcut)."""
+    an extra input of the fused layer, passed at run time (a residual's shortcut). `shape`: its
+    shape per sample where it is [C, 1, ...], one value per sample and channel (a time embedding
+    viewed as [N, C, 1, 1]); None where it is the chain value's."""
 
-    def __init__(self, node: Node):
+    def __init__(self, node: Node, shape: Optional[tuple] = None):
         self.node = node
+        self.shape = shape
 
     def __repr__(self) -> str:
         return f"InputRef({self.node.name})"
@@ -238,13 +241,17 @@ class Regions:
     def _leaf_value(self, chain, node: Node, along_dim1: bool):
         if not self._param_only(node):
             shape = shape_of(node)
-            if not along_dim1 and shape is not None and tuple(shape) == tuple(chain.view):
+            view = tuple(chain.view)
+            per_sample_channel = view[:2] + (1,) * (len(view) - 2)
+            if not along_dim1 and shape is not None and tuple(shape) in (view, per_sample_channel):
                 if dtype_of(node) != chain.dtype:
                     raise Reject(f"operand {node.name} is {dtype_of(node)}, the chain is {chain.dtype}")
-                return InputRef(node)  # of the chain value's shape: an extra input of the layer
+                # an extra input of the layer: of the chain value's shape, or one value per sample and channel
+                return InputRef(node, None if tuple(shape) == view else per_sample_channel[1:])
             raise Reject(
                 f"operand {node.name} is computed by the model with shape {shape and list(shape)}; "
-                f"numbers, per-channel parameters and tensors of the chain value's shape {list(chain.view)} join a chain"
+                f"numbers, per-channel parameters and tensors of the chain value's shape {list(view)} "
+                f"(or {list(per_sample_channel)}, one value per sample and channel) join a chain"
             )
         if node.op == "get_attr":
             obj = self.fetch(node.target)
@@ -320,7 +327,7 @@ class Regions:
         if isinstance(term, InputRef):
             if term.node in chain.saves:  # the chain's own earlier value, named by a save stage
                 return ops.Saved(chain.saves[term.node][0])
-            return ops.Input(self.input_name(chain, term))
+            return ops.Input(self.input_name(chain, term), term.shape)
         return _OPAQUE
 
     def _render(self, chain, term, x_node: Node, members: dict) -> Optional[str]:
