@@ -94,6 +94,19 @@ def spec_yaml(spec: LayerSpec) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100).rstrip()
 
 
+def input_entries(spec: LayerSpec, names) -> list[dict]:
+    """The kernel parameters of extra inputs (and saved values the tail binds alike): name, values
+    per sample, and what the generated code says of its shape."""
+    out = tuple(spec.shapes()[-1].sizes)
+    declared = spec.inputs()
+    entries = []
+    for name in names:
+        shape = declared.get(name, out)
+        what = "of the output's shape" if shape == out else f"one value per sample and channel {list(('batch', *shape))}"
+        entries.append({"name": name, "per_sample": math.prod(shape), "what": what.replace("'batch'", "batch")})
+    return entries
+
+
 def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], channel: str,
                     sample: Optional[str] = "sample") -> dict:
     """One pointwise stage: named constants, and the C statement `v = <expr>;`. `channel` and
@@ -1538,7 +1551,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
         out_per_sample=out_per_sample,
         out_shape=list(out_shape),
         params=[{"name": n, "shape": list(s), "channels": s[0]} for n, s in params],
-        inputs=[{"name": n, "per_sample": math.prod(shape)} for n, shape in spec.inputs().items()],
+        inputs=input_entries(spec, spec.inputs()),
         constants=consts,
         # (a transposed conv: each output meets about taps / stride-volume of its taps)
         flops_per_sample=2 * math.prod(t1) * (cin // groups) * taps * math.prod(l.get("window", 1) for l in levels)

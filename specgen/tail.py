@@ -257,7 +257,7 @@ def _affine_code(row: ops.Norm, args, index: str) -> str:
 
 def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> TailPlan:
     """The plan of one statistic stage's tail kernels (tail.cu.j2 sees only this)."""
-    from specgen.plan import Constant, _pointwise_code
+    from specgen.plan import Constant, _pointwise_code, input_entries
 
     i = segment.index
     stage = spec.epilogue[i]
@@ -299,7 +299,7 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> TailPlan
         # what each value goes through after its normalization: the norm's weight and bias, the stages after it
         steps=([{"code": affine, "comment": "its weight and bias"}] if affine else []) + pointwise,
         params=[{"name": n} for n in params],
-        inputs=[{"name": n} for n in inputs],  # (extra inputs and saved values: the sequence binds each)
+        inputs=input_entries(spec, inputs),  # (extra inputs and saved values: the sequence binds each)
         constants=consts,
         in_shape=sizes,
         per_sample=per_sample,
