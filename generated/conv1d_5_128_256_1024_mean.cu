@@ -535,7 +535,8 @@ extern "C" __global__ void __launch_bounds__(256) specgen_conv1d_5_128_256_1024_
   const size_t e_out = static_cast<size_t>(blockIdx.x) * 256 + threadIdx.x;  // in the output
   if (e_out >= m_total * C_OUT) return;
   const int p = static_cast<int>(e_out % POSITIONS), cj = static_cast<int>(e_out / POSITIONS % C_OUT);
-  const size_t m = e_out / (static_cast<size_t>(C_OUT) * POSITIONS) * POSITIONS + p;
+  const int sample = static_cast<int>(e_out / (static_cast<size_t>(C_OUT) * POSITIONS));
+  const size_t m = static_cast<size_t>(sample) * POSITIONS + p;
   float sum = 0.0f;
   #pragma unroll
   for (int part = 0; part < SPLIT_K; ++part) sum += __ldg(partial + (static_cast<size_t>(part) * C_OUT + cj) * m_total + m);

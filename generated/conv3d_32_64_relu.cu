@@ -73,7 +73,7 @@ constexpr int TAPS = 27;  // K_D * K_H * K_W
 constexpr int OUT_D = 32, OUT_H = 64, OUT_W = 64;  // output extents
 constexpr int POSITIONS = 131072;  // OUT_D * OUT_H * OUT_W: M per sample
 
-// The output, and each extra input (of the output's shape), lie [batch][C_OUT][d][h][w].
+// The output, and each extra input of its shape, lie [batch][C_OUT][d][h][w].
 
 // ---- the GEMM's tiling ------------------------------------------------------------------------------
 constexpr int CIP = 32;  // input channels: one pixel of the channels-last input

@@ -73,7 +73,7 @@ constexpr int TAPS = 9;  // K_D * K_H * K_W
 constexpr int OUT_D = 1, OUT_H = 56, OUT_W = 56;  // output extents
 constexpr int POSITIONS = 3136;  // OUT_D * OUT_H * OUT_W: M per sample
 
-// The output, and each extra input (of the output's shape), lie [batch][C_OUT][d][h][w].
+// The output, and each extra input of its shape, lie [batch][C_OUT][d][h][w].
 
 // ---- the GEMM's tiling ------------------------------------------------------------------------------
 constexpr int CIP = 64;  // input channels: one pixel of the channels-last input

@@ -571,7 +571,7 @@ namespace e1 {
 
 namespace {
 
-// An extra input's value at element i of the output (of its shape).
+// An extra input's value at element i (e_out for one of the output's shape; n x C + channel for one value per sample and channel).
 __device__ __forceinline__ float input_value(const float* __restrict__ p, size_t i) { return __ldg(p + i); }
 
 // ---- the tensor, one sample ---------------------------------------------------------------------------
@@ -752,7 +752,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) specgen_kb92_e1_apply(
       #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         const int c_el = (g * GROUP_LEN + j * CHUNK + e + k) / C_STRIDE;  // its channel
-        const size_t e_out = static_cast<size_t>(n) * PER_SAMPLE + (g * GROUP_LEN + j * CHUNK + e + k);  // its offset in the output (and in each extra input)
+        const size_t e_out = static_cast<size_t>(n) * PER_SAMPLE + (g * GROUP_LEN + j * CHUNK + e + k);  // its offset in the output (and in each extra input of its shape)
         float v = (x_r[it][k] - stat_a) * stat_b;  // epilogue[1] group_norm
         v = fmaf(v, __ldg(p_gn_weight + c_el), __ldg(p_gn_bias + c_el));  // its weight and bias
         v = tanhf(v);  // epilogue[2] tanh

@@ -84,7 +84,7 @@ constexpr int TAPS = 27;  // K_D * K_H * K_W
 constexpr int OUT_D = 32, OUT_H = 32, OUT_W = 32;  // output extents
 constexpr int POSITIONS = 32768;  // OUT_D * OUT_H * OUT_W: M per sample
 
-// The output, and each extra input (of the output's shape), lie [batch][C_OUT][d][h][w].
+// The output, and each extra input of its shape, lie [batch][C_OUT][d][h][w].
 
 // ---- stride phases ----------------------------------------------------------------------------------
 constexpr int PHASES = 8;

@@ -357,6 +357,10 @@ class LayerSpec(Model):
                 )
             if stage.kind == "pointwise" and data["epilogue"][i][stage.op].get("input", 0) is None:
                 del data["epilogue"][i][stage.op]["input"]  # an operand without an extra input hashes as before them
+            if stage.kind == "pointwise" and "shape" in data["epilogue"][i][stage.op]:
+                # an input of the output's shape, written out or not, hashes as before input shapes
+                if data["epilogue"][i][stage.op]["shape"] in (None, list(self.shapes()[-1].sizes)):
+                    del data["epilogue"][i][stage.op]["shape"]
             if stage.kind == "reduce":
                 data["epilogue"][i][stage.op]["dims"] = list(reduce_dims[i])
             if stage.kind == "norm" and "dim" in type(stage.args).model_fields:  # softmax: dims from 1, in order

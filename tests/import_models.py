@@ -1171,7 +1171,9 @@ class ShortcutInsideExpr(nn.Module):
 
     def forward(self, x):
         y = self.conv(x)
-        if self.gate_shape is not None:  # squeeze-and-excitation's gate: [N, C, 1, 1], not fused
+        if self.gate_shape == "spatial":  # a spatial attention map, [N, 1, H, W]: not fused
+            return y * torch.sigmoid(x.mean(1, keepdim=True))
+        if self.gate_shape is not None:  # a squeeze-and-excitation style gate, [N, C, 1, 1]: an extra input
             return y * torch.sigmoid(x.mean((2, 3), keepdim=True))
         return y * torch.sigmoid(y + x)
 
@@ -1402,8 +1404,10 @@ FALLBACKS: list[FallbackCase] = [
     FallbackCase(lambda: UnpackedMax(use_indices=True), IMG, [["relu"]], [("max_1", "its indices are used")], id="UsedIndices"),
     FallbackCase(ShortcutScaled, (2, C, 8, 8), [["sub", "sigmoid"]], [("mul", "it does not follow a convolution")]),
     FallbackCase(ShortcutInsideExpr, (2, C, 8, 8), [], [("add", "fused only as the other operand of one add, sub, mul or div")]),
-    FallbackCase(lambda: ShortcutInsideExpr(gate_shape=True), (2, C, 8, 8), [],
-                 [("mul", "computed by the model with shape [2, 4, 1, 1]")], id="SqueezeExciteGate"),
+    FallbackCase(lambda: ShortcutInsideExpr(gate_shape=True), (2, C, 8, 8), [["mul"]],
+                 [("mean", "it does not follow a convolution")], id="SqueezeExciteGate"),
+    FallbackCase(lambda: ShortcutInsideExpr(gate_shape="spatial"), (2, C, 8, 8), [],
+                 [("mul", "computed by the model with shape [2, 1, 8, 8]")], id="SpatialGate"),
     FallbackCase(ControlFlow, IMG, [], [("ControlFlow", "torch.fx cannot trace")]),
     FallbackCase(lambda: TensorConstants(data=[[[0.5]]] * C), IMG, [["relu"]],
                  [("tensor", "only a number made into a tensor is read as a constant")], id="TensorOfAList"),

@@ -67,8 +67,10 @@ def test_an_input_of_one_value_per_sample_and_channel_says_its_shape():
     assert spec.inputs() == {"temb": (16, 1, 1), "shortcut": (16, 10, 10)}
     full = spec_of("t", [{"add": {"input": "temb"}}, {"add": {"input": "shortcut"}}, {"mul": {"input": "temb"}}])
     assert full.inputs()["temb"] == (16, 10, 10) and full.shape_hash != spec.shape_hash
-    # the output's shape written out is the default's
-    assert spec_of("t", [{"add": {"input": "s", "shape": [16, 10, 10]}}]).inputs() == {"s": (16, 10, 10)}
+    # the output's shape written out is the default's, and hashes as it
+    written = spec_of("t", [{"add": {"input": "s", "shape": [16, 10, 10]}}])
+    assert written.inputs() == {"s": (16, 10, 10)}
+    assert written.shape_hash == spec_of("t", [{"add": {"input": "s"}}]).shape_hash
     # 1-D and 3-D layers
     assert spec_of("t", [{"add": {"input": "e", "shape": [16, 1]}}], size=(12,)).inputs() == {"e": (16, 1)}
     assert spec_of("t", [{"sub": {"input": "e", "shape": [16, 1, 1, 1]}}], size=(4, 5, 6)).inputs() == {"e": (16, 1, 1, 1)}
