@@ -745,6 +745,12 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     target = target or targets.DEFAULT
     if not target.has_cp_async:
         raise TargetError(f"{spec.name}: {target.arch} has no cp.async, which every specgen engine stages with")
+    if spec.upsampled():
+        # ---- a conv over an upsampled input is the transposed conv it equals (how it runs) ------
+        from specgen import upsample
+
+        return _presented_as(build_plan(upsample.equivalent(spec), igemm_config, target, tma_config, settings), spec,
+                             upsample.note(spec), upsample.transform(spec))
     if exact_tf32(spec):
         # ---- a tf32 layer of few input channels computes in 3xTF32, as cuDNN computes it in fp32 -
         try:

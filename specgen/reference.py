@@ -132,6 +132,13 @@ def _stages(spec: LayerSpec):
         def conv(x, weight, bias, stride, padding, dilation, groups):
             return transposed(x, weight, bias, stride, padding, output_padding, groups, dilation)
 
+    elif spec.upsampled():  # the conv reads its input upsampled (nearest), as nn.Upsample then nn.ConvNd
+        plain = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[spec.ndim]
+        scale = tuple(float(u) for u in g["upsample"])
+
+        def conv(x, weight, bias, stride, padding, dilation, groups):
+            return plain(F.interpolate(x, scale_factor=scale, mode="nearest"), weight, bias, stride, padding, dilation, groups)
+
     else:
         conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[spec.ndim]
     steps = []

@@ -37,7 +37,7 @@ from pydantic import (
     model_validator,
 )
 
-from specgen import ops
+from specgen import ops, upsample
 from specgen.expr import RESERVED as EXPR_RESERVED
 from specgen.literals import QUOTE_LIMIT, quote
 
@@ -93,6 +93,9 @@ class ConvSpec(Model):
     # output (in - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1.
     transposed: bool = False
     output_padding: IntOrList = 0
+    # The conv reads its input upsampled this many times along each dim (nearest, as nn.Upsample):
+    # computed as the transposed conv it equals (specgen.upsample), the upsampled input never made.
+    upsample: IntOrList = 1
 
     @model_validator(mode="before")
     @classmethod
@@ -317,8 +320,12 @@ class LayerSpec(Model):
     def conv_geometry(self) -> dict[str, tuple[int, ...]]:
         """kernel, stride, padding, dilation per spatial dim (and output_padding for a transposed conv)."""
         nd = self.ndim
-        fields = ("kernel", "stride", "padding", "dilation") + (("output_padding",) if self.conv.transposed else ())
+        fields = ("kernel", "stride", "padding", "dilation") + (("output_padding",) if self.conv.transposed else ("upsample",))
         return {f: expand(getattr(self.conv, f), nd, f"conv.{f}") for f in fields}
+
+    def upsampled(self) -> bool:
+        """Whether the conv reads its input upsampled (`conv.upsample`)."""
+        return not self.conv.transposed and any(u != 1 for u in self.conv_geometry()["upsample"])
 
     def weight_shape(self) -> tuple[int, ...]:
         """The conv's weight as PyTorch holds it: [C_out, C_in / groups, k...], or for a transposed
@@ -348,6 +355,8 @@ class LayerSpec(Model):
         if not self.conv.transposed:  # a plain conv spells (and hashes) as it did before transposed convs
             data["conv"].pop("transposed")
             data["conv"].pop("output_padding")
+        if not self.upsampled():  # ... and before upsampling
+            data["conv"].pop("upsample", None)
         reduce_dims = self._walk()[1]  # one walk for every stage: linear in the epilogue's length
         for i, stage in enumerate(self.epilogue):
             if stage.kind == "pool" and ops.POOLS[stage.op].windowed:
@@ -408,9 +417,9 @@ class LayerSpec(Model):
             ]
             return StageShape((Axis("c", self.conv.out_channels), *(Axis(f"s{i}", n) for i, n in enumerate(sizes))))
         sizes = [
-            _window_out(s, k, st, p, d, f"conv (spatial dim {i})")
-            for i, (s, k, st, p, d) in enumerate(
-                zip(self.input.size, g["kernel"], g["stride"], g["padding"], g["dilation"])
+            _window_out(s * u, k, st, p, d, f"conv (spatial dim {i})")
+            for i, (s, k, st, p, d, u) in enumerate(
+                zip(self.input.size, g["kernel"], g["stride"], g["padding"], g["dilation"], g["upsample"])
             )
         ]
         return StageShape((Axis("c", self.conv.out_channels), *(Axis(f"s{i}", n) for i, n in enumerate(sizes))))
@@ -580,6 +589,28 @@ class LayerSpec(Model):
             found.setdefault(name, out if shape is None else tuple(shape))
         return found
 
+    def _check_upsample(self, g: dict) -> None:
+        ups = expand(self.conv.upsample, self.ndim, "conv.upsample")
+        if self.conv.transposed:
+            if ups != (1,) * self.ndim:
+                raise SpecShapeError(f"conv.upsample: only a plain conv reads its input upsampled (a transposed conv "
+                                     f"reads it as it is), got {quote(self.conv.upsample)}")
+            return
+        if not all(1 <= u <= upsample.MAX_SCALE for u in ups):
+            raise SpecShapeError(f"conv.upsample: every factor must be in [1, {upsample.MAX_SCALE}], got {quote(list(ups))}")
+        if ups == (1,) * self.ndim:
+            return
+        if any(v != 1 for v in (*g["stride"], *g["dilation"])):
+            raise SpecShapeError(f"conv.upsample: an upsampled input is read by a conv of stride 1 and dilation 1, "
+                                 f"got stride {list(g['stride'])}, dilation {list(g['dilation'])}")
+        for i, (k, p, u) in enumerate(zip(g["kernel"], g["padding"], ups)):
+            if upsample.derive(k, p, u) is None:
+                raise SpecShapeError(
+                    f"conv.upsample: the conv over the upsampled input runs as the transposed conv it equals, and "
+                    f"along spatial dim {i} (kernel {k}, padding {p}, upsample {u}) there is none: a padding above "
+                    f"kernel - 1 makes outputs that no tap reaches"
+                )
+
     def _check_inputs(self) -> None:
         first = None
         out = tuple(self.shapes()[-1].sizes)
@@ -684,6 +715,7 @@ class LayerSpec(Model):
                 f"conv.output_padding: only a transposed conv (conv.transposed: true) has an output padding, "
                 f"got {quote(self.conv.output_padding)}"
             )
+        self._check_upsample(g)
         taps = math.prod(g["kernel"])
         if taps > MAX_TAPS:
             raise SpecShapeError(

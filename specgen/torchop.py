@@ -565,7 +565,26 @@ def transformed_weight(weight: torch.Tensor, transform: dict) -> torch.Tensor:
         return box_fold_weight(weight, transform["taps"])
     if transform["kind"] == "transposed_pool_fold":  # an avg pool after a strided transposed conv
         return pool_fold_weight(weight, transform["groups"], transform["dims"])
+    if transform["kind"] == "upsample_fold":  # a conv over an upsampled input, as the transposed conv it equals
+        return upsample_weight(weight, transform["groups"], transform["taps"])
     raise ValueError(f"unknown weight transform {transform['kind']!r}")
+
+
+def upsample_weight(weight: torch.Tensor, groups: int, taps: list) -> torch.Tensor:
+    """A conv's weight [C_out, C_in / groups, k...] as the weight of the transposed conv it equals
+    over the input before upsampling (`specgen.upsample`): tap j of each dim sums the conv taps
+    `taps[dim][j]`, and the channel axes swap per group, to [C_in, C_out / groups, k'...]. Summed
+    in double, rounded once."""
+    w = weight.double()
+    for dim, dim_taps in enumerate(taps):
+        axis = 2 + dim
+        m = torch.zeros(len(dim_taps), w.shape[axis], dtype=w.dtype, device=w.device)
+        for j, ks in enumerate(dim_taps):
+            m[j, list(ks)] = 1.0
+        w = torch.movedim(torch.tensordot(w, m, dims=([axis], [1])), -1, axis)
+    cout, cin_g = w.shape[:2]
+    w = w.reshape(groups, cout // groups, cin_g, *w.shape[2:]).transpose(1, 2)  # [g, C_in/g, C_out/g, k'...]
+    return w.reshape(groups * cin_g, cout // groups, *w.shape[3:]).to(weight.dtype).contiguous()
 
 
 _transforms: dict[str, tuple] = {}

@@ -1,0 +1,95 @@
+"""A conv over a nearest-upsampled input on the GPU (marker `gpu`; skipped without CUDA): each
+engine the equivalent transposed conv plans for, against float64 at the mode's bar, outputs
+poisoned, fresh inputs per check, odd batches and channels-last inputs; a decoder imported whole."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
+
+from specgen import FusedLayer, from_module  # noqa: E402
+from specgen.spec import validate  # noqa: E402
+
+from gpu_helpers import compare as check  # noqa: E402
+from gpu_helpers import rel_l2, tf32_allowed  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
+
+# name -> (input channels, size, conv, epilogue, engine, precisions)
+CASES = {
+    "tma_3x3": (64, [12, 12], {"out_channels": 64, "kernel": 3, "padding": 1, "upsample": 2}, ["batch_norm", "relu"], "tma",
+                ["fp32", "tf32", "bf16", "fp16"]),
+    "tma_1x1": (96, [10, 7], {"out_channels": 48, "kernel": 1, "upsample": 2}, ["silu"], "tma", ["tf32", "bf16"]),
+    "igemm_1d": (32, [40], {"out_channels": 24, "kernel": 5, "padding": 2, "upsample": 2}, ["gelu"], "igemm", ["fp32", "tf32"]),
+    "ffma_groups": (16, [6, 9], {"out_channels": 24, "kernel": [3, 5], "padding": [1, 2], "upsample": [2, 3], "groups": 4},
+                    ["relu"], "ffma", ["fp32"]),
+    "ffma_3d": (8, [3, 4, 5], {"out_channels": 16, "kernel": 3, "padding": 1, "upsample": [1, 2, 2]}, ["tanh"], None, ["fp32"]),
+}
+
+
+def _layer(name: str, precision: str) -> FusedLayer:
+    cin, size, conv, epilogue, engine, _ = CASES[name]
+    data = {"name": f"up_{name}_{precision}", "input": {"channels": cin, "size": size}, "conv": conv, "epilogue": epilogue,
+            "precision": precision}
+    if engine in ("tma", "igemm"):
+        data["tile"] = {"engine": engine}
+    layer = FusedLayer(validate(data)).cuda()
+    plan = layer.specialize().plan
+    assert engine is None or plan["engine"] == engine
+    assert plan["rewrites"][0].startswith("upsample fold")
+    return layer
+
+
+PARAMS = [pytest.param(name, p, id=f"{name}-{p}") for name, case in sorted(CASES.items()) for p in case[5]]
+
+
+@pytest.mark.parametrize("name, precision", PARAMS)
+def test_upsampled_convs_match_float64(name, precision):
+    if CASES[name][4] == "tma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the TMA engine needs an sm_90 GPU")
+    layer = _layer(name, precision)
+    check(layer, 1, seed=1)
+    check(layer, 3, seed=2)
+    check(layer, 2, seed=3, channels_last=True)
+
+
+class Decoder(nn.Module):
+    """Upsample, conv, batch norm, ReLU, twice (a U-Net decoder without its skips)."""
+
+    def __init__(self, c: int = 64):
+        super().__init__()
+        self.up = nn.Upsample(scale_factor=2)
+        self.b1 = nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.b2 = nn.Sequential(nn.Conv2d(c, c // 2, 3, padding=1, bias=False), nn.BatchNorm2d(c // 2), nn.ReLU())
+
+    def forward(self, x):
+        return self.b2(self.up(self.b1(self.up(x))))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_a_decoder_fuses_its_upsamples_and_matches(precision):
+    torch.manual_seed(0)
+    model = Decoder().cuda().eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 1.5)
+    x = torch.randn(3, 64, 14, 14, device="cuda")
+    fused = from_module(copy.deepcopy(model), x, keep_slower=True, precision=precision)
+    assert [s.upsampled() for s in fused.specgen_report.specs] == [True, True], str(fused.specgen_report)
+    with torch.no_grad():
+        got = fused(x)
+        ref64 = copy.deepcopy(model).double()(x.double())
+        with tf32_allowed(precision == "tf32"):
+            ref = model(x)
+    assert bool(torch.isfinite(got).all())
+    if precision == "fp32":
+        assert rel_l2(got, ref64) <= 1e-5
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    else:
+        assert rel_l2(got, ref64) <= 2 * max(rel_l2(ref, ref64), 2.0**-11)
