@@ -78,6 +78,15 @@ class _Chain:
     # the chain's own values that a save stage names, in chain order: node -> (name, the chain's
     # state before the save, to go back to where a use of the value does not join the chain after all)
     saves: dict = field(default_factory=dict)
+    # the value the fused layer reads: the conv's input, or the input of a nearest upsample taken
+    # into the conv (`conv.upsample`)
+    source: Optional[Node] = None
+
+    @property
+    def input_node(self) -> Node:
+        if self.source is not None:
+            return self.source
+        return self.conv.args[0] if self.conv.args else self.conv.kwargs["input"]
 
     @property
     def stages(self) -> list:
@@ -638,10 +647,57 @@ def _start(imp: Analysis, conv: Node, desc: ConvOp) -> _Chain:
     except SpecError as err:
         raise Reject(f"{where}: the spec would not validate: {'; '.join(err.problems)}") from None
     chain = _Chain(conv, desc, data, spec, batch=in_shape[0], nodes=[conv], out=conv, weight=weight, bias=bias, dtype=dtype)
+    up = None if desc.transposed else _nearest_upsample(imp, inp)
+    if up is not None:  # the conv reads a nearest upsample of a value: the upsample joins the chain
+        source, scales = up
+        folded = {**data, "input": {"channels": in_shape[1], "size": list(shape_of(source)[2:])},
+                  "conv": {**data["conv"], "upsample": scales}}
+        try:
+            chain.spec, chain.data = validate(folded), folded
+            chain.nodes, chain.source = [inp, conv], source
+        except SpecError:
+            pass  # (a geometry without an equivalent transposed conv: the conv reads the upsampled value)
     chain.view = shape_of(conv)
     if chain.view is None or tuple(chain.view) != tuple(chain.spec_out):
         raise Reject(f"{where}: the spec's output {list(chain.spec_out)} differs from the model's {chain.view}")
     return chain
+
+
+_INTERPOLATE = (torch.nn.functional.interpolate, torch.nn.functional.upsample, torch.nn.functional.upsample_nearest)
+
+
+def _nearest_upsample(imp: Analysis, node) -> Optional[tuple[Node, list[int]]]:
+    """(the value, the integer factor per spatial dim) where `node` is a nearest-neighbour upsample
+    of a value (nn.Upsample / nn.UpsamplingNearest2d, F.interpolate) that only the conv reads, else
+    None. nearest-exact is nearest at integer factors; a scale_factor given must be those factors."""
+    if not isinstance(node, Node) or len(node.users) != 1:
+        return None
+    if node.op == "call_module":
+        module = imp.fetch(node.target)
+        if not isinstance(module, nn.Upsample) or not node.args:
+            return None
+        source, mode, scale = node.args[0], module.mode, module.scale_factor
+    elif node.op == "call_function" and node.target in _INTERPOLATE:
+        args = dict(zip(("input", "size", "scale_factor", "mode", "align_corners"), node.args)) | dict(node.kwargs)
+        if args.get("antialias"):
+            return None
+        source, scale = args.get("input"), args.get("scale_factor")
+        mode = "nearest" if node.target is torch.nn.functional.upsample_nearest else args.get("mode", "nearest")
+    else:
+        return None
+    if mode not in ("nearest", "nearest-exact") or not isinstance(source, Node):
+        return None
+    before, after = shape_of(source), shape_of(node)
+    if before is None or after is None or len(before) != len(after) or len(after) < 3 or tuple(before[:2]) != tuple(after[:2]):
+        return None
+    if dtype_of(source) != dtype_of(node) or any(b < 1 or a % b for b, a in zip(before[2:], after[2:])):
+        return None
+    factors = [a // b for b, a in zip(before[2:], after[2:])]
+    if scale is not None:
+        given = list(scale) if isinstance(scale, (list, tuple)) else [scale] * len(factors)
+        if len(given) != len(factors) or any(float(g) != f for g, f in zip(given, factors)):
+            return None
+    return source, factors
 
 
 def _check_input_engine(spec: LayerSpec) -> None:

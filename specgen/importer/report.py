@@ -78,7 +78,8 @@ class ImportReport:
         in_graph = {c.layer: c for c in self.graph_choices}
         for spec in self.specs:
             stages = ", ".join(stage.op for stage in spec.epilogue)
-            line = f"  {spec.name}: conv{spec.ndim}d {spec.input.channels}->{spec.conv.out_channels} | {stages}"
+            up = f" over its input upsampled {'x'.join(map(str, spec.conv_geometry()['upsample']))}" if spec.upsampled() else ""
+            line = f"  {spec.name}: conv{spec.ndim}d {spec.input.channels}->{spec.conv.out_channels}{up} | {stages}"
             if spec.name in choice and choice[spec.name].specgen_ms is not None:
                 line += f"  [{choice[spec.name]}]"
             if spec.name in in_graph and in_graph[spec.name].specgen_ms is not None:

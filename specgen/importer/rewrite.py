@@ -95,8 +95,7 @@ def original(imp: Analysis, chain) -> Optional[fx.GraphModule]:
     """The chain as the model computes it (its nodes and the parameter reads they need), a
     module of the conv's input and the chain's extra inputs; None when it reads any other value
     of the model."""
-    conv = chain.conv
-    inp = conv.args[0] if conv.args else conv.kwargs["input"]
+    inp = chain.input_node
     extras = list(chain.inputs.values())
     needed: set[Node] = set()
     todo = [chain.out]
@@ -158,7 +157,7 @@ def measure(imp: Analysis, chain, gpu_only: bool = False) -> Choice:
     if record is not None:
         ms, pt = record["specgen_ms"], record["pytorch_ms"]
         return Choice(name, ms < pt, ms, pt, prefix + "cached")
-    inp = chain.conv.args[0] if chain.conv.args else chain.conv.kwargs["input"]
+    inp = chain.input_node
     shapes = [shape_of(inp), *(shape_of(n) for n in chain.inputs.values())]
     generator = torch.Generator(device=device).manual_seed(0)
     inputs = [[_laid_out(torch.randn(s, device=device, generator=generator).to(chain.dtype), imp.channels_last)
@@ -226,8 +225,8 @@ def fused_graph(imp: Analysis) -> fx.GraphModule:
         name = unique(chain.spec.name, taken | set(layers))
         layers[name] = fused_layer(imp, chain)
         imp.gm.add_submodule(name, layers[name])
-        conv = chain.conv
-        inp = conv.args[0] if conv.args else conv.kwargs["input"]
+        conv = chain.nodes[0]  # (the first node the chain covers: the conv, or an upsample it reads)
+        inp = replaced.get(chain.input_node, chain.input_node)  # (an upsample's source: perhaps a fused chain's output)
         # extra inputs (a shortcut the model computes after the conv, perhaps another fused chain's
         # output): the call goes where the chain's output was, after all of them
         extras = [replaced.get(node, node) for node in chain.inputs.values()]
