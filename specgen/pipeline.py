@@ -92,11 +92,10 @@ def _without_spills(item: Specialized, arch: str | None, igemm_config=None,
     planner's choice) and still spills is built once more without the prefetch.
 
     Then, where the planner chose the tile (no tuned config, no tile in the spec), a smaller tile
-    of the same engine, kept if it spills less: an FFMA register tile of half the channels per
-    thread (twice the threads, each holding half the accumulators; then a quarter, ...), an
-    mma.sync slab warp tile of half the n-tiles, a TMA tile of 128 positions instead of 256 (half
-    the accumulators a consumer thread holds through the epilogue). Each is a shape the tuner also
-    times; a build that does not spill is never rebuilt."""
+    of the same engine, kept if it spills less: a TMA tile of 128 positions instead of 256 (half
+    the accumulators a consumer thread holds through the epilogue). The FFMA and slab engines keep
+    the planner's tile (timed: their smaller tiles were mostly slower, SPILL_RETRY_ENGINES). A
+    build that does not spill is never rebuilt."""
     spec = item.spec
     pinned = spec.tile is not None and spec.tile.min_blocks
     one_block = 1 if item.plan["min_blocks"] > 1 and not pinned else None
@@ -121,14 +120,21 @@ def _without_spills(item: Specialized, arch: str | None, igemm_config=None,
     return item
 
 
+# The spill retry's smaller tiles, timed (benchmarks/spill_retry.py, NOTES v50, on an H100): the
+# TMA engine's 128-position tile beat its spilling 256-position one at batch 16 and 128 (1.08x to
+# 1.37x); the FFMA engine's tile of half the channels lost in 3 of 4 (0.53x to 1.14x: a grouped
+# 5x5 conv went from 1.10 to 2.08 ms at batch 128) and the mma.sync slab's half warp tile in 1 of
+# 2 (0.76x at batch 16, 1.02x at 128). A small spill costs those engines less than the smaller
+# tile: they keep the planner's (`specgen tune` times the smaller ones beside it).
+SPILL_RETRY_ENGINES = ("tma",)
+
+
 def _smaller_tiles(plan, settings: Settings) -> list[tuple[Settings, object]]:
-    """The spill retry's smaller tiles of the engine `plan` runs on, as (settings, tile config)."""
-    engine, mma, tp = plan.get("engine"), plan.get("mma"), plan.get("tma")
-    if engine == "ffma" and plan.get("ct", 1) > 1:
-        halves = [plan["ct"] >> i for i in range(1, plan["ct"].bit_length())]  # ct / 2, ct / 4, ..., 1
-        return [(replace(settings, ffma_ct=ct), None) for ct in halves]
-    if engine == "slab" and mma is not None and not mma.wgmma and mma.wn > 1:
-        return [(settings, SlabConfig(0, mma.wm, mma.wn // 2))]
+    """The spill retry's smaller tiles of the engine `plan` runs on, as (settings, tile config):
+    the TMA engine's 128-position tile for its 256-position one (SPILL_RETRY_ENGINES)."""
+    engine, tp = plan.get("engine"), plan.get("tma")
+    if engine not in SPILL_RETRY_ENGINES:
+        return []
     if engine == "tma" and tp is not None and tp.config.bm == 256 and tp.config.blocks_per_sm == 1:
         return [(settings, replace(tp.config, bm=128))]
     return []
