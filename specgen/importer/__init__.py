@@ -289,6 +289,10 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, pr
                 fused, choices, report, imp = fused_given, choices_given, report_given, as_given
             report.memory_formats = (cl_ms, given_ms)
             fused.specgen_report = report
+    if not imp.chains:  # every chain measured no faster fused: the original itself (a rewritten
+        # module of PyTorch code only would add its own call overhead), with the report that says why
+        model.specgen_report = report
+        return model
     if imp.channels_last:
         report.memory_format = "channels_last"
     chosen: nn.Module = fused
