@@ -125,7 +125,7 @@ def _without_spills(item: Specialized, arch: str | None, igemm_config=None,
 # 1.37x); the FFMA engine's tile of half the channels lost in 3 of 4 (0.53x to 1.14x: a grouped
 # 5x5 conv went from 1.10 to 2.08 ms at batch 128) and the mma.sync slab's half warp tile in 1 of
 # 2 (0.76x at batch 16, 1.02x at 128). A small spill costs those engines less than the smaller
-# tile: they keep the planner's (`specgen tune` times the smaller ones beside it).
+# tile: they keep the planner's (`specgen tune` times the slab's warp tiles; not the FFMA cap).
 SPILL_RETRY_ENGINES = ("tma",)
 
 
