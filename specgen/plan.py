@@ -1471,7 +1471,6 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     # ---- pass 7: the engine (a GEMM engine's plan replaces the box's launch values) -----------
     engine, tp, ig = _choose_engine(spec, levels, reductions, fold, o3, taps, mma, channel_norm, igemm_config,
                                     tma_config, target, settings)
-    inputs = list(spec.inputs())
     if tp is not None:
         threads, smem_bytes, min_blocks = tp.threads, tp.smem_bytes, tp.blocks_per_sm
         cluster, cluster_at_launch = 1, False

@@ -226,3 +226,28 @@ def assert_repeatable_and_replayed(layer, x: torch.Tensor, gen: torch.Generator)
         want = layer(x)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert not torch.equal(got, first)
+
+
+def pinned_layer(name: str, cin: int, size, conv: dict, epilogue: list, engine, precision: str):
+    """A CUDA FusedLayer of that geometry in `precision`, its engine pinned by a tile where it is
+    "tma" or "igemm" (else the planner's), checked to plan for `engine` (None: any)."""
+    from specgen import FusedLayer
+    from specgen.spec import validate
+
+    data = {"name": name, "input": {"channels": cin, "size": size}, "conv": conv, "epilogue": epilogue, "precision": precision}
+    if engine in ("tma", "igemm"):
+        data["tile"] = {"engine": engine}
+    layer = FusedLayer(validate(data)).cuda()
+    assert engine is None or layer.specialize().plan["engine"] == engine
+    return layer
+
+
+def assert_model_bar(got: torch.Tensor, ref64: torch.Tensor, ref: torch.Tensor, precision: str) -> None:
+    """A whole model's output at its mode's bar: fp32 rel. L2 <= 1e-5 against float64 and allclose
+    to PyTorch fp32; tf32 within 2x PyTorch's own TF32 error (`ref`: PyTorch in that mode)."""
+    assert bool(torch.isfinite(got).all())
+    if precision == "fp32":
+        assert rel_l2(got, ref64) <= 1e-5
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    else:
+        assert rel_l2(got, ref64) <= 2 * max(rel_l2(ref, ref64), 2.0**-11)

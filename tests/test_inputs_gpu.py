@@ -14,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from specgen import FusedLayer, from_module, reference  # noqa: E402
-from specgen.spec import validate  # noqa: E402
 
+from gpu_helpers import assert_model_bar, pinned_layer  # noqa: E402
 from gpu_helpers import compare as check  # noqa: E402
 from gpu_helpers import rel_l2, tf32_allowed  # noqa: E402
 
@@ -67,13 +67,7 @@ CASES = {
 
 def _layer(name: str, precision: str) -> FusedLayer:
     cin, size, conv, epilogue, engine, _ = CASES[name]
-    data = {"name": f"in_{name}_{precision}", "input": {"channels": cin, "size": size}, "conv": conv, "epilogue": epilogue,
-            "precision": precision}
-    if engine in ("tma", "igemm"):
-        data["tile"] = {"engine": engine}
-    layer = FusedLayer(validate(data)).cuda()
-    assert layer.specialize().plan["engine"] == engine
-    return layer
+    return pinned_layer(f"in_{name}_{precision}", cin, size, conv, epilogue, engine, precision)
 
 
 PARAMS = [pytest.param(name, p, id=f"{name}-{p}") for name, case in sorted(CASES.items()) for p in case[5]]
@@ -192,9 +186,4 @@ def test_a_time_embedding_block_fuses_the_embedding_as_an_input_and_matches(prec
         ref64 = copy.deepcopy(model).double()(x.double(), t.double())
         with tf32_allowed(precision == "tf32"):
             ref = model(x, t)
-    assert bool(torch.isfinite(got).all())
-    if precision == "fp32":
-        assert rel_l2(got, ref64) <= 1e-5
-        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
-    else:
-        assert rel_l2(got, ref64) <= 2 * max(rel_l2(ref, ref64), 2.0**-11)
+    assert_model_bar(got, ref64, ref, precision)
