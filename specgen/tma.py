@@ -59,6 +59,12 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: 128 x 40 + 256 x 232 <= 64
 # at most 80 registers a thread (2 x 384 x 80 <= 64 K), the producer drops to 40 and the consumers
 # rise to 96 (128 x 40 + 256 x 96 <= 384 x 80), which hold at most 64 accumulators a thread, in
 # wgmma of at most n64 (ptxas cannot fit an m64n128 instruction's 64 operand registers under 80).
+# Two blocks per SM over a deep K only with a pipeline of 3 stages or more: a 192 -> 64 3x3 conv
+# (54 K-block stages walked) ran 1.54x / 1.59x faster at batch 32 / 64 as one block of 4 stages
+# than as two blocks of 2 (benchmarks/two_blocks.py, H100, NOTES v50; `specgen tune` found 1.67x).
+# Shallower layers keep two blocks: the same A/B moved them 0.78x-1.15x, within its noise.
+TWO_BLOCK_DEEP_K_STAGES = 48
+TWO_BLOCK_DEEP_MIN_STAGES = 3
 REGS_TWO_BLOCKS = {"producer": 40, "consumer": 96, "max_acc": 64, "max_bn": 64}
 SMEM_ALIGN = 1024  # a swizzle pattern repeats every 8 rows of up to 128 bytes
 MAX_ACC = 128  # accumulator registers per consumer thread
@@ -533,7 +539,8 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
     time, and the fastest TMA tile or within 1% of it at batch 128; 128 x N two-block tiles lost on
     light epilogues and 16 channels: NOTES v24) -- not with extra inputs, whose reads need more
     registers (a residual's add spilled 16 bytes under the cap), nor when `two_blocks` is False (the
-    pipeline's retry of a build that spilled). Otherwise the first tile shape (see `candidates`)
+    pipeline's retry of a build that spilled), nor over a deep K where two blocks leave each fewer
+    than 3 stages (TWO_BLOCK_DEEP_K_STAGES). Otherwise the first tile shape (see `candidates`)
     whose stages of about 128 bytes of K fit 4 deep (3 in fp32 mode, whose stages hold two planes),
     else with fewer K-blocks per stage."""
     eb = ELEM_BYTES[spec.precision]
@@ -550,7 +557,7 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
             # (no deeper than the stages walked; a stride phase's block walks at least KB_TOTAL / KPS)
             walked = kb_total // kps if not spec.conv.transposed else MAX_STAGES
             stages = min(MAX_STAGES, walked, _two_block_stages(target, stage))
-            if stages >= 2:
+            if stages >= 2 and not (stages < TWO_BLOCK_DEEP_MIN_STAGES and walked >= TWO_BLOCK_DEEP_K_STAGES):
                 return TmaConfig(bm_two, n_pad, stages, kps, blocks_per_sm=2)
     shapes = candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, one_n_tile(spec), pairs)
     planes = 2 if split else 1
