@@ -132,10 +132,8 @@ SPILL_RETRY_ENGINES = ("tma",)
 def _smaller_tiles(plan, settings: Settings) -> list[tuple[Settings, object]]:
     """The spill retry's smaller tiles of the engine `plan` runs on, as (settings, tile config):
     the TMA engine's 128-position tile for its 256-position one (SPILL_RETRY_ENGINES)."""
-    engine, tp = plan.get("engine"), plan.get("tma")
-    if engine not in SPILL_RETRY_ENGINES:
-        return []
-    if engine == "tma" and tp is not None and tp.config.bm == 256 and tp.config.blocks_per_sm == 1:
+    tp = plan.get("tma")
+    if plan.get("engine") in SPILL_RETRY_ENGINES and tp is not None and tp.config.bm == 256 and tp.config.blocks_per_sm == 1:
         return [(settings, replace(tp.config, bm=128))]
     return []
 

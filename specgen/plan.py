@@ -102,8 +102,8 @@ def input_entries(spec: LayerSpec, names) -> list[dict]:
     entries = []
     for name in names:
         shape = declared.get(name, out)
-        what = "of the output's shape" if shape == out else f"one value per sample and channel {list(('batch', *shape))}"
-        entries.append({"name": name, "per_sample": math.prod(shape), "what": what.replace("'batch'", "batch")})
+        what = "of the output's shape" if shape == out else f"one value per sample and channel [batch, {', '.join(map(str, shape))}]"
+        entries.append({"name": name, "per_sample": math.prod(shape), "what": what})
     return entries
 
 
@@ -131,9 +131,10 @@ def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], chan
     # An input of one value per sample and channel (`shape: [C, 1, ...]`), read at the element's
     # sample and channel (where no sample variable is in scope, e_out's: a sample lies whole in
     # either memory format).
-    out = tuple(spec.shapes()[-1].sizes)
-    declared = spec.inputs()
-    channel_inputs = [n for n in row.inputs(stage.args) if declared[n] != out]
+    channel_inputs = []
+    if row.inputs(stage.args):
+        out, declared = tuple(spec.shapes()[-1].sizes), spec.inputs()
+        channel_inputs = [n for n in row.inputs(stage.args) if declared[n] != out]
     for name in channel_inputs:
         at = sample or f"e_out / {math.prod(out)}"
         if out and out[0] > 1:

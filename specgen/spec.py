@@ -357,7 +357,8 @@ class LayerSpec(Model):
             data["conv"].pop("output_padding")
         if not self.upsampled():  # ... and before upsampling
             data["conv"].pop("upsample", None)
-        reduce_dims = self._walk()[1]  # one walk for every stage: linear in the epilogue's length
+        shapes, reduce_dims, _ = self._walk()  # one walk for every stage: linear in the epilogue's length
+        out_sizes = list(shapes[-1].sizes)
         for i, stage in enumerate(self.epilogue):
             if stage.kind == "pool" and ops.POOLS[stage.op].windowed:
                 geometry = self.pool_geometry(stage, f"epilogue[{i}]")
@@ -368,7 +369,7 @@ class LayerSpec(Model):
                 del data["epilogue"][i][stage.op]["input"]  # an operand without an extra input hashes as before them
             if stage.kind == "pointwise" and "shape" in data["epilogue"][i][stage.op]:
                 # an input of the output's shape, written out or not, hashes as before input shapes
-                if data["epilogue"][i][stage.op]["shape"] in (None, list(self.shapes()[-1].sizes)):
+                if data["epilogue"][i][stage.op]["shape"] in (None, out_sizes):
                     del data["epilogue"][i][stage.op]["shape"]
             if stage.kind == "reduce":
                 data["epilogue"][i][stage.op]["dims"] = list(reduce_dims[i])

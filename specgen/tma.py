@@ -59,13 +59,13 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: 128 x 40 + 256 x 232 <= 64
 # at most 80 registers a thread (2 x 384 x 80 <= 64 K), the producer drops to 40 and the consumers
 # rise to 96 (128 x 40 + 256 x 96 <= 384 x 80), which hold at most 64 accumulators a thread, in
 # wgmma of at most n64 (ptxas cannot fit an m64n128 instruction's 64 operand registers under 80).
+REGS_TWO_BLOCKS = {"producer": 40, "consumer": 96, "max_acc": 64, "max_bn": 64}
 # Two blocks per SM over a deep K only with a pipeline of 3 stages or more: a 192 -> 64 3x3 conv
 # (54 K-block stages walked) ran 1.54x / 1.59x faster at batch 32 / 64 as one block of 4 stages
 # than as two blocks of 2 (benchmarks/two_blocks.py, H100, NOTES v50; `specgen tune` found 1.67x).
 # Shallower layers keep two blocks: the same A/B moved them 0.78x-1.15x, within its noise.
 TWO_BLOCK_DEEP_K_STAGES = 48
 TWO_BLOCK_DEEP_MIN_STAGES = 3
-REGS_TWO_BLOCKS = {"producer": 40, "consumer": 96, "max_acc": 64, "max_bn": 64}
 SMEM_ALIGN = 1024  # a swizzle pattern repeats every 8 rows of up to 128 bytes
 MAX_ACC = 128  # accumulator registers per consumer thread
 MAX_REDUCED_CHANNELS = 256  # a reduction over the channels: one block's BN holds them all

@@ -60,6 +60,7 @@ class SpecOp:
     opdef: object  # torch.library.CustomOpDef
     stats_size: int = 0  # floats of batch statistics the op returns after the output (0: it returns the output only)
     input_names: tuple[str, ...] = ()  # extra inputs (spec.inputs() order), after the parameters, each [batch, *its shape]
+    input_shapes: tuple[tuple[int, ...], ...] = ()  # their shapes per sample (spec.inputs() values)
     one_value_batch_norm: bool = False  # a batch-statistics batch norm sees one value per channel and sample
 
     @property
@@ -138,7 +139,8 @@ def registered() -> dict[str, SpecOp]:
 def _define(name: str, spec: LayerSpec, specialized, arch) -> SpecOp:
     has_bias = spec.conv.bias
     param_names = tuple(spec.params())
-    input_names = tuple(spec.inputs())
+    input_shapes = spec.inputs()
+    input_names = tuple(input_shapes)
     arg_names = ["x", "weight", *(["bias"] if has_bias else []), *(f"p_{n}" for n in param_names),
                  *(f"i_{n}" for n in input_names)]
     stats_size = reference.stats_size(spec)
@@ -178,6 +180,7 @@ def _define(name: str, spec: LayerSpec, specialized, arch) -> SpecOp:
         stats_size=stats_size,
         one_value_batch_norm=reference.one_value_batch_norm(spec),
         input_names=input_names,
+        input_shapes=tuple(input_shapes.values()),
     )
     box["op"] = op
     return op
@@ -223,11 +226,10 @@ def _check_args(op: SpecOp, args) -> None:
     for name, t, want in zip(names, args[1:], op.arg_shapes):
         if tuple(t.shape) != want:
             raise ValueError(f"{label}: expected {name} of shape {list(want)}, got {list(t.shape)}")
-    shapes = op.spec.inputs()
-    for name, t in zip(op.input_names, args[1 + len(op.arg_shapes):]):
-        want_input = (x.shape[0], *shapes[name])
+    for name, shape, t in zip(op.input_names, op.input_shapes, args[1 + len(op.arg_shapes):]):
+        want_input = (x.shape[0], *shape)
         if tuple(t.shape) != want_input:
-            what = "the output's" if shapes[name] == op.out_tail else "one value per sample and channel"
+            what = "the output's" if shape == op.out_tail else "one value per sample and channel"
             raise ValueError(f"{label}: expected the extra input {name} of shape {list(want_input)} ({what}), "
                              f"got {list(t.shape)}")
     if op.one_value_batch_norm and x.shape[0] == 1:

@@ -64,12 +64,17 @@ def dims(kernel, padding, scale) -> list[Derived | None]:
     return [derive(k, p, s) for k, p, s in zip(kernel, padding, scale)]
 
 
+def _derived(spec) -> tuple[dict, list[Derived]]:
+    """(the spec's conv geometry, each dim's Derived): the spec has been validated, so each exists."""
+    g = spec.conv_geometry()
+    return g, dims(g["kernel"], g["padding"], g["upsample"])
+
+
 def equivalent(spec):
     """The transposed-conv spec a spec with `conv.upsample` computes as (same epilogue and tile)."""
     from specgen.spec import LayerSpec
 
-    g = spec.conv_geometry()
-    found = dims(g["kernel"], g["padding"], g["upsample"])
+    g, found = _derived(spec)
     data = spec.model_dump(mode="json")
     data["conv"].update(transposed=True, upsample=1, stride=list(g["upsample"]), kernel=[d.kernel for d in found],
                         padding=[d.padding for d in found], output_padding=[d.output_padding for d in found])
@@ -78,15 +83,13 @@ def equivalent(spec):
 
 def transform(spec) -> dict:
     """The plan's weight transform (specgen.torchop.upsample_weight)."""
-    g = spec.conv_geometry()
-    found = dims(g["kernel"], g["padding"], g["upsample"])
+    g, found = _derived(spec)
     return {"kind": "upsample_fold", "groups": spec.conv.groups, "kernel": list(g["kernel"]),
             "taps": [[list(t) for t in d.taps] for d in found]}
 
 
 def note(spec) -> str:
-    g = spec.conv_geometry()
-    found = dims(g["kernel"], g["padding"], g["upsample"])
+    g, found = _derived(spec)
     x = "x".join
     return (f"upsample fold: the conv over the input upsampled {x(map(str, g['upsample']))} (nearest) is the "
             f"transposed conv of kernel {x(str(d.kernel) for d in found)}, stride {x(map(str, g['upsample']))}, "
