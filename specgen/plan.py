@@ -189,6 +189,37 @@ def _channel_norm_code(spec: LayerSpec, index: int) -> dict:
     }
 
 
+def _row_norm_code(spec: LayerSpec, index: int, consts: list) -> dict:
+    """A statistic stage over trailing spatial dims, as the TMA epilogue takes it (`tma.row_norm`):
+    each group's first statistic sa (the mean, or the max) and second (the variance about it, or
+    the sum of exp(x - max)), `prepare` (sb from the second) and `normalize` (each value) from the
+    op table, the norm's weight and bias at the value's place in its group (e_el), and the
+    pointwise stages after it (filled in by the caller); appends eps to `consts`."""
+    from specgen.tail import _affine_code, _group_text
+
+    stage = spec.epilogue[index]
+    row = ops.NORMS[stage.op]
+    eps = None
+    for name, value in row.constants(stage.args).items():
+        consts.append(Constant(f"S{index}_{name.upper()}", c_float(value), f"epilogue[{index}] {stage.op} {name} = {value!r}",
+                               "float"))
+        eps = f"S{index}_{name.upper()}" if name == "eps" else eps
+    fmt = {"a": "sa", "b": "sb", "eps": eps or "0.0f"}
+    return {
+        "index": index,
+        "op": stage.op,
+        "axis": "rows",
+        "moments": row.statistic == "moments",
+        "comment": f"epilogue[{index}] {stage.op} over {_group_text(spec, index)}",
+        "prepare": row.prepare % fmt,
+        "prepare_comment": row.prepare_comment,
+        "normalize": row.normalize % {"x": "v", **fmt},
+        # (a LayerNorm's weight and bias are of the normalized shape; an instance norm's, per channel)
+        "affine": _affine_code(row, stage.args, "e_el" if row.affine == "element" else "cj") if row.params(stage.args) else "",
+        "pointwise": [],
+    }
+
+
 def _can_fold_avg_pool(spec: LayerSpec, levels: list[dict]) -> bool:
     """avg_pool(conv(x)) == conv'(x) with kernel K + k - 1 and the pool's stride, when the pool
     follows the conv (or per-channel affine stages after it, which commute with the average and
@@ -800,6 +831,7 @@ def _body_levels(spec: LayerSpec, shapes, o3: tuple, consts: list[Constant]) -> 
     # normalizes its accumulators (`tma.channel_norm`); the pointwise ops after it are its own.
     channel_norm = None
     norm_at = tma_engine.channel_norm(spec)
+    rows_at = tma_engine.row_norm(spec) if norm_at is None else None
     for i, stage in enumerate(spec.epilogue):
         # A global pool with no windowed pool after it is a reduction over the spatial dims
         # (keepdim): the tail computes it with a whole block instead of one thread per window.
@@ -812,6 +844,9 @@ def _body_levels(spec: LayerSpec, shapes, o3: tuple, consts: list[Constant]) -> 
             continue
         if i == norm_at:
             channel_norm = _channel_norm_code(spec, i)
+            continue
+        if i == rows_at:
+            channel_norm = _row_norm_code(spec, i, consts)
             continue
         if stage.kind == "norm" or channel_norm is not None:
             raise PlanError([f"epilogue[{i}] {stage.op}: a statistic stage, or a pool after a softmax over the channels, "
@@ -1600,8 +1635,9 @@ def _choose_engine(spec: LayerSpec, levels: list, reductions: list, fold, o3: tu
     ig = None if tp is not None or slab_first else _choose_igemm(spec, levels, reductions, fold, o3, taps, igemm_config, target)
     engine = "tma" if tp is not None else "igemm" if ig is not None else ("slab" if mma is not None else "ffma")
     if channel_norm is not None and engine != "tma":
-        norm_at = tma_engine.channel_norm(spec)
-        raise NotOneKernel([f"epilogue[{norm_at}] {spec.epilogue[norm_at].op}: a softmax over the channels runs in the TMA "
+        norm_at = channel_norm["index"]
+        what = "a statistic stage over positions" if channel_norm.get("axis") == "rows" else "a softmax over the channels"
+        raise NotOneKernel([f"epilogue[{norm_at}] {spec.epilogue[norm_at].op}: {what} runs in the TMA "
                             f"engine's epilogue only, and this layer plans for the {engine} engine"])
     inputs = list(spec.inputs())
     if inputs and engine not in INPUT_ENGINES:

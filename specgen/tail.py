@@ -485,18 +485,23 @@ def channel_norm_end(spec: LayerSpec) -> int | None:
     """Where the part of a layer that Hopper's TMA engine runs as one kernel ends when the layer's
     first statistic stage is a softmax over the channels alone after nothing but pointwise ops
     (`tma.channel_norm`): after the softmax, the pointwise ops after it and a reduction over the
-    channels that ends the layer (with its pointwise ops); None when there is no such softmax or a
-    further statistic stage follows (the whole layer then runs as a sequence)."""
+    channels that ends the layer (with its pointwise ops); or a statistic stage over trailing
+    spatial dims (`tma.row_norm`): after it and the pointwise ops after it. None when there is no
+    such stage or a further statistic stage follows (the whole layer then runs as a sequence)."""
     from specgen import tma
 
-    at = tma.channel_norm(spec)
+    at, rows = tma.channel_norm(spec), False
+    if at is None:  # a statistic stage over positions (`tma.row_norm`): the same, less the reduction
+        at, rows = tma.row_norm(spec), True
+        if at is not None and not tma.row_norm_fits(spec):
+            return None  # (groups no tile holds whole, or an extra input: the tail engine's)
     if at is None:
         return None
     n = len(spec.epilogue)
     end = at + 1
     while end < n and spec.epilogue[end].kind == "pointwise":
         end += 1
-    if end < n and spec.epilogue[end].kind == "reduce" and tuple(spec.reduce_dims(end)) == (1,):
+    if not rows and end < n and spec.epilogue[end].kind == "reduce" and tuple(spec.reduce_dims(end)) == (1,):
         last = end + 1
         while last < n and spec.epilogue[last].kind == "pointwise":
             last += 1
@@ -525,8 +530,12 @@ def plan_channel_norm(spec: LayerSpec, target=None, tma_config=None, settings=No
         except NotOneKernel:
             return None
     norm, first = tma.channel_norm(spec), spec.epilogue[end]
-    why = (f"epilogue[{norm}] {spec.epilogue[norm].op} over the channels is taken in the TMA engine's epilogue "
-           f"(a block holds every channel); epilogue[{end}] {first.op} and what follows read its output T0 "
+    if norm is None:
+        norm = tma.row_norm(spec)
+        taken = f"over {_group_text(spec, norm)} is taken in the TMA engine's epilogue (a tile holds whole groups)"
+    else:
+        taken = "over the channels is taken in the TMA engine's epilogue (a block holds every channel)"
+    why = (f"epilogue[{norm}] {spec.epilogue[norm].op} {taken}; epilogue[{end}] {first.op} and what follows read its output T0 "
            f"in a further kernel over an identity conv (1x1 depthwise, weights 1: exact)")
     try:
         plan = plan_split(spec, end, None, lambda body_plan: why, target, settings, tma_config)

@@ -34,6 +34,16 @@ in hardware:
   every value normalized in its register and carried on through the ops after it (a reduction over
   the channels included) -- where the tail engine would write the conv's output, read it back for
   the statistics and again to normalize.
+* A statistic stage over trailing spatial dims (a LayerNorm over W, or over H and W; a softmax
+  over W; `row_norm`) after nothing but pointwise ops is taken there too, where a group is R whole
+  consecutive rows of the tile (R a multiple of 16 dividing BM: a conv's rows are its positions;
+  a transposed conv of stride 2 along W, run as W pairs, has a group of R = W / 2 grid rows, each
+  holding both of its W phases' outputs). Each warp folds a column's 16 rows by shuffles, writes the
+  sum to shared memory, and after a barrier of the consumer warpgroups every thread adds its
+  group's R / 16 sums in a fixed order: the mean (or max), then the same again for the second
+  moment about it (or the sum of exponentials), then every value is normalized in its register,
+  takes the norm's weight and bias at its place in the group, and the ops after it
+  (`row_norm_rows`) -- where the tail engine would write the conv's output and read it back twice.
 
 Precision modes: `tf32` (operands rounded to TF32 as PyTorch's default convolutions), `fp32`
 (3xTF32: lo*hi + hi*lo + hi*hi, each stage summed apart and added to the total in fp32: the
@@ -182,6 +192,11 @@ class TmaPlan:
     split_iters: int = 0  # stages walked per block of the split kernel (k_iters / split_k)
     channel_reduction: bool = False  # the epilogue reduces over the channels (one N tile, no split K)
     channel_norm: bool = False  # the epilogue takes a softmax over the channels (one N tile, no split K)
+    # The epilogue takes a statistic stage over trailing spatial dims (`row_norm`): a group is
+    # `norm_rows` consecutive rows of a tile (`norm_group` positions of the output), no split K.
+    row_norm: bool = False
+    norm_rows: int = 0
+    norm_group: int = 0
     threads: int = THREADS
     producer_regs: int = PRODUCER_REGS
     consumer_regs: int = CONSUMER_REGS
@@ -325,6 +340,15 @@ def why_not(spec: LayerSpec, levels: list, reductions: list, target: targets.Tar
             reasons.append(f"a reduction over more than {MAX_REDUCED_CHANNELS} channels (one block must hold them all)")
         elif spec.inputs():
             reasons.append("an extra input before a reduction over the channels")
+    rows_at = row_norm(spec)
+    if rows_at is not None:
+        if spec.inputs():
+            reasons.append("an extra input or saved value around a statistic stage over positions")
+        elif row_norm_rows(spec, w_pairs_possible(spec)) is None:
+            reasons.append(f"epilogue[{rows_at}] {spec.epilogue[rows_at].op}'s group of {row_norm_group(spec)} positions is not "
+                           f"16 to 256 rows (a power of two) of one GEMM's tile"
+                           + (" (a transposed conv: only a group over W, stride 2 along W, an even output width)"
+                              if spec.conv.transposed else ""))
     norm = channel_norm(spec)
     if norm is not None:
         if spec.conv.out_channels > MAX_REDUCED_CHANNELS:
@@ -353,6 +377,13 @@ def why_not(spec: LayerSpec, levels: list, reductions: list, target: targets.Tar
 
 
 NORMS_ON_CHANNELS = ("softmax", "log_softmax")  # statistic stages the epilogue can take over one block's channels
+# A statistic stage over trailing spatial dims (`row_norm`): its group is R consecutive rows of the
+# tile, a multiple of a warp's 16 rows of an m64 tile and at most the largest tile (BM 256); the
+# tile's accumulators at most 64 floats a thread, which leaves the registers for the statistics.
+ROW_NORM = True  # (off: such stages run on the tail engine, as before; benchmarks/row_norm.py's A/B)
+ROW_NORM_CHUNK = 16
+ROW_NORM_ROWS = (16, 32, 64, 128, 256)  # (dividing a tile of BM 128 or 256)
+ROW_NORM_MAX_ACC = 64
 
 
 def channel_norm(spec: LayerSpec) -> int | None:
@@ -364,6 +395,57 @@ def channel_norm(spec: LayerSpec) -> int | None:
         return None
     span = spec.norm_span(first)
     return first if (span.first, span.last) == (1, 1) else None
+
+
+def row_norm(spec: LayerSpec) -> int | None:
+    """The index of a statistic stage over trailing spatial dims alone (a LayerNorm over W or over
+    H and W, a softmax over W, an instance norm of a small map; not across the batch) that comes
+    after nothing but pointwise stages:
+    the epilogue can take it where a tile holds whole groups (`row_norm_rows`); else None."""
+    from specgen import ops
+
+    first = next((i for i, st in enumerate(spec.epilogue) if st.kind != "pointwise"), None)
+    if not ROW_NORM or first is None or spec.epilogue[first].kind != "norm":
+        return None
+    row = ops.NORMS[spec.epilogue[first].op]
+    span = spec.norm_span(first)
+    axes = spec.shapes()[first].axes
+    if row.statistic not in ("moments", "lse") or span.across_batch or span.split != 1:
+        return None
+    if not axes or axes[0].role != "c" or span.first < 2 or span.last != len(axes):
+        return None
+    return first
+
+
+def row_norm_group(spec: LayerSpec) -> int:
+    """The positions one group of the `row_norm` stage holds (the product of the dims it spans)."""
+    at = row_norm(spec)
+    span = spec.norm_span(at)
+    return math.prod(spec.shapes()[at].sizes[span.first - 1:span.last])
+
+
+def row_norm_rows(spec: LayerSpec, pairs: bool) -> int | None:
+    """The rows of a tile one group of the `row_norm` stage holds (None: not a power of two from 16
+    to 256, which whole tiles hold, or not rows of one GEMM): a conv's group of positions; for a
+    transposed conv's stride phases run as W
+    pairs (`pairs`), a group over W alone whose W phases have as many outputs each: W / 2 grid rows,
+    each holding both phases' outputs (other phases' rows are other GEMMs')."""
+    at = row_norm(spec)
+    if at is None:
+        return None
+    group = row_norm_group(spec)
+    if spec.conv.transposed:
+        span = spec.norm_span(at)
+        width = spec.conv_output().sizes[-1]
+        if not pairs or span.first != len(spec.shapes()[at].axes) or width % 2:
+            return None
+        group //= 2
+    return group if group in ROW_NORM_ROWS else None
+
+
+def row_norm_fits(spec: LayerSpec) -> bool:
+    """Whether the epilogue can take the layer's `row_norm` stage: groups a tile holds whole, no extra input."""
+    return row_norm(spec) is not None and not spec.inputs() and row_norm_rows(spec, w_pairs_possible(spec)) is not None
 
 
 def channel_reduction(spec: LayerSpec) -> bool:
@@ -499,16 +581,21 @@ def _kb_options(kb_total: int, row_bytes: int) -> list[int]:
 
 
 def candidates(cout: int, m_total: int, split: bool, sm_count: int, whole_n: bool = False,
-               pairs: bool = False) -> list[tuple[int, int]]:
+               pairs: bool = False, norm_rows: int = 0) -> list[tuple[int, int]]:
     """(BM, BN) shapes worth trying, best guess first: the accumulators must fit (at most 128
     floats per consumer thread, twice as many registers in 3xTF32: the stage's part and the sum),
     and the fewest waves of tiles over the SMs, then the larger tile, win. `whole_n`: only tiles
-    holding every channel (a reduction over them)."""
+    holding every channel (a reduction over them). `norm_rows`: only tiles of whole groups of that
+    many rows, with at most ROW_NORM_MAX_ACC accumulators (a statistic stage over positions)."""
     n_pad = -(-cout // 8) * 8
     shapes = []
     widths = {n_pad} if whole_n else {min(256, n_pad), min(128, n_pad), min(64, n_pad)}
+    if norm_rows:
+        widths |= {min(32, n_pad)}
     for bn in sorted(widths, reverse=True):
         for bm in (256, 128):
+            if norm_rows and (bm % norm_rows or _accumulators(bm, bn, split, pairs) > ROW_NORM_MAX_ACC):
+                continue
             if _accumulators(bm, bn, split, pairs) <= MAX_ACC:
                 shapes.append((bm, bn))
     sms = sm_count or 132
@@ -550,8 +637,9 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
     row = bkc * eb
     n_pad = -(-spec.conv.out_channels // 8) * 8
     pairs = w_pairs_possible(spec)
+    rows = _norm_rows(spec, pairs)
     bm_two = 128 if pairs else 256  # (a W pair holds two GEMMs' accumulators)
-    if two_blocks and not split and not spec.inputs() and two_blocks_fit(bm_two, n_pad, split, pairs):
+    if two_blocks and not split and not spec.inputs() and not rows and two_blocks_fit(bm_two, n_pad, split, pairs):
         for kps in _kb_options(kb_total, row):
             stage = _smem(TmaConfig(bm_two, n_pad, 2, kps), row, 1)[2]
             # (no deeper than the stages walked; a stride phase's block walks at least KB_TOTAL / KPS)
@@ -559,14 +647,14 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
             stages = min(MAX_STAGES, walked, _two_block_stages(target, stage))
             if stages >= 2 and not (stages < TWO_BLOCK_DEEP_MIN_STAGES and walked >= TWO_BLOCK_DEEP_K_STAGES):
                 return TmaConfig(bm_two, n_pad, stages, kps, blocks_per_sm=2)
-    shapes = candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, one_n_tile(spec), pairs)
+    shapes = candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, one_n_tile(spec), pairs, rows)
     planes = 2 if split else 1
-    budget = target.smem_per_block - SMEM_ALIGN
     want = 3 if split else 4
     fallback = None
     for kps in _kb_options(kb_total, row):
         for bm, bn in shapes:
             stage = _smem(TmaConfig(bm, bn, 2, kps), row, planes)[2]
+            budget = target.smem_per_block - SMEM_ALIGN - (row_norm_smem(bm, bn) if rows else 0)
             stages = min(MAX_STAGES, budget // stage)
             if stages >= want:
                 return TmaConfig(bm, bn, stages, kps)
@@ -590,17 +678,29 @@ def configs(spec: LayerSpec, target: targets.Target, batch: int = 64) -> list[Tm
     planes = 2 if split else 1
     k_iters = kb_total // kps
     pairs = w_pairs_possible(spec)
-    for bm, bn in candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, one_n_tile(spec), pairs):
+    rows = _norm_rows(spec, pairs)
+    for bm, bn in candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, one_n_tile(spec), pairs, rows):
         stage = _smem(TmaConfig(bm, bn, 2, kps), row, planes)[2]
-        deepest = min(8, (target.smem_per_block - SMEM_ALIGN) // stage)
+        deepest = min(8, (target.smem_per_block - SMEM_ALIGN - (row_norm_smem(bm, bn) if rows else 0)) // stage)
         options = [TmaConfig(bm, bn, stages, kps) for stages in sorted({deepest, min(4, deepest)}, reverse=True) if stages >= 2]
         two_stages = min(k_iters, _two_block_stages(target, stage))
-        if two_blocks_fit(bm, bn, split, pairs) and two_stages >= 2:
+        if two_blocks_fit(bm, bn, split, pairs) and two_stages >= 2 and not rows:
             options.append(TmaConfig(bm, bn, two_stages, kps, blocks_per_sm=2))
         out += [cfg for cfg in options if cfg not in out]
-    if pairs:  # the stride phases one per block too
+    if pairs and not rows:  # the stride phases one per block too (not where a statistic group needs both W phases)
         out += [replace(cfg, phases_per_block=1) for cfg in out[:2] if _accumulators(cfg.bm, cfg.bn, split, False) <= MAX_ACC]
     return out
+
+
+def _norm_rows(spec: LayerSpec, pairs: bool) -> int:
+    """The rows of a `row_norm` group in a tile (0: the layer has none the epilogue takes)."""
+    return (row_norm_rows(spec, pairs) or 0) if row_norm(spec) is not None else 0
+
+
+def row_norm_smem(bm: int, bn: int) -> int:
+    """Static shared memory of a `row_norm` epilogue: two arrays of one float per 16-row chunk and
+    channel of the tile (the first statistic's sums, the second's)."""
+    return 2 * (bm // ROW_NORM_CHUNK) * bn * 4
 
 
 def two_blocks_fit(bm: int, bn: int, split: bool, pairs: bool = False) -> bool:
@@ -674,15 +774,37 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         raise ValueError("a transposed conv's stride phases have no split kernel")
     norm_at, reduces = channel_norm(spec), channel_reduction(spec)
     whole_n = reduces or norm_at is not None
+    rows_at = row_norm(spec)
+    norm_rows = row_norm_rows(spec, pairs) if rows_at is not None else 0
+    if rows_at is not None:
+        if not norm_rows:
+            raise ValueError(f"epilogue[{rows_at}] {spec.epilogue[rows_at].op}: its group of {row_norm_group(spec)} positions "
+                             f"is not 16 to 256 rows (a power of two) of one GEMM's tile"
+                             + (" (a transposed conv's groups: W alone, run as W pairs)" if phases else ""))
+        if cfg.bm % norm_rows:
+            raise ValueError(f"BM {cfg.bm} does not hold whole groups of {norm_rows} rows (epilogue[{rows_at}] "
+                             f"{spec.epilogue[rows_at].op})")
+        if acc > ROW_NORM_MAX_ACC:
+            raise ValueError(f"{acc} accumulator registers per thread: a statistic stage over positions takes at most "
+                             f"{ROW_NORM_MAX_ACC}")
+        if two:
+            raise ValueError("two blocks per SM with a statistic stage over positions in the epilogue")
+        if cfg.split_k > 1:
+            raise ValueError("split K with a statistic stage over positions (a block must hold all of K)")
+        smem += row_norm_smem(cfg.bm, cfg.bn)  # (after the stages: `row_norm_smem`)
+        if smem > target.smem_per_block:
+            raise ValueError(f"{smem} bytes of shared memory (the pipeline's and the statistics') exceed the "
+                             f"{target.smem_per_block} of a block on {target.arch}")
     cl_out = channels_last and nd >= 2 and not reduces  # (`TmaPlan.channels_last_out`)
     if whole_n and n_tiles > 1:
         raise ValueError(f"BN {cfg.bn} does not hold the {cout} channels the epilogue reduces or normalizes over")
     # split K counts the blocks an SM holds at once; a reduction or softmax over the channels has
     # none (the split kernel's parts would each hold part of K of every channel, to be added before it)
     positions = math.prod(conv_out)
-    split_parts = 1 if whole_n or phases else cfg.split_k or splitk.choose(
+    split_parts = 1 if whole_n or phases or norm_rows else cfg.split_k or splitk.choose(
         positions, cout, cfg.bm, n_tiles, k_iters, (target.sm_count or 132) * cfg.blocks_per_sm)
-    in_place = not channels_last and reads_nchw_in_place(spec) and (positions % NCHW_CHUNK == 0 or split_parts == 1)
+    in_place = not channels_last and reads_nchw_in_place(spec) and (positions % NCHW_CHUNK == 0 or split_parts == 1) \
+        and (not norm_rows or positions % NCHW_CHUNK == 0)  # (a group must not meet padding rows)
     if in_place and positions % NCHW_CHUNK:  # M per sample padded to whole m64 tiles
         grid = (1, 1, -(-positions // NCHW_CHUNK) * NCHW_CHUNK)
     if whole_n and cfg.split_k > 1:
@@ -702,13 +824,14 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         lower=lower, upper=upper, elem_strides=rev(tuple(geo["stride"])), prep_tc=prep_tc, prep_tp=prep_tp,
         prep_tiles=-(-in_positions // prep_tp) * -(-cip // prep_tc), acc_regs=acc,
         split_k=split_parts, split_iters=k_iters // split_parts, channel_reduction=reduces,
-        channel_norm=norm_at is not None,
+        channel_norm=norm_at is not None, row_norm=bool(norm_rows), norm_rows=norm_rows,
+        norm_group=row_norm_group(spec) if norm_rows else 0,
         blocks_per_sm=cfg.blocks_per_sm, phases=phases, grid=grid, grid_positions=math.prod(grid),
         n_pad=n_tiles * cfg.bn, w_pairs=pairs, channels_last_out=cl_out,
         a_in_place=in_place,
         subsample=tuple(geo["stride"]) if in_place and any(st > 1 for st in geo["stride"]) else (),
         persistent=not phases and not whole_n,
-        store_quads=_stores_quads(cl_out, eb, cfg.bn, cout, positions, whole_n, bool(phases),
+        store_quads=_stores_quads(cl_out, eb, cfg.bn, cout, positions, whole_n or bool(norm_rows), bool(phases),
                                   bool(spec.inputs()) and acc >= 128),
         producer_regs=REGS_TWO_BLOCKS["producer"] if two else PRODUCER_REGS,
         consumer_regs=REGS_TWO_BLOCKS["consumer"] if two else CONSUMER_REGS,
@@ -760,6 +883,9 @@ def describe(tp: TmaPlan) -> str:
            f"the parts added in order by a second kernel" if tp.split_k > 1 else "")
         + ("; the softmax over the channels taken on the accumulators (shuffles among the 4 lanes of a row)"
            if tp.channel_norm else "")
+        + (f"; the statistic stage over positions taken on the accumulators (groups of {tp.norm_group} positions, "
+           f"{tp.norm_rows} rows of the tile: shuffles within a warp, sums in shared memory across warps)"
+           if tp.row_norm else "")
         + ("; the reduction over the channels taken on the accumulators (shuffles among the 4 lanes of a row)"
            if tp.channel_reduction else "")
     )
