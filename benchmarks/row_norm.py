@@ -1,0 +1,115 @@
+"""A statistic stage over trailing spatial dims taken in the TMA epilogue (`tma.row_norm`, v51),
+against the same layers run as before: the conv's kernel writes T0, a tail kernel reads it for
+the statistics and writes the normalized output (`tma.ROW_NORM` off). Rows: KernelBench 34 and 3
+(a stride-2 transposed Conv3d, LayerNorm over W), the family's 25 (a stride-2 Conv3d, LayerNorm
+over W: left to the planner its conv runs on the implicit GEMM, whose layout-pass-free reads the
+planner prefers at its few multiply-adds per input byte; the 'tma' column asks for the TMA engine),
+a 2-D LayerNorm over W, a softmax over W and an instance norm of an 8x8 map. Each layer is checked
+against the float64 reference first; eager is PyTorch running the spec's reference ops (TF32
+convolutions in tf32 mode, PyTorch's default).
+
+    python benchmarks/row_norm.py [--batch 16]
+
+ms per call, CUDA events, median of 15, two inputs in turn. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from specgen import bench, pipeline, reference, tma  # noqa: E402
+from specgen.module import FusedLayer  # noqa: E402
+from specgen.spec import validate  # noqa: E402
+
+REPS = 15
+C3 = {"kernel": 3, "padding": 1}
+# label: (input channels, size, conv, epilogue)
+LAYERS = {
+    "kb34 convT3d 32->64 k4s2, LN(W 64), gelu": (32, [16, 32, 32], {"out_channels": 64, "kernel": 4, "stride": 2, "padding": 1,
+                                                                  "transposed": True}, [{"layer_norm": 64}, "gelu", {"mul": 1.0}]),
+    "kb3 convT3d 32->64 k3s2, +1, LN(W 64), avgpool 2, gelu": (
+        32, [16, 32, 32], {"out_channels": 64, "kernel": 3, "stride": 2, "padding": 1, "output_padding": 1, "transposed": True},
+        [{"add": 1.0}, {"layer_norm": 64}, {"avg_pool": 2}, "gelu"]),
+    "fam25 conv3d 16->32 s2, LN(W 32), gelu": (16, [32, 64, 64], {"out_channels": 32, "kernel": 3, "stride": 2, "padding": 1},
+                                               [{"layer_norm": 32}, "gelu"]),
+    "conv2d 128->128 32x64, LN(W 64), gelu": (128, [32, 64], {"out_channels": 128, **C3}, [{"layer_norm": 64}, "gelu"]),
+    "conv2d 64->96 32x32, softmax(W)": (64, [32, 32], {"out_channels": 96, **C3}, [{"softmax": -1}]),
+    "conv2d 256->256 8x8, instance norm, relu": (256, [8, 8], {"out_channels": 256, **C3},
+                                                 [{"instance_norm": {"affine": True}}, "relu"]),
+}
+
+
+def _build(name: str, cin, size, conv, epilogue, precision: str, row_norm: bool, engine: str | None):
+    tma.ROW_NORM = row_norm
+    pipeline._memo.clear()
+    data = {"name": name, "input": {"channels": cin, "size": size}, "conv": conv, "epilogue": epilogue, "precision": precision}
+    if engine:
+        data["tile"] = {"engine": engine}
+    layer = FusedLayer(validate(data)).cuda().eval()
+    plan = layer.specialize().plan
+    tma.ROW_NORM = True
+    parts = plan.get("parts")
+    if parts:
+        what = "+".join(p.plan.get("engine", p.role) if hasattr(p.plan, "get") else p.role for p in parts)
+    else:
+        what = plan["engine"] + (" fused" if plan.get("tma") is not None and plan["tma"].row_norm else "")
+    return layer, what
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", nargs="+", type=int, default=[16])
+    ap.add_argument("--precision", default="tf32")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    precision = args.precision
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    print(f"ms per call (median of {REPS}), {precision}; before = the tail engine's sequence, now = the planner's plan, "
+          f"tma = the TMA engine asked for (where 'now' is not on it)")
+    print(f"{'layer':56}{'batch':>6}{'eager':>8}{'before':>8}{'now':>8}{'tma':>8}  {'x before':>8}{'x eager':>8}  plans (before / now / tma); rel L2 now")
+    for label, (cin, size, conv, epilogue) in LAYERS.items():
+        for batch in args.batch:
+            before, p0 = _build("rn_before", cin, size, conv, epilogue, precision, False, None)
+            now, p1 = _build("rn_now", cin, size, conv, epilogue, precision, True, None)
+            layers = [before, now]
+            plans = [p0, p1]
+            if "tma" not in p1:
+                asked, p2 = _build("rn_tma", cin, size, conv, epilogue, precision, True, "tma")
+                layers.append(asked)
+                plans.append(p2)
+            for m in layers[1:]:
+                m.load_state_dict(before.state_dict())
+            xs = [torch.rand(batch, cin, *size, device="cuda") for _ in range(2)]
+            w, b, params = before.conv.weight, before.conv.bias, before.spec_params()
+            with torch.no_grad():
+                ref = reference.forward64(before.spec, xs[0], w, b, params)
+                rels = [((m(xs[0]).double() - ref).norm() / ref.norm()).item() for m in layers]
+                times = []
+                for fn in [lambda x: reference.forward(before.spec, x, w, b, params), *layers]:
+                    calls = [0]
+
+                    def step(fn=fn):
+                        calls[0] += 1
+                        return fn(xs[calls[0] % 2])
+
+                    times.append(bench._time(step, REPS))
+            eager, t_before, t_now = times[:3]
+            t_tma = times[3] if len(times) > 3 else float("nan")
+            best = min(t_now, t_tma) if len(times) > 3 else t_now
+            print(f"{label:56}{batch:>6}{eager:8.3f}{t_before:8.3f}{t_now:8.3f}{t_tma:8.3f}  {t_before / t_now:8.2f}"
+                  f"{eager / t_now:8.2f}  {' / '.join(plans)}; {' / '.join(f'{r:.1e}' for r in rels)}"
+                  + (f" (tma {t_before / best:.2f}x before)" if len(times) > 3 else ""), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
