@@ -2,8 +2,8 @@
 against the same layers run as before: the conv's kernel writes T0, a tail kernel reads it for
 the statistics and writes the normalized output (`tma.ROW_NORM` off). Rows: KernelBench 34 and 3
 (a stride-2 transposed Conv3d, LayerNorm over W), the family's 25 (a stride-2 Conv3d, LayerNorm
-over W: left to the planner its conv runs on the implicit GEMM, whose layout-pass-free reads the
-planner prefers at its few multiply-adds per input byte; the 'tma' column asks for the TMA engine),
+over W, whose few multiply-adds per input byte kept its conv on the implicit GEMM before; the 'tma'
+column asks for the TMA engine where the planner does not take it),
 a 2-D LayerNorm over W, a softmax over W and an instance norm of an 8x8 map. Each layer is checked
 against the float64 reference first; eager is PyTorch running the spec's reference ops (TF32
 convolutions in tf32 mode, PyTorch's default).
@@ -40,6 +40,8 @@ LAYERS = {
     "fam25 conv3d 16->32 s2, LN(W 32), gelu": (16, [32, 64, 64], {"out_channels": 32, "kernel": 3, "stride": 2, "padding": 1},
                                                [{"layer_norm": 32}, "gelu"]),
     "conv2d 128->128 32x64, LN(W 64), gelu": (128, [32, 64], {"out_channels": 128, **C3}, [{"layer_norm": 64}, "gelu"]),
+    "conv2d 32->16 s2 64x64, LN(W 32)": (32, [64, 64], {"out_channels": 16, "kernel": 3, "stride": 2, "padding": 1},
+                                         [{"layer_norm": 32}]),
     "conv2d 64->96 32x32, softmax(W)": (64, [32, 32], {"out_channels": 96, **C3}, [{"softmax": -1}]),
     "conv2d 256->256 8x8, instance norm, relu": (256, [8, 8], {"out_channels": 256, **C3},
                                                  [{"instance_norm": {"affine": True}}, "relu"]),

@@ -1767,8 +1767,13 @@ def _choose_tma(spec: LayerSpec, levels: list, reductions: list, fold, config, t
         # Measured on KernelBench 26: 2.18 ms on the implicit GEMM, 2.75 on the TMA engine's W pairs
         # (4.54 on its single phases); the TMA engine runs it only when a tile asks for it.
         return None
-    elif not tma_engine.worth_it(spec) and not (settings.channels_last and tma_engine.reads_in_place(spec)):
-        return None  # (a channels-last input read in place pays no layout pass)
+    elif not tma_engine.worth_it(spec) and not (settings.channels_last and tma_engine.reads_in_place(spec)) \
+            and not tma_engine.row_norm_fits(spec):
+        # (a channels-last input read in place pays no layout pass; a statistic stage over positions
+        # the epilogue takes saves the conv's output's round trip: the family's 25, a stride-2 Conv3d
+        # of 54 multiply-adds per input byte before a LayerNorm over W, ran 1.72x faster on it than as
+        # the implicit GEMM and a tail kernel, layout pass included: benchmarks/row_norm.py, NOTES v51)
+        return None
     try:
         # (the spill retry's one block per SM: the planner's tile without two blocks sharing an SM)
         return tma_engine.plan_tma(spec, target, config, two_blocks=settings.min_blocks != 1,

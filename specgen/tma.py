@@ -684,7 +684,7 @@ def configs(spec: LayerSpec, target: targets.Target, batch: int = 64) -> list[Tm
         deepest = min(8, (target.smem_per_block - SMEM_ALIGN - (row_norm_smem(bm, bn) if rows else 0)) // stage)
         options = [TmaConfig(bm, bn, stages, kps) for stages in sorted({deepest, min(4, deepest)}, reverse=True) if stages >= 2]
         two_stages = min(k_iters, _two_block_stages(target, stage))
-        if two_blocks_fit(bm, bn, split, pairs) and two_stages >= 2 and not rows:
+        if two_blocks_fit(bm, bn, split, pairs, rows) and two_stages >= 2:
             options.append(TmaConfig(bm, bn, two_stages, kps, blocks_per_sm=2))
         out += [cfg for cfg in options if cfg not in out]
     if pairs and not rows:  # the stride phases one per block too (not where a statistic group needs both W phases)
@@ -703,9 +703,11 @@ def row_norm_smem(bm: int, bn: int) -> int:
     return 2 * (bm // ROW_NORM_CHUNK) * bn * 4
 
 
-def two_blocks_fit(bm: int, bn: int, split: bool, pairs: bool = False) -> bool:
-    """Whether a tile's accumulators fit the registers of two blocks per SM (REGS_TWO_BLOCKS)."""
-    return bn <= REGS_TWO_BLOCKS["max_bn"] and _accumulators(bm, bn, split, pairs) <= REGS_TWO_BLOCKS["max_acc"]
+def two_blocks_fit(bm: int, bn: int, split: bool, pairs: bool = False, norm_rows: int = 0) -> bool:
+    """Whether a tile's accumulators fit the registers of two blocks per SM (REGS_TWO_BLOCKS), with a
+    `row_norm` epilogue's two statistics per m64 tile and column (`norm_rows` > 0) counted in."""
+    stats = 2 * (bm // 128) * bn // 4 if norm_rows else 0
+    return bn <= REGS_TWO_BLOCKS["max_bn"] and _accumulators(bm, bn, split, pairs) + stats <= REGS_TWO_BLOCKS["max_acc"]
 
 
 def _two_block_stages(target: targets.Target, stage_bytes: int) -> int:
@@ -756,7 +758,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     if acc > MAX_ACC:
         raise ValueError(f"{acc} accumulator registers per thread: more than {MAX_ACC}")
     two = cfg.blocks_per_sm == 2
-    if two and not two_blocks_fit(cfg.bm, cfg.bn, split, pairs):
+    if two and not two_blocks_fit(cfg.bm, cfg.bn, split, pairs, _norm_rows(spec, pairs)):
         raise ValueError(f"a {cfg.bm} x {cfg.bn} tile ({acc} accumulators a thread) does not fit the registers of two "
                          f"blocks per SM (at most {REGS_TWO_BLOCKS['max_acc']} in wgmma of n{REGS_TWO_BLOCKS['max_bn']})")
     if two and 2 * (smem + BLOCK_RESERVED_SMEM) > target.smem_per_sm:
@@ -787,8 +789,6 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         if acc > ROW_NORM_MAX_ACC:
             raise ValueError(f"{acc} accumulator registers per thread: a statistic stage over positions takes at most "
                              f"{ROW_NORM_MAX_ACC}")
-        if two:
-            raise ValueError("two blocks per SM with a statistic stage over positions in the epilogue")
         if cfg.split_k > 1:
             raise ValueError("split K with a statistic stage over positions (a block must hold all of K)")
         smem += row_norm_smem(cfg.bm, cfg.bn)  # (after the stages: `row_norm_smem`)

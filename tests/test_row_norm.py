@@ -135,10 +135,13 @@ def test_groups_no_tile_holds_leave_the_norm_to_the_tail_engine():
 def test_tuning_candidates_hold_whole_groups():
     spec = spec_of(64, [16, 128], {"out_channels": 128, **C3}, [{"layer_norm": 128}])
     configs = tma.configs(spec, HOPPER)
-    assert configs and all(c.bm % 128 == 0 and c.blocks_per_sm == 1 for c in configs)
+    assert configs and all(c.bm % 128 == 0 for c in configs)
     for cfg in configs:
         tp = tma.plan_tma(spec, HOPPER, cfg)
         assert tp.acc_regs <= tma.ROW_NORM_MAX_ACC
+        # two blocks per SM only where the accumulators and the statistics fit their registers
+        assert cfg.blocks_per_sm == 1 or tp.acc_regs + 2 * tp.wm * tp.bn // 4 <= tma.REGS_TWO_BLOCKS["max_acc"]
+    assert any(c.blocks_per_sm == 2 for c in configs)
 
 
 @pytest.mark.nvcc
