@@ -647,6 +647,20 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
             stages = min(MAX_STAGES, walked, _two_block_stages(target, stage))
             if stages >= 2 and not (stages < TWO_BLOCK_DEEP_MIN_STAGES and walked >= TWO_BLOCK_DEEP_K_STAGES):
                 return TmaConfig(bm_two, n_pad, stages, kps, blocks_per_sm=2)
+    if rows and spec.conv.transposed and two_blocks and not split:
+        # A transposed conv's blocks hold one tile each (its phases are not walked): two blocks per
+        # SM hide one's pipeline fill and epilogue behind the other's loads and products, on a tile
+        # narrow enough that the statistics fit their registers. KernelBench 34 (LayerNorm over W)
+        # at batch 16 on an H100: 128 x 32 of two blocks 0.885 ms, 128 x 64 of one 1.376, 128 x 32
+        # of one 1.149 (`specgen tune`, NOTES v51).
+        for bn in sorted({min(n_pad, 64), min(n_pad, 32)}, reverse=True):
+            if 128 % rows or not two_blocks_fit(128, bn, split, pairs, rows):
+                continue
+            kps = _kb_options(kb_total, row)[0]
+            stage = _smem(TmaConfig(128, bn, 2, kps), row, 1)[2]
+            stages = _two_block_stages(target, stage, row_norm_smem(128, bn))  # (as deep as two blocks fit, as tuned)
+            if stages >= 2:
+                return TmaConfig(128, bn, stages, kps, blocks_per_sm=2)
     shapes = candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, one_n_tile(spec), pairs, rows)
     planes = 2 if split else 1
     want = 3 if split else 4
@@ -683,7 +697,7 @@ def configs(spec: LayerSpec, target: targets.Target, batch: int = 64) -> list[Tm
         stage = _smem(TmaConfig(bm, bn, 2, kps), row, planes)[2]
         deepest = min(8, (target.smem_per_block - SMEM_ALIGN - (row_norm_smem(bm, bn) if rows else 0)) // stage)
         options = [TmaConfig(bm, bn, stages, kps) for stages in sorted({deepest, min(4, deepest)}, reverse=True) if stages >= 2]
-        two_stages = min(k_iters, _two_block_stages(target, stage))
+        two_stages = min(k_iters, _two_block_stages(target, stage, row_norm_smem(bm, bn) if rows else 0))
         if two_blocks_fit(bm, bn, split, pairs, rows) and two_stages >= 2:
             options.append(TmaConfig(bm, bn, two_stages, kps, blocks_per_sm=2))
         out += [cfg for cfg in options if cfg not in out]
@@ -710,10 +724,11 @@ def two_blocks_fit(bm: int, bn: int, split: bool, pairs: bool = False, norm_rows
     return bn <= REGS_TWO_BLOCKS["max_bn"] and _accumulators(bm, bn, split, pairs) + stats <= REGS_TWO_BLOCKS["max_acc"]
 
 
-def _two_block_stages(target: targets.Target, stage_bytes: int) -> int:
-    """The deepest pipeline (at most 8 stages) of which two blocks fit in one SM's shared memory."""
+def _two_block_stages(target: targets.Target, stage_bytes: int, extra: int = 0) -> int:
+    """The deepest pipeline (at most 8 stages) of which two blocks fit in one SM's shared memory,
+    each with `extra` bytes besides (a `row_norm` epilogue's sums)."""
     per_block = min(target.smem_per_block, target.smem_per_sm // 2 - BLOCK_RESERVED_SMEM)
-    return min(8, (per_block - SMEM_ALIGN) // stage_bytes)
+    return min(8, (per_block - SMEM_ALIGN - extra) // stage_bytes)
 
 
 def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None = None,
@@ -758,6 +773,11 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     if acc > MAX_ACC:
         raise ValueError(f"{acc} accumulator registers per thread: more than {MAX_ACC}")
     two = cfg.blocks_per_sm == 2
+    if _norm_rows(spec, pairs):  # a statistic stage over positions: its sums after the stages (`row_norm_smem`)
+        smem += row_norm_smem(cfg.bm, cfg.bn)
+        if smem > target.smem_per_block:
+            raise ValueError(f"{smem} bytes of shared memory (the pipeline's and the statistics') exceed the "
+                             f"{target.smem_per_block} of a block on {target.arch}")
     if two and not two_blocks_fit(cfg.bm, cfg.bn, split, pairs, _norm_rows(spec, pairs)):
         raise ValueError(f"a {cfg.bm} x {cfg.bn} tile ({acc} accumulators a thread) does not fit the registers of two "
                          f"blocks per SM (at most {REGS_TWO_BLOCKS['max_acc']} in wgmma of n{REGS_TWO_BLOCKS['max_bn']})")
@@ -791,10 +811,6 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
                              f"{ROW_NORM_MAX_ACC}")
         if cfg.split_k > 1:
             raise ValueError("split K with a statistic stage over positions (a block must hold all of K)")
-        smem += row_norm_smem(cfg.bm, cfg.bn)  # (after the stages: `row_norm_smem`)
-        if smem > target.smem_per_block:
-            raise ValueError(f"{smem} bytes of shared memory (the pipeline's and the statistics') exceed the "
-                             f"{target.smem_per_block} of a block on {target.arch}")
     cl_out = channels_last and nd >= 2 and not reduces  # (`TmaPlan.channels_last_out`)
     if whole_n and n_tiles > 1:
         raise ValueError(f"BN {cfg.bn} does not hold the {cout} channels the epilogue reduces or normalizes over")

@@ -38,6 +38,7 @@ CASES = {
     "softmax_w32": (32, [7, 32], {"out_channels": 72, **C3}, [{"softmax": -1}, {"mul": 3.0}]),
     "log_softmax_w16": (64, [11, 16], {"out_channels": 40, **C3}, [{"mul": 4.0}, {"log_softmax": -1}]),
     "instance_norm_8x8": (64, [8, 8], {"out_channels": 128, **C3}, [{"instance_norm": {"affine": True}}, "relu"]),
+    "conv3d_s2_ln_w16": (16, [6, 8, 32], {"out_channels": 32, "kernel": 3, "stride": 2, "padding": 1}, [{"layer_norm": 16}, "gelu"]),
     "kb34_pairs": (32, [3, 6, 32], {"out_channels": 64, **KB34_CONV}, [{"layer_norm": 64}, "gelu", {"mul": 1.5}]),
 }
 
@@ -70,6 +71,13 @@ def test_a_walking_block_meets_many_tiles(precision):
     layer = layer_of("ln_w64_gelu", precision)
     assert layer.specialize().plan["tma"].persistent
     check(layer, 61, seed=4)
+
+
+def test_the_transposed_layer_runs_two_blocks_per_sm():
+    layer = layer_of("kb34_pairs", "tf32")
+    tp = layer.specialize().plan["tma"]
+    assert tp.blocks_per_sm == 2 and tp.w_pairs
+    check(layer, 5, seed=6)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
