@@ -4,7 +4,8 @@ the statistics and writes the normalized output (`tma.ROW_NORM` off). Rows: Kern
 (a stride-2 transposed Conv3d, LayerNorm over W), the family's 25 (a stride-2 Conv3d, LayerNorm
 over W, whose few multiply-adds per input byte kept its conv on the implicit GEMM before; the 'tma'
 column asks for the TMA engine where the planner does not take it),
-a 2-D LayerNorm over W, a softmax over W and an instance norm of an 8x8 map. Each layer is checked
+a 2-D LayerNorm over W, a softmax over W, an instance norm of an 8x8 map, and `layer_norm_channels`
+(new in v51: its 'before' is the same plan). Each layer is checked
 against the float64 reference first; eager is PyTorch running the spec's reference ops (TF32
 convolutions in tf32 mode, PyTorch's default).
 
@@ -45,6 +46,14 @@ LAYERS = {
     "conv2d 64->96 32x32, softmax(W)": (64, [32, 32], {"out_channels": 96, **C3}, [{"softmax": -1}]),
     "conv2d 256->256 8x8, instance norm, relu": (256, [8, 8], {"out_channels": 256, **C3},
                                                  [{"instance_norm": {"affine": True}}, "relu"]),
+    # a LayerNorm over the channels (v51-4: new, so 'before' is the same plan): on the TMA epilogue,
+    # and after a depthwise conv on the tail engine's strided kernel (ConvNeXt's stages 1 and 4)
+    "conv2d 64->96 28x28, LN over channels, gelu": (64, [28, 28], {"out_channels": 96, **C3},
+                                                    [{"layer_norm_channels": {}}, "gelu"]),
+    "dwconv 96 7x7 56x56, LN over channels": (96, [56, 56], {"out_channels": 96, "kernel": 7, "padding": 3, "groups": 96},
+                                              [{"layer_norm_channels": {"eps": 1e-6}}]),
+    "dwconv 768 7x7 7x7, LN over channels": (768, [7, 7], {"out_channels": 768, "kernel": 7, "padding": 3, "groups": 768},
+                                             [{"layer_norm_channels": {"eps": 1e-6}}]),
 }
 
 

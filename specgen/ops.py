@@ -1562,6 +1562,22 @@ class LayerNormArgs(_NormArgs):
         return _affine_names(data, "ln", "elementwise_affine", True)
 
 
+class LayerNormChannelsArgs(_NormArgs):
+    """A LayerNorm over the channels of each position: ConvNeXt's channels-first LayerNorm, timm's
+    LayerNorm2d, `x.permute(0, 2, 3, 1)` -> nn.LayerNorm(C) -> `.permute(0, 3, 1, 2)`. Each position's
+    channels are normalized with their mean and biased variance; `elementwise_affine` adds a weight
+    and bias per channel (default prefix ln)."""
+
+    _switch: ClassVar[str] = "elementwise_affine"
+
+    elementwise_affine: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names(cls, data):
+        return _affine_names(data, "ln", "elementwise_affine", True)
+
+
 class SoftmaxArgs(Args):
     """softmax / log_softmax over `dim`, numbered as PyTorch numbers it (batch is 0, negative from the
     end); a list of consecutive dims takes them as one (as a view that flattens them would)."""
@@ -1619,6 +1635,18 @@ def _layer_norm_span(a: LayerNormArgs, shape) -> Span:
         raise SpanError("normalized_shape", f"{list(a.normalized_shape)} must be the trailing extents of the tensor it "
                                             f"normalizes, which is {list(shape.sizes)} per sample (as in nn.LayerNorm)")
     return Span(len(shape.axes) - k + 1, len(shape.axes))
+
+
+def _layer_norm_channels_span(a: LayerNormChannelsArgs, shape) -> Span:
+    channels = _channel_first(shape, "layer_norm_channels")
+    if channels < 2:
+        raise SpanError("", "layer_norm_channels needs more than one channel: a group of one value always normalizes to 0")
+    return Span(1, 1)
+
+
+def _layer_norm_channels_ref(x, a, w, b, d):
+    y = _F().layer_norm(x.movedim(1, -1), (x.shape[1],), _flat(w), _flat(b), a.eps)
+    return y.movedim(-1, 1)
 
 
 def _softmax_span(a: SoftmaxArgs, shape) -> Span:
@@ -1757,6 +1785,9 @@ NORMS: dict[str, Norm] = {
              doc="(x - mean) / sqrt(var + eps) * weight + bias over the trailing normalized_shape",
              spellings=(Spelling("input, normalized_shape, weight=None, bias=None, eps=1e-05", ("F.layer_norm",), (), ("LayerNorm",),
                                  operands=_AFFINE),)),
+        Norm("layer_norm_channels", LayerNormChannelsArgs, _layer_norm_channels_span, **_MOMENTS, affine="channel",
+             torch_ref=_norm_ref(_layer_norm_channels_ref),
+             doc="(x - mean) / sqrt(var + eps) * weight + bias over each position's channels (ConvNeXt's channels-first LayerNorm)"),
         Norm("batch_norm", BatchNormArgs, _batch_norm_span, **_MOMENTS, affine="channel",
              torch_ref=_norm_ref(lambda x, a, w, b, d: _F().batch_norm(x, None, None, _flat(w), _flat(b), True, 0.0, a.eps)),
              doc="(x - mean) / sqrt(var + eps) * weight + bias over each channel of the whole batch"),

@@ -172,19 +172,31 @@ def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], chan
     }
 
 
-def _channel_norm_code(spec: LayerSpec, index: int) -> dict:
-    """A softmax or log-softmax over the channels, as the TMA epilogue takes it: the row's statistic
-    (max a, sum of exp(x - a) b), then `prepare` (b's factor) and `normalize` (each value) from the
-    op table, and the pointwise stages after it (filled in by the caller)."""
+def _channel_norm_code(spec: LayerSpec, index: int, consts: list) -> dict:
+    """A softmax, log-softmax or LayerNorm over the channels, as the TMA epilogue takes it: the row's
+    statistics (max mx and sum of exp(x - mx); or mean mx and the squared deviations from it), then
+    `prepare` (the second's factor nb) and `normalize` (each value) from the op table, the norm's
+    per-channel weight and bias, and the pointwise stages after it (filled in by the caller);
+    appends eps to `consts`."""
+    from specgen.tail import _affine_code
+
     stage = spec.epilogue[index]
     row = ops.NORMS[stage.op]
+    moments = row.statistic == "moments"
+    eps = None
+    for name, value in row.constants(stage.args).items():
+        consts.append(Constant(f"S{index}_{name.upper()}", c_float(value), f"epilogue[{index}] {stage.op} {name} = {value!r}",
+                               "float"))
+        eps = f"S{index}_{name.upper()}" if name == "eps" else eps
     return {
         "index": index,
         "op": stage.op,
+        "moments": moments,
         "comment": f"epilogue[{index}] {stage.op} over the channels",
-        "prepare": row.prepare % {"a": "mx", "b": "sum"},
+        "prepare": row.prepare % {"a": "mx", "b": "sum * (1.0f / C_OUT)" if moments else "sum", "eps": eps or "0.0f"},
         "prepare_comment": row.prepare_comment,
         "normalize": row.normalize % {"x": "v", "a": "mx", "b": "nb"},
+        "affine": _affine_code(row, stage.args, "cj") if row.params(stage.args) else "",
         "pointwise": [],
     }
 
@@ -843,7 +855,7 @@ def _body_levels(spec: LayerSpec, shapes, o3: tuple, consts: list[Constant]) -> 
             (channel_norm["pointwise"] if channel_norm else levels[-1]["pointwise"]).append(_pointwise_code(spec, i, consts, "cj"))
             continue
         if i == norm_at:
-            channel_norm = _channel_norm_code(spec, i)
+            channel_norm = _channel_norm_code(spec, i, consts)
             continue
         if i == rows_at:
             channel_norm = _row_norm_code(spec, i, consts)

@@ -318,7 +318,7 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> TailPlan
         registers = bool(fitting)
         vec = fitting[0] if fitting else _vec(inner)
         threads_per_sample = outer * inner // vec
-        kernel = TailKernel(name=f"{kernel_prefix}_softmax", role="strided", threads=THREADS,
+        kernel = TailKernel(name=f"{kernel_prefix}_{'softmax' if row.statistic == 'lse' else 'norm'}", role="strided", threads=THREADS,
                             grid_x=-(-threads_per_sample // THREADS), once=False, args=["in", *tensors, "out"],
                             bytes_per_sample=4 * per_sample * (1 if registers else 2) + 4 * per_sample)
         return StridedTail(**base, outer=outer, elems=elems, inner=inner, vec=vec, registers=registers,

@@ -191,7 +191,8 @@ class TmaPlan:
     split_k: int = 1
     split_iters: int = 0  # stages walked per block of the split kernel (k_iters / split_k)
     channel_reduction: bool = False  # the epilogue reduces over the channels (one N tile, no split K)
-    channel_norm: bool = False  # the epilogue takes a softmax over the channels (one N tile, no split K)
+    channel_norm: bool = False  # the epilogue takes a softmax or LayerNorm over the channels (one N tile, no split K)
+    channel_norm_op: str = ""  # ... which one
     # The epilogue takes a statistic stage over trailing spatial dims (`row_norm`): a group is
     # `norm_rows` consecutive rows of a tile (`norm_group` positions of the output), no split K.
     row_norm: bool = False
@@ -352,9 +353,9 @@ def why_not(spec: LayerSpec, levels: list, reductions: list, target: targets.Tar
     norm = channel_norm(spec)
     if norm is not None:
         if spec.conv.out_channels > MAX_REDUCED_CHANNELS:
-            reasons.append(f"a softmax over more than {MAX_REDUCED_CHANNELS} channels (one block must hold them all)")
+            reasons.append(f"a {spec.epilogue[norm].op} over more than {MAX_REDUCED_CHANNELS} channels (one block must hold them all)")
         if spec.inputs():
-            reasons.append("an extra input or saved value around a softmax over the channels")
+            reasons.append(f"an extra input or saved value around a {spec.epilogue[norm].op} over the channels")
     rank = spec.ndim + 2
     geo = spec.conv_geometry()
     if transposed:
@@ -376,7 +377,7 @@ def why_not(spec: LayerSpec, levels: list, reductions: list, target: targets.Tar
     return reasons
 
 
-NORMS_ON_CHANNELS = ("softmax", "log_softmax")  # statistic stages the epilogue can take over one block's channels
+NORMS_ON_CHANNELS = ("softmax", "log_softmax", "layer_norm_channels")  # statistic stages the epilogue can take over one block's channels
 # A statistic stage over trailing spatial dims (`row_norm`): its group is R consecutive rows of the
 # tile, a multiple of a warp's 16 rows of an m64 tile and at most the largest tile (BM 256); the
 # tile's accumulators at most 64 floats a thread, which leaves the registers for the statistics.
@@ -387,7 +388,7 @@ ROW_NORM_MAX_ACC = 64
 
 
 def channel_norm(spec: LayerSpec) -> int | None:
-    """The index of a softmax or log-softmax over the channels alone that comes after nothing but
+    """The index of a softmax, log-softmax or LayerNorm over the channels alone that comes after nothing but
     pointwise stages (the epilogue can then normalize the accumulators: see the module
     docstring), or None."""
     first = next((i for i, st in enumerate(spec.epilogue) if st.kind != "pointwise"), None)
@@ -840,7 +841,8 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         lower=lower, upper=upper, elem_strides=rev(tuple(geo["stride"])), prep_tc=prep_tc, prep_tp=prep_tp,
         prep_tiles=-(-in_positions // prep_tp) * -(-cip // prep_tc), acc_regs=acc,
         split_k=split_parts, split_iters=k_iters // split_parts, channel_reduction=reduces,
-        channel_norm=norm_at is not None, row_norm=bool(norm_rows), norm_rows=norm_rows,
+        channel_norm=norm_at is not None, channel_norm_op=spec.epilogue[norm_at].op if norm_at is not None else "",
+        row_norm=bool(norm_rows), norm_rows=norm_rows,
         norm_group=row_norm_group(spec) if norm_rows else 0,
         blocks_per_sm=cfg.blocks_per_sm, phases=phases, grid=grid, grid_positions=math.prod(grid),
         n_pad=n_tiles * cfg.bn, w_pairs=pairs, channels_last_out=cl_out,
@@ -897,8 +899,8 @@ def describe(tp: TmaPlan) -> str:
            "at once (transposed across four lanes)" if tp.store_quads else "")
         + (f"; for small batches K split {tp.split_k} ways ({tp.split_iters} stages a block), "
            f"the parts added in order by a second kernel" if tp.split_k > 1 else "")
-        + ("; the softmax over the channels taken on the accumulators (shuffles among the 4 lanes of a row)"
-           if tp.channel_norm else "")
+        + (f"; the {'softmax' if tp.channel_norm_op == 'softmax' else tp.channel_norm_op} over the channels taken on "
+           "the accumulators (shuffles among the 4 lanes of a row)" if tp.channel_norm else "")
         + (f"; the statistic stage over positions taken on the accumulators (groups of {tp.norm_group} positions, "
            f"{tp.norm_rows} rows of the tile: shuffles within a warp, sums in shared memory across warps)"
            if tp.row_norm else "")

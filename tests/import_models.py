@@ -778,6 +778,49 @@ class SoftmaxForms(nn.Module):
         return self.softmax2d(x * 4)
 
 
+class ChannelsLayerNormForms(nn.Module):
+    """A LayerNorm over the channels as ConvNeXt and timm's LayerNorm2d write it: the channels moved
+    last (permute, movedim), nn.LayerNorm(C) / F.layer_norm, moved back."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.ln = nn.LayerNorm(C, eps=1e-6)
+        self.w = nn.Parameter(torch.randn(C))
+        self.b = nn.Parameter(torch.randn(C))
+
+    def forward(self, x):
+        x = self.ln(self.conv(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        x = torch.relu(x)
+        x = F.layer_norm(x.movedim(1, -1), (C,), self.w, self.b).movedim(-1, 1)
+        return x * 2
+
+
+class ChannelsLayerNorm3d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(C_IN, C, 3)
+        self.ln = nn.LayerNorm(C, elementwise_affine=False)
+
+    def forward(self, x):
+        return torch.tanh(self.ln(self.conv(x).permute(0, 2, 3, 4, 1)).permute(0, 4, 1, 2, 3))
+
+
+class ConvNeXtBlock(nn.Module):
+    """ConvNeXt's block: its LayerNorm over the channels feeds Linear layers in channels-last order,
+    so the channels are not moved back: the depthwise conv runs as PyTorch."""
+
+    def __init__(self):
+        super().__init__()
+        self.dw = nn.Conv2d(C_IN, C_IN, 7, padding=3, groups=C_IN)
+        self.norm = nn.LayerNorm(C_IN, eps=1e-6)
+        self.pw = nn.Linear(C_IN, C_IN)
+
+    def forward(self, x):
+        y = self.pw(self.norm(self.dw(x).permute(0, 2, 3, 1)))
+        return x + y.permute(0, 3, 1, 2)
+
+
 class LogSoftmaxForms(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1308,6 +1351,8 @@ CASES: list[Case] = [
     Case(LayerNormForms, IMG, [["layer_norm", "tanh", "layer_norm", "layer_norm"]]),
     Case(SoftmaxForms, IMG, [["softmax", "mul", "softmax", "mul", "softmax", "mul", "softmax", "mul", "softmax", "mul", "softmax"]]),
     Case(LogSoftmaxForms, IMG, [["log_softmax"] * 4]),
+    Case(ChannelsLayerNormForms, IMG, [["layer_norm_channels", "relu", "layer_norm_channels", "mul"]]),
+    Case(ChannelsLayerNorm3d, VOL, [["layer_norm_channels", "tanh"]]),
     Case(SoftmaxAfterRelu, IMG, [["relu", "mul", "softmax"]]),
     Case(SoftmaxOverPositions, IMG, [["clamp", "softmax", "mul"]]),
     Case(BatchNormTraining, IMG, [["batch_norm", "relu"]]),
@@ -1338,6 +1383,7 @@ def _double():
 
 FALLBACKS: list[FallbackCase] = [
     FallbackCase(DividedByTheBatch, IMG, [["relu"]], [("truediv", "computed by the model")]),
+    FallbackCase(ConvNeXtBlock, IMG, [], [("permute", "not a supported op")]),
     FallbackCase(TwoBranches, IMG, [], [("conv", "is used by 2 nodes"), ("relu", "used more than once")]),
     FallbackCase(IntermediateReturned, IMG, [["relu"]], [("sigmoid", "also returned by the model")]),
     FallbackCase(CumsumAfterConv, IMG, [], [("cumsum", "torch.cumsum is not a supported op"), ("conv", "nothing to fuse")]),

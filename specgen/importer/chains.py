@@ -216,6 +216,15 @@ class Analysis(Capture):
             self._record(users, reason, subject=True)
             return False
         user = users[0]
+        channels_ln = self._channels_layer_norm(chain, user)
+        if channels_ln is not None:
+            try:
+                self._take_channels_layer_norm(chain, user, *channels_ln)
+            except Reject as rej:
+                chain.stop = rej.reason
+                self._record([user, channels_ln[0], channels_ln[2]], rej.reason)
+                return False
+            return True
         desc = self.classify(user)
         try:
             if isinstance(desc, Reject):
@@ -483,6 +492,51 @@ class Analysis(Capture):
             dims.extend(range(lo, hi + 1))
         self._take_norm(chain, norm, desc, nodes=[node, norm, back], dims=dims)
 
+    # -- a LayerNorm over the channels: the channels moved last, LayerNorm(C), moved back ------------
+
+    def _channels_layer_norm(self, chain: _Chain, node: Node):
+        """(the LayerNorm, its description, the permute back) where `node` moves the chain's channels
+        last (x.permute(0, 2, 3, 1), x.movedim(1, -1)), its only user is a LayerNorm over that dim
+        alone and the LayerNorm's only user moves them back: ConvNeXt's channels-first LayerNorm,
+        timm's LayerNorm2d; else None."""
+        view = tuple(chain.view)
+        rank = len(view)
+        if rank < 3 or _permutation(node, rank) != (0, *range(2, rank), 1):
+            return None
+        users = value_users(node)
+        if len(users) != 1 or users[0].op == "output":
+            return None
+        desc = self.classify(users[0])
+        if not isinstance(desc, NormOp) or desc.op != "layer_norm" or desc.input is not node:
+            return None
+        if [int(n) for n in desc.attrs.get("normalized_shape", ())] != [view[1]]:
+            return None
+        after = value_users(users[0])
+        if len(after) != 1 or after[0].op == "output" or after[0].args[0] is not users[0]:
+            return None
+        if _permutation(after[0], rank) != (0, rank - 1, *range(1, rank - 1)):
+            return None
+        return users[0], desc, after[0]
+
+    def _take_channels_layer_norm(self, chain: _Chain, node: Node, norm: Node, desc: NormOp, back: Node) -> None:
+        """The three nodes _channels_layer_norm found as one layer_norm_channels stage."""
+        where = self.describe(norm)
+        saved = (dict(chain.names), dict(chain.tensors), dict(chain.inputs))
+        try:
+            if dtype_of(back) != chain.dtype:
+                raise Reject(f"produces {dtype_of(back)}, the chain is {chain.dtype}")
+            if tuple(chain.view) != tuple(chain.spec_out):
+                raise Reject(f"it normalizes the value shaped {list(chain.view)}, which the spec holds as {list(chain.spec_out)}")
+            names = [self._norm_operand(chain, value, desc.operands) for value in desc.operands]
+            args = ops.NORMS["layer_norm_channels"].args.from_operands(tuple(names), {"eps": desc.attrs.get("eps", 1e-5)})
+            if args is None:  # pragma: no cover - the builders give what from_operands takes
+                raise Reject("its tensors do not make a layer_norm_channels stage")
+            self._commit(chain, [{"layer_norm_channels": args}], [node, norm, back], back,
+                         check=lambda spec: self._check_norm(chain, spec))
+        except Reject as rej:
+            chain.names, chain.tensors, chain.inputs = saved
+            raise Reject(f"{where}: {rej.reason}") from None
+
     # -- centering: x - x.mean(dims, keepdim=True) ----------------------------------------------
 
     def _centering(self, cur: Node, users: list):
@@ -723,6 +777,29 @@ def _mode(chain: _Chain, desc: NormOp, args: dict) -> Optional[str]:
         raise Reject("F.batch_norm(training=True) normalizes with the batch's statistics in either mode and a "
                      "module's batch norm after .eval() with its running ones: one fused layer cannot do both")
     return mode
+
+
+def _permutation(node: Node, rank: int) -> Optional[tuple]:
+    """The dims order a permute or movedim node gives its input of `rank` dims (x.permute(0, 2, 3, 1),
+    torch.permute(x, dims), x.movedim(1, -1), torch.movedim), negatives normalized; else None."""
+    if node.op not in ("call_method", "call_function") or node.kwargs:
+        return None
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
+    if node.op == "call_function" and node.target not in (torch.permute, torch.movedim):
+        return None
+    args = list(node.args[1:])
+    if name == "permute":
+        dims = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
+        if len(dims) != rank or not all(isinstance(d, int) for d in dims):
+            return None
+        order = tuple(d % rank for d in dims)
+        return order if sorted(order) == list(range(rank)) else None
+    if name == "movedim" and len(args) == 2 and all(isinstance(a, int) for a in args):
+        src, dst = args[0] % rank, args[1] % rank
+        order = [d for d in range(rank) if d != src]
+        order.insert(dst, src)
+        return tuple(order)
+    return None
 
 
 def _spec_dims(view: tuple, spec_out: tuple, dims: list) -> list:
