@@ -9,7 +9,7 @@ a 2-D LayerNorm over W, a softmax over W, an instance norm of an 8x8 map, and `l
 against the float64 reference first; eager is PyTorch running the spec's reference ops (TF32
 convolutions in tf32 mode, PyTorch's default).
 
-    python benchmarks/row_norm.py [--batch 16]
+    python benchmarks/row_norm.py [--batch 16] [--only TEXT]
 
 ms per call, CUDA events, median of 15, two inputs in turn. Needs a CUDA GPU.
 """
@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from specgen import bench, pipeline, reference, tma  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
+from specgen.plan import PlanError  # noqa: E402
 from specgen.spec import validate  # noqa: E402
 
 REPS = 15
@@ -78,6 +79,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", nargs="+", type=int, default=[16])
     ap.add_argument("--precision", default="tf32")
+    ap.add_argument("--only", default=None, help="rows whose label contains this text")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -88,15 +90,20 @@ def main() -> int:
           f"tma = the TMA engine asked for (where 'now' is not on it)")
     print(f"{'layer':56}{'batch':>6}{'eager':>8}{'before':>8}{'now':>8}{'tma':>8}  {'x before':>8}{'x eager':>8}  plans (before / now / tma); rel L2 now")
     for label, (cin, size, conv, epilogue) in LAYERS.items():
+        if args.only and args.only not in label:
+            continue
         for batch in args.batch:
             before, p0 = _build("rn_before", cin, size, conv, epilogue, precision, False, None)
             now, p1 = _build("rn_now", cin, size, conv, epilogue, precision, True, None)
             layers = [before, now]
             plans = [p0, p1]
             if "tma" not in p1:
-                asked, p2 = _build("rn_tma", cin, size, conv, epilogue, precision, True, "tma")
-                layers.append(asked)
-                plans.append(p2)
+                try:
+                    asked, p2 = _build("rn_tma", cin, size, conv, epilogue, precision, True, "tma")
+                    layers.append(asked)
+                    plans.append(p2)
+                except PlanError:  # (the TMA engine cannot run it: a depthwise conv)
+                    tma.ROW_NORM = True
             for m in layers[1:]:
                 m.load_state_dict(before.state_dict())
             xs = [torch.rand(batch, cin, *size, device="cuda") for _ in range(2)]
