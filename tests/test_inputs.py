@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from specgen import FusedLayer, reference  # noqa: E402
-from specgen import compile as nvcc  # noqa: E402
+from build_helpers import build_report, spilled  # noqa: E402
 from specgen.plan import PlanError, build_plan  # noqa: E402
 from specgen.render import render_plan  # noqa: E402
 from specgen.spec import SpecError, validate  # noqa: E402
@@ -222,13 +222,6 @@ def test_engines_without_inputs_refuse_with_the_reason():
 @pytest.mark.parametrize("name", sorted(ENGINE_CASES) + [f"channel_{n}" for n in sorted(CHANNEL_CASES)])
 def test_input_kernels_compile_without_spills(name, tmp_path):
     kw, epilogue, _ = CHANNEL_CASES[name[8:]] if name.startswith("channel_") else ENGINE_CASES[name]
-    spec = spec_of(name, epilogue, **kw)
-    from specgen import pipeline
-
-    _, source, request = pipeline.request(spec, "sm_90")
-    cu = tmp_path / f"{name}.cu"
-    cu.write_text(source)
-    report = nvcc.compile_cubin(cu, tmp_path / f"{name}.cubin", request.arch, compiler="nvcc")
-    assert report.kernels
-    spills = {k: r.spill_bytes for k, r in report.kernels.items() if r.spill_bytes}
-    assert not spills, spills
+    kernels = build_report(spec_of(name, epilogue, **kw), tmp_path)
+    assert kernels
+    assert not spilled(kernels), spilled(kernels)

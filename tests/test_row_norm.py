@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from specgen import compile as nvcc
-from specgen import pipeline, tma
+from build_helpers import build_report, spilled
+from specgen import tma
 from specgen.plan import build_plan, describe
 from specgen.render import render_plan
 from specgen.spec import validate
@@ -178,11 +178,7 @@ def test_tuning_candidates_hold_whole_groups():
 ])
 def test_row_norm_kernels_build_without_spills(name, cin, size, conv, epilogue, precision, tmp_path):
     spec = spec_of(cin, size, conv, epilogue, precision, name)
-    _, source, request = pipeline.request(spec, "sm_90")
-    assert "NORM_ROWS" in source
-    cu = tmp_path / f"{name}.cu"
-    cu.write_text(source)
-    report = nvcc.compile_cubin(cu, tmp_path / f"{name}.cubin", request.arch, compiler="nvcc")
-    assert f"specgen_{name}" in report.kernels
-    spills = {k: r.spill_bytes for k, r in report.kernels.items() if r.spill_bytes}
-    assert not spills, spills
+    assert build_plan(spec, target=HOPPER)["tma"].row_norm
+    kernels = build_report(spec, tmp_path)
+    assert f"specgen_{name}" in kernels
+    assert not spilled(kernels), spilled(kernels)
