@@ -112,6 +112,7 @@ GRAD_SPECS = [
             {"add": {"saved": "pre"}},
             {"instance_norm": {"affine": True}},
             {"layer_norm": 4},
+            {"layer_norm_channels": {"name": "lnc"}},
             {"softmax": 1},
             {"mul": {"param": "scale"}},
             {"log_softmax": [2, 3]},
