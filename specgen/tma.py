@@ -35,8 +35,9 @@ in hardware:
   the channels included) -- where the tail engine would write the conv's output, read it back for
   the statistics and again to normalize.
 * A statistic stage over trailing spatial dims (a LayerNorm over W, or over H and W; a softmax
-  over W; `row_norm`) after nothing but pointwise ops is taken there too, where a group is R whole
-  consecutive rows of the tile (R a multiple of 16 dividing BM: a conv's rows are its positions;
+  over W; an instance norm of a small map; `row_norm`) after nothing but pointwise ops is taken
+  there too, where a group is R whole consecutive rows of the tile (R a power of two from 16 to
+  256, dividing BM: a conv's rows are its positions;
   a transposed conv of stride 2 along W, run as W pairs, has a group of R = W / 2 grid rows, each
   holding both of its W phases' outputs). Each warp folds a column's 16 rows by shuffles, writes the
   sum to shared memory, and after a barrier of the consumer warpgroups every thread adds its
@@ -379,8 +380,8 @@ def why_not(spec: LayerSpec, levels: list, reductions: list, target: targets.Tar
 
 NORMS_ON_CHANNELS = ("softmax", "log_softmax", "layer_norm_channels")  # statistic stages the epilogue can take over one block's channels
 # A statistic stage over trailing spatial dims (`row_norm`): its group is R consecutive rows of the
-# tile, a multiple of a warp's 16 rows of an m64 tile and at most the largest tile (BM 256); the
-# tile's accumulators at most 64 floats a thread, which leaves the registers for the statistics.
+# tile, whole chunks of a warp's 16 rows of an m64 tile, dividing BM; the tile's accumulators at
+# most 64 floats a thread, which leaves the registers for the statistics.
 ROW_NORM = True  # (off: such stages run on the tail engine, as before; benchmarks/row_norm.py's A/B)
 ROW_NORM_CHUNK = 16
 ROW_NORM_ROWS = (16, 32, 64, 128, 256)  # (dividing a tile of BM 128 or 256)
@@ -401,8 +402,8 @@ def channel_norm(spec: LayerSpec) -> int | None:
 def row_norm(spec: LayerSpec) -> int | None:
     """The index of a statistic stage over trailing spatial dims alone (a LayerNorm over W or over
     H and W, a softmax over W, an instance norm of a small map; not across the batch) that comes
-    after nothing but pointwise stages:
-    the epilogue can take it where a tile holds whole groups (`row_norm_rows`); else None."""
+    after nothing but pointwise stages, which the epilogue can take where a tile holds whole groups
+    (`row_norm_rows`); else None."""
     from specgen import ops
 
     first = next((i for i, st in enumerate(spec.epilogue) if st.kind != "pointwise"), None)
@@ -428,9 +429,9 @@ def row_norm_group(spec: LayerSpec) -> int:
 def row_norm_rows(spec: LayerSpec, pairs: bool) -> int | None:
     """The rows of a tile one group of the `row_norm` stage holds (None: not a power of two from 16
     to 256, which whole tiles hold, or not rows of one GEMM): a conv's group of positions; for a
-    transposed conv's stride phases run as W
-    pairs (`pairs`), a group over W alone whose W phases have as many outputs each: W / 2 grid rows,
-    each holding both phases' outputs (other phases' rows are other GEMMs')."""
+    transposed conv's stride phases run as W pairs (`pairs`), a group over W alone whose two W
+    phases have as many outputs each: W / 2 grid rows, each holding both phases' outputs (the
+    other phases' rows are other GEMMs')."""
     at = row_norm(spec)
     if at is None:
         return None
