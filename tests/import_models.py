@@ -1383,7 +1383,7 @@ def _double():
 
 FALLBACKS: list[FallbackCase] = [
     FallbackCase(DividedByTheBatch, IMG, [["relu"]], [("truediv", "computed by the model")]),
-    FallbackCase(ConvNeXtBlock, IMG, [], [("permute", "not a supported op")]),
+    FallbackCase(ConvNeXtBlock, IMG, [], [("permute", "stays channels-last (no permute back right after it")]),
     FallbackCase(TwoBranches, IMG, [], [("conv", "is used by 2 nodes"), ("relu", "used more than once")]),
     FallbackCase(IntermediateReturned, IMG, [["relu"]], [("sigmoid", "also returned by the model")]),
     FallbackCase(CumsumAfterConv, IMG, [], [("cumsum", "torch.cumsum is not a supported op"), ("conv", "nothing to fuse")]),

@@ -217,6 +217,10 @@ class Analysis(Capture):
             return False
         user = users[0]
         channels_ln = self._channels_layer_norm(chain, user)
+        if isinstance(channels_ln, Reject):
+            chain.stop = channels_ln.reason
+            self._record([user], channels_ln.reason)
+            return False
         if channels_ln is not None:
             try:
                 self._take_channels_layer_norm(chain, user, *channels_ln)
@@ -498,7 +502,7 @@ class Analysis(Capture):
         """(the LayerNorm, its description, the permute back) where `node` moves the chain's channels
         last (x.permute(0, 2, 3, 1), x.movedim(1, -1)), its only user is a LayerNorm over that dim
         alone and the LayerNorm's only user moves them back: ConvNeXt's channels-first LayerNorm,
-        timm's LayerNorm2d; else None."""
+        timm's LayerNorm2d. A Reject saying so where no permute back follows the LayerNorm; else None."""
         view = tuple(chain.view)
         rank = len(view)
         if rank < 3 or _permutation(node, rank) != (0, *range(2, rank), 1):
@@ -512,10 +516,11 @@ class Analysis(Capture):
         if [int(n) for n in desc.attrs.get("normalized_shape", ())] != [view[1]]:
             return None
         after = value_users(users[0])
-        if len(after) != 1 or after[0].op == "output" or after[0].args[0] is not users[0]:
-            return None
-        if _permutation(after[0], rank) != (0, rank - 1, *range(1, rank - 1)):
-            return None
+        if len(after) != 1 or after[0].op == "output" or after[0].args[0] is not users[0] \
+                or _permutation(after[0], rank) != (0, rank - 1, *range(1, rank - 1)):
+            return Reject(f"{self.describe(node)}: moves the channels last for {self.describe(users[0])}, whose output "
+                          f"stays channels-last (no permute back right after it, as where Linear layers follow in ConvNeXt's "
+                          f"block): the fused chain ends before it")
         return users[0], desc, after[0]
 
     def _take_channels_layer_norm(self, chain: _Chain, node: Node, norm: Node, desc: NormOp, back: Node) -> None:
