@@ -54,6 +54,15 @@ FLOATS_PER_THREAD = 32  # the values of a group (or chunk) a thread holds in reg
 ONE_PASS_MAX = 16 * FLOATS_PER_THREAD * 32  # 16384: the largest group a team of 512 threads holds at once
 CHUNK = THREADS * FLOATS_PER_THREAD  # 8192: the floats a split kernel's block takes of a group
 STRIDED_REGISTERS = 64  # a strided softmax keeps its group in registers up to this many values per thread
+# A strided group of many values over few positions (a LayerNorm over 768 channels of a 7x7 map:
+# 49 groups a sample) left one thread per group reading hundreds of values twice (0.33x eager on an
+# H100, NOTES v51). With STRIDED_WARPS a warp takes such a group instead (its lanes the values
+# lane, lane + 32, ..., in registers; the statistics butterflies across the warp): where a sample
+# has fewer than STRIDED_WARP_MAX_GROUPS groups of more than STRIDED_REGISTERS values, at most
+# STRIDED_WARP_MAX_ELEMS. Written and built, not yet run on a GPU: off until measured.
+STRIDED_WARPS = False
+STRIDED_WARP_MAX_GROUPS = 4096
+STRIDED_WARP_MAX_ELEMS = 1024
 RE_READ_UNROLL = 4  # how far the re-reading strided loops are unrolled
 
 
@@ -164,6 +173,8 @@ class StridedTail(TailPlan):
     registers: bool
     groups_t: int
     re_read_unroll: int
+    warps: bool = False  # a warp per group (STRIDED_WARPS), its lanes lane_items values each
+    lane_items: int = 0
     family: str = field(default="strided", init=False)
     mode: str = field(default="strided", init=False)
 
@@ -317,6 +328,14 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> TailPlan
         fitting = [v for v in (4, 2, 1) if inner % v == 0 and elems * v <= STRIDED_REGISTERS]
         registers = bool(fitting)
         vec = fitting[0] if fitting else _vec(inner)
+        if STRIDED_WARPS and elems > STRIDED_REGISTERS and outer * inner < STRIDED_WARP_MAX_GROUPS \
+                and elems <= STRIDED_WARP_MAX_ELEMS:
+            kernel = TailKernel(name=f"{kernel_prefix}_{'softmax' if row.statistic == 'lse' else 'norm'}", role="strided",
+                                threads=THREADS, grid_x=-(-outer * inner // (THREADS // 32)), once=False,
+                                args=["in", *tensors, "out"], bytes_per_sample=8 * per_sample)
+            return StridedTail(**base, outer=outer, elems=elems, inner=inner, vec=1, registers=True,
+                               groups_t=outer * inner * 32, threads=THREADS, re_read_unroll=RE_READ_UNROLL,
+                               warps=True, lane_items=-(-elems // 32), kernels=(kernel,))
         threads_per_sample = outer * inner // vec
         kernel = TailKernel(name=f"{kernel_prefix}_{'softmax' if row.statistic == 'lse' else 'norm'}", role="strided", threads=THREADS,
                             grid_x=-(-threads_per_sample // THREADS), once=False, args=["in", *tensors, "out"],
@@ -799,6 +818,8 @@ def _role_text(tp: TailPlan, role: str) -> str:
         return f"{what}: joins each group's partials ({per}) in a fixed tree"
     if role == "apply":
         return f"{what}: normalizes chunk by chunk{' and applies ' + ', '.join(st['op'] for st in tp.pointwise) if tp.pointwise else ''}"
+    if getattr(tp, "warps", False):
+        return f"{what}: one warp per group, {tp.lane_items} value(s) a lane in registers"
     return f"{what}: one thread per {tp.vec} group(s), {'in registers' if tp.registers else 'read twice'}"
 
 

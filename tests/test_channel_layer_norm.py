@@ -90,3 +90,25 @@ def test_channel_layer_norm_kernels_build_without_spills(name, cin, size, conv, 
     kernels = build_report(spec_of(cin, size, conv, epilogue, precision, name), tmp_path)
     assert f"specgen_{name}" in kernels or f"specgen_{name}_body" in kernels
     assert not spilled(kernels), spilled(kernels)
+
+
+def test_few_groups_of_many_values_can_take_a_warp_each(monkeypatch, tmp_path):
+    """`tail.STRIDED_WARPS` (off until timed on a GPU): a group of many values over few positions
+    (768 channels of a 7x7 map: 49 groups a sample) is a warp's, its lanes every 32nd value."""
+    from specgen import tail
+
+    spec = spec_of(768, [7, 7], {"out_channels": 768, "kernel": 3, "padding": 1, "groups": 768},
+                   [{"layer_norm_channels": {}}, {"add": 0.5}], "fp32", name="lnc_warps")
+    assert not build_plan(spec, target=HOPPER)["parts"][1].plan.warps  # (off by default)
+    monkeypatch.setattr(tail, "STRIDED_WARPS", True)
+    plan = build_plan(spec, target=HOPPER)
+    tp = plan["parts"][1].plan
+    assert tp.warps and tp.lane_items == 24 and tp.kernels[0].grid_x == -(-49 // 8)
+    assert "one warp per group, 24 value(s) a lane" in describe(plan)
+    source = render_plan(plan)
+    assert "constexpr int LANE_ITEMS = 24;" in source and "m2 += __shfl_xor_sync(0xffffffffu, m2, d);" in source
+    # many groups (a large map) keep a thread each
+    big = spec_of(768, [64, 64], {"out_channels": 768, "kernel": 3, "padding": 1, "groups": 768}, [{"layer_norm_channels": {}}])
+    assert not build_plan(big, target=HOPPER)["parts"][1].plan.warps
+    kernels = build_report(spec, tmp_path)
+    assert "specgen_lnc_warps_e0_norm" in kernels and not spilled(kernels), spilled(kernels)

@@ -61,3 +61,20 @@ def test_after_a_depthwise_conv_the_tail_engine_normalizes_strided_groups(channe
     assert plan["parts"][-1].plan.mode == "strided"
     check(layer, 1, seed=1)
     check(layer, 5, seed=2)
+
+
+@pytest.mark.parametrize("channels, size, epilogue", [
+    (768, [7, 7], [{"layer_norm_channels": {"eps": 1e-6}}, {"add": 0.5}]),
+    (500, [5, 3], [{"softmax": 1}, {"mul": {"param": "s"}}]),
+    (100, [6, 6], [{"log_softmax": 1}]),
+])
+def test_few_strided_groups_on_a_warp_each(channels, size, epilogue, monkeypatch):
+    """`tail.STRIDED_WARPS` forced on (off by default until timed): each group a warp's."""
+    from specgen import tail
+
+    monkeypatch.setattr(tail, "STRIDED_WARPS", True)
+    layer = _layer(f"warps_{channels}_{epilogue[0].__class__.__name__}_{len(epilogue)}", channels, size,
+                   {"out_channels": channels, "kernel": 3, "padding": 1, "groups": channels}, epilogue, "fp32")
+    assert layer.specialize().plan["parts"][-1].plan.warps
+    check(layer, 1, seed=1)
+    check(layer, 7, seed=2)
