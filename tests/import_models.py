@@ -808,7 +808,7 @@ class ChannelsLayerNorm3d(nn.Module):
 
 class ConvNeXtBlock(nn.Module):
     """ConvNeXt's block: its LayerNorm over the channels feeds Linear layers in channels-last order,
-    so the channels are not moved back: the depthwise conv runs as PyTorch."""
+    so the channels are not moved back: the fused layer's output is permuted as the model reads it."""
 
     def __init__(self):
         super().__init__()
@@ -1383,7 +1383,8 @@ def _double():
 
 FALLBACKS: list[FallbackCase] = [
     FallbackCase(DividedByTheBatch, IMG, [["relu"]], [("truediv", "computed by the model")]),
-    FallbackCase(ConvNeXtBlock, IMG, [], [("permute", "stays channels-last (no permute back right after it")]),
+    # (the depthwise conv and the LayerNorm fuse, their output permuted channels-last for the Linear)
+    FallbackCase(ConvNeXtBlock, IMG, [["layer_norm_channels"]], [("pw", "not a supported op")]),
     FallbackCase(TwoBranches, IMG, [], [("conv", "is used by 2 nodes"), ("relu", "used more than once")]),
     FallbackCase(IntermediateReturned, IMG, [["relu"]], [("sigmoid", "also returned by the model")]),
     FallbackCase(CumsumAfterConv, IMG, [], [("cumsum", "torch.cumsum is not a supported op"), ("conv", "nothing to fuse")]),

@@ -49,3 +49,20 @@ def test_an_untraceable_models_children_run_their_kernels():
         want64 = model.double()(x.double())
         model.float()
     assert_fp32("ControlFlowOnValues", got, want64, want32)
+
+
+def test_a_convnext_blocks_fused_output_is_read_channels_last():
+    """The depthwise conv and the LayerNorm over the channels run as one fused layer whose output the
+    Linear layers read permuted channels-last (`_Chain.out_perm`)."""
+    torch.manual_seed(0)
+    model = im.ConvNeXtBlock().cuda().eval()
+    x = torch.randn(im.IMG, device="cuda")
+    fused = from_module(model, x, keep_slower=True)
+    layers = [m for m in fused.modules() if isinstance(m, FusedLayer)]
+    assert len(layers) == 1 and layers[0].key
+    with torch.no_grad():
+        got = fused(x)
+        want32 = model(x)
+        want64 = model.double()(x.double())
+        model.float()
+    assert_fp32("ConvNeXtBlock", got, want64, want32)

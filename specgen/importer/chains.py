@@ -81,6 +81,10 @@ class _Chain:
     # the value the fused layer reads: the conv's input, or the input of a nearest upsample taken
     # into the conv (`conv.upsample`)
     source: Optional[Node] = None
+    # the dims order the model reads the fused layer's output in, where a stage's output stays
+    # permuted (ConvNeXt's LayerNorm over the channels, whose output feeds Linear layers
+    # channels-last): the rewrite permutes the fused output so; None: as the spec lays it out
+    out_perm: Optional[tuple] = None
 
     @property
     def input_node(self) -> Node:
@@ -217,16 +221,16 @@ class Analysis(Capture):
             return False
         user = users[0]
         channels_ln = self._channels_layer_norm(chain, user)
-        if isinstance(channels_ln, Reject):
-            chain.stop = channels_ln.reason
-            self._record([user], channels_ln.reason)
-            return False
         if channels_ln is not None:
             try:
                 self._take_channels_layer_norm(chain, user, *channels_ln)
             except Reject as rej:
                 chain.stop = rej.reason
-                self._record([user, channels_ln[0], channels_ln[2]], rej.reason)
+                self._record([n for n in (user, *channels_ln[::2]) if n is not None], rej.reason)
+                return False
+            if channels_ln[2] is None:  # (its output stays channels-last: nothing after it joins)
+                chain.stop = (f"{self.describe(channels_ln[0])}'s output stays channels-last (no permute back after it): "
+                              f"the fused chain ends there, its output permuted as the model reads it")
                 return False
             return True
         desc = self.classify(user)
@@ -258,9 +262,10 @@ class Analysis(Capture):
             return False
         return True
 
-    def _commit(self, chain: _Chain, stages: list, nodes: list, out: Node, check=None) -> None:
+    def _commit(self, chain: _Chain, stages: list, nodes: list, out: Node, check=None, perm: Optional[tuple] = None) -> None:
         """Add `stages` (covering `nodes`, ending at `out`) to the chain; `check(spec)` may refuse
-        the spec they make before anything changes."""
+        the spec they make before anything changes. `perm`: `out` is the chain's value permuted so
+        (`_Chain.out_perm`)."""
         spec = chain.spec
         if stages:
             data = {**chain.data, "epilogue": chain.stages + stages}
@@ -273,12 +278,15 @@ class Analysis(Capture):
             if check is not None:
                 check(spec)
         view = shape_of(out)
+        if view is not None and perm is not None:  # (the value before the permute: out's dim k is its dim perm[k])
+            view = tuple(view[perm.index(j)] for j in range(len(perm)))
         spec_out = spec.output_shape(chain.batch)
         if view is None or not same_layout(view, spec_out):
             raise Reject(f"the spec's output {list(spec_out)} does not match the model's {view}")
         if stages:
             chain.data = data
         chain.spec, chain.out, chain.view = spec, out, view
+        chain.out_perm = perm
         chain.nodes.extend(nodes)
 
     def _take_pool(self, chain: _Chain, node: Node, desc: PoolOp) -> None:
@@ -502,7 +510,8 @@ class Analysis(Capture):
         """(the LayerNorm, its description, the permute back) where `node` moves the chain's channels
         last (x.permute(0, 2, 3, 1), x.movedim(1, -1)), its only user is a LayerNorm over that dim
         alone and the LayerNorm's only user moves them back: ConvNeXt's channels-first LayerNorm,
-        timm's LayerNorm2d. A Reject saying so where no permute back follows the LayerNorm; else None."""
+        timm's LayerNorm2d; the permute back None where the LayerNorm's output stays channels-last
+        (ConvNeXt's block: Linear layers read it); else None."""
         view = tuple(chain.view)
         rank = len(view)
         if rank < 3 or _permutation(node, rank) != (0, *range(2, rank), 1):
@@ -518,26 +527,28 @@ class Analysis(Capture):
         after = value_users(users[0])
         if len(after) != 1 or after[0].op == "output" or after[0].args[0] is not users[0] \
                 or _permutation(after[0], rank) != (0, rank - 1, *range(1, rank - 1)):
-            return Reject(f"{self.describe(node)}: moves the channels last for {self.describe(users[0])}, whose output "
-                          f"stays channels-last (no permute back right after it, as where Linear layers follow in ConvNeXt's "
-                          f"block): the fused chain ends before it")
+            return users[0], desc, None  # (its output stays channels-last: ConvNeXt's block, Linear layers after it)
         return users[0], desc, after[0]
 
-    def _take_channels_layer_norm(self, chain: _Chain, node: Node, norm: Node, desc: NormOp, back: Node) -> None:
-        """The three nodes _channels_layer_norm found as one layer_norm_channels stage."""
+    def _take_channels_layer_norm(self, chain: _Chain, node: Node, norm: Node, desc: NormOp, back: Optional[Node]) -> None:
+        """The nodes _channels_layer_norm found as one layer_norm_channels stage (without a permute
+        back, the chain's output is the LayerNorm's, permuted channels-last: `_Chain.out_perm`)."""
         where = self.describe(norm)
         saved = (dict(chain.names), dict(chain.tensors), dict(chain.inputs))
+        last = back if back is not None else norm
         try:
-            if dtype_of(back) != chain.dtype:
-                raise Reject(f"produces {dtype_of(back)}, the chain is {chain.dtype}")
+            if dtype_of(last) != chain.dtype:
+                raise Reject(f"produces {dtype_of(last)}, the chain is {chain.dtype}")
             if tuple(chain.view) != tuple(chain.spec_out):
                 raise Reject(f"it normalizes the value shaped {list(chain.view)}, which the spec holds as {list(chain.spec_out)}")
             names = [self._norm_operand(chain, value, desc.operands) for value in desc.operands]
             args = ops.NORMS["layer_norm_channels"].args.from_operands(tuple(names), {"eps": desc.attrs.get("eps", 1e-5)})
             if args is None:  # pragma: no cover - the builders give what from_operands takes
                 raise Reject("its tensors do not make a layer_norm_channels stage")
-            self._commit(chain, [{"layer_norm_channels": args}], [node, norm, back], back,
-                         check=lambda spec: self._check_norm(chain, spec))
+            rank = len(chain.view)
+            self._commit(chain, [{"layer_norm_channels": args}], [n for n in (node, norm, back) if n is not None], last,
+                         check=lambda spec: self._check_norm(chain, spec),
+                         perm=None if back is not None else (0, *range(2, rank), 1))
         except Reject as rej:
             chain.names, chain.tensors, chain.inputs = saved
             raise Reject(f"{where}: {rej.reason}") from None

@@ -235,6 +235,8 @@ def fused_graph(imp: Analysis) -> fx.GraphModule:
             final = fused
             if tuple(chain.view) != tuple(chain.spec_out):
                 final = graph.call_method("reshape", (fused, -1, *chain.view[1:]))
+            if chain.out_perm is not None:  # (the model reads it permuted: ConvNeXt's LayerNorm over the channels)
+                final = graph.call_method("permute", (final, *chain.out_perm))
         chain.out.replace_all_uses_with(final)
         replaced[chain.out] = final
         covered = set(chain.nodes)
