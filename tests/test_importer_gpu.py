@@ -28,12 +28,17 @@ def test_from_module_on_cuda_matches_the_original(case):
     fused = from_module(model, x, keep_slower=True)  # every chain as its kernel: this checks the kernels
     layers = [m for m in fused.modules() if isinstance(m, FusedLayer)]
     assert layers and all(layer.key for layer in layers), "the fused parts were not specialized"
+    _matches(case.id, fused, model, x)
+
+
+def _matches(name: str, fused, model, x) -> None:
+    """The fused model's output against the original's in fp32 and float64 (the fp32 bar)."""
     with torch.no_grad():
         got = fused(x)
         want32 = model(x)
         want64 = model.double()(x.double())
         model.float()
-    assert_fp32(case.id, got, want64, want32)
+    assert_fp32(name, got, want64, want32)
 
 
 def test_an_untraceable_models_children_run_their_kernels():
@@ -43,12 +48,7 @@ def test_an_untraceable_models_children_run_their_kernels():
     fused = from_module(model, x, keep_slower=True)
     layers = [m for m in fused.modules() if isinstance(m, FusedLayer)]
     assert len(layers) == 3 and all(layer.key for layer in layers)
-    with torch.no_grad():
-        got = fused(x)
-        want32 = model(x)
-        want64 = model.double()(x.double())
-        model.float()
-    assert_fp32("ControlFlowOnValues", got, want64, want32)
+    _matches("ControlFlowOnValues", fused, model, x)
 
 
 def test_a_convnext_blocks_fused_output_is_read_channels_last():
@@ -60,9 +60,4 @@ def test_a_convnext_blocks_fused_output_is_read_channels_last():
     fused = from_module(model, x, keep_slower=True)
     layers = [m for m in fused.modules() if isinstance(m, FusedLayer)]
     assert len(layers) == 1 and layers[0].key
-    with torch.no_grad():
-        got = fused(x)
-        want32 = model(x)
-        want64 = model.double()(x.double())
-        model.float()
-    assert_fp32("ConvNeXtBlock", got, want64, want32)
+    _matches("ConvNeXtBlock", fused, model, x)
