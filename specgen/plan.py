@@ -172,6 +172,18 @@ def _pointwise_code(spec: LayerSpec, index: int, constants: list[Constant], chan
     }
 
 
+def norm_constants(spec: LayerSpec, index: int, consts: list) -> str:
+    """Appends statistic stage `index`'s float constants to `consts` (S<index>_<NAME>); returns the
+    name of its eps ("0.0f" for a stage without one, whose formulas do not read it)."""
+    stage = spec.epilogue[index]
+    eps = "0.0f"
+    for name, value in ops.NORMS[stage.op].constants(stage.args).items():
+        cname = f"S{index}_{name.upper()}"
+        consts.append(Constant(cname, c_float(value), f"epilogue[{index}] {stage.op} {name} = {value!r}", "float"))
+        eps = cname if name == "eps" else eps
+    return eps
+
+
 def _channel_norm_code(spec: LayerSpec, index: int, consts: list) -> dict:
     """A softmax, log-softmax or LayerNorm over the channels, as the TMA epilogue takes it: the row's
     statistics (max mx and sum of exp(x - mx); or mean mx and the squared deviations from it), then
@@ -183,17 +195,14 @@ def _channel_norm_code(spec: LayerSpec, index: int, consts: list) -> dict:
     stage = spec.epilogue[index]
     row = ops.NORMS[stage.op]
     moments = row.statistic == "moments"
-    eps = None
-    for name, value in row.constants(stage.args).items():
-        consts.append(Constant(f"S{index}_{name.upper()}", c_float(value), f"epilogue[{index}] {stage.op} {name} = {value!r}",
-                               "float"))
-        eps = f"S{index}_{name.upper()}" if name == "eps" else eps
+    eps = norm_constants(spec, index, consts)
     return {
         "index": index,
         "op": stage.op,
+        "axis": "channels",
         "moments": moments,
         "comment": f"epilogue[{index}] {stage.op} over the channels",
-        "prepare": row.prepare % {"a": "mx", "b": "sum * (1.0f / C_OUT)" if moments else "sum", "eps": eps or "0.0f"},
+        "prepare": row.prepare % {"a": "mx", "b": "sum * (1.0f / C_OUT)" if moments else "sum", "eps": eps},
         "prepare_comment": row.prepare_comment,
         "normalize": row.normalize % {"x": "v", "a": "mx", "b": "nb"},
         "affine": _affine_code(row, stage.args, "cj") if row.params(stage.args) else "",
@@ -211,12 +220,8 @@ def _row_norm_code(spec: LayerSpec, index: int, consts: list) -> dict:
 
     stage = spec.epilogue[index]
     row = ops.NORMS[stage.op]
-    eps = None
-    for name, value in row.constants(stage.args).items():
-        consts.append(Constant(f"S{index}_{name.upper()}", c_float(value), f"epilogue[{index}] {stage.op} {name} = {value!r}",
-                               "float"))
-        eps = f"S{index}_{name.upper()}" if name == "eps" else eps
-    fmt = {"a": "sa", "b": "sb", "eps": eps or "0.0f"}
+    eps = norm_constants(spec, index, consts)
+    fmt = {"a": "sa", "b": "sb", "eps": eps}
     return {
         "index": index,
         "op": stage.op,
@@ -1648,7 +1653,7 @@ def _choose_engine(spec: LayerSpec, levels: list, reductions: list, fold, o3: tu
     engine = "tma" if tp is not None else "igemm" if ig is not None else ("slab" if mma is not None else "ffma")
     if channel_norm is not None and engine != "tma":
         norm_at = channel_norm["index"]
-        what = "a statistic stage over positions" if channel_norm.get("axis") == "rows" else "a softmax over the channels"
+        what = "a statistic stage over positions" if channel_norm["axis"] == "rows" else f"a {channel_norm['op']} over the channels"
         raise NotOneKernel([f"epilogue[{norm_at}] {spec.epilogue[norm_at].op}: {what} runs in the TMA "
                             f"engine's epilogue only, and this layer plans for the {engine} engine"])
     inputs = list(spec.inputs())

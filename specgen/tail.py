@@ -46,7 +46,6 @@ from dataclasses import dataclass, field, replace
 
 from specgen import __version__, ops
 from specgen.kernelplan import KernelPlan, KernelStep, LayerStep, SequencePart, SequencePlan, TemplateValues
-from specgen.literals import c_float
 from specgen.spec import LayerSpec
 
 THREADS = 256  # threads per block of the split kernels and the strided kernel
@@ -268,7 +267,7 @@ def _affine_code(row: ops.Norm, args, index: str) -> str:
 
 def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> TailPlan:
     """The plan of one statistic stage's tail kernels (tail.cu.j2 sees only this)."""
-    from specgen.plan import Constant, _pointwise_code, input_entries
+    from specgen.plan import Constant, _pointwise_code, input_entries, norm_constants
 
     i = segment.index
     stage = spec.epilogue[i]
@@ -279,9 +278,7 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> TailPlan
     sizes = list(shape.sizes)
     per_sample = math.prod(sizes)
     consts: list[Constant] = []
-    eps_name = f"S{i}_EPS"
-    for name, value in row.constants(args).items():
-        consts.append(Constant(f"S{i}_{name.upper()}", c_float(value), f"epilogue[{i}] {stage.op} {name} = {value!r}", "float"))
+    eps_name = norm_constants(spec, i, consts)
     pointwise = [_pointwise_code(spec, j, consts, "c_el", sample="n") for j in segment.apply]
     has_channels = bool(shape.axes) and shape.axes[0].role == "c"
     c_stride = math.prod(sizes[1:]) if has_channels else 1

@@ -655,10 +655,10 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
         # narrow enough that the statistics fit their registers. KernelBench 34 (LayerNorm over W)
         # at batch 16 on an H100: 128 x 32 of two blocks 0.885 ms, 128 x 64 of one 1.376, 128 x 32
         # of one 1.149 (`specgen tune`, NOTES v51).
+        kps = _kb_options(kb_total, row)[0]
         for bn in sorted({min(n_pad, 64), min(n_pad, 32)}, reverse=True):
             if 128 % rows or not two_blocks_fit(128, bn, split, pairs, rows):
                 continue
-            kps = _kb_options(kb_total, row)[0]
             stage = _smem(TmaConfig(128, bn, 2, kps), row, 1)[2]
             stages = _two_block_stages(target, stage, row_norm_smem(128, bn))  # (as deep as two blocks fit, as tuned)
             if stages >= 2:
@@ -710,7 +710,7 @@ def configs(spec: LayerSpec, target: targets.Target, batch: int = 64) -> list[Tm
 
 def _norm_rows(spec: LayerSpec, pairs: bool) -> int:
     """The rows of a `row_norm` group in a tile (0: the layer has none the epilogue takes)."""
-    return (row_norm_rows(spec, pairs) or 0) if row_norm(spec) is not None else 0
+    return row_norm_rows(spec, pairs) or 0
 
 
 def row_norm_smem(bm: int, bn: int) -> int:
@@ -775,12 +775,13 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     if acc > MAX_ACC:
         raise ValueError(f"{acc} accumulator registers per thread: more than {MAX_ACC}")
     two = cfg.blocks_per_sm == 2
-    if _norm_rows(spec, pairs):  # a statistic stage over positions: its sums after the stages (`row_norm_smem`)
+    rows_at, norm_rows = row_norm(spec), _norm_rows(spec, pairs)
+    if norm_rows:  # a statistic stage over positions: its sums after the stages (`row_norm_smem`)
         smem += row_norm_smem(cfg.bm, cfg.bn)
         if smem > target.smem_per_block:
             raise ValueError(f"{smem} bytes of shared memory (the pipeline's and the statistics') exceed the "
                              f"{target.smem_per_block} of a block on {target.arch}")
-    if two and not two_blocks_fit(cfg.bm, cfg.bn, split, pairs, _norm_rows(spec, pairs)):
+    if two and not two_blocks_fit(cfg.bm, cfg.bn, split, pairs, norm_rows):
         raise ValueError(f"a {cfg.bm} x {cfg.bn} tile ({acc} accumulators a thread) does not fit the registers of two "
                          f"blocks per SM (at most {REGS_TWO_BLOCKS['max_acc']} in wgmma of n{REGS_TWO_BLOCKS['max_bn']})")
     if two and 2 * (smem + BLOCK_RESERVED_SMEM) > target.smem_per_sm:
@@ -798,8 +799,6 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         raise ValueError("a transposed conv's stride phases have no split kernel")
     norm_at, reduces = channel_norm(spec), channel_reduction(spec)
     whole_n = reduces or norm_at is not None
-    rows_at = row_norm(spec)
-    norm_rows = row_norm_rows(spec, pairs) if rows_at is not None else 0
     if rows_at is not None:
         if not norm_rows:
             raise ValueError(f"epilogue[{rows_at}] {spec.epilogue[rows_at].op}: its group of {row_norm_group(spec)} positions "
