@@ -179,6 +179,14 @@ def compare(layer, batch: int, seed: int, channels_last: bool = False) -> dict:
     return check_output(layer, x, extras, out, f"{spec.name} at batch {batch}")
 
 
+def compare_formats(layer) -> None:
+    """`compare` at batch 1 and 3 in the given memory format and at batch 2 channels-last, each on
+    fresh inputs and parameters."""
+    compare(layer, 1, seed=1)
+    compare(layer, 3, seed=2)
+    compare(layer, 2, seed=3, channels_last=True)
+
+
 def check_output(layer, x: torch.Tensor, extras: dict, out: torch.Tensor, what: str) -> dict:
     """`out`, the layer's output on `x` (and `extras`, its extra inputs by name), against the
     reference at its precision's bar (see `compare`)."""
@@ -226,6 +234,21 @@ def assert_repeatable_and_replayed(layer, x: torch.Tensor, gen: torch.Generator)
         want = layer(x)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert not torch.equal(got, first)
+
+
+def precision_params(cases: dict) -> list:
+    """pytest params (name, precision) of `cases`, whose last field lists each case's precisions."""
+    import pytest
+
+    return [pytest.param(name, p, id=f"{name}-{p}") for name, case in sorted(cases.items()) for p in case[-1]]
+
+
+def skip_unless_engine_runs(engine) -> None:
+    """Skip the test where the GPU cannot run `engine` (the TMA engine needs an sm_90 GPU)."""
+    import pytest
+
+    if engine == "tma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the TMA engine needs an sm_90 GPU")
 
 
 def pinned_layer(name: str, cin: int, size, conv: dict, epilogue: list, engine, precision: str):

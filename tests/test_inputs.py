@@ -182,24 +182,26 @@ def test_gradients_reach_the_inputs_and_compile_sees_no_graph_break():
         torch.testing.assert_close(compiled(x, s), layer(x, s))
 
 
-@pytest.mark.parametrize("name", sorted(ENGINE_CASES))
-def test_the_engines_that_read_inputs_plan_them(name):
-    kw, epilogue, engine = ENGINE_CASES[name]
+def _planned(cases: dict, name: str):
+    """(the spec of case `name`, its plan, its rendered source), the plan checked to take the case's engine."""
+    kw, epilogue, engine = cases[name]
     spec = spec_of(name, epilogue, **kw)
     plan = build_plan(spec)
     assert plan["engine"] == engine
-    source = render_plan(plan)
+    return spec, plan, render_plan(plan)
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_CASES))
+def test_the_engines_that_read_inputs_plan_them(name):
+    spec, _, source = _planned(ENGINE_CASES, name)
     for n in spec.inputs():
         assert f"i_{n}" in source and f"input_value(i_{n}, e_out)" in source
 
 
 @pytest.mark.parametrize("name", sorted(CHANNEL_CASES))
 def test_an_input_per_sample_and_channel_is_read_at_its_sample_and_channel(name):
-    kw, epilogue, engine = CHANNEL_CASES[name]
-    spec = spec_of(name, epilogue, **kw)
-    plan = build_plan(spec)
-    assert plan["engine"] == engine
-    source = render_plan(plan)
+    spec, plan, source = _planned(CHANNEL_CASES, name)
+    engine = plan["engine"]
     per_sample = spec.output_shape(1)[1:]
     in_tail = engine == "sequence" and spec.epilogue[0].kind == "norm"  # (else the body kernel reads it)
     channel, sample = ("c_el", "n") if in_tail else ("cj", "sample")

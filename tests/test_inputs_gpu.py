@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 
 from specgen import FusedLayer, from_module, reference  # noqa: E402
 
-from gpu_helpers import assert_model_bar, pinned_layer  # noqa: E402
-from gpu_helpers import compare as check  # noqa: E402
+from gpu_helpers import assert_model_bar, pinned_layer, precision_params, skip_unless_engine_runs  # noqa: E402
+from gpu_helpers import compare_formats  # noqa: E402
 from gpu_helpers import rel_l2, tf32_allowed  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
@@ -70,17 +70,14 @@ def _layer(name: str, precision: str) -> FusedLayer:
     return pinned_layer(f"in_{name}_{precision}", cin, size, conv, epilogue, engine, precision)
 
 
-PARAMS = [pytest.param(name, p, id=f"{name}-{p}") for name, case in sorted(CASES.items()) for p in case[5]]
+PARAMS = precision_params(CASES)
 
 
 @pytest.mark.parametrize("name, precision", PARAMS)
 def test_extra_inputs_match_float64(name, precision):
-    if CASES[name][4] == "tma" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the TMA engine needs an sm_90 GPU")
+    skip_unless_engine_runs(CASES[name][4])
     layer = _layer(name, precision)
-    check(layer, 1, seed=1)
-    check(layer, 3, seed=2)
-    check(layer, 2, seed=3, channels_last=True)
+    compare_formats(layer)
 
 
 def test_the_split_k_case_plans_a_split():

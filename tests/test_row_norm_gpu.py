@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from specgen.module import FusedLayer  # noqa: E402
 from specgen.spec import validate  # noqa: E402
 
-from gpu_helpers import compare as check  # noqa: E402
+from gpu_helpers import compare as check, compare_formats  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
 
@@ -59,9 +59,7 @@ def layer_of(name: str, precision: str) -> FusedLayer:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_row_norm_cases(name, precision):
     layer = layer_of(name, precision)
-    check(layer, 1, seed=1)
-    check(layer, 3, seed=2)
-    check(layer, 2, seed=3, channels_last=True)
+    compare_formats(layer)
 
 
 @pytest.mark.parametrize("precision", ["tf32", "fp32"])

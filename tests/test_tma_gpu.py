@@ -19,7 +19,7 @@ from hypothesis import strategies as st  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 from specgen.spec import SpecError, validate  # noqa: E402
 
-from gpu_helpers import compare as check  # noqa: E402
+from gpu_helpers import compare as check, compare_formats  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
 
@@ -83,9 +83,7 @@ def _data(name: str, precision: str) -> dict:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_tma_cases(name, precision):
     layer = layer_of(_data(name, precision))
-    check(layer, 1, seed=1)
-    check(layer, 3, seed=2)
-    check(layer, 2, seed=3, channels_last=True)
+    compare_formats(layer)
 
 
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
@@ -121,9 +119,7 @@ def test_a_pool_after_a_softmax_over_the_channels_reads_its_output(precision):
     layer = FusedLayer(validate(data)).cuda()
     plan = layer.specialize().plan
     assert [p["role"] for p in plan["parts"]] == ["body", "rest"] and plan["parts"][0]["plan"]["tma"].channel_norm
-    check(layer, 1, seed=1)
-    check(layer, 3, seed=2)
-    check(layer, 2, seed=3, channels_last=True)
+    compare_formats(layer)
 
 
 @pytest.mark.parametrize("precision", ["tf32", "fp32"])
@@ -212,9 +208,7 @@ def test_a_pool_after_a_deep_conv_runs_split(precision):
     layer = FusedLayer(validate(data)).cuda()
     plan = layer.specialize().plan
     assert plan["engine"] == "sequence" and plan["parts"][0]["plan"]["engine"] == ("tma" if precision == "bf16" else "slab")
-    check(layer, 1, seed=1)
-    check(layer, 3, seed=2)
-    check(layer, 2, seed=3, channels_last=True)
+    compare_formats(layer)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
@@ -307,9 +301,7 @@ def test_tma_stride_phases(name, precision):
     layer = layer_of({"name": f"tma_t_{name}_{precision}", "input": {"channels": cin, "size": size},
                       "conv": {**conv, "transposed": True}, "epilogue": epilogue, "precision": precision})
     assert layer.specialize().plan["tma"].phases
-    check(layer, 1, seed=1)
-    check(layer, 3, seed=2)
-    check(layer, 2, seed=3, channels_last=True)
+    compare_formats(layer)
 
 
 def test_tma_stride_phases_with_an_extra_input():
