@@ -32,7 +32,7 @@ import models  # noqa: E402
 
 from specgen import bench  # noqa: E402
 
-MODELS = ["ResNet18", "ResNet50Stage", "MobileNetV2", "VGG11", "UNet", "Conv3dStack"]
+MODELS = [cls.__name__ for cls in models.MODELS]
 
 
 def geomean(values: list) -> float:

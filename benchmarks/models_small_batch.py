@@ -28,7 +28,7 @@ from host import kernels  # noqa: E402  (GPU time per call: the kernels' duratio
 
 from specgen.importer import from_module  # noqa: E402
 
-MODELS = ["ResNet18", "ResNet50Stage", "MobileNetV2", "VGG11", "UNet", "Conv3dStack"]
+MODELS = [cls.__name__ for cls in models.MODELS]
 
 
 def wall_us(fn, calls: int = 20, loops: int = 10) -> float:

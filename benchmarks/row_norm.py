@@ -11,6 +11,10 @@ convolutions in tf32 mode, PyTorch's default).
 
     python benchmarks/row_norm.py [--batch 16] [--only TEXT]
 
+'before' is v51's plan in both respects: `tma.ROW_NORM` off and `tail.STRIDED_TEAMS` off (v52: a
+strided group of many values, or a sample of few groups, a team's; before, a thread per group), so
+the `layer_norm_channels` rows after a depthwise conv time the strided teams.
+
 ms per call, CUDA events, median of 15, two inputs in turn. Needs a CUDA GPU.
 """
 
@@ -25,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specgen import bench, pipeline, reference, tma  # noqa: E402
+from specgen import bench, pipeline, reference, tail, tma  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 from specgen.plan import PlanError  # noqa: E402
 from specgen.spec import validate  # noqa: E402
@@ -59,14 +63,14 @@ LAYERS = {
 
 
 def _build(name: str, cin, size, conv, epilogue, precision: str, row_norm: bool, engine: str | None):
-    tma.ROW_NORM = row_norm
+    tma.ROW_NORM = tail.STRIDED_TEAMS = row_norm
     pipeline._memo.clear()
     data = {"name": name, "input": {"channels": cin, "size": size}, "conv": conv, "epilogue": epilogue, "precision": precision}
     if engine:
         data["tile"] = {"engine": engine}
     layer = FusedLayer(validate(data)).cuda().eval()
     plan = layer.specialize().plan
-    tma.ROW_NORM = True
+    tma.ROW_NORM = tail.STRIDED_TEAMS = True
     parts = plan.get("parts")
     if parts:
         what = "+".join(p.plan.get("engine", p.role) if hasattr(p.plan, "get") else p.role for p in parts)

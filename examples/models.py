@@ -15,6 +15,7 @@ or from the command line, `specgen bench --model examples/models.py:ResNet18 --i
 | `VGG11` | VGG-11 convolution stack (3x3 conv + ReLU, max pools), global pool, classifier | 3 x 224 x 224 |
 | `UNet` | a small 2D U-Net: 3 levels of double 3x3 conv + BN + ReLU, upsampling, skip concatenation | 3 x 128 x 128 |
 | `Conv3dStack` | 3D conv + BN + ReLU blocks with two stride-2 steps, global pool, classifier | 3 x 16 x 64 x 64 |
+| `ConvNeXtT` | ConvNeXt-T: 4x4 patch stem, 18 blocks (7x7 depthwise conv, LayerNorm over the channels, MLP, layer scale), LayerNorm + 2x2 downsampling | 3 x 224 x 224 |
 
 Every model also runs at `SMALL_SHAPE` (quick CPU checks). `make()` draws batch-norm statistics and
 affine parameters at random, so no batch norm is an identity.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 class _Example(nn.Module):
@@ -255,4 +257,56 @@ class Conv3dStack(_Example):
         return self.fc(torch.flatten(self.pool(self.features(x)), 1))
 
 
-MODELS = (ResNet18, ResNet50Stage, MobileNetV2, VGG11, UNet, Conv3dStack)
+# -- ConvNeXt --------------------------------------------------------------------------------------
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """A LayerNorm over the channels of an NCHW tensor, written as timm writes it: the channels
+    moved last, F.layer_norm, moved back."""
+
+    def forward(self, x):
+        x = F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+class ConvNeXtBlock(nn.Module):
+    """7x7 depthwise conv, LayerNorm over the channels (channels last), Linear C -> 4C, GELU,
+    Linear 4C -> C, layer scale, residual."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dwconv = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.act = nn.GELU()
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(0.5 + 0.5 * torch.rand(dim))  # (ConvNeXt starts it at 1e-6: a trained model's is not)
+
+    def forward(self, x):
+        y = self.norm(self.dwconv(x).permute(0, 2, 3, 1))
+        y = self.pwconv2(self.act(self.pwconv1(y)))
+        return x + (self.gamma * y).permute(0, 3, 1, 2)
+
+
+class ConvNeXtT(_Example):
+    INPUT_SHAPE = (3, 224, 224)
+    SMALL_SHAPE = (3, 32, 32)
+
+    def __init__(self, depths=(3, 3, 9, 3), dims=(96, 192, 384, 768), num_classes: int = 1000):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, dims[0], 4, stride=4), LayerNorm2d(dims[0], eps=1e-6))
+        stages: list[nn.Module] = []
+        for i, (depth, dim) in enumerate(zip(depths, dims)):
+            if i:
+                stages += [LayerNorm2d(dims[i - 1], eps=1e-6), nn.Conv2d(dims[i - 1], dim, 2, stride=2)]
+            stages += [ConvNeXtBlock(dim) for _ in range(depth)]
+        self.stages = nn.Sequential(*stages)
+        self.norm = nn.LayerNorm(dims[-1], eps=1e-6)
+        self.head = nn.Linear(dims[-1], num_classes)
+
+    def forward(self, x):
+        x = self.stages(self.stem(x))
+        return self.head(self.norm(x.mean([-2, -1])))
+
+
+MODELS = (ResNet18, ResNet50Stage, MobileNetV2, VGG11, UNet, Conv3dStack, ConvNeXtT)

@@ -4,8 +4,10 @@ The kernel cache keys a build by its rendered source, so finding it means planni
 first. The request index keys what `pipeline.specialize` asked for instead: `request_key` is a
 sha256 over the canonical spec, the arch asked for and the resolved target's fields, the planner
 settings, a tuned tile (if any), the compiler identity, flags and default arch the cache uses, the
-versions of specgen, Jinja2 and Pydantic, and `code_digest()`, a digest of specgen's own modules
-and templates (everything that shapes a plan or a source). Its entry, `<cache>/requests/<k[:2]>/<k>`
+versions of specgen, Jinja2 and Pydantic, `code_digest()`, a digest of specgen's own modules
+and templates (everything that shapes a plan or a source), and `planner_switches()`, the values the
+planner's module-level constants hold now (a benchmark or test that turns one of them, e.g.
+`tail.STRIDED_TEAMS`, gets the plan it asked for, not the one stored before). Its entry, `<cache>/requests/<k[:2]>/<k>`
 (see `cache.write_index`), holds the plan the runtime reads, the `LaunchSpec` derived from it, and
 the key and checksums of the cached build; a hit loads those and checks the build entry as any
 cache hit does. Anything else (no entry, a corrupt one, one of another key or code digest, a build
@@ -58,6 +60,26 @@ def code_digest() -> str:
     return digest.hexdigest()
 
 
+# The modules whose upper-case constants choose a plan or shape a source.
+_PLANNER_MODULES = ("boxfold", "igemm", "literals", "ops", "pipeline", "plan", "poolfold", "render", "spec", "splitk",
+                    "tail", "tapsum", "target", "tma", "upsample")
+
+
+def planner_switches() -> dict:
+    """Every upper-case module constant of the planner's modules that is a plain value (a switch
+    such as `tma.ROW_NORM`, a limit such as `tail.STRIDED_TEAM_ITEMS`), as it is now: they are
+    read when planning, so a request made with one turned is a different request."""
+    import importlib
+
+    out = {}
+    for name in _PLANNER_MODULES:
+        module = importlib.import_module(f"specgen.{name}")
+        for key, value in vars(module).items():
+            if key.isupper() and not key.startswith("_") and isinstance(value, (bool, int, float, str, tuple, frozenset)):
+                out[f"{name}.{key}"] = sorted(map(repr, value)) if isinstance(value, frozenset) else repr(value)
+    return out
+
+
 def _describe(value: object) -> object:
     """A planner input as JSON values: a dataclass by its type and fields, other values as they are."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -93,6 +115,7 @@ def request_key(canonical_spec: str, arch: str | None, target, settings, tile_co
         "specgen_version": specgen.__version__,
         "template_hash": paths.template_hash(),
         "code_digest": code_digest(),
+        "switches": planner_switches(),
         "libraries": _library_versions(),
         "python": list(sys.version_info[:2]),
     }
@@ -275,6 +298,7 @@ def entry_record(request_key_: str, name: str, plan: dict, build) -> dict | None
         "schema": INDEX_SCHEMA,
         "request_key": request_key_,
         "code_digest": code_digest(),
+        "switches": planner_switches(),
         "name": name,
         "build_key": build.key,
         "arch": build.arch,

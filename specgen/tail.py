@@ -53,15 +53,19 @@ FLOATS_PER_THREAD = 32  # the values of a group (or chunk) a thread holds in reg
 ONE_PASS_MAX = 16 * FLOATS_PER_THREAD * 32  # 16384: the largest group a team of 512 threads holds at once
 CHUNK = THREADS * FLOATS_PER_THREAD  # 8192: the floats a split kernel's block takes of a group
 STRIDED_REGISTERS = 64  # a strided softmax keeps its group in registers up to this many values per thread
-# A strided group of many values over few positions (a LayerNorm over 768 channels of a 7x7 map:
-# 49 groups a sample) left one thread per group reading hundreds of values twice (0.33x eager on an
-# H100, NOTES v51). With STRIDED_WARPS a warp takes such a group instead (its lanes the values
-# lane, lane + 32, ..., in registers; the statistics butterflies across the warp): where a sample
-# has fewer than STRIDED_WARP_MAX_GROUPS groups of more than STRIDED_REGISTERS values, at most
-# STRIDED_WARP_MAX_ELEMS. Written and built, not yet run on a GPU: off until measured.
-STRIDED_WARPS = False
-STRIDED_WARP_MAX_GROUPS = 4096
-STRIDED_WARP_MAX_ELEMS = 1024
+# A strided group of more than STRIDED_REGISTERS values (a LayerNorm over 96-768 channels), or of
+# any length where a sample has few groups (a small map), is a team's: a block holds TEAM_POS
+# neighbouring groups (positions) x THREADS / TEAM_POS slices of their values, each thread the
+# values slice, slice + SLICES, ... of its group in registers (at most STRIDED_TEAM_ITEMS); the
+# statistics join through shared memory in slice order (deterministic). One thread per group read
+# hundreds of values twice, and a 7x7 map gave a sample 49 threads: 0.2-0.3 ms for a 0.01-0.1 ms
+# layer on an H100 (NOTES v52). TEAM_POS is the widest of 32, 16, 8 positions that leaves a sample
+# STRIDED_TEAM_BLOCKS blocks (8 at least: a 32-byte sector), narrower only where a group's values
+# would not fit the registers.
+STRIDED_TEAMS = True
+STRIDED_TEAM_ITEMS = 32
+STRIDED_TEAM_BLOCKS = 16
+STRIDED_TEAM_FEW_SLOTS = THREADS  # a sample with fewer thread-per-group slots than this (a block's) takes teams
 RE_READ_UNROLL = 4  # how far the re-reading strided loops are unrolled
 
 
@@ -172,10 +176,20 @@ class StridedTail(TailPlan):
     registers: bool
     groups_t: int
     re_read_unroll: int
-    warps: bool = False  # a warp per group (STRIDED_WARPS), its lanes lane_items values each
-    lane_items: int = 0
+    team_pos: int = 0  # a team's block: team_pos groups x THREADS / team_pos slices (0: a thread per group)
+    lane_items: int = 0  # a team thread's values of its group, in registers
     family: str = field(default="strided", init=False)
     mode: str = field(default="strided", init=False)
+
+
+def _team_positions(groups: int, elems: int) -> int:
+    """Groups per block of a strided team kernel (see STRIDED_TEAMS), or 0 where no width holds a
+    group's values in its threads' registers (the thread-per-group kernel reads them twice)."""
+    widths = [p for p in (32, 16, 8, 4, 2, 1) if -(-elems // (THREADS // p)) <= STRIDED_TEAM_ITEMS]
+    if not widths:
+        return 0
+    wide = [p for p in widths if p >= 8 and -(-groups // p) >= STRIDED_TEAM_BLOCKS]
+    return wide[0] if wide else min(widths[0], 8)
 
 
 def is_sequence(spec: LayerSpec) -> bool:
@@ -325,14 +339,15 @@ def tail_plan(spec: LayerSpec, segment: Segment, kernel_prefix: str) -> TailPlan
         fitting = [v for v in (4, 2, 1) if inner % v == 0 and elems * v <= STRIDED_REGISTERS]
         registers = bool(fitting)
         vec = fitting[0] if fitting else _vec(inner)
-        if STRIDED_WARPS and elems > STRIDED_REGISTERS and outer * inner < STRIDED_WARP_MAX_GROUPS \
-                and elems <= STRIDED_WARP_MAX_ELEMS:
+        team_pos = _team_positions(outer * inner, elems) if STRIDED_TEAMS and (
+            not registers or outer * inner // vec < STRIDED_TEAM_FEW_SLOTS) else 0
+        if team_pos:
             kernel = TailKernel(name=f"{kernel_prefix}_{'softmax' if row.statistic == 'lse' else 'norm'}", role="strided",
-                                threads=THREADS, grid_x=-(-outer * inner // (THREADS // 32)), once=False,
+                                threads=THREADS, grid_x=-(-outer * inner // team_pos), once=False,
                                 args=["in", *tensors, "out"], bytes_per_sample=8 * per_sample)
             return StridedTail(**base, outer=outer, elems=elems, inner=inner, vec=1, registers=True,
-                               groups_t=outer * inner * 32, threads=THREADS, re_read_unroll=RE_READ_UNROLL,
-                               warps=True, lane_items=-(-elems // 32), kernels=(kernel,))
+                               groups_t=outer * inner, threads=THREADS, re_read_unroll=RE_READ_UNROLL,
+                               team_pos=team_pos, lane_items=-(-elems // (THREADS // team_pos)), kernels=(kernel,))
         threads_per_sample = outer * inner // vec
         kernel = TailKernel(name=f"{kernel_prefix}_{'softmax' if row.statistic == 'lse' else 'norm'}", role="strided", threads=THREADS,
                             grid_x=-(-threads_per_sample // THREADS), once=False, args=["in", *tensors, "out"],
@@ -815,8 +830,9 @@ def _role_text(tp: TailPlan, role: str) -> str:
         return f"{what}: joins each group's partials ({per}) in a fixed tree"
     if role == "apply":
         return f"{what}: normalizes chunk by chunk{' and applies ' + ', '.join(st['op'] for st in tp.pointwise) if tp.pointwise else ''}"
-    if getattr(tp, "warps", False):
-        return f"{what}: one warp per group, {tp.lane_items} value(s) a lane in registers"
+    if getattr(tp, "team_pos", 0):
+        return (f"{what}: a block per {tp.team_pos} group(s), {THREADS // tp.team_pos} threads a group, "
+                f"{tp.lane_items} value(s) a thread in registers")
     return f"{what}: one thread per {tp.vec} group(s), {'in registers' if tp.registers else 'read twice'}"
 
 

@@ -75,7 +75,7 @@ def test_a_depthwise_conv_runs_it_on_the_tail_engine_over_strided_groups():
     assert tail.mode == "strided" and tail.statistic == "moments" and tail.elems == 32 and tail.registers
     assert tail.kernels[0].name.endswith("_norm")
     wide = spec_of(768, [7, 7], {"out_channels": 768, "kernel": 7, "padding": 3, "groups": 768}, [{"layer_norm_channels": {}}])
-    assert not build_plan(wide, target=HOPPER)["parts"][1].plan.registers  # (read twice: Welford, then normalize)
+    assert build_plan(wide, target=HOPPER)["parts"][1].plan.team_pos  # (a team per group: see below)
 
 
 @pytest.mark.nvcc
@@ -92,23 +92,32 @@ def test_channel_layer_norm_kernels_build_without_spills(name, cin, size, conv, 
     assert not spilled(kernels), spilled(kernels)
 
 
-def test_few_groups_of_many_values_can_take_a_warp_each(monkeypatch, tmp_path):
-    """`tail.STRIDED_WARPS` (off until timed on a GPU): a group of many values over few positions
-    (768 channels of a 7x7 map: 49 groups a sample) is a warp's, its lanes every 32nd value."""
+def test_strided_groups_of_many_values_or_few_positions_take_a_team(monkeypatch, tmp_path):
+    """`tail.STRIDED_TEAMS`: a group of more than STRIDED_REGISTERS values (768 channels), or of any
+    length on a small map, is a team's: a block of TEAM_POS groups x THREADS / TEAM_POS slices, each
+    thread its slice's values in registers, the statistics joined in slice order."""
     from specgen import tail
 
     spec = spec_of(768, [7, 7], {"out_channels": 768, "kernel": 3, "padding": 1, "groups": 768},
-                   [{"layer_norm_channels": {}}, {"add": 0.5}], "fp32", name="lnc_warps")
-    assert not build_plan(spec, target=HOPPER)["parts"][1].plan.warps  # (off by default)
-    monkeypatch.setattr(tail, "STRIDED_WARPS", True)
+                   [{"layer_norm_channels": {}}, {"add": 0.5}], "fp32", name="lnc_team")
     plan = build_plan(spec, target=HOPPER)
     tp = plan["parts"][1].plan
-    assert tp.warps and tp.lane_items == 24 and tp.kernels[0].grid_x == -(-49 // 8)
-    assert "one warp per group, 24 value(s) a lane" in describe(plan)
+    # 49 groups a sample: 8 a block (a sector of neighbouring positions), 32 threads each, 24 values a thread
+    assert (tp.team_pos, tp.lane_items, tp.kernels[0].grid_x) == (8, 24, 7)
+    assert "a block per 8 group(s), 32 threads a group, 24 value(s) a thread" in describe(plan)
     source = render_plan(plan)
-    assert "constexpr int LANE_ITEMS = 24;" in source and "m2 += __shfl_xor_sync(0xffffffffu, m2, d);" in source
-    # many groups (a large map) keep a thread each
-    big = spec_of(768, [64, 64], {"out_channels": 768, "kernel": 3, "padding": 1, "groups": 768}, [{"layer_norm_channels": {}}])
-    assert not build_plan(big, target=HOPPER)["parts"][1].plan.warps
+    assert "constexpr int TEAM_POS = 8;" in source and "constexpr int LANE_ITEMS = 24;" in source
+    assert "m2 = group_join(m2, red, slice, pos, false);" in source
+    # a large map: 32 neighbouring groups a block; few values on a large map keep a thread each
+    big = build_plan(spec_of(96, [56, 56], {"out_channels": 96, "kernel": 7, "padding": 3, "groups": 96},
+                             [{"layer_norm_channels": {}}]), target=HOPPER)["parts"][1].plan
+    assert (big.team_pos, big.lane_items) == (32, 12)
+    few = spec_of(32, [64, 64], {"out_channels": 32, "kernel": 3, "padding": 1, "groups": 32}, [{"layer_norm_channels": {}}])
+    assert build_plan(few, target=HOPPER)["parts"][1].plan.team_pos == 0
+    # off: a thread per group, reading the 768 values twice (Welford, then the normalization)
+    monkeypatch.setattr(tail, "STRIDED_TEAMS", False)
+    off = build_plan(spec, target=HOPPER)["parts"][1].plan
+    assert off.team_pos == 0 and not off.registers
+    monkeypatch.undo()
     kernels = build_report(spec, tmp_path)
-    assert "specgen_lnc_warps_e0_norm" in kernels and not spilled(kernels), spilled(kernels)
+    assert "specgen_lnc_team_e0_norm" in kernels and not spilled(kernels), spilled(kernels)

@@ -61,18 +61,21 @@ def test_after_a_depthwise_conv_the_tail_engine_normalizes_strided_groups(channe
     check(layer, 5, seed=2)
 
 
+@pytest.mark.parametrize("teams", [True, False], ids=["teams", "thread_per_group"])
 @pytest.mark.parametrize("channels, size, epilogue", [
     (768, [7, 7], [{"layer_norm_channels": {"eps": 1e-6}}, {"add": 0.5}]),
     (500, [5, 3], [{"softmax": 1}, {"mul": {"param": "s"}}]),
     (100, [6, 6], [{"log_softmax": 1}]),
+    (20, [3, 5], [{"layer_norm_channels": {}}]),
 ])
-def test_few_strided_groups_on_a_warp_each(channels, size, epilogue, monkeypatch):
-    """`tail.STRIDED_WARPS` forced on (off by default until timed): each group a warp's."""
+def test_strided_groups_on_teams_and_on_a_thread_each(channels, size, epilogue, teams, monkeypatch):
+    """`tail.STRIDED_TEAMS` (on by default) and off: a block of neighbouring groups, their values
+    sliced across its threads and joined through shared memory, against a thread per group."""
     from specgen import tail
 
-    monkeypatch.setattr(tail, "STRIDED_WARPS", True)
-    layer = _layer(f"warps_{channels}_{epilogue[0].__class__.__name__}_{len(epilogue)}", channels, size,
+    monkeypatch.setattr(tail, "STRIDED_TEAMS", teams)
+    layer = _layer(f"strided_{channels}_{len(epilogue)}_{teams}", channels, size,
                    {"out_channels": channels, "kernel": 3, "padding": 1, "groups": channels}, epilogue, "fp32")
-    assert layer.specialize().plan["parts"][-1].plan.warps
+    assert bool(layer.specialize().plan["parts"][-1].plan.team_pos) == teams
     check(layer, 1, seed=1)
     check(layer, 7, seed=2)

@@ -126,7 +126,14 @@ def _change_code(monkeypatch):
     monkeypatch.setattr(planindex, "code_digest", lambda: "0" * 64)
 
 
-@pytest.mark.parametrize("change", [_change_settings, _change_target, _change_code], ids=["settings", "target", "code"])
+def _turn_a_switch(monkeypatch):
+    from specgen import tail
+
+    monkeypatch.setattr(tail, "STRIDED_TEAMS", not tail.STRIDED_TEAMS)
+
+
+@pytest.mark.parametrize("change", [_change_settings, _change_target, _change_code, _turn_a_switch],
+                         ids=["settings", "target", "code", "switch"])
 def test_what_could_change_the_plan_is_a_miss_that_plans_again(cache_env, plans, monkeypatch, change):
     spec = validate(SPEC)
     pipeline.specialize(spec, "sm_90")
@@ -161,7 +168,21 @@ def test_the_request_key_covers_settings_target_tile_and_code(monkeypatch):
         others.append(planindex.request_key(spec, "sm_90", sm90, Settings(), IgemmConfig()))
     monkeypatch.setattr(planindex, "code_digest", lambda: "1" * 64)
     others.append(planindex.request_key(spec, "sm_90", sm90, Settings(), None))
+    from specgen import tma
+
+    monkeypatch.setattr(tma, "ROW_NORM_ROWS", (16, 32))  # a planner constant turned
+    others.append(planindex.request_key(spec, "sm_90", sm90, Settings(), None))
     assert len({base, *others}) == len(others) + 1
+
+
+def test_the_switches_are_the_planners_plain_constants(monkeypatch):
+    from specgen import tail, tma
+
+    switches = planindex.planner_switches()
+    assert switches["tail.STRIDED_TEAMS"] == repr(tail.STRIDED_TEAMS) and "tma.ROW_NORM" in switches
+    assert all(name.split(".")[1].isupper() for name in switches)
+    monkeypatch.setattr(tma, "ROW_NORM", not tma.ROW_NORM)
+    assert planindex.planner_switches()["tma.ROW_NORM"] == repr(tma.ROW_NORM) != switches["tma.ROW_NORM"]
 
 
 def test_the_code_digest_covers_modules_and_templates():
