@@ -9,11 +9,15 @@ a 2-D LayerNorm over W, a softmax over W, an instance norm of an 8x8 map, and `l
 against the float64 reference first; eager is PyTorch running the spec's reference ops (TF32
 convolutions in tf32 mode, PyTorch's default).
 
-    python benchmarks/row_norm.py [--batch 16] [--only TEXT]
+    python benchmarks/row_norm.py [--batch 16] [--only TEXT] [--channels-last]
 
-'before' is v51's plan in both respects: `tma.ROW_NORM` off and `tail.STRIDED_TEAMS` off (v52: a
-strided group of many values, or a sample of few groups, a team's; before, a thread per group), so
-the `layer_norm_channels` rows after a depthwise conv time the strided teams.
+--channels-last hands every contender its input channels-last (eager PyTorch too): a depthwise
+conv's `layer_norm_channels` rows then run specgen's channels-last kernel (specgen/dwcl.py, v52).
+
+'before' is v51's plan: `tma.ROW_NORM`, `tail.STRIDED_TEAMS` (v52: a strided group of many values,
+or a sample of few groups, a team's; before, a thread per group) and `dwcl.ENABLED` (v52) off, so
+the `layer_norm_channels` rows after a depthwise conv time the strided teams (and with
+--channels-last the one channels-last kernel).
 
 ms per call, CUDA events, median of 15, two inputs in turn. Needs a CUDA GPU.
 """
@@ -29,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specgen import bench, pipeline, reference, tail, tma  # noqa: E402
+from specgen import bench, dwcl, pipeline, reference, tail, tma  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 from specgen.plan import PlanError  # noqa: E402
 from specgen.spec import validate  # noqa: E402
@@ -57,20 +61,25 @@ LAYERS = {
                                                     [{"layer_norm_channels": {}}, "gelu"]),
     "dwconv 96 7x7 56x56, LN over channels": (96, [56, 56], {"out_channels": 96, "kernel": 7, "padding": 3, "groups": 96},
                                               [{"layer_norm_channels": {"eps": 1e-6}}]),
+    "dwconv 192 7x7 28x28, LN over channels": (192, [28, 28], {"out_channels": 192, "kernel": 7, "padding": 3, "groups": 192},
+                                               [{"layer_norm_channels": {"eps": 1e-6}}]),
+    "dwconv 384 7x7 14x14, LN over channels": (384, [14, 14], {"out_channels": 384, "kernel": 7, "padding": 3, "groups": 384},
+                                               [{"layer_norm_channels": {"eps": 1e-6}}]),
     "dwconv 768 7x7 7x7, LN over channels": (768, [7, 7], {"out_channels": 768, "kernel": 7, "padding": 3, "groups": 768},
                                              [{"layer_norm_channels": {"eps": 1e-6}}]),
 }
 
 
 def _build(name: str, cin, size, conv, epilogue, precision: str, row_norm: bool, engine: str | None):
-    tma.ROW_NORM = tail.STRIDED_TEAMS = row_norm
+    tma.ROW_NORM = tail.STRIDED_TEAMS = dwcl.ENABLED = row_norm
     pipeline._memo.clear()
     data = {"name": name, "input": {"channels": cin, "size": size}, "conv": conv, "epilogue": epilogue, "precision": precision}
     if engine:
         data["tile"] = {"engine": engine}
     layer = FusedLayer(validate(data)).cuda().eval()
     plan = layer.specialize().plan
-    tma.ROW_NORM = tail.STRIDED_TEAMS = True
+    pipeline.channels_last_variant(layer.specialize())  # (its channels-last kernel chosen now, under these switches)
+    tma.ROW_NORM = tail.STRIDED_TEAMS = dwcl.ENABLED = True
     parts = plan.get("parts")
     if parts:
         what = "+".join(p.plan.get("engine", p.role) if hasattr(p.plan, "get") else p.role for p in parts)
@@ -84,6 +93,7 @@ def main() -> int:
     ap.add_argument("--batch", nargs="+", type=int, default=[16])
     ap.add_argument("--precision", default="tf32")
     ap.add_argument("--only", default=None, help="rows whose label contains this text")
+    ap.add_argument("--channels-last", action="store_true", help="inputs channels-last, for every contender")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -111,6 +121,9 @@ def main() -> int:
             for m in layers[1:]:
                 m.load_state_dict(before.state_dict())
             xs = [torch.rand(batch, cin, *size, device="cuda") for _ in range(2)]
+            if args.channels_last:
+                fmt = torch.channels_last if len(size) == 2 else torch.channels_last_3d
+                xs = [x.contiguous(memory_format=fmt) for x in xs]
             w, b, params = before.conv.weight, before.conv.bias, before.spec_params()
             with torch.no_grad():
                 ref = reference.forward64(before.spec, xs[0], w, b, params)

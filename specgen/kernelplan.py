@@ -370,6 +370,8 @@ class SequencePlan(TemplateValues):
     precision: str
     # how the launch hands the parts the user's weights, in order (a rewrite to another layer)
     weight_transforms: list = field(default_factory=list)
+    # x and out channels-last (`specgen.dwcl`: a layer's plan for channels-last inputs); else NC(D)HW
+    channels_last_io: bool = False
     engine: str = field(default="sequence", init=False)
 
     def __post_init__(self):

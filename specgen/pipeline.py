@@ -296,6 +296,18 @@ _CHANNELS_LAST = Settings(channels_last=True)
 
 def _variant_plan(sp: Specialized) -> dict | None:
     """The plan of `sp`'s channels-last kernel where it has one (see `channels_last_variant`)."""
+    if sp.plan["engine"] == "sequence":
+        # a sequence has one such plan: a depthwise conv and a LayerNorm over the channels (specgen.dwcl)
+        from specgen import dwcl
+
+        if dwcl.why_not(sp.spec) is not None or sp.plan.channels_last_io:
+            return None
+        try:
+            plan = build_plan(sp.spec, None, targets.resolve(sp.arch), None, _CHANNELS_LAST)
+        except (PlanError, targets.TargetError) as error:
+            get_logger().debug("%s: no channels-last plan (%s)", sp.spec.name, error)
+            return None
+        return plan if plan["engine"] == "sequence" and plan.channels_last_io else None
     if sp.plan["engine"] not in _VARIED_ENGINES or getattr(sp.plan.get("settings"), "channels_last", False):
         return None
     try:
@@ -324,7 +336,8 @@ def build_channels_last_variants(items: list[Specialized]) -> None:
 
 def channels_last_variant(sp: Specialized) -> Specialized | None:
     """The kernel for channels-last inputs of `sp`'s layer, where it is not `sp` itself: the TMA
-    engine's plan for them (`plan.Settings.channels_last`), which reads such an input where it lies
+    engine's plan for them (`plan.Settings.channels_last`; for a depthwise conv and a LayerNorm over
+    the channels, `specgen.dwcl`'s one kernel), which reads such an input where it lies
     (no layout pass to pay for; a layer whose contiguous plan runs on an engine that reads NC(D)HW
     would copy it first) and writes a channels-last output, as PyTorch's conv does. None where no
     such plan differs from `sp` (a 1-D conv or a reduction over the channels on the TMA engine

@@ -828,7 +828,13 @@ def build_plan(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     if tail.is_sequence(spec):  # statistic stages: a sequence of kernels, each part planned on its own
         if igemm_config is None and (fused := tail.plan_channel_norm(spec, target, tma_config, settings)) is not None:
             return fused  # a softmax over the channels in the TMA epilogue (with what it can take after it)
-        return tail.plan_sequence(spec, igemm_config, target, tma_config, settings)
+        seq = tail.plan_sequence(spec, igemm_config, target, tma_config, settings)
+        if settings.channels_last and igemm_config is None and tma_config is None:
+            from specgen import dwcl
+
+            # a depthwise conv and LayerNorm over the channels on channels-last tensors: one kernel
+            seq = dwcl.plan(spec, seq) or seq
+        return seq
     if igemm_config is None and tma_config is None and (at := tail.pool_split(spec, target, may_rewrite)) is not None:
         return tail.plan_pool_split(spec, at, target, settings)  # the conv on tensor cores, its pool in a second kernel
     return plan_whole(spec, igemm_config, target, tma_config, settings)

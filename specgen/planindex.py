@@ -61,7 +61,7 @@ def code_digest() -> str:
 
 
 # The modules whose upper-case constants choose a plan or shape a source.
-_PLANNER_MODULES = ("boxfold", "igemm", "literals", "ops", "pipeline", "plan", "poolfold", "render", "spec", "splitk",
+_PLANNER_MODULES = ("boxfold", "dwcl", "igemm", "literals", "ops", "pipeline", "plan", "poolfold", "render", "spec", "splitk",
                     "tail", "tapsum", "target", "tma", "upsample")
 
 

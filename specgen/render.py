@@ -26,7 +26,8 @@ PART_TEMPLATES = {"tail": "tail.cu.j2", "tapsum": "tapsum.cu.j2", "boxmean": "bo
 # The templates without a run-time-dimensions rendering (`specgen bench`'s measurement of what
 # specializing saves), and what they render.
 NO_RUNTIME_DIMS = {"igemm.cu.j2": "the igemm engine", "tma.cu.j2": "the tma engine",
-                   "tail.cu.j2": "a statistic stage's kernels", "tapsum.cu.j2": "the tap-sum fold's kernel"}
+                   "tail.cu.j2": "a statistic stage's kernels", "tapsum.cu.j2": "the tap-sum fold's kernel",
+                   "dwcl.cu.j2": "the channels-last depthwise-LayerNorm kernel"}
 
 
 class SourceTooLarge(SpecError):
@@ -60,13 +61,18 @@ def _template_location(err: BaseException) -> str:
     return where
 
 
+def _part_template(part) -> str | None:
+    """The template of a sequence part: its role's, or the channels-last depthwise-LayerNorm kernel's."""
+    return "dwcl.cu.j2" if getattr(part.plan, "family", None) == "dwcl" else PART_TEMPLATES.get(part.role)
+
+
 def render_plan(plan: dict, template: str | None = None, runtime_dims: bool = False) -> str:
     """The .cu of a plan, from its engine's template. `runtime_dims` renders the measurement-only
     variant whose extents are read at run time (what specializing saves is measured against it)."""
     if template is None and isinstance(plan, SequencePlan):  # one source: each part's in its own namespace
         from specgen import tail
 
-        parts = [render_plan(p.plan, PART_TEMPLATES.get(p.role), runtime_dims) for p in plan.parts]
+        parts = [render_plan(p.plan, _part_template(p), runtime_dims) for p in plan.parts]
         return _checked(tail.join(plan, parts), plan)
     if template is None:
         engine = plan.get("engine")
@@ -93,7 +99,7 @@ def _templates_of(plan, template: str | None = None):
     for an engine without one)."""
     if template is None and isinstance(plan, SequencePlan):
         for p in plan.parts:
-            yield from _templates_of(p.plan, PART_TEMPLATES.get(p.role))
+            yield from _templates_of(p.plan, _part_template(p))
     else:
         yield template or TEMPLATES.get(plan.get("engine"))
 

@@ -830,6 +830,10 @@ def _role_text(tp: TailPlan, role: str) -> str:
         return f"{what}: joins each group's partials ({per}) in a fixed tree"
     if role == "apply":
         return f"{what}: normalizes chunk by chunk{' and applies ' + ', '.join(st['op'] for st in tp.pointwise) if tp.pointwise else ''}"
+    if role == "dwcl":
+        from specgen import dwcl
+
+        return dwcl.describe(tp)
     if getattr(tp, "team_pos", 0):
         return (f"{what}: a block per {tp.team_pos} group(s), {THREADS // tp.team_pos} threads a group, "
                 f"{tp.lane_items} value(s) a thread in registers")

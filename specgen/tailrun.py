@@ -49,7 +49,8 @@ class _Layer:
 @dataclass(frozen=True)
 class _Kernel:
     """A tail kernel step: its loaded-kernel key, its arguments, each (source, name): source "p" a
-    parameter, "i" an extra input, "b" a buffer, and the bytes each advances per sample."""
+    parameter, "i" an extra input, "b" a buffer, "w" the conv's weights as [taps][C] (specgen.dwcl),
+    "bias" its bias, and the bytes each advances per sample."""
 
     key: str
     step: KernelStep
@@ -70,6 +71,7 @@ class _Sequence:
     stats_floats: int
     dtype: torch.dtype
     raw_x: bool  # a kernel step reads x by its address, as NC(D)HW (a box-mean or tap-sum kernel)
+    channels_last: bool  # x and out channels-last (specgen.dwcl's one kernel)
 
 
 _sequences: dict[str, _Sequence] = {}
@@ -110,6 +112,9 @@ def _sequence(sp: pipeline.Specialized) -> _Sequence:
                 if arg.startswith("p_"):
                     args.append(("p", arg[2:]))
                     strides.append(0)
+                elif arg in ("weight", "bias"):  # the conv's own (specgen.dwcl)
+                    args.append(("w" if arg == "weight" else "bias", arg))
+                    strides.append(0)
                 elif arg.startswith("i_"):  # an extra input (the output's shape, or [C, 1, ...]): a sample's worth per sample
                     args.append(("i", arg[2:]))
                     strides.append(4 * math.prod(sp.spec.inputs()[arg[2:]]))
@@ -117,9 +122,10 @@ def _sequence(sp: pipeline.Specialized) -> _Sequence:
                     args.append(("b", arg))
                     strides.append(per_sample[arg])
             steps.append(_Kernel(f"{sp.key}:{step.name}", step, tuple(args), tuple(strides), step.once, step.grid_x))
-        raw_x = any(type(st) is _Kernel and ("b", "x") in st.args for st in steps)
+        channels_last = plan.channels_last_io
+        raw_x = not channels_last and any(type(st) is _Kernel and ("b", "x") in st.args for st in steps)
         seq = _sequences[sp.key] = _Sequence(parts, tuple(steps), tuple(buffers), tuple(plan.out_shape),
-                                             plan.stats_floats, dtype, raw_x)
+                                             plan.stats_floats, dtype, raw_x, channels_last)
     return seq
 
 
@@ -161,7 +167,8 @@ def _identity_weight(channels: int, ndim: int, device: torch.device) -> torch.Te
 
 def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict, out: torch.Tensor | None,
            stats: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the sequence on contiguous float32 CUDA `x` into `out` (allocated when None). `stats`: where
+    """Run the sequence on contiguous float32 CUDA `x` into `out` (allocated when None; a channels-last
+    sequence, specgen.dwcl's, takes and gives channels-last tensors). `stats`: where
     the training-mode batch norms with running statistics write their batch statistics
     (reference.forward_with_stats' layout); allocated (and dropped) when None."""
     seq = _sequence(sp)
@@ -170,13 +177,16 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     # The layer's dtype (float32, or a pool split's 16-bit one): its output and the tensors its
     # parts hand on (the statistic stages' tails compute in float32 only).
     dtype = seq.dtype
+    fmt = tmarun.channels_last_format(len(shape)) if seq.channels_last else torch.contiguous_format
     if out is None:
-        out = torch.empty(shape, device=x.device, dtype=dtype)
-    elif tuple(out.shape) != shape or out.dtype != dtype or out.device != x.device or not out.is_contiguous():
+        out = torch.empty(shape, device=x.device, dtype=dtype, memory_format=fmt)
+    elif tuple(out.shape) != shape or out.dtype != dtype or out.device != x.device or not out.is_contiguous(memory_format=fmt):
         raise ValueError(
-            f"{sp.spec.name}: out must be a contiguous {dtype} tensor of shape {list(shape)} on {x.device}, "
-            f"got {out.dtype} {list(out.shape)} on {out.device}"
+            f"{sp.spec.name}: out must be a {'channels-last' if seq.channels_last else 'contiguous'} {dtype} tensor of "
+            f"shape {list(shape)} on {x.device}, got {out.dtype} {list(out.shape)} on {out.device}"
         )
+    if seq.channels_last and not x.is_contiguous(memory_format=fmt):
+        x = x.contiguous(memory_format=fmt)  # (the kernel reads a channels-last x; torchop hands it one)
     floats = seq.stats_floats
     if floats and (stats is None or stats.numel() != floats or stats.device != x.device):
         if stats is not None:
@@ -212,9 +222,24 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
             continue
         kernel = runtime.lookup(step.key, device_index) or _kernel(sp, step.step, device_index)
         # (parameters and extra inputs aligned by torchop.launch)
-        pointers = [(buffers[name] if source == "b" else params[name]).data_ptr() for source, name in step.args]
+        tensors = [_argument(source, name, buffers, params, weight, bias) for source, name in step.args]  # (alive until queued)
+        pointers = [t.data_ptr() for t in tensors]
         if step.once:
             runtime.launch_once(kernel, step.grid_x, pointers, batch, stream)
         else:
             runtime.launch(kernel, step.grid_x, pointers, step.strides, batch, stream)
     return out
+
+
+def _argument(source: str, name: str, buffers: dict, params: dict, weight, bias) -> torch.Tensor:
+    """The tensor a kernel step's argument points at (see _Kernel)."""
+    if source == "b":
+        return buffers[name]
+    if source == "w":  # a depthwise conv's weights [C, 1, K_H, K_W] as [taps][C], kept per weight version
+        from specgen import dwcl
+
+        channels, taps = weight.shape[0], weight[0].numel()
+        return tmarun.derived(weight, ("dwcl taps", channels, taps), lambda w: dwcl.weight_taps(w, channels, taps))
+    if source == "bias":
+        return bias
+    return params[name]

@@ -636,7 +636,9 @@ def _aligned(t: torch.Tensor, memory_format: torch.memory_format | None = None) 
 
 def _writes_format(sp: pipeline.Specialized) -> torch.memory_format | None:
     """The channels-last memory format `sp`'s kernel writes its output in, or None (NC(D)HW)."""
-    return None if sp.plan["engine"] == "sequence" else _launch_plan(sp).memory_format
+    if sp.plan["engine"] == "sequence":
+        return tmarun.channels_last_format(1 + len(sp.plan.out_shape)) if sp.plan.channels_last_io else None
+    return _launch_plan(sp).memory_format
 
 
 def kernel_for(sp: pipeline.Specialized, x: torch.Tensor, out: torch.Tensor | None = None) -> pipeline.Specialized:
@@ -675,7 +677,8 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     # layout: a view that is not (a scalar tensor expanded to every channel) is copied here, once,
     # and the copy lives until the kernels are queued.
     fmt = _writes_format(sp)
-    inputs = () if fmt is None else _launch_plan(sp).input_names
+    # (a sequence that writes channels-last, specgen.dwcl's kernel, takes no extra inputs)
+    inputs = () if fmt is None or sp.plan["engine"] == "sequence" else _launch_plan(sp).input_names
     params = {name: _aligned(t, fmt if name in inputs else None) for name, t in params.items()}
     for key, make in _weight_transforms(sp):  # the plan's rewrites of the conv, in order (kept per weight version)
         weight = tmarun.derived(weight, key, make)

@@ -25,12 +25,17 @@ class _TensorInfo:
 
     shape: tuple
     dtype: torch.dtype
+    # its channels innermost in memory (channels_last(_3d)): a model whose residual adds or permutes
+    # leave its activations so hands its chains such inputs (ConvNeXt), whatever its input's format
+    channels_last: bool = False
 
 
 def _info(value):
     """_TensorInfo for a tensor, a tuple of them for a tuple holding tensors, else None."""
     if isinstance(value, torch.Tensor):
-        return _TensorInfo(tuple(value.shape), value.dtype)
+        from specgen import tmarun
+
+        return _TensorInfo(tuple(value.shape), value.dtype, value.dim() > 3 and tmarun.channels_last(value))
     if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
         return tuple(_info(v) for v in value)
     return None
@@ -368,6 +373,11 @@ def value_users(node: Node) -> list[Node]:
 def recorded(node: Node):
     """What the example run recorded for `node`: a _TensorInfo, a tuple of them, or None."""
     return node.meta.get(_META_KEY)
+
+
+def channels_last_of(node: Node) -> bool:
+    """Whether the example run's value of `node` had its channels innermost in memory."""
+    return bool(getattr(recorded(node), "channels_last", False))
 
 
 def shape_of(node: Node) -> Optional[tuple]:

@@ -17,7 +17,7 @@ from torch.fx import Node
 
 from specgen import measured, tmarun
 from specgen.importer.chains import Analysis
-from specgen.importer.graph import META_METHODS, shape_of, unique
+from specgen.importer.graph import META_METHODS, channels_last_of, shape_of, unique
 from specgen.importer.report import Choice
 from specgen.module import FusedLayer, _tensor, spec_shaped
 
@@ -149,7 +149,10 @@ def measure(imp: Analysis, chain, gpu_only: bool = False) -> Choice:
     context = measured.torch_context()
     if gpu_only:
         context["graph"] = True
-    if imp.channels_last:
+    # the input as the model hands it to the chain: channels-last where the model's input is (run
+    # channels-last), or where the example run found this chain's input so (ConvNeXt's blocks)
+    channels_last = imp.channels_last or channels_last_of(chain.input_node)
+    if channels_last:
         context["channels_last"] = True
     key = measured.decision_key(layer.key, measured.gpu_identity(device), measured.batch_bucket(chain.batch), context)
     prefix = "graph " if gpu_only else ""
@@ -160,7 +163,7 @@ def measure(imp: Analysis, chain, gpu_only: bool = False) -> Choice:
     inp = chain.input_node
     shapes = [shape_of(inp), *(shape_of(n) for n in chain.inputs.values())]
     generator = torch.Generator(device=device).manual_seed(0)
-    inputs = [[_laid_out(torch.randn(s, device=device, generator=generator).to(chain.dtype), imp.channels_last)
+    inputs = [[_laid_out(torch.randn(s, device=device, generator=generator).to(chain.dtype), channels_last)
                for s in shapes] for _ in range(2)]
     compare = measured.compare_graphed if gpu_only else measured.compare
     with buffers_kept(imp.model, layer):  # a training-mode batch norm updates its running statistics on every call
@@ -182,6 +185,14 @@ def to_channels_last(t):
     """A model input, channels-last where it is a 4-D or 5-D tensor (the fused graph's first step
     when its activations run channels-last)."""
     return _laid_out(t, True) if isinstance(t, torch.Tensor) else t
+
+
+def as_channels_last(t: torch.Tensor) -> torch.Tensor:
+    """`t` with its channels innermost in memory: a fused chain's output where the original chain's
+    was so (a permute back after a LayerNorm over the channels: ConvNeXt's stem), so that the
+    model's later ops see the memory format they saw (its residual adds keep it, and the next
+    chains then read it in place). No copy where the kernel wrote it so."""
+    return t if tmarun.channels_last(t) else _laid_out(t, True)
 
 
 def to_contiguous(out, given=None):
@@ -237,6 +248,8 @@ def fused_graph(imp: Analysis) -> fx.GraphModule:
                 final = graph.call_method("reshape", (fused, -1, *chain.view[1:]))
             if chain.out_perm is not None:  # (the model reads it permuted: ConvNeXt's LayerNorm over the channels)
                 final = graph.call_method("permute", (final, *chain.out_perm))
+            elif channels_last_of(chain.out) and not imp.channels_last:  # (the original's output lay so)
+                final = graph.call_function(as_channels_last, (final,))
         chain.out.replace_all_uses_with(final)
         replaced[chain.out] = final
         covered = set(chain.nodes)
