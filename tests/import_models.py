@@ -806,6 +806,28 @@ class ChannelsLayerNorm3d(nn.Module):
         return torch.tanh(self.ln(self.conv(x).permute(0, 2, 3, 4, 1)).permute(0, 4, 1, 2, 3))
 
 
+class WrittenLayerNormForms(nn.Module):
+    """A LayerNorm over the channels written out, as ConvNeXt's reference code (its stem and
+    downsampling layers), SAM's and detectron2's LayerNorm2d write it, then other spellings."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.weight = nn.Parameter(torch.rand(C) + 0.5)
+        self.bias = nn.Parameter(torch.randn(C))
+
+    def forward(self, x):
+        x = self.conv(x)
+        u = x.mean(1, keepdim=True)
+        s = (x - u).pow(2).mean(1, keepdim=True)
+        x = (x - u) / torch.sqrt(s + 1e-6)
+        x = torch.relu(self.weight[:, None, None] * x + self.bias[:, None, None])
+        d = x - torch.mean(x, dim=1, keepdim=True)  # one deviation, squared by a product, rsqrt
+        x = torch.rsqrt((d * d).mean(1, keepdim=True) + 1e-5) * d
+        d = x - x.mean(-3, keepdim=True)
+        return 2 * (d / (d ** 2).mean(dim=1, keepdim=True).add(1e-5).sqrt())
+
+
 class ConvNeXtBlock(nn.Module):
     """ConvNeXt's block: its LayerNorm over the channels feeds Linear layers in channels-last order,
     so the channels are not moved back: the fused layer's output is permuted as the model reads it."""
@@ -1353,6 +1375,8 @@ CASES: list[Case] = [
     Case(LogSoftmaxForms, IMG, [["log_softmax"] * 4]),
     Case(ChannelsLayerNormForms, IMG, [["layer_norm_channels", "relu", "layer_norm_channels", "mul"]]),
     Case(ChannelsLayerNorm3d, VOL, [["layer_norm_channels", "tanh"]]),
+    Case(WrittenLayerNormForms, IMG, [["layer_norm_channels", "mul", "add", "relu", "layer_norm_channels", "layer_norm_channels",
+                                       "mul"]]),
     Case(SoftmaxAfterRelu, IMG, [["relu", "mul", "softmax"]]),
     Case(SoftmaxOverPositions, IMG, [["clamp", "softmax", "mul"]]),
     Case(BatchNormTraining, IMG, [["batch_norm", "relu"]]),

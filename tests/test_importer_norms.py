@@ -483,3 +483,37 @@ def test_a_saved_value_with_a_use_outside_the_chain_ends_the_chain_there():
     fused = from_module(copy.deepcopy(model), a, b)
     with torch.no_grad():
         torch.testing.assert_close(fused(a, b), model(a, b))
+
+
+class _WrittenLayerNorm(nn.Module):
+    """A LayerNorm over the channels written out (mean, squared deviations, sqrt), with a twist."""
+
+    def __init__(self, twist: str):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.twist = twist
+
+    def forward(self, x):
+        x = self.conv(x)
+        dim = 2 if self.twist == "over H" else 1
+        u = x.mean(dim, keepdim=True)
+        d = x - u
+        s = d.pow(4 if self.twist == "fourth power" else 2).mean(dim, keepdim=True)
+        y = d / torch.sqrt(s + 1e-5)
+        return (y, d) if self.twist == "deviation returned" else y
+
+
+def test_a_layer_norm_written_out_is_one_stage_and_its_look_alikes_are_not():
+    x = torch.randn(2, 3, 9, 9)
+    spec = explain(_WrittenLayerNorm("none").eval(), x).specs[0]
+    assert [st.op for st in spec.epilogue] == ["layer_norm_channels"]
+    assert spec.epilogue[0].args.eps == 1e-5 and not spec.epilogue[0].args.elementwise_affine
+    for twist in ("over H", "fourth power", "deviation returned"):
+        model = _WrittenLayerNorm(twist).eval()
+        report = explain(model, x)
+        assert all(st.op != "layer_norm_channels" for s in report.specs for st in s.epilogue), twist
+        fused = from_module(model, x)
+        with torch.no_grad():
+            got, want = fused(x), model(x)
+        for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            torch.testing.assert_close(g, w)

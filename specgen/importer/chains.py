@@ -199,6 +199,15 @@ class Analysis(Capture):
         if taken:  # another chain took it, with this value as its extra input
             chain.stop = f"{cur.name} is an extra input of the fused chain {self.covered[taken[0]].spec.name}"
             return False
+        written = self._written_layer_norm(chain, cur, users)
+        if written is not None:
+            try:
+                self._take_written_layer_norm(chain, *written)
+            except Reject as rej:
+                chain.stop = rej.reason
+                self._record(written[0], rej.reason)
+                return False
+            return True
         centered = self._centering(cur, users)
         if centered is not None:
             try:
@@ -551,6 +560,95 @@ class Analysis(Capture):
                          perm=None if back is not None else (0, *range(2, rank), 1))
         except Reject as rej:
             chain.names, chain.tensors, chain.inputs = saved
+            raise Reject(f"{where}: {rej.reason}") from None
+
+    # -- a LayerNorm over the channels written out: mean, squared deviations, sqrt -------------------
+
+    def _written_layer_norm(self, chain: _Chain, cur: Node, users: list):
+        """(the nodes, the output node, eps) where `cur`'s users compute a LayerNorm over the channels
+        written out, as ConvNeXt's reference code, SAM's and detectron2's LayerNorm2d write it:
+        u = x.mean(1, keepdim=True); s = (x - u).pow(2).mean(1, keepdim=True); (x - u) / torch.sqrt(s + eps)
+        (x - u once or twice; its square as pow(2), ** 2, square() or a product with itself; or
+        torch.rsqrt(s + eps) * (x - u)); else None. Nothing of it may be used elsewhere."""
+        rank = len(chain.view)
+        if rank < 3:
+            return None
+
+        def pw(node, op):
+            desc = self.classify(node)
+            return desc if isinstance(desc, PW) and desc.op == op and not desc.inplace else None
+
+        def only_user(node):
+            found = value_users(node)
+            return found[0] if len(found) == 1 and found[0].op != "output" else None
+
+        def channel_mean(node, of):
+            red = self.classify(node)
+            return (isinstance(red, ReduceOp) and red.op == "mean" and red.input is of and red.keepdim
+                    and not red.tuple_out and [d % rank for d in red.dims if isinstance(d, int)] == [1]
+                    and len(red.dims) == 1)
+
+        means = [u for u in users if channel_mean(u, cur)]
+        if len(means) != 1:
+            return None
+        u = means[0]
+        subs = [s for s in users if s is not u and (d := pw(s, "sub")) is not None and tuple(d.operands[:2]) == (cur, u)]
+        if not subs or len(subs) > 2 or len(subs) + 1 != len(users) or set(value_users(u)) != set(subs):
+            return None
+        # the variance: one deviation squared, then its mean over the channels
+        for d_v in subs:
+            d_users = value_users(d_v)
+            squares = [q for q in d_users if ((p := pw(q, "pow")) is not None and tuple(p.operands) == (d_v,)
+                                              and p.attrs.get("exponent") == 2)
+                       or ((m := pw(q, "mul")) is not None and tuple(m.operands) == (d_v, d_v))]
+            if len(squares) == 1:
+                break
+        else:
+            return None
+        q = squares[0]
+        v = only_user(q)
+        if v is None or not channel_mean(v, q):
+            return None
+        ve = only_user(v)
+        add = pw(ve, "add") if ve is not None else None
+        if add is None or len(add.operands) != 2 or v not in add.operands:
+            return None
+        eps = add.operands[1] if add.operands[0] is v else add.operands[0]
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+            return None
+        root = only_user(ve)
+        if root is None:
+            return None
+        out = only_user(root)
+        if out is None:
+            return None
+        if pw(root, "sqrt") is not None and (div := pw(out, "div")) is not None and len(div.operands) == 2 \
+                and div.operands[1] is root:
+            d_n = div.operands[0]
+        elif pw(root, "rsqrt") is not None and (mul := pw(out, "mul")) is not None and len(mul.operands) == 2 \
+                and root in mul.operands:
+            d_n = mul.operands[1] if mul.operands[0] is root else mul.operands[0]
+        else:
+            return None
+        if d_n not in subs:
+            return None
+        # every deviation used only by the square and the normalization
+        if set(subs) | {q, out} != {n for s in subs for n in value_users(s)} | set(subs):
+            return None
+        nodes = sorted({u, *subs, q, v, ve, root, out}, key=self.order.get)
+        return nodes, out, float(eps)
+
+    def _take_written_layer_norm(self, chain: _Chain, nodes: list, out: Node, eps: float) -> None:
+        where = self.describe(out)
+        if dtype_of(out) != chain.dtype or tuple(shape_of(out) or ()) != tuple(chain.view):
+            raise Reject(f"{where}: does not produce the chain's {chain.dtype} value of shape {list(chain.view)}")
+        if tuple(chain.view) != tuple(chain.spec_out):
+            raise Reject(f"{where}: it normalizes the value shaped {list(chain.view)}, which the spec holds as "
+                         f"{list(chain.spec_out)}")
+        try:
+            self._commit(chain, [{"layer_norm_channels": {"eps": eps, "elementwise_affine": False}}], nodes, out,
+                         check=lambda spec: self._check_norm(chain, spec))
+        except Reject as rej:
             raise Reject(f"{where}: {rej.reason}") from None
 
     # -- centering: x - x.mean(dims, keepdim=True) ----------------------------------------------
