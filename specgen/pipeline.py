@@ -296,25 +296,22 @@ _CHANNELS_LAST = Settings(channels_last=True)
 
 def _variant_plan(sp: Specialized) -> dict | None:
     """The plan of `sp`'s channels-last kernel where it has one (see `channels_last_variant`)."""
-    if sp.plan["engine"] == "sequence":
+    sequence = sp.plan["engine"] == "sequence"
+    if sequence:
         # a sequence has one such plan: a depthwise conv and a LayerNorm over the channels (specgen.dwcl)
         from specgen import dwcl
 
         if dwcl.why_not(sp.spec) is not None or sp.plan.channels_last_io:
             return None
-        try:
-            plan = build_plan(sp.spec, None, targets.resolve(sp.arch), None, _CHANNELS_LAST)
-        except (PlanError, targets.TargetError) as error:
-            get_logger().debug("%s: no channels-last plan (%s)", sp.spec.name, error)
-            return None
-        return plan if plan["engine"] == "sequence" and plan.channels_last_io else None
-    if sp.plan["engine"] not in _VARIED_ENGINES or getattr(sp.plan.get("settings"), "channels_last", False):
+    elif sp.plan["engine"] not in _VARIED_ENGINES or getattr(sp.plan.get("settings"), "channels_last", False):
         return None
     try:
         plan = build_plan(sp.spec, None, targets.resolve(sp.arch), None, _CHANNELS_LAST)
     except (PlanError, targets.TargetError) as error:
         get_logger().debug("%s: no channels-last plan (%s)", sp.spec.name, error)
         return None
+    if sequence:
+        return plan if plan["engine"] == "sequence" and plan.channels_last_io else None
     if plan["engine"] == "tma" and (sp.plan["engine"] != "tma" or plan["tma"].channels_last_out):
         return plan
     return None

@@ -85,3 +85,13 @@ def test_the_kernel_builds_without_spills(channels, size, conv, epilogue, tmp_pa
     cu.write_text(source)
     kernels = nvcc.compile_cubin(cu, tmp_path / "k.cubin", request.arch, compiler="nvcc").kernels
     assert f"specgen_dwcl{channels}_dwcl" in kernels and not spilled(kernels), spilled(kernels)
+
+
+def test_the_pipeline_finds_a_sequences_channels_last_plan():
+    spec = spec_of(96, [14, 14])
+    sp = pipeline.Specialized(spec, build_plan(spec, None, HOPPER), "", None, "sm_90")
+    variant = pipeline._variant_plan(sp)
+    assert variant is not None and variant.channels_last_io and variant.parts[0].plan.family == "dwcl"
+    assert pipeline._variant_plan(pipeline.Specialized(spec, variant, "", None, "sm_90")) is None  # (it is one)
+    other = spec_of(16, [8, 8], epilogue=[{"softmax": 1}])
+    assert pipeline._variant_plan(pipeline.Specialized(other, build_plan(other, None, HOPPER), "", None, "sm_90")) is None
