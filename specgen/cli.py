@@ -95,6 +95,13 @@ def cmd_show(args) -> int:
 
             tuned = tune.stored_choice(spec, args.arch)  # None without a GPU (no torch needed)
         plan, source, req = pipeline.request(spec, args.arch, igemm_config=tuned and tuned["config"])
+        if args.channels_last:
+            found = pipeline.channels_last_request(spec, args.arch)
+            if found is None:
+                print(f"# {spec.name}: no channels-last kernel: a channels-last input is laid out as NC(D)HW first "
+                      f"and takes the kernel below", file=sys.stderr)
+            else:
+                plan, source, req = found
         if args.ptx:
             from specgen import compile as nvcc
 
@@ -191,6 +198,8 @@ def parser() -> argparse.ArgumentParser:
     g = s.add_mutually_exclusive_group()
     g.add_argument("--ptx", action="store_true", help="print the PTX instead of the .cu")
     g.add_argument("--plan", action="store_true", help="print the plan's summary: tiling, rewrites")
+    s.add_argument("--channels-last", action="store_true",
+                   help="the kernel a channels-last input runs (the layer's channels-last kernel, where it has one)")
     s.set_defaults(run=cmd_show)
 
     c = sub.add_parser("check", help="compare specgen with the PyTorch reference on the GPU")

@@ -317,6 +317,16 @@ def _variant_plan(sp: Specialized) -> dict | None:
     return None
 
 
+def channels_last_request(spec: LayerSpec, arch: str | None = None):
+    """`request(spec, arch)` for the layer's channels-last kernel (`channels_last_variant`'s, without
+    building it: `specgen show --channels-last`), or None where a channels-last input takes the
+    contiguous kernel (laid out as NC(D)HW first)."""
+    plan, source, req = request(spec, arch)
+    if _variant_plan(Specialized(spec, plan, source, None, arch)) is None:
+        return None
+    return request(spec, arch, settings=_CHANNELS_LAST)
+
+
 def build_channels_last_variants(items: list[Specialized]) -> None:
     """Build the channels-last kernels of `items` (where they have one) in one parallel build, so
     that their first channels-last calls find them (a model imported to run channels-last)."""

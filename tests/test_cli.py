@@ -117,6 +117,21 @@ def test_show_prints_source_plan_and_ptx(cache):
     assert specgen("show", "examples/zoo.yaml", "--name", "nope").returncode == 2
 
 
+def test_show_channels_last_prints_the_kernel_a_channels_last_input_runs(tmp_path):
+    spec = tmp_path / "block.yaml"
+    spec.write_text("name: convnext_block\ninput: {channels: 96, size: [56, 56]}\n"
+                    "conv: {out_channels: 96, kernel: 7, padding: 3, groups: 96}\n"
+                    "epilogue: [{layer_norm_channels: {eps: 1.0e-6}}]\nprecision: tf32\n")
+    contiguous = specgen("show", spec)
+    assert contiguous.returncode == 0 and "specgen_convnext_block_body" in contiguous.stdout
+    shown = specgen("show", spec, "--channels-last")
+    assert shown.returncode == 0 and "specgen_convnext_block_dwcl(" in shown.stdout and "_body" not in shown.stdout
+    plan = specgen("show", spec, "--channels-last", "--plan")
+    assert "on channels-last tensors" in plan.stdout
+    none = specgen("show", "examples/kb65.yaml", "--channels-last", "--plan")
+    assert none.returncode == 0 and "no channels-last kernel" in none.stderr
+
+
 def test_version_and_module_entry_point():
     result = specgen("--version")
     assert result.returncode == 0 and result.stdout.startswith("specgen ")
