@@ -787,7 +787,10 @@ def describe(plan: SequencePlan) -> str:
     the layer is split."""
     from specgen.plan import describe as describe_plan
 
-    lines = [f"layer {plan.name}: a sequence of {len(plan.steps)} kernels (the tail engine: specgen/tail.py)"]
+    if plan.channels_last_io:
+        lines = [f"layer {plan.name}: one kernel on channels-last tensors (specgen/dwcl.py)"]
+    else:
+        lines = [f"layer {plan.name}: a sequence of {len(plan.steps)} kernels (the tail engine: specgen/tail.py)"]
     lines += [f"  why: {w}" for w in plan.why]
     total = 0
     for n, step in enumerate(plan.steps, 1):
@@ -856,7 +859,8 @@ def join(plan: SequencePlan, sources: list[str]) -> str:
         "// spec:",
         *[f"//   {line}" for line in plan.spec_yaml.splitlines()],
         "//",
-        f"// This layer runs as a sequence of {len(plan.steps)} kernels, launched in this order on one stream:",
+        (f"// This layer runs as a sequence of {len(plan.steps)} kernels, launched in this order on one stream:"
+         if len(plan.steps) > 1 else "// This layer runs as one kernel:"),
     ]
     for n, step in enumerate(plan.steps, 1):
         if isinstance(step, KernelStep):
