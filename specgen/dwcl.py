@@ -7,7 +7,7 @@ channels-last input it also pays a layout pass into NCHW, and its NCHW output is
 then permutes back to channels-last for its Linear layers (a copy). Channels-last, a position's
 channels are contiguous: one warp takes a run of PT neighbouring positions of an output row, each
 lane the channels 4 lane, 4 lane + 128, ... (float4s), accumulates the taps over the rows of the
-window it reads once per row, then normalizes each position over its channels by butterflies
+window it reads once per row (the weights arrive tap-major, [taps][C]: the plan's weight transform), then normalizes each position over its channels by butterflies
 across the warp and stores it, channels-last: one read of the input (the window's rows from the
 cache), one write of the output, no workspace.
 
@@ -119,7 +119,7 @@ def plan(spec: LayerSpec, contiguous: SequencePlan) -> SequencePlan | None:
            f"kernel that reads it where it lies and writes a channels-last output (specgen/dwcl.py)"]
     return replace(contiguous, kernel_name=name, parts=(part,), steps=(step,), buffers={}, why=why, smem_bytes=0,
                    cluster=1, cluster_at_launch=False, min_blocks=1, igemm=None, tma=None, mma=None, rewrites=[],
-                   weight_transforms=[], channels_last_io=True,
+                   weight_transforms=[{"kind": "taps_major", "channels": c, "taps": kh * kw}], channels_last_io=True,
                    flops_per_sample=2 * oh * ow * c * kh * kw + 8 * oh * ow * c)
 
 
@@ -127,9 +127,4 @@ def describe(tp: DwclTail) -> str:
     return (f"depthwise {tp.k[0]}x{tp.k[1]} conv and {tp.op_comment} over {tp.c} channels on channels-last tensors: "
             f"a warp per {tp.pt} neighbouring position(s) of a row, {tp.lane_vecs} float4(s) of channels a lane, "
             f"the statistics by butterflies; weights {'in registers per window row' if tp.weights_in_registers else 'from the cache'}")
-
-
-def weight_taps(weight, channels: int, taps: int):
-    """The depthwise weights [C, 1, K_H, K_W] as the kernel reads them: [taps][C] (tap-major)."""
-    return weight.reshape(channels, taps).t().contiguous()
 

@@ -321,8 +321,8 @@ def channels_last_request(spec: LayerSpec, arch: str | None = None):
     """`request(spec, arch)` for the layer's channels-last kernel (`channels_last_variant`'s, without
     building it: `specgen show --channels-last`), or None where a channels-last input takes the
     contiguous kernel (laid out as NC(D)HW first)."""
-    plan, source, req = request(spec, arch)
-    if _variant_plan(Specialized(spec, plan, source, None, arch)) is None:
+    plan = build_plan(spec, None, targets.resolve(arch), None, DEFAULT_SETTINGS)
+    if _variant_plan(Specialized(spec, plan, "", None, arch)) is None:
         return None
     return request(spec, arch, settings=_CHANNELS_LAST)
 

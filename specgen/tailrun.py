@@ -49,8 +49,9 @@ class _Layer:
 @dataclass(frozen=True)
 class _Kernel:
     """A tail kernel step: its loaded-kernel key, its arguments, each (source, name): source "p" a
-    parameter, "i" an extra input, "b" a buffer, "w" the conv's weights as [taps][C] (specgen.dwcl),
-    "bias" its bias, and the bytes each advances per sample."""
+    parameter, "i" an extra input, "b" a buffer, "w" the conv's weights (as the plan's weight
+    transforms left them: [taps][C] for specgen.dwcl), "bias" its bias, and the bytes each advances
+    per sample."""
 
     key: str
     step: KernelStep
@@ -235,11 +236,8 @@ def _argument(source: str, name: str, buffers: dict, params: dict, weight, bias)
     """The tensor a kernel step's argument points at (see _Kernel)."""
     if source == "b":
         return buffers[name]
-    if source == "w":  # a depthwise conv's weights [C, 1, K_H, K_W] as [taps][C], kept per weight version
-        from specgen import dwcl
-
-        channels, taps = weight.shape[0], weight[0].numel()
-        return tmarun.derived(weight, ("dwcl taps", channels, taps), lambda w: dwcl.weight_taps(w, channels, taps))
+    if source == "w":
+        return weight
     if source == "bias":
         return bias
     return params[name]

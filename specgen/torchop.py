@@ -569,6 +569,8 @@ def transformed_weight(weight: torch.Tensor, transform: dict) -> torch.Tensor:
         return pool_fold_weight(weight, transform["groups"], transform["dims"])
     if transform["kind"] == "upsample_fold":  # a conv over an upsampled input, as the transposed conv it equals
         return upsample_weight(weight, transform["groups"], transform["taps"])
+    if transform["kind"] == "taps_major":  # a depthwise conv's [C, 1, k...] as [taps][C] (specgen.dwcl's kernel)
+        return weight.reshape(transform["channels"], transform["taps"]).t().contiguous()
     raise ValueError(f"unknown weight transform {transform['kind']!r}")
 
 

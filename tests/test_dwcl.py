@@ -6,10 +6,11 @@ builds without spills. On a GPU: tests/test_dwcl_gpu.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from build_helpers import spilled
 from specgen import compile as nvcc
-from specgen import dwcl, pipeline
+from specgen import dwcl, pipeline, torchop
 from specgen.kernelplan import SequencePlan
 from specgen.plan import Settings, build_plan
 from specgen.render import render_plan
@@ -40,6 +41,11 @@ def test_the_channels_last_plan_is_one_kernel_and_the_contiguous_one_is_unchange
     assert step.args == ["x", "weight", "bias", "p_ln_weight", "p_ln_bias", "out"]
     assert step.grid_x == -(-56 * 7 // dwcl.WARPS) and step.threads == 32 * dwcl.WARPS
     assert plan.out_shape == contiguous.out_shape and plan.flops_per_sample > 0
+    # the weights reach the kernel tap-major, through the plan's weight transform
+    (transform,) = plan.weight_transforms
+    weight = torch.randn(96, 1, 7, 7)
+    taps = torchop.transformed_weight(weight, transform)
+    assert taps.shape == (49, 96) and taps.is_contiguous() and torch.equal(taps[10], weight[:, 0, 1, 3])
     assert "a warp per 8 neighbouring position(s) of a row" in describe(plan)
     source = render_plan(plan)
     assert "constexpr int C = 96;" in source and "constexpr int SPAN = 14;" in source

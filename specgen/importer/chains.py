@@ -632,8 +632,7 @@ class Analysis(Capture):
             return None
         if d_n not in subs:
             return None
-        # every deviation used only by the square and the normalization
-        if set(subs) | {q, out} != {n for s in subs for n in value_users(s)} | set(subs):
+        if {n for s in subs for n in value_users(s)} != {q, out}:  # the deviations: read by these two alone
             return None
         nodes = sorted({u, *subs, q, v, ve, root, out}, key=self.order.get)
         return nodes, out, float(eps)

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx import Node
 
+from specgen import tmarun
 from specgen.importer.report import ModelImportError
 
 
@@ -33,8 +34,6 @@ class _TensorInfo:
 def _info(value):
     """_TensorInfo for a tensor, a tuple of them for a tuple holding tensors, else None."""
     if isinstance(value, torch.Tensor):
-        from specgen import tmarun
-
         return _TensorInfo(tuple(value.shape), value.dtype, value.dim() > 3 and tmarun.channels_last(value))
     if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
         return tuple(_info(v) for v in value)
