@@ -57,7 +57,8 @@ def torch_context() -> dict:
     """The torch settings a PyTorch chain's time depends on, beyond the GPU."""
     import torch
 
-    return {"torch": torch.__version__, "cudnn_tf32": bool(torch.backends.cudnn.allow_tf32)}
+    return {"torch": torch.__version__, "cudnn_tf32": bool(torch.backends.cudnn.allow_tf32),
+            "matmul_tf32": bool(torch.backends.cuda.matmul.allow_tf32)}  # (an imported Linear's PyTorch time)
 
 
 def _store_dir(subdir: str = SUBDIR) -> Path:

@@ -35,6 +35,11 @@ from specgen.spec import LayerSpec, load
 
 
 class FusedLayer(nn.Module):
+    # The shape the conv weight is viewed in for the op where the layer keeps it otherwise (an
+    # imported Linear's weight, [C_out, C_in], for the 1x1 conv's [C_out, C_in, 1, 1]; the kernels
+    # read the same memory); None: kept in the spec's shape.
+    _flat_weight: tuple | None = None
+
     def __init__(self, spec_or_path, *, arch: str | None = None, tune: bool = False, tune_batch: int | None = None,
                  precision: str | None = None):
         """`precision` overrides the spec's; a spec that does not set one runs as PyTorch would run
@@ -127,8 +132,13 @@ class FusedLayer(nn.Module):
         """The layer's custom op, `torch.ops.specgen.<name>_<key[:12]>`."""
         return torchop.register(self.spec, self._specialized, self.arch)
 
+    def _op_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The conv weight as the op takes it: the spec's shape (a view, through which gradients
+        reach the tensor kept: an imported Linear's [C_out, C_in] weight, `_flat_weight`)."""
+        return weight if self._flat_weight is None else weight.view(self._flat_weight)
+
     def _op_tensors(self) -> list[torch.Tensor]:
-        tensors = [self.conv.weight]
+        tensors = [self._op_weight(self.conv.weight)]
         if self._has_bias:
             tensors.append(self.conv.bias)
         tensors.extend(_tensor(self, name) for name in self._param_names)
@@ -198,7 +208,7 @@ class FusedLayer(nn.Module):
     def _twin_tensors(self) -> list[torch.Tensor]:
         """The eval twin's tensors after x: weight, bias, then its params() (batch norms' running
         statistics among them), each viewed in the twin's shape."""
-        tensors = [self.conv.weight, *([self.conv.bias] if self._has_bias else [])]
+        tensors = [self._op_weight(self.conv.weight), *([self.conv.bias] if self._has_bias else [])]
         for name, want in self._twin_params:
             tensors.append(spec_shaped(_tensor(self, name), want))
         return tensors
@@ -306,7 +316,7 @@ class FusedLayer(nn.Module):
                 sp = self._specialized or self.specialize()  # (binds the op of its key)
                 bias = (_tensor(conv, "bias"),) if self._has_bias else ()
                 params = self._launch_params() if self._param_names else {}
-                return torchop.eager_autograd(self._spec_op, sp, (x, weight, *bias, *(params[n] for n in self._param_names),
+                return torchop.eager_autograd(self._spec_op, sp, (x, self._op_weight(weight), *bias, *(params[n] for n in self._param_names),
                                                                   *inputs))
         else:
             self._check_portable_input(x)

@@ -843,6 +843,55 @@ class ConvNeXtBlock(nn.Module):
         return x + y.permute(0, 3, 1, 2)
 
 
+class ConvNeXtMLP(nn.Module):
+    """ConvNeXt's whole block: after the depthwise conv and the LayerNorm, its MLP's Linear layers
+    over the channels-last values are 1x1 convs (`chains._start_linear`), the first with its GELU,
+    the second with the layer scale (a [C] parameter along the last dim), the permute back and the
+    residual add."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.dw = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pw1 = nn.Linear(dim, 4 * dim)
+        self.act = nn.GELU()
+        self.pw2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(0.5 + 0.5 * torch.rand(dim))
+
+    def forward(self, x):
+        y = self.norm(self.dw(x).permute(0, 2, 3, 1))
+        y = self.pw2(self.act(self.pw1(y)))
+        return x + (self.gamma * y).permute(0, 3, 1, 2)
+
+
+class FunctionalLinear(nn.Module):
+    """F.linear over the input moved channels-last, pointwise ops on both sides of the permute
+    back: one 1x1 conv chain, which reads the input where it lies (the permute joins it)."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2 * dim, dim) / dim ** 0.5)
+        self.b = nn.Parameter(torch.randn(2 * dim))
+        self.shift = nn.Parameter(torch.randn(2 * dim))
+
+    def forward(self, x):
+        y = F.linear(x.permute(0, 2, 3, 1), self.w, self.b)
+        y = torch.sigmoid(y * 2.0 + self.shift)
+        return torch.relu(y.permute(0, 3, 1, 2) - 0.5)
+
+
+class LinearOverTokens(nn.Module):
+    """A Linear over a conv's positions flattened into tokens ([N, L, C]): PyTorch's."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.proj = nn.Linear(C, 8)
+
+    def forward(self, x):
+        return torch.relu(self.proj(self.conv(x).flatten(2).transpose(1, 2)))
+
+
 class LogSoftmaxForms(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1377,6 +1426,8 @@ CASES: list[Case] = [
     Case(ChannelsLayerNorm3d, VOL, [["layer_norm_channels", "tanh"]]),
     Case(WrittenLayerNormForms, IMG, [["layer_norm_channels", "mul", "add", "relu", "layer_norm_channels", "layer_norm_channels",
                                        "mul"]]),
+    Case(ConvNeXtMLP, (2, 32, 8, 8), [["layer_norm_channels"], ["gelu"], ["mul", "add"]]),
+    Case(FunctionalLinear, (2, 32, 8, 8), [["mul", "add", "sigmoid", "sub", "relu"]]),
     Case(SoftmaxAfterRelu, IMG, [["relu", "mul", "softmax"]]),
     Case(SoftmaxOverPositions, IMG, [["clamp", "softmax", "mul"]]),
     Case(BatchNormTraining, IMG, [["batch_norm", "relu"]]),
@@ -1408,7 +1459,9 @@ def _double():
 FALLBACKS: list[FallbackCase] = [
     FallbackCase(DividedByTheBatch, IMG, [["relu"]], [("truediv", "computed by the model")]),
     # (the depthwise conv and the LayerNorm fuse, their output permuted channels-last for the Linear)
-    FallbackCase(ConvNeXtBlock, IMG, [["layer_norm_channels"]], [("pw", "not a supported op")]),
+    # (3 channels: the Linear's 1x1 conv plans for the FFMA engine, which reads no residual)
+    FallbackCase(ConvNeXtBlock, IMG, [["layer_norm_channels"]], [("pw", "with an extra input the layer cannot be planned")]),
+    FallbackCase(LinearOverTokens, IMG, [], [("proj", "a Linear over a 3-D tensor runs as PyTorch")]),
     FallbackCase(TwoBranches, IMG, [], [("conv", "is used by 2 nodes"), ("relu", "used more than once")]),
     FallbackCase(IntermediateReturned, IMG, [["relu"]], [("sigmoid", "also returned by the model")]),
     FallbackCase(CumsumAfterConv, IMG, [], [("cumsum", "torch.cumsum is not a supported op"), ("conv", "nothing to fuse")]),

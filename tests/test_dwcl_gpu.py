@@ -64,10 +64,13 @@ def test_convnext_runs_its_blocks_channels_last_and_matches_float64():
         x = cls.example_input(batch=2, device="cuda")
         fused = from_module(model, x, keep_slower=True)
         layers = [m for m in fused.modules() if isinstance(m, FusedLayer)]
-        assert len(layers) == 6
+        blocks = [m for m in layers if m.spec.name.endswith("_dwconv")]
+        # the stem, each block's depthwise conv + LayerNorm and its two Linear layers (1x1 convs)
+        assert len(layers) == 16 and len(blocks) == 5
+        assert sum(m.spec.name.endswith(("_pwconv1", "_pwconv2")) for m in layers) == 10
         with torch.no_grad():
             got = fused(x)
             want64 = model.double()(x.double())
-    variants = [pipeline.channels_last_variant(m.specialize()) for m in layers[1:]]
+    variants = [pipeline.channels_last_variant(m.specialize()) for m in blocks]
     assert all(v is not None and v.plan.channels_last_io for v in variants)
     assert rel_l2(got, want64) <= 1e-5

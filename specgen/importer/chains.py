@@ -36,6 +36,7 @@ from specgen.importer.recognize import (
     Counter,
     Dim1,
     IdentityOp,
+    LinearOp,
     NormOp,
     PoolOp,
     PW,
@@ -51,6 +52,11 @@ from specgen.spec import LayerSpec, SpecError, validate
 
 # A chain's dtype -> its spec's precision (None: float32, whose precision the caller or cuDNN's TF32 flag decides).
 PRECISION_OF = {torch.float32: None, torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+_SAME = object()  # _commit's default permutation: the chain's value's
+# how a Linear that is not fused over the channels of a 4-D / 5-D value says why (such a Linear's
+# refusal is warned about; a classifier's Linear over [N, features] is just PyTorch's)
+_LINEAR_FUSED = "only a Linear over the channels of a channels-last 4-D or 5-D value is fused"
 
 
 @dataclass(eq=False)
@@ -85,6 +91,16 @@ class _Chain:
     # permuted (ConvNeXt's LayerNorm over the channels, whose output feeds Linear layers
     # channels-last): the rewrite permutes the fused output so; None: as the spec lays it out
     out_perm: Optional[tuple] = None
+    # the dims order that makes the fused layer's input from `input_node`: a Linear's chain reads
+    # the [N, H, W, C] value it is applied to as [N, C, H, W] (x.permute(0, 3, 1, 2)); None: as it is
+    in_perm: Optional[tuple] = None
+    linear: bool = False  # started by a Linear: the fused layer's weight is the Linear's [C_out, C_in]
+
+    @property
+    def model_view(self) -> tuple:
+        """The shape of `out` as the model sees it (`view` permuted by `out_perm`)."""
+        view = tuple(self.view)
+        return view if self.out_perm is None else tuple(view[d] for d in self.out_perm)
 
     @property
     def input_node(self) -> Node:
@@ -116,6 +132,9 @@ class Analysis(Capture):
     def __init__(self, model: nn.Module, inputs: tuple, precision: Optional[str] = None):
         # The precision of float32 chains: the caller's, else what cuDNN would do (TF32 when allowed).
         self.precision32 = precision or ("tf32" if torch.backends.cudnn.allow_tf32 else "fp32")
+        # A Linear's (a 1x1 conv over channels-last values): what cuBLAS would do, whose TF32 flag
+        # is off by default (nn.Linear is then plain fp32, as the fp32 mode's 3xTF32 is)
+        self.precision_linear = precision or ("tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32")
         super().__init__(model, inputs)
         recognizer = Recognizer(self.gm)
         self.describe, self.classify = recognizer.describe, recognizer.classify
@@ -137,7 +156,7 @@ class Analysis(Capture):
         for node in self.nodes:
             if node.op in ("call_module", "call_function") and node not in self.covered:
                 desc = self.classify(node)
-                if isinstance(desc, ConvOp):
+                if isinstance(desc, (ConvOp, LinearOp)):
                     self._chain(node, desc)
 
     def _record(self, nodes, reason: str, subject: bool = False) -> None:
@@ -147,19 +166,21 @@ class Analysis(Capture):
                 self.reasons.setdefault(n, f"{self.describe(n)}: {reason}" if subject else reason)
                 self.warn.add(n)
 
-    def _chain(self, conv: Node, desc: ConvOp) -> None:
+    def _chain(self, conv: Node, desc) -> None:
         try:
-            chain = _start(self, conv, desc)
+            chain = _start_linear(self, conv, desc) if isinstance(desc, LinearOp) else _start(self, conv, desc)
         except Reject as rej:
             self.reasons[conv] = rej.reason
-            self.warn.add(conv)
+            if not (isinstance(desc, LinearOp) and rej.reason.endswith(_LINEAR_FUSED)):  # (a classifier's Linear: no news)
+                self.warn.add(conv)
             return
         while self._extend(chain):
             pass
         self._settle_saves(chain)
         if not chain.stages:
             why = chain.stop or "its output is not followed by a fusable op"
-            self.reasons[conv] = f"{self.describe(conv)}: nothing to fuse after this convolution: {why}"
+            what = "Linear" if chain.linear else "convolution"
+            self.reasons[conv] = f"{self.describe(conv)}: nothing to fuse after this {what}: {why}"
             self.warn.add(conv)
             return
         name = unique(self._layer_name(chain), self.spec_names)
@@ -195,6 +216,8 @@ class Analysis(Capture):
         if not users:
             chain.stop = f"{cur.name} is not used"
             return False
+        if chain.out_perm is not None:
+            return self._extend_permuted(chain, users)
         taken = [u for u in users if u in self.covered]
         if taken:  # another chain took it, with this value as its extra input
             chain.stop = f"{cur.name} is an extra input of the fused chain {self.covered[taken[0]].spec.name}"
@@ -246,8 +269,8 @@ class Analysis(Capture):
         try:
             if isinstance(desc, Reject):
                 raise desc
-            if isinstance(desc, ConvOp):
-                chain.stop = f"{cur.name} feeds another convolution ({user.name})"
+            if isinstance(desc, (ConvOp, LinearOp)):
+                chain.stop = f"{cur.name} feeds another {'convolution' if isinstance(desc, ConvOp) else 'Linear'} ({user.name})"
                 return False
             if isinstance(desc, PW):
                 raise Reject(chain.rejected.get(user, f"{self.describe(user)} does not fit the chain"))
@@ -271,10 +294,36 @@ class Analysis(Capture):
             return False
         return True
 
-    def _commit(self, chain: _Chain, stages: list, nodes: list, out: Node, check=None, perm: Optional[tuple] = None) -> None:
+    def _extend_permuted(self, chain: _Chain, users: list) -> bool:
+        """The next step of a chain whose value the model holds permuted (a Linear's output, channels
+        last): pointwise regions were tried first (their per-channel operands along the last dim);
+        the permute back joins as a view, after which the chain goes on as any other; anything else
+        ends it, its output permuted as the model reads it."""
+        cur = chain.out
+        rank = len(chain.out_perm)
+        back = tuple(chain.out_perm.index(d) for d in range(rank))
+        if len(users) == 1 and users[0].op != "output" and users[0].args[:1] == (cur,) \
+                and _permutation(users[0], rank) == back:
+            self._commit(chain, [], [users[0]], users[0], perm=None)
+            return True
+        desc = self.classify(users[0]) if len(users) == 1 else None
+        if len(users) == 1 and users[0] in chain.rejected:  # (a pointwise op that could not join: why)
+            chain.stop = chain.rejected[users[0]]
+            self._record(users, chain.stop)
+        elif isinstance(desc, (ConvOp, LinearOp)):
+            chain.stop = f"{cur.name} feeds another {'convolution' if isinstance(desc, ConvOp) else 'Linear'} ({users[0].name})"
+        else:
+            chain.stop = (f"{cur.name} is channels-last ({list(chain.model_view)}): after pointwise ops only its "
+                          f"permute back to [N, C, ...] joins the fused chain, which ends there, its output permuted "
+                          f"as the model reads it")
+        return False
+
+    def _commit(self, chain: _Chain, stages: list, nodes: list, out: Node, check=None, perm=_SAME) -> None:
         """Add `stages` (covering `nodes`, ending at `out`) to the chain; `check(spec)` may refuse
         the spec they make before anything changes. `perm`: `out` is the chain's value permuted so
-        (`_Chain.out_perm`)."""
+        (`_Chain.out_perm`; by default as the chain's value before them was)."""
+        if perm is _SAME:
+            perm = chain.out_perm
         spec = chain.spec
         if stages:
             data = {**chain.data, "epilogue": chain.stages + stages}
@@ -827,6 +876,58 @@ def _start(imp: Analysis, conv: Node, desc: ConvOp) -> _Chain:
     chain.view = shape_of(conv)
     if chain.view is None or tuple(chain.view) != tuple(chain.spec_out):
         raise Reject(f"{where}: the spec's output {list(chain.spec_out)} differs from the model's {chain.view}")
+    return chain
+
+
+def _start_linear(imp: Analysis, node: Node, desc: LinearOp) -> _Chain:
+    """A chain of a Linear over the channels of a 4-D or 5-D value ([N, H, W, C] or [N, D, H, W, C],
+    channels last: ConvNeXt's MLP after its LayerNorm): the 1x1 convolution of that value read as
+    [N, C, H, W] (`_Chain.in_perm`, a view: no copy where the value is contiguous, which makes the
+    conv's input channels-last), its output held as the model sees it (`_Chain.out_perm`)."""
+    where = imp.describe(node)
+    inp = desc.input
+    shape = shape_of(inp) if isinstance(inp, Node) else None
+    if shape is None:
+        raise Reject(f"{where}: its input is not a tensor value of the graph")
+    if len(shape) not in (4, 5):
+        raise Reject(f"{where}: a Linear over a {len(shape)}-D tensor runs as PyTorch; {_LINEAR_FUSED}")
+    dtype = dtype_of(inp)
+    if dtype not in PRECISION_OF:
+        raise Reject(f"{where}: the input is {dtype}; only float32, bfloat16 and float16 layers are fused")
+    try:
+        weight = _tensor_of(imp, desc.weight, "weight")
+        bias = _tensor_of(imp, desc.bias, "bias")
+    except Reject as rej:
+        raise Reject(f"{where}: {rej.reason}") from None
+    for t in (weight, bias):
+        if t is not None and t.tensor.dtype != dtype:
+            raise Reject(f"{where}: the {t.path} is {t.tensor.dtype}, the input {dtype}; a layer's tensors share one dtype")
+    if len(weight.shape) != 2 or weight.shape[1] != shape[-1] or not weight.tensor.is_contiguous():
+        raise Reject(f"{where}: the weight has shape {list(weight.shape)} for an input of {shape[-1]} features")
+    rank, nd = len(shape), len(shape) - 2
+    in_perm = (0, rank - 1, *range(1, rank - 1))
+    data = {
+        "name": "chain",
+        "input": {"channels": shape[-1], "size": list(shape[1:-1])},
+        "conv": {"out_channels": weight.shape[0], "kernel": [1] * nd, "stride": 1, "padding": 0, "dilation": 1,
+                 "groups": 1, "bias": bias is not None},
+        "epilogue": [],
+        "precision": PRECISION_OF[dtype] or imp.precision_linear,
+    }
+    try:
+        spec = validate(data)
+    except SpecError as err:
+        raise Reject(f"{where}: the spec would not validate: {'; '.join(err.problems)}") from None
+    conv = ConvOp(inp, nd, weight, bias, 1, 0, 1, 1)
+    chain = _Chain(node, conv, data, spec, batch=shape[0], nodes=[node], out=node, weight=weight, bias=bias, dtype=dtype,
+                   in_perm=in_perm, out_perm=(0, *range(2, rank), 1), linear=True)
+    if _permutation(inp, rank) == chain.out_perm and len(value_users(inp)) == 1 and isinstance(inp.args[0], Node):
+        # the model moved an [N, C, H, W] value's channels last for the Linear: the permute joins,
+        # and the fused layer reads that value as it lies
+        chain.source, chain.in_perm, chain.nodes = inp.args[0], None, [inp, node]
+    chain.view = tuple(chain.spec_out)
+    if shape_of(node) is None or chain.model_view != tuple(shape_of(node)):
+        raise Reject(f"{where}: the spec's output {list(chain.spec_out)} differs from the model's {shape_of(node)}")
     return chain
 
 

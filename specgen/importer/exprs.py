@@ -133,8 +133,8 @@ class Regions:
         shape = shape_of(node)
         if dtype_of(node) != chain.dtype and not (desc.op in ops.COMPARISONS and dtype_of(node) == torch.bool):
             raise Reject(f"{where}: produces {dtype_of(node)}, the chain is {chain.dtype}")
-        if shape is None or tuple(shape) != tuple(chain.view):
-            raise Reject(f"{where}: its result has shape {shape and list(shape)}, not the chain's {list(chain.view)}")
+        if shape is None or tuple(shape) != chain.model_view:
+            raise Reject(f"{where}: its result has shape {shape and list(shape)}, not the chain's {list(chain.model_view)}")
         if desc.inplace:
             target = desc.operands[0]
             if not (isinstance(target, Node) and target in inside and value_users(target) == [node]):
@@ -242,6 +242,9 @@ class Regions:
         if not self._param_only(node):
             shape = shape_of(node)
             view = tuple(chain.view)
+            if chain.out_perm is not None:
+                raise Reject(f"operand {node.name} is computed by the model; of a channels-last chain value "
+                             f"{list(chain.model_view)} only numbers and per-channel parameters join the chain")
             per_sample_channel = view[:2] + (1,) * (len(view) - 2)
             if not along_dim1 and shape is not None and tuple(shape) in (view, per_sample_channel):
                 if dtype_of(node) != chain.dtype:
@@ -270,7 +273,7 @@ class Regions:
             return base
         if isinstance(desc, PW) and not desc.inplace:  # computed from parameters only
             shape = shape_of(node)
-            if shape is None or not broadcasts_into(shape, chain.view):
+            if shape is None or not broadcasts_into(shape, chain.model_view):
                 raise Reject(f"operand {node.name} would broadcast the chain to a larger shape")
             return PW(desc.op, tuple(self._leaf(chain, o) for o in desc.operands), desc.attrs)
         raise Reject(
@@ -285,6 +288,13 @@ class Regions:
             raise Reject(f"{ref.path} is per-channel but the channel dim was reduced away")
         shape, view = tuple(ref.shape), tuple(chain.view)
         numel = math.prod(shape)
+        if chain.out_perm is not None and not along_dim1 and numel != 1:
+            # the model holds the chain value permuted (channels last): the operand broadcasts against
+            # that, and lies along the channels where it does after the permute back
+            if not broadcasts_into(shape, chain.model_view):
+                raise Reject(f"{ref.path} of shape {list(shape)} would broadcast the chain to a larger shape")
+            aligned = (1,) * (len(view) - len(shape)) + shape
+            shape = tuple(aligned[chain.out_perm.index(d)] for d in range(len(view)))
         if along_dim1:
             if numel != extent or (extent != 1 and dim != 1):
                 raise Reject(f"{ref.path} has {numel} values along dim 1, not the {extent} channels")
@@ -293,14 +303,14 @@ class Regions:
             return
         if numel != extent:
             raise Reject(
-                f"{ref.path} has shape {list(shape)}; only numbers, scalar tensors and per-channel tensors "
+                f"{ref.path} has shape {list(ref.shape)}; only numbers, scalar tensors and per-channel tensors "
                 f"({extent} values along the channel dim) are fused"
             )
         if not broadcasts_into(shape, view):
             raise Reject(f"{ref.path} of shape {list(shape)} would broadcast the chain to a larger shape")
         aligned = (1,) * (len(view) - len(shape)) + shape
         if extent != 1 and aligned[dim] != extent:
-            raise Reject(f"{ref.path} of shape {list(shape)} does not lie along the channel dim {dim} of {list(view)}")
+            raise Reject(f"{ref.path} of shape {list(ref.shape)} does not lie along the channel dim of {list(chain.model_view)}")
 
     # -- a segment as one spec stage ----------------------------------------------------------
 

@@ -152,6 +152,17 @@ class ConvOp:
     output_padding: Any = 0
 
 
+@dataclass(eq=False)
+class LinearOp:
+    """nn.Linear / F.linear: over the channels of a 4-D or 5-D value laid out channels-last
+    ([N, H, W, C], as ConvNeXt's block applies its MLP), a 1x1 convolution that starts a chain
+    (`chains._start_linear`); over any other tensor it runs as PyTorch."""
+
+    input: Any
+    weight: Any
+    bias: Any
+
+
 def pointwise_row(op: str):
     """The op table's row of a PW's op: a spec op, or a function written only as an expr."""
     return ops.POINTWISE.get(op) or ops.EXPR_ONLY[op]
@@ -500,6 +511,11 @@ def _conv_module(m: nn.Module, path: str) -> dict:
     return read
 
 
+def _linear_module(m: nn.Module, path: str) -> dict:
+    bias = None if m.bias is None else TensorRef(f"{path}.bias", m.bias, tuple(m.bias.shape))
+    return {"weight": TensorRef(f"{path}.weight", m.weight, tuple(m.weight.shape)), "bias": bias}
+
+
 def _dropout(b):
     if b["training"] and b["p"] > 0:
         raise Reject("dropout in training mode is random (call model.eval() to fuse it as the identity)")
@@ -541,6 +557,11 @@ _FRAME = [
             _CONV_T, ("F.conv_transpose{nd}d", "torch.conv_transpose{nd}d"), modules=("ConvTranspose{nd}d",), nd=_ND
         ),
         _conv_module,
+    ),
+    _FrameRow(
+        lambda nd: lambda b: LinearOp(b["input"], b["weight"], b["bias"]),
+        ops.Spelling("input, weight, bias=None", ("F.linear",), modules=("Linear",)),
+        _linear_module,
     ),
     # no-ops in eval mode
     _FrameRow(

@@ -68,7 +68,7 @@ class ImportedLayer(FusedLayer):
     def _op_tensors(self) -> list:
         """The op's tensor arguments after x: weight, bias (when the conv has one), then the
         per-channel tensors in spec.params() order, each in its spec shape."""
-        tensors = [self.conv.weight]
+        tensors = [self._op_weight(self.conv.weight)]
         if self.spec.conv.bias:
             tensors.append(self.conv.bias)
         tensors.extend(self._spec_shaped(name) for name in self._spec_shapes)
@@ -150,8 +150,12 @@ def measure(imp: Analysis, chain, gpu_only: bool = False) -> Choice:
     if gpu_only:
         context["graph"] = True
     # the input as the model hands it to the chain: channels-last where the model's input is (run
-    # channels-last), or where the example run found this chain's input so (ConvNeXt's blocks)
-    channels_last = imp.channels_last or channels_last_of(chain.input_node)
+    # channels-last), or where the example run found this chain's input so (ConvNeXt's blocks); a
+    # Linear's [N, H, W, C] input, contiguous, is read permuted: [N, C, H, W] channels-last
+    inp = chain.input_node
+    first = chain.in_perm is None and (imp.channels_last or channels_last_of(inp))
+    formats = [first, *(imp.channels_last or channels_last_of(node) for node in chain.inputs.values())]
+    channels_last = first or chain.in_perm is not None
     if channels_last:
         context["channels_last"] = True
     key = measured.decision_key(layer.key, measured.gpu_identity(device), measured.batch_bucket(chain.batch), context)
@@ -160,14 +164,16 @@ def measure(imp: Analysis, chain, gpu_only: bool = False) -> Choice:
     if record is not None:
         ms, pt = record["specgen_ms"], record["pytorch_ms"]
         return Choice(name, ms < pt, ms, pt, prefix + "cached")
-    inp = chain.input_node
     shapes = [shape_of(inp), *(shape_of(n) for n in chain.inputs.values())]
     generator = torch.Generator(device=device).manual_seed(0)
-    inputs = [[_laid_out(torch.randn(s, device=device, generator=generator).to(chain.dtype), channels_last)
-               for s in shapes] for _ in range(2)]
+    inputs = [[_laid_out(torch.randn(s, device=device, generator=generator).to(chain.dtype), fmt)
+               for s, fmt in zip(shapes, formats)] for _ in range(2)]
     compare = measured.compare_graphed if gpu_only else measured.compare
+    perm = chain.in_perm
     with buffers_kept(imp.model, layer):  # a training-mode batch norm updates its running statistics on every call
-        if chain.inputs:  # the extra inputs too, fresh random tensors of their shapes
+        if perm is not None:  # (the layer reads a Linear's input permuted, as the fused graph hands it)
+            ms, pt = compare(lambda a: layer(a[0].permute(*perm), *a[1:]), lambda a: plain(*a), [tuple(a) for a in inputs])
+        elif chain.inputs:  # the extra inputs too, fresh random tensors of their shapes
             ms, pt = compare(lambda a: layer(*a), lambda a: plain(*a), [tuple(a) for a in inputs])
         else:
             ms, pt = compare(layer, plain, [a[0] for a in inputs])
@@ -242,7 +248,8 @@ def fused_graph(imp: Analysis) -> fx.GraphModule:
         # output): the call goes where the chain's output was, after all of them
         extras = [replaced.get(node, node) for node in chain.inputs.values()]
         with graph.inserting_before(chain.out if extras else conv):
-            fused = graph.call_module(name, (inp, *extras))
+            read = inp if chain.in_perm is None else graph.call_method("permute", (inp, *chain.in_perm))
+            fused = graph.call_module(name, (read, *extras))
             final = fused
             if tuple(chain.view) != tuple(chain.spec_out):
                 final = graph.call_method("reshape", (fused, -1, *chain.view[1:]))
@@ -288,6 +295,8 @@ def _new_layer(imp: Analysis, chain) -> ImportedLayer:
         layer.conv = chain.desc.module
     else:
         _share(layer.conv, "weight", chain.weight.tensor)
+        if chain.linear:  # (a Linear's weight [C_out, C_in]: the op sees it as the 1x1 conv's)
+            layer._flat_weight = tuple(chain.spec.weight_shape())
         if chain.bias is not None:
             _share(layer.conv, "bias", chain.bias.tensor)
     for name, tensor in chain.tensors.items():

@@ -1,0 +1,130 @@
+"""An nn.Linear / F.linear over the channels of a channels-last value ([N, H, W, C], ConvNeXt's MLP)
+imported as a 1x1 conv chain (`specgen.importer.chains._start_linear`): what becomes a chain, its
+precision, the fused graph's reads, shared parameters and gradients (on the CPU reference path;
+the kernels are checked in test_importer_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn as nn  # noqa: E402
+
+import import_models as im  # noqa: E402
+from specgen.importer import explain, from_module  # noqa: E402
+from specgen.module import FusedLayer  # noqa: E402
+
+MLP_IN = (2, 32, 8, 8)
+
+
+def _layers(fused) -> list:
+    return [m for m in fused.modules() if isinstance(m, FusedLayer)]
+
+
+def test_a_convnext_blocks_linear_layers_become_1x1_conv_chains():
+    torch.manual_seed(0)
+    report = explain(im.ConvNeXtMLP(), torch.randn(MLP_IN))
+    assert report.fallbacks == []
+    norm, first, second = report.specs
+    assert first.input.channels == 32 and first.input.size == [8, 8] and first.conv.out_channels == 128
+    assert first.conv.kernel == [1, 1] and first.conv.bias
+    assert [next(iter(s)) for s in first.model_dump(exclude_none=True)["epilogue"]] == ["gelu"]
+    assert second.input.channels == 128 and second.conv.out_channels == 32
+    assert list(second.params()) == ["gamma"] and second.params()["gamma"] == (32, 1, 1)
+    assert len(second.inputs()) == 1  # (the residual: the block's input)
+
+
+def test_a_linears_precision_follows_the_matmul_flag_not_cudnns():
+    """nn.Linear runs on cuBLAS, whose TF32 flag is off by default: its chain is fp32 then, whatever
+    cuDNN's flag says of the convs; `precision=` sets both."""
+    torch.manual_seed(0)
+    model, x = im.ConvNeXtMLP(), torch.randn(MLP_IN)
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert [s.precision for s in explain(model, x).specs] == ["tf32", "fp32", "fp32"]
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = False
+        assert [s.precision for s in explain(model, x).specs] == ["fp32", "tf32", "tf32"]
+        assert [s.precision for s in explain(model, x, precision="fp32").specs] == ["fp32"] * 3
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_the_fused_layers_share_the_linears_tensors_and_train_them():
+    torch.manual_seed(0)
+    model, x = im.ConvNeXtMLP(), torch.randn(MLP_IN)
+    fused = from_module(model, x)
+    _, first, second = _layers(fused)
+    assert first.conv.weight is model.pw1.weight and first.conv.bias is model.pw1.bias  # ([C_out, C_in], as the Linear's)
+    assert second.conv.weight is model.pw2.weight and second.gamma is model.gamma
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x))
+    model(x).sin().sum().backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    fused(x).sin().sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], msg=name)
+    before = model.pw1.weight.detach().clone()
+    torch.optim.SGD(fused.parameters(), lr=0.1).step()
+    assert not torch.equal(model.pw1.weight.detach(), before)
+
+
+def test_the_fused_graph_reads_the_linears_input_permuted_or_where_it_lies():
+    """After the LayerNorm the fused layer reads the [N, H, W, C] value as [N, C, H, W] (a view:
+    channels-last memory); where the model itself moved an NCHW value's channels last for the
+    Linear, the permute joins the chain and the layer reads that value as it is."""
+    torch.manual_seed(0)
+    fused = from_module(im.ConvNeXtMLP(), torch.randn(MLP_IN))
+    calls = [n for n in fused.graph.nodes if n.op == "call_module"]
+    assert len(calls) == 3
+    read = calls[1].args[0]
+    assert read.op == "call_method" and read.target == "permute" and tuple(read.args[1:]) == (0, 3, 1, 2)
+    functional = from_module(im.FunctionalLinear(), torch.randn(MLP_IN))
+    (call,) = [n for n in functional.graph.nodes if n.op == "call_module"]
+    assert call.args[0].op == "placeholder"
+    torch.manual_seed(1)
+    model, x = im.FunctionalLinear(), torch.randn(MLP_IN)
+    with torch.no_grad():
+        torch.testing.assert_close(from_module(model, x)(x), model(x))
+
+
+class _ScaleAlongW(nn.Module):
+    """A Linear's output scaled by a parameter along W, not the channels: the chain ends before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.pw = nn.Linear(32, 32)
+        self.scale = nn.Parameter(torch.rand(8, 1))
+
+    def forward(self, x):
+        return torch.relu(self.pw(x.permute(0, 2, 3, 1))) * self.scale
+
+
+class _LinearThenMean(nn.Module):
+    """A Linear whose channels-last output is reduced over H and W: nothing joins it."""
+
+    def __init__(self):
+        super().__init__()
+        self.pw = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.pw(x.permute(0, 2, 3, 1)).mean((1, 2))
+
+
+def test_what_does_not_lie_along_the_channels_stays_pytorchs():
+    torch.manual_seed(0)
+    report = explain(_ScaleAlongW(), torch.randn(MLP_IN))
+    assert [[next(iter(s)) for s in spec.model_dump(exclude_none=True)["epilogue"]] for spec in report.specs] == [["relu"]]
+    (fallback,) = report.fallbacks
+    assert fallback.node == "mul" and "scale has shape [8, 1]" in fallback.reason
+    report = explain(_LinearThenMean(), torch.randn(MLP_IN))
+    assert report.specs == []
+    reason = {fb.node: fb.reason for fb in report.fallbacks}["pw"]
+    assert "nothing to fuse after this Linear" in reason and "channels-last" in reason
+    model, x = _ScaleAlongW(), torch.randn(MLP_IN)
+    with torch.no_grad():
+        torch.testing.assert_close(from_module(model, x)(x), model(x))
