@@ -128,3 +128,14 @@ def test_what_does_not_lie_along_the_channels_stays_pytorchs():
     model, x = _ScaleAlongW(), torch.randn(MLP_IN)
     with torch.no_grad():
         torch.testing.assert_close(from_module(model, x)(x), model(x))
+
+
+def test_a_16_bit_models_linear_layers_stay_pytorchs():
+    """(A bfloat16 ConvNeXt-T at batch 64 with its Linear chains fused failed a launch in a CUDA-graph
+    replay: until that is understood, a Linear is fused in float32 models only.)"""
+    torch.manual_seed(0)
+    model = im.ConvNeXtMLP().to(torch.bfloat16)
+    report = explain(model, torch.randn(MLP_IN).to(torch.bfloat16))
+    reasons = {fb.node: fb.reason for fb in report.fallbacks}
+    assert "a Linear is fused in float32 models only" in reasons["pw1"]
+    assert "a Linear is fused in float32 models only" in reasons["pw2"]

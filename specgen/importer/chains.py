@@ -892,8 +892,10 @@ def _start_linear(imp: Analysis, node: Node, desc: LinearOp) -> _Chain:
     if len(shape) not in (4, 5):
         raise Reject(f"{where}: a Linear over a {len(shape)}-D tensor runs as PyTorch; {_LINEAR_FUSED}")
     dtype = dtype_of(inp)
-    if dtype not in PRECISION_OF:
-        raise Reject(f"{where}: the input is {dtype}; only float32, bfloat16 and float16 layers are fused")
+    if dtype != torch.float32:
+        # (a bfloat16 ConvNeXt-T at batch 64 with its Linear chains fused failed a launch in the
+        # benchmark's CUDA-graph replay, not yet explained: 16-bit Linear layers stay PyTorch's)
+        raise Reject(f"{where}: the input is {dtype}; a Linear is fused in float32 models only (fp32 / tf32)")
     try:
         weight = _tensor_of(imp, desc.weight, "weight")
         bias = _tensor_of(imp, desc.bias, "bias")
@@ -912,7 +914,7 @@ def _start_linear(imp: Analysis, node: Node, desc: LinearOp) -> _Chain:
         "conv": {"out_channels": weight.shape[0], "kernel": [1] * nd, "stride": 1, "padding": 0, "dilation": 1,
                  "groups": 1, "bias": bias is not None},
         "epilogue": [],
-        "precision": PRECISION_OF[dtype] or imp.precision_linear,
+        "precision": imp.precision_linear,
     }
     try:
         spec = validate(data)
