@@ -61,3 +61,21 @@ def test_a_convnext_blocks_fused_output_is_read_channels_last():
     layers = [m for m in fused.modules() if isinstance(m, FusedLayer)]
     assert len(layers) == 1 and layers[0].key
     _matches("ConvNeXtBlock", fused, model, x)
+
+
+def test_linear_chains_train_on_cuda_as_the_original():
+    """ConvNeXt's MLP as 1x1 conv chains (fp32 mode) in training mode: the gradients reach each
+    Linear's own [C_out, C_in] weight through the op's view of it (`FusedLayer._flat_weight`), and
+    the layer scale's along the channels, as PyTorch's."""
+    torch.manual_seed(0)
+    model = im.ConvNeXtMLP().cuda().train()
+    x = torch.randn(2, 32, 8, 8, device="cuda")
+    fused = from_module(model, x, keep_slower=True)
+    names = [m.spec.name for m in fused.modules() if isinstance(m, FusedLayer)]
+    assert sum(n.endswith(("_pw1", "_pw2")) for n in names) == 2, names
+    model(x).sin().sum().backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    fused(x).sin().sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-4, msg=name)

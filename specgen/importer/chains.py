@@ -804,6 +804,19 @@ def _tensor_of(imp: Capture, value, what: str) -> Optional[TensorRef]:
     raise Reject(f"the {what} is computed in forward; only a parameter or buffer of the model can be shared")
 
 
+def _weight_and_bias(imp: Analysis, desc, where: str, dtype) -> tuple[TensorRef, Optional[TensorRef]]:
+    """The layer's weight and bias (None without one), tensors of the model of the input's dtype."""
+    try:
+        weight = _tensor_of(imp, desc.weight, "weight")
+        bias = _tensor_of(imp, desc.bias, "bias")
+    except Reject as rej:
+        raise Reject(f"{where}: {rej.reason}") from None
+    for t in (weight, bias):
+        if t is not None and t.tensor.dtype != dtype:
+            raise Reject(f"{where}: the {t.path} is {t.tensor.dtype}, the input {dtype}; a layer's tensors share one dtype")
+    return weight, bias
+
+
 def _start(imp: Analysis, conv: Node, desc: ConvOp) -> _Chain:
     """A chain of the convolution alone (its spec has no stage yet), or a Reject saying why the
     convolution cannot start one."""
@@ -817,14 +830,7 @@ def _start(imp: Analysis, conv: Node, desc: ConvOp) -> _Chain:
         raise Reject(f"{where}: the input is {dtype}; only float32, bfloat16 and float16 layers are fused")
     if len(in_shape) != desc.nd + 2:
         raise Reject(f"{where}: the input has shape {list(in_shape)}; a batched input [N, C, ...] is needed")
-    try:
-        weight = _tensor_of(imp, desc.weight, "weight")
-        bias = _tensor_of(imp, desc.bias, "bias")
-    except Reject as rej:
-        raise Reject(f"{where}: {rej.reason}") from None
-    for t in (weight, bias):
-        if t is not None and t.tensor.dtype != dtype:
-            raise Reject(f"{where}: the {t.path} is {t.tensor.dtype}, the input {dtype}; a layer's tensors share one dtype")
+    weight, bias = _weight_and_bias(imp, desc, where, dtype)
     kernel = list(weight.shape[2:])
     if len(weight.shape) != desc.nd + 2:
         raise Reject(f"{where}: the weight has shape {list(weight.shape)}")
@@ -896,14 +902,7 @@ def _start_linear(imp: Analysis, node: Node, desc: LinearOp) -> _Chain:
         # (a bfloat16 ConvNeXt-T at batch 64 with its Linear chains fused failed a launch in the
         # benchmark's CUDA-graph replay, not yet explained: 16-bit Linear layers stay PyTorch's)
         raise Reject(f"{where}: the input is {dtype}; a Linear is fused in float32 models only (fp32 / tf32)")
-    try:
-        weight = _tensor_of(imp, desc.weight, "weight")
-        bias = _tensor_of(imp, desc.bias, "bias")
-    except Reject as rej:
-        raise Reject(f"{where}: {rej.reason}") from None
-    for t in (weight, bias):
-        if t is not None and t.tensor.dtype != dtype:
-            raise Reject(f"{where}: the {t.path} is {t.tensor.dtype}, the input {dtype}; a layer's tensors share one dtype")
+    weight, bias = _weight_and_bias(imp, desc, where, dtype)
     if len(weight.shape) != 2 or weight.shape[1] != shape[-1] or not weight.tensor.is_contiguous():
         raise Reject(f"{where}: the weight has shape {list(weight.shape)} for an input of {shape[-1]} features")
     rank, nd = len(shape), len(shape) - 2
