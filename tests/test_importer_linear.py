@@ -139,3 +139,33 @@ def test_a_16_bit_models_linear_layers_stay_pytorchs():
     reasons = {fb.node: fb.reason for fb in report.fallbacks}
     assert "a Linear is fused in float32 models only" in reasons["pw1"]
     assert "a Linear is fused in float32 models only" in reasons["pw2"]
+
+
+class _Linear3d(nn.Module):
+    """A bias-free Linear over a 3-D conv's channels moved last ([N, D, H, W, C]), whose permuted
+    value the model also reads elsewhere (so the permute stays the model's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(16, 16, 3, padding=1)
+        self.pw = nn.Linear(16, 24, bias=False)
+
+    def forward(self, x):
+        y = self.conv(x).permute(0, 2, 3, 4, 1)
+        z = torch.tanh(self.pw(y) * 0.5).permute(0, 4, 1, 2, 3)
+        return z, y.sum()
+
+
+def test_a_bias_free_linear_over_a_3d_value_is_a_1x1x1_conv():
+    torch.manual_seed(0)
+    model, x = _Linear3d(), torch.randn(2, 16, 4, 6, 6)
+    report = explain(model, x)
+    (spec,) = report.specs
+    assert spec.conv.kernel == [1, 1, 1] and not spec.conv.bias and spec.input.size == [4, 6, 6]
+    assert [next(iter(s)) for s in spec.model_dump(exclude_none=True)["epilogue"]] == ["mul", "tanh"]
+    fused = from_module(model, x)
+    (call,) = [n for n in fused.graph.nodes if n.op == "call_module" and isinstance(fused.get_submodule(n.target), FusedLayer)]
+    assert call.args[0].target == "permute" and tuple(call.args[0].args[1:]) == (0, 4, 1, 2, 3)
+    with torch.no_grad():
+        got, want = fused(x), model(x)
+    torch.testing.assert_close(got, want)
