@@ -127,4 +127,3 @@ def describe(tp: DwclTail) -> str:
     return (f"depthwise {tp.k[0]}x{tp.k[1]} conv and {tp.op_comment} over {tp.c} channels on channels-last tensors: "
             f"a warp per {tp.pt} neighbouring position(s) of a row, {tp.lane_vecs} float4(s) of channels a lane, "
             f"the statistics by butterflies; weights {'in registers per window row' if tp.weights_in_registers else 'from the cache'}")
-

@@ -169,3 +169,14 @@ def test_a_bias_free_linear_over_a_3d_value_is_a_1x1x1_conv():
     with torch.no_grad():
         got, want = fused(x), model(x)
     torch.testing.assert_close(got, want)
+
+
+def test_a_linear_over_tokens_is_reported_but_not_warned_about(caplog):
+    torch.manual_seed(0)
+    model, x = im.LinearOverTokens(), torch.randn(im.IMG)
+    with caplog.at_level("WARNING", logger="specgen"):
+        from_module(model, x)
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "conv runs as PyTorch" in warned and "proj" not in warned
+    reasons = {fb.node: fb.reason for fb in explain(model, x).fallbacks}
+    assert "a Linear over a 3-D tensor runs as PyTorch" in reasons["proj"]

@@ -54,9 +54,11 @@ from specgen.spec import LayerSpec, SpecError, validate
 PRECISION_OF = {torch.float32: None, torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 _SAME = object()  # _commit's default permutation: the chain's value's
-# how a Linear that is not fused over the channels of a 4-D / 5-D value says why (such a Linear's
-# refusal is warned about; a classifier's Linear over [N, features] is just PyTorch's)
-_LINEAR_FUSED = "only a Linear over the channels of a channels-last 4-D or 5-D value is fused"
+
+
+class _OtherLinear(Reject):
+    """A Linear over something other than the channels of a 4-D / 5-D value (a classifier's over
+    [N, features], tokens [N, L, C]): PyTorch's, said in the report but not warned about."""
 
 
 @dataclass(eq=False)
@@ -94,7 +96,11 @@ class _Chain:
     # the dims order that makes the fused layer's input from `input_node`: a Linear's chain reads
     # the [N, H, W, C] value it is applied to as [N, C, H, W] (x.permute(0, 3, 1, 2)); None: as it is
     in_perm: Optional[tuple] = None
-    linear: bool = False  # started by a Linear: the fused layer's weight is the Linear's [C_out, C_in]
+
+    @property
+    def linear(self) -> bool:
+        """Started by a Linear: the fused layer's weight is the Linear's [C_out, C_in] (a conv's never 2-D)."""
+        return len(self.weight.shape) == 2
 
     @property
     def model_view(self) -> tuple:
@@ -171,7 +177,7 @@ class Analysis(Capture):
             chain = _start_linear(self, conv, desc) if isinstance(desc, LinearOp) else _start(self, conv, desc)
         except Reject as rej:
             self.reasons[conv] = rej.reason
-            if not (isinstance(desc, LinearOp) and rej.reason.endswith(_LINEAR_FUSED)):  # (a classifier's Linear: no news)
+            if not isinstance(rej, _OtherLinear):
                 self.warn.add(conv)
             return
         while self._extend(chain):
@@ -896,7 +902,8 @@ def _start_linear(imp: Analysis, node: Node, desc: LinearOp) -> _Chain:
     if shape is None:
         raise Reject(f"{where}: its input is not a tensor value of the graph")
     if len(shape) not in (4, 5):
-        raise Reject(f"{where}: a Linear over a {len(shape)}-D tensor runs as PyTorch; {_LINEAR_FUSED}")
+        raise _OtherLinear(f"{where}: a Linear over a {len(shape)}-D tensor runs as PyTorch; only a Linear over the "
+                           f"channels of a channels-last 4-D or 5-D value is fused")
     dtype = dtype_of(inp)
     if dtype != torch.float32:
         # (a bfloat16 ConvNeXt-T at batch 64 with its Linear chains fused failed a launch in the
@@ -921,7 +928,7 @@ def _start_linear(imp: Analysis, node: Node, desc: LinearOp) -> _Chain:
         raise Reject(f"{where}: the spec would not validate: {'; '.join(err.problems)}") from None
     conv = ConvOp(inp, nd, weight, bias, 1, 0, 1, 1)
     chain = _Chain(node, conv, data, spec, batch=shape[0], nodes=[node], out=node, weight=weight, bias=bias, dtype=dtype,
-                   in_perm=in_perm, out_perm=(0, *range(2, rank), 1), linear=True)
+                   in_perm=in_perm, out_perm=(0, *range(2, rank), 1))
     if _permutation(inp, rank) == chain.out_perm and len(value_users(inp)) == 1 and isinstance(inp.args[0], Node):
         # the model moved an [N, C, H, W] value's channels last for the Linear: the permute joins,
         # and the fused layer reads that value as it lies
