@@ -18,6 +18,7 @@ C_IN, C = 3, 4
 IMG = (2, C_IN, 8, 8)
 VOL = (2, C_IN, 5, 6, 6)
 SEQ = (2, C_IN, 16)
+TOKENS = (2, 17, 32)  # [N, L, C]: a transformer's tokens
 
 
 def conv2d(**kw) -> nn.Conv2d:
@@ -881,7 +882,8 @@ class FunctionalLinear(nn.Module):
 
 
 class LinearOverTokens(nn.Module):
-    """A Linear over a conv's positions flattened into tokens ([N, L, C]): PyTorch's."""
+    """A Linear over a conv's positions flattened into tokens ([N, L, C]): a 1x1 conv over L x 1
+    positions (`_Chain.tokens`), reading the conv's output as it lies."""
 
     def __init__(self):
         super().__init__()
@@ -890,6 +892,33 @@ class LinearOverTokens(nn.Module):
 
     def forward(self, x):
         return torch.relu(self.proj(self.conv(x).flatten(2).transpose(1, 2)))
+
+
+class TransformerMLP(nn.Module):
+    """A transformer block's MLP over tokens [N, L, C] (its pre-norm left out: a model input starts
+    no chain): the first Linear with its GELU, the second with the layer scale and the residual
+    add (the block's input, an extra input read permuted as the spec lays it out)."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(0.5 + 0.5 * torch.rand(dim))
+
+    def forward(self, x):
+        return x + self.gamma * self.fc2(F.gelu(self.fc1(x)))
+
+
+class LinearClassifier(nn.Module):
+    """A classifier's Linear over pooled features [N, C]: PyTorch's, said but not warned about."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = conv2d()
+        self.head = nn.Linear(C, 10)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).mean((2, 3)))
 
 
 class LogSoftmaxForms(nn.Module):
@@ -1428,6 +1457,7 @@ CASES: list[Case] = [
                                        "mul"]]),
     Case(ConvNeXtMLP, (2, 32, 8, 8), [["layer_norm_channels"], ["gelu"], ["mul", "add"]]),
     Case(FunctionalLinear, (2, 32, 8, 8), [["mul", "add", "sigmoid", "sub", "relu"]]),
+    Case(TransformerMLP, TOKENS, [["gelu"], ["mul", "add"]]),
     Case(SoftmaxAfterRelu, IMG, [["relu", "mul", "softmax"]]),
     Case(SoftmaxOverPositions, IMG, [["clamp", "softmax", "mul"]]),
     Case(BatchNormTraining, IMG, [["batch_norm", "relu"]]),
@@ -1461,7 +1491,8 @@ FALLBACKS: list[FallbackCase] = [
     # (the depthwise conv and the LayerNorm fuse, their output permuted channels-last for the Linear)
     # (3 channels: the Linear's 1x1 conv plans for the FFMA engine, which reads no residual)
     FallbackCase(ConvNeXtBlock, IMG, [["layer_norm_channels"]], [("pw", "with an extra input the layer cannot be planned")]),
-    FallbackCase(LinearOverTokens, IMG, [], [("proj", "a Linear over a 3-D tensor runs as PyTorch")]),
+    FallbackCase(LinearOverTokens, IMG, [["relu"]], [("flatten", "only size-1 dims may be dropped")]),
+    FallbackCase(LinearClassifier, IMG, [["relu", "mean"]], [("head", "a Linear over a 2-D tensor runs as PyTorch")]),
     FallbackCase(TwoBranches, IMG, [], [("conv", "is used by 2 nodes"), ("relu", "used more than once")]),
     FallbackCase(IntermediateReturned, IMG, [["relu"]], [("sigmoid", "also returned by the model")]),
     FallbackCase(CumsumAfterConv, IMG, [], [("cumsum", "torch.cumsum is not a supported op"), ("conv", "nothing to fuse")]),

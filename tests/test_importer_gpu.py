@@ -63,19 +63,25 @@ def test_a_convnext_blocks_fused_output_is_read_channels_last():
     _matches("ConvNeXtBlock", fused, model, x)
 
 
-def test_linear_chains_train_on_cuda_as_the_original():
-    """ConvNeXt's MLP as 1x1 conv chains (fp32 mode) in training mode: the gradients reach each
-    Linear's own [C_out, C_in] weight through the op's view of it (`FusedLayer._flat_weight`), and
-    the layer scale's along the channels, as PyTorch's."""
+@pytest.mark.parametrize("make, shape, linears", [(im.ConvNeXtMLP, (2, 32, 8, 8), ("_pw1", "_pw2")),
+                                                  (im.TransformerMLP, im.TOKENS, ("_fc1", "_fc2"))],
+                         ids=["channels-last", "tokens"])
+def test_linear_chains_train_on_cuda_as_the_original(make, shape, linears):
+    """ConvNeXt's MLP and a transformer's over tokens as 1x1 conv chains (fp32 mode) in training
+    mode: the gradients reach each Linear's own [C_out, C_in] weight through the op's view of it
+    (`FusedLayer._flat_weight`), the layer scale's along the channels and the residual's through
+    its permuted read, as PyTorch's."""
     torch.manual_seed(0)
-    model = im.ConvNeXtMLP().cuda().train()
-    x = torch.randn(2, 32, 8, 8, device="cuda")
-    fused = from_module(model, x, keep_slower=True)
+    model = make().cuda().train()
+    x = torch.randn(shape, device="cuda", requires_grad=True)
+    fused = from_module(model, x.detach(), keep_slower=True)
     names = [m.spec.name for m in fused.modules() if isinstance(m, FusedLayer)]
-    assert sum(n.endswith(("_pw1", "_pw2")) for n in names) == 2, names
+    assert sum(n.endswith(linears) for n in names) == 2, names
     model(x).sin().sum().backward()
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    expected["input"], x.grad = x.grad.clone(), None
     model.zero_grad()
     fused(x).sin().sum().backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-4, msg=name)
+    torch.testing.assert_close(x.grad, expected["input"], rtol=1e-4, atol=1e-4, msg="input")

@@ -171,12 +171,63 @@ def test_a_bias_free_linear_over_a_3d_value_is_a_1x1x1_conv():
     torch.testing.assert_close(got, want)
 
 
-def test_a_linear_over_tokens_is_reported_but_not_warned_about(caplog):
+def test_a_classifiers_linear_is_reported_but_not_warned_about(caplog):
     torch.manual_seed(0)
-    model, x = im.LinearOverTokens(), torch.randn(im.IMG)
+    model, x = im.LinearClassifier(), torch.randn(im.IMG)
     with caplog.at_level("WARNING", logger="specgen"):
         from_module(model, x)
-    warned = " ".join(r.getMessage() for r in caplog.records)
-    assert "conv runs as PyTorch" in warned and "proj" not in warned
+    assert not [r for r in caplog.records if "head" in r.getMessage()]
     reasons = {fb.node: fb.reason for fb in explain(model, x).fallbacks}
-    assert "a Linear over a 3-D tensor runs as PyTorch" in reasons["proj"]
+    assert "a Linear over a 2-D tensor runs as PyTorch" in reasons["head"]
+
+
+def test_a_transformers_mlp_over_tokens_is_two_1x1_conv_chains():
+    """Tokens [N, L, C]: each Linear is the 1x1 conv of [N, C, L, 1], read as the unsqueezed value
+    permuted (channels-last memory: no copy); the residual is an extra input read the same way, and
+    the model sees the output permuted back with the unit dim squeezed."""
+    torch.manual_seed(0)
+    model, x = im.TransformerMLP(), torch.randn(im.TOKENS)
+    report = explain(model, x)
+    first, second = report.specs
+    assert first.input.channels == 32 and first.input.size == [17, 1] and first.conv.kernel == [1, 1]
+    assert second.input.channels == 128 and second.conv.out_channels == 32
+    assert list(second.params()) == ["gamma"] and list(second.inputs().values()) == [(32, 17, 1)]
+    fused = from_module(model, x)
+    calls = [n for n in fused.graph.nodes if n.op == "call_module" and isinstance(fused.get_submodule(n.target), FusedLayer)]
+    read, residual = calls[1].args
+    assert (read.target, tuple(read.args[1:])) == ("permute", (0, 3, 1, 2))
+    assert (read.args[0].target, read.args[0].args[1:]) == ("unsqueeze", (-2,))
+    assert residual.target == "permute" and residual.args[0].args[0].op == "placeholder"
+    (user,) = calls[1].users
+    assert (user.target, tuple(user.args[1:])) == ("permute", (0, 2, 3, 1))
+    assert list(user.users)[0].target == "squeeze"
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x))
+    model(x).sin().sum().backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    fused(x).sin().sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], msg=name)
+
+
+class _TokensTimesComputed(nn.Module):
+    """A Linear over tokens times a tensor the model computes of another shape: the chain ends."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) * x.mean(1, keepdim=True)
+
+
+def test_over_tokens_only_tensors_of_the_values_shape_join():
+    torch.manual_seed(0)
+    model, x = _TokensTimesComputed(), torch.randn(im.TOKENS)
+    report = explain(model, x)
+    assert [[next(iter(s)) for s in spec.model_dump(exclude_none=True)["epilogue"]] for spec in report.specs] == [["relu"]]
+    reason = {fb.node: fb.reason for fb in report.fallbacks}["mul"]
+    assert "shape [2, 1, 32]" in reason and "[2, 17, 32]" in reason
+    with torch.no_grad():
+        torch.testing.assert_close(from_module(model, x)(x), model(x))

@@ -57,8 +57,8 @@ _SAME = object()  # _commit's default permutation: the chain's value's
 
 
 class _OtherLinear(Reject):
-    """A Linear over something other than the channels of a 4-D / 5-D value (a classifier's over
-    [N, features], tokens [N, L, C]): PyTorch's, said in the report but not warned about."""
+    """A Linear over a 2-D value (a classifier's over [N, features]): PyTorch's, said in the report
+    but not warned about."""
 
 
 @dataclass(eq=False)
@@ -96,6 +96,15 @@ class _Chain:
     # the dims order that makes the fused layer's input from `input_node`: a Linear's chain reads
     # the [N, H, W, C] value it is applied to as [N, C, H, W] (x.permute(0, 3, 1, 2)); None: as it is
     in_perm: Optional[tuple] = None
+    # a Linear's chain over tokens: the model's value is [N, L, C], which the spec holds as the 2-D
+    # [N, C, L, 1] (the Linear a 1x1 conv over L x 1 positions); the fused layer reads the value
+    # unsqueezed at dim -2, then permuted by `in_perm`, and the model sees the output permuted by
+    # `out_perm` with that unit dim dropped again
+    tokens: bool = False
+    # an extra input the model holds as the chain value permuted (a transformer's residual added
+    # to a Linear's output over tokens) -> the tensor methods that make the fused layer's input from
+    # it (`permuted_back_steps` when it joined); an extra input not here is read as it is
+    input_steps: dict = field(default_factory=dict)
 
     @property
     def linear(self) -> bool:
@@ -106,7 +115,41 @@ class _Chain:
     def model_view(self) -> tuple:
         """The shape of `out` as the model sees it (`view` permuted by `out_perm`)."""
         view = tuple(self.view)
-        return view if self.out_perm is None else tuple(view[d] for d in self.out_perm)
+        if self.out_perm is not None:
+            view = tuple(view[d] for d in self.out_perm)
+        return view[:-2] + view[-1:] if self.tokens else view
+
+    def spec_order(self, shape, perm=_SAME) -> tuple:
+        """`shape`, a shape as the model sees the chain's value (or one that broadcasts against it,
+        aligned to its last dims), in the spec's dims order: the unit W put back where the value is
+        tokens, the permutation `perm` (by default `out_perm`) undone."""
+        perm = self.out_perm if perm is _SAME else perm
+        if perm is None:
+            return tuple(shape)
+        aligned = (1,) * (len(perm) - self.tokens - len(shape)) + tuple(shape)
+        if self.tokens:
+            aligned = aligned[:-1] + (1,) + aligned[-1:]
+        return tuple(aligned[perm.index(d)] for d in range(len(perm)))
+
+    def read_steps(self) -> list:
+        """The tensor methods, with their arguments, that make the fused layer's input from the
+        value it reads (`input_node`): none, or a Linear's permute (tokens: after an unsqueeze)."""
+        if self.in_perm is None:
+            return []
+        return ([("unsqueeze", (-2,))] if self.tokens else []) + [("permute", self.in_perm)]
+
+    def permuted_back_steps(self) -> list:
+        """The tensor methods that make a tensor shaped as the model holds the chain value now
+        (`model_view`) into the spec's layout: tokens' unit W put back, `out_perm` undone."""
+        back = tuple(self.out_perm.index(d) for d in range(len(self.out_perm)))
+        return ([("unsqueeze", (-2,))] if self.tokens else []) + [("permute", back)]
+
+    def out_steps(self) -> list:
+        """The tensor methods, with their arguments, that make the model's view of the fused layer's
+        output (after any reshape to `view`): its permute (`out_perm`), tokens' unit W squeezed."""
+        if self.out_perm is None:
+            return []
+        return [("permute", self.out_perm)] + ([("squeeze", (-2,))] if self.tokens else [])
 
     @property
     def input_node(self) -> Node:
@@ -318,6 +361,9 @@ class Analysis(Capture):
             self._record(users, chain.stop)
         elif isinstance(desc, (ConvOp, LinearOp)):
             chain.stop = f"{cur.name} feeds another {'convolution' if isinstance(desc, ConvOp) else 'Linear'} ({users[0].name})"
+        elif chain.tokens:
+            chain.stop = (f"{cur.name} holds tokens ({list(chain.model_view)}): after a Linear over them only pointwise "
+                          f"ops join the fused chain")
         else:
             chain.stop = (f"{cur.name} is channels-last ({list(chain.model_view)}): after pointwise ops only its "
                           f"permute back to [N, C, ...] joins the fused chain, which ends there, its output permuted "
@@ -343,7 +389,7 @@ class Analysis(Capture):
                 check(spec)
         view = shape_of(out)
         if view is not None and perm is not None:  # (the value before the permute: out's dim k is its dim perm[k])
-            view = tuple(view[perm.index(j)] for j in range(len(perm)))
+            view = chain.spec_order(view, perm)
         spec_out = spec.output_shape(chain.batch)
         if view is None or not same_layout(view, spec_out):
             raise Reject(f"the spec's output {list(spec_out)} does not match the model's {view}")
@@ -892,18 +938,20 @@ def _start(imp: Analysis, conv: Node, desc: ConvOp) -> _Chain:
 
 
 def _start_linear(imp: Analysis, node: Node, desc: LinearOp) -> _Chain:
-    """A chain of a Linear over the channels of a 4-D or 5-D value ([N, H, W, C] or [N, D, H, W, C],
-    channels last: ConvNeXt's MLP after its LayerNorm): the 1x1 convolution of that value read as
-    [N, C, H, W] (`_Chain.in_perm`, a view: no copy where the value is contiguous, which makes the
-    conv's input channels-last), its output held as the model sees it (`_Chain.out_perm`)."""
+    """A chain of a Linear over the last dim of a 3-D to 5-D value: over the channels of a
+    channels-last [N, H, W, C] or [N, D, H, W, C] (ConvNeXt's MLP after its LayerNorm), the 1x1
+    convolution of that value read as [N, C, H, W] (`_Chain.in_perm`, a view: no copy where the
+    value is contiguous, which makes the conv's input channels-last); over tokens [N, L, C] (a
+    transformer's MLP), the 1x1 convolution of [N, C, L, 1] (`_Chain.tokens`). Its output is held as
+    the model sees it (`_Chain.out_perm`)."""
     where = imp.describe(node)
     inp = desc.input
     shape = shape_of(inp) if isinstance(inp, Node) else None
     if shape is None:
         raise Reject(f"{where}: its input is not a tensor value of the graph")
-    if len(shape) not in (4, 5):
+    if len(shape) not in (3, 4, 5):
         raise _OtherLinear(f"{where}: a Linear over a {len(shape)}-D tensor runs as PyTorch; only a Linear over the "
-                           f"channels of a channels-last 4-D or 5-D value is fused")
+                           f"last dim of a 3-D to 5-D value (tokens [N, L, C], channels-last [N, H, W, C]) is fused")
     dtype = dtype_of(inp)
     if dtype != torch.float32:
         # (a bfloat16 ConvNeXt-T at batch 64 with its Linear chains fused failed a launch in the
@@ -912,11 +960,13 @@ def _start_linear(imp: Analysis, node: Node, desc: LinearOp) -> _Chain:
     weight, bias = _weight_and_bias(imp, desc, where, dtype)
     if len(weight.shape) != 2 or weight.shape[1] != shape[-1] or not weight.tensor.is_contiguous():
         raise Reject(f"{where}: the weight has shape {list(weight.shape)} for an input of {shape[-1]} features")
-    rank, nd = len(shape), len(shape) - 2
+    tokens = len(shape) == 3
+    size = [shape[1], 1] if tokens else list(shape[1:-1])
+    rank, nd = len(size) + 2, len(size)
     in_perm = (0, rank - 1, *range(1, rank - 1))
     data = {
         "name": "chain",
-        "input": {"channels": shape[-1], "size": list(shape[1:-1])},
+        "input": {"channels": shape[-1], "size": size},
         "conv": {"out_channels": weight.shape[0], "kernel": [1] * nd, "stride": 1, "padding": 0, "dilation": 1,
                  "groups": 1, "bias": bias is not None},
         "epilogue": [],
@@ -928,8 +978,9 @@ def _start_linear(imp: Analysis, node: Node, desc: LinearOp) -> _Chain:
         raise Reject(f"{where}: the spec would not validate: {'; '.join(err.problems)}") from None
     conv = ConvOp(inp, nd, weight, bias, 1, 0, 1, 1)
     chain = _Chain(node, conv, data, spec, batch=shape[0], nodes=[node], out=node, weight=weight, bias=bias, dtype=dtype,
-                   in_perm=in_perm, out_perm=(0, *range(2, rank), 1))
-    if _permutation(inp, rank) == chain.out_perm and len(value_users(inp)) == 1 and isinstance(inp.args[0], Node):
+                   in_perm=in_perm, out_perm=(0, *range(2, rank), 1), tokens=tokens)
+    if not tokens and _permutation(inp, rank) == chain.out_perm and len(value_users(inp)) == 1 \
+            and isinstance(inp.args[0], Node):
         # the model moved an [N, C, H, W] value's channels last for the Linear: the permute joins,
         # and the fused layer reads that value as it lies
         chain.source, chain.in_perm, chain.nodes = inp.args[0], None, [inp, node]

@@ -35,9 +35,10 @@ class InputRef:
     shape per sample where it is [C, 1, ...], one value per sample and channel (a time embedding
     viewed as [N, C, 1, 1]); None where it is the chain value's."""
 
-    def __init__(self, node: Node, shape: Optional[tuple] = None):
+    def __init__(self, node: Node, shape: Optional[tuple] = None, permuted: bool = False):
         self.node = node
         self.shape = shape
+        self.permuted = permuted  # of the chain value's shape as the model holds it permuted (`_Chain.out_perm`)
 
     def __repr__(self) -> str:
         return f"InputRef({self.node.name})"
@@ -243,8 +244,15 @@ class Regions:
             shape = shape_of(node)
             view = tuple(chain.view)
             if chain.out_perm is not None:
-                raise Reject(f"operand {node.name} is computed by the model; of a channels-last chain value "
-                             f"{list(chain.model_view)} only numbers and per-channel parameters join the chain")
+                # the chain value as the model holds it, permuted (channels last, or tokens): an
+                # operand of its shape is an extra input, which the fused layer reads permuted back
+                if shape is None or tuple(shape) != chain.model_view:
+                    raise Reject(f"operand {node.name} is computed by the model with shape {shape and list(shape)}; "
+                                 f"of a chain value the model holds as {list(chain.model_view)} only numbers, "
+                                 f"per-channel parameters and tensors of that shape join the chain")
+                if dtype_of(node) != chain.dtype:
+                    raise Reject(f"operand {node.name} is {dtype_of(node)}, the chain is {chain.dtype}")
+                return InputRef(node, permuted=True)
             per_sample_channel = view[:2] + (1,) * (len(view) - 2)
             if not along_dim1 and shape is not None and tuple(shape) in (view, per_sample_channel):
                 if dtype_of(node) != chain.dtype:
@@ -293,8 +301,7 @@ class Regions:
             # that, and lies along the channels where it does after the permute back
             if not broadcasts_into(shape, chain.model_view):
                 raise Reject(f"{ref.path} of shape {list(shape)} would broadcast the chain to a larger shape")
-            aligned = (1,) * (len(view) - len(shape)) + shape
-            shape = tuple(aligned[chain.out_perm.index(d)] for d in range(len(view)))
+            shape = chain.spec_order(shape)
         if along_dim1:
             if numel != extent or (extent != 1 and dim != 1):
                 raise Reject(f"{ref.path} has {numel} values along dim 1, not the {extent} channels")
@@ -386,6 +393,8 @@ class Regions:
             name = f"{name}_input"
         name = unique(name, set(chain.tensors) | set(chain.inputs) | _RESERVED_PARAM_NAMES)
         chain.inputs[name] = ref.node
+        if ref.permuted:
+            chain.input_steps[ref.node] = chain.permuted_back_steps()
         return name
 
 

@@ -169,16 +169,33 @@ def measure(imp: Analysis, chain, gpu_only: bool = False) -> Choice:
     inputs = [[_laid_out(torch.randn(s, device=device, generator=generator).to(chain.dtype), fmt)
                for s, fmt in zip(shapes, formats)] for _ in range(2)]
     compare = measured.compare_graphed if gpu_only else measured.compare
-    perm = chain.in_perm
+    # (the layer reads a Linear's input, and any extra input the model holds permuted, as the fused
+    # graph hands them: permuted views)
+    steps = [chain.read_steps(), *(chain.input_steps.get(n, []) for n in chain.inputs.values())]
     with buffers_kept(imp.model, layer):  # a training-mode batch norm updates its running statistics on every call
-        if perm is not None:  # (the layer reads a Linear's input permuted, as the fused graph hands it)
-            ms, pt = compare(lambda a: layer(a[0].permute(*perm), *a[1:]), lambda a: plain(*a), [tuple(a) for a in inputs])
+        if any(steps):
+            ms, pt = compare(lambda a: layer(*(_read(t, s) for t, s in zip(a, steps))), lambda a: plain(*a),
+                             [tuple(a) for a in inputs])
         elif chain.inputs:  # the extra inputs too, fresh random tensors of their shapes
             ms, pt = compare(lambda a: layer(*a), lambda a: plain(*a), [tuple(a) for a in inputs])
         else:
             ms, pt = compare(layer, plain, [a[0] for a in inputs])
     measured.store(key, {"layer": name, "batch": chain.batch, "specgen_ms": ms, "pytorch_ms": pt})
     return Choice(name, ms < pt, ms, pt, prefix + "measured")
+
+
+def _graph_read(graph: fx.Graph, value: Node, steps: list) -> Node:
+    """`value` through `steps` (`_read`'s), as nodes of `graph` inserted where it inserts now."""
+    for method, args in steps:
+        value = graph.call_method(method, (value, *args))
+    return value
+
+
+def _read(t: torch.Tensor, steps: list) -> torch.Tensor:
+    """`t` through `_Chain.read_steps`: the fused layer's input made from the value it reads."""
+    for method, args in steps:
+        t = getattr(t, method)(*args)
+    return t
 
 
 def _laid_out(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
@@ -248,13 +265,15 @@ def fused_graph(imp: Analysis) -> fx.GraphModule:
         # output): the call goes where the chain's output was, after all of them
         extras = [replaced.get(node, node) for node in chain.inputs.values()]
         with graph.inserting_before(chain.out if extras else conv):
-            read = inp if chain.in_perm is None else graph.call_method("permute", (inp, *chain.in_perm))
-            fused = graph.call_module(name, (read, *extras))
+            reads = [_graph_read(graph, inp, chain.read_steps())]
+            reads += [_graph_read(graph, value, chain.input_steps.get(node, [])) for node, value in zip(chain.inputs.values(), extras)]
+            fused = graph.call_module(name, tuple(reads))
             final = fused
             if tuple(chain.view) != tuple(chain.spec_out):
                 final = graph.call_method("reshape", (fused, -1, *chain.view[1:]))
             if chain.out_perm is not None:  # (the model reads it permuted: ConvNeXt's LayerNorm over the channels)
-                final = graph.call_method("permute", (final, *chain.out_perm))
+                for method, args in chain.out_steps():
+                    final = graph.call_method(method, (final, *args))
             elif channels_last_of(chain.out) and not imp.channels_last:  # (the original's output lay so)
                 final = graph.call_function(as_channels_last, (final,))
         chain.out.replace_all_uses_with(final)
