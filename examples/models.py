@@ -16,6 +16,7 @@ or from the command line, `specgen bench --model examples/models.py:ResNet18 --i
 | `UNet` | a small 2D U-Net: 3 levels of double 3x3 conv + BN + ReLU, upsampling, skip concatenation | 3 x 128 x 128 |
 | `Conv3dStack` | 3D conv + BN + ReLU blocks with two stride-2 steps, global pool, classifier | 3 x 16 x 64 x 64 |
 | `ConvNeXtT` | ConvNeXt-T: 4x4 patch stem, 18 blocks (7x7 depthwise conv, LayerNorm over the channels, MLP, layer scale), LayerNorm + 2x2 downsampling | 3 x 224 x 224 |
+| `ViTS16` | ViT-S/16: 16x16 patch conv, 12 pre-norm transformer blocks over 196 tokens of 384 features (attention by `F.scaled_dot_product_attention`, MLP 384 -> 1536 -> 384, residuals), LayerNorm, mean over tokens, classifier | 3 x 224 x 224 |
 
 Every model also runs at `SMALL_SHAPE` (quick CPU checks). `make()` draws batch-norm statistics and
 affine parameters at random, so no batch norm is an identity.
@@ -309,4 +310,49 @@ class ConvNeXtT(_Example):
         return self.head(self.norm(x.mean([-2, -1])))
 
 
-MODELS = (ResNet18, ResNet50Stage, MobileNetV2, VGG11, UNet, Conv3dStack, ConvNeXtT)
+# -- ViT ------------------------------------------------------------------------------------------
+
+
+class ViTBlock(nn.Module):
+    """Pre-norm transformer block over tokens [N, L, C]: multi-head self-attention, then an MLP
+    C -> 4C (GELU) -> C, each added to the residual stream."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        n, tokens = x.shape[0], x.shape[1]
+        qkv = self.qkv(self.norm1(x)).reshape(n, tokens, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])
+        x = x + self.proj(attn.transpose(1, 2).reshape(n, tokens, -1))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class ViTS16(_Example):
+    INPUT_SHAPE = (3, 224, 224)
+    SMALL_SHAPE = (3, 32, 32)
+
+    def __init__(self, dim: int = 384, depth: int = 12, heads: int = 6, patch: int = 16, num_classes: int = 1000):
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, patch, stride=patch)
+        tokens = (self.INPUT_SHAPE[-1] // patch) ** 2
+        self.pos = nn.Parameter(0.02 * torch.randn(1, tokens, dim))  # (a smaller input takes the first ones)
+        self.blocks = nn.Sequential(*[ViTBlock(dim, heads) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = x + self.pos[:, : x.shape[1]]
+        x = self.blocks(x)
+        return self.head(self.norm(x).mean(1))
+
+
+MODELS = (ResNet18, ResNet50Stage, MobileNetV2, VGG11, UNet, Conv3dStack, ConvNeXtT, ViTS16)

@@ -30,7 +30,7 @@ models = _load_models()
 # The chains each model's structure holds: conv (+ batch norm) (+ activation) (+ a pool that
 # follows directly); a residual add or a concatenation ends a chain.
 CHAINS = {"ResNet18": 20, "ResNet50Stage": 13, "MobileNetV2": 52, "VGG11": 8, "UNet": 15, "Conv3dStack": 5,
-          "ConvNeXtT": 55}
+          "ConvNeXtT": 55, "ViTS16": 36}
 
 
 def test_every_model_is_listed():
