@@ -206,6 +206,36 @@ def test_agreeing_decisions_replay_the_fused_model_itself(graph_gpu):
     assert isinstance(result, FakeReplay) and result.module is result.fallback
 
 
+def test_chains_that_lose_only_on_the_host_are_replayed_from_a_graph(graph_gpu):
+    """Every chain slower fused on the host path (a small batch's launch costs) but one faster on
+    the GPU alone: the original runs outside the graph, the graph replays that chain fused."""
+    model, x = _measured_model(), torch.randn(2, 3, 10, 10)
+    first, second = _names(model, x)
+    graph_gpu.times = {first: (2.0, 1.0), second: (2.0, 1.0)}
+    graph_gpu.graph_times = {first: (2.0, 1.0), second: (0.25, 1.0)}
+    graph_gpu.whole = [(0.5, 1.0)]  # (the graph against the original: no fused model to time before it)
+    result = from_module(model, x)
+    assert isinstance(result, FakeReplay) and result.fallback is model
+    assert [layer.spec.name for layer in _fused(result.module)] == [second]
+    report = result.specgen_report
+    assert [c.fused for c in report.choices] == [False, False] and [c.fused for c in report.graph_choices] == [False, True]
+    assert report.graph == (0.5, 1.0) and graph_gpu.whole == []
+    with torch.no_grad():
+        torch.testing.assert_close(result(x), model(x))
+
+
+def test_chains_that_lose_in_the_graph_too_give_back_the_original(graph_gpu, monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path / "other"))
+    model, x = _measured_model(), torch.randn(2, 3, 10, 10)
+    names = _names(model, x)
+    graph_gpu.times = {name: (2.0, 1.0) for name in names}
+    graph_gpu.graph_times = {name: (2.0, 1.0) for name in names}
+    graph_gpu.whole = []  # (nothing timed whole)
+    result = from_module(model, x)
+    assert result is model and graph_gpu.graph_timed == names
+    assert not isinstance(from_module(model, x, cuda_graph=False), FakeReplay)
+
+
 def test_a_graph_not_faster_is_not_taken(graph_gpu):
     model, x = _measured_model(), torch.randn(2, 3, 10, 10)
     names = _names(model, x)

@@ -292,6 +292,15 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, pr
     if not imp.chains:  # every chain measured no faster fused: the original itself (a rewritten
         # module of PyTorch code only would add its own call overhead), with the report that says why
         model.specgen_report = report
+        if not keep_slower and cuda_graph is not False and _unmeasurable(imp) is None \
+                and _graph_possible(model, example_inputs) is None:
+            # ... unless chains that lose on the host path win inside a CUDA graph, where a chain
+            # costs its GPU time alone (a small batch's Linear layers over tokens)
+            target = _graph_fused(model, example_inputs, precision, model, choices, report, imp.channels_last)
+            graphed = None if target is model else _graph_choice(imp.name, target, model, example_inputs, cuda_graph, report)
+            if graphed is not None:
+                graphed.specgen_report = report
+                return graphed
         return model
     if imp.channels_last:
         report.memory_format = "channels_last"
