@@ -222,6 +222,25 @@ class _TokensTimesComputed(nn.Module):
         return torch.relu(self.fc(x)) * x.mean(1, keepdim=True)
 
 
+class _TokensThenMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)).mean(1)
+
+
+def test_what_follows_a_chain_that_ended_is_told_why_it_ended():
+    """A node after a fused chain's output that could not join it: the report gives the chain's
+    own reason for ending (here: over tokens only pointwise ops join), not 'runs as PyTorch'."""
+    torch.manual_seed(0)
+    report = explain(_TokensThenMean(), torch.randn(im.TOKENS))
+    (spec,) = report.specs
+    reason = {fb.node: fb.reason for fb in report.fallbacks}["mean"]
+    assert f"the fused chain {spec.name} ends before it" in reason and "holds tokens ([2, 17, 16])" in reason
+
+
 def test_over_tokens_only_tensors_of_the_values_shape_join():
     torch.manual_seed(0)
     model, x = _TokensTimesComputed(), torch.randn(im.TOKENS)

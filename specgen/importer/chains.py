@@ -835,6 +835,9 @@ class Analysis(Capture):
         source = inputs[0]
         if source.op == "placeholder":
             return f"{self.describe(node)}: it does not follow a convolution (its input {source.name} is a model input)"
+        chain = self.covered.get(source)
+        if chain is not None and chain.stop:  # (its input is a fused chain's output: why the chain ended there)
+            return f"{self.describe(node)}: the fused chain {chain.spec.name} ends before it: {chain.stop}"
         return f"{self.describe(node)}: it does not follow a fused chain (its input {source.name} runs as PyTorch)"
 
     def report(self, choices: Optional[list[Choice]] = None) -> ImportReport:
