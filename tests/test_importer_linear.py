@@ -22,6 +22,18 @@ def _layers(fused) -> list:
     return [m for m in fused.modules() if isinstance(m, FusedLayer)]
 
 
+def _same_outputs_and_gradients(fused, model, x) -> None:
+    """The fused model's output, and the gradients it gives the original's parameters, as the original's."""
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x))
+    model(x).sin().sum().backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    fused(x).sin().sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], msg=name)
+
+
 def test_a_convnext_blocks_linear_layers_become_1x1_conv_chains():
     torch.manual_seed(0)
     report = explain(im.ConvNeXtMLP(), torch.randn(MLP_IN))
@@ -60,14 +72,7 @@ def test_the_fused_layers_share_the_linears_tensors_and_train_them():
     _, first, second = _layers(fused)
     assert first.conv.weight is model.pw1.weight and first.conv.bias is model.pw1.bias  # ([C_out, C_in], as the Linear's)
     assert second.conv.weight is model.pw2.weight and second.gamma is model.gamma
-    with torch.no_grad():
-        torch.testing.assert_close(fused(x), model(x))
-    model(x).sin().sum().backward()
-    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad()
-    fused(x).sin().sum().backward()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, expected[name], msg=name)
+    _same_outputs_and_gradients(fused, model, x)
     before = model.pw1.weight.detach().clone()
     torch.optim.SGD(fused.parameters(), lr=0.1).step()
     assert not torch.equal(model.pw1.weight.detach(), before)
@@ -201,14 +206,7 @@ def test_a_transformers_mlp_over_tokens_is_two_1x1_conv_chains():
     (user,) = calls[1].users
     assert (user.target, tuple(user.args[1:])) == ("permute", (0, 2, 3, 1))
     assert list(user.users)[0].target == "squeeze"
-    with torch.no_grad():
-        torch.testing.assert_close(fused(x), model(x))
-    model(x).sin().sum().backward()
-    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad()
-    fused(x).sin().sum().backward()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, expected[name], msg=name)
+    _same_outputs_and_gradients(fused, model, x)
 
 
 class _TokensTimesComputed(nn.Module):
