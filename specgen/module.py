@@ -39,6 +39,7 @@ class FusedLayer(nn.Module):
     # imported Linear's weight, [C_out, C_in], for the 1x1 conv's [C_out, C_in, 1, 1]; the kernels
     # read the same memory); None: kept in the spec's shape.
     _flat_weight: tuple | None = None
+    _SHAPE_HINT = ""  # what a wrong input shape's error adds (an imported layer: where its sizes came from)
 
     def __init__(self, spec_or_path, *, arch: str | None = None, tune: bool = False, tune_batch: int | None = None,
                  precision: str | None = None):
@@ -368,6 +369,7 @@ class FusedLayer(nn.Module):
         if x.dim() != 1 + len(want) or tuple(x.shape[1:]) != want:
             raise ValueError(
                 f"{name}: expected an input of shape [batch, {', '.join(map(str, want))}], got {list(x.shape)}"
+                f"{self._SHAPE_HINT}"
             )
 
     def _check_input(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> None:

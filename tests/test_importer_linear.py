@@ -248,3 +248,16 @@ def test_over_tokens_only_tensors_of_the_values_shape_join():
     assert "shape [2, 1, 32]" in reason and "[2, 17, 32]" in reason
     with torch.no_grad():
         torch.testing.assert_close(from_module(model, x)(x), model(x))
+
+
+def test_another_sequence_length_is_refused_saying_what_to_do():
+    """A fused model holds the example's sizes past the batch dim (a kernel per shape): another
+    batch runs, another sequence length is refused with a way out, not a layer's bare shape."""
+    torch.manual_seed(0)
+    model, x = im.TransformerMLP(), torch.randn(im.TOKENS)
+    fused = from_module(model, x)
+    other_batch = torch.randn(3, *im.TOKENS[1:])
+    with torch.no_grad():
+        torch.testing.assert_close(fused(other_batch), model(other_batch))
+        with pytest.raises(ValueError, match="fused for its example's sizes past the batch dim .* call from_module with an example"):
+            fused(torch.randn(2, 23, 32))

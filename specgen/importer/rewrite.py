@@ -35,6 +35,9 @@ class ImportedLayer(FusedLayer):
     functional batch norm, which counts no batches, gets a counter of the layer's own).
     """
 
+    _SHAPE_HINT = ("; the model was fused for its example's sizes past the batch dim (a kernel per shape): for inputs "
+                   "of other sizes call from_module with an example of them, or run the original model")
+
     def __init__(self, spec_or_path, *, arch: str | None = None, batch_stats_always: bool = False):
         """`batch_stats_always`: its training-mode batch norms are F.batch_norm(training=True) calls,
         which normalize with the batch's statistics (and update the running ones) in either mode."""
