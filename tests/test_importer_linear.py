@@ -261,3 +261,33 @@ def test_another_sequence_length_is_refused_saying_what_to_do():
         torch.testing.assert_close(fused(other_batch), model(other_batch))
         with pytest.raises(ValueError, match="fused for its example's sizes past the batch dim .* call from_module with an example"):
             fused(torch.randn(2, 23, 32))
+
+
+class _ResidualChannelsLast(nn.Module):
+    """A ConvNeXt-style block whose residual is added channels-last, before the permute back."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.dw = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        h = self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(self.dw(x).permute(0, 2, 3, 1)))))
+        return (x.permute(0, 2, 3, 1) + h).permute(0, 3, 1, 2)
+
+
+def test_a_residual_added_channels_last_is_an_extra_input_read_permuted_back():
+    torch.manual_seed(0)
+    model, x = _ResidualChannelsLast(), torch.randn(MLP_IN)
+    report = explain(model, x)
+    *_, second = report.specs
+    assert [next(iter(s)) for s in second.model_dump(exclude_none=True)["epilogue"]] == ["add"]
+    assert list(second.inputs().values()) == [(32, 8, 8)]
+    fused = from_module(model, x)
+    (call,) = [n for n in fused.graph.nodes if n.op == "call_module" and n.target.endswith("_fc2")]
+    residual = call.args[1]
+    assert (residual.target, tuple(residual.args[1:])) == ("permute", (0, 3, 1, 2))
+    assert [n.op for n in fused.graph.nodes][-1] == "output" and list(call.users)[0].op == "output"  # (the permute back joined)
+    _same_outputs_and_gradients(fused, model, x)
