@@ -113,7 +113,8 @@ class _Chain:
 
     @property
     def model_view(self) -> tuple:
-        """The shape of `out` as the model sees it (`view` permuted by `out_perm`)."""
+        """The shape of `out` as the model sees it (`view` permuted by `out_perm`; over tokens, the
+        spec's unit W dropped)."""
         view = tuple(self.view)
         if self.out_perm is not None:
             view = tuple(view[d] for d in self.out_perm)
