@@ -1,7 +1,8 @@
 """An nn.Linear / F.linear over the channels of a channels-last value ([N, H, W, C], ConvNeXt's MLP)
-imported as a 1x1 conv chain (`specgen.importer.chains._start_linear`): what becomes a chain, its
-precision, the fused graph's reads, shared parameters and gradients (on the CPU reference path;
-the kernels are checked in test_importer_gpu.py)."""
+or over tokens ([N, L, C], a transformer's) imported as a 1x1 conv chain
+(`specgen.importer.chains._start_linear`): what becomes a chain, its precision, the fused graph's
+reads, shared parameters and gradients (on the CPU reference path; the kernels are checked in
+test_importer_gpu.py), and the layout steps as properties."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.nn as nn  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 import import_models as im  # noqa: E402
 from specgen.importer import explain, from_module  # noqa: E402
+from specgen.importer.chains import _Chain  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 
 MLP_IN = (2, 32, 8, 8)
@@ -291,3 +295,41 @@ def test_a_residual_added_channels_last_is_an_extra_input_read_permuted_back():
     assert (residual.target, tuple(residual.args[1:])) == ("permute", (0, 3, 1, 2))
     assert [n.op for n in fused.graph.nodes][-1] == "output" and list(call.users)[0].op == "output"  # (the permute back joined)
     _same_outputs_and_gradients(fused, model, x)
+
+
+# -- the layout steps of a Linear's chain, as properties -------------------------------------------
+
+
+def _linear_chain(batch: int, channels: int, spatial: list[int]) -> _Chain:
+    """A Linear chain's layout as `_start_linear` sets it: over tokens where `spatial` is one
+    extent (the spec's [N, C, L, 1]), else channels-last [N, *spatial, C]."""
+    tokens = len(spatial) == 1
+    size = [spatial[0], 1] if tokens else list(spatial)
+    rank = len(size) + 2
+    return _Chain(conv=None, desc=None, data={}, spec=None, batch=batch, view=(batch, channels, *size),
+                  in_perm=(0, rank - 1, *range(1, rank - 1)), out_perm=(0, *range(2, rank), 1), tokens=tokens)
+
+
+def _through(t, steps):
+    for method, args in steps:
+        t = getattr(t, method)(*args)
+    return t
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=st.integers(1, 3), channels=st.integers(1, 5), spatial=st.lists(st.integers(1, 4), min_size=1, max_size=3))
+def test_a_linear_chains_layout_steps_invert_each_other(batch, channels, spatial):
+    """What the model sees of the fused output (`out_steps`) read back as the spec lays it out
+    (`permuted_back_steps`, an extra input's read) is the output itself; a model value of the
+    Linear's input shape read through `read_steps` is the spec's input; `spec_order` maps the
+    model's shapes (whole, or per channel along the last dim) to the spec's."""
+    chain = _linear_chain(batch, channels, spatial)
+    y = torch.randn(chain.view)
+    seen = _through(y, chain.out_steps())
+    assert tuple(seen.shape) == chain.model_view == (batch, *spatial, channels)
+    assert torch.equal(_through(seen, chain.permuted_back_steps()), y)
+    x = torch.randn(batch, *spatial, channels)  # (a Linear's input: features last)
+    read = _through(x, chain.read_steps())
+    assert tuple(read.shape) == tuple(chain.view) and torch.equal(_through(read, chain.out_steps()), x)
+    assert chain.spec_order(chain.model_view) == tuple(chain.view)
+    assert chain.spec_order((channels,)) == (1, channels) + (1,) * (len(chain.view) - 2)
