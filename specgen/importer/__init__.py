@@ -289,24 +289,16 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, pr
                 fused, choices, report, imp = fused_given, choices_given, report_given, as_given
             report.memory_formats = (cl_ms, given_ms)
             fused.specgen_report = report
-    if not imp.chains:  # every chain measured no faster fused: the original itself (a rewritten
-        # module of PyTorch code only would add its own call overhead), with the report that says why
-        model.specgen_report = report
-        if not keep_slower and cuda_graph is not False and _unmeasurable(imp) is None \
-                and _graph_possible(model, example_inputs) is None:
-            # ... unless chains that lose on the host path win inside a CUDA graph, where a chain
-            # costs its GPU time alone (a small batch's Linear layers over tokens)
-            target = _graph_fused(model, example_inputs, precision, model, choices, report, imp.channels_last)
-            graphed = None if target is model else _graph_choice(imp.name, target, model, example_inputs, cuda_graph, report)
-            if graphed is not None:
-                graphed.specgen_report = report
-                return graphed
-        return model
-    if imp.channels_last:
+    if not imp.chains:
+        # every chain measured no faster fused: the original itself (a rewritten module of PyTorch
+        # code only would add its own call overhead), unless chains win inside a CUDA graph (below),
+        # where a chain costs its GPU time alone (a small batch's Linear layers over tokens)
+        fused = model
+    elif imp.channels_last:
         report.memory_format = "channels_last"
     chosen: nn.Module = fused
-    measurable = imp.chains and not keep_slower and _unmeasurable(imp) is None
-    if measurable:
+    timed = not keep_slower and _unmeasurable(imp) is None
+    if timed and fused is not model:
         # Chains that win alone can still lose together (caches, launch gaps): the whole model is
         # timed once more, and the original is kept unless the fused one is faster by a margin
         # (a launch-bound model's times move by a few percent from run to run).
@@ -316,24 +308,25 @@ def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, pr
         report.whole_model = (fused_ms, plain_ms)
         if fused_ms >= plain_ms * WHOLE_MODEL_MARGIN:
             chosen = model
-    if imp.chains and cuda_graph is not False:
+    if cuda_graph is not False:
         why = _graph_possible(model, example_inputs)
-        if why is None and cuda_graph is None and not measurable:
+        if why is None and cuda_graph is None and not timed:
             why = "not measured (keep_slower=True times nothing; cuda_graph=True takes a graph untimed)"
         if why is not None:
             (log.warning if cuda_graph else log.info)("%s: no CUDA graph: %s", imp.name, why)
         else:
-            target = _graph_fused(model, example_inputs, precision, fused, choices, report, imp.channels_last) if measurable else fused
-            graphed = _graph_choice(imp.name, target, chosen, example_inputs, cuda_graph, report)
+            target = _graph_fused(model, example_inputs, precision, fused, choices, report, imp.channels_last) if timed else fused
+            graphed = None if target is model else _graph_choice(imp.name, target, chosen, example_inputs, cuda_graph, report)
             if graphed is not None:
                 graphed.specgen_report = report
                 return graphed
     if chosen is model:
-        fused_ms, plain_ms = report.whole_model
-        log.warning(
-            "%s: the fused model (%.3f ms) is not faster than the original (%.3f ms) at this batch: "
-            "keeping the original (keep_slower=True fuses anyway)", imp.name, fused_ms, plain_ms,
-        )
+        if fused is not model:
+            fused_ms, plain_ms = report.whole_model
+            log.warning(
+                "%s: the fused model (%.3f ms) is not faster than the original (%.3f ms) at this batch: "
+                "keeping the original (keep_slower=True fuses anyway)", imp.name, fused_ms, plain_ms,
+            )
         model.specgen_report = report  # the original, with the report that says why
         return model
     return fused
