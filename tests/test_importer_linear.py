@@ -17,6 +17,7 @@ from hypothesis import strategies as st  # noqa: E402
 import import_models as im  # noqa: E402
 from specgen.importer import explain, from_module  # noqa: E402
 from specgen.importer.chains import _Chain  # noqa: E402
+from specgen.importer.rewrite import _read  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 
 MLP_IN = (2, 32, 8, 8)
@@ -310,12 +311,6 @@ def _linear_chain(batch: int, channels: int, spatial: list[int]) -> _Chain:
                   in_perm=(0, rank - 1, *range(1, rank - 1)), out_perm=(0, *range(2, rank), 1), tokens=tokens)
 
 
-def _through(t, steps):
-    for method, args in steps:
-        t = getattr(t, method)(*args)
-    return t
-
-
 @settings(max_examples=60, deadline=None)
 @given(batch=st.integers(1, 3), channels=st.integers(1, 5), spatial=st.lists(st.integers(1, 4), min_size=1, max_size=3))
 def test_a_linear_chains_layout_steps_invert_each_other(batch, channels, spatial):
@@ -325,11 +320,11 @@ def test_a_linear_chains_layout_steps_invert_each_other(batch, channels, spatial
     model's shapes (whole, or per channel along the last dim) to the spec's."""
     chain = _linear_chain(batch, channels, spatial)
     y = torch.randn(chain.view)
-    seen = _through(y, chain.out_steps())
+    seen = _read(y, chain.out_steps())
     assert tuple(seen.shape) == chain.model_view == (batch, *spatial, channels)
-    assert torch.equal(_through(seen, chain.permuted_back_steps()), y)
+    assert torch.equal(_read(seen, chain.permuted_back_steps()), y)
     x = torch.randn(batch, *spatial, channels)  # (a Linear's input: features last)
-    read = _through(x, chain.read_steps())
-    assert tuple(read.shape) == tuple(chain.view) and torch.equal(_through(read, chain.out_steps()), x)
+    read = _read(x, chain.read_steps())
+    assert tuple(read.shape) == tuple(chain.view) and torch.equal(_read(read, chain.out_steps()), x)
     assert chain.spec_order(chain.model_view) == tuple(chain.view)
     assert chain.spec_order((channels,)) == (1, channels) + (1,) * (len(chain.view) - 2)

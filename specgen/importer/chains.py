@@ -56,6 +56,11 @@ PRECISION_OF = {torch.float32: None, torch.bfloat16: "bf16", torch.float16: "fp1
 _SAME = object()  # _commit's default permutation: the chain's value's
 
 
+def _inverse(perm: tuple) -> tuple:
+    """The permutation that undoes `perm` (x.permute(*perm).permute(*_inverse(perm)) is x)."""
+    return tuple(perm.index(d) for d in range(len(perm)))
+
+
 class _OtherLinear(Reject):
     """A Linear over a 2-D value (a classifier's over [N, features]): PyTorch's, said in the report
     but not warned about."""
@@ -130,20 +135,22 @@ class _Chain:
         aligned = (1,) * (len(perm) - self.tokens - len(shape)) + tuple(shape)
         if self.tokens:
             aligned = aligned[:-1] + (1,) + aligned[-1:]
-        return tuple(aligned[perm.index(d)] for d in range(len(perm)))
+        return tuple(aligned[i] for i in _inverse(perm))
+
+    def _to_spec_layout(self, perm: tuple) -> list:
+        """The tensor methods, with their arguments, that lay a value the model holds out as the
+        spec does: tokens' unit W put in (an unsqueeze), then `perm`."""
+        return ([("unsqueeze", (-2,))] if self.tokens else []) + [("permute", perm)]
 
     def read_steps(self) -> list:
-        """The tensor methods, with their arguments, that make the fused layer's input from the
-        value it reads (`input_node`): none, or a Linear's permute (tokens: after an unsqueeze)."""
-        if self.in_perm is None:
-            return []
-        return ([("unsqueeze", (-2,))] if self.tokens else []) + [("permute", self.in_perm)]
+        """The tensor methods that make the fused layer's input from the value it reads
+        (`input_node`): none, or a Linear's (`in_perm`)."""
+        return [] if self.in_perm is None else self._to_spec_layout(self.in_perm)
 
     def permuted_back_steps(self) -> list:
         """The tensor methods that make a tensor shaped as the model holds the chain value now
-        (`model_view`) into the spec's layout: tokens' unit W put back, `out_perm` undone."""
-        back = tuple(self.out_perm.index(d) for d in range(len(self.out_perm)))
-        return ([("unsqueeze", (-2,))] if self.tokens else []) + [("permute", back)]
+        (`model_view`) into the spec's layout (`out_perm` undone)."""
+        return self._to_spec_layout(_inverse(self.out_perm))
 
     def out_steps(self) -> list:
         """The tensor methods, with their arguments, that make the model's view of the fused layer's
@@ -350,10 +357,8 @@ class Analysis(Capture):
         the permute back joins as a view, after which the chain goes on as any other; anything else
         ends it, its output permuted as the model reads it."""
         cur = chain.out
-        rank = len(chain.out_perm)
-        back = tuple(chain.out_perm.index(d) for d in range(rank))
         if len(users) == 1 and users[0].op != "output" and users[0].args[:1] == (cur,) \
-                and _permutation(users[0], rank) == back:
+                and _permutation(users[0], len(chain.out_perm)) == _inverse(chain.out_perm):
             self._commit(chain, [], [users[0]], users[0], perm=None)
             return True
         desc = self.classify(users[0]) if len(users) == 1 else None
@@ -967,7 +972,7 @@ def _start_linear(imp: Analysis, node: Node, desc: LinearOp) -> _Chain:
     tokens = len(shape) == 3
     size = [shape[1], 1] if tokens else list(shape[1:-1])
     rank, nd = len(size) + 2, len(size)
-    in_perm = (0, rank - 1, *range(1, rank - 1))
+    out_perm = (0, *range(2, rank), 1)  # (the spec's [N, C, ...] as the model holds it: channels last)
     data = {
         "name": "chain",
         "input": {"channels": shape[-1], "size": size},
@@ -982,7 +987,7 @@ def _start_linear(imp: Analysis, node: Node, desc: LinearOp) -> _Chain:
         raise Reject(f"{where}: the spec would not validate: {'; '.join(err.problems)}") from None
     conv = ConvOp(inp, nd, weight, bias, 1, 0, 1, 1)
     chain = _Chain(node, conv, data, spec, batch=shape[0], nodes=[node], out=node, weight=weight, bias=bias, dtype=dtype,
-                   in_perm=in_perm, out_perm=(0, *range(2, rank), 1), tokens=tokens)
+                   in_perm=_inverse(out_perm), out_perm=out_perm, tokens=tokens)
     if not tokens and _permutation(inp, rank) == chain.out_perm and len(value_users(inp)) == 1 \
             and isinstance(inp.args[0], Node):
         # the model moved an [N, C, H, W] value's channels last for the Linear: the permute joins,

@@ -154,9 +154,9 @@ class ConvOp:
 
 @dataclass(eq=False)
 class LinearOp:
-    """nn.Linear / F.linear: over the channels of a 4-D or 5-D value laid out channels-last
-    ([N, H, W, C], as ConvNeXt's block applies its MLP), a 1x1 convolution that starts a chain
-    (`chains._start_linear`); over any other tensor it runs as PyTorch."""
+    """nn.Linear / F.linear: over the last dim of a 3-D to 5-D value (tokens [N, L, C], or the
+    channels of a channels-last [N, H, W, C] as ConvNeXt's block applies its MLP), a 1x1
+    convolution that starts a chain (`chains._start_linear`); over a 2-D value it runs as PyTorch."""
 
     input: Any
     weight: Any

@@ -188,14 +188,15 @@ def measure(imp: Analysis, chain, gpu_only: bool = False) -> Choice:
 
 
 def _graph_read(graph: fx.Graph, value: Node, steps: list) -> Node:
-    """`value` through `steps` (`_read`'s), as nodes of `graph` inserted where it inserts now."""
+    """`value` through `steps` (as `_read`), as nodes of `graph` inserted where it inserts now."""
     for method, args in steps:
         value = graph.call_method(method, (value, *args))
     return value
 
 
 def _read(t: torch.Tensor, steps: list) -> torch.Tensor:
-    """`t` through `_Chain.read_steps`: the fused layer's input made from the value it reads."""
+    """`t` through `steps`, (method, args) pairs (`_Chain.read_steps`, `out_steps`, ...): the fused
+    layer's input made from the value it reads, or the model's view of its output."""
     for method, args in steps:
         t = getattr(t, method)(*args)
     return t
@@ -275,8 +276,7 @@ def fused_graph(imp: Analysis) -> fx.GraphModule:
             if tuple(chain.view) != tuple(chain.spec_out):
                 final = graph.call_method("reshape", (fused, -1, *chain.view[1:]))
             if chain.out_perm is not None:  # (the model reads it permuted: ConvNeXt's LayerNorm over the channels)
-                for method, args in chain.out_steps():
-                    final = graph.call_method(method, (final, *args))
+                final = _graph_read(graph, final, chain.out_steps())
             elif channels_last_of(chain.out) and not imp.channels_last:  # (the original's output lay so)
                 final = graph.call_function(as_channels_last, (final,))
         chain.out.replace_all_uses_with(final)
