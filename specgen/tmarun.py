@@ -65,7 +65,7 @@ def map_dtype(precision: str, dtype: torch.dtype) -> str:
 
 
 # ---- derived tensors, cached per source tensor and version -----------------------------------------
-_derived: dict[tuple[int, str], tuple] = {}
+_derived: dict[tuple, tuple] = {}
 
 
 _is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)  # (absent from CPU builds)
@@ -116,17 +116,20 @@ def derived(t: torch.Tensor, what, make):
     """`make(t)`, kept per (`t`, `what`: any hashable) while `t` lives and is unchanged (`state`),
     remade under capture (but see `reusing_caches`)."""
     read, keep = cache_readable(t)
-    key = (id(t), what)
+    # A view made per call (an imported Linear's [C_out, C_in] weight seen as the 1x1 conv's) is kept
+    # per the tensor it views and where it lies in it, not per view object (a new one every call).
+    src = t if t._base is None else t._base
+    key = (id(t), what) if src is t else (id(src), what, t.shape, t.stride(), t.storage_offset())
     if read:
         hit = _derived.get(key)
-        if hit is not None and hit[0]() is t and hit[1] == state(t):
+        if hit is not None and hit[0]() is src and hit[1] == state(src):
             return hit[2]
     with torch.no_grad():
         value = make(t.detach())
     if keep:
         for k in [k for k, v in _derived.items() if v[0]() is None]:  # forget tensors that are gone
             del _derived[k]
-        _derived[key] = (weakref.ref(t), state(t), value)
+        _derived[key] = (weakref.ref(src), state(src), value)
     return value
 
 

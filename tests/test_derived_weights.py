@@ -24,3 +24,24 @@ def test_kept_derived_weights_follow_new_storage():
     w.data = torch.randn(4, 3, 3, 3)
     again = torchop.gemm_weight(w, layout)
     assert torch.equal(again[:, :9, :3], w.detach().reshape(4, 3, 9).transpose(1, 2)) and not torch.equal(again, permuted)
+
+
+def test_a_view_made_per_call_is_kept_per_the_tensor_it_views():
+    """An imported Linear's weight reaches the op as a fresh view every training call ([C_out, C_in]
+    seen as [C_out, C_in, 1, 1]): its derived tensor is made once, not per view object, and made
+    again after the weight changes in place; another view of other extents gets its own."""
+    w = torch.nn.Parameter(torch.randn(8, 4))
+    made = []
+
+    def negated(v):
+        made.append(tuple(v.shape))
+        return -v
+
+    first = tmarun.derived(w.view(8, 4, 1, 1), "test:view", negated)
+    assert tmarun.derived(w.view(8, 4, 1, 1), "test:view", negated) is first and made == [(8, 4, 1, 1)]
+    other = tmarun.derived(w.view(4, 8, 1, 1), "test:view", negated)
+    assert other.shape == (4, 8, 1, 1) and len(made) == 2
+    with torch.no_grad():
+        w.add_(1.0)
+    again = tmarun.derived(w.view(8, 4, 1, 1), "test:view", negated)
+    assert len(made) == 3 and torch.equal(again, -w.detach().view(8, 4, 1, 1))
