@@ -68,7 +68,8 @@ def main():
             "conv": {"out_channels": 16, "kernel": 3, "padding": 1}, "epilogue": ["relu"]})
     specs = {s.name: s for s in load_specs("examples/folds.yaml")}
     cases = [(tiny, 1, "fp32"), (tiny, 1, "tf32"), (tiny, 8, "tf32"),
-             (specs["conv1d_5_128_256_1024_mean"], 32, "tf32"), (specs["head_3x3_256_512_14_bn_gap"], 64, "tf32")]
+             (specs["conv1d_5_128_256_1024_mean"], 32, "tf32"), (specs["head_3x3_256_512_14_bn_gap"], 64, "tf32"),
+             (specs["head_3x3_256_512_14_bn_gap"], 1, "tf32"), (specs["head_3x3_256_512_14_bn_gap"], 1, "fp32")]
     x0 = torch.randn(1, 3, 32, 32, device="cuda")
     row("torch.empty((1,16,32,32), device=x.device)", host(lambda: torch.empty((1, 16, 32, 32), device=x0.device)))
     row("torch.empty((1,16,32,32), device=x.device, dtype=f32)", host(lambda: torch.empty((1, 16, 32, 32), device=x0.device, dtype=torch.float32)))
@@ -96,7 +97,7 @@ def main():
                 row("eager F.conv2d alone", host(lambda: torch.nn.functional.conv2d(x, eager[0].weight, eager[0].bias, padding=1)))
             row("layer(x) no_grad", host(lambda: layer(x)))
             fast = layer._fast
-            if fast is not None:  # the FFMA and implicit-GEMM engines keep their last plain launch
+            if fast is not None:  # the FFMA, implicit-GEMM and TMA engines keep their last plain launch
                 row("layer._fast.run(x, ()) (the recorded launch alone)", host(lambda: fast.run(x, ())))
             row("layer.forward(x) no_grad", host(lambda: layer.forward(x)))
             w, b = layer.conv.weight, layer.conv.bias

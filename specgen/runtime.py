@@ -567,6 +567,17 @@ class ArgPack:
             elif kind != "map":
                 raise ValueError(f"unknown argument kind {kind!r}")
 
+    def put(self, i: int, value: int) -> None:
+        """Slot `i`'s value: a pointer or an int, as its kind says."""
+        if self.kinds[i] == "ptr":
+            self._ptrs[i] = value
+        else:
+            self._ints[i] = value
+
+    def put_map(self, i: int, tmap: "TensorMap") -> None:
+        """Slot `i`, a tensor map's, passes `tmap` (by value: the slot points at its bytes)."""
+        self.argv[i] = tmap.address
+
     def set(self, values) -> "ArgPack":
         for i, (kind, v) in enumerate(zip(self.kinds, values)):
             if kind == "map":

@@ -18,6 +18,11 @@ Per forward (on torch's current stream, so it also runs under CUDA-graph capture
    instead, one block per (tile, part of K), into a workspace of partial sums, and
    `<kernel>_reduce` adds them up in order and runs the epilogue.
 
+The launches for one input layout and batch are worked out once (`Launches`: the kernels, their
+grids and argument arrays, where the workspace's parts lie; one allocation a call); a call writes
+the addresses that changed and queues them. A `FusedLayer`'s repeat inference calls skip the rest
+(`torchop.FastLaunch` keeps the call's own `Launches`).
+
 The weights are kept permuted to [C_OUT][TAPS][CIP] and prepared like the input, with their
 tensor maps, per weight tensor, and remade when the tensor changes (its version counter moves on
 every in-place update, e.g. an optimizer step); under CUDA-graph capture they are always remade,
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -40,7 +46,6 @@ from specgen.tma import INT32_MAX, NCHW_CHUNK, SWIZZLE, TmaPlan
 OPERAND_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAP_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _PREP_THREADS = 256
-_MAP_CACHE = 256  # input tensor maps kept (by address, batch and layer): torch's allocator hands back few addresses
 
 
 def tf32_round(t: torch.Tensor) -> torch.Tensor:
@@ -193,34 +198,10 @@ def channels_last(x: torch.Tensor) -> bool:
     return x.dim() > 2 and x.movedim(1, -1).is_contiguous()
 
 
-# key -> (the layer's TmaPlan, the map). A key names the plan by id(); the entry holds the plan, so
-# that id cannot pass to another layer's plan (a freed object's id is reused) while the entry lives.
-_input_maps: dict[tuple, tuple[TmaPlan, runtime.TensorMap]] = {}
-
-
-def _kept_map(key: tuple, tp: TmaPlan) -> runtime.TensorMap | None:
-    """The input map kept under `key` for the plan `tp`, or None."""
-    hit = _input_maps.get(key)
-    return hit[1] if hit is not None and hit[0] is tp else None
-
-
-def _keep_map(key: tuple, tp: TmaPlan, tmap: runtime.TensorMap) -> runtime.TensorMap:
-    """`tmap` kept among the input maps under `key` (the oldest dropped past _MAP_CACHE)."""
-    if len(_input_maps) >= _MAP_CACHE:
-        _input_maps.pop(next(iter(_input_maps)))
-    _input_maps[key] = (tp, tmap)
-    return tmap
-
-
-def _input_map(ws: torch.Tensor, tp: TmaPlan, spatial: tuple[int, ...], batch: int, precision: str,
-               phase=None) -> runtime.TensorMap:
-    """The im2col map of a channels-last [batch][positions][CIP] tensor, for the conv or one of its
-    stride phases (`TmaPhase`: its own box corners, stride 1); cached: it depends only on the
-    address, the batch, the layer and the phase."""
-    key = (ws.data_ptr(), batch, ws.dtype, id(tp), None if phase is None else phase.index)
-    tmap = _kept_map(key, tp)
-    if tmap is not None:
-        return tmap
+def _input_map(address: int, nbytes: int, dtype: torch.dtype, tp: TmaPlan, spatial: tuple[int, ...], batch: int,
+               precision: str, phase=None) -> runtime.TensorMap:
+    """The im2col map of a channels-last [batch][positions][CIP] tensor at `address`, for the conv or
+    one of its stride phases (`TmaPhase`: its own box corners, stride 1)."""
     e = tp.elem_bytes
     dims = (tp.cip, *reversed(spatial), batch)  # C, W[, H[, D]], N
     strides, step = [], tp.cip * e
@@ -231,26 +212,18 @@ def _input_map(ws: torch.Tensor, tp: TmaPlan, spatial: tuple[int, ...], batch: i
         lower, upper, elem_strides = tp.lower, tp.upper, tp.elem_strides
     else:
         lower, upper, elem_strides = phase.lower_map, phase.upper_map, (1,) * len(phase.lower_map)
-    tmap = runtime.encode_im2col(
-        map_dtype(precision, ws.dtype), ws.data_ptr(), dims, tuple(strides), lower, upper, tp.bkc, tp.bm,
-        (1, *elem_strides, 1), tp.swizzle_tma, ws.numel() * ws.element_size(),
-    )
-    return _keep_map(key, tp, tmap)
+    return runtime.encode_im2col(map_dtype(precision, dtype), address, dims, tuple(strides), lower, upper, tp.bkc, tp.bm,
+                                 (1, *elem_strides, 1), tp.swizzle_tma, nbytes)
 
 
-def _nchw_map(x: torch.Tensor, tp: TmaPlan, batch: int) -> runtime.TensorMap:
-    """The tiled map of a contiguous [batch][C_IN][positions] input whose A tiles are read in place
-    (`TmaPlan.a_in_place`): a box of 64 positions x BKC channels of one sample, 128-byte-swizzled;
-    cached like the im2col maps."""
-    key = (x.data_ptr(), batch, x.dtype, id(tp), "nchw")
-    tmap = _kept_map(key, tp)
-    if tmap is not None:
-        return tmap
-    cin, e = x.shape[1], tp.elem_bytes
-    tmap = runtime.encode_tiled(MAP_DTYPE[x.dtype], x.data_ptr(), (tp.positions, cin, batch),
+def _nchw_map(address: int, dtype: torch.dtype, cin: int, tp: TmaPlan, batch: int) -> runtime.TensorMap:
+    """The tiled map of a contiguous [batch][C_IN][positions] input at `address` whose A tiles are
+    read in place (`TmaPlan.a_in_place`): a box of 64 positions x BKC channels of one sample,
+    128-byte-swizzled."""
+    e = tp.elem_bytes
+    return runtime.encode_tiled(MAP_DTYPE[dtype], address, (tp.positions, cin, batch),
                                 (tp.positions * e, cin * tp.positions * e), (NCHW_CHUNK, tp.bkc, 1),
-                                SWIZZLE[128]["tma"], x.numel() * x.element_size())
-    return _keep_map(key, tp, tmap)
+                                SWIZZLE[128]["tma"], batch * cin * tp.positions * e)
 
 
 def extra_functions(plan: dict) -> tuple[str, ...]:
@@ -285,6 +258,7 @@ class _Call:
     precision: str
     weights_key: str  # the prepared weights' key among the derived tensors
     size: tuple  # the input's spatial extents
+    cin: int
     planes: int  # operand planes: 2 (hi, lo) in fp32 mode, else 1
     in_place_cl: bool  # a channels-last input is read as it is (no padding, one plane)
     operand_dtype: torch.dtype
@@ -313,7 +287,7 @@ def _call(sp) -> _Call:
         name = plan["kernel_name"]
         call = _calls[sp.key] = _Call(
             tp=tp, precision=tp.precision, weights_key=f"tma:{sp.key}",
-            size=tuple(spec.input.size), planes=planes, in_place_cl=tp.cip == spec.input.channels and not tp.split,
+            size=tuple(spec.input.size), cin=spec.input.channels, planes=planes, in_place_cl=tp.cip == spec.input.channels and not tp.split,
             operand_dtype=OPERAND_DTYPE[tp.precision], prep=f"{name}_prep", prep_cl=f"{name}_prep_cl",
             param_names=names, input_names=inputs, has_bias=spec.conv.bias,
             main_kinds=("map",) * (planes * tp.gemms + planes) + ("ptr",) * n_ptrs + ("int",),
@@ -324,8 +298,146 @@ def _call(sp) -> _Call:
     return call
 
 
-def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, params: dict, out: torch.Tensor, stream: int):
-    """Run the layer on CUDA `x` into `out` ([batch, C_OUT, ...] contiguous, the layer's dtype)."""
+_WS_ALIGN = 256  # each part of a launch's workspace starts at a multiple of this many bytes
+_MAPS_KEPT = 8  # input tensor maps a `Launches` keeps, by address: torch's allocator hands back few addresses
+_LAUNCHES_KEPT = 256  # `Launches` a thread keeps for the full path, by layer, input layout and batch
+
+
+class Launches:
+    """One TMA layer's launches for one input layout (`mode`) and batch, worked out once: the
+    layout pass (modes "prep" and "prep_cl"), then the main kernel, or the split kernel and its
+    reduction, each with its own argument array, and where its workspace parts lie. Per call
+    (`run`) only the addresses change: the input, the extra inputs, the output and the workspace,
+    one allocation from torch's allocator for the pass's planes and the split's partial sums; the
+    input's tensor maps are kept per address. The layer's own tensors (the weights' maps, the
+    bias, the parameters) are written by `set_layer`: on every call on the full path, once for a
+    recorded launch (`torchop.FastLaunch`). Owned by one thread (the arrays are not shared).
+
+    Modes: "nchw" (a contiguous input whose A tiles are read in place, `TmaPlan.a_in_place`),
+    "in_place" (a channels-last input already laid out: its channels need no padding, one plane),
+    "prep" / "prep_cl" (the layout pass from a contiguous / channels-last input)."""
+
+    __slots__ = ("c", "kernel", "batch", "mode", "prep", "plane_offsets", "plane_bytes", "partial_offset",
+                 "ws_bytes", "n_maps", "steps", "map_slots", "partial_slots", "input_slots", "out_slots", "_maps")
+
+    def __init__(self, c: "_Call", kernel: runtime.LoadedKernel, mode: str, batch: int, split: bool, grid: int):
+        self.c, tp = c, c.tp
+        self.kernel, self.batch, self.mode = kernel, batch, mode
+        offset = 0
+        self.plane_offsets = ()
+        self.plane_bytes = batch * tp.in_positions * tp.cip * tp.elem_bytes
+        self.prep = None
+        if mode in ("prep", "prep_cl"):
+            step = -(-self.plane_bytes // _WS_ALIGN) * _WS_ALIGN
+            self.plane_offsets = tuple(i * step for i in range(c.planes))
+            offset = c.planes * step
+            blocks = batch * tp.prep_tiles if mode == "prep" else -(-batch * tp.in_positions * tp.cip // _PREP_THREADS)
+            pack = runtime.ArgPack(("ptr",) * (1 + c.planes) + ("int",))
+            pack.put(1 + c.planes, batch)
+            self.prep = (kernel.extra[c.prep if mode == "prep" else c.prep_cl], blocks, pack)
+        # the input's maps: a tiled one in place; else an im2col map per plane (and stride phase)
+        self.n_maps = 1 if mode == "nchw" else c.planes * max(1, len(tp.phases))
+        self._maps: dict[int, list] = {}
+        main_maps = self.n_maps + c.planes  # then the weights' maps, a plane each
+        fixed = c.has_bias + len(c.param_names)  # the layer's pointers, then the extra inputs', the output's
+        self.partial_offset = offset
+        steps = []
+        if split:
+            m_total = batch * tp.positions
+            offset += tp.split_k * tp.cout * m_total * 4
+            pack = runtime.ArgPack(("map",) * main_maps + ("ptr", "int"))
+            pack.put(main_maps + 1, batch)
+            steps.append((kernel.extra[c.split[0]], grid, tp.split_k, tp.threads, tp.smem_bytes, pack))
+            reduce = runtime.ArgPack(("ptr",) + c.main_kinds[main_maps:])
+            reduce.put(len(reduce.kinds) - 1, batch)
+            steps.append((kernel.extra[c.split[1]], -(-m_total * tp.cout // splitk.REDUCE_THREADS), 1,
+                          splitk.REDUCE_THREADS, 0, reduce))
+            self.map_slots = ((pack, 0),)
+            self.partial_slots = ((pack, main_maps), (reduce, 0))
+            first = 1  # the reduction's pointers: partial sums, then the layer's
+            self.steps, self.input_slots = tuple(steps), (reduce, first + fixed)
+            self.out_slots = (reduce, first + fixed + len(c.input_names))
+        else:
+            pack = runtime.ArgPack(c.main_kinds)
+            pack.put(len(pack.kinds) - 1, batch)
+            self.steps = ((kernel.function, grid, 1, tp.threads, tp.smem_bytes, pack),)
+            self.map_slots, self.partial_slots = ((pack, 0),), ()
+            self.input_slots = (pack, main_maps + fixed)
+            self.out_slots = (pack, main_maps + fixed + len(c.input_names))
+        self.ws_bytes = offset
+
+    def set_layer(self, weight_maps: list, pointers: list[int]) -> None:
+        """The layer's own arguments: the weights' tensor maps, and the bias's and parameters' addresses."""
+        first = self.n_maps
+        for pack, at in self.map_slots:  # (the main or split kernel: input maps, then the weights')
+            for i, tmap in enumerate(weight_maps):
+                pack.put_map(at + first + i, tmap)
+        pack = self.steps[-1][-1]  # (the main kernel, or the reduction: the epilogue's pointers)
+        first = (self.n_maps + len(weight_maps)) if not self.partial_slots else 1
+        for i, p in enumerate(pointers):
+            pack.put(first + i, p)
+
+    def _input_maps(self, address: int) -> list:
+        """The input's maps, of the tensor (or the workspace) at `address`, made once per address."""
+        maps = self._maps.get(address)
+        if maps is None:
+            c, tp, batch = self.c, self.c.tp, self.batch
+            if self.mode == "nchw":
+                maps = [_nchw_map(address, c.operand_dtype, c.cin, tp, batch)]
+            else:
+                planes = [address + o for o in self.plane_offsets] or [address]
+                phases = tp.phases or (None,)
+                maps = [_input_map(a, self.plane_bytes, c.operand_dtype, tp, c.size, batch, c.precision, ph)
+                        for a in planes for ph in phases]
+            if len(self._maps) >= _MAPS_KEPT:
+                self._maps.pop(next(iter(self._maps)))
+            self._maps[address] = maps
+        return maps
+
+    def run(self, x_address: int, inputs, out_address: int, stream: int, device: torch.device) -> None:
+        """Queue the launches on `stream`: `x_address` the input (laid out as the mode says),
+        `inputs` the extra inputs' addresses, `out_address` the output's."""
+        kernel = self.kernel
+        # (the workspace is held until every launch that reads it is queued: freed earlier, its
+        # block could go to the next allocation on this stream and be overwritten)
+        ws = torch.empty(self.ws_bytes, dtype=torch.uint8, device=device) if self.ws_bytes else None
+        base = x_address
+        if self.prep is not None:
+            base = ws.data_ptr()
+            function, blocks, pack = self.prep
+            pack.put(0, x_address)
+            for i, o in enumerate(self.plane_offsets):
+                pack.put(1 + i, base + o)
+            runtime.launch_packed(kernel, function, blocks, _PREP_THREADS, 0, pack, stream)
+        for pack, at in self.map_slots:
+            for i, tmap in enumerate(self._input_maps(base)):
+                pack.put_map(at + i, tmap)
+        if self.partial_slots:
+            partial = ws.data_ptr() + self.partial_offset
+            for pack, at in self.partial_slots:
+                pack.put(at, partial)
+        pack, at = self.input_slots
+        for i, p in enumerate(inputs):
+            pack.put(at + i, p)
+        pack, at = self.out_slots
+        pack.put(at, out_address)
+        for function, grid, grid_y, threads, smem, pack in self.steps:
+            runtime.launch_packed(kernel, function, grid, threads, smem, pack, stream, grid_y)
+
+
+class _PerThread(threading.local):
+    def __init__(self):
+        self.launches: dict[tuple, Launches] = {}
+
+
+_per_thread = _PerThread()
+
+
+def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, params: dict, out: torch.Tensor, stream: int,
+           record: list | None = None):
+    """Run the layer on CUDA `x` into `out` ([batch, C_OUT, ...], the layer's dtype and memory
+    format). `record`: where `x` is read as it is (no copy made here), the call's own `Launches`,
+    its layer arguments set, and the tensors behind them are appended as (launches, held)."""
     c = _call(sp)
     tp = c.tp
     batch = x.shape[0]
@@ -334,68 +446,45 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
         for first in range(0, batch, per_launch):
             launch(sp, kernel, x[first:first + per_launch], weight, bias, params, out[first:first + per_launch], stream)
         return out
-    _planes_w, maps_w = derived(weight, c.weights_key, c.make_weights)
+    planes_w, maps_w = derived(weight, c.weights_key, c.make_weights)
     if tp.a_in_place:
+        mode = "nchw"
         if tp.subsample:  # a strided 1x1 conv: the stride-1 conv of the positions it reads
             x = x[(slice(None), slice(None), *(slice(None, None, st) for st in tp.subsample))]
         if not x.is_contiguous() or x.data_ptr() % 16:  # (the tensor map needs the layout, 16-byte aligned)
             x = x.clone(memory_format=torch.contiguous_format)
-        values = [_nchw_map(x, tp, batch)]
+            record = None
+    elif channels_last(x):
+        mode = "in_place" if c.in_place_cl else "prep_cl"
     else:
-        # (the workspace must outlive the launches: freed before them, its block could go to the
-        # next allocation on this stream, such as a 16-bit bias widened below, and be overwritten)
-        values, workspace = _laid_out_maps(c, kernel, x, batch, stream)
-    values += maps_w
-    if c.has_bias:
-        values.append(as_float32(bias).data_ptr())
-    for name in c.param_names:
-        values.append(as_float32(params[name]).data_ptr())
-    for name in c.input_names:  # extra inputs, in the layer's dtype
-        values.append(params[name].data_ptr())
-    values += [out.data_ptr(), batch]
-    grid = -(-batch * (tp.grid_positions or tp.positions) // tp.bm) * tp.n_tiles * tp.grid_gemms
-    if c.split and uses_split(tp, batch, sm_count(x.get_device())):  # (never with stride phases)
-        maps = 2 * c.planes
-        m_total = batch * tp.positions
-        partial = torch.empty(tp.split_k * tp.cout * m_total, device=x.device, dtype=torch.float32)
-        pack = runtime.arg_pack((kernel.function.value, "split"), ("map",) * maps + ("ptr", "int"))
-        pack.set(values[:maps] + [partial.data_ptr(), batch])
-        runtime.launch_packed(kernel, kernel.extra[c.split[0]], grid, tp.threads, tp.smem_bytes, pack, stream, tp.split_k)
-        pack = runtime.arg_pack((kernel.function.value, "reduce"), ("ptr",) + c.main_kinds[maps:])
-        pack.set([partial.data_ptr(), *values[maps:]])
-        runtime.launch_packed(kernel, kernel.extra[c.split[1]], -(-m_total * tp.cout // splitk.REDUCE_THREADS),
-                              splitk.REDUCE_THREADS, 0, pack, stream)
-        return out
-    if tp.persistent:  # (each block walks its tiles: as many blocks as the SMs hold at once, at most one per tile)
-        grid = min(grid, sm_count(x.get_device()) * tp.blocks_per_sm)
-    pack = runtime.arg_pack((kernel.function.value, "main"), c.main_kinds)
-    runtime.launch_packed(kernel, kernel.function, grid, tp.threads, tp.smem_bytes, pack.set(values), stream)
-    return out
-
-
-def _laid_out_maps(c: "_Call", kernel: runtime.LoadedKernel, x: torch.Tensor, batch: int,
-                   stream: int) -> tuple[list, list]:
-    """The im2col maps of `x` laid out channels-last (a map per stride phase, plane by plane), and
-    the tensors they read: `x` itself where it is already laid out (a channels-last input whose
-    channels need no padding), else a workspace the layout pass writes (`<kernel>_prep` from a
-    contiguous input, `_prep_cl` from a channels-last one). The caller holds those tensors until
-    its launches are queued."""
-    tp = c.tp
-    cl = channels_last(x)
-    if cl and c.in_place_cl:
-        ws_planes = [x]  # read in place: already the layout (and tf32 maps round on the way)
-    else:
-        if not cl:
+        mode = "prep"
+        if not x.is_contiguous():
             x = x.contiguous()
-        shape = (batch, tp.in_positions, tp.cip)
-        ws_planes = [torch.empty(shape, device=x.device, dtype=c.operand_dtype) for _ in range(c.planes)]
-        if cl:
-            fn, blocks = c.prep_cl, -(-batch * tp.in_positions * tp.cip // _PREP_THREADS)
-        else:
-            fn, blocks = c.prep, batch * tp.prep_tiles
-        pack = runtime.arg_pack((kernel.function.value, fn), ("ptr",) * (1 + c.planes) + ("int",))
-        pack.set([x.data_ptr(), *(w.data_ptr() for w in ws_planes), batch])
-        runtime.launch_packed(kernel, kernel.extra[fn], blocks, _PREP_THREADS, 0, pack, stream)
-    if tp.phases:
-        return [_input_map(w, tp, c.size, batch, c.precision, ph) for w in ws_planes for ph in tp.phases], ws_planes
-    return [_input_map(w, tp, c.size, batch, c.precision) for w in ws_planes], ws_planes
+            record = None
+    device_index = x.get_device()
+    split = bool(c.split) and uses_split(tp, batch, sm_count(device_index))  # (never with stride phases)
+    grid = -(-batch * (tp.grid_positions or tp.positions) // tp.bm) * tp.n_tiles * tp.grid_gemms
+    if tp.persistent and not split:  # (each block walks its tiles: as many blocks as the SMs hold at once, at most one per tile)
+        grid = min(grid, sm_count(device_index) * tp.blocks_per_sm)
+    held = [planes_w, maps_w]
+    layer = []
+    if c.has_bias:
+        held.append(as_float32(bias))
+        layer.append(held[-1].data_ptr())
+    for name in c.param_names:
+        held.append(as_float32(params[name]))
+        layer.append(held[-1].data_ptr())
+    if record is None:
+        key = (sp.key, kernel.function.value, mode, batch, split)
+        kept = _per_thread.launches
+        launches = kept.get(key)
+        if launches is None:
+            if len(kept) >= _LAUNCHES_KEPT:
+                kept.pop(next(iter(kept)))
+            launches = kept[key] = Launches(c, kernel, mode, batch, split, grid)
+    else:
+        launches = Launches(c, kernel, mode, batch, split, grid)
+        record.append((launches, tuple(held)))
+    launches.set_layer(maps_w, layer)
+    launches.run(x.data_ptr(), [params[name].data_ptr() for name in c.input_names], out.data_ptr(), stream, x.device)
+    return out

@@ -708,7 +708,16 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     kernel = runtime.lookup(sp.key, device_index) or load_kernel(sp, device_index)
     stream = _current_stream(device_index)
     if lp.tma:
-        return tmarun.launch(sp, kernel, x, weight, bias, params, out, stream)
+        if record is None:
+            return tmarun.launch(sp, kernel, x, weight, bias, params, out, stream)
+        recorded = []
+        tmarun.launch(sp, kernel, x, weight, bias, params, out, stream, recorded)
+        if recorded:  # x read as it is: the call's launches are kept, for the caller to repeat
+            launches, held = recorded[0]
+            n = len(lp.input_names)
+            record.append(FastLaunch(_TmaReplay(launches, n, x.device), held, x.shape, out.shape, out.dtype, device_index,
+                                     tuple(range(1, 1 + n)), 1 + n, _strides(x), _strides(out)))
+        return out
     if not x.is_contiguous() and tmarun.channels_last(x):
         x = _from_channels_last(sp, kernel, x, stream, dtype if lp.native_16 else torch.float32)
         record = None
@@ -793,27 +802,51 @@ def _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream, re
     return out
 
 
+def _strides(t: torch.Tensor) -> tuple | None:
+    """`t`'s strides where it is not contiguous (None where it is)."""
+    return None if t.is_contiguous() else t.stride()
+
+
+class _TmaReplay:
+    """A TMA layer's recorded launches (`tmarun.Launches`) as `FastLaunch` repeats them: the
+    addresses in `values` are the input's, the extra inputs' and the output's."""
+
+    __slots__ = ("launches", "values", "device")
+
+    def __init__(self, launches: tmarun.Launches, n_inputs: int, device: torch.device):
+        self.launches, self.device = launches, device
+        self.values = [0] * (n_inputs + 2)
+
+    def launch(self, stream: int) -> None:
+        values = self.values
+        self.launches.run(values[0], values[1:-1], values[-1], stream, self.device)
+
+
 def _no_fast_launch() -> None:
     return None
 
 
 class FastLaunch:
-    """One layer's plain launch for one input shape, from a first call through `launch`: kernel,
-    grid and every argument but the addresses of x, the extra inputs and the output fixed
-    (`runtime.Prepared`). `run` repeats it for a call like the first and answers None for any
-    other, which then takes the full path. About a third of `launch`'s host time: a layer at
-    batch 1 is bound by it. `sources`, set by the caller (`bind`): the layer's own tensors the
-    fixed pointers come from, checked on every call to be the same objects, unchanged (version
-    counter) and at the same address."""
+    """One layer's plain launch for one input shape and layout, from a first call through `launch`:
+    kernel, grid and every argument but the addresses of x, the extra inputs and the output fixed
+    (`runtime.Prepared`; the TMA engine's launches, `_TmaReplay`). `run` repeats it for a call
+    like the first and answers None for any other, which then takes the full path. About a third
+    of `launch`'s host time: a layer at batch 1 is bound by it. `sources`, set by the caller
+    (`bind`): the layer's own tensors the fixed pointers come from, checked on every call to be
+    the same objects, unchanged (version counter) and at the same address. `in_strides` /
+    `out_strides`: x's and the output's strides, None for contiguous (the extra inputs are laid
+    out as the output)."""
 
     __slots__ = ("prepared", "held", "in_shape", "out_shape", "dtype", "device_index", "input_slots",
-                 "out_slot", "thread", "sources")
+                 "out_slot", "thread", "sources", "in_strides", "out_strides")
 
     def __init__(self, prepared: runtime.Prepared, held: tuple, in_shape: torch.Size, out_shape: torch.Size,
-                 dtype: torch.dtype, device_index: int, input_slots: tuple, out_slot: int):
+                 dtype: torch.dtype, device_index: int, input_slots: tuple, out_slot: int,
+                 in_strides: tuple | None = None, out_strides: tuple | None = None):
         self.prepared, self.held = prepared, held
         self.in_shape, self.out_shape, self.dtype, self.device_index = in_shape, out_shape, dtype, device_index
         self.input_slots, self.out_slot = input_slots, out_slot
+        self.in_strides, self.out_strides = in_strides, out_strides
         self.thread = threading.get_ident()  # the argument array is this thread's
         self.sources: tuple = ()
 
@@ -836,7 +869,7 @@ class FastLaunch:
             or x.dtype != self.dtype
             or x.shape != self.in_shape
             or x.get_device() != self.device_index
-            or not x.is_contiguous()
+            or (not x.is_contiguous() if self.in_strides is None else x.stride() != self.in_strides)
             or x.data_ptr() % 16
             or len(inputs) != len(self.input_slots)
             or threading.get_ident() != self.thread
@@ -847,12 +880,14 @@ class FastLaunch:
             if container.get(name) is not t or t._version != version or t.data_ptr() != ptr:
                 return None
         values = self.prepared.values
+        strides = self.out_strides
         for slot, t in zip(self.input_slots, inputs):
             if (type(t) is not torch.Tensor or t.dtype != self.dtype or t.shape != self.out_shape
-                    or t.get_device() != self.device_index or not t.is_contiguous() or t.data_ptr() % 16):
+                    or t.get_device() != self.device_index or t.data_ptr() % 16
+                    or (not t.is_contiguous() if strides is None else t.stride() != strides)):
                 return None
             values[slot] = t.data_ptr()
-        out = x.new_empty(self.out_shape)
+        out = x.new_empty(self.out_shape) if strides is None else x.new_empty_strided(self.out_shape, strides)
         values[0] = x.data_ptr()
         values[self.out_slot] = out.data_ptr()
         self.prepared.launch(_current_stream(self.device_index))

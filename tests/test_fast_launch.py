@@ -141,3 +141,36 @@ def test_launches_of_several_parts_are_not_prepared():
     assert runtime.prepare_flat(_kernel(), 1 << 30, 128, 1, [1], 3) is None  # over 2^31 positions
     assert runtime.prepare_flat(_kernel(), 1 << 30, 128, 1, [1], 1) is not None
 
+
+
+@pytest.fixture
+def strided(monkeypatch):
+    """A recorded launch of a channels-last x [2, 3, 8, 8] writing a channels-last output, with one
+    extra input laid out as the output (the TMA engine's layouts)."""
+    monkeypatch.setattr(torchop, "_current_stream", lambda index: 77)
+    weight = torch.nn.Parameter(torch.randn(4, 3, 1, 1))
+    container = {"weight": weight}
+    cl = torch.channels_last
+    x_strides = torch.randn(2, 3, 8, 8).to(memory_format=cl).stride()
+    out_strides = torch.randn(OUT_SHAPE).to(memory_format=cl).stride()
+    f = torchop.FastLaunch(_Prepared(3), (weight,), torch.Size((2, 3, 8, 8)), OUT_SHAPE, torch.float32, -1, (1,), 2,
+                           x_strides, out_strides)
+    return _Recorded(f.bind([(container, "weight", weight)]), container)
+
+
+def test_a_strided_recorded_launch_takes_inputs_laid_out_as_recorded(strided):
+    cl = torch.channels_last
+    x, shortcut = torch.randn(2, 3, 8, 8).to(memory_format=cl), torch.randn(OUT_SHAPE).to(memory_format=cl)
+    out = strided.run(x, (shortcut,))
+    assert out is not None and out.shape == OUT_SHAPE and out.is_contiguous(memory_format=cl) and not out.is_contiguous()
+    assert strided.prepared.values == [x.data_ptr(), shortcut.data_ptr(), out.data_ptr()]
+    assert strided.prepared.streams == [77]
+
+
+@pytest.mark.parametrize("what, x, shortcut", [
+    ("a contiguous input", torch.randn(2, 3, 8, 8), torch.randn(OUT_SHAPE).to(memory_format=torch.channels_last)),
+    ("a contiguous extra input", torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last), torch.randn(OUT_SHAPE)),
+])
+def test_a_strided_recorded_launch_hands_back_other_layouts(strided, what, x, shortcut):
+    assert strided.run(x, (shortcut,)) is None, what
+    assert strided.prepared.streams == [], what

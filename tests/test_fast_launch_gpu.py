@@ -6,6 +6,8 @@ into a NaN-poisoned output (so an element the repeat leaves unwritten fails)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -13,7 +15,7 @@ torch = pytest.importorskip("torch")
 from specgen import FusedLayer, torchop  # noqa: E402
 from specgen.spec import validate  # noqa: E402
 
-from gpu_helpers import captured, check_output, extra_inputs, poisoned, random_input, randomize  # noqa: E402
+from gpu_helpers import as_channels_last, captured, check_output, extra_inputs, random_input, randomize  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
 
@@ -25,7 +27,15 @@ CASES = {
                           ["batch_norm", {"add": {"input": "shortcut"}}, {"mul": {"input": "gate"}}, "relu"], "igemm", "fp32"),
     "igemm_tf32": (32, [9, 11], {"out_channels": 48, "kernel": 1}, [{"add": {"input": "shortcut"}}, "relu"], "igemm", "tf32"),
     "slab_fp32": (8, [20, 20], {"out_channels": 32, "kernel": 3}, [{"div": {"value": 2.0}}, "hardtanh"], "slab", "fp32"),
+    # the TMA engine: a layout pass into 3xTF32 planes, then the GEMM (`tmarun.Launches`)
+    "tma_fp32": (64, [32, 32], {"out_channels": 64, "kernel": 3, "padding": 1}, [{"add": {"input": "shortcut"}}, "gelu"],
+                 "tma", "fp32"),
+    # ... split K at these batches (the pass, the split kernel, its reduction: one workspace)
+    "tma_tf32_split": (256, [7, 7], {"out_channels": 256, "kernel": 3, "padding": 1}, ["relu"], "tma", "tf32"),
+    # ... a 16-bit 1x1 conv reading a contiguous input in place
+    "tma_bf16": (64, [16, 16], {"out_channels": 128, "kernel": 1}, [{"add": {"input": "shortcut"}}, "relu"], "tma", "bf16"),
 }
+CHANNELS_LAST = {"tma_fp32", "tma_tf32_split", "tma_bf16"}  # also run on channels-last inputs and extra inputs
 
 
 def _layer(name: str) -> FusedLayer:
@@ -37,10 +47,12 @@ def _layer(name: str) -> FusedLayer:
     return layer
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_repeat_calls_take_the_recorded_launch_until_the_layer_changes(name, monkeypatch):
+@pytest.mark.parametrize("name,memory_format", [(n, torch.contiguous_format) for n in sorted(CASES)]
+                         + [(n, "channels_last") for n in sorted(CHANNELS_LAST)])
+def test_repeat_calls_take_the_recorded_launch_until_the_layer_changes(name, memory_format, monkeypatch):
     layer = _layer(name)
     spec = layer.spec
+    laid = (lambda t: t) if memory_format == torch.contiguous_format else as_channels_last
     gen = torch.Generator(device="cuda").manual_seed(5)
     randomize(layer, gen)
     full = []  # the calls that took the full path
@@ -60,15 +72,16 @@ def test_repeat_calls_take_the_recorded_launch_until_the_layer_changes(name, mon
         with torch.no_grad():
             if change is not None:
                 change()
-            x = random_input(spec, batch, gen)
-            extras = extra_inputs(spec, batch, gen)
+            x = laid(random_input(spec, batch, gen))
+            extras = {k: laid(v) for k, v in extra_inputs(spec, batch, gen).items()}
             before = len(full)
             y = layer(x, *extras.values())
             took_full = len(full) > before
             assert took_full == takes_full, f"call {step}: full path {took_full}, expected {takes_full}"
             assert layer._fast is not None, f"call {step}: no launch recorded"
+            assert y.is_contiguous() == x.is_contiguous(), f"call {step}: the output is not laid out as the input"
             check_output(layer, x, extras, y, f"{spec.name} call {step}")
-            into = poisoned(y.shape, y.dtype)
+            into = torch.full_like(y, float("nan"))  # (laid out as y: the same kernel)
             layer(x, *extras.values(), out=into)  # the full path (out= never records)
             assert torch.equal(y, into), f"call {step}: the recorded launch and the full path differ"
 
@@ -115,3 +128,36 @@ def test_a_call_captured_in_a_graph_is_not_kept(name):
     graph.replay()
     torch.cuda.synchronize()
     check_output(layer, x, extras, out, f"{spec.name}: the graph's replay")
+
+
+def test_an_imported_linear_over_tokens_repeats_its_launches(monkeypatch):
+    """A Linear over tokens [N, L, C] fused by from_module reads its input as a channels-last view
+    ([N, C, L, 1]) with a residual read the same way: repeat calls take the recorded launches."""
+    from torch import nn
+
+    import specgen
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(96, 96)
+
+        def forward(self, x):
+            return x + nn.functional.gelu(self.fc(x))
+
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    model = Block().cuda().eval()
+    x = torch.randn(2, 50, 96, device="cuda", generator=gen)
+    fused = specgen.from_module(model, x, keep_slower=True, cuda_graph=False)
+    reference = copy.deepcopy(model).double()
+    full = []
+    real = torchop.launch
+    monkeypatch.setattr(torchop, "launch", lambda *a, **k: (full.append(1), real(*a, **k))[1])
+    with torch.no_grad():
+        for step in range(3):
+            x = torch.randn(2, 50, 96, device="cuda", generator=gen)
+            y = fused(x)
+            ref = reference(x.double())
+            err = ((y.double() - ref).norm() / ref.norm()).item()
+            assert err <= 1e-5, f"call {step}: rel L2 {err:.2e}"
+    assert len(full) == 1, f"{len(full)} calls took the full path (the first only expected)"

@@ -778,17 +778,22 @@ class _StubbedDriver:
 
         self.tmarun, self.made, self.queued, self.tiled, self.alive_at_launch = tmarun, [], [], [], []
         self.grids = []  # each launch's blocks
+        self.addresses = []  # where each tensor made lies
         real_empty = self.real_empty = torch.empty
 
         def empty(*args, **kwargs):
             t = real_empty(*args, **kwargs)
             self.made.append(weakref.ref(t))
+            self.addresses.append(t.data_ptr())
             return t
+
+        self.packs = []  # each launch's argument array
 
         def launch_packed(kernel, fn, *args):
             fn = getattr(fn, "value", fn)
             self.queued.append(fn)
             self.grids.append(args[0])
+            self.packs.append(args[3])
             if fn != "prep":  # whether what the maps read is still alive when the GEMM (or its split) is queued
                 self.alive_at_launch.append(all(ref() is not None for ref in self.made))
 
@@ -802,15 +807,23 @@ class _StubbedDriver:
 
         monkeypatch.setattr(tmarun.torch, "empty", empty)
         monkeypatch.setattr(tmarun, "_calls", {})  # (each case's launch arguments made afresh)
-        monkeypatch.setattr(runtime, "encode_im2col", lambda *a: types.SimpleNamespace(address=1))
+        monkeypatch.setattr(tmarun, "_per_thread", tmarun._PerThread())
+        self.im2col = []  # the im2col maps' arguments
+
+        def im2col(*args):
+            self.im2col.append(args)
+            return types.SimpleNamespace(address=1)
+
+        monkeypatch.setattr(runtime, "encode_im2col", im2col)
         monkeypatch.setattr(runtime, "encode_tiled", tiled)
         monkeypatch.setattr(runtime, "arg_pack", lambda key, kinds: Pack())
         monkeypatch.setattr(runtime, "launch_packed", launch_packed)
         monkeypatch.setattr(tmarun, "sm_count", lambda index: 132)
         monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
 
-    def launch(self, data: dict, batch: int = 1):
-        """Plan `data` (a spec's fields) for Hopper and launch it on a random input; the plan."""
+    def launch(self, data: dict, batch: int = 1, memory_format=torch.contiguous_format, record=None):
+        """Plan `data` (a spec's fields) for Hopper and launch it on a random input (in
+        `memory_format`; `record` as tmarun.launch takes it); the plan."""
         import types
 
         spec = validate({"name": "ws", "epilogue": ["relu"], **data})
@@ -823,9 +836,65 @@ class _StubbedDriver:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision, torch.float32)
         weight = torch.randn(spec.weight_shape()).to(dtype)
         bias = torch.randn(spec.conv.out_channels).to(dtype)
-        self.x = torch.randn(batch, spec.input.channels, *spec.input.size).to(dtype)
-        self.tmarun.launch(sp, kernel, self.x, weight, bias, {}, self.real_empty(1), 0)
+        self.x = torch.randn(batch, spec.input.channels, *spec.input.size).to(dtype).to(memory_format=memory_format)
+        self.tmarun.launch(sp, kernel, self.x, weight, bias, {}, self.real_empty(1), 0, record)
         return plan
+
+
+@pytest.mark.parametrize("what,data,batch,memory_format,queued", [
+    ("3xTF32 planes from a contiguous input", dict(precision="fp32", input={"channels": 64, "size": [56, 56]},
+     conv={"out_channels": 64, "kernel": 3, "padding": 1}, tile={"engine": "tma"}), 8, torch.contiguous_format,
+     ["prep", "main"]),
+    ("a channels-last input", dict(precision="fp32", input={"channels": 64, "size": [56, 56]},
+     conv={"out_channels": 64, "kernel": 3, "padding": 1}, tile={"engine": "tma"}), 8, torch.channels_last,
+     ["prep_cl", "main"]),
+    ("a channels-last tf32 input read in place", dict(precision="tf32", input={"channels": 64, "size": [14, 14]},
+     conv={"out_channels": 64, "kernel": 1}, tile={"engine": "tma"}), 8, torch.channels_last, ["main"]),
+    ("split K at batch 1", dict(precision="fp32", input={"channels": 512, "size": [7, 7]},
+     conv={"out_channels": 512, "kernel": 3, "padding": 1}, tile={"engine": "tma"}), 1, torch.contiguous_format,
+     ["prep", "split", "reduce"]),
+    ("a contiguous 16-bit input read in place", dict(precision="bf16", input={"channels": 64, "size": [16, 16]},
+     conv={"out_channels": 128, "kernel": 1}, tile={"engine": "tma"}), 2, torch.contiguous_format, ["main"]),
+])
+def test_a_recorded_tma_launch_repeats_with_new_addresses(monkeypatch, what, data, batch, memory_format, queued):
+    """`tmarun.launch(record=...)` keeps the call's launches (`Launches`): repeated, they queue
+    the same kernels with the new input's, workspace's and output's addresses, the layer's own
+    arguments as set, and the input's maps made once per address. Driver calls stubbed out."""
+    from specgen import tmarun
+
+    stub = _StubbedDriver(monkeypatch)
+    record = []
+    plan = stub.launch(data, batch, memory_format, record)
+    name = plan["kernel_name"]
+    names = {"prep": "prep", "prep_cl": "prep_cl", "main": "main",
+             "split": splitk.kernel_names(name)[0], "reduce": splitk.kernel_names(name)[-1]}
+    assert stub.queued == [names[q] for q in queued], what
+    (launches, held), = record
+    assert isinstance(launches, tmarun.Launches) and held, what
+    first = list(stub.packs)
+    stub.queued.clear(), stub.packs.clear()
+    x2 = stub.x.clone(memory_format=memory_format)
+    out = torch.empty(4)
+    launches.run(x2.data_ptr(), [], out.data_ptr(), 0, torch.device("cpu"))
+    assert stub.queued == [names[q] for q in queued], what
+    assert stub.packs == first, f"{what}: the recorded launches keep their own argument arrays"
+    packs = dict(zip(queued, stub.packs))
+    last = stub.packs[-1]  # the main kernel or the reduction: the output's address last but the batch
+    assert last._ptrs[len(last.kinds) - 2] == out.data_ptr() and last._ints[len(last.kinds) - 1] == batch, what
+    if "prep" in queued or "prep_cl" in queued:
+        prep = packs.get("prep") or packs["prep_cl"]
+        assert prep._ptrs[0] == x2.data_ptr(), what
+        ws = stub.addresses[-1]  # the workspace, made by this call
+        assert prep._ptrs[1] == ws, what
+        if "split" in queued:  # the partial sums lie in the same workspace, past the planes
+            assert packs["reduce"]._ptrs[0] == packs["split"]._ptrs[len(packs["split"].kinds) - 2] > ws, what
+        assert stub.im2col[-1][1] >= ws, f"{what}: the maps are of the workspace's planes"
+    elif memory_format == torch.channels_last:  # read in place: its map is of x2 itself
+        assert stub.im2col[-1][1] == x2.data_ptr(), what
+    again, ws = len(stub.im2col), stub.addresses[-1]
+    launches.run(x2.data_ptr(), [], out.data_ptr(), 0, torch.device("cpu"))
+    same = "main" in queued and "prep" not in queued and "prep_cl" not in queued or stub.addresses[-1] == ws
+    assert (len(stub.im2col) == again) == same, f"{what}: the maps of an address seen before are made again"
 
 
 @pytest.mark.parametrize("data", [
