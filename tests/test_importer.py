@@ -528,3 +528,17 @@ def test_constants_made_in_forward_are_filled_on_the_device():
     fused = from_module(model, x)
     assert not any(n.target is torch.tensor for n in fused.graph.nodes)
     torch.testing.assert_close(fused(x), model(x))
+
+
+def test_a_convolution_alone_is_fused_in_fp32_mode_on_a_tensor_core_engine():
+    """With nothing after it, a convolution is fused only where PyTorch would run it on the FFMA
+    units (fp32 mode: cuDNN with TF32 off) and its plan is 3xTF32 on the tensor cores."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1)), torch.randn(2, 64, 28, 28)
+    (spec,) = explain(model, x, precision="fp32").specs
+    assert spec.epilogue == [] and spec.precision == "fp32"
+    report = explain(model, x, precision="tf32")
+    assert report.specs == []
+    assert "nothing to fuse after this convolution" in report.fallbacks[0].reason
+    small = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1))  # planned on the FFMA engine: PyTorch's
+    assert explain(small, torch.randn(2, 3, 16, 16), precision="fp32").specs == []

@@ -131,10 +131,14 @@ def test_what_does_not_lie_along_the_channels_stays_pytorchs():
     assert [[next(iter(s)) for s in spec.model_dump(exclude_none=True)["epilogue"]] for spec in report.specs] == [["relu"]]
     (fallback,) = report.fallbacks
     assert fallback.node == "mul" and "scale has shape [8, 1]" in fallback.reason
-    report = explain(_LinearThenMean(), torch.randn(MLP_IN))
+    # Nothing after the Linear joins (the mean holds the channels-last value): in tf32 mode the
+    # Linear alone stays cuBLAS's; in fp32 mode it is fused alone (3xTF32 against cuBLAS's FFMA SGEMM).
+    report = explain(_LinearThenMean(), torch.randn(MLP_IN), precision="tf32")
     assert report.specs == []
     reason = {fb.node: fb.reason for fb in report.fallbacks}["pw"]
     assert "nothing to fuse after this Linear" in reason and "channels-last" in reason
+    (alone,) = explain(_LinearThenMean(), torch.randn(MLP_IN), precision="fp32").specs
+    assert alone.epilogue == [] and alone.precision == "fp32"
     model, x = _ScaleAlongW(), torch.randn(MLP_IN)
     with torch.no_grad():
         torch.testing.assert_close(from_module(model, x)(x), model(x))

@@ -42,8 +42,9 @@ its own from the inputs it received (an untraceable child the same way, one leve
 specs are named after the parent and the attribute (`model_block1_conv`).
 
 A chain ends at a value that is used more than once (or returned), at an op outside the
-vocabulary, or where the spec would not validate; a chain with nothing after its convolution is
-not fused. Every node that runs as PyTorch is a fallback, with its reason.
+vocabulary, or where the spec would not validate; a chain with nothing after its convolution (or
+Linear) is fused only in fp32 mode on a tensor-core engine (3xTF32, where PyTorch runs FFMA with
+TF32 off). Every node that runs as PyTorch is a fallback, with its reason.
 
 `from_module` rewrites the traced graph: each chain becomes a call to a FusedLayer whose
 `conv.weight`, `conv.bias` and per-channel parameters are the very tensors of the original model

@@ -234,7 +234,7 @@ class Analysis(Capture):
         while self._extend(chain):
             pass
         self._settle_saves(chain)
-        if not chain.stages:
+        if not chain.stages and not _alone_pays(chain):
             why = chain.stop or "its output is not followed by a fusable op"
             what = "Linear" if chain.linear else "convolution"
             self.reasons[conv] = f"{self.describe(conv)}: nothing to fuse after this {what}: {why}"
@@ -1034,6 +1034,28 @@ def _nearest_upsample(imp: Analysis, node) -> Optional[tuple[Node, list[int]]]:
         if len(given) != len(factors) or any(float(g) != f for g, f in zip(given, factors)):
             return None
     return source, factors
+
+
+# Engines that run fp32 mode's 3xTF32 on the tensor cores (plan.py)
+_TENSOR_CORE_ENGINES = ("tma", "igemm")
+
+
+def _alone_pays(chain: _Chain) -> bool:
+    """Whether a chain with nothing after its convolution or Linear is fused all the same: in fp32
+    mode PyTorch runs it with TF32 off, on the FFMA units (cuDNN, cuBLAS's SGEMM), where 3xTF32 on
+    the tensor cores is faster (a transformer's qkv Linear, whose reshape ends its chain); in any
+    other mode the layer alone is PyTorch's own kernel's work. from_module still times it as any
+    chain, and keeps PyTorch's where that is faster."""
+    from specgen import target
+    from specgen.plan import build_plan
+
+    if chain.data.get("precision") != "fp32":
+        return False
+    try:
+        plan = build_plan(validate({**chain.data, "name": "alone"}), target=target.resolve(None))
+    except SpecError:
+        return False
+    return plan["engine"] in _TENSOR_CORE_ENGINES
 
 
 def _check_input_engine(spec: LayerSpec) -> None:
