@@ -318,7 +318,7 @@ class Launches:
     "prep" / "prep_cl" (the layout pass from a contiguous / channels-last input)."""
 
     __slots__ = ("c", "kernel", "batch", "mode", "prep", "plane_offsets", "plane_bytes", "partial_offset",
-                 "ws_bytes", "n_maps", "steps", "map_slots", "partial_slots", "input_slots", "out_slots", "_maps")
+                 "ws_bytes", "n_maps", "steps", "layer_at", "partial_at", "_maps")
 
     def __init__(self, c: "_Call", kernel: runtime.LoadedKernel, mode: str, batch: int, split: bool, grid: int):
         self.c, tp = c, c.tp
@@ -339,9 +339,10 @@ class Launches:
         self.n_maps = 1 if mode == "nchw" else c.planes * max(1, len(tp.phases))
         self._maps: dict[int, list] = {}
         main_maps = self.n_maps + c.planes  # then the weights' maps, a plane each
-        fixed = c.has_bias + len(c.param_names)  # the layer's pointers, then the extra inputs', the output's
         self.partial_offset = offset
         steps = []
+        # The first step reads the maps (input, then weights); the last holds the epilogue's
+        # pointers from `layer_at`: the layer's (bias, parameters), the extra inputs', the output's.
         if split:
             m_total = batch * tp.positions
             offset += tp.split_k * tp.cout * m_total * 4
@@ -352,30 +353,24 @@ class Launches:
             reduce.put(len(reduce.kinds) - 1, batch)
             steps.append((kernel.extra[c.split[1]], -(-m_total * tp.cout // splitk.REDUCE_THREADS), 1,
                           splitk.REDUCE_THREADS, 0, reduce))
-            self.map_slots = ((pack, 0),)
-            self.partial_slots = ((pack, main_maps), (reduce, 0))
-            first = 1  # the reduction's pointers: partial sums, then the layer's
-            self.steps, self.input_slots = tuple(steps), (reduce, first + fixed)
-            self.out_slots = (reduce, first + fixed + len(c.input_names))
+            self.partial_at = main_maps  # (the split kernel's partial sums; the reduction's first pointer)
+            self.layer_at = 1
         else:
             pack = runtime.ArgPack(c.main_kinds)
             pack.put(len(pack.kinds) - 1, batch)
-            self.steps = ((kernel.function, grid, 1, tp.threads, tp.smem_bytes, pack),)
-            self.map_slots, self.partial_slots = ((pack, 0),), ()
-            self.input_slots = (pack, main_maps + fixed)
-            self.out_slots = (pack, main_maps + fixed + len(c.input_names))
+            steps.append((kernel.function, grid, 1, tp.threads, tp.smem_bytes, pack))
+            self.partial_at, self.layer_at = None, main_maps
+        self.steps = tuple(steps)
         self.ws_bytes = offset
 
     def set_layer(self, weight_maps: list, pointers: list[int]) -> None:
         """The layer's own arguments: the weights' tensor maps, and the bias's and parameters' addresses."""
-        first = self.n_maps
-        for pack, at in self.map_slots:  # (the main or split kernel: input maps, then the weights')
-            for i, tmap in enumerate(weight_maps):
-                pack.put_map(at + first + i, tmap)
-        pack = self.steps[-1][-1]  # (the main kernel, or the reduction: the epilogue's pointers)
-        first = (self.n_maps + len(weight_maps)) if not self.partial_slots else 1
+        pack = self.steps[0][-1]
+        for i, tmap in enumerate(weight_maps):
+            pack.put_map(self.n_maps + i, tmap)
+        pack = self.steps[-1][-1]
         for i, p in enumerate(pointers):
-            pack.put(first + i, p)
+            pack.put(self.layer_at + i, p)
 
     def _input_maps(self, address: int) -> list:
         """The input's maps, of the tensor (or the workspace) at `address`, made once per address."""
@@ -409,18 +404,18 @@ class Launches:
             for i, o in enumerate(self.plane_offsets):
                 pack.put(1 + i, base + o)
             runtime.launch_packed(kernel, function, blocks, _PREP_THREADS, 0, pack, stream)
-        for pack, at in self.map_slots:
-            for i, tmap in enumerate(self._input_maps(base)):
-                pack.put_map(at + i, tmap)
-        if self.partial_slots:
+        pack = self.steps[0][-1]
+        for i, tmap in enumerate(self._input_maps(base)):
+            pack.put_map(i, tmap)
+        if self.partial_at is not None:
             partial = ws.data_ptr() + self.partial_offset
-            for pack, at in self.partial_slots:
-                pack.put(at, partial)
-        pack, at = self.input_slots
+            pack.put(self.partial_at, partial)
+            self.steps[-1][-1].put(0, partial)
+        pack = self.steps[-1][-1]
+        at = self.layer_at + self.c.has_bias + len(self.c.param_names)
         for i, p in enumerate(inputs):
             pack.put(at + i, p)
-        pack, at = self.out_slots
-        pack.put(at, out_address)
+        pack.put(at + len(self.c.input_names), out_address)
         for function, grid, grid_y, threads, smem, pack in self.steps:
             runtime.launch_packed(kernel, function, grid, threads, smem, pack, stream, grid_y)
 

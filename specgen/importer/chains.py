@@ -577,11 +577,8 @@ class Analysis(Capture):
             if name in wanted and tensor.numel() not in (1, math.prod(wanted[name])):  # a scalar: expanded
                 raise Reject(f"{name} has shape {list(tensor.shape)}, the spec wants {list(wanted[name])}")
         if spec.precision in ("bf16", "fp16"):
-            from specgen import target as targets
-            from specgen.plan import build_plan
-
             try:  # (on the GPU it will run on: a softmax over the channels is fused in 16 bits on Hopper only)
-                build_plan(spec, target=targets.resolve(None))
+                _plan_here(spec)
             except SpecError as err:
                 raise Reject(f"a {spec.precision} layer with it cannot be planned: {'; '.join(err.problems)}") from None
 
@@ -1046,26 +1043,28 @@ def _alone_pays(chain: _Chain) -> bool:
     the tensor cores is faster (a transformer's qkv Linear, whose reshape ends its chain); in any
     other mode the layer alone is PyTorch's own kernel's work. from_module still times it as any
     chain, and keeps PyTorch's where that is faster."""
-    from specgen import target
-    from specgen.plan import build_plan
-
     if chain.data.get("precision") != "fp32":
         return False
     try:
-        plan = build_plan(validate({**chain.data, "name": "alone"}), target=target.resolve(None))
+        plan = _plan_here(validate({**chain.data, "name": "alone"}))
     except SpecError:
         return False
     return plan["engine"] in _TENSOR_CORE_ENGINES
 
 
-def _check_input_engine(spec: LayerSpec) -> None:
-    """A Reject where no engine this layer plans for, on the GPU it will run on (the built-in sm_90
-    without one), reads an extra input (plan.INPUT_ENGINES)."""
+def _plan_here(spec: LayerSpec) -> dict:
+    """The spec's plan on the GPU it will run on (the built-in sm_90 without one); SpecError if none."""
     from specgen import target
     from specgen.plan import build_plan
 
+    return build_plan(spec, target=target.resolve(None))
+
+
+def _check_input_engine(spec: LayerSpec) -> None:
+    """A Reject where no engine this layer plans for, on the GPU it will run on (the built-in sm_90
+    without one), reads an extra input (plan.INPUT_ENGINES)."""
     try:
-        build_plan(spec, target=target.resolve(None))
+        _plan_here(spec)
     except SpecError as err:
         raise Reject(f"with an extra input the layer cannot be planned: {err.problems[0]}") from None
 
