@@ -140,22 +140,24 @@ def test_an_imported_linear_over_tokens_repeats_its_launches(monkeypatch):
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
-            self.fc = nn.Linear(96, 96)
+            self.fc = nn.Linear(384, 384)  # over 196 tokens: the TMA engine's (asserted below)
 
         def forward(self, x):
             return x + nn.functional.gelu(self.fc(x))
 
     gen = torch.Generator(device="cuda").manual_seed(21)
     model = Block().cuda().eval()
-    x = torch.randn(2, 50, 96, device="cuda", generator=gen)
+    x = torch.randn(2, 196, 384, device="cuda", generator=gen)
     fused = specgen.from_module(model, x, keep_slower=True, cuda_graph=False)
+    (layer,) = [m for m in fused.modules() if isinstance(m, FusedLayer)]
+    assert layer.specialize().plan["engine"] == "tma"  # (the other engines copy a channels-last input first)
     reference = copy.deepcopy(model).double()
     full = []
     real = torchop.launch
     monkeypatch.setattr(torchop, "launch", lambda *a, **k: (full.append(1), real(*a, **k))[1])
     with torch.no_grad():
         for step in range(3):
-            x = torch.randn(2, 50, 96, device="cuda", generator=gen)
+            x = torch.randn(2, 196, 384, device="cuda", generator=gen)
             y = fused(x)
             ref = reference(x.double())
             err = ((y.double() - ref).norm() / ref.norm()).item()
