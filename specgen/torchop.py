@@ -708,9 +708,7 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     kernel = runtime.lookup(sp.key, device_index) or load_kernel(sp, device_index)
     stream = _current_stream(device_index)
     if lp.tma:
-        if record is None:
-            return tmarun.launch(sp, kernel, x, weight, bias, params, out, stream)
-        recorded = []
+        recorded = None if record is None else []
         tmarun.launch(sp, kernel, x, weight, bias, params, out, stream, recorded)
         if recorded:  # x read as it is: the call's launches are kept, for the caller to repeat
             launches, held = recorded[0]
