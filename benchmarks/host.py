@@ -67,9 +67,12 @@ def main():
     tiny = LayerSpec.model_validate({"name": "tiny", "input": {"channels": 3, "size": [32, 32]},
             "conv": {"out_channels": 16, "kernel": 3, "padding": 1}, "epilogue": ["relu"]})
     specs = {s.name: s for s in load_specs("examples/folds.yaml")}
+    layers = {s.name: s for s in load_specs("examples/layers.yaml")}
+    # (a 3x3 512 -> 512 conv + ReLU at batch 1: the TMA engine, one launch in tf32, the layout pass
+    # and the GEMM in fp32 mode; the sequence rows: a conv with a reduction after it, its kernels)
     cases = [(tiny, 1, "fp32"), (tiny, 1, "tf32"), (tiny, 8, "tf32"),
-             (specs["conv1d_5_128_256_1024_mean"], 32, "tf32"), (specs["head_3x3_256_512_14_bn_gap"], 64, "tf32"),
-             (specs["head_3x3_256_512_14_bn_gap"], 1, "tf32"), (specs["head_3x3_256_512_14_bn_gap"], 1, "fp32")]
+             (layers["conv3x3_512_14_relu"], 1, "tf32"), (layers["conv3x3_512_14_relu"], 1, "fp32"),
+             (specs["conv1d_5_128_256_1024_mean"], 32, "tf32"), (specs["head_3x3_256_512_14_bn_gap"], 64, "tf32")]
     x0 = torch.randn(1, 3, 32, 32, device="cuda")
     row("torch.empty((1,16,32,32), device=x.device)", host(lambda: torch.empty((1, 16, 32, 32), device=x0.device)))
     row("torch.empty((1,16,32,32), device=x.device, dtype=f32)", host(lambda: torch.empty((1, 16, 32, 32), device=x0.device, dtype=torch.float32)))
@@ -90,11 +93,12 @@ def main():
         print(f"{s.name} batch {batch} {prec}: engine {sp.plan['engine']}", flush=True)
         with torch.no_grad():
             layer(x)
-            if spec is tiny:
-                eager = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU()).cuda()
+            if s.epilogue == tiny.epilogue and s.ndim == 2:  # a 2-D conv + ReLU: PyTorch's layer beside it
+                k, pad = s.conv.kernel, s.conv.padding
+                eager = nn.Sequential(nn.Conv2d(s.input.channels, s.conv.out_channels, k, padding=pad), nn.ReLU()).cuda()
                 row("eager nn.Sequential(conv, relu)", host(lambda: eager(x)))
                 row("eager gpu kernel time per call", kernels(lambda: eager(x)))
-                row("eager F.conv2d alone", host(lambda: torch.nn.functional.conv2d(x, eager[0].weight, eager[0].bias, padding=1)))
+                row("eager F.conv2d alone", host(lambda: torch.nn.functional.conv2d(x, eager[0].weight, eager[0].bias, padding=pad)))
             row("layer(x) no_grad", host(lambda: layer(x)))
             fast = layer._fast
             if fast is not None:  # the FFMA, implicit-GEMM and TMA engines keep their last plain launch
