@@ -667,8 +667,9 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
            stats: torch.Tensor | None = None, record: list | None = None):
     """Run the kernel on CUDA `x` (the layer's dtype) into `out` (allocated when None), on the current stream.
     A layer with statistic stages runs its sequence of kernels (specgen.tailrun); `stats` receives
-    the batch statistics of its training-mode batch norms. `record`: where the call is one plain
-    launch (the FFMA, slab and implicit-GEMM engines, a contiguous input), a `FastLaunch` of it is
+    the batch statistics of its training-mode batch norms. `record`: where the call can be repeated
+    as it is (one plain launch of the FFMA, slab or implicit-GEMM engine on a contiguous input; the
+    TMA engine's launches on an input it reads without a copy first), a `FastLaunch` of it is
     appended, for the caller to repeat."""
     sp = kernel_for(sp, x, out)
     if out is not None and not out.is_contiguous() and _writes_format(sp) is None and tmarun.channels_last(out):
