@@ -212,6 +212,14 @@ def forget(spec: LayerSpec) -> None:
             del _memo[k]
 
 
+def forget_where(alike) -> None:
+    """Drop the memoized kernels of every spec for which `alike(spec)` is true (a tuned choice
+    stored for one layer serves all layers of its signature)."""
+    with _memo_lock:
+        for k in [k for k, item in _memo.items() if alike(item.spec)]:
+            del _memo[k]
+
+
 def specialize(spec: LayerSpec, arch: str | None = None, igemm_config=None, tuned: bool = True,
                settings: Settings | None = None) -> Specialized:
     """The compiled kernel of `spec`; repeated calls in one process cost a dict lookup.

@@ -17,8 +17,11 @@ so their sums run in different orders: a tuned kernel's results may differ from 
 in the last bits, never by more than the bar.
 
 The choice is kept in the specgen cache directory under `tuned/`, one JSON file per choice named
-by a sha256 over the spec (canonical JSON), its precision, the GPU (name and SM count), the CUDA
-driver version and the batch bucket (the next power of two at or above the batch). Layers are
+by a sha256 over the spec's `signature` (its canonical JSON without the names: the layer's own, and
+its tensors' in order of first use), its precision, the GPU (name and SM count), the CUDA driver
+version and the batch bucket (the next power of two at or above the batch). Layers that differ only
+in names share one choice: a model's repeated blocks are tuned once, and a layer tuned from a YAML
+file serves the same layer imported from a model. Layers are
 contiguous float32 (NCDHW), so there is no memory format to key on. Written atomically (a
 temporary file renamed into place, `measured.store`); an unreadable record, or one whose tile no
 longer plans, counts as none.
@@ -54,7 +57,7 @@ from specgen.log import get_logger
 from specgen.plan import PlanError, Settings, SlabConfig, build_plan
 from specgen.spec import LayerSpec
 
-SCHEMA = 1
+SCHEMA = 2  # 2: keys over `signature` (1: over the canonical spec, names included)
 SUBDIR = "tuned"
 ENV_AUTOTUNE = "SPECGEN_AUTOTUNE"
 DEFAULT_TUNE_BATCH = 64
@@ -409,10 +412,33 @@ def current_gpu() -> dict | None:
 # ---------------------------------------------------------------------------- the choice store
 
 
-def choice_key(spec: LayerSpec, gpu: str, driver: int, bucket: int) -> str:
-    """sha256 hex over everything a tuned choice depends on."""
+def signature(spec: LayerSpec) -> str:
+    """The spec as far as a tile's speed depends on it: its canonical JSON without the layer's name,
+    the names of its tensors (parameters, extra inputs, saved values) replaced by their order of
+    first use. Two layers of one shape and epilogue, named apart, have one signature."""
+    data = spec.canonical()
+    del data["name"]
+    names = set(spec.params()) | set(spec.inputs())
+    names.update(stage.args.name for stage in spec.epilogue if stage.op == "save")
+    renamed: dict[str, str] = {}
+
+    def walk(value):  # (dicts in canonical()'s field order: the same order for specs of one structure)
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, str) and value in names:
+            return renamed.setdefault(value, f"t{len(renamed)}")
+        return value
+
+    return json.dumps(walk(data), sort_keys=True, separators=(",", ":"))
+
+
+def choice_key(spec: LayerSpec, gpu: str, driver: int, bucket: int, sig: str | None = None) -> str:
+    """sha256 hex over everything a tuned choice depends on (`sig`: the spec's `signature`, when
+    the caller has it)."""
     material = {
-        "schema": SCHEMA, "kind": "tensor_core_tile", "spec": spec.canonical_json(), "precision": spec.precision,
+        "schema": SCHEMA, "kind": "tensor_core_tile", "spec": sig or signature(spec), "precision": spec.precision,
         "gpu": gpu, "driver": driver, "bucket": bucket,
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
@@ -432,13 +458,14 @@ def store_choice(spec: LayerSpec, gpu: dict, bucket: int, chosen, table: list[di
         "label": "heuristic" if chosen is None else label(chosen), "candidates": table, "created": time.time(),
     }
     ok = measured.store(key, record, subdir=SUBDIR)
-    pipeline.forget(spec)
+    sig = signature(spec)
+    pipeline.forget_where(lambda other: signature(other) == sig)  # (every layer the choice serves)
     return ok
 
 
-def load_choice(spec: LayerSpec, gpu: str, driver: int, bucket: int) -> dict | None:
+def load_choice(spec: LayerSpec, gpu: str, driver: int, bucket: int, sig: str | None = None) -> dict | None:
     """The stored record, or None (missing, unreadable, or a config that no longer plans)."""
-    key = choice_key(spec, gpu, driver, bucket)
+    key = choice_key(spec, gpu, driver, bucket, sig)
     try:
         record = json.loads((_store_dir() / f"{key}.json").read_text())
     except (OSError, ValueError):
@@ -463,8 +490,9 @@ def stored_choice(spec: LayerSpec, arch: str | None = None, bucket: int | None =
     if gpu is None or (arch is not None and arch != gpu["arch"]):
         return None
     buckets = [bucket] if bucket is not None else [1 << b for b in range(MAX_BUCKET_LOG2, -1, -1)]
+    sig = signature(spec)
     for b in buckets:
-        record = load_choice(spec, gpu["gpu"], gpu["driver"], b)
+        record = load_choice(spec, gpu["gpu"], gpu["driver"], b, sig)
         if record is not None:
             return record
     return None
@@ -499,10 +527,12 @@ class Result:
     candidates: list[Candidate] = field(default_factory=list)
     chosen: Candidate | None = None
     stored: bool = False
+    alike: list[str] = field(default_factory=list)  # the other layers of its signature, served by its choice
 
     def table(self) -> str:
         base = self.candidates[0].ms
-        lines = [f"{self.spec.name} ({self.spec.precision}, batch {self.batch}, bucket {self.bucket}) on {self.gpu}:"]
+        also = f" (its choice also serves {', '.join(self.alike)})" if self.alike else ""
+        lines = [f"{self.spec.name} ({self.spec.precision}, batch {self.batch}, bucket {self.bucket}) on {self.gpu}{also}:"]
         for c in self.candidates:
             mark = "*" if c is self.chosen else " "
             if c.item is None or math.isnan(c.ms):
@@ -617,11 +647,19 @@ def tune(specs: list[LayerSpec], batch: int = DEFAULT_TUNE_BATCH, reps: int = RE
     gpu = current_gpu()
     if gpu is None:
         raise RuntimeError("the CUDA driver does not report a GPU")
-    todo = [s for s in specs if tunable(s)]
+    # layers of one signature share a choice: tuned once, as the first of them
+    first: dict[str, LayerSpec] = {}
+    alike: dict[str, list[str]] = {}
+    for spec in specs:
+        if tunable(spec):
+            sig = signature(spec)
+            first.setdefault(sig, spec)
+            alike.setdefault(sig, []).append(spec.name)
+    todo = list(first.values())
     results = []
-    for spec, cands in zip(todo, build_candidates(todo, arch)):
+    for (sig, spec), cands in zip(first.items(), build_candidates(todo, arch)):
         measure(spec, cands, batch, reps)
-        result = Result(spec, batch, bucket, gpu["gpu"], cands)
+        result = Result(spec, batch, bucket, gpu["gpu"], cands, alike=alike[sig][1:])
         correct = [c for c in cands if c.ok and not math.isnan(c.ms)]
         result.chosen = min(correct, key=lambda c: c.ms) if correct else cands[0]
         if store and correct:

@@ -291,6 +291,84 @@ def test_without_a_batch_the_largest_bucket_tuned_is_used(fake_gpu):
     assert tune.stored_choice(spec)["config"] is None
 
 
+
+def _named(name: str, scale: str, shortcut: str, **extra) -> dict:
+    """A layer with a per-channel parameter and an extra input, its names given."""
+    return {**layer(**extra), "name": name, "epilogue": [{"mul": {"param": scale}}, {"add": {"input": shortcut}}, "relu"]}
+
+
+def test_layers_that_differ_only_in_names_share_a_tuned_choice(fake_gpu):
+    """A model's repeated blocks, or a layer tuned from a YAML file and the same layer imported
+    from a model, differ only in their names: one choice serves them all."""
+    tuned = validate(_named("block_1", "block_1_scale", "block_1_x"))
+    cfg = tune.candidates(tuned)[1]
+    tune.store_choice(tuned, fake_gpu, 64, cfg, [], batch=64)
+    twin = validate(_named("stage_3_conv", "gamma", "residual"))
+    assert tune.signature(twin) == tune.signature(tuned) and tune.stored_choice(twin)["config"] == cfg
+    # the structure still counts: a constant for the parameter, one tensor read twice, another shape
+    others = [
+        {**_named("a", "s", "r"), "epilogue": [{"mul": {"value": 2.0}}, {"add": {"input": "r"}}, "relu"]},
+        {**_named("b", "s", "r"), "epilogue": [{"mul": {"param": "s"}}, {"add": {"param": "s"}}, "relu"]},
+        _named("c", "s", "r", stride=2),
+        _named("d", "s", "r", precision="tf32"),
+    ]
+    for data in others:
+        spec = validate(data)
+        assert tune.signature(spec) != tune.signature(tuned) and tune.stored_choice(spec) is None, data["name"]
+
+
+def test_a_saved_value_is_renamed_like_a_tensor():
+    def spec(saved: str, gamma: str):
+        return validate({**layer(), "name": f"n_{saved}", "epilogue": [
+            {"save": {"name": saved}}, {"group_norm": {"num_groups": 8, "weight": gamma, "bias": f"{gamma}_b"}},
+            {"add": {"saved": saved}}]})
+
+    assert tune.signature(spec("conv_out", "g")) == tune.signature(spec("h", "norm_weight"))
+    data = json.loads(tune.signature(spec("h", "g")))
+    assert "name" not in data and data["epilogue"][0] == {"save": {"name": "t0"}}  # (the layer's own name is gone)
+
+
+def test_a_choice_stored_for_one_layer_reaches_its_twins_already_specialized(fake_gpu, monkeypatch):
+    """Storing a choice drops the memoized kernels of every layer of its signature, not only its own."""
+    tuned, twin = validate(_named("block_1", "s1", "x1")), validate(_named("block_2", "s2", "x2"))
+    plan = tune.heuristic(twin)
+    heuristic = plan[plan["engine"]].config
+    chosen = next(c for c in tune.candidates(tuned) if c != heuristic)
+    monkeypatch.setattr(pipeline.cache, "get_or_build", lambda req: _FakeBuild(req))
+    pipeline.forget(twin)
+    assert _config(pipeline.specialize(twin)) == heuristic
+    tune.store_choice(tuned, fake_gpu, 64, chosen, [], batch=64)
+    assert _config(pipeline.specialize(twin)) == chosen
+    pipeline.forget(twin)
+    pipeline.forget(tuned)
+
+
+def test_layers_of_one_signature_are_tuned_once(fake_gpu, monkeypatch):
+    """`tune` times the first of each signature and says which others its choice serves."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    built, timed = [], []
+
+    def fake_build(specs, arch=None):
+        built.append([s.name for s in specs])
+        return [[tune.Candidate(cfg) for cfg in tune.candidates(s)[:2]] for s in specs]
+
+    def fake_measure(spec, cands, batch, reps=tune.REPS):
+        timed.append(spec.name)
+        for i, c in enumerate(cands):
+            c.ms, c.rel_l2, c.ok = 2.0 - i, 0.0, True  # the second candidate wins
+
+    monkeypatch.setattr(tune, "build_candidates", fake_build)
+    monkeypatch.setattr(tune, "measure", fake_measure)
+    specs = [validate(_named(f"block_{i}", f"s{i}", f"x{i}")) for i in range(3)] + [validate(layer(channels=32))]
+    results = tune.tune(specs, batch=8)
+    assert built == [["block_0", layer(channels=32)["name"]]] and timed == built[0]
+    assert [r.alike for r in results] == [["block_1", "block_2"], []]
+    assert "its choice also serves block_1, block_2" in results[0].table().splitlines()[0]
+    for spec in specs[:3]:
+        assert tune.stored_choice(spec, bucket=8)["config"] == tune.candidates(specs[0])[1]
+
 # ---------------------------------------------------------------------------- users of the choice
 
 
