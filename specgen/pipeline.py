@@ -27,6 +27,9 @@ class Specialized:
     source: str
     build: cache.BuildResult
     arch: str | None = None  # the arch asked for (None: the current GPU's): a variant is planned for it too
+    # planned with the stored tuned choice (of the largest batch bucket tuned): a call at a batch
+    # bucket tuned apart takes that bucket's choice (`batch_variant`)
+    follows_tuning: bool = False
 
     @property
     def key(self) -> str:
@@ -210,14 +213,51 @@ def forget(spec: LayerSpec) -> None:
     with _memo_lock:
         for k in [k for k in _memo if k[0] == key]:
             del _memo[k]
+        for k in [k for k, item in _batch_variants.items() if item.spec.canonical_json() == key]:
+            del _batch_variants[k]
 
 
 def forget_where(alike) -> None:
     """Drop the memoized kernels of every spec for which `alike(spec)` is true (a tuned choice
-    stored for one layer serves all layers of its signature)."""
+    stored for one layer serves all layers of its signature), and their batch variants."""
     with _memo_lock:
-        for k in [k for k, item in _memo.items() if alike(item.spec)]:
-            del _memo[k]
+        for memo in (_memo, _batch_variants):
+            for k in [k for k, item in memo.items() if alike(item.spec)]:
+                del memo[k]
+
+
+_batch_variants: dict[tuple, Specialized] = {}
+
+
+def batch_variant(sp: Specialized, batch: int) -> Specialized:
+    """The kernel for a call of `batch` samples. `sp`, planned with the stored tuned choice of the
+    largest batch bucket tuned (the batch is not known at construction), serves every batch,
+    except a batch whose own bucket was tuned to another tile (`specgen tune --batch 1` and
+    `--batch 64` of a small-M layer: at batch 1 the implicit GEMM's mma.sync tile, at 64 the TMA
+    engine's): that bucket's kernel. Looked up on the first call per layer and bucket (the
+    tuner built it, so the cache has it), then kept per process; `sp` itself where it does not
+    follow the tuned choices (a tile given, a candidate being tuned)."""
+    if not sp.follows_tuning or batch < 1:
+        return sp
+    key = (sp.key, sp.arch, 1 << (batch - 1).bit_length())  # (measured.batch_bucket)
+    hit = _batch_variants.get(key)
+    if hit is not None:
+        return hit
+    from specgen import tune
+
+    hit = sp
+    record = tune.stored_choice(sp.spec, sp.arch, key[2])
+    if record is not None:
+        try:
+            variant = specialize(sp.spec, sp.arch, igemm_config=record["config"], tuned=False)
+        except Exception as error:  # noqa: BLE001  (the layer's own kernel serves every batch: never worse than before)
+            get_logger().warning("%s: the tuned choice for batch bucket %d does not build (%s: %s); the layer's "
+                                 "kernel serves it", sp.spec.name, key[2], type(error).__name__, error)
+        else:
+            hit = sp if variant.key == sp.key else variant
+    with _memo_lock:
+        _batch_variants[key] = hit
+    return hit
 
 
 def specialize(spec: LayerSpec, arch: str | None = None, igemm_config=None, tuned: bool = True,
@@ -230,6 +270,7 @@ def specialize(spec: LayerSpec, arch: str | None = None, igemm_config=None, tune
         memo_key = (spec.canonical_json(), arch, igemm_config)
     else:
         memo_key = (spec.canonical_json(), arch) if tuned else (spec.canonical_json(), arch, None)
+    follows = tuned and igemm_config is None and settings is None
     if settings is not None:
         memo_key += (settings,)
     else:
@@ -250,7 +291,7 @@ def specialize(spec: LayerSpec, arch: str | None = None, igemm_config=None, tune
                     plan, source, req = request(spec, arch, igemm_config=config, settings=settings)
                     hit = _without_spills(Specialized(spec, plan, source, cache.get_or_build(req)), arch, config, settings)
                     _remember(rkey, hit)
-                _memo[memo_key] = hit = replace(hit, arch=arch)
+                _memo[memo_key] = hit = replace(hit, arch=arch, follows_tuning=follows)
     return hit
 
 
@@ -288,7 +329,7 @@ def specialize_many(specs: list[LayerSpec], arch: str | None = None, tuned: bool
                 found[rkey] = item
         elif item.spec is not spec:
             item = Specialized(spec, item.plan, item.source, item.build)
-        item = replace(item, arch=arch)
+        item = replace(item, arch=arch, follows_tuning=tuned and settings is None)
         memo_key = (canon, arch) if tuned else (canon, arch, None)
         _memo.setdefault(memo_key if settings is None else memo_key + (settings,), item)
         out.append(item)

@@ -648,8 +648,12 @@ def kernel_for(sp: pipeline.Specialized, x: torch.Tensor, out: torch.Tensor | No
     kernel where it has one (`pipeline.channels_last_variant`: the TMA engine reading it in place,
     not a copy into NC(D)HW for the contiguous plan's engine, and writing a channels-last output, as
     PyTorch's conv does), unless the caller's `out` is contiguous. The same answer for real and fake
-    tensors (the fake kernel gives the output's strides from it)."""
+    tensors (the fake kernel gives the output's strides from it). A real CUDA input read as
+    NC(D)HW whose batch bucket `specgen tune` gave a tile of its own takes that bucket's kernel
+    (`pipeline.batch_variant`: another tile of the same plan's layout, so the same output strides)."""
     if x.is_contiguous() or not tmarun.channels_last(x) or (out is not None and out.is_contiguous()):
+        if sp.follows_tuning and type(x) is torch.Tensor and x.is_cuda:  # (a dict lookup after a bucket's first call)
+            return pipeline.batch_variant(sp, x.shape[0])
         return sp
     # (`channels_last_variant` keeps its answer per layer: after the first call, a dict lookup)
     variant = pipeline.channels_last_variant(sp)

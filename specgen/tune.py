@@ -28,7 +28,8 @@ longer plans, counts as none.
 
 Use: `pipeline.specialize` (so `FusedLayer` and `from_module`) takes the stored choice for the
 first visible GPU when there is one, and for the largest batch bucket tuned, since the batch is
-not known at construction; `FusedLayer(spec, tune=True, tune_batch=N)` or `SPECGEN_AUTOTUNE=1`
+not known at construction (a call at another bucket tuned to another tile runs that bucket's
+kernel: `pipeline.batch_variant`); `FusedLayer(spec, tune=True, tune_batch=N)` or `SPECGEN_AUTOTUNE=1`
 tunes on the spot when no choice is stored for that bucket (default batch 64) and uses it.
 Without either, the heuristic plan: construction never times anything.
 

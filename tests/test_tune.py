@@ -8,6 +8,7 @@ stored choice (the GPU identity is faked), `specgen tune` without a GPU exits 2.
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -415,6 +416,39 @@ def test_the_pipeline_uses_a_stored_slab_choice(fake_gpu, monkeypatch):
     pipeline.forget(spec)
 
 
+
+def test_a_batch_whose_bucket_was_tuned_apart_takes_that_buckets_tile(fake_gpu, monkeypatch):
+    """The layer's kernel follows the largest bucket tuned; a call at another tuned bucket runs
+    that bucket's tile (kept per layer and bucket); untuned buckets, and kernels that do not
+    follow the tuned choices, stay as they are."""
+    spec = validate(layer())
+
+    class Build(_FakeBuild):  # (a key per source: the variant is told apart from the layer's kernel by it)
+        def __init__(self, req):
+            self.key = hashlib.sha256(req.source.encode()).hexdigest()[:16]
+
+    monkeypatch.setattr(pipeline.cache, "get_or_build", Build)
+    plan = tune.heuristic(spec)
+    heuristic = plan[plan["engine"]].config
+    small, large, other = [c for c in tune.candidates(spec) if c != heuristic][:3]
+    tune.store_choice(spec, fake_gpu, 1, small, [], batch=1)
+    tune.store_choice(spec, fake_gpu, 64, large, [], batch=64)
+    sp = pipeline.specialize(spec)
+    assert sp.follows_tuning and _config(sp) == large
+    at_one = pipeline.batch_variant(sp, 1)
+    assert _config(at_one) == small and not at_one.follows_tuning
+    assert pipeline.batch_variant(sp, 1) is at_one  # kept
+    assert pipeline.batch_variant(sp, 50) is sp and pipeline.batch_variant(sp, 8) is sp  # bucket 64; bucket 8 untuned
+    assert pipeline.batch_variant(at_one, 64) is at_one
+    pinned = pipeline.specialize(spec, igemm_config=other, tuned=False)
+    assert not pinned.follows_tuning and pipeline.batch_variant(pinned, 1) is pinned
+    tune.store_choice(spec, fake_gpu, 1, None, [], batch=1)  # the heuristic won at batch 1 after all
+    sp = pipeline.specialize(spec)
+    assert _config(pipeline.batch_variant(sp, 1)) == heuristic
+    pipeline.forget(spec)
+    assert not pipeline._batch_variants
+
+
 class _FakeBuild:
     spill_bytes = 0
 
@@ -533,6 +567,38 @@ def test_tune_picks_a_candidate_that_matches_float64_and_is_reused(cache_dir, tm
     finally:
         tune.tune = real
     assert calls == []
+
+
+
+@pytest.mark.gpu
+def test_a_layer_runs_the_kernel_tuned_for_its_calls_batch_bucket(cache_dir):
+    """Choices stored for buckets 1 and 64 (a TMA tile at 64, the implicit GEMM's mma.sync tile at
+    1, as v55 measured on small-M GEMMs): a FusedLayer runs each at its bucket, both to the fp32
+    bar, into a NaN-filled output's place, and a repeat at batch 1 stays on its bucket's kernel."""
+    import torch
+
+    from specgen import reference, torchop
+    from specgen.module import FusedLayer
+
+    gpu = tune.current_gpu()
+    spec = validate({**layer(channels=128, out=256), "input": {"channels": 128, "size": [14, 14]}})
+    cands = tune.candidates(spec)
+    tma = next(c for c in cands if isinstance(c, TmaConfig))
+    mma = next(c for c in cands if isinstance(c, IgemmConfig) and not c.wgmma)
+    tune.store_choice(spec, gpu, 64, tma, [], batch=64)
+    tune.store_choice(spec, gpu, 1, mma, [], batch=1)
+    layer_ = FusedLayer(spec).cuda().eval()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    with torch.no_grad():
+        layer_.conv.weight.copy_(torch.randn(layer_.conv.weight.shape, generator=gen, device="cuda") * 0.05)
+        for batch, engine in ((64, "tma"), (1, "igemm"), (1, "igemm"), (33, "tma")):
+            x = torch.randn((batch, 128, 14, 14), generator=gen, device="cuda")
+            assert torchop.kernel_for(layer_.specialize(), x).plan["engine"] == engine
+            y = layer_(x)
+            ref = reference.forward64(spec, x, layer_.conv.weight, layer_.conv.bias, layer_.spec_params())
+            rel = ((y.double() - ref).norm() / ref.norm()).item()
+            assert rel <= 1e-5, f"batch {batch}: rel L2 {rel:.2e}"
+    pipeline.forget(spec)
 
 
 def test_an_ffma_layer_is_tuned_against_the_slab_engine():
