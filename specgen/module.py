@@ -50,7 +50,8 @@ class FusedLayer(nn.Module):
         `tune=True` (or SPECGEN_AUTOTUNE=1) measures the tile candidates on this GPU now, for the
         batch bucket of `tune_batch` (default 64), unless a choice is stored for it already, and
         uses that bucket's choice. Otherwise a stored choice for this GPU is used when there is
-        one (of the largest batch bucket tuned), else the planner's heuristic tile."""
+        one (of the largest batch bucket tuned; a call whose batch bucket was tuned to another tile
+        runs that bucket's kernel), else the planner's heuristic tile."""
         super().__init__()
         spec = load(spec_or_path)
         if precision is None and "precision" not in spec.model_fields_set:
