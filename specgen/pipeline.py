@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from specgen import cache, planindex, target as targets, tma
 from specgen.log import get_logger
+from specgen.measured import batch_bucket
 from specgen.plan import DEFAULT_SETTINGS, PlanError, Settings, SlabConfig, build_plan
 from specgen.render import render_plan
 from specgen.spec import LayerSpec
@@ -208,13 +209,9 @@ def _remember(rkey: str | None, item: Specialized) -> None:
 
 
 def forget(spec: LayerSpec) -> None:
-    """Drop this spec's memoized kernels (a new tuned choice was stored)."""
+    """Drop this spec's memoized kernels and batch variants."""
     key = spec.canonical_json()
-    with _memo_lock:
-        for k in [k for k in _memo if k[0] == key]:
-            del _memo[k]
-        for k in [k for k, item in _batch_variants.items() if item.spec.canonical_json() == key]:
-            del _batch_variants[k]
+    forget_where(lambda other: other.canonical_json() == key)
 
 
 def forget_where(alike) -> None:
@@ -239,7 +236,7 @@ def batch_variant(sp: Specialized, batch: int) -> Specialized:
     follow the tuned choices (a tile given, a candidate being tuned)."""
     if not sp.follows_tuning or batch < 1:
         return sp
-    key = (sp.key, sp.arch, 1 << (batch - 1).bit_length())  # (measured.batch_bucket)
+    key = (sp.key, sp.arch, batch_bucket(batch))
     hit = _batch_variants.get(key)
     if hit is not None:
         return hit
