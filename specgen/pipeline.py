@@ -8,6 +8,7 @@ or rendering; on a miss the spec is planned, rendered and built, and the index e
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from dataclasses import dataclass, replace
 
@@ -225,18 +226,100 @@ def forget_where(alike) -> None:
 
 _batch_variants: dict[tuple, Specialized] = {}
 
+# A call of a few samples on a layer the planner put on the TMA engine (whose tile is chosen for
+# batches of 32 and more) runs on the implicit GEMM instead, with this tile: 128 positions x 64
+# channels, 8 warps of 32 x 32, K chunks of 32 in 3 stages, one launch that reads the NC(D)HW input
+# where it lies (the TMA plan adds a layout pass, and at such M a split-K kernel and its
+# reduction). Measured by `specgen tune --batch 1` on an H100 (benchmarks/NOTES.md v56): on all
+# 11 layers tried (ResNet-18's 3x3 convs at 64-512 channels and 56^2-7^2, a stride-2 one,
+# 3x3 512 -> 512 at 14^2, ViT-S/16's qkv and fc2 and ConvNeXt's 768 -> 3072 as 1x1 convs; 9 in
+# tf32, 2 in fp32 mode) this tile ran 1.36x-2.22x faster than the TMA plan (and within 10% of
+# the best tile on 9 of them). It holds where the batch's output positions are at most
+# SMALL_BATCH_MAX_POSITIONS, the largest M measured (56^2 at batch 1).
+SMALL_BATCH_MAX_POSITIONS = 56 * 56
+SMALL_BATCH_TILE = dict(warps_m=4, warps_n=2, wm=2, wn=4, bk=32, stages=3)
+
+
+def small_batch_on() -> bool:
+    """Whether small batches leave the TMA plan for the implicit GEMM (`SPECGEN_SMALL_BATCH=0`
+    keeps the planner's kernel at every batch)."""
+    return os.environ.get("SPECGEN_SMALL_BATCH", "1") != "0"
+
+
+def small_batch_config(sp: Specialized, bucket: int):
+    """The implicit GEMM's tile for calls of `bucket` samples of `sp`'s layer
+    (`SMALL_BATCH_MAX_POSITIONS`), or None where the planner's kernel serves them: a plan on
+    another engine (or a sequence), a transposed conv, a tile in the spec, more positions than
+    measured, a 16-bit layer (none was measured), a layer the implicit GEMM does not run as
+    one kernel, or `SPECGEN_SMALL_BATCH=0`."""
+    spec = sp.spec
+    if not small_batch_on() or sp.plan.get("engine") != "tma" or spec.tile is not None or spec.conv.transposed \
+            or spec.precision not in ("fp32", "tf32"):
+        return None
+    positions = bucket
+    for n in spec.conv_output().sizes[1:]:
+        positions *= n
+    if positions > SMALL_BATCH_MAX_POSITIONS:
+        return None
+    from specgen.igemm import IgemmConfig, _cip_and_bk
+
+    tile = dict(SMALL_BATCH_TILE)
+    tile["bk"] = min(tile["bk"], _cip_and_bk(spec.input.channels)[1])
+    config = IgemmConfig(**tile)
+    try:
+        plan = build_plan(spec, config, targets.resolve(sp.arch))
+    except (PlanError, ValueError, targets.TargetError):
+        return None
+    return config if plan["engine"] == "igemm" else None
+
+
+def build_batch_variants(items: list[Specialized], batch: int) -> None:
+    """Build the small-batch kernels (`small_batch_config`) that calls of `batch` samples of
+    `items` will take, in one parallel build, so that their first calls find them (from_module:
+    the example's batch; a model's layers would otherwise compile one by one while being timed)."""
+    if not small_batch_on() or batch < 1:
+        return
+    bucket = batch_bucket(batch)
+    from specgen import tune
+
+    todo: dict = {}
+    for sp in items:
+        if not sp.follows_tuning or (sp.key, sp.arch, bucket, True) in _batch_variants:
+            continue
+        config = small_batch_config(sp, bucket)
+        memo_key = (sp.spec.canonical_json(), sp.arch, config)
+        if config is None or memo_key in _memo or memo_key in todo or tune.stored_choice(sp.spec, sp.arch, bucket) is not None:
+            continue
+        try:
+            todo[memo_key] = (sp, config, request(sp.spec, sp.arch, igemm_config=config))
+        except Exception as error:  # noqa: BLE001  (its first call then keeps the layer's own kernel)
+            get_logger().debug("%s: no small-batch kernel (%s: %s)", sp.spec.name, type(error).__name__, error)
+    if not todo:
+        return
+    try:
+        builds = cache.build_many([req for _, _, (_, _, req) in todo.values()])
+    except Exception as error:  # noqa: BLE001  (each is then built, or given up, on its first call)
+        get_logger().warning("small-batch kernels not prebuilt (%s: %s)", type(error).__name__, error)
+        return
+    for (memo_key, (sp, config, (plan, source, _))), build in zip(todo.items(), builds):
+        item = _without_spills(Specialized(sp.spec, plan, source, build), sp.arch, config)
+        with _memo_lock:
+            _memo.setdefault(memo_key, replace(item, arch=sp.arch, follows_tuning=False))
+
 
 def batch_variant(sp: Specialized, batch: int) -> Specialized:
     """The kernel for a call of `batch` samples. `sp`, planned with the stored tuned choice of the
     largest batch bucket tuned (the batch is not known at construction), serves every batch,
     except a batch whose own bucket was tuned to another tile (`specgen tune --batch 1` and
     `--batch 64` of a small-M layer: at batch 1 the implicit GEMM's mma.sync tile, at 64 the TMA
-    engine's): that bucket's kernel. Looked up on the first call per layer and bucket (the
-    tuner built it, so the cache has it), then kept per process; `sp` itself where it does not
-    follow the tuned choices (a tile given, a candidate being tuned)."""
+    engine's): that bucket's kernel; and, where its bucket has no tuned choice, a batch of few
+    samples on a layer planned for the TMA engine (`small_batch_config`): the implicit GEMM's
+    kernel. Looked up (and built) on the first call per layer and bucket, then kept per
+    process; `sp` itself where it does not follow the tuned choices (a tile given, a candidate
+    being tuned)."""
     if not sp.follows_tuning or batch < 1:
         return sp
-    key = (sp.key, sp.arch, batch_bucket(batch))
+    key = (sp.key, sp.arch, batch_bucket(batch), small_batch_on())
     hit = _batch_variants.get(key)
     if hit is not None:
         return hit
@@ -244,12 +327,15 @@ def batch_variant(sp: Specialized, batch: int) -> Specialized:
 
     hit = sp
     record = tune.stored_choice(sp.spec, sp.arch, key[2])
-    if record is not None:
+    # (a stored choice of None: the heuristic plan won at that bucket)
+    config = record["config"] if record is not None else small_batch_config(sp, key[2])
+    if record is not None or config is not None:
+        how = "the tuned choice" if record is not None else "the small-batch tile"
         try:
-            variant = specialize(sp.spec, sp.arch, igemm_config=record["config"], tuned=False)
+            variant = specialize(sp.spec, sp.arch, igemm_config=config, tuned=False)
         except Exception as error:  # noqa: BLE001  (the layer's own kernel serves every batch: never worse than before)
-            get_logger().warning("%s: the tuned choice for batch bucket %d does not build (%s: %s); the layer's "
-                                 "kernel serves it", sp.spec.name, key[2], type(error).__name__, error)
+            get_logger().warning("%s: %s for batch bucket %d does not build (%s: %s); the layer's "
+                                 "kernel serves it", sp.spec.name, how, key[2], type(error).__name__, error)
         else:
             hit = sp if variant.key == sp.key else variant
     with _memo_lock:

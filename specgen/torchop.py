@@ -649,8 +649,9 @@ def kernel_for(sp: pipeline.Specialized, x: torch.Tensor, out: torch.Tensor | No
     not a copy into NC(D)HW for the contiguous plan's engine, and writing a channels-last output, as
     PyTorch's conv does), unless the caller's `out` is contiguous. The same answer for real and fake
     tensors (the fake kernel gives the output's strides from it). A real CUDA input read as
-    NC(D)HW whose batch bucket `specgen tune` gave a tile of its own takes that bucket's kernel
-    (`pipeline.batch_variant`: another tile of the same plan's layout, so the same output strides)."""
+    NC(D)HW whose batch bucket `specgen tune` gave a tile of its own takes that bucket's kernel,
+    and a small batch on a TMA-planned layer the implicit GEMM's (`pipeline.batch_variant`: both
+    write NC(D)HW as the layer's kernel does, so the same output strides)."""
     if x.is_contiguous() or not tmarun.channels_last(x) or (out is not None and out.is_contiguous()):
         if sp.follows_tuning and type(x) is torch.Tensor and x.is_cuda:  # (a dict lookup after a bucket's first call)
             return pipeline.batch_variant(sp, x.shape[0])

@@ -43,6 +43,18 @@ def nvcc_missing() -> str | None:
 _CHECKS = {"gpu": gpu_missing, "nvcc": nvcc_missing}
 
 
+@pytest.fixture(autouse=True)
+def _small_batch_tile(request, monkeypatch):
+    """Each engine's tests run it at the small batches they use: a call of a few samples on a
+    layer planned for the TMA engine would otherwise run the implicit GEMM's small-batch kernel
+    (`pipeline.small_batch_config`). Tests marked `small_batch` (the rule's own, whole models)
+    run with it, as users do."""
+    if request.node.get_closest_marker("small_batch") is None:
+        monkeypatch.setenv("SPECGEN_SMALL_BATCH", "0")
+    else:
+        monkeypatch.delenv("SPECGEN_SMALL_BATCH", raising=False)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for marker, missing in _CHECKS.items():

@@ -417,6 +417,7 @@ def test_the_pipeline_uses_a_stored_slab_choice(fake_gpu, monkeypatch):
 
 
 
+@pytest.mark.small_batch
 def test_a_batch_whose_bucket_was_tuned_apart_takes_that_buckets_tile(fake_gpu, monkeypatch):
     """The layer's kernel follows the largest bucket tuned; a call at another tuned bucket runs
     that bucket's tile (kept per layer and bucket); untuned buckets, and kernels that do not
@@ -438,7 +439,9 @@ def test_a_batch_whose_bucket_was_tuned_apart_takes_that_buckets_tile(fake_gpu, 
     at_one = pipeline.batch_variant(sp, 1)
     assert _config(at_one) == small and not at_one.follows_tuning
     assert pipeline.batch_variant(sp, 1) is at_one  # kept
-    assert pipeline.batch_variant(sp, 50) is sp and pipeline.batch_variant(sp, 8) is sp  # bucket 64; bucket 8 untuned
+    assert pipeline.batch_variant(sp, 50) is sp  # bucket 64
+    # bucket 8, untuned: 8 x 64 positions is a small batch, which the TMA plan leaves to the implicit GEMM
+    assert plan["engine"] == "tma" and _config(pipeline.batch_variant(sp, 8)) == pipeline.small_batch_config(sp, 8) != large
     assert pipeline.batch_variant(at_one, 64) is at_one
     pinned = pipeline.specialize(spec, igemm_config=other, tuned=False)
     assert not pinned.follows_tuning and pipeline.batch_variant(pinned, 1) is pinned
@@ -447,6 +450,99 @@ def test_a_batch_whose_bucket_was_tuned_apart_takes_that_buckets_tile(fake_gpu, 
     assert _config(pipeline.batch_variant(sp, 1)) == heuristic
     pipeline.forget(spec)
     assert not pipeline._batch_variants
+
+
+@pytest.mark.small_batch
+def test_a_small_batch_leaves_the_tma_plan_for_the_implicit_gemms_tile(monkeypatch):
+    """Untuned, a call whose batch has at most SMALL_BATCH_MAX_POSITIONS output positions on a
+    layer planned for the TMA engine runs the implicit GEMM's 128 x 64 mma.sync tile, the K chunk
+    capped by the channels; larger batches, 16-bit layers, transposed convs, a tile in the spec,
+    layers on another engine and SPECGEN_SMALL_BATCH=0 keep the planner's kernel."""
+    from types import SimpleNamespace
+
+    from specgen.igemm import IgemmConfig
+
+    def sp(data, arch="sm_90"):
+        spec = validate(data)
+        return SimpleNamespace(spec=spec, plan=tune.heuristic(spec), arch=arch)
+
+    deep = sp({**layer(channels=256, out=256, precision="tf32"), "input": {"channels": 256, "size": [14, 14]}})
+    assert deep.plan["engine"] == "tma"
+    want = IgemmConfig(4, 2, 2, 4, 32, 3)
+    assert want.bm == 128 and want.bn == 64
+    limit = pipeline.SMALL_BATCH_MAX_POSITIONS // (14 * 14)  # 16 samples of 14^2
+    assert [pipeline.small_batch_config(deep, b) for b in (1, 2, limit)] == [want] * 3
+    assert pipeline.small_batch_config(deep, 2 * limit) is None
+    assert pipeline.small_batch_config(sp({**layer(channels=256, out=256, precision="bf16"),
+                                           "input": {"channels": 256, "size": [14, 14]}}), 1) is None
+    tiled = sp({**layer(channels=256, out=256, precision="tf32"), "input": {"channels": 256, "size": [14, 14]},
+                "tile": {"engine": "tma"}})
+    assert tiled.plan["engine"] == "tma" and pipeline.small_batch_config(tiled, 1) is None
+    up = sp({"name": "up", "input": {"channels": 256, "size": [7, 7]},
+             "conv": {"out_channels": 128, "kernel": 2, "stride": 2, "transposed": True}, "precision": "tf32"})
+    assert pipeline.small_batch_config(up, 1) is None
+    few = sp(layer(channels=3, out=16))  # the seeds' kind: not on the TMA engine
+    assert few.plan["engine"] != "tma" and pipeline.small_batch_config(few, 1) is None
+    monkeypatch.setenv("SPECGEN_SMALL_BATCH", "0")
+    assert pipeline.small_batch_config(deep, 1) is None
+
+
+@pytest.mark.small_batch
+def test_a_small_batch_kernel_is_built_once_and_a_tuned_choice_wins(fake_gpu, monkeypatch):
+    """batch_variant builds the small-batch kernel on a bucket's first call and keeps it; a choice
+    stored for the bucket replaces the rule (the heuristic stored: the layer's own TMA kernel);
+    turning the rule off reaches a layer already called."""
+    spec = validate({**layer(channels=256, out=256, precision="tf32"), "input": {"channels": 256, "size": [14, 14]}})
+
+    class Build(_FakeBuild):
+        def __init__(self, req):
+            self.key = hashlib.sha256(req.source.encode()).hexdigest()[:16]
+
+    monkeypatch.setattr(pipeline.cache, "get_or_build", Build)
+    pipeline.forget(spec)
+    sp = pipeline.specialize(spec)
+    assert sp.plan["engine"] == "tma" and sp.follows_tuning
+    small = pipeline.batch_variant(sp, 1)
+    assert small.plan["engine"] == "igemm" and _config(small) == pipeline.small_batch_config(sp, 1)
+    assert pipeline.batch_variant(sp, 1) is small and pipeline.batch_variant(sp, 64) is sp
+    monkeypatch.setenv("SPECGEN_SMALL_BATCH", "0")
+    assert pipeline.batch_variant(sp, 1) is sp
+    monkeypatch.delenv("SPECGEN_SMALL_BATCH")
+    tune.store_choice(spec, fake_gpu, 1, None, [], batch=1)  # the TMA plan measured fastest at batch 1
+    assert pipeline.batch_variant(pipeline.specialize(spec), 1).plan["engine"] == "tma"
+    pipeline.forget(spec)
+
+
+@pytest.mark.small_batch
+def test_small_batch_kernels_are_prebuilt_in_one_build(fake_gpu, monkeypatch):
+    """`build_batch_variants` (from_module at its example's batch) builds the small-batch kernels
+    of the TMA layers in one parallel build, the others' not at all; the first calls then find
+    them; a batch past the rule builds nothing."""
+    specs = [validate({**layer(channels=c, out=c, precision="tf32"), "name": f"pre_{c}", "input": {"channels": c, "size": [14, 14]}})
+             for c in (128, 256)] + [validate(layer(channels=3, out=16))]
+
+    class Build(_FakeBuild):
+        def __init__(self, req):
+            self.key = hashlib.sha256(req.source.encode()).hexdigest()[:16]
+
+    monkeypatch.setattr(pipeline.cache, "get_or_build", Build)
+    for spec in specs:
+        pipeline.forget(spec)
+    items = [pipeline.specialize(spec) for spec in specs]
+    batches = []
+    monkeypatch.setattr(pipeline.cache, "build_many", lambda reqs: batches.append(len(reqs)) or [Build(r) for r in reqs])
+    pipeline.build_batch_variants(items, 64)
+    assert batches == []
+    pipeline.build_batch_variants(items, 2)
+    assert batches == [2]  # the two TMA layers, one build
+    monkeypatch.setattr(pipeline.cache, "get_or_build", lambda req: pytest.fail("built again on the first call"))
+    for sp in items[:2]:
+        assert pipeline.batch_variant(sp, 2).plan["engine"] == "igemm"
+    assert pipeline.batch_variant(items[2], 2) is items[2]
+    pipeline.build_batch_variants(items, 2)
+    assert batches == [2]  # nothing left to build
+    for spec in specs:
+        pipeline.forget(spec)
 
 
 class _FakeBuild:
@@ -598,6 +694,35 @@ def test_a_layer_runs_the_kernel_tuned_for_its_calls_batch_bucket(cache_dir):
             ref = reference.forward64(spec, x, layer_.conv.weight, layer_.conv.bias, layer_.spec_params())
             rel = ((y.double() - ref).norm() / ref.norm()).item()
             assert rel <= 1e-5, f"batch {batch}: rel L2 {rel:.2e}"
+    pipeline.forget(spec)
+
+
+@pytest.mark.gpu
+@pytest.mark.small_batch
+def test_a_small_batch_runs_the_implicit_gemm_to_the_fp32_bar(cache_dir):
+    """Untuned, a FusedLayer planned for the TMA engine runs batches 1 and 3 on the implicit GEMM's
+    small-batch tile and batch 64 on its TMA kernel, each to the fp32 bar against float64."""
+    import torch
+
+    from specgen import reference, torchop
+    from specgen.module import FusedLayer
+
+    spec = validate({**layer(channels=256, out=256), "input": {"channels": 256, "size": [14, 14]}})
+    layer_ = FusedLayer(spec).cuda().eval()
+    assert layer_.specialize().plan["engine"] == "tma"
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    with torch.no_grad():
+        layer_.conv.weight.copy_(torch.randn(layer_.conv.weight.shape, generator=gen, device="cuda") * 0.03)
+        for batch, engine in ((1, "igemm"), (3, "igemm"), (64, "tma"), (1, "igemm")):
+            x = torch.randn((batch, 256, 14, 14), generator=gen, device="cuda")
+            assert torchop.kernel_for(layer_.specialize(), x).plan["engine"] == engine
+            out = torch.full(spec.output_shape(batch), float("nan"), device="cuda")
+            layer_(x, out=out)
+            ref = reference.forward64(spec, x, layer_.conv.weight, layer_.conv.bias, layer_.spec_params())
+            rel = ((out.double() - ref).norm() / ref.norm()).item()
+            assert rel <= 1e-5, f"batch {batch}: rel L2 {rel:.2e}"
+            y = layer_(x)
+            assert torch.equal(y, out), f"batch {batch}: the call without out differs"
     pipeline.forget(spec)
 
 
