@@ -56,7 +56,7 @@ class FakeGPU:
 
     def fake(self, spec):
         key = hashlib.sha256(("fake\n" + spec.canonical_json()).encode()).hexdigest()
-        return types.SimpleNamespace(key=key, spec=spec, plan={})
+        return types.SimpleNamespace(key=key, spec=spec, plan={}, arch=None, follows_tuning=False)
 
     def specialize_many(self, specs, arch=None):
         self.batches.append([s.name for s in specs])

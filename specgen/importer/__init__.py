@@ -138,12 +138,16 @@ def _importer(model, example_inputs, precision=None) -> Analysis | str:
 
 
 def _specialize_all(imp: Analysis) -> None:
-    """Compile every chain's kernel in one parallel build (only the misses compile); the fused
-    layers built afterwards find them in the process's memo."""
+    """Compile every chain's kernel in one parallel build (only the misses compile), then the
+    variants the example's calls will take; the fused layers built afterwards find them in the
+    process's memo."""
     if imp.chains and torch.cuda.is_available():
         items = pipeline.specialize_many([chain.spec for chain in imp.chains])
         if imp.channels_last:  # (the kernels its layers will run: their channels-last twins)
             pipeline.build_channels_last_variants(items)
+        else:  # (and at a small example batch, the implicit GEMM's kernels of its TMA layers)
+            batch = next((t.shape[0] for t in imp.inputs if isinstance(t, torch.Tensor) and t.is_cuda and t.dim() > 0), 0)
+            pipeline.build_batch_variants(items, batch)
 
 
 def _unmeasurable(imp: Analysis) -> Optional[str]:

@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 import torch.nn as nn
 from torch.fx import Node
 
-from specgen import measured, tmarun
+from specgen import measured, pipeline, tmarun
 from specgen.importer.chains import Analysis
 from specgen.importer.graph import META_METHODS, channels_last_of, shape_of, unique
 from specgen.importer.report import Choice
@@ -161,6 +161,10 @@ def measure(imp: Analysis, chain, gpu_only: bool = False) -> Choice:
     channels_last = first or chain.in_perm is not None
     if channels_last:
         context["channels_last"] = True
+    else:  # (the kernel a call at this batch runs, where it is not the layer's own: a decision per kernel)
+        ran = pipeline.batch_variant(layer.specialize(), chain.batch)
+        if ran.key != layer.key:
+            context["kernel_at_batch"] = ran.key
     key = measured.decision_key(layer.key, measured.gpu_identity(device), measured.batch_bucket(chain.batch), context)
     prefix = "graph " if gpu_only else ""
     record = measured.load(key)
