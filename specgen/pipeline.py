@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from specgen import cache, planindex, target as targets, tma
 from specgen.log import get_logger
 from specgen.measured import batch_bucket
+from specgen.ops import stage_kind
 from specgen.plan import DEFAULT_SETTINGS, PlanError, Settings, SlabConfig, build_plan
 from specgen.render import render_plan
 from specgen.spec import LayerSpec
@@ -250,11 +251,13 @@ def small_batch_config(sp: Specialized, bucket: int):
     """The implicit GEMM's tile for calls of `bucket` samples of `sp`'s layer
     (`SMALL_BATCH_MAX_POSITIONS`), or None where the planner's kernel serves them: a plan on
     another engine (or a sequence), a transposed conv, a tile in the spec, more positions than
-    measured, a 16-bit layer (none was measured), a layer the implicit GEMM does not run as
-    one kernel, or `SPECGEN_SMALL_BATCH=0`."""
+    measured, a 16-bit layer, a pool, reduction or norm after the conv or an upsampled input (none
+    of these was measured), a layer the implicit GEMM does not run as one kernel, or
+    `SPECGEN_SMALL_BATCH=0`."""
     spec = sp.spec
     if not small_batch_on() or sp.plan.get("engine") != "tma" or spec.tile is not None or spec.conv.transposed \
-            or spec.precision not in ("fp32", "tf32"):
+            or spec.precision not in ("fp32", "tf32") or spec.upsampled() \
+            or any(stage_kind(stage.op, stage.args) != "pointwise" for stage in spec.epilogue):
         return None
     positions = bucket
     for n in spec.conv_output().sizes[1:]:

@@ -456,8 +456,8 @@ def test_a_batch_whose_bucket_was_tuned_apart_takes_that_buckets_tile(fake_gpu, 
 def test_a_small_batch_leaves_the_tma_plan_for_the_implicit_gemms_tile(monkeypatch):
     """Untuned, a call whose batch has at most SMALL_BATCH_MAX_POSITIONS output positions on a
     layer planned for the TMA engine runs the implicit GEMM's 128 x 64 mma.sync tile, the K chunk
-    capped by the channels; larger batches, 16-bit layers, transposed convs, a tile in the spec,
-    layers on another engine and SPECGEN_SMALL_BATCH=0 keep the planner's kernel."""
+    capped by the channels; larger batches, 16-bit layers, transposed convs, a reduction after the conv,
+    a tile in the spec, layers on another engine and SPECGEN_SMALL_BATCH=0 keep the planner's kernel."""
     from types import SimpleNamespace
 
     from specgen.igemm import IgemmConfig
@@ -481,6 +481,9 @@ def test_a_small_batch_leaves_the_tma_plan_for_the_implicit_gemms_tile(monkeypat
     up = sp({"name": "up", "input": {"channels": 256, "size": [7, 7]},
              "conv": {"out_channels": 128, "kernel": 2, "stride": 2, "transposed": True}, "precision": "tf32"})
     assert pipeline.small_batch_config(up, 1) is None
+    reduced = sp({**layer(channels=256, out=256, precision="tf32"), "input": {"channels": 256, "size": [14, 14]},
+                 "epilogue": ["relu", {"sum": {"dims": [1]}}]})
+    assert reduced.plan["engine"] == "tma" and pipeline.small_batch_config(reduced, 1) is None  # (not measured)
     few = sp(layer(channels=3, out=16))  # the seeds' kind: not on the TMA engine
     assert few.plan["engine"] != "tma" and pipeline.small_batch_config(few, 1) is None
     monkeypatch.setenv("SPECGEN_SMALL_BATCH", "0")
