@@ -674,9 +674,6 @@ def test_a_layer_runs_the_kernel_tuned_for_its_calls_batch_bucket(cache_dir):
     """Choices stored for buckets 1 and 64 (a TMA tile at 64, the implicit GEMM's mma.sync tile at
     1, as v55 measured on small-M GEMMs): a FusedLayer runs each at its bucket, both to the fp32
     bar, into a NaN-filled output's place, and a repeat at batch 1 stays on its bucket's kernel."""
-    import torch
-
-    from specgen import reference, torchop
     from specgen.module import FusedLayer
 
     gpu = tune.current_gpu()
@@ -686,18 +683,31 @@ def test_a_layer_runs_the_kernel_tuned_for_its_calls_batch_bucket(cache_dir):
     mma = next(c for c in cands if isinstance(c, IgemmConfig) and not c.wgmma)
     tune.store_choice(spec, gpu, 64, tma, [], batch=64)
     tune.store_choice(spec, gpu, 1, mma, [], batch=1)
-    layer_ = FusedLayer(spec).cuda().eval()
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    with torch.no_grad():
-        layer_.conv.weight.copy_(torch.randn(layer_.conv.weight.shape, generator=gen, device="cuda") * 0.05)
-        for batch, engine in ((64, "tma"), (1, "igemm"), (1, "igemm"), (33, "tma")):
-            x = torch.randn((batch, 128, 14, 14), generator=gen, device="cuda")
-            assert torchop.kernel_for(layer_.specialize(), x).plan["engine"] == engine
-            y = layer_(x)
-            ref = reference.forward64(spec, x, layer_.conv.weight, layer_.conv.bias, layer_.spec_params())
-            rel = ((y.double() - ref).norm() / ref.norm()).item()
-            assert rel <= 1e-5, f"batch {batch}: rel L2 {rel:.2e}"
+    _runs_each_batch_on(FusedLayer(spec).cuda().eval(), ((64, "tma"), (1, "igemm"), (1, "igemm"), (33, "tma")), seed=5)
     pipeline.forget(spec)
+
+
+def _runs_each_batch_on(layer_, cases, seed: int) -> None:
+    """For each (batch, engine): a call of `batch` samples runs that engine's kernel, fills a
+    NaN-poisoned output to the fp32 bar against float64, and equals the call without `out`."""
+    import torch
+
+    from specgen import reference, torchop
+
+    spec = layer_.spec
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    with torch.no_grad():
+        weight = layer_.conv.weight
+        weight.copy_(torch.randn(weight.shape, generator=gen, device="cuda") * (weight[0].numel() ** -0.5))
+        for batch, engine in cases:
+            x = torch.randn((batch, spec.input.channels, *spec.input.size), generator=gen, device="cuda")
+            assert torchop.kernel_for(layer_.specialize(), x).plan["engine"] == engine, f"batch {batch}"
+            out = torch.full(spec.output_shape(batch), float("nan"), device="cuda")
+            layer_(x, out=out)
+            ref = reference.forward64(spec, x, weight, layer_.conv.bias, layer_.spec_params())
+            rel = ((out.double() - ref).norm() / ref.norm()).item()
+            assert rel <= 1e-5, f"batch {batch}: rel L2 {rel:.2e}"
+            assert torch.equal(layer_(x), out), f"batch {batch}: the call without out differs"
 
 
 @pytest.mark.gpu
@@ -705,27 +715,12 @@ def test_a_layer_runs_the_kernel_tuned_for_its_calls_batch_bucket(cache_dir):
 def test_a_small_batch_runs_the_implicit_gemm_to_the_fp32_bar(cache_dir):
     """Untuned, a FusedLayer planned for the TMA engine runs batches 1 and 3 on the implicit GEMM's
     small-batch tile and batch 64 on its TMA kernel, each to the fp32 bar against float64."""
-    import torch
-
-    from specgen import reference, torchop
     from specgen.module import FusedLayer
 
     spec = validate({**layer(channels=256, out=256), "input": {"channels": 256, "size": [14, 14]}})
     layer_ = FusedLayer(spec).cuda().eval()
     assert layer_.specialize().plan["engine"] == "tma"
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    with torch.no_grad():
-        layer_.conv.weight.copy_(torch.randn(layer_.conv.weight.shape, generator=gen, device="cuda") * 0.03)
-        for batch, engine in ((1, "igemm"), (3, "igemm"), (64, "tma"), (1, "igemm")):
-            x = torch.randn((batch, 256, 14, 14), generator=gen, device="cuda")
-            assert torchop.kernel_for(layer_.specialize(), x).plan["engine"] == engine
-            out = torch.full(spec.output_shape(batch), float("nan"), device="cuda")
-            layer_(x, out=out)
-            ref = reference.forward64(spec, x, layer_.conv.weight, layer_.conv.bias, layer_.spec_params())
-            rel = ((out.double() - ref).norm() / ref.norm()).item()
-            assert rel <= 1e-5, f"batch {batch}: rel L2 {rel:.2e}"
-            y = layer_(x)
-            assert torch.equal(y, out), f"batch {batch}: the call without out differs"
+    _runs_each_batch_on(layer_, ((1, "igemm"), (3, "igemm"), (64, "tma"), (1, "igemm")), seed=7)
     pipeline.forget(spec)
 
 
