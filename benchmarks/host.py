@@ -7,7 +7,7 @@ the launch queue never fills, so the GPU never holds the host back); GPU time pe
 graph replay and from the profiler's kernel durations. `--models` adds ResNet-18 and MobileNetV2
 through from_module. Host times move by up to 2x between runs of the same code on a shared host:
 compare rows of one run, not runs."""
-import sys, time, torch
+import os, sys, time, torch
 from torch import nn
 from specgen.module import FusedLayer
 from specgen.spec import LayerSpec, load_specs
@@ -68,11 +68,14 @@ def main():
             "conv": {"out_channels": 16, "kernel": 3, "padding": 1}, "epilogue": ["relu"]})
     specs = {s.name: s for s in load_specs("examples/folds.yaml")}
     layers = {s.name: s for s in load_specs("examples/layers.yaml")}
-    # (a 3x3 512 -> 512 conv + ReLU at batch 1: the TMA engine, one launch in tf32, the layout pass
-    # and the GEMM in fp32 mode; the sequence rows: a conv with a reduction after it, its kernels)
-    cases = [(tiny, 1, "fp32"), (tiny, 1, "tf32"), (tiny, 8, "tf32"),
-             (layers["conv3x3_512_14_relu"], 1, "tf32"), (layers["conv3x3_512_14_relu"], 1, "fp32"),
-             (specs["conv1d_5_128_256_1024_mean"], 32, "tf32"), (specs["head_3x3_256_512_14_bn_gap"], 64, "tf32")]
+    # (a 3x3 512 -> 512 conv + ReLU at batch 1: planned for the TMA engine, whose batch-1 calls run
+    # the implicit GEMM's small-batch tile (one launch); with the rule off (SPECGEN_SMALL_BATCH=0)
+    # the TMA engine: one launch in tf32, the layout pass and the GEMM in fp32 mode; the sequence
+    # rows: a conv with a reduction after it, its kernels). The fourth field: the small-batch rule on.
+    c512 = layers["conv3x3_512_14_relu"]
+    cases = [(tiny, 1, "fp32", True), (tiny, 1, "tf32", True), (tiny, 8, "tf32", True),
+             (c512, 1, "tf32", True), (c512, 1, "fp32", True), (c512, 1, "tf32", False), (c512, 1, "fp32", False),
+             (specs["conv1d_5_128_256_1024_mean"], 32, "tf32", True), (specs["head_3x3_256_512_14_bn_gap"], 64, "tf32", True)]
     x0 = torch.randn(1, 3, 32, 32, device="cuda")
     row("torch.empty((1,16,32,32), device=x.device)", host(lambda: torch.empty((1, 16, 32, 32), device=x0.device)))
     row("torch.empty((1,16,32,32), device=x.device, dtype=f32)", host(lambda: torch.empty((1, 16, 32, 32), device=x0.device, dtype=torch.float32)))
@@ -84,13 +87,17 @@ def main():
     row("torch.is_grad_enabled()", host(lambda: torch.is_grad_enabled()))
     row("torch.compiler.is_compiling()", host(lambda: torch.compiler.is_compiling()))
     row("x.shape[1:] == (3,32,32)", host(lambda: x0.shape[1:] == (3, 32, 32)))
-    for spec, batch, prec in cases:
+    for spec, batch, prec, small_batch in cases:
+        os.environ["SPECGEN_SMALL_BATCH"] = "1" if small_batch else "0"
         s = spec.model_copy(update={"precision": prec})
         torch.backends.cudnn.allow_tf32 = prec == "tf32"
         layer = FusedLayer(s).cuda().eval()
         x = torch.randn(batch, s.input.channels, *s.input.size, device="cuda")
         sp = layer.specialize()
-        print(f"{s.name} batch {batch} {prec}: engine {sp.plan['engine']}", flush=True)
+        ran = torchop.kernel_for(sp, x).plan["engine"]
+        planned = "" if ran == sp.plan["engine"] else f" (the layer's plan: {sp.plan['engine']}; a small batch)"
+        rule = "" if small_batch else ", small-batch rule off"
+        print(f"{s.name} batch {batch} {prec}{rule}: engine {ran}{planned}", flush=True)
         with torch.no_grad():
             layer(x)
             if s.epilogue == tiny.epilogue and s.ndim == 2:  # a 2-D conv + ReLU: PyTorch's layer beside it
