@@ -247,15 +247,14 @@ def small_batch_on() -> bool:
     return os.environ.get("SPECGEN_SMALL_BATCH", "1") != "0"
 
 
-def small_batch_config(sp: Specialized, bucket: int):
-    """The implicit GEMM's tile for calls of `bucket` samples of `sp`'s layer
-    (`SMALL_BATCH_MAX_POSITIONS`), or None where the planner's kernel serves them: a plan on
+def small_batch_config(spec: LayerSpec, plan: dict, arch: str | None, bucket: int):
+    """The implicit GEMM's tile for calls of `bucket` samples of the layer `spec` planned as `plan`
+    for `arch` (`SMALL_BATCH_MAX_POSITIONS`), or None where that plan serves them: a plan on
     another engine (or a sequence), a transposed conv, a tile in the spec, more positions than
     measured, a 16-bit layer, a pool, reduction or norm after the conv or an upsampled input (none
     of these was measured), a layer the implicit GEMM does not run as one kernel, or
     `SPECGEN_SMALL_BATCH=0`."""
-    spec = sp.spec
-    if not small_batch_on() or sp.plan.get("engine") != "tma" or spec.tile is not None or spec.conv.transposed \
+    if not small_batch_on() or plan.get("engine") != "tma" or spec.tile is not None or spec.conv.transposed \
             or spec.precision not in ("fp32", "tf32") or spec.upsampled() \
             or any(stage_kind(stage.op, stage.args) != "pointwise" for stage in spec.epilogue):
         return None
@@ -270,10 +269,19 @@ def small_batch_config(sp: Specialized, bucket: int):
     tile["bk"] = min(tile["bk"], _cip_and_bk(spec.input.channels)[1])
     config = IgemmConfig(**tile)
     try:
-        plan = build_plan(spec, config, targets.resolve(sp.arch))
+        planned = build_plan(spec, config, targets.resolve(arch))
     except (PlanError, ValueError, targets.TargetError):
         return None
-    return config if plan["engine"] == "igemm" else None
+    return config if planned["engine"] == "igemm" else None
+
+
+def small_batch_largest(spec: LayerSpec, plan: dict, arch: str | None) -> int:
+    """The largest batch whose calls take the small-batch tile (`small_batch_config`; batches 1 to
+    it), 0 where none does."""
+    bucket = 1
+    while small_batch_config(spec, plan, arch, 2 * bucket) is not None:
+        bucket *= 2
+    return bucket if small_batch_config(spec, plan, arch, bucket) is not None else 0
 
 
 def build_batch_variants(items: list[Specialized], batch: int) -> None:
@@ -289,7 +297,7 @@ def build_batch_variants(items: list[Specialized], batch: int) -> None:
     for sp in items:
         if not sp.follows_tuning or (sp.key, sp.arch, bucket, True) in _batch_variants:
             continue
-        config = small_batch_config(sp, bucket)
+        config = small_batch_config(sp.spec, sp.plan, sp.arch, bucket)
         memo_key = (sp.spec.canonical_json(), sp.arch, config)
         if config is None or memo_key in _memo or memo_key in todo or tune.stored_choice(sp.spec, sp.arch, bucket) is not None:
             continue
@@ -331,7 +339,7 @@ def batch_variant(sp: Specialized, batch: int) -> Specialized:
     hit = sp
     record = tune.stored_choice(sp.spec, sp.arch, key[2])
     # (a stored choice of None: the heuristic plan won at that bucket)
-    config = record["config"] if record is not None else small_batch_config(sp, key[2])
+    config = record["config"] if record is not None else small_batch_config(sp.spec, sp.plan, sp.arch, key[2])
     if record is not None or config is not None:
         how = "the tuned choice" if record is not None else "the small-batch tile"
         try:

@@ -132,6 +132,21 @@ def test_show_channels_last_prints_the_kernel_a_channels_last_input_runs(tmp_pat
     assert none.returncode == 0 and "no channels-last kernel" in none.stderr
 
 
+@pytest.mark.small_batch
+def test_show_plan_says_which_batches_take_the_small_batch_tile(tmp_path, monkeypatch):
+    """A layer planned for the TMA engine: `show --plan` names the batches whose calls run the
+    implicit GEMM's small-batch tile (16 samples of 14^2 positions); the switch off, and a layer
+    on another engine, print no such line."""
+    spec = tmp_path / "deep.yaml"
+    spec.write_text("name: deep\ninput: {channels: 256, size: [14, 14]}\n"
+                    "conv: {out_channels: 256, kernel: 3, padding: 1}\nepilogue: [relu]\nprecision: tf32\n")
+    plan = specgen("show", spec, "--plan", "--arch", "sm_90")
+    assert plan.returncode == 0 and "small batches: a call of up to 16 sample(s)" in plan.stdout, plan.stdout
+    assert "small batches: a call" not in specgen("show", "examples/kb65.yaml", "--plan").stdout
+    monkeypatch.setenv("SPECGEN_SMALL_BATCH", "0")
+    assert "small batches: a call" not in specgen("show", spec, "--plan", "--arch", "sm_90").stdout
+
+
 def test_version_and_module_entry_point():
     result = specgen("--version")
     assert result.returncode == 0 and result.stdout.startswith("specgen ")

@@ -441,7 +441,7 @@ def test_a_batch_whose_bucket_was_tuned_apart_takes_that_buckets_tile(fake_gpu, 
     assert pipeline.batch_variant(sp, 1) is at_one  # kept
     assert pipeline.batch_variant(sp, 50) is sp  # bucket 64
     # bucket 8, untuned: 8 x 64 positions is a small batch, which the TMA plan leaves to the implicit GEMM
-    assert plan["engine"] == "tma" and _config(pipeline.batch_variant(sp, 8)) == pipeline.small_batch_config(sp, 8) != large
+    assert plan["engine"] == "tma" and _config(pipeline.batch_variant(sp, 8)) == pipeline.small_batch_config(spec, sp.plan, sp.arch, 8) != large
     assert pipeline.batch_variant(at_one, 64) is at_one
     pinned = pipeline.specialize(spec, igemm_config=other, tuned=False)
     assert not pinned.follows_tuning and pipeline.batch_variant(pinned, 1) is pinned
@@ -466,28 +466,33 @@ def test_a_small_batch_leaves_the_tma_plan_for_the_implicit_gemms_tile(monkeypat
         spec = validate(data)
         return SimpleNamespace(spec=spec, plan=tune.heuristic(spec), arch=arch)
 
+    def small_batch_config(layer_, bucket):
+        return pipeline.small_batch_config(layer_.spec, layer_.plan, layer_.arch, bucket)
+
     deep = sp({**layer(channels=256, out=256, precision="tf32"), "input": {"channels": 256, "size": [14, 14]}})
     assert deep.plan["engine"] == "tma"
     want = IgemmConfig(4, 2, 2, 4, 32, 3)
     assert want.bm == 128 and want.bn == 64
     limit = pipeline.SMALL_BATCH_MAX_POSITIONS // (14 * 14)  # 16 samples of 14^2
-    assert [pipeline.small_batch_config(deep, b) for b in (1, 2, limit)] == [want] * 3
-    assert pipeline.small_batch_config(deep, 2 * limit) is None
-    assert pipeline.small_batch_config(sp({**layer(channels=256, out=256, precision="bf16"),
-                                           "input": {"channels": 256, "size": [14, 14]}}), 1) is None
+    assert [small_batch_config(deep, b) for b in (1, 2, limit)] == [want] * 3
+    assert small_batch_config(deep, 2 * limit) is None
+    assert pipeline.small_batch_largest(deep.spec, deep.plan, deep.arch) == limit
+    assert small_batch_config(sp({**layer(channels=256, out=256, precision="bf16"),
+                                  "input": {"channels": 256, "size": [14, 14]}}), 1) is None
     tiled = sp({**layer(channels=256, out=256, precision="tf32"), "input": {"channels": 256, "size": [14, 14]},
                 "tile": {"engine": "tma"}})
-    assert tiled.plan["engine"] == "tma" and pipeline.small_batch_config(tiled, 1) is None
+    assert tiled.plan["engine"] == "tma" and small_batch_config(tiled, 1) is None
     up = sp({"name": "up", "input": {"channels": 256, "size": [7, 7]},
              "conv": {"out_channels": 128, "kernel": 2, "stride": 2, "transposed": True}, "precision": "tf32"})
-    assert pipeline.small_batch_config(up, 1) is None
+    assert small_batch_config(up, 1) is None
     reduced = sp({**layer(channels=256, out=256, precision="tf32"), "input": {"channels": 256, "size": [14, 14]},
                  "epilogue": ["relu", {"sum": {"dims": [1]}}]})
-    assert reduced.plan["engine"] == "tma" and pipeline.small_batch_config(reduced, 1) is None  # (not measured)
+    assert reduced.plan["engine"] == "tma" and small_batch_config(reduced, 1) is None  # (not measured)
     few = sp(layer(channels=3, out=16))  # the seeds' kind: not on the TMA engine
-    assert few.plan["engine"] != "tma" and pipeline.small_batch_config(few, 1) is None
+    assert few.plan["engine"] != "tma" and small_batch_config(few, 1) is None
+    assert pipeline.small_batch_largest(few.spec, few.plan, few.arch) == 0
     monkeypatch.setenv("SPECGEN_SMALL_BATCH", "0")
-    assert pipeline.small_batch_config(deep, 1) is None
+    assert small_batch_config(deep, 1) is None
 
 
 @pytest.mark.small_batch
@@ -506,7 +511,7 @@ def test_a_small_batch_kernel_is_built_once_and_a_tuned_choice_wins(fake_gpu, mo
     sp = pipeline.specialize(spec)
     assert sp.plan["engine"] == "tma" and sp.follows_tuning
     small = pipeline.batch_variant(sp, 1)
-    assert small.plan["engine"] == "igemm" and _config(small) == pipeline.small_batch_config(sp, 1)
+    assert small.plan["engine"] == "igemm" and _config(small) == pipeline.small_batch_config(spec, sp.plan, sp.arch, 1)
     assert pipeline.batch_variant(sp, 1) is small and pipeline.batch_variant(sp, 64) is sp
     monkeypatch.setenv("SPECGEN_SMALL_BATCH", "0")
     assert pipeline.batch_variant(sp, 1) is sp
