@@ -8,6 +8,7 @@ or rendering; on a miss the spec is planned, rendered and built, and the index e
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 from dataclasses import dataclass, replace
@@ -258,10 +259,7 @@ def small_batch_config(spec: LayerSpec, plan: dict, arch: str | None, bucket: in
             or spec.precision not in ("fp32", "tf32") or spec.upsampled() \
             or any(stage_kind(stage.op, stage.args) != "pointwise" for stage in spec.epilogue):
         return None
-    positions = bucket
-    for n in spec.conv_output().sizes[1:]:
-        positions *= n
-    if positions > SMALL_BATCH_MAX_POSITIONS:
+    if bucket * _out_positions(spec) > SMALL_BATCH_MAX_POSITIONS:
         return None
     from specgen.igemm import IgemmConfig, _cip_and_bk
 
@@ -278,10 +276,17 @@ def small_batch_config(spec: LayerSpec, plan: dict, arch: str | None, bucket: in
 def small_batch_largest(spec: LayerSpec, plan: dict, arch: str | None) -> int:
     """The largest batch whose calls take the small-batch tile (`small_batch_config`; batches 1 to
     it), 0 where none does."""
+    if small_batch_config(spec, plan, arch, 1) is None:
+        return 0
     bucket = 1
-    while small_batch_config(spec, plan, arch, 2 * bucket) is not None:
+    while 2 * bucket * _out_positions(spec) <= SMALL_BATCH_MAX_POSITIONS:  # (the one limit a bucket moves)
         bucket *= 2
-    return bucket if small_batch_config(spec, plan, arch, bucket) is not None else 0
+    return bucket
+
+
+def _out_positions(spec: LayerSpec) -> int:
+    """The conv's output positions per sample."""
+    return math.prod(spec.conv_output().sizes[1:])
 
 
 def build_batch_variants(items: list[Specialized], batch: int) -> None:
@@ -293,29 +298,17 @@ def build_batch_variants(items: list[Specialized], batch: int) -> None:
     bucket = batch_bucket(batch)
     from specgen import tune
 
-    todo: dict = {}
+    wanted: dict = {}  # (spec, arch) -> tile, per arch
     for sp in items:
-        if not sp.follows_tuning or (sp.key, sp.arch, bucket, True) in _batch_variants:
-            continue
-        config = small_batch_config(sp.spec, sp.plan, sp.arch, bucket)
-        memo_key = (sp.spec.canonical_json(), sp.arch, config)
-        if config is None or memo_key in _memo or memo_key in todo or tune.stored_choice(sp.spec, sp.arch, bucket) is not None:
-            continue
+        if sp.follows_tuning and (sp.key, sp.arch, bucket, True) not in _batch_variants \
+                and (config := small_batch_config(sp.spec, sp.plan, sp.arch, bucket)) is not None \
+                and tune.stored_choice(sp.spec, sp.arch, bucket) is None:
+            wanted.setdefault(sp.arch, {})[sp.spec.canonical_json()] = (sp.spec, config)
+    for arch, todo in wanted.items():
         try:
-            todo[memo_key] = (sp, config, request(sp.spec, sp.arch, igemm_config=config))
-        except Exception as error:  # noqa: BLE001  (its first call then keeps the layer's own kernel)
-            get_logger().debug("%s: no small-batch kernel (%s: %s)", sp.spec.name, type(error).__name__, error)
-    if not todo:
-        return
-    try:
-        builds = cache.build_many([req for _, _, (_, _, req) in todo.values()])
-    except Exception as error:  # noqa: BLE001  (each is then built, or given up, on its first call)
-        get_logger().warning("small-batch kernels not prebuilt (%s: %s)", type(error).__name__, error)
-        return
-    for (memo_key, (sp, config, (plan, source, _))), build in zip(todo.items(), builds):
-        item = _without_spills(Specialized(sp.spec, plan, source, build), sp.arch, config)
-        with _memo_lock:
-            _memo.setdefault(memo_key, replace(item, arch=sp.arch, follows_tuning=False))
+            specialize_many([spec for spec, _ in todo.values()], arch, igemm_configs=[c for _, c in todo.values()])
+        except Exception as error:  # noqa: BLE001  (each is then built, or given up, on its first call)
+            get_logger().warning("small-batch kernels not prebuilt (%s: %s)", type(error).__name__, error)
 
 
 def batch_variant(sp: Specialized, batch: int) -> Specialized:
@@ -390,12 +383,16 @@ def specialize(spec: LayerSpec, arch: str | None = None, igemm_config=None, tune
 
 
 def specialize_many(specs: list[LayerSpec], arch: str | None = None, tuned: bool = True,
-                    settings: Settings | None = None) -> list[Specialized]:
+                    settings: Settings | None = None, igemm_configs: list | None = None) -> list[Specialized]:
     """Several specs at once; the misses compile in parallel. Stored tuned tiles apply as in
     `specialize` (with SPECGEN_AUTOTUNE=1 the untuned layers are tuned first, in one batch).
-    `settings` as in `specialize` (the same memo: a later `specialize` with them is a lookup)."""
-    configs = [None] * len(specs)
-    if tuned:
+    `settings` as in `specialize` (the same memo: a later `specialize` with them is a lookup);
+    `igemm_configs`: one tile per spec, as `specialize(spec, igemm_config=...)` takes it (then
+    no stored choice applies)."""
+    configs = [None] * len(specs) if igemm_configs is None else list(igemm_configs)
+    if igemm_configs is not None:
+        tuned = False
+    elif tuned:
         from specgen import tune
 
         if tune.current_gpu() is not None:
@@ -424,7 +421,7 @@ def specialize_many(specs: list[LayerSpec], arch: str | None = None, tuned: bool
         elif item.spec is not spec:
             item = Specialized(spec, item.plan, item.source, item.build)
         item = replace(item, arch=arch, follows_tuning=tuned and settings is None)
-        memo_key = (canon, arch) if tuned else (canon, arch, None)
+        memo_key = (canon, arch) if tuned else (canon, arch, config)  # (as `specialize` keys it)
         _memo.setdefault(memo_key if settings is None else memo_key + (settings,), item)
         out.append(item)
     return out
