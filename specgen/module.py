@@ -25,6 +25,7 @@ of its own, specialized when the layer is switched to eval mode).
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -40,6 +41,11 @@ class FusedLayer(nn.Module):
     # read the same memory); None: kept in the spec's shape.
     _flat_weight: tuple | None = None
     _SHAPE_HINT = ""  # what a wrong input shape's error adds (an imported layer: where its sizes came from)
+    # Whether an input of other sizes past the channels runs a sibling layer specialized for them
+    # (`_at_size`: an imported layer, whose sizes came from an example) rather than being refused
+    # (a layer built from a spec: its sizes are what the user wrote).
+    _OTHER_SIZES = False
+    _SIZES_KEPT = 8  # siblings a layer keeps, one per size (then the oldest goes)
 
     def __init__(self, spec_or_path, *, arch: str | None = None, tune: bool = False, tune_batch: int | None = None,
                  precision: str | None = None):
@@ -91,6 +97,7 @@ class FusedLayer(nn.Module):
         self._specialized: pipeline.Specialized | None = None
         self._fast: torchop.FastLaunch | None = None  # the last plain inference launch, for repeats
         self._op = None
+        self._at_sizes: dict = {}  # input sizes past the channels -> the sibling layer for them (`_at_size`)
         if torch.cuda.is_available():
             self.specialize()  # compile at construction (never during a graph capture)
         else:
@@ -150,6 +157,7 @@ class FusedLayer(nn.Module):
 
     def _apply(self, fn, recurse=True):
         result = super()._apply(fn, recurse)
+        self._at_sizes = {}  # (made again, on the new device or dtype, when called)
         dtype = self.conv.weight.dtype
         if dtype != torchop.PRECISION_DTYPE[self.spec.precision] and dtype in (torch.float32, *torchop.LOWER_PRECISIONS):
             self._adopt(dtype)
@@ -179,9 +187,11 @@ class FusedLayer(nn.Module):
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_op"] = state["_twin_op"] = state["_spec_op"] = state["_twin_spec_op"] = None  # bound again on unpickling
+        state["_at_sizes"] = {}  # (siblings share this layer's dicts: a copy makes its own when called)
         return state
 
     def __setstate__(self, state):
+        state.setdefault("_at_sizes", {})
         super().__setstate__(state)
         self._bind_op()
         if self._twin_spec is not None:
@@ -298,6 +308,8 @@ class FusedLayer(nn.Module):
                     return y
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self._name}: expected a torch.Tensor input, got {type(x).__name__}")
+        if self._OTHER_SIZES and x.shape[1:] != self._input_shape:
+            return self._at_size(x)(x, *inputs, out=out)
         if inputs or self._input_names:
             self._check_extra_inputs(x, inputs)
         if self._twin_spec is not None and not self.training:
@@ -351,6 +363,56 @@ class FusedLayer(nn.Module):
                     f"{self._name}: extra input {name}: expected a {x.dtype} tensor of shape {list(shape)} ({what}) "
                     f"on {x.device}, got {t.dtype} {list(t.shape)} on {t.device}"
                 )
+
+    def _at_size(self, x: torch.Tensor) -> "FusedLayer":
+        """The layer for `x`'s sizes past the channels, where they differ from the spec's: a
+        sibling sharing this layer's parameters and buffers (the same tensors), its spec the same
+        but for the input size, specialized on its first call (a kernel of its own, compiled once
+        and cached as every kernel is), kept per size. Refused with the shape error where `x`
+        differs in rank or channels, or the layer cannot take that size (its pool's window, say)."""
+        size = tuple(x.shape[2:])
+        sibling = self._at_sizes.get(size)
+        if sibling is None:
+            if x.dim() != 1 + len(self._input_shape) or x.shape[1] != self._input_shape[0]:
+                self._check_device_and_shape(x, _tensor(self._modules["conv"], "weight"))
+            try:
+                spec = LayerSpec.model_validate(
+                    {**self.spec.model_dump(), "input": {**self.spec.input.model_dump(), "size": list(size)}})
+            except ValueError as error:  # (pydantic's ValidationError: its messages without the input dump)
+                why = "; ".join(e["msg"].removeprefix("Value error, ") for e in error.errors()) \
+                    if hasattr(error, "errors") else str(error)
+                want = ", ".join(map(str, self._input_shape))
+                raise ValueError(f"{self._name}: fused for inputs of shape [batch, {want}]; an input of shape "
+                                 f"{list(x.shape)} does not fit the layer: {why}") from None
+            from specgen.log import get_logger
+
+            get_logger().warning("%s: an input of sizes %s past the channels (the layer was fused at %s): "
+                                 "specializing a kernel for them", self._name, list(size), list(self._input_shape[1:]))
+            sibling = copy.copy(self)  # (a shallow copy: the same parameter, buffer and module dicts)
+            sibling._for_spec(spec)
+            if len(self._at_sizes) >= self._SIZES_KEPT:
+                self._at_sizes.pop(next(iter(self._at_sizes)))
+            self._at_sizes[size] = sibling
+        sibling.training = self.training
+        return sibling
+
+    def _for_spec(self, spec: LayerSpec) -> None:
+        """Make this (fresh shallow) copy the layer of `spec`, which differs from its spec only in
+        the input size: what __init__ derives from the spec, nothing specialized yet."""
+        self.spec = spec
+        self._input_shape = (spec.input.channels, *spec.input.size)
+        self._input_shapes = spec.inputs()
+        self._input_names = tuple(self._input_shapes)
+        self._out_tail = tuple(spec.shapes()[-1].sizes)
+        self._twin_spec = spec.eval_twin()
+        self._twin_params = tuple(self._twin_spec.params().items()) if self._twin_spec is not None else ()
+        self._one_value_batch_norm = reference.one_value_batch_norm(spec)
+        self._twin_specialized = self._twin_op = self._twin_spec_op = None
+        self._specialized = self._fast = self._op = None
+        self._at_sizes = {}
+        self._bind_op()
+        if self._twin_spec is not None:
+            self._bind_twin()
 
     def _check_portable_input(self, x: torch.Tensor) -> None:
         """Off the GPU any float dtype runs (the reference); a 16-bit dtype only in a 16-bit precision."""

@@ -542,3 +542,55 @@ def test_a_convolution_alone_is_fused_in_fp32_mode_on_a_tensor_core_engine():
     assert "nothing to fuse after this convolution" in report.fallbacks[0].reason
     small = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1))  # planned on the FFMA engine: PyTorch's
     assert explain(small, torch.randn(2, 3, 16, 16), precision="fp32").specs == []
+
+
+class _BnPoolThenConv(nn.Module):
+    """conv + training-mode batch norm + ReLU + max-pool, then a conv and a mean: two fused layers
+    whose sizes past the channels come from the example."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.pool = nn.MaxPool2d(2)
+        self.conv2 = nn.Conv2d(8, 4, 3)
+
+    def forward(self, x):
+        return self.conv2(self.pool(torch.relu(self.bn(self.conv(x))))).mean((2, 3))
+
+
+def test_an_input_of_other_sizes_runs_a_sibling_layer_for_them(caplog):
+    """A model fused at 16x16 called at 24x24: each fused layer makes a sibling for the new sizes
+    (said once in the log), sharing its parameters and buffers: in training mode the model's
+    running statistics move as the original's do, in eval mode the sibling's eval twin runs; a
+    size the layer cannot take is refused, saying which layer and why."""
+    import copy
+
+    def close(got, want):  # (the project's fp32 bar: the running statistics sum in another order)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+    torch.manual_seed(0)
+    model = _BnPoolThenConv().train()
+    plain = copy.deepcopy(model)
+    fused = from_module(model, torch.randn(2, 3, 16, 16))
+    layers = [m for m in fused.modules() if isinstance(m, ImportedLayer)]
+    assert len(layers) == 2
+    x = torch.randn(4, 3, 24, 24)
+    with caplog.at_level(logging.WARNING, logger="specgen"):
+        close(fused(x), plain(x))
+        close(fused(x - 1), plain(x - 1))
+    said = [r.getMessage() for r in caplog.records if "specializing a kernel" in r.getMessage()]
+    assert len(said) == 2 and "[24, 24]" in said[0] and "[12, 12]" in said[1], said
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        close(getattr(model.bn, name), getattr(plain.bn, name))
+    assert [list(layer._at_sizes) for layer in layers] == [[(24, 24)], [(12, 12)]]
+    assert all(s.conv is layer.conv for layer in layers for s in layer._at_sizes.values())
+    fused.eval(), plain.eval()
+    with torch.no_grad():
+        close(fused(x), plain(x))
+        close(fused(x[:, :, :16, :16]), plain(x[:, :, :16, :16]))  # its own size, as before
+        with pytest.raises(ValueError, match=r"bnpoolthenconv_conv2: fused for inputs of shape \[batch, 8, 8, 8\]; an input of "
+                                             r"shape \[1, 8, 2, 2\] does not fit the layer: conv \(spatial dim 0\): the kernel spans 3"):
+            fused(torch.randn(1, 3, 5, 5))
+        with pytest.raises(ValueError, match=r"expected an input of shape \[batch, 3, 16, 16\]"):
+            fused(torch.randn(1, 4, 16, 16))

@@ -85,3 +85,18 @@ def test_linear_chains_train_on_cuda_as_the_original(make, shape, linears):
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-4, msg=name)
     torch.testing.assert_close(x.grad, expected["input"], rtol=1e-4, atol=1e-4, msg="input")
+
+
+def test_an_input_of_other_sizes_runs_kernels_specialized_for_them():
+    """A model fused at one image size, called at another: each fused layer specializes a sibling
+    kernel for the new sizes (sharing the layer's parameters) and matches the original to the fp32 bar."""
+    torch.manual_seed(0)
+    model = im._bn(im.ReluForms)().cuda().eval()
+    x = torch.randn(im.IMG, device="cuda")
+    fused = from_module(model, x, keep_slower=True)
+    layers = [m for m in fused.modules() if isinstance(m, FusedLayer)]
+    bigger = torch.randn(x.shape[0], x.shape[1], x.shape[2] + 8, x.shape[3] + 4, device="cuda")
+    _matches("ReluForms at other sizes", fused, model, bigger)
+    siblings = [s for layer in layers for s in layer._at_sizes.values()]
+    assert siblings and all(s.key and s.key != layer.key for layer in layers for s in layer._at_sizes.values())
+    _matches("ReluForms at its own size", fused, model, x)  # (the original layers still run their own kernels)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st  # noqa: E402
 import import_models as im  # noqa: E402
 from specgen.importer import explain, from_module  # noqa: E402
 from specgen.importer.chains import _Chain  # noqa: E402
-from specgen.importer.rewrite import _read  # noqa: E402
+from specgen.importer.rewrite import ImportedLayer, _read  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 
 MLP_IN = (2, 32, 8, 8)
@@ -259,17 +259,29 @@ def test_over_tokens_only_tensors_of_the_values_shape_join():
         torch.testing.assert_close(from_module(model, x)(x), model(x))
 
 
-def test_another_sequence_length_is_refused_saying_what_to_do():
-    """A fused model holds the example's sizes past the batch dim (a kernel per shape): another
-    batch runs, another sequence length is refused with a way out, not a layer's bare shape."""
+def test_another_sequence_length_runs_a_layer_specialized_for_it(caplog):
+    """A fused model was specialized at the example's sizes past the batch dim (a kernel per
+    shape): another batch runs as it is, another sequence length runs each fused layer's sibling
+    for that length (said once in the log, kept per size), and a wrong width is refused."""
     torch.manual_seed(0)
     model, x = im.TransformerMLP(), torch.randn(im.TOKENS)
     fused = from_module(model, x)
     other_batch = torch.randn(3, *im.TOKENS[1:])
+    longer = torch.randn(2, 23, 32)
     with torch.no_grad():
         torch.testing.assert_close(fused(other_batch), model(other_batch))
-        with pytest.raises(ValueError, match="fused for its example's sizes past the batch dim .* call from_module with an example"):
-            fused(torch.randn(2, 23, 32))
+        with caplog.at_level("WARNING", logger="specgen"):
+            torch.testing.assert_close(fused(longer), model(longer))
+            torch.testing.assert_close(fused(longer + 1), model(longer + 1))
+        said = [r.getMessage() for r in caplog.records if "specializing a kernel" in r.getMessage()]
+        layers = [m for m in fused.modules() if isinstance(m, ImportedLayer)]
+        assert layers and len(said) == len(layers)  # once per layer, not per call
+        assert all("[23, 1]" in m for m in said), said
+        for layer in layers:
+            (sibling,) = layer._at_sizes.values()
+            assert sibling.spec.input.size == [23, 1] and sibling.conv is layer.conv  # the same parameters
+        with pytest.raises(ValueError, match=r"expected an input of shape \[batch, 32, 17, 1\]"):
+            fused(torch.randn(2, 17, 31))
 
 
 class _ResidualChannelsLast(nn.Module):

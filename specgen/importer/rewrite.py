@@ -35,8 +35,8 @@ class ImportedLayer(FusedLayer):
     functional batch norm, which counts no batches, gets a counter of the layer's own).
     """
 
-    _SHAPE_HINT = ("; the model was fused for its example's sizes past the batch dim (a kernel per shape): for inputs "
-                   "of other sizes call from_module with an example of them, or run the original model")
+    _SHAPE_HINT = "; the model was fused for its example's shape (an input of other sizes past the channels runs a kernel for them)"
+    _OTHER_SIZES = True  # (the sizes came from the example: another size is specialized when first called)
 
     def __init__(self, spec_or_path, *, arch: str | None = None, batch_stats_always: bool = False):
         """`batch_stats_always`: its training-mode batch norms are F.batch_norm(training=True) calls,
@@ -53,6 +53,8 @@ class ImportedLayer(FusedLayer):
 
     def forward(self, x: torch.Tensor, *inputs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self._batch_stats_always and not self.training and isinstance(x, torch.Tensor):
+            if x.shape[1:] != self._input_shape:
+                return self._at_size(x)(x, *inputs, out=out)
             self._check_extra_inputs(x, inputs)
             return self._forward_training(x, out, inputs)
         return super().forward(x, *inputs, out=out)
