@@ -128,12 +128,12 @@ def compare(first, second, inputs: list, reps: int = REPS, warmup: int = WARMUP)
         return _alternate([loop(first, inner[0]), loop(second, inner[1])], inner, reps)
 
 
-def _alternate(runs: list, calls: list[int], reps: int) -> tuple[float, float]:
-    """Median milliseconds per call of each of two `runs` (each makes `calls[k]` calls), timed
-    between CUDA events, the two alternating rep by rep so that clock and thermal drift hit both alike."""
+def _alternate(runs: list, calls: list[int], reps: int) -> tuple[float, ...]:
+    """Median milliseconds per call of each of `runs` (run k makes `calls[k]` calls), timed
+    between CUDA events, the runs taking turns rep by rep so that clock and thermal drift hit all alike."""
     import torch
 
-    times: tuple[list, list] = ([], [])
+    times: list[list] = [[] for _ in runs]
     for _ in range(reps):
         for which, run in enumerate(runs):
             start = torch.cuda.Event(enable_timing=True)
@@ -143,7 +143,7 @@ def _alternate(runs: list, calls: list[int], reps: int) -> tuple[float, float]:
             end.record()
             end.synchronize()
             times[which].append(start.elapsed_time(end) / calls[which])
-    return statistics.median(times[0]), statistics.median(times[1])
+    return tuple(statistics.median(t) for t in times)
 
 
 def _calls_per_rep(fn, inputs: list, target_ms: float = TARGET_REP_MS, most: int = MAX_INNER) -> int:
@@ -164,13 +164,19 @@ GRAPH_CALLS = 20  # at most this many calls captured in each contender's graph (
 
 
 def compare_graphed(first, second, inputs: list, reps: int = REPS, warmup: int = WARMUP) -> tuple[float, float]:
-    """Median milliseconds per call of `first(x)` and `second(x)` on the GPU alone: each
-    contender's calls (the inputs cycled through; as many as make a rep last about TARGET_REP_MS
-    host-inclusive, at most GRAPH_CALLS) captured in a CUDA graph, the replays timed as
-    `compare` times its loops. What a call costs
-    inside a CUDA graph, where the host's launch time is gone (`specgen.replay`). Warm-up calls
-    first, on a side stream; the captures read the derived weights the warm-up kept
-    (`tmarun.reusing_caches`). Runs under torch.no_grad(); raises what a capture raises."""
+    """Median milliseconds per call of `first(x)` and `second(x)` on the GPU alone (`time_graphed`):
+    what a call costs inside a CUDA graph, where the host's launch time is gone (`specgen.replay`)."""
+    first_ms, second_ms = time_graphed([first, second], inputs, reps, warmup)
+    return first_ms, second_ms
+
+
+def time_graphed(fns: list, inputs: list, reps: int = REPS, warmup: int = WARMUP) -> tuple[float, ...]:
+    """Median milliseconds per call of each `fn(x)` on the GPU alone: each contender's calls (the
+    inputs cycled through; as many as make a rep last about TARGET_REP_MS host-inclusive, at most
+    GRAPH_CALLS, the same number for all) captured in a CUDA graph, the replays timed as `compare`
+    times its loops, the contenders taking turns. Warm-up calls first, on a side stream; the
+    captures read the derived weights the warm-up kept (`tmarun.reusing_caches`). Runs under
+    torch.no_grad(); raises what a capture raises."""
     import torch
 
     from specgen import tmarun
@@ -181,14 +187,14 @@ def compare_graphed(first, second, inputs: list, reps: int = REPS, warmup: int =
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for fn in (first, second):
+            for fn in fns:
                 for i in range(warmup):
                     fn(inputs[i % len(inputs)])
         torch.cuda.current_stream().wait_stream(side)
         # as many calls per graph as make a replay last about TARGET_REP_MS (one call of a long layer)
-        calls = min(_calls_per_rep(fn, inputs) for fn in (first, second))
+        calls = min(_calls_per_rep(fn, inputs) for fn in fns)
         calls = max(1, min(GRAPH_CALLS, calls))
-        for fn in (first, second):
+        for fn in fns:
             graph = torch.cuda.CUDAGraph()
             with tmarun.reusing_caches(), torch.cuda.graph(graph):
                 for i in range(calls):
@@ -197,4 +203,4 @@ def compare_graphed(first, second, inputs: list, reps: int = REPS, warmup: int =
         for graph in graphs:
             graph.replay()
         torch.cuda.synchronize()
-        return _alternate([graph.replay for graph in graphs], [calls, calls], reps)
+        return _alternate([graph.replay for graph in graphs], [calls] * len(graphs), reps)

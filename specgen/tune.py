@@ -6,10 +6,13 @@ handful of others (`candidates`: other tile shapes and pipeline depths of the sa
 Hopper the other engine's tiles where both can run the layer; for the slab engine, other mma.sync
 warp tiles, `slab_candidates`, and for a layer the box fold applies to, the layer with and without
 the fold, `plan.SlabConfig.box_fold`): all of them compile in one parallel batch, the ones
-that spill registers are dropped, each is timed on the GPU (CUDA events around loops of calls,
-warm-up first, the candidates interleaved rep by rep, the median of the reps, inputs rotated
-through enough fresh random sets to exceed the L2 cache) and checked against the float64
-reference; the fastest correct one is kept.
+that spill registers are dropped, each is timed on the GPU (`measured.time_graphed`: warm-up
+first, then each candidate's calls captured in a CUDA graph and the replays timed between CUDA
+events, the candidates interleaved rep by rep, the median of the reps, inputs rotated through
+enough fresh random sets to exceed the L2 cache) and checked against the float64 reference; the
+fastest correct one is kept. The graph takes the host's launch time out: at batch 1 a loop of
+plain calls would time the host (the TMA engine's longer launch path), not the kernel. A launch
+a graph cannot capture is timed as called.
 
 Correct means within the mode's bar: fp32 mode, rel. L2 <= 1e-5 against float64; tf32 mode, at
 most twice the heuristic plan's own error (plus 1e-7). The candidates differ in how K is chunked,
@@ -615,25 +618,38 @@ def measure(spec: LayerSpec, cands: list[Candidate], batch: int, reps: int = REP
             c.ok = c.rel_l2 <= bar
         fns = [functools.partial(lambda item, out, x: torchop.launch(item, x, weight, bias, params, out), c.item, out)
                for c, out in zip(live, outs)]
-        for fn in fns:
-            for i in range(WARMUP):
-                fn(xs[i % len(xs)])
-        torch.cuda.synchronize()
-        inner = [measured._calls_per_rep(fn, xs) for fn in fns]
-        times = [[] for _ in fns]
-        turn = 0
-        for _ in range(reps):
-            for which, fn in enumerate(fns):  # interleaved: drift hits every candidate alike
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _i in range(inner[which]):
-                    fn(xs[turn % len(xs)])
-                    turn += 1
-                end.record()
-                end.synchronize()
-                times[which].append(start.elapsed_time(end) / inner[which])
+        try:  # the GPU's time per call: a batch-1 layer's host time would otherwise decide
+            times = measured.time_graphed(fns, xs, reps, WARMUP)
+        except Exception as error:  # noqa: BLE001  (a launch a CUDA graph cannot capture: timed as called)
+            get_logger().info("tuning %s: timed outside CUDA graphs (%s: %s)", spec.name, type(error).__name__, error)
+            torch.cuda.synchronize()
+            times = _loop_times(fns, xs, reps)
     for c, t in zip(live, times):
-        c.ms = statistics.median(t)
+        c.ms = t
+
+
+def _loop_times(fns: list, xs: list, reps: int) -> list[float]:
+    """Median milliseconds per call of each of `fns`, timed as called (host time included)."""
+    import torch
+
+    for fn in fns:
+        for i in range(WARMUP):
+            fn(xs[i % len(xs)])
+    torch.cuda.synchronize()
+    inner = [measured._calls_per_rep(fn, xs) for fn in fns]
+    times = [[] for _ in fns]
+    turn = 0
+    for _ in range(reps):
+        for which, fn in enumerate(fns):  # interleaved: drift hits every candidate alike
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _i in range(inner[which]):
+                fn(xs[turn % len(xs)])
+                turn += 1
+            end.record()
+            end.synchronize()
+            times[which].append(start.elapsed_time(end) / inner[which])
+    return [statistics.median(t) for t in times]
 
 
 def tune(specs: list[LayerSpec], batch: int = DEFAULT_TUNE_BATCH, reps: int = REPS, arch: str | None = None,
