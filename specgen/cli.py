@@ -113,7 +113,7 @@ def cmd_show(args) -> int:
             if not args.channels_last and (few := pipeline.small_batch_largest(spec, plan, args.arch)):
                 print(f"small batches: a call of up to {few} sample(s) on an NC(D)HW input runs the implicit GEMM's "
                       f"128 x 64 tile instead, unless a tuned choice for its batch bucket says otherwise "
-                      f"(SPECGEN_SMALL_BATCH=0: this plan at every batch)")
+                      f"(the opt-in rule SPECGEN_SMALL_BATCH=1)")
             if "role" in describe(plan) or "axes:" in describe(plan):  # the slab and FFMA engines' axis roles
                 print(ROLE_LEGEND)
         else:

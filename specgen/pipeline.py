@@ -228,24 +228,25 @@ def forget_where(alike) -> None:
 
 _batch_variants: dict[tuple, Specialized] = {}
 
-# A call of a few samples on a layer the planner put on the TMA engine (whose tile is chosen for
-# batches of 32 and more) runs on the implicit GEMM instead, with this tile: 128 positions x 64
-# channels, 8 warps of 32 x 32, K chunks of 32 in 3 stages, one launch that reads the NC(D)HW input
-# where it lies (the TMA plan adds a layout pass, and at such M a split-K kernel and its
-# reduction). Measured by `specgen tune --batch 1` on an H100 (benchmarks/NOTES.md v56): on all
-# 11 layers tried (ResNet-18's 3x3 convs at 64-512 channels and 56^2-7^2, a stride-2 one,
-# 3x3 512 -> 512 at 14^2, ViT-S/16's qkv and fc2 and ConvNeXt's 768 -> 3072 as 1x1 convs; 9 in
-# tf32, 2 in fp32 mode) this tile ran 1.36x-2.22x faster than the TMA plan (and within 10% of
-# the best tile on 9 of them). It holds where the batch's output positions are at most
-# SMALL_BATCH_MAX_POSITIONS, the largest M measured (56^2 at batch 1).
+# The small-batch rule, off unless SPECGEN_SMALL_BATCH=1: a call of a few samples on a layer the
+# planner put on the TMA engine (whose tile is chosen for batches of 32 and more) runs on the
+# implicit GEMM instead, with this tile: 128 positions x 64 channels, 8 warps of 32 x 32, K chunks
+# of 32 in 3 stages, one launch that reads the NC(D)HW input where it lies. It came from
+# `specgen tune --batch 1` (benchmarks/NOTES.md v56), which then timed loops of plain launches:
+# at batch 1 that timed the host's launch path, longer on the TMA engine, not the kernels. Timed
+# on the GPU alone (v57, H100) the TMA kernel of 3x3 512 -> 512 at 14^2, batch 1, took 13.3 us
+# (tf32) and 19.3 us (fp32) against this tile's 28.8 and 40.3 us, and the host path was longer
+# too (48.6 against 32.9 us per call): off by default until a rule measured on the GPU says where
+# the tile wins. It holds where the batch's output positions are at most
+# SMALL_BATCH_MAX_POSITIONS (56^2 at batch 1).
 SMALL_BATCH_MAX_POSITIONS = 56 * 56
 SMALL_BATCH_TILE = dict(warps_m=4, warps_n=2, wm=2, wn=4, bk=32, stages=3)
 
 
 def small_batch_on() -> bool:
-    """Whether small batches leave the TMA plan for the implicit GEMM (`SPECGEN_SMALL_BATCH=0`
-    keeps the planner's kernel at every batch)."""
-    return os.environ.get("SPECGEN_SMALL_BATCH", "1") != "0"
+    """Whether small batches leave the TMA plan for the implicit GEMM: only with
+    `SPECGEN_SMALL_BATCH=1` (off by default: see SMALL_BATCH_TILE)."""
+    return os.environ.get("SPECGEN_SMALL_BATCH", "0") == "1"
 
 
 def small_batch_config(spec: LayerSpec, plan: dict, arch: str | None, bucket: int):

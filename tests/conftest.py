@@ -45,14 +45,13 @@ _CHECKS = {"gpu": gpu_missing, "nvcc": nvcc_missing}
 
 @pytest.fixture(autouse=True)
 def _small_batch_tile(request, monkeypatch):
-    """Each engine's tests run it at the small batches they use: a call of a few samples on a
-    layer planned for the TMA engine would otherwise run the implicit GEMM's small-batch kernel
-    (`pipeline.small_batch_config`). Tests marked `small_batch` (the rule's own, whole models)
-    run with it, as users do."""
+    """The small-batch rule (`pipeline.small_batch_config`, off unless SPECGEN_SMALL_BATCH=1) is
+    on for the tests marked `small_batch` (the rule's own) and off for every other test, whatever
+    the environment says: each engine's tests run it at the small batches they use."""
     if request.node.get_closest_marker("small_batch") is None:
         monkeypatch.setenv("SPECGEN_SMALL_BATCH", "0")
     else:
-        monkeypatch.delenv("SPECGEN_SMALL_BATCH", raising=False)
+        monkeypatch.setenv("SPECGEN_SMALL_BATCH", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -61,7 +61,6 @@ def test_make_gives_eval_models_with_nontrivial_batch_norm():
     assert model.bn1.running_var.min() >= 0.5 and model.bn1.running_mean.abs().max() > 0
 
 
-@pytest.mark.small_batch  # (their batch-1 layers on the small-batch tile, as users run them)
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("cls", models.MODELS, ids=lambda c: c.__name__)

@@ -12,7 +12,7 @@ from specgen import measured  # noqa: E402
 from specgen.importer import from_module  # noqa: E402
 from test_models import models  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.small_batch]  # (whole models run as users run them)
+pytestmark = [pytest.mark.gpu]
 
 SLACK = 1.05
 

@@ -515,7 +515,7 @@ def test_a_small_batch_kernel_is_built_once_and_a_tuned_choice_wins(fake_gpu, mo
     assert pipeline.batch_variant(sp, 1) is small and pipeline.batch_variant(sp, 64) is sp
     monkeypatch.setenv("SPECGEN_SMALL_BATCH", "0")
     assert pipeline.batch_variant(sp, 1) is sp
-    monkeypatch.delenv("SPECGEN_SMALL_BATCH")
+    monkeypatch.setenv("SPECGEN_SMALL_BATCH", "1")
     tune.store_choice(spec, fake_gpu, 1, None, [], batch=1)  # the TMA plan measured fastest at batch 1
     assert pipeline.batch_variant(pipeline.specialize(spec), 1).plan["engine"] == "tma"
     pipeline.forget(spec)
