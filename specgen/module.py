@@ -309,7 +309,7 @@ class FusedLayer(nn.Module):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self._name}: expected a torch.Tensor input, got {type(x).__name__}")
         if self._OTHER_SIZES and x.shape[1:] != self._input_shape:
-            return self._at_size(x)(x, *inputs, out=out)
+            return self._at_size(x).forward(x, *inputs, out=out)  # (forward: the hooks ran for this call)
         if inputs or self._input_names:
             self._check_extra_inputs(x, inputs)
         if self._twin_spec is not None and not self.training:

@@ -54,7 +54,7 @@ class ImportedLayer(FusedLayer):
     def forward(self, x: torch.Tensor, *inputs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self._batch_stats_always and not self.training and isinstance(x, torch.Tensor):
             if x.shape[1:] != self._input_shape:
-                return self._at_size(x)(x, *inputs, out=out)
+                return self._at_size(x).forward(x, *inputs, out=out)  # (forward: the hooks ran for this call)
             self._check_extra_inputs(x, inputs)
             return self._forward_training(x, out, inputs)
         return super().forward(x, *inputs, out=out)
