@@ -592,6 +592,9 @@ def test_an_input_of_other_sizes_runs_a_sibling_layer_for_them(caplog):
         layers[0].register_forward_hook(lambda *_: calls.append(1))
         fused(x)
         assert calls == [1]  # a hook on the layer runs once per call, not again for its sibling
+        twin = copy.deepcopy(fused)  # a copy starts without siblings (they hold the original's dicts)
+        assert all(not m._at_sizes for m in twin.modules() if isinstance(m, ImportedLayer))
+        close(twin(x), plain(x))
         close(fused(x[:, :, :16, :16]), plain(x[:, :, :16, :16]))  # its own size, as before
         with pytest.raises(ValueError, match=r"bnpoolthenconv_conv2: fused for inputs of shape \[batch, 8, 8, 8\]; an input of "
                                              r"shape \[1, 8, 2, 2\] does not fit the layer: conv \(spatial dim 0\): the kernel spans 3"):
