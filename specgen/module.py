@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from specgen import pipeline, reference, tmarun, torchop
+from specgen.log import get_logger
 from specgen.spec import LayerSpec, load
 
 
@@ -384,8 +385,6 @@ class FusedLayer(nn.Module):
                 want = ", ".join(map(str, self._input_shape))
                 raise ValueError(f"{self._name}: fused for inputs of shape [batch, {want}]; an input of shape "
                                  f"{list(x.shape)} does not fit the layer: {why}") from None
-            from specgen.log import get_logger
-
             get_logger().warning("%s: an input of sizes %s past the channels (the layer was fused at %s): "
                                  "specializing a kernel for them", self._name, list(size), list(self._input_shape[1:]))
             sibling = copy.copy(self)  # (a shallow copy: the same parameter, buffer and module dicts)
