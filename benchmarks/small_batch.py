@@ -9,11 +9,12 @@ tf32 and fp32 mode. Per layer and batch (where the batch's output positions are 
 SMALL_BATCH_MAX_POSITIONS): the time per call of eager PyTorch (conv + activation, cuDNN), of the
 layer with the rule off (its TMA kernel) and on (the implicit GEMM's tile), each as
 
-  wall: CUDA events around 100 back-to-back no_grad calls, per call (the host's launch path
-        counts where it is longer than the kernels: what an eager caller waits for);
-  gpu:  a CUDA graph of 20 calls, replayed, per call (the kernels alone: what a graph pays);
+  wall: CUDA events around loops of back-to-back no_grad calls (`bench._time_stream`: the host's
+        launch path counts where it is longer than the kernels: what an eager caller waits for);
+  gpu:  the calls captured in a CUDA graph, the replays timed (`measured.time_graphed`: the
+        kernels alone, what a graph pays);
 
-the median of 7 reps, and the rule's ratios on/off. A rule worth turning on wins on both at the
+the median of 7 reps each, and the rule's ratios on/off. A rule worth turning on wins on both at the
 batches it covers. Needs a GPU.
 """
 
@@ -26,7 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specgen import pipeline, torchop
+from specgen import measured, pipeline, torchop
+from specgen.bench import _time_stream
 from specgen.module import FusedLayer
 from specgen.spec import LayerSpec
 
@@ -54,46 +56,9 @@ LAYERS = [
 ]
 
 
-def wall(fn, calls=100, reps=7):
-    """Milliseconds per call of back-to-back calls, between CUDA events (median of `reps`)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[reps // 2]
-
-
-def graphed(fn, calls=20, reps=7):
-    """Milliseconds per call inside a CUDA graph of `calls` calls (median of `reps` replays)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[reps // 2]
+def clocks(fn, x, reps=7) -> tuple[float, float]:
+    """(wall, gpu) milliseconds per call of `fn(x)`."""
+    return _time_stream(lambda: fn(x), reps), measured.time_graphed([fn], [x], reps)[0]
 
 
 def main() -> None:
@@ -120,12 +85,12 @@ def main() -> None:
                 continue
             x = torch.randn(batch, spec.input.channels, *spec.input.size, device="cuda")
             with torch.no_grad():
-                ref = (wall(lambda: act(conv(x))), graphed(lambda: act(conv(x))))
+                ref = clocks(lambda t: act(conv(t)), x)
                 times, engine = {}, ""
                 for on in ("0", "1"):
                     os.environ["SPECGEN_SMALL_BATCH"] = on
                     engine = torchop.kernel_for(sp, x).plan["engine"]
-                    times[on] = (wall(lambda: layer(x)), graphed(lambda: layer(x)))
+                    times[on] = clocks(layer, x)
             off, on = times["0"], times["1"]
             us = [1e3 * t for t in (*ref, *off, *on)]
             print(f"{spec.name:16} {batch:3} | {us[0]:10.1f} {us[1]:7.1f} | {us[2]:8.1f} {us[3]:7.1f} | "

@@ -104,20 +104,27 @@ def store(key: str, record: dict, subdir: str = SUBDIR) -> bool:
 
 
 def compare(first, second, inputs: list, reps: int = REPS, warmup: int = WARMUP) -> tuple[float, float]:
-    """Median milliseconds per call of `first(x)` and `second(x)` on the current CUDA stream.
+    """Median milliseconds per call of `first(x)` and `second(x)` on the current CUDA stream
+    (`time_loops`)."""
+    first_ms, second_ms = time_loops([first, second], inputs, reps, warmup)
+    return first_ms, second_ms
+
+
+def time_loops(fns: list, inputs: list, reps: int = REPS, warmup: int = WARMUP) -> tuple[float, ...]:
+    """Median milliseconds per call of each `fn(x)` on the current CUDA stream.
 
     The inputs are cycled through; each rep times a loop of calls (long enough to measure a
-    launch-bound layer) between two CUDA events, and the two contenders alternate rep by rep so
-    that clock and thermal drift hit both alike. Runs under torch.no_grad()."""
+    launch-bound layer) between two CUDA events, and the contenders take turns rep by rep so
+    that clock and thermal drift hit all alike. Runs under torch.no_grad()."""
     import torch
 
     first_input = inputs[0][0] if isinstance(inputs[0], (tuple, list)) else inputs[0]  # a model's several inputs
     with torch.no_grad(), torch.cuda.device(first_input.device):
-        for fn in (first, second):
+        for fn in fns:
             for i in range(warmup):
                 fn(inputs[i % len(inputs)])
         torch.cuda.synchronize()
-        inner = [_calls_per_rep(fn, inputs) for fn in (first, second)]
+        inner = [_calls_per_rep(fn, inputs) for fn in fns]
 
         def loop(fn, calls):
             def run():
@@ -125,7 +132,7 @@ def compare(first, second, inputs: list, reps: int = REPS, warmup: int = WARMUP)
                     fn(inputs[i % len(inputs)])
             return run
 
-        return _alternate([loop(first, inner[0]), loop(second, inner[1])], inner, reps)
+        return _alternate([loop(fn, calls) for fn, calls in zip(fns, inner)], inner, reps)
 
 
 def _alternate(runs: list, calls: list[int], reps: int) -> tuple[float, ...]:

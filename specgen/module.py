@@ -80,29 +80,35 @@ class FusedLayer(nn.Module):
         dtype = torchop.PRECISION_DTYPE[self.spec.precision]
         if dtype != torch.float32:
             nn.Module._apply(self, lambda t: t.to(dtype) if t.is_floating_point() else t)
+        self._derive(self.spec)
+        if torch.cuda.is_available():
+            self.specialize()  # compile at construction (never during a graph capture)
+        else:
+            self._bind_op()
+
+    def _derive(self, spec: LayerSpec) -> None:
+        """Take `spec` as the layer's: what the layer derives from it, nothing specialized yet
+        (__init__; a sibling for other input sizes, `_at_size`)."""
+        self.spec = spec
         # Plain Python values read on every forward, so torch.compile traces it without graph breaks.
-        self._name = self.spec.name
-        self._input_shape = (self.spec.input.channels, *self.spec.input.size)
-        self._param_names = tuple(self.spec.params())
-        self._input_shapes = self.spec.inputs()  # extra inputs: forward(x, *inputs), name -> shape per sample
+        self._name = spec.name
+        self._input_shape = (spec.input.channels, *spec.input.size)
+        self._param_names = tuple(spec.params())
+        self._input_shapes = spec.inputs()  # extra inputs: forward(x, *inputs), name -> shape per sample
         self._input_names = tuple(self._input_shapes)
-        self._out_tail = tuple(self.spec.shapes()[-1].sizes)
-        self._has_bias = self.spec.conv.bias
-        self._stats_size = reference.stats_size(self.spec)  # batch statistics the op returns (training-mode batch norms)
-        self._running_stats = reference.running_stats(self.spec)
-        self._twin_spec = self.spec.eval_twin()  # the layer in eval mode, when that computes something else
+        self._out_tail = tuple(spec.shapes()[-1].sizes)
+        self._has_bias = spec.conv.bias
+        self._stats_size = reference.stats_size(spec)  # batch statistics the op returns (training-mode batch norms)
+        self._running_stats = reference.running_stats(spec)
+        self._twin_spec = spec.eval_twin()  # the layer in eval mode, when that computes something else
         self._twin_params = tuple(self._twin_spec.params().items()) if self._twin_spec is not None else ()
-        self._one_value_batch_norm = reference.one_value_batch_norm(self.spec)
+        self._one_value_batch_norm = reference.one_value_batch_norm(spec)
         self._twin_specialized: pipeline.Specialized | None = None
         self._twin_op = self._twin_spec_op = None
         self._specialized: pipeline.Specialized | None = None
         self._fast: torchop.FastLaunch | None = None  # the last plain inference launch, for repeats
         self._op = None
         self._at_sizes: dict = {}  # input sizes past the channels -> the sibling layer for them (`_at_size`)
-        if torch.cuda.is_available():
-            self.specialize()  # compile at construction (never during a graph capture)
-        else:
-            self._bind_op()
 
     # -- specialization ------------------------------------------------------------------------
 
@@ -388,30 +394,15 @@ class FusedLayer(nn.Module):
             get_logger().warning("%s: an input of sizes %s past the channels (the layer was fused at %s): "
                                  "specializing a kernel for them", self._name, list(size), list(self._input_shape[1:]))
             sibling = copy.copy(self)  # (a shallow copy: the same parameter, buffer and module dicts)
-            sibling._for_spec(spec)
+            sibling._derive(spec)
+            sibling._bind_op()
+            if sibling._twin_spec is not None:
+                sibling._bind_twin()
             if len(self._at_sizes) >= self._SIZES_KEPT:
                 self._at_sizes.pop(next(iter(self._at_sizes)))
             self._at_sizes[size] = sibling
         sibling.training = self.training
         return sibling
-
-    def _for_spec(self, spec: LayerSpec) -> None:
-        """Make this (fresh shallow) copy the layer of `spec`, which differs from its spec only in
-        the input size: what __init__ derives from the spec, nothing specialized yet."""
-        self.spec = spec
-        self._input_shape = (spec.input.channels, *spec.input.size)
-        self._input_shapes = spec.inputs()
-        self._input_names = tuple(self._input_shapes)
-        self._out_tail = tuple(spec.shapes()[-1].sizes)
-        self._twin_spec = spec.eval_twin()
-        self._twin_params = tuple(self._twin_spec.params().items()) if self._twin_spec is not None else ()
-        self._one_value_batch_norm = reference.one_value_batch_norm(spec)
-        self._twin_specialized = self._twin_op = self._twin_spec_op = None
-        self._specialized = self._fast = self._op = None
-        self._at_sizes = {}
-        self._bind_op()
-        if self._twin_spec is not None:
-            self._bind_twin()
 
     def _check_portable_input(self, x: torch.Tensor) -> None:
         """Off the GPU any float dtype runs (the reference); a 16-bit dtype only in a 16-bit precision."""

@@ -254,8 +254,8 @@ def small_batch_config(spec: LayerSpec, plan: dict, arch: str | None, bucket: in
     for `arch` (`SMALL_BATCH_MAX_POSITIONS`), or None where that plan serves them: a plan on
     another engine (or a sequence), a transposed conv, a tile in the spec, more positions than
     measured, a 16-bit layer, a pool, reduction or norm after the conv or an upsampled input (none
-    of these was measured), a layer the implicit GEMM does not run as one kernel, or
-    `SPECGEN_SMALL_BATCH=0`."""
+    of these was measured), a layer the implicit GEMM does not run as one kernel, or the rule
+    off (`small_batch_on`: the default)."""
     if not small_batch_on() or plan.get("engine") != "tma" or spec.tile is not None or spec.conv.transposed \
             or spec.precision not in ("fp32", "tf32") or spec.upsampled() \
             or any(stage_kind(stage.op, stage.args) != "pointwise" for stage in spec.epilogue):

@@ -49,7 +49,6 @@ import hashlib
 import json
 import math
 import os
-import statistics
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
@@ -623,33 +622,9 @@ def measure(spec: LayerSpec, cands: list[Candidate], batch: int, reps: int = REP
         except Exception as error:  # noqa: BLE001  (a launch a CUDA graph cannot capture: timed as called)
             get_logger().info("tuning %s: timed outside CUDA graphs (%s: %s)", spec.name, type(error).__name__, error)
             torch.cuda.synchronize()
-            times = _loop_times(fns, xs, reps)
+            times = measured.time_loops(fns, xs, reps, WARMUP)
     for c, t in zip(live, times):
         c.ms = t
-
-
-def _loop_times(fns: list, xs: list, reps: int) -> list[float]:
-    """Median milliseconds per call of each of `fns`, timed as called (host time included)."""
-    import torch
-
-    for fn in fns:
-        for i in range(WARMUP):
-            fn(xs[i % len(xs)])
-    torch.cuda.synchronize()
-    inner = [measured._calls_per_rep(fn, xs) for fn in fns]
-    times = [[] for _ in fns]
-    turn = 0
-    for _ in range(reps):
-        for which, fn in enumerate(fns):  # interleaved: drift hits every candidate alike
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _i in range(inner[which]):
-                fn(xs[turn % len(xs)])
-                turn += 1
-            end.record()
-            end.synchronize()
-            times[which].append(start.elapsed_time(end) / inner[which])
-    return [statistics.median(t) for t in times]
 
 
 def tune(specs: list[LayerSpec], batch: int = DEFAULT_TUNE_BATCH, reps: int = REPS, arch: str | None = None,
