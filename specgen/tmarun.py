@@ -389,13 +389,16 @@ class Launches:
             self._maps[address] = maps
         return maps
 
-    def run(self, x_address: int, inputs, out_address: int, stream: int, device: torch.device) -> None:
+    def run(self, x_address: int, inputs, out_address: int, stream: int, device: torch.device,
+            ws: torch.Tensor | None = None) -> None:
         """Queue the launches on `stream`: `x_address` the input (laid out as the mode says),
-        `inputs` the extra inputs' addresses, `out_address` the output's."""
+        `inputs` the extra inputs' addresses, `out_address` the output's. `ws`: the workspace
+        (`ws_bytes` bytes) where the caller keeps one for `stream`; else one is allocated."""
         kernel = self.kernel
         # (the workspace is held until every launch that reads it is queued: freed earlier, its
         # block could go to the next allocation on this stream and be overwritten)
-        ws = torch.empty(self.ws_bytes, dtype=torch.uint8, device=device) if self.ws_bytes else None
+        if ws is None and self.ws_bytes:
+            ws = torch.empty(self.ws_bytes, dtype=torch.uint8, device=device)
         base = x_address
         if self.prep is not None:
             base = ws.data_ptr()

@@ -899,6 +899,44 @@ def test_a_recorded_tma_launch_repeats_with_new_addresses(monkeypatch, what, dat
     assert (len(stub.im2col) == again) == (address in seen or "nchw" == launches.mode), what
 
 
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_recorded_tma_launch_keeps_its_workspace_per_stream(monkeypatch, kept):
+    """`torchop._TmaReplay` (what a FusedLayer's repeat calls run) keeps a small workspace per
+    stream: repeat calls on one stream allocate nothing and make the maps over its planes once; a
+    call on another stream gets its own. A workspace over the limit is allocated per call.
+    Driver calls stubbed out."""
+    from specgen import torchop
+
+    stub = _StubbedDriver(monkeypatch)
+    record = []
+    stub.launch(dict(precision="fp32", input={"channels": 512, "size": [7, 7]},
+                     conv={"out_channels": 512, "kernel": 3, "padding": 1}, tile={"engine": "tma"}),
+                1, torch.contiguous_format, record)
+    (launches, _), = record
+    assert launches.ws_bytes > 0 and launches.prep is not None and launches.partial_at is not None
+    monkeypatch.setattr(torchop, "KEPT_WORKSPACE_BYTES", launches.ws_bytes if kept else launches.ws_bytes - 1)
+    replay = torchop._TmaReplay(launches, 0, torch.device("cpu"))
+    x2, out = stub.x.clone(), torch.empty(4)
+    replay.values[0], replay.values[-1] = x2.data_ptr(), out.data_ptr()
+    made, maps = len(stub.addresses), len(stub.im2col)
+    stub.queued.clear()
+    for _ in range(3):
+        replay.launch(0)
+    assert len(stub.queued) == 9, "three calls of three launches (layout pass, split, reduction)"
+    assert len(stub.addresses) - made == (1 if kept else 3)
+    ws = stub.addresses[made]
+    prep = stub.packs[-3]
+    assert prep._ptrs[1] == stub.addresses[-1] and prep._ptrs[0] == x2.data_ptr()
+    if kept:
+        assert len(stub.im2col) - maps <= 2, "the maps over the kept planes are made once (hi and lo)"
+        assert replay.workspaces[0].data_ptr() == ws
+        replay.launch(7)
+        assert len(stub.addresses) - made == 2 and set(replay.workspaces) == {0, 7}
+        assert stub.packs[-3]._ptrs[1] == replay.workspaces[7].data_ptr() != ws
+    else:
+        assert replay.workspaces is None
+
+
 @pytest.mark.parametrize("data", [
     dict(precision="bf16", input={"channels": 64, "size": [14, 14]},
          conv={"out_channels": 300, "kernel": 3, "padding": 1}),  # the layout pass, a 16-bit bias widened
