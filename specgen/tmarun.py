@@ -301,6 +301,10 @@ def _call(sp) -> _Call:
 _WS_ALIGN = 256  # each part of a launch's workspace starts at a multiple of this many bytes
 _MAPS_KEPT = 8  # input tensor maps a `Launches` keeps, by address: torch's allocator hands back few addresses
 _LAUNCHES_KEPT = 256  # `Launches` a thread keeps for the full path, by layer, input layout and batch
+_TILE_DONE_STREAMS = 4  # streams a `Launches` keeps the split kernel's tile counters for
+# Whether a split launch outside a CUDA-graph capture lets its split kernel add the parts up (one
+# launch fewer: about 5 us of host time at batch 1) rather than launching the reduction.
+REDUCE_IN_SPLIT = True
 
 
 class Launches:
@@ -318,7 +322,8 @@ class Launches:
     "prep" / "prep_cl" (the layout pass from a contiguous / channels-last input)."""
 
     __slots__ = ("c", "kernel", "batch", "mode", "prep", "plane_offsets", "plane_bytes", "partial_offset",
-                 "ws_bytes", "n_maps", "steps", "layer_at", "partial_at", "_maps")
+                 "ws_bytes", "n_maps", "steps", "layer_at", "partial_at", "split_layer_at", "tiles", "_maps",
+                 "_tile_done")
 
     def __init__(self, c: "_Call", kernel: runtime.LoadedKernel, mode: str, batch: int, split: bool, grid: int):
         self.c, tp = c, c.tp
@@ -343,11 +348,15 @@ class Launches:
         steps = []
         # The first step reads the maps (input, then weights); the last holds the epilogue's
         # pointers from `layer_at`: the layer's (bias, parameters), the extra inputs', the output's.
+        self.split_layer_at, self.tiles, self._tile_done = None, grid, None
         if split:
             m_total = batch * tp.positions
             offset += tp.split_k * tp.cout * m_total * 4
-            pack = runtime.ArgPack(("map",) * main_maps + ("ptr", "int"))
-            pack.put(main_maps + 1, batch)
+            # (the partial sums, the tiles' counters, then the epilogue's pointers as the main kernel's)
+            pack = runtime.ArgPack(("map",) * main_maps + ("ptr", "ptr") + c.main_kinds[main_maps:])
+            pack.put(len(pack.kinds) - 1, batch)
+            self.split_layer_at = main_maps + 2
+            self._tile_done = {}
             steps.append((kernel.extra[c.split[0]], grid, tp.split_k, tp.threads, tp.smem_bytes, pack))
             reduce = runtime.ArgPack(("ptr",) + c.main_kinds[main_maps:])
             reduce.put(len(reduce.kinds) - 1, batch)
@@ -368,9 +377,16 @@ class Launches:
         pack = self.steps[0][-1]
         for i, tmap in enumerate(weight_maps):
             pack.put_map(self.n_maps + i, tmap)
-        pack = self.steps[-1][-1]
-        for i, p in enumerate(pointers):
-            pack.put(self.layer_at + i, p)
+        for pack, at in self._epilogue_packs():
+            for i, p in enumerate(pointers):
+                pack.put(at + i, p)
+
+    def _epilogue_packs(self):
+        """The argument arrays holding the epilogue's pointers, each with where they start: the
+        last step's (the main kernel's or the reduction's), and the split kernel's (its block that
+        finishes a tile runs the epilogue where `run` is given the tiles' counters)."""
+        last = ((self.steps[-1][-1], self.layer_at),)
+        return last if self.split_layer_at is None else last + ((self.steps[0][-1], self.split_layer_at),)
 
     def _input_maps(self, address: int) -> list:
         """The input's maps, of the tensor (or the workspace) at `address`, made once per address."""
@@ -389,11 +405,25 @@ class Launches:
             self._maps[address] = maps
         return maps
 
+    def tile_done(self, stream: int, device: torch.device) -> int:
+        """The address of the split kernel's tile counters for launches on `stream` (zeroed when
+        made; each launch leaves them zero): kept per stream, since launches on one stream run in
+        order. Not for a CUDA-graph capture (a replay could run beside a launch using them)."""
+        kept = self._tile_done
+        t = kept.get(stream)
+        if t is None:
+            if len(kept) >= _TILE_DONE_STREAMS:
+                kept.clear()  # (safe: each was made on its own stream, whose later work alone reuses its block)
+            t = kept[stream] = torch.zeros(self.tiles, dtype=torch.int32, device=device)
+        return t.data_ptr()
+
     def run(self, x_address: int, inputs, out_address: int, stream: int, device: torch.device,
-            ws: torch.Tensor | None = None) -> None:
+            ws: torch.Tensor | None = None, reduce_in_split: bool = False) -> None:
         """Queue the launches on `stream`: `x_address` the input (laid out as the mode says),
         `inputs` the extra inputs' addresses, `out_address` the output's. `ws`: the workspace
-        (`ws_bytes` bytes) where the caller keeps one for `stream`; else one is allocated."""
+        (`ws_bytes` bytes) where the caller keeps one for `stream`; else one is allocated.
+        `reduce_in_split`: the split kernel adds each tile's parts up itself (`tile_done`), and the
+        reduction is not launched (not inside a CUDA-graph capture)."""
         kernel = self.kernel
         # (the workspace is held until every launch that reads it is queued: freed earlier, its
         # block could go to the next allocation on this stream and be overwritten)
@@ -410,16 +440,20 @@ class Launches:
         pack = self.steps[0][-1]
         for i, tmap in enumerate(self._input_maps(base)):
             pack.put_map(i, tmap)
+        steps = self.steps
         if self.partial_at is not None:
             partial = ws.data_ptr() + self.partial_offset
             pack.put(self.partial_at, partial)
-            self.steps[-1][-1].put(0, partial)
-        pack = self.steps[-1][-1]
-        at = self.layer_at + self.c.has_bias + len(self.c.param_names)
-        for i, p in enumerate(inputs):
-            pack.put(at + i, p)
-        pack.put(at + len(self.c.input_names), out_address)
-        for function, grid, grid_y, threads, smem, pack in self.steps:
+            pack.put(self.partial_at + 1, self.tile_done(stream, device) if reduce_in_split else 0)
+            steps[-1][-1].put(0, partial)
+            if reduce_in_split:
+                steps = steps[:-1]
+        skip = self.c.has_bias + len(self.c.param_names)
+        for pack, at in self._epilogue_packs():
+            for i, p in enumerate(inputs):
+                pack.put(at + skip + i, p)
+            pack.put(at + skip + len(self.c.input_names), out_address)
+        for function, grid, grid_y, threads, smem, pack in steps:
             runtime.launch_packed(kernel, function, grid, threads, smem, pack, stream, grid_y)
 
 
@@ -484,5 +518,6 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
         launches = Launches(c, kernel, mode, batch, split, grid)
         record.append((launches, tuple(held)))
     launches.set_layer(maps_w, layer)
-    launches.run(x.data_ptr(), [params[name].data_ptr() for name in c.input_names], out.data_ptr(), stream, x.device)
+    launches.run(x.data_ptr(), [params[name].data_ptr() for name in c.input_names], out.data_ptr(), stream, x.device,
+                 reduce_in_split=REDUCE_IN_SPLIT and not capturing(x))
     return out

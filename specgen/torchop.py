@@ -844,7 +844,7 @@ class _TmaReplay:
                     # torch's allocator hands a freed block only to later work on that stream)
                     kept.clear()
                 ws = kept[stream] = torch.empty(self.launches.ws_bytes, dtype=torch.uint8, device=self.device)
-        self.launches.run(values[0], values[1:-1], values[-1], stream, self.device, ws)
+        self.launches.run(values[0], values[1:-1], values[-1], stream, self.device, ws, tmarun.REDUCE_IN_SPLIT)
 
 
 def _no_fast_launch() -> None:
