@@ -591,12 +591,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_kb11_body_split
   const size_t m_total = static_cast<size_t>(batch) * POSITIONS;
   const int m0 = blockIdx.x / N_TILES * BM, n0 = blockIdx.x % N_TILES * BN;  // the tile (as conv_block's)
   const int t = threadIdx.x - (THREADS - CONSUMER_THREADS);  // the consumer thread
-  #pragma unroll 1
+  const int rows = min(BM, static_cast<int>(m_total - m0));  // the tile's rows inside the output
+  // (unrolled: the loads of several values in flight at once; the values past the tile's rows are
+  // not walked, since a small batch's last tile often holds few rows)
+  #pragma unroll 4
   for (int k = 0; k < BM * BN / CONSUMER_THREADS; ++k) {  // (BM is a multiple of 128, BN of 8)
     const int e = k * CONSUMER_THREADS + t;  // the tile's value e
-    const size_t m = static_cast<size_t>(m0) + e % BM;  // positions fastest, as the output and the parts lie
-    const int cj = n0 + e / BM;
-    if (cj < C_OUT && m < m_total) reduce_value(partial, bias, out, cj, m, m_total);
+    if (e >= rows * BN) break;
+    const size_t m = static_cast<size_t>(m0) + e % rows;  // positions fastest, as the output and the parts lie
+    const int cj = n0 + e / rows;
+    if (cj < C_OUT) reduce_value(partial, bias, out, cj, m, m_total);
   }
   if (threadIdx.x == THREADS - CONSUMER_THREADS) tile_done[blockIdx.x] = 0u;  // (for the next launch)
 }

@@ -303,8 +303,10 @@ _MAPS_KEPT = 8  # input tensor maps a `Launches` keeps, by address: torch's allo
 _LAUNCHES_KEPT = 256  # `Launches` a thread keeps for the full path, by layer, input layout and batch
 _TILE_DONE_STREAMS = 4  # streams a `Launches` keeps the split kernel's tile counters for
 # Whether a split launch outside a CUDA-graph capture lets its split kernel add the parts up (one
-# launch fewer: about 5 us of host time at batch 1) rather than launching the reduction.
-REDUCE_IN_SPLIT = True
+# launch fewer: about 5 us of host time at batch 1) rather than launching the reduction. Off until
+# timed on a GPU: the tile's last block adds up all of the tile's parts alone, where the reduction
+# kernel spreads them over every SM, so the GPU time may grow by what the host time shrinks.
+REDUCE_IN_SPLIT = False
 
 
 class Launches:

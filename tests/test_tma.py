@@ -916,6 +916,7 @@ def test_the_split_kernel_adds_its_tiles_up_given_their_counters(monkeypatch, cl
     from specgen import tmarun
 
     stub = _StubbedDriver(monkeypatch)
+    monkeypatch.setattr(tmarun, "REDUCE_IN_SPLIT", True)
     record = []
     plan = stub.launch(dict(precision="tf32", input={"channels": 512, "size": [7, 7]}, epilogue=["relu", {"add": {"input": "r"}}],
                             conv={"out_channels": 512, "kernel": 3, "padding": 1}, tile={"engine": "tma"}),
@@ -957,9 +958,10 @@ def test_a_recorded_tma_launch_keeps_its_workspace_per_stream(monkeypatch, kept)
     stream: repeat calls on one stream allocate nothing and make the maps over its planes once; a
     call on another stream gets its own. A workspace over the limit is allocated per call.
     Driver calls stubbed out."""
-    from specgen import torchop
+    from specgen import tmarun, torchop
 
     stub = _StubbedDriver(monkeypatch)
+    monkeypatch.setattr(tmarun, "REDUCE_IN_SPLIT", True)
     record = []
     stub.launch(dict(precision="fp32", input={"channels": 512, "size": [7, 7]},
                      conv={"out_channels": 512, "kernel": 3, "padding": 1}, tile={"engine": "tma"}),
