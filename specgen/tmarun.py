@@ -301,7 +301,21 @@ def _call(sp) -> _Call:
 _WS_ALIGN = 256  # each part of a launch's workspace starts at a multiple of this many bytes
 _MAPS_KEPT = 8  # input tensor maps a `Launches` keeps, by address: torch's allocator hands back few addresses
 _LAUNCHES_KEPT = 256  # `Launches` a thread keeps for the full path, by layer, input layout and batch
-_TILE_DONE_STREAMS = 4  # streams a `Launches` keeps the split kernel's tile counters for
+_KEPT_STREAMS = 4  # streams a tensor kept per stream (`per_stream`) is kept for
+
+
+def per_stream(kept: dict, stream: int, make) -> torch.Tensor:
+    """The tensor `kept` holds for `stream`, made by `make()` (on the current stream, `stream`) the
+    first time. Launches on one stream run in order, so a tensor that only they use is free again
+    for the next launch on that stream. Past _KEPT_STREAMS streams all are dropped, which is safe
+    with launches still queued: each tensor was made on its own stream, and torch's allocator hands
+    a freed block only to later work on that stream."""
+    t = kept.get(stream)
+    if t is None:
+        if len(kept) >= _KEPT_STREAMS:
+            kept.clear()
+        t = kept[stream] = make()
+    return t
 # Whether a split launch outside a CUDA-graph capture lets its split kernel add the parts up (one
 # launch fewer: about 5 us of host time at batch 1) rather than launching the reduction. Off until
 # timed on a GPU: the tile's last block adds up all of the tile's parts alone, where the reduction
@@ -324,8 +338,7 @@ class Launches:
     "prep" / "prep_cl" (the layout pass from a contiguous / channels-last input)."""
 
     __slots__ = ("c", "kernel", "batch", "mode", "prep", "plane_offsets", "plane_bytes", "partial_offset",
-                 "ws_bytes", "n_maps", "steps", "layer_at", "partial_at", "split_layer_at", "tiles", "_maps",
-                 "_tile_done")
+                 "ws_bytes", "n_maps", "steps", "layer_at", "partial_at", "epilogue_at", "_maps", "_tile_done")
 
     def __init__(self, c: "_Call", kernel: runtime.LoadedKernel, mode: str, batch: int, split: bool, grid: int):
         self.c, tp = c, c.tp
@@ -350,14 +363,13 @@ class Launches:
         steps = []
         # The first step reads the maps (input, then weights); the last holds the epilogue's
         # pointers from `layer_at`: the layer's (bias, parameters), the extra inputs', the output's.
-        self.split_layer_at, self.tiles, self._tile_done = None, grid, None
+        self._tile_done = None
         if split:
             m_total = batch * tp.positions
             offset += tp.split_k * tp.cout * m_total * 4
             # (the partial sums, the tiles' counters, then the epilogue's pointers as the main kernel's)
             pack = runtime.ArgPack(("map",) * main_maps + ("ptr", "ptr") + c.main_kinds[main_maps:])
             pack.put(len(pack.kinds) - 1, batch)
-            self.split_layer_at = main_maps + 2
             self._tile_done = {}
             steps.append((kernel.extra[c.split[0]], grid, tp.split_k, tp.threads, tp.smem_bytes, pack))
             reduce = runtime.ArgPack(("ptr",) + c.main_kinds[main_maps:])
@@ -372,6 +384,10 @@ class Launches:
             steps.append((kernel.function, grid, 1, tp.threads, tp.smem_bytes, pack))
             self.partial_at, self.layer_at = None, main_maps
         self.steps = tuple(steps)
+        # The argument arrays holding the epilogue's pointers, each with where they start: the last
+        # step's (the main kernel's or the reduction's), and the split kernel's (its block that
+        # finishes a tile runs the epilogue where `run` hands it the tiles' counters).
+        self.epilogue_at = ((steps[-1][-1], self.layer_at),) + (((steps[0][-1], main_maps + 2),) if split else ())
         self.ws_bytes = offset
 
     def set_layer(self, weight_maps: list, pointers: list[int]) -> None:
@@ -379,16 +395,9 @@ class Launches:
         pack = self.steps[0][-1]
         for i, tmap in enumerate(weight_maps):
             pack.put_map(self.n_maps + i, tmap)
-        for pack, at in self._epilogue_packs():
+        for pack, at in self.epilogue_at:
             for i, p in enumerate(pointers):
                 pack.put(at + i, p)
-
-    def _epilogue_packs(self):
-        """The argument arrays holding the epilogue's pointers, each with where they start: the
-        last step's (the main kernel's or the reduction's), and the split kernel's (its block that
-        finishes a tile runs the epilogue where `run` is given the tiles' counters)."""
-        last = ((self.steps[-1][-1], self.layer_at),)
-        return last if self.split_layer_at is None else last + ((self.steps[0][-1], self.split_layer_at),)
 
     def _input_maps(self, address: int) -> list:
         """The input's maps, of the tensor (or the workspace) at `address`, made once per address."""
@@ -411,13 +420,8 @@ class Launches:
         """The address of the split kernel's tile counters for launches on `stream` (zeroed when
         made; each launch leaves them zero): kept per stream, since launches on one stream run in
         order. Not for a CUDA-graph capture (a replay could run beside a launch using them)."""
-        kept = self._tile_done
-        t = kept.get(stream)
-        if t is None:
-            if len(kept) >= _TILE_DONE_STREAMS:
-                kept.clear()  # (safe: each was made on its own stream, whose later work alone reuses its block)
-            t = kept[stream] = torch.zeros(self.tiles, dtype=torch.int32, device=device)
-        return t.data_ptr()
+        tiles = self.steps[0][1]  # (the split kernel's grid: a block per tile along x)
+        return per_stream(self._tile_done, stream, lambda: torch.zeros(tiles, dtype=torch.int32, device=device)).data_ptr()
 
     def run(self, x_address: int, inputs, out_address: int, stream: int, device: torch.device,
             ws: torch.Tensor | None = None, reduce_in_split: bool = False) -> None:
@@ -451,7 +455,7 @@ class Launches:
             if reduce_in_split:
                 steps = steps[:-1]
         skip = self.c.has_bias + len(self.c.param_names)
-        for pack, at in self._epilogue_packs():
+        for pack, at in self.epilogue_at:
             for i, p in enumerate(inputs):
                 pack.put(at + skip + i, p)
             pack.put(at + skip + len(self.c.input_names), out_address)

@@ -816,14 +816,12 @@ def _strides(t: torch.Tensor) -> tuple | None:
 # of a batch-1 call's host time), and the input maps over the planes made once. Larger ones (large
 # batches, whose calls are not host-bound) come from torch's allocator per call.
 KEPT_WORKSPACE_BYTES = 8 << 20
-_KEPT_WORKSPACE_STREAMS = 4  # streams a recorded launch keeps a workspace for
 
 
 class _TmaReplay:
     """A TMA layer's recorded launches (`tmarun.Launches`) as `FastLaunch` repeats them: the
     addresses in `values` are the input's, the extra inputs' and the output's. Its workspace is
-    kept per stream (calls on one stream run in order, so one call's launches finish with it
-    before the next call's start; calls on another stream get their own)."""
+    kept per stream (`tmarun.per_stream`)."""
 
     __slots__ = ("launches", "values", "device", "workspaces")
 
@@ -835,16 +833,13 @@ class _TmaReplay:
 
     def launch(self, stream: int) -> None:
         values = self.values
-        ws, kept = None, self.workspaces
-        if kept is not None:
-            ws = kept.get(stream)
-            if ws is None:
-                if len(kept) >= _KEPT_WORKSPACE_STREAMS:
-                    # (safe with launches still queued: each was allocated on its own stream, and
-                    # torch's allocator hands a freed block only to later work on that stream)
-                    kept.clear()
-                ws = kept[stream] = torch.empty(self.launches.ws_bytes, dtype=torch.uint8, device=self.device)
+        ws = None
+        if self.workspaces is not None:
+            ws = tmarun.per_stream(self.workspaces, stream, self._workspace)
         self.launches.run(values[0], values[1:-1], values[-1], stream, self.device, ws, tmarun.REDUCE_IN_SPLIT)
+
+    def _workspace(self) -> torch.Tensor:
+        return torch.empty(self.launches.ws_bytes, dtype=torch.uint8, device=self.device)
 
 
 def _no_fast_launch() -> None:

@@ -930,7 +930,7 @@ def test_the_split_kernel_adds_its_tiles_up_given_their_counters(monkeypatch, cl
     assert kinds[at:at + 2] == ("ptr", "ptr") and kinds[-1] == "int" and len(kinds) == at + 2 + 4  # bias, r, out, batch
     counters = launches._tile_done[0]
     assert pack._ptrs[at + 1] == counters.data_ptr() and counters.dtype == torch.int32
-    assert counters.numel() == launches.tiles == stub.grids[-1] and not counters.any()
+    assert counters.numel() == stub.grids[-1] and not counters.any()  # (a counter per block along x: per tile)
     assert pack._ptrs[at] == launches.steps[-1][-1]._ptrs[0], "the partial sums, as the reduction reads them"
     r, out = torch.empty(8), torch.empty(8)
     stub.queued.clear(), stub.packs.clear()
