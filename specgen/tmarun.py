@@ -316,10 +316,15 @@ def per_stream(kept: dict, stream: int, make) -> torch.Tensor:
             kept.clear()
         t = kept[stream] = make()
     return t
+
+
 # Whether a split launch outside a CUDA-graph capture lets its split kernel add the parts up (one
-# launch fewer: about 5 us of host time at batch 1) rather than launching the reduction. Off until
-# timed on a GPU: the tile's last block adds up all of the tile's parts alone, where the reduction
-# kernel spreads them over every SM, so the GPU time may grow by what the host time shrinks.
+# launch fewer) rather than launching the reduction. Off: timed at batch 1 (benchmarks/NOTES.md v59,
+# H100, `benchmarks/split_reduce.py`, 3x3 convs of 256 and 512 channels at 7^2 and 14^2 in fp32,
+# tf32 and bf16) it saved 5-11 us of host time a call on 8 of 9 layers but cost 13-35 us of GPU
+# time (the kernels 2.6-3.4x the split and reduction kernels'), so back-to-back calls were faster on
+# 5 layers and slower on 4: the tile's last block adds up all of the tile's parts alone, where the
+# reduction kernel spreads them over every SM.
 REDUCE_IN_SPLIT = False
 
 
