@@ -236,8 +236,10 @@ _batch_variants: dict[tuple, Specialized] = {}
 # at batch 1 that timed the host's launch path, longer on the TMA engine, not the kernels. Timed
 # on the GPU alone (v57, H100) the TMA kernel of 3x3 512 -> 512 at 14^2, batch 1, took 13.3 us
 # (tf32) and 19.3 us (fp32) against this tile's 28.8 and 40.3 us, and the host path was longer
-# too (48.6 against 32.9 us per call): off by default until a rule measured on the GPU says where
-# the tile wins. It holds where the batch's output positions are at most
+# too (48.6 against 32.9 us per call). v59 timed 24 layer x batch rows (ResNet-18's, VGG's and
+# ViT-S/16's layers at batch 1 and 4, `benchmarks/small_batch.py`, H100): the tile's GPU time was
+# 1.08-2.74x the TMA kernel's on every one. Off by default, kept as an opt-in until a rule
+# measured on the GPU says where the tile wins. It holds where the batch's output positions are at most
 # SMALL_BATCH_MAX_POSITIONS (56^2 at batch 1).
 SMALL_BATCH_MAX_POSITIONS = 56 * 56
 SMALL_BATCH_TILE = dict(warps_m=4, warps_n=2, wm=2, wn=4, bk=32, stages=3)
