@@ -676,6 +676,9 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     as it is (one plain launch of the FFMA, slab or implicit-GEMM engine on a contiguous input; the
     TMA engine's launches on an input it reads without a copy first), a `FastLaunch` of it is
     appended, for the caller to repeat."""
+    # (a TMA-planned layer's call is planned under the small-batch rule as it stands: its kept
+    # launch is repeated only while the rule stays as it was, `FastLaunch.small_batch`)
+    rule = pipeline.small_batch_on() if record is not None and sp.plan["engine"] == "tma" else None
     sp = kernel_for(sp, x, out)
     if out is not None and not out.is_contiguous() and _writes_format(sp) is None and tmarun.channels_last(out):
         # A channels-last `out` for a kernel that writes NC(D)HW (the layer has no channels-last
@@ -720,13 +723,13 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
             launches, held = recorded[0]
             n = len(lp.input_names)
             record.append(FastLaunch(_TmaReplay(launches, n, x.device), held, x.shape, out.shape, out.dtype, device_index,
-                                     tuple(range(1, 1 + n)), 1 + n, _strides(x), _strides(out)))
+                                     tuple(range(1, 1 + n)), 1 + n, _strides(x), _strides(out), rule))
         return out
     if not x.is_contiguous() and tmarun.channels_last(x):
         x = _from_channels_last(sp, kernel, x, stream, dtype if lp.native_16 else torch.float32)
         record = None
     if dtype == torch.float32:
-        return _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream, record)
+        return _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream, record, rule)
     # A 16-bit layer: its weights, bias and parameters as float32 (widened once per tensor version).
     wide = tmarun.as_float32
     weight, bias = wide(weight), None if bias is None else wide(bias)
@@ -764,7 +767,7 @@ def _from_channels_last(sp: pipeline.Specialized, kernel, x: torch.Tensor, strea
     return wide
 
 
-def _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream, record=None):
+def _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream, record=None, rule=None):
     if out is None:
         out = torch.empty((batch, *lp.out_tail), device=x.device, dtype=torch.float32)
     if lp.igemm is not None:
@@ -802,7 +805,8 @@ def _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream, re
         held = (weight, bias, *(params[name] for name in lp.param_names))  # the tensors behind the fixed pointers
         first_input = 2 + lp.has_bias + len(lp.param_names)  # pointers: x, weight, [bias], parameters, inputs, out
         record.append(FastLaunch(prepared, held, x.shape, out.shape, out.dtype, x.get_device(),
-                                 tuple(range(first_input, first_input + len(lp.input_names))), len(pointers) - 1))
+                                 tuple(range(first_input, first_input + len(lp.input_names))), len(pointers) - 1,
+                                 small_batch=rule))
     return out
 
 
@@ -855,14 +859,17 @@ class FastLaunch:
     (`bind`): the layer's own tensors the fixed pointers come from, checked on every call to be
     the same objects, unchanged (version counter) and at the same address. `in_strides` /
     `out_strides`: x's and the output's strides, None for contiguous (the extra inputs are laid
-    out as the output)."""
+    out as the output). `small_batch`: for a layer the planner put on the TMA engine, whether the
+    small-batch rule (`pipeline.small_batch_on`) was on when the call was planned (it picks the
+    engine such a call runs on): a repeat needs it unchanged; None for other layers."""
 
     __slots__ = ("prepared", "held", "in_shape", "out_shape", "dtype", "device_index", "input_slots",
-                 "out_slot", "thread", "sources", "in_strides", "out_strides")
+                 "out_slot", "thread", "sources", "in_strides", "out_strides", "small_batch")
 
     def __init__(self, prepared: runtime.Prepared, held: tuple, in_shape: torch.Size, out_shape: torch.Size,
                  dtype: torch.dtype, device_index: int, input_slots: tuple, out_slot: int,
-                 in_strides: tuple | None = None, out_strides: tuple | None = None):
+                 in_strides: tuple | None = None, out_strides: tuple | None = None, small_batch: bool | None = None):
+        self.small_batch = small_batch
         self.prepared, self.held = prepared, held
         self.in_shape, self.out_shape, self.dtype, self.device_index = in_shape, out_shape, dtype, device_index
         self.input_slots, self.out_slot = input_slots, out_slot
@@ -894,6 +901,7 @@ class FastLaunch:
             or len(inputs) != len(self.input_slots)
             or threading.get_ident() != self.thread
             or tmarun.capturing(x)  # a capture remakes the derived weights inside the graph
+            or (self.small_batch is not None and pipeline.small_batch_on() != self.small_batch)
         ):
             return None
         for container, name, t, version, ptr in self.sources:  # (tmarun.state, inlined: every call runs this)

@@ -174,3 +174,25 @@ def test_a_strided_recorded_launch_takes_inputs_laid_out_as_recorded(strided):
 def test_a_strided_recorded_launch_hands_back_other_layouts(strided, what, x, shortcut):
     assert strided.run(x, (shortcut,)) is None, what
     assert strided.prepared.streams == [], what
+
+
+@pytest.mark.parametrize("recorded_with", [False, True])
+def test_a_tma_planned_launch_is_repeated_only_while_the_small_batch_rule_is_as_it_was(monkeypatch, recorded_with):
+    """The small-batch rule (`SPECGEN_SMALL_BATCH`) picks the engine a TMA-planned layer's small
+    batch runs on: a launch recorded under one setting is handed back once the setting changes
+    (the full path plans the call again), and repeated again when it changes back."""
+    monkeypatch.setattr(torchop, "_current_stream", lambda index: 77)
+    weight = torch.nn.Parameter(torch.randn(4, 3, 3, 3))
+    f = torchop.FastLaunch(_Prepared(3), (weight,), torch.Size((2, 3, 8, 8)), OUT_SHAPE, torch.float32, -1, (), 2,
+                           small_batch=recorded_with).bind([({"weight": weight}, "weight", weight)])
+    x = torch.randn(2, 3, 8, 8)
+    for on, repeats in ((recorded_with, True), (not recorded_with, False), (recorded_with, True)):
+        monkeypatch.setenv("SPECGEN_SMALL_BATCH", "1" if on else "0")
+        assert (f.run(x, ()) is not None) == repeats, f"rule {'on' if on else 'off'}, recorded {recorded_with}"
+    assert f.prepared.streams == [77, 77]
+
+
+def test_a_launch_of_another_engine_ignores_the_small_batch_rule(fast, monkeypatch):
+    for on in ("0", "1"):
+        monkeypatch.setenv("SPECGEN_SMALL_BATCH", on)
+        assert fast.run(torch.randn(2, 3, 8, 8), (torch.randn(OUT_SHAPE),)) is not None
