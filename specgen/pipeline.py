@@ -239,8 +239,8 @@ _batch_variants: dict[tuple, Specialized] = {}
 # too (48.6 against 32.9 us per call). v59 timed 24 layer x batch rows (ResNet-18's, VGG's and
 # ViT-S/16's layers at batch 1 and 4, `benchmarks/small_batch.py`, H100): the tile's GPU time was
 # 1.08-2.74x the TMA kernel's on every one. Off by default, kept as an opt-in until a rule
-# measured on the GPU says where the tile wins. It holds where the batch's output positions are at most
-# SMALL_BATCH_MAX_POSITIONS (56^2 at batch 1).
+# measured on the GPU says where the tile wins. It holds where the batch's output positions are
+# at most SMALL_BATCH_MAX_POSITIONS (56^2 at batch 1).
 SMALL_BATCH_MAX_POSITIONS = 56 * 56
 SMALL_BATCH_TILE = dict(warps_m=4, warps_n=2, wm=2, wn=4, bk=32, stages=3)
 
