@@ -163,3 +163,30 @@ def test_an_imported_linear_over_tokens_repeats_its_launches(monkeypatch):
             err = ((y.double() - ref).norm() / ref.norm()).item()
             assert err <= 1e-5, f"call {step}: rel L2 {err:.2e}"
     assert len(full) == 1, f"{len(full)} calls took the full path (the first only expected)"
+
+
+def test_a_kept_tma_launch_follows_the_small_batch_rules_switch(monkeypatch):
+    """The small-batch rule (`SPECGEN_SMALL_BATCH`) moves a TMA-planned layer's small batch to the
+    implicit GEMM: switched after a first call, the next call takes the full path on the rule's
+    engine (and keeps that launch), and switched back, the TMA kernels again."""
+    spec = validate({"name": "fast_rule_switch", "input": {"channels": 256, "size": [14, 14]},
+                     "conv": {"out_channels": 256, "kernel": 3, "padding": 1}, "epilogue": ["relu"], "precision": "tf32"})
+    layer = FusedLayer(spec).cuda().eval()
+    sp = layer.specialize()
+    assert sp.plan["engine"] == "tma"
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    randomize(layer, gen)
+    full = []
+    real = torchop.launch
+    monkeypatch.setattr(torchop, "launch", lambda *a, **k: (full.append(1), real(*a, **k))[1])
+    for step, (rule, takes_full, engine) in enumerate([("0", True, "tma"), ("0", False, "tma"), ("1", True, "igemm"),
+                                                       ("1", False, "igemm"), ("0", True, "tma")]):
+        monkeypatch.setenv("SPECGEN_SMALL_BATCH", rule)
+        x = random_input(spec, 1, gen)
+        assert torchop.kernel_for(sp, x).plan["engine"] == engine, f"call {step}: the rule did not pick {engine}"
+        with torch.no_grad():
+            before = len(full)
+            y = layer(x)
+        assert (len(full) > before) == takes_full, f"call {step} (rule {rule}): full path {len(full) > before}"
+        assert layer._fast is not None and layer._fast.small_batch == (rule == "1"), f"call {step}: the kept launch"
+        check_output(layer, x, {}, y, f"call {step} (rule {rule})")
