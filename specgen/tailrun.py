@@ -167,11 +167,15 @@ def _identity_weight(channels: int, ndim: int, device: torch.device) -> torch.Te
 
 
 def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict, out: torch.Tensor | None,
-           stats: torch.Tensor | None = None) -> torch.Tensor:
+           stats: torch.Tensor | None = None, record: list | None = None) -> torch.Tensor:
     """Run the sequence on contiguous float32 CUDA `x` into `out` (allocated when None; a channels-last
     sequence, specgen.dwcl's, takes and gives channels-last tensors). `stats`: where
     the training-mode batch norms with running statistics write their batch statistics
-    (reference.forward_with_stats' layout); allocated (and dropped) when None."""
+    (reference.forward_with_stats' layout); allocated (and dropped) when None. `record`: where the
+    call can be repeated as it is (x read where it lies, no batch statistics, each step one plain
+    launch, every extra input of the output's shape), a `torchop.FastLaunch` of its launches
+    (`SequenceReplay`) is appended, for the caller to repeat."""
+    given = x
     seq = _sequence(sp)
     batch = x.shape[0]
     shape = (batch, *seq.out_shape)
@@ -203,6 +207,10 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
         x = x.contiguous()
     device_index = x.get_device()
     stream = torchop._current_stream(device_index)
+    names = tuple(sp.spec.inputs())
+    # the launches kept for a repeat, as they are queued: (step, its Prepared or body FastLaunch)
+    kept = [] if (record is not None and x is given and not floats and all(kind != "stats" for _, kind, _ in seq.buffers)
+                  and all(tuple(params[n].shape) == shape for n in names)) else None
     buffers = {"x": x, "out": out}
     for name, kind, size in seq.buffers:
         if kind == "sample":
@@ -215,21 +223,96 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
         if type(step) is _Layer:
             src = buffers[step.src].view(batch, *step.in_shape)
             dst = buffers[step.dst].view(batch, *step.out_shape)
+            sub = None if kept is None else []
             if step.body:
-                torchop.launch(step.part, src, weight, bias, params, dst)
+                torchop.launch(step.part, src, weight, bias, params, dst, record=sub)
             else:
                 ones = _identity_weight(step.ones, len(step.in_shape) - 1, x.device)
-                torchop.launch(step.part, src, ones, None, params, dst)
+                torchop.launch(step.part, src, ones, None, params, dst, record=sub)
+            if kept is not None:
+                kept = kept + [(step, sub[0])] if sub else None
             continue
         kernel = runtime.lookup(step.key, device_index) or _kernel(sp, step.step, device_index)
         # (parameters and extra inputs aligned by torchop.launch)
         tensors = [_argument(source, name, buffers, params, weight, bias) for source, name in step.args]  # (alive until queued)
         pointers = [t.data_ptr() for t in tensors]
-        if step.once:
+        prepared = None
+        if kept is not None:
+            # (a "once" kernel walks the whole batch over grid_x blocks; the others take the
+            # batch along y, in one launch where `runtime.prepare` gives one)
+            prepared = (runtime.Prepared(kernel, step.grid_x, 1, pointers, batch) if step.once
+                        else runtime.prepare(kernel, step.grid_x, pointers, batch))
+            kept = kept + [(step, prepared)] if prepared is not None else None
+        if prepared is not None:
+            prepared.launch(stream)
+        elif step.once:
             runtime.launch_once(kernel, step.grid_x, pointers, batch, stream)
         else:
             runtime.launch(kernel, step.grid_x, pointers, step.strides, batch, stream)
+    if kept is not None:
+        record.append(_recorded(seq, kept, names, batch, x, out, weight, bias, params, device_index))
     return out
+
+
+def _recorded(seq: _Sequence, kept: list, names: tuple, batch: int, x: torch.Tensor, out: torch.Tensor, weight, bias,
+              params: dict, device_index: int) -> torchop.FastLaunch:
+    """The call's launches (`kept`: each step and its Prepared launch or body FastLaunch) as a
+    FastLaunch that repeats them (`SequenceReplay`)."""
+    held, steps, rules = [weight, bias, *(t for n, t in params.items() if n not in names)], [], set()
+    for step, launch in kept:
+        if type(step) is _Layer:  # the part's FastLaunch: x at 0, its extra inputs, its output
+            part_inputs = torchop._launch_plan(step.part).input_names
+            slots = [(0, step.src), (launch.out_slot, step.dst),
+                     *((slot, "i_" + n) for slot, n in zip(launch.input_slots, part_inputs))]
+            held.append(launch.held)
+            rules.add(launch.small_batch)
+            steps.append((launch.prepared, tuple(slots)))
+        else:  # a tail kernel: its buffers' and extra inputs' pointer slots
+            slots = [(i, name if source == "b" else "i_" + name)
+                     for i, (source, name) in enumerate(step.args) if source in ("b", "i")]
+            steps.append((launch, tuple(slots)))
+    sizes = tuple((name, batch * size if kind == "sample" else size, seq.dtype if kind == "sample" else torch.float32)
+                  for name, kind, size in seq.buffers)
+    rules.discard(None)
+    replay = SequenceReplay(tuple(steps), sizes, names, x.device)
+    n = len(names)
+    return torchop.FastLaunch(replay, tuple(held), x.shape, out.shape, out.dtype, device_index, tuple(range(1, 1 + n)),
+                              1 + n, torchop._strides(x), torchop._strides(out), rules.pop() if rules else None)
+
+
+class SequenceReplay:
+    """A sequence's launches from a plain inference call, as `torchop.FastLaunch` repeats them:
+    `values` holds the addresses of x, the extra inputs (the layer's order) and the output; each
+    step (a body or rest part's recorded launch, a tail kernel's `runtime.Prepared`) keeps every
+    other argument, and gets those addresses and its workspaces' in its slots before it is queued.
+    The workspaces are kept per stream (`tmarun.per_stream`) where they add up to at most
+    `torchop.KEPT_WORKSPACE_BYTES`; larger ones are allocated per call."""
+
+    __slots__ = ("steps", "sizes", "names", "device", "values", "workspaces")
+
+    def __init__(self, steps: tuple, sizes: tuple, names: tuple, device: torch.device):
+        self.steps, self.sizes, self.names, self.device = steps, sizes, names, device
+        self.values = [0] * (len(names) + 2)
+        total = sum(numel * dtype.itemsize for _, numel, dtype in sizes)
+        self.workspaces: dict | None = {} if total <= torchop.KEPT_WORKSPACE_BYTES else None
+
+    def launch(self, stream: int) -> None:
+        # (a workspace made per call is held here until every launch that uses it is queued)
+        tensors, addresses = (self._workspaces() if self.workspaces is None
+                              else tmarun.per_stream(self.workspaces, stream, self._workspaces))
+        values = self.values
+        where = dict(addresses, x=values[0], out=values[-1])
+        for i, name in enumerate(self.names):
+            where["i_" + name] = values[1 + i]
+        for target, slots in self.steps:
+            into = target.values
+            for slot, key in slots:
+                into[slot] = where[key]
+            target.launch(stream)
+
+    def _workspaces(self) -> tuple:
+        tensors = [torch.empty(numel, dtype=dtype, device=self.device) for _, numel, dtype in self.sizes]
+        return tensors, {name: t.data_ptr() for (name, _, _), t in zip(self.sizes, tensors)}
 
 
 def _argument(source: str, name: str, buffers: dict, params: dict, weight, bias) -> torch.Tensor:

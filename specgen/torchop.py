@@ -696,7 +696,7 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     if sp.plan["engine"] == "sequence":
         from specgen import tailrun
 
-        return tailrun.launch(sp, x, weight, bias, params, out, stats)
+        return tailrun.launch(sp, x, weight, bias, params, out, stats, record)
     lp = _launch_plan(sp)
     batch = x.shape[0]
     shape = (batch, *lp.out_tail)

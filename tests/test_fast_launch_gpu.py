@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from specgen import FusedLayer, torchop  # noqa: E402
+from specgen import FusedLayer, tailrun, torchop  # noqa: E402
 from specgen.spec import validate  # noqa: E402
 
 from gpu_helpers import as_channels_last, captured, check_output, extra_inputs, random_input, randomize  # noqa: E402
@@ -190,3 +190,55 @@ def test_a_kept_tma_launch_follows_the_small_batch_rules_switch(monkeypatch):
         assert (len(full) > before) == takes_full, f"call {step} (rule {rule}): full path {len(full) > before}"
         assert layer._fast is not None and layer._fast.small_batch == (rule == "1"), f"call {step}: the kept launch"
         check_output(layer, x, {}, y, f"call {step} (rule {rule})")
+
+
+# Layers run as a sequence of kernels (`specgen.tailrun`): the body into a workspace, then the
+# statistic stages' kernels; their repeat calls take the recorded launches (`tailrun.SequenceReplay`).
+SEQUENCES = {
+    # FFMA body, a group norm's kernels, an extra input added by the tail kernel
+    "gn_residual_fp32": {"input": {"channels": 8, "size": [12, 10]}, "conv": {"out_channels": 16, "kernel": 3, "padding": 1},
+                         "epilogue": [{"group_norm": 4}, {"add": {"input": "shortcut"}}, "relu"], "precision": "fp32"},
+    # a TMA body (tf32), a softmax over the channels, then a max pool over an identity conv
+    "softmax_pool_tf32": {"input": {"channels": 64, "size": [16, 16]}, "conv": {"out_channels": 128, "kernel": 3, "padding": 1},
+                          "epilogue": [{"softmax": 1}, {"max_pool": 2}], "precision": "tf32"},
+    # a TMA body (tf32), then an instance norm's kernels
+    "instance_norm_tf32": {"input": {"channels": 64, "size": [14, 14]}, "conv": {"out_channels": 64, "kernel": 3},
+                           "epilogue": ["instance_norm", {"mul": 2.0}], "precision": "tf32"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SEQUENCES))
+def test_a_sequence_repeats_its_recorded_launches_until_the_layer_changes(name, monkeypatch):
+    spec = validate({"name": f"fast_seq_{name}", **SEQUENCES[name]})
+    layer = FusedLayer(spec).cuda().eval()
+    assert layer.specialize().plan["engine"] == "sequence"
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    randomize(layer, gen)
+    full = []
+    real = torchop.launch
+    monkeypatch.setattr(torchop, "launch", lambda *a, **k: (full.append(1), real(*a, **k))[1])  # (the parts' too)
+    weight = layer.conv.weight
+    steps = [(2, None, True), (2, None, False), (2, None, False), (2, lambda: weight.mul_(-0.5), True), (2, None, False),
+             (3, None, True), (3, None, False)]
+    stream = torch.cuda.Stream()
+    for step, (batch, change, takes_full) in enumerate(steps):
+        with torch.no_grad():
+            if change is not None:
+                change()
+            x = random_input(spec, batch, gen)
+            extras = extra_inputs(spec, batch, gen)
+            before = len(full)
+            if step == 2:  # on another stream: its own workspaces
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    y = layer(x, *extras.values())
+                torch.cuda.current_stream().wait_stream(stream)
+            else:
+                y = layer(x, *extras.values())
+            took_full = len(full) > before
+            assert took_full == takes_full, f"call {step}: full path {took_full}, expected {takes_full}"
+            assert layer._fast is not None and isinstance(layer._fast.prepared, tailrun.SequenceReplay), f"call {step}"
+            check_output(layer, x, extras, y, f"{spec.name} call {step}")
+            into = torch.full_like(y, float("nan"))
+            layer(x, *extras.values(), out=into)  # the full path (out= never records)
+            assert torch.equal(y, into), f"call {step}: the recorded launches and the full path differ"

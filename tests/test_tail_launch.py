@@ -53,10 +53,27 @@ class Recorder:
         return 0
 
     # torchop.launch for the body and the rests
-    def layer_launch(self, sp, x, weight, bias, params, out):
+    def layer_launch(self, sp, x, weight, bias, params, out, record=None):
         self.events.append({"kind": "layer", "part": sp.part, "in": (x.data_ptr(), tuple(x.shape)),
                             "out": (out.data_ptr(), tuple(out.shape)), "weight": weight, "bias": bias})
+        if record is not None:  # a plain call: its launch kept, as torchop.launch keeps one
+            replay = _PartReplay(self, sp.part, tuple(x.shape), tuple(out.shape), weight, bias)
+            record.append(types.SimpleNamespace(prepared=replay, out_slot=1, input_slots=(), held=(weight,),
+                                                small_batch=None))
         return out
+
+
+class _PartReplay:
+    """Stands in for a body or rest part's recorded launch (`values`: x's address, then out's)."""
+
+    def __init__(self, rec, part, in_shape, out_shape, weight, bias):
+        self.rec, self.part, self.shapes, self.weight, self.bias = rec, part, (in_shape, out_shape), weight, bias
+        self.values = [0, 0]
+
+    def launch(self, stream):
+        self.rec.events.append({"kind": "layer", "part": self.part, "in": (self.values[0], self.shapes[0]),
+                                "out": (self.values[1], self.shapes[1]), "weight": self.weight, "bias": self.bias,
+                                "stream": stream})
 
 
 @pytest.fixture
@@ -81,12 +98,13 @@ def sequence(name):
     return spec, plan, types.SimpleNamespace(spec=spec, plan=plan, source="", build=build, key=build.key)
 
 
-def run(sp, spec, batch, stats=None):
+def run(sp, spec, batch, stats=None, record=None):
     x = torch.randn(batch, spec.input.channels, *spec.input.size)
     weight = torch.randn(spec.weight_shape())
     bias = torch.randn(spec.conv.out_channels) if spec.conv.bias else None
     params = {n: torch.randn(s) for n, s in spec.params().items()}
-    out = tailrun.launch(sp, x, weight, bias, params, None, stats)
+    params.update({n: torch.randn(batch, *s) for n, s in spec.inputs().items()})
+    out = tailrun.launch(sp, x, weight, bias, params, None, stats, record)
     return x, weight, params, out
 
 
@@ -97,9 +115,16 @@ def test_steps_launch_in_order_and_hand_each_buffer_on(recorder, name):
     batch = 3
     x, weight, params, out = run(sp, spec, batch)
     assert tuple(out.shape) == spec.output_shape(batch)
-    assert len(rec.events) == len(plan["steps"])
-    written = {"x": x.data_ptr()}  # buffer name -> the address its writer used
-    for step, event in zip(plan["steps"], rec.events):
+    written = check_wiring(plan, rec.events, x.data_ptr(), weight, params, batch)
+    assert written["out"] == out.data_ptr()
+
+
+def check_wiring(plan, events, x_address, weight, params, batch, stream=5) -> dict:
+    """Each of the plan's steps launched in order, each reading the buffers the steps before it
+    wrote and the parameters, on the grid its plan gives; the buffer name -> address each writer used."""
+    assert len(events) == len(plan["steps"])
+    written = {"x": x_address}  # buffer name -> the address its writer used
+    for step, event in zip(plan["steps"], events):
         assert event["kind"] == step["kind"]
         if step["kind"] == "layer":
             part = plan["parts"][step["part"]]
@@ -113,52 +138,81 @@ def test_steps_launch_in_order_and_hand_each_buffer_on(recorder, name):
                 assert torch.equal(event["weight"], torch.ones(part["spec"].weight_shape())) and event["bias"] is None
             written[step["out"]] = event["out"][0]
             continue
-        assert event["block"] == step["threads"] and event["stream"] == 5
+        assert event["block"] == step["threads"] and event["stream"] == stream
         assert event["grid"] == ((step["grid_x"], 1, 1) if step["once"] else (step["grid_x"], batch, 1))
         assert event["batch"] == batch
         for arg, pointer in zip(step["args"], event["pointers"]):
-            if arg.startswith("p_"):
-                assert pointer == params[arg[2:]].data_ptr()
+            if arg.startswith(("p_", "i_")):
+                assert pointer == params[arg[2:]].data_ptr(), arg
             elif arg == step["args"][-1]:
                 written[arg] = pointer
             else:
                 assert pointer == written[arg], arg
-    assert written["out"] == out.data_ptr()
+    return written
 
 
-def test_the_launch_is_worked_out_from_the_typed_steps(recorder):
-    """What `tailrun` reads of the plan: a body or rest step's part, buffers and identity channels;
-    a kernel step's arguments (a buffer, a parameter) and the bytes each advances per sample; the
-    workspaces: per sample, a slice of the layer's statistics."""
+# a group norm, then an extra input of the output's shape added (read by the tail kernel)
+RESIDUAL = {"name": "gn_residual", "input": {"channels": 4, "size": [6, 5]}, "conv": {"out_channels": 8, "kernel": 3},
+            "epilogue": [{"group_norm": 2}, {"add": {"input": "shortcut"}}, "relu"]}
+
+
+def _sequence_of(data):
+    spec = validate(data)
+    plan = build_plan(spec)
+    build = types.SimpleNamespace(key="9" * 64)
+    return spec, plan, types.SimpleNamespace(spec=spec, plan=plan, source="", build=build, key=build.key)
+
+
+@pytest.mark.parametrize("name", ["gn_pool", "sm_max", "two_norms", "chain_1d", "gn_split", "residual"])
+def test_a_recorded_sequence_repeats_its_launches_into_new_addresses(recorder, monkeypatch, name):
+    """`record=`: a plain call keeps its launches (`SequenceReplay` in a FastLaunch). Repeated with
+    a new x, extra input and output, every step launches again in order, each reading what the one
+    before it wrote; the workspaces are kept per stream: the same addresses on the same stream,
+    others on another; over `torchop.KEPT_WORKSPACE_BYTES` they are allocated per call."""
+    spec, plan, sp = _sequence_of(RESIDUAL) if name == "residual" else sequence(name)
+    rec = recorder(plan)
+    record = []
+    batch = 2
+    x, weight, params, out = run(sp, spec, batch, record=record)
+    (fast,) = record
+    replay = fast.prepared
+    assert isinstance(replay, tailrun.SequenceReplay) and fast.in_shape == x.shape and fast.out_shape == out.shape
+    assert fast.input_slots == tuple(range(1, 1 + len(spec.inputs())))
+    names = list(spec.inputs())
+
+    def again(stream):
+        new = {n: torch.randn_like(params[n]) for n in names}
+        x2, out2 = torch.randn_like(x), torch.empty_like(out)
+        replay.values[:] = [x2.data_ptr(), *(new[n].data_ptr() for n in names), out2.data_ptr()]
+        rec.events.clear()
+        replay.launch(stream)
+        written = check_wiring(plan, rec.events, x2.data_ptr(), weight, {**params, **new}, batch, stream)
+        assert written["out"] == out2.data_ptr()
+        return {k: v for k, v in written.items() if k not in ("x", "out")}
+
+    first = again(5)
+    assert first and again(5) == first, "the same workspaces on the same stream"
+    other = again(9)
+    assert set(other.values()).isdisjoint(first.values()), "another stream's own workspaces"
+    assert again(5) == first
+    monkeypatch.setattr(torchop, "KEPT_WORKSPACE_BYTES", 0)
+    record.clear()
+    run(sp, spec, batch, record=record)
+    assert record[0].prepared.workspaces is None  # (allocated per call: each launch's own)
+
+
+def test_a_call_with_batch_statistics_is_not_recorded(recorder):
+    """A training-mode batch norm writes the batch statistics the layer returns: such a call takes
+    the full path every time."""
     spec, plan, sp = sequence("bn_train")
     recorder(plan)
-    seq = tailrun._sequence(sp)
-    kinds = [type(s) for s in seq.steps]
-    assert kinds == [tailrun._Layer, tailrun._Kernel, tailrun._Kernel, tailrun._Kernel, tailrun._Layer, tailrun._Kernel]
-    body, stats, finalize, apply, rest, norm = seq.steps
-    assert body.body and (body.part.part, body.src, body.dst, body.in_shape, body.out_shape, body.ones) == \
-        ("body", "x", "t0", (4, 9, 9), (8, 7, 7), 0)
-    assert not rest.body and (rest.part.part, rest.src, rest.dst, rest.in_shape, rest.ones) == ("e0_rest", "u0", "t3", (8, 7, 7), 8)
-    t0, partials = 4 * plan.buffers["t0"], 4 * plan.buffers["partials0"]
-    assert (stats.args, stats.strides, stats.once) == ((("b", "t0"), ("b", "partials0")), (t0, partials), False)
-    assert (finalize.args, finalize.strides, finalize.once) == ((("b", "partials0"), ("b", "stat0")), (partials, 0), True)
-    assert apply.args == (("b", "t0"), ("b", "stat0"), ("p", "bn_weight"), ("p", "bn_bias"), ("b", "u0"))
-    assert apply.strides == (t0, 0, 0, 0, 4 * plan.buffers["u0"])
-    assert norm.key == f"{sp.key}:specgen_bn_train_e3_norm" and norm.grid_x == plan.steps[-1].grid_x
-    assert seq.buffers == (("t0", "sample", 392), ("u0", "sample", 392), ("partials0", "sample", 16), ("stat0", "stats", 0),
-                           ("t3", "sample", 72))
-    assert seq.stats_floats == 16 and seq.out_shape == tuple(plan.out_shape)
-
-
-def test_batch_statistics_land_in_the_layers_stats_tensor(recorder):
-    spec, plan, sp = sequence("bn_train")
-    rec = recorder(plan)
-    stats = torch.full((plan["stats_floats"],), float("nan"))
-    run(sp, spec, 2, stats)
-    finalize = next(e for s, e in zip(plan["steps"], rec.events) if s.get("name", "").endswith("_finalize"))
-    assert finalize["pointers"][1] == stats.data_ptr() and finalize["grid"] == (8, 1, 1)
-    with pytest.raises(ValueError, match="stats must be a float32 tensor of 16 values"):
-        run(sp, spec, 2, torch.empty(3))
+    record = []
+    run(sp, spec, 2, record=record)
+    assert record == []
+    spec, plan, sp = sequence("gn_pool")  # (the same call without statistics is recorded)
+    recorder(plan)
+    run(sp, spec, 2, record=record)
+    assert len(record) == 1
 
 
 WIDE = {"name": "wide", "input": {"channels": 1, "size": [4]}, "conv": {"out_channels": 2, "kernel": 1},
