@@ -210,9 +210,7 @@ namespace body {
 //     K loop over one of SPLIT_K = 12 equal parts of K per block (6 stages; grid y = the part) and
 //     writes its sums to a workspace; specgen_head_3x3_256_512_14_bn_gap_reduce adds the parts up in order (the same sum
 //     on every run, whichever block finished first) and runs the epilogue. The launch picks the
-//     kernel by the batch. Given a counter per tile (zero between launches), the split kernel's
-//     block that finishes a tile's last part adds that tile's parts up itself, in the same order,
-//     so the same values come out without the reduction's launch.
+//     kernel by the batch.
 //   Grid: one block per (M tile, N tile), N tiles fastest (blocks that read the same input run
 //   together); 384 threads per block; 197632 bytes of dynamic shared memory.
 // =====================================================================================================
@@ -659,76 +657,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_head_3x3_256_51
   conv_block<1>(map_a_hi, map_a_lo, map_b_hi, map_b_lo, p_bn_running_mean, p_bn_running_var, p_bn_weight, p_bn_bias, out, nullptr, batch);
 }
 
-namespace {
-// Output value (channel cj, row m = sample * POSITIONS + p): the parts' sums added up in order, 0
-// to SPLIT_K - 1 (so the result is the same on every run, whichever part finished first), then the
-// epilogue. The sums are read from L2 (__ldcg): other blocks wrote them during this launch.
-__device__ __forceinline__ void reduce_value(
-    const float* __restrict__ partial,  // [SPLIT_K][C_OUT][batch * POSITIONS]
-    const float* __restrict__ p_bn_running_mean,  // learnable bn_running_mean, 512 values
-    const float* __restrict__ p_bn_running_var,  // learnable bn_running_var, 512 values
-    const float* __restrict__ p_bn_weight,  // learnable bn_weight, 512 values
-    const float* __restrict__ p_bn_bias,  // learnable bn_bias, 512 values
-    float* __restrict__ out,  // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
-    int cj, size_t m, size_t m_total)
-{
-  const int sample = static_cast<int>(m / POSITIONS), p = static_cast<int>(m % POSITIONS);
-  float sum = 0.0f;
-  #pragma unroll
-  for (int part = 0; part < SPLIT_K; ++part) sum += __ldcg(partial + (static_cast<size_t>(part) * C_OUT + cj) * m_total + m);
-  float v = sum;  // the conv
-  v = (((v) - __ldg(p_bn_running_mean + cj)) * __frsqrt_rn(__ldg(p_bn_running_var + cj) + S0_EPS) * __ldg(p_bn_weight + cj) + __ldg(p_bn_bias + cj));  // epilogue[0] batch_norm (eps=1e-05, affine=True, weight='bn_weight', bias='bn_bias', running_mean='bn_running_mean', running_var='bn_running_var')
-  out[static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p] = v;
-}
-}  // namespace
-
-// Split K: block (tile, part) walks part blockIdx.y of K and writes its sums to `partial`. With
-// `tile_done` (one counter per tile, zero before the launch), the block that finishes a tile's last
-// part adds its parts up and runs the epilogue (`reduce_value`, as specgen_head_3x3_256_512_14_bn_gap_reduce does),
-// and sets the counter back to zero; without it (nullptr), specgen_head_3x3_256_512_14_bn_gap_reduce does that.
+// Split K: block (tile, part) walks part blockIdx.y of K and writes its sums to `partial`.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_head_3x3_256_512_14_bn_gap_split(
     const __grid_constant__ TensorMap map_a_hi,
     const __grid_constant__ TensorMap map_a_lo,
     const __grid_constant__ TensorMap map_b_hi,
     const __grid_constant__ TensorMap map_b_lo,
     float* __restrict__ partial,  // [SPLIT_K][C_OUT][batch * POSITIONS]
-    unsigned* __restrict__ tile_done,  // [tiles]: the parts of each tile done so far, or nullptr
-    const float* __restrict__ p_bn_running_mean,  // learnable bn_running_mean, 512 values
-    const float* __restrict__ p_bn_running_var,  // learnable bn_running_var, 512 values
-    const float* __restrict__ p_bn_weight,  // learnable bn_weight, 512 values
-    const float* __restrict__ p_bn_bias,  // learnable bn_bias, 512 values
-    float* __restrict__ out,  // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
     int batch)
 {
   conv_block<SPLIT_K>(map_a_hi, map_a_lo, map_b_hi, map_b_lo, nullptr, nullptr, nullptr, nullptr, nullptr, partial, batch);
-  // (the producer warpgroup, which gave its registers back, leaves the rest to the consumers)
-  if (tile_done == nullptr || threadIdx.x < THREADS - CONSUMER_THREADS) return;
-  __shared__ bool last;  // whether this block finished the tile's last part
-  __threadfence();  // this thread's sums reach the whole GPU before the count below says they are there
-  asm volatile("bar.sync 1, %0;\n" :: "n"(CONSUMER_THREADS) : "memory");  // every consumer's sums are out
-  if (threadIdx.x == THREADS - CONSUMER_THREADS) last = atomicAdd(tile_done + blockIdx.x, 1u) == SPLIT_K - 1;
-  asm volatile("bar.sync 1, %0;\n" :: "n"(CONSUMER_THREADS) : "memory");
-  if (!last) return;
-  __threadfence();  // (the other parts' sums are read after their counts)
-  const size_t m_total = static_cast<size_t>(batch) * POSITIONS;
-  const int m0 = blockIdx.x / N_TILES * BM, n0 = blockIdx.x % N_TILES * BN;  // the tile (as conv_block's)
-  const int t = threadIdx.x - (THREADS - CONSUMER_THREADS);  // the consumer thread
-  const int rows = min(BM, static_cast<int>(m_total - m0));  // the tile's rows inside the output
-  // (unrolled: the loads of several values in flight at once; the values past the tile's rows are
-  // not walked, since a small batch's last tile often holds few rows)
-  #pragma unroll 4
-  for (int k = 0; k < BM * BN / CONSUMER_THREADS; ++k) {  // (BM is a multiple of 128, BN of 8)
-    const int e = k * CONSUMER_THREADS + t;  // the tile's value e
-    if (e >= rows * BN) break;
-    const size_t m = static_cast<size_t>(m0) + e % rows;  // positions fastest, as the output and the parts lie
-    const int cj = n0 + e / rows;
-    if (cj < C_OUT) reduce_value(partial, p_bn_running_mean, p_bn_running_var, p_bn_weight, p_bn_bias, out, cj, m, m_total);
-  }
-  if (threadIdx.x == THREADS - CONSUMER_THREADS) tile_done[blockIdx.x] = 0u;  // (for the next launch)
 }
 
-// The reduction as its own kernel: one thread per output value, positions fastest (as the output and
-// the parts lie).
+// The parts added up in order, 0 to SPLIT_K - 1 (so the result is the same on every run), and the
+// epilogue: one thread per output value, positions fastest (as the output and the parts lie).
 extern "C" __global__ void __launch_bounds__(256) specgen_head_3x3_256_512_14_bn_gap_reduce(
     const float* __restrict__ partial,  // [SPLIT_K][C_OUT][batch * POSITIONS]
     const float* __restrict__ p_bn_running_mean,  // learnable bn_running_mean, 512 values
@@ -742,8 +684,14 @@ extern "C" __global__ void __launch_bounds__(256) specgen_head_3x3_256_512_14_bn
   const size_t i = static_cast<size_t>(blockIdx.x) * 256 + threadIdx.x;  // in the output
   if (i >= m_total * C_OUT) return;
   const int p = static_cast<int>(i % POSITIONS), cj = static_cast<int>(i / POSITIONS % C_OUT);
-  const size_t m = i / (static_cast<size_t>(C_OUT) * POSITIONS) * POSITIONS + p;
-  reduce_value(partial, p_bn_running_mean, p_bn_running_var, p_bn_weight, p_bn_bias, out, cj, m, m_total);
+  const int sample = static_cast<int>(i / (static_cast<size_t>(C_OUT) * POSITIONS));
+  const size_t m = static_cast<size_t>(sample) * POSITIONS + p;
+  float sum = 0.0f;
+  #pragma unroll
+  for (int part = 0; part < SPLIT_K; ++part) sum += __ldg(partial + (static_cast<size_t>(part) * C_OUT + cj) * m_total + m);
+  float v = sum;  // the conv
+  v = (((v) - __ldg(p_bn_running_mean + cj)) * __frsqrt_rn(__ldg(p_bn_running_var + cj) + S0_EPS) * __ldg(p_bn_weight + cj) + __ldg(p_bn_bias + cj));  // epilogue[0] batch_norm (eps=1e-05, affine=True, weight='bn_weight', bias='bn_bias', running_mean='bn_running_mean', running_var='bn_running_var')
+  out[static_cast<size_t>(sample) * (C_OUT * POSITIONS) + static_cast<size_t>(cj) * POSITIONS + p] = v;
 }
 
 }  // namespace body

@@ -304,28 +304,18 @@ _LAUNCHES_KEPT = 256  # `Launches` a thread keeps for the full path, by layer, i
 _KEPT_STREAMS = 4  # streams a tensor kept per stream (`per_stream`) is kept for
 
 
-def per_stream(kept: dict, stream: int, make) -> torch.Tensor:
-    """The tensor `kept` holds for `stream`, made by `make()` (on the current stream, `stream`) the
-    first time. Launches on one stream run in order, so a tensor that only they use is free again
-    for the next launch on that stream. Past _KEPT_STREAMS streams all are dropped, which is safe
-    with launches still queued: each tensor was made on its own stream, and torch's allocator hands
-    a freed block only to later work on that stream."""
+def per_stream(kept: dict, stream: int, make):
+    """What `kept` holds for `stream`, made by `make()` (on the current stream, `stream`) the first
+    time. Launches on one stream run in order, so tensors that only they use are free again for the
+    next launch on that stream. Past _KEPT_STREAMS streams all are dropped, which is safe with
+    launches still queued: each tensor was made on its own stream, and torch's allocator hands a
+    freed block only to later work on that stream."""
     t = kept.get(stream)
     if t is None:
         if len(kept) >= _KEPT_STREAMS:
             kept.clear()
         t = kept[stream] = make()
     return t
-
-
-# Whether a split launch outside a CUDA-graph capture lets its split kernel add the parts up (one
-# launch fewer) rather than launching the reduction. Off: timed at batch 1 (benchmarks/NOTES.md v59,
-# H100, `benchmarks/split_reduce.py`, 3x3 convs of 256 and 512 channels at 7^2 and 14^2 in fp32,
-# tf32 and bf16) it saved 5-11 us of host time a call on 8 of 9 layers but cost 13-35 us of GPU
-# time (the kernels 2.6-3.4x the split and reduction kernels'), so back-to-back calls were faster on
-# 5 layers and slower on 4: the tile's last block adds up all of the tile's parts alone, where the
-# reduction kernel spreads them over every SM.
-REDUCE_IN_SPLIT = False
 
 
 class Launches:
@@ -343,7 +333,7 @@ class Launches:
     "prep" / "prep_cl" (the layout pass from a contiguous / channels-last input)."""
 
     __slots__ = ("c", "kernel", "batch", "mode", "prep", "plane_offsets", "plane_bytes", "partial_offset",
-                 "ws_bytes", "n_maps", "steps", "layer_at", "partial_at", "epilogue_at", "_maps", "_tile_done")
+                 "ws_bytes", "n_maps", "steps", "layer_at", "partial_at", "_maps")
 
     def __init__(self, c: "_Call", kernel: runtime.LoadedKernel, mode: str, batch: int, split: bool, grid: int):
         self.c, tp = c, c.tp
@@ -368,14 +358,11 @@ class Launches:
         steps = []
         # The first step reads the maps (input, then weights); the last holds the epilogue's
         # pointers from `layer_at`: the layer's (bias, parameters), the extra inputs', the output's.
-        self._tile_done = None
         if split:
             m_total = batch * tp.positions
             offset += tp.split_k * tp.cout * m_total * 4
-            # (the partial sums, the tiles' counters, then the epilogue's pointers as the main kernel's)
-            pack = runtime.ArgPack(("map",) * main_maps + ("ptr", "ptr") + c.main_kinds[main_maps:])
-            pack.put(len(pack.kinds) - 1, batch)
-            self._tile_done = {}
+            pack = runtime.ArgPack(("map",) * main_maps + ("ptr", "int"))
+            pack.put(main_maps + 1, batch)
             steps.append((kernel.extra[c.split[0]], grid, tp.split_k, tp.threads, tp.smem_bytes, pack))
             reduce = runtime.ArgPack(("ptr",) + c.main_kinds[main_maps:])
             reduce.put(len(reduce.kinds) - 1, batch)
@@ -389,10 +376,6 @@ class Launches:
             steps.append((kernel.function, grid, 1, tp.threads, tp.smem_bytes, pack))
             self.partial_at, self.layer_at = None, main_maps
         self.steps = tuple(steps)
-        # The argument arrays holding the epilogue's pointers, each with where they start: the last
-        # step's (the main kernel's or the reduction's), and the split kernel's (its block that
-        # finishes a tile runs the epilogue where `run` hands it the tiles' counters).
-        self.epilogue_at = ((steps[-1][-1], self.layer_at),) + (((steps[0][-1], main_maps + 2),) if split else ())
         self.ws_bytes = offset
 
     def set_layer(self, weight_maps: list, pointers: list[int]) -> None:
@@ -400,9 +383,9 @@ class Launches:
         pack = self.steps[0][-1]
         for i, tmap in enumerate(weight_maps):
             pack.put_map(self.n_maps + i, tmap)
-        for pack, at in self.epilogue_at:
-            for i, p in enumerate(pointers):
-                pack.put(at + i, p)
+        pack = self.steps[-1][-1]
+        for i, p in enumerate(pointers):
+            pack.put(self.layer_at + i, p)
 
     def _input_maps(self, address: int) -> list:
         """The input's maps, of the tensor (or the workspace) at `address`, made once per address."""
@@ -421,20 +404,11 @@ class Launches:
             self._maps[address] = maps
         return maps
 
-    def tile_done(self, stream: int, device: torch.device) -> int:
-        """The address of the split kernel's tile counters for launches on `stream` (zeroed when
-        made; each launch leaves them zero): kept per stream, since launches on one stream run in
-        order. Not for a CUDA-graph capture (a replay could run beside a launch using them)."""
-        tiles = self.steps[0][1]  # (the split kernel's grid: a block per tile along x)
-        return per_stream(self._tile_done, stream, lambda: torch.zeros(tiles, dtype=torch.int32, device=device)).data_ptr()
-
     def run(self, x_address: int, inputs, out_address: int, stream: int, device: torch.device,
-            ws: torch.Tensor | None = None, reduce_in_split: bool = False) -> None:
+            ws: torch.Tensor | None = None) -> None:
         """Queue the launches on `stream`: `x_address` the input (laid out as the mode says),
         `inputs` the extra inputs' addresses, `out_address` the output's. `ws`: the workspace
-        (`ws_bytes` bytes) where the caller keeps one for `stream`; else one is allocated.
-        `reduce_in_split`: the split kernel adds each tile's parts up itself (`tile_done`), and the
-        reduction is not launched (not inside a CUDA-graph capture)."""
+        (`ws_bytes` bytes) where the caller keeps one for `stream`; else one is allocated."""
         kernel = self.kernel
         # (the workspace is held until every launch that reads it is queued: freed earlier, its
         # block could go to the next allocation on this stream and be overwritten)
@@ -451,20 +425,16 @@ class Launches:
         pack = self.steps[0][-1]
         for i, tmap in enumerate(self._input_maps(base)):
             pack.put_map(i, tmap)
-        steps = self.steps
         if self.partial_at is not None:
             partial = ws.data_ptr() + self.partial_offset
             pack.put(self.partial_at, partial)
-            pack.put(self.partial_at + 1, self.tile_done(stream, device) if reduce_in_split else 0)
-            steps[-1][-1].put(0, partial)
-            if reduce_in_split:
-                steps = steps[:-1]
-        skip = self.c.has_bias + len(self.c.param_names)
-        for pack, at in self.epilogue_at:
-            for i, p in enumerate(inputs):
-                pack.put(at + skip + i, p)
-            pack.put(at + skip + len(self.c.input_names), out_address)
-        for function, grid, grid_y, threads, smem, pack in steps:
+            self.steps[-1][-1].put(0, partial)
+        pack = self.steps[-1][-1]
+        at = self.layer_at + self.c.has_bias + len(self.c.param_names)
+        for i, p in enumerate(inputs):
+            pack.put(at + i, p)
+        pack.put(at + len(self.c.input_names), out_address)
+        for function, grid, grid_y, threads, smem, pack in self.steps:
             runtime.launch_packed(kernel, function, grid, threads, smem, pack, stream, grid_y)
 
 
@@ -529,6 +499,5 @@ def launch(sp, kernel: runtime.LoadedKernel, x: torch.Tensor, weight, bias, para
         launches = Launches(c, kernel, mode, batch, split, grid)
         record.append((launches, tuple(held)))
     launches.set_layer(maps_w, layer)
-    launches.run(x.data_ptr(), [params[name].data_ptr() for name in c.input_names], out.data_ptr(), stream, x.device,
-                 reduce_in_split=REDUCE_IN_SPLIT and not capturing(x))
+    launches.run(x.data_ptr(), [params[name].data_ptr() for name in c.input_names], out.data_ptr(), stream, x.device)
     return out

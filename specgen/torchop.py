@@ -840,7 +840,7 @@ class _TmaReplay:
         ws = None
         if self.workspaces is not None:
             ws = tmarun.per_stream(self.workspaces, stream, self._workspace)
-        self.launches.run(values[0], values[1:-1], values[-1], stream, self.device, ws, tmarun.REDUCE_IN_SPLIT)
+        self.launches.run(values[0], values[1:-1], values[-1], stream, self.device, ws)
 
     def _workspace(self) -> torch.Tensor:
         return torch.empty(self.launches.ws_bytes, dtype=torch.uint8, device=self.device)

@@ -521,18 +521,12 @@ def test_the_split_kernels_walk_their_part_of_k_and_reduce_in_order():
     tp = build_plan(spec_of(cin=512, cout=512, size=(7, 7), precision="tf32"), target=HOPPER)["tma"]
     assert f"constexpr int SPLIT_K = {tp.split_k};" in text
     assert "conv_block<1>(" in text and "conv_block<SPLIT_K>(" in text
-    value = text[text.index("void reduce_value(\n"):text.index("_split(\n")]
-    assert "for (int part = 0; part < SPLIT_K; ++part) sum +=" in value  # a fixed order: the same sum every run
-    assert "input_value(i_shortcut, e_out)" in value and "fmaxf(v, 0.0f)" in value
     split = text[text.index("_split(\n"):text.index("_reduce(\n")]
-    # the split kernel: its parts' sums, then (given the tiles' counters) the tile's last part's
-    # block adds them up as the reduction does; the counter is the one atomic, no float atomics
-    assert "conv_block<SPLIT_K>(map_a_hi, map_b_hi, nullptr, nullptr, nullptr, partial, batch);" in split
-    assert "if (tile_done == nullptr" in split and "reduce_value(partial, bias, i_shortcut, out, cj, m, m_total)" in split
-    assert re.findall(r"atomic\w*\(", text) == ["atomicAdd("] and "atomicAdd(tile_done + blockIdx.x, 1u)" in split
-    assert "tile_done[blockIdx.x] = 0u" in split
+    assert "partial" in split and "i_shortcut" not in split  # no epilogue in the split kernel
     reduce = text[text.index("_reduce(\n"):]
-    assert "reduce_value(partial, bias, i_shortcut, out, cj, m, m_total)" in reduce
+    assert "for (int part = 0; part < SPLIT_K; ++part) sum +=" in reduce  # a fixed order: the same sum every run
+    assert "input_value(i_shortcut, e_out)" in reduce and "fmaxf(v, 0.0f)" in reduce
+    assert "atomic" not in text
 
 
 @pytest.mark.nvcc
@@ -827,7 +821,7 @@ class _StubbedDriver:
         monkeypatch.setattr(tmarun, "sm_count", lambda index: 132)
         monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
 
-    def launch(self, data: dict, batch: int = 1, memory_format=torch.contiguous_format, record=None, inputs=()):
+    def launch(self, data: dict, batch: int = 1, memory_format=torch.contiguous_format, record=None):
         """Plan `data` (a spec's fields) for Hopper and launch it on a random input (in
         `memory_format`; `record` as tmarun.launch takes it); the plan."""
         import types
@@ -843,8 +837,7 @@ class _StubbedDriver:
         weight = torch.randn(spec.weight_shape()).to(dtype)
         bias = torch.randn(spec.conv.out_channels).to(dtype)
         self.x = torch.randn(batch, spec.input.channels, *spec.input.size).to(dtype).to(memory_format=memory_format)
-        params = {name: self.real_empty(1) for name in inputs}  # (extra inputs: only their addresses are read)
-        self.tmarun.launch(sp, kernel, self.x, weight, bias, params, self.real_empty(1), 0, record)
+        self.tmarun.launch(sp, kernel, self.x, weight, bias, {}, self.real_empty(1), 0, record)
         return plan
 
 
@@ -870,7 +863,6 @@ def test_a_recorded_tma_launch_repeats_with_new_addresses(monkeypatch, what, dat
     from specgen import tmarun
 
     stub = _StubbedDriver(monkeypatch)
-    monkeypatch.setattr(tmarun, "REDUCE_IN_SPLIT", False)  # (the split kernel's own reduction: below)
     record = []
     plan = stub.launch(data, batch, memory_format, record)
     name = plan["kernel_name"]
@@ -895,7 +887,7 @@ def test_a_recorded_tma_launch_repeats_with_new_addresses(monkeypatch, what, dat
         ws = stub.addresses[-1]  # the workspace, made by this call
         assert prep._ptrs[1] == ws, what
         if "split" in queued:  # the partial sums lie in the same workspace, past the planes
-            assert packs["reduce"]._ptrs[0] == packs["split"]._ptrs[launches.partial_at] > ws, what
+            assert packs["reduce"]._ptrs[0] == packs["split"]._ptrs[len(packs["split"].kinds) - 2] > ws, what
         assert stub.im2col[-1][1] >= ws, f"{what}: the maps are of the workspace's planes"
     elif memory_format == torch.channels_last:  # read in place: its map is of x2 itself
         assert stub.im2col[-1][1] == x2.data_ptr(), what
@@ -907,61 +899,15 @@ def test_a_recorded_tma_launch_repeats_with_new_addresses(monkeypatch, what, dat
     assert (len(stub.im2col) == again) == (address in seen or "nchw" == launches.mode), what
 
 
-@pytest.mark.parametrize("cl", [False, True])
-def test_the_split_kernel_adds_its_tiles_up_given_their_counters(monkeypatch, cl):
-    """Outside a CUDA-graph capture a split launch hands the split kernel a zeroed counter per tile
-    (kept per stream) and the epilogue's pointers, and does not launch the reduction; given no
-    counters (a capture: `reduce_in_split=False`), the reduction runs as before. Driver calls
-    stubbed out."""
-    from specgen import tmarun
-
-    stub = _StubbedDriver(monkeypatch)
-    monkeypatch.setattr(tmarun, "REDUCE_IN_SPLIT", True)
-    record = []
-    plan = stub.launch(dict(precision="tf32", input={"channels": 512, "size": [7, 7]}, epilogue=["relu", {"add": {"input": "r"}}],
-                            conv={"out_channels": 512, "kernel": 3, "padding": 1}, tile={"engine": "tma"}),
-                       1, torch.channels_last if cl else torch.contiguous_format, record, inputs=("r",))
-    split, reduce = splitk.kernel_names(plan["kernel_name"])
-    (launches, _), = record
-    assert stub.queued[-1] == split and reduce not in stub.queued
-    pack = stub.packs[-1]
-    kinds = pack.kinds
-    at = launches.partial_at
-    assert kinds[at:at + 2] == ("ptr", "ptr") and kinds[-1] == "int" and len(kinds) == at + 2 + 4  # bias, r, out, batch
-    counters = launches._tile_done[0]
-    assert pack._ptrs[at + 1] == counters.data_ptr() and counters.dtype == torch.int32
-    assert counters.numel() == stub.grids[-1] and not counters.any()  # (a counter per block along x: per tile)
-    assert pack._ptrs[at] == launches.steps[-1][-1]._ptrs[0], "the partial sums, as the reduction reads them"
-    r, out = torch.empty(8), torch.empty(8)
-    stub.queued.clear(), stub.packs.clear()
-    launches.run(stub.x.data_ptr(), [r.data_ptr()], out.data_ptr(), 0, torch.device("cpu"), reduce_in_split=True)
-    pack = stub.packs[-1]
-    assert stub.queued[-1] == split and pack._ptrs[at + 1] == counters.data_ptr(), "the same counters on the stream"
-    assert pack._ptrs[len(kinds) - 3] == r.data_ptr() and pack._ptrs[len(kinds) - 2] == out.data_ptr()
-    launches.run(stub.x.data_ptr(), [r.data_ptr()], out.data_ptr(), 5, torch.device("cpu"), reduce_in_split=True)
-    assert stub.packs[-1]._ptrs[at + 1] == launches._tile_done[5].data_ptr() != counters.data_ptr()
-    stub.queued.clear(), stub.packs.clear()
-    launches.run(stub.x.data_ptr(), [r.data_ptr()], out.data_ptr(), 0, torch.device("cpu"))
-    assert stub.queued[-2:] == [split, reduce] and stub.packs[-2]._ptrs[at + 1] == 0
-    last = stub.packs[-1]
-    assert last._ptrs[len(last.kinds) - 3] == r.data_ptr() and last._ptrs[len(last.kinds) - 2] == out.data_ptr()
-    # inside a capture the full path launches the reduction
-    monkeypatch.setattr(tmarun, "capturing", lambda t: True)
-    stub.launch(dict(precision="tf32", input={"channels": 512, "size": [7, 7]}, epilogue=["relu"],
-                     conv={"out_channels": 512, "kernel": 3, "padding": 1}, tile={"engine": "tma"}), 1)
-    assert stub.queued[-1].endswith("_reduce")
-
-
 @pytest.mark.parametrize("kept", [True, False])
 def test_a_recorded_tma_launch_keeps_its_workspace_per_stream(monkeypatch, kept):
     """`torchop._TmaReplay` (what a FusedLayer's repeat calls run) keeps a small workspace per
     stream: repeat calls on one stream allocate nothing and make the maps over its planes once; a
     call on another stream gets its own. A workspace over the limit is allocated per call.
     Driver calls stubbed out."""
-    from specgen import tmarun, torchop
+    from specgen import torchop
 
     stub = _StubbedDriver(monkeypatch)
-    monkeypatch.setattr(tmarun, "REDUCE_IN_SPLIT", True)
     record = []
     stub.launch(dict(precision="fp32", input={"channels": 512, "size": [7, 7]},
                      conv={"out_channels": 512, "kernel": 3, "padding": 1}, tile={"engine": "tma"}),
@@ -976,17 +922,17 @@ def test_a_recorded_tma_launch_keeps_its_workspace_per_stream(monkeypatch, kept)
     stub.queued.clear()
     for _ in range(3):
         replay.launch(0)
-    assert len(stub.queued) == 6, "three calls of two launches (layout pass, split kernel reducing its tiles)"
+    assert len(stub.queued) == 9, "three calls of three launches (layout pass, split, reduction)"
     assert len(stub.addresses) - made == (1 if kept else 3)
     ws = stub.addresses[made]
-    prep = stub.packs[-2]
+    prep = stub.packs[-3]
     assert prep._ptrs[1] == stub.addresses[-1] and prep._ptrs[0] == x2.data_ptr()
     if kept:
         assert len(stub.im2col) - maps <= 2, "the maps over the kept planes are made once (hi and lo)"
         assert replay.workspaces[0].data_ptr() == ws
         replay.launch(7)
         assert len(stub.addresses) - made == 2 and set(replay.workspaces) == {0, 7}
-        assert stub.packs[-2]._ptrs[1] == replay.workspaces[7].data_ptr() != ws
+        assert stub.packs[-3]._ptrs[1] == replay.workspaces[7].data_ptr() != ws
     else:
         assert replay.workspaces is None
 
@@ -1008,8 +954,7 @@ def test_the_layout_pass_workspace_outlives_the_launches(monkeypatch, data):
     assert plan["engine"] == "tma" and not plan["tma"].a_in_place
     name = plan["kernel_name"]
     # the pass, then the GEMM (or its split and reduction), and a workspace was made
-    split = splitk.kernel_names(name)
-    assert stub.queued[0] == "prep" and stub.queued[1:] in (["main"], list(split), [split[0]]) and stub.made
+    assert stub.queued[0] == "prep" and stub.queued[1:] in (["main"], list(splitk.kernel_names(name))) and stub.made
     assert stub.alive_at_launch and all(stub.alive_at_launch), "a tensor the maps read was freed before the launch"
 
 

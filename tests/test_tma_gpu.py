@@ -262,35 +262,6 @@ def test_split_k_small_batches(name, precision):
     check(layer, big, seed=5)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
-@pytest.mark.parametrize("name", sorted(SPLIT_CASES))
-def test_the_split_kernels_own_reduction_equals_the_reduction_kernel(name, precision, monkeypatch):
-    """Outside a capture the split kernel's block that finishes a tile adds its parts up itself
-    (`tmarun.REDUCE_IN_SPLIT`): bit for bit the reduction kernel's values, call after call into
-    NaN-poisoned outputs (a tile counter not left at zero would leave a tile unwritten), through
-    the raw launch and the recorded one."""
-    from specgen import tmarun
-
-    from gpu_helpers import extra_inputs, randomize
-
-    layer = _split_layer(name, precision).eval()
-    gen = torch.Generator(device="cuda").manual_seed(17)
-    randomize(layer, gen)
-    dtype = {"bf16": torch.bfloat16}.get(precision, torch.float32)
-    for batch in (1, 2, 5):
-        x = torch.randn((batch, layer.spec.input.channels, *layer.spec.input.size), device="cuda", generator=gen).to(dtype)
-        extras = tuple(extra_inputs(layer.spec, batch, gen).values())
-        with torch.no_grad():
-            monkeypatch.setattr(tmarun, "REDUCE_IN_SPLIT", False)
-            want = layer(x, *extras).clone()
-            monkeypatch.setattr(tmarun, "REDUCE_IN_SPLIT", True)
-            for _ in range(4):
-                out = torch.full_like(want, float("nan"))
-                layer(x, *extras, out=out)
-                assert torch.equal(out, want), f"batch {batch}: the split kernel's reduction differs"
-                assert torch.equal(layer(x, *extras), want), f"batch {batch}: the recorded launch differs"
-
-
 def test_split_k_is_deterministic_and_replays_in_a_cuda_graph():
     """The parts are added in a fixed order: two runs agree bit for bit, and a graph replays it with a
     fresh input."""
