@@ -393,22 +393,27 @@ class Prepared:
     pointers that changed and launches. Owned by one thread (the arrays are not shared);
     `FusedLayer`'s repeat inference calls use it."""
 
-    __slots__ = ("kernel", "values", "argv", "_batch", "config", "ref")
+    __slots__ = ("kernel", "function", "values", "argv", "_batch", "config", "ref")
 
-    def __init__(self, kernel: LoadedKernel, grid_x: int, grid_y: int, pointers: list[int], batch: int):
+    def __init__(self, kernel: LoadedKernel, grid_x: int, grid_y: int, pointers: list[int], batch: int,
+                 function: ctypes.c_void_p | None = None, threads: int | None = None, smem_bytes: int | None = None):
+        """`function`, `threads`, `smem_bytes`: another kernel of the module and its block (the
+        implicit GEMM's split kernel or its reduction); the main function's when None."""
         n = len(pointers)
         self.kernel = kernel
+        self.function = kernel.function if function is None else function
         self.values = (ctypes.c_uint64 * n)(*pointers)
         self._batch = ctypes.c_int(batch)
         self.argv = (ctypes.c_void_p * (n + 1))(
             *[ctypes.addressof(self.values) + 8 * i for i in range(n)], ctypes.addressof(self._batch))
-        self.config, self.ref = _plain_config(grid_x, grid_y, kernel.threads, kernel.smem_bytes)
+        self.config, self.ref = _plain_config(grid_x, grid_y, kernel.threads if threads is None else threads,
+                                              kernel.smem_bytes if smem_bytes is None else smem_bytes)
 
     def launch(self, stream: int) -> None:
         """Launch on `stream` with the argument values as they are now."""
         _make_current(self.kernel)
         self.config.stream = stream
-        result = _libcuda.cuLaunchKernelEx(self.ref, self.kernel.function, self.argv, None)
+        result = _libcuda.cuLaunchKernelEx(self.ref, self.function, self.argv, None)
         if result != 0:
             _check(_libcuda, result, "cuLaunchKernelEx")
 

@@ -786,10 +786,25 @@ def _launch_fp32(sp, lp, kernel, x, weight, bias, params, out, batch, stream, re
         if lp.igemm_split is not None and igemm_uses_split(lp, batch, tmarun.sm_count(x.get_device())):
             parts, _, _, cout, (split, reduce) = lp.igemm_split
             m_total = batch * positions
+            split_grid = (-(-m_total // bm) * n_tiles, parts)
+            reduce_grid = -(-m_total * cout // splitk.REDUCE_THREADS)
+            if record is not None:  # the two launches kept, with their partial sums per stream
+                replay = _SplitReplay(
+                    runtime.Prepared(kernel, *split_grid, [pointers[0], pointers[1], 0], batch, kernel.extra[split]),
+                    runtime.Prepared(kernel, reduce_grid, 1, [0, *pointers[2:]], batch, kernel.extra[reduce],
+                                     splitk.REDUCE_THREADS, 0),
+                    pointers, parts * cout * m_total, x.device)
+                replay.launch(stream)
+                held = (weight, bias, *(params[name] for name in lp.param_names))
+                first_input = 2 + lp.has_bias + len(lp.param_names)
+                record.append(FastLaunch(replay, held, x.shape, out.shape, out.dtype, x.get_device(),
+                                         tuple(range(first_input, first_input + len(lp.input_names))),
+                                         len(pointers) - 1, small_batch=rule))
+                return out
             partial = torch.empty(parts * cout * m_total, device=x.device, dtype=torch.float32)
-            runtime.launch_function(kernel, kernel.extra[split], -(-m_total // bm) * n_tiles, parts, kernel.threads,
+            runtime.launch_function(kernel, kernel.extra[split], *split_grid, kernel.threads,
                                     kernel.smem_bytes, [pointers[0], pointers[1], partial.data_ptr()], batch, stream)
-            runtime.launch_function(kernel, kernel.extra[reduce], -(-m_total * cout // splitk.REDUCE_THREADS), 1,
+            runtime.launch_function(kernel, kernel.extra[reduce], reduce_grid, 1,
                                     splitk.REDUCE_THREADS, 0, [partial.data_ptr(), *pointers[2:]], batch, stream)
             return out
         # (a transposed conv's stride phases are blocks of their own along x, beside each M tile's N tiles)
@@ -844,6 +859,40 @@ class _TmaReplay:
 
     def _workspace(self) -> torch.Tensor:
         return torch.empty(self.launches.ws_bytes, dtype=torch.uint8, device=self.device)
+
+
+class _SplitReplay:
+    """The implicit GEMM's split-K call (its split kernel over (tiles, parts), then the reduction
+    adding the parts up in a fixed order and running the epilogue) as `FastLaunch` repeats it:
+    `values` holds the layer's pointer arguments (x, weight, [bias], parameters, extra inputs, out),
+    handed to the two launches; the partial sums are kept per stream (`tmarun.per_stream`) where
+    they are at most `KEPT_WORKSPACE_BYTES`, else allocated per call."""
+
+    __slots__ = ("split", "reduce", "values", "floats", "device", "workspaces")
+
+    def __init__(self, split: runtime.Prepared, reduce: runtime.Prepared, pointers: list, floats: int,
+                 device: torch.device):
+        self.split, self.reduce, self.floats, self.device = split, reduce, floats, device
+        self.values = list(pointers)
+        self.workspaces: dict[int, torch.Tensor] | None = {} if floats * 4 <= KEPT_WORKSPACE_BYTES else None
+
+    def launch(self, stream: int) -> None:
+        values = self.values
+        if self.workspaces is None:
+            partial = self._workspace()  # (held until both launches are queued)
+        else:
+            partial = tmarun.per_stream(self.workspaces, stream, self._workspace)
+        address = partial.data_ptr()
+        split, reduce = self.split.values, self.reduce.values
+        split[0], split[2] = values[0], address
+        reduce[0] = address
+        for i in range(2, len(values)):
+            reduce[i - 1] = values[i]
+        self.split.launch(stream)
+        self.reduce.launch(stream)
+
+    def _workspace(self) -> torch.Tensor:
+        return torch.empty(self.floats, dtype=torch.float32, device=self.device)
 
 
 def _no_fast_launch() -> None:

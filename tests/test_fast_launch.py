@@ -196,3 +196,95 @@ def test_a_launch_of_another_engine_ignores_the_small_batch_rule(fast, monkeypat
     for on in ("0", "1"):
         monkeypatch.setenv("SPECGEN_SMALL_BATCH", on)
         assert fast.run(torch.randn(2, 3, 8, 8), (torch.randn(OUT_SHAPE),)) is not None
+
+
+class _Driver:
+    """Stands in for libcuda: records each launch's function, grid, block, stream and pointers."""
+
+    def __init__(self, n_pointers: dict):
+        self.n_pointers, self.launches = n_pointers, []
+
+    def cuCtxGetCurrent(self, ref):
+        return 0
+
+    def cuCtxSetCurrent(self, ctx):
+        return 0
+
+    def cuLaunchKernelEx(self, config_ref, function, argv, extra):
+        config = config_ref._obj
+        n = self.n_pointers[function.value]
+        self.launches.append({
+            "function": function.value, "grid": tuple(config.grid)[:2], "block": config.block[0],
+            "smem": config.shared_mem_bytes, "stream": config.stream,
+            "pointers": [ctypes.c_uint64.from_address(argv[i]).value for i in range(n)],
+            "batch": ctypes.c_int.from_address(argv[n]).value})
+        return 0
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_split_k_call_is_kept_as_its_two_launches(monkeypatch, kept):
+    """An implicit-GEMM call on its split kernel (tiles x parts, then the reduction): recorded as
+    both launches, repeated with the new input's and output's addresses, the partial sums kept per
+    stream (or, past `KEPT_WORKSPACE_BYTES`, allocated per call) and handed from the split kernel
+    to the reduction."""
+    from specgen import pipeline, splitk, tmarun
+    from specgen.spec import validate
+
+    spec = validate({"name": "sk", "input": {"channels": 512, "size": [7, 7]}, "epilogue": [{"add": {"input": "shortcut"}}, "relu"],
+                     "conv": {"out_channels": 512, "kernel": 3, "padding": 1}, "tile": {"engine": "igemm"}})
+    sp = pipeline.specialize(spec, "sm_80")
+    lp = torchop._launch_plan(sp)
+    split_name, reduce_name = lp.igemm_split[4]
+    kernel = runtime.LoadedKernel(ctypes.c_void_p(0x1000), ctypes.c_void_p(0x2000), threads=128, smem_bytes=4096,
+                                  device_index=0, extra={split_name: ctypes.c_void_p(0x3000),
+                                                         reduce_name: ctypes.c_void_p(0x4000)})
+    n = 2 + lp.has_bias + len(lp.param_names) + len(lp.input_names) + 1
+    driver = _Driver({0x3000: 3, 0x4000: n - 1})
+    monkeypatch.setattr(runtime, "_libcuda", driver)
+    monkeypatch.setattr(tmarun, "sm_count", lambda index: 132)
+    monkeypatch.setattr(torchop, "igemm_uses_split", lambda lp, batch, sms: True)
+    if not kept:
+        monkeypatch.setattr(torchop, "KEPT_WORKSPACE_BYTES", 16)
+    stream = [7]
+    monkeypatch.setattr(torchop, "_current_stream", lambda index: stream[0])
+    weight, bias = torch.randn(512, 512, 3, 3), torch.randn(512)
+    params = {name: torch.randn(512) for name in lp.param_names}
+    batch = 2
+    x, shortcut = torch.randn(batch, 512, 7, 7), torch.randn(batch, 512, 7, 7)
+    record = []
+    out = torchop._launch_fp32(sp, lp, kernel, x, weight, bias, {**params, "shortcut": shortcut}, None, batch, 7,
+                               record)
+    fast = record[0]
+    positions, bm, n_tiles, _, _ = lp.igemm
+    parts, cout = lp.igemm_split[0], lp.igemm_split[3]
+    split_grid = (-(-batch * positions // bm) * n_tiles, parts)
+    reduce_grid = (-(-batch * positions * cout // splitk.REDUCE_THREADS), 1)
+
+    def check(launches, x, shortcut, out, stream):
+        split, reduce = launches
+        assert (split["function"], split["grid"], split["block"], split["smem"]) == (0x3000, split_grid, 128, 4096)
+        assert (reduce["function"], reduce["grid"], reduce["block"], reduce["smem"]) == (
+            0x4000, reduce_grid, splitk.REDUCE_THREADS, 0)
+        assert split["stream"] == reduce["stream"] == stream and split["batch"] == reduce["batch"] == batch
+        assert split["pointers"][0] == x.data_ptr() and split["pointers"][2] == reduce["pointers"][0]
+        assert reduce["pointers"][-2:] == [shortcut.data_ptr(), out.data_ptr()]
+        return split["pointers"][1], split["pointers"][2], reduce["pointers"][1:-2]
+
+    fixed, first_partial, rest = check(driver.launches, x, shortcut, out, 7)
+    fast.bind([])
+    partials = [first_partial]
+    for s in (7, 7, 9, 7):
+        stream[0] = s
+        x2, shortcut2 = torch.randn(batch, 512, 7, 7), torch.randn(batch, 512, 7, 7)
+        driver.launches.clear()
+        out2 = fast.run(x2, (shortcut2,))
+        assert out2 is not None and out2.shape == out.shape and out2.data_ptr() not in (out.data_ptr(), 0)
+        w, partial, rest2 = check(driver.launches, x2, shortcut2, out2, s)
+        assert w == fixed and rest2 == rest  # the gemm weight, bias and parameters as recorded
+        partials.append(partial)
+    if kept:  # one workspace per stream: the first call's on stream 7, another on stream 9
+        assert partials[1] == partials[2] == partials[4] != partials[3]
+        assert len(fast.prepared.workspaces) == 2
+        assert fast.prepared.workspaces[7].numel() == parts * cout * batch * positions
+    else:
+        assert fast.prepared.workspaces is None

@@ -26,6 +26,9 @@ CASES = {
     "igemm_inputs_fp32": (16, [10, 10], {"out_channels": 24, "kernel": 3, "padding": 1},
                           ["batch_norm", {"add": {"input": "shortcut"}}, {"mul": {"input": "gate"}}, "relu"], "igemm", "fp32"),
     "igemm_tf32": (32, [9, 11], {"out_channels": 48, "kernel": 1}, [{"add": {"input": "shortcut"}}, "relu"], "igemm", "tf32"),
+    # ... split K at these batches (the split kernel, then its reduction: `torchop._SplitReplay`)
+    "igemm_tf32_split": (256, [7, 7], {"out_channels": 256, "kernel": 3, "padding": 1},
+                         [{"add": {"input": "shortcut"}}, "relu"], "igemm", "tf32"),
     "slab_fp32": (8, [20, 20], {"out_channels": 32, "kernel": 3}, [{"div": {"value": 2.0}}, "hardtanh"], "slab", "fp32"),
     # the TMA engine: a layout pass into 3xTF32 planes, then the GEMM (`tmarun.Launches`)
     "tma_fp32": (64, [32, 32], {"out_channels": 64, "kernel": 3, "padding": 1}, [{"add": {"input": "shortcut"}}, "gelu"],
