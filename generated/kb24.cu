@@ -32,7 +32,6 @@
 // Each part below is the source of its kernels, in a namespace of its own.
 // =====================================================================================================
 #include <math_constants.h>
-#include <cooperative_groups.h>
 
 namespace body {
 
@@ -67,15 +66,14 @@ namespace body {
 //   * Body: conv. Its result is T1 = [24 x 22 x 30 x 30] per sample.
 //   * Tail: amin over d.
 //     A block owns a tile of the kept axes (c, h, w); it computes T1 box by box
-//     (box = 24 x 1 x 10 x 30 in c x d x h x w), parks each box in shared memory, and owner threads
+//     (box = 24 x 8 x 1 x 30 in c x d x h x w), parks each box in shared memory, and owner threads
 //     fold it into their accumulators in a fixed order (1 lane(s) per kept element, joined by a
 //     fixed tree), so the result does not depend on scheduling.
 //   * Each thread computes register tiles of 8 output channels x 4 consecutive W positions.
 //   * Weights of the block's channels are staged in shared memory once per block.
-//   Grid: x = 24 blocks per sample, y = sample; 256 threads per block;
-//   94176 bytes of dynamic shared memory.
+//   Grid: x = 30 blocks per sample, y = sample; 192 threads per block;
+//   36576 bytes of dynamic shared memory.
 // =====================================================================================================
-namespace cg = cooperative_groups;
 
 namespace {
 
@@ -102,15 +100,15 @@ constexpr int T1_C = 24, T1_D = 22, T1_H = 30, T1_W = 30;
 constexpr int OUT_PER_SAMPLE = 21600;  // output elements per sample, shape [24, 30, 30]
 
 // ---- tiling -------------------------------------------------------------------------------------------
-constexpr int THREADS = 256;  // threads per block
-constexpr int BOX_C = 24, BOX_D = 1, BOX_H = 10, BOX_W = 30;  // T1 box computed per step
+constexpr int THREADS = 192;  // threads per block
+constexpr int BOX_C = 24, BOX_D = 8, BOX_H = 1, BOX_W = 30;  // T1 box computed per step
 constexpr int CT = 8;  // channels per register tile
 constexpr int PT = 4;  // consecutive W positions per register tile
 constexpr int BOX_TILES_C = 3;  // register tiles along channels in a box
 constexpr int BOX_TILES_W = 8;  // register tiles along W in a box
-constexpr int THREAD_TILES = 240;  // register tiles per box
+constexpr int THREAD_TILES = 192;  // register tiles per box
 constexpr int TILE_ITERS = 1;  // register tiles per thread per box
-constexpr int TILES_C = 1, TILES_D = 1, TILES_H = 3, TILES_W = 1;  // blocks along each kept axis
+constexpr int TILES_C = 1, TILES_D = 1, TILES_H = 30, TILES_W = 1;  // blocks along each kept axis
 constexpr int WEIGHT_C = 24;  // channels whose weights a block needs
 constexpr int W_FLOATS = 1944;  // WEIGHT_C * C_IN_G * TAPS
 constexpr int W_STRIDE = 24;  // shared-memory row stride of the staged weights (WEIGHT_C, padded)
@@ -118,16 +116,16 @@ constexpr int W_SMEM_FLOATS = 1944;  // weights staged in shared memory
 constexpr int CONV_SPAN = 6;  // input W positions one register tile reads per kernel row
 constexpr int IN_VEC = 4;  // floats per input load (rows, tiles and boxes are aligned to it)
 constexpr int OUT_VEC = 1;  // floats per output store
-constexpr int CHUNKS_C = 1, CHUNKS_D = 22, CHUNKS_H = 1, CHUNKS_W = 1;  // boxes along each axis of the first reduction
-constexpr int R1_CHUNKS = 22;  // boxes per kept tile
-constexpr int CLUSTER = 8;  // blocks sharing a kept tile's boxes (a thread-block cluster)
+constexpr int CHUNKS_C = 1, CHUNKS_D = 3, CHUNKS_H = 1, CHUNKS_W = 1;  // boxes along each axis of the first reduction
+constexpr int R1_CHUNKS = 3;  // boxes per kept tile
+constexpr int CLUSTER = 1;  // blocks sharing a kept tile's boxes (a thread-block cluster)
 constexpr int CHUNK_ITERS = 3;  // boxes per block: box q * CLUSTER + rank
-constexpr int BOX_FLOATS = 7200;  // BOX_C * BOX_D * BOX_H * BOX_W
-constexpr int NF = 7200;  // kept elements per block
-constexpr int NR = 1;  // box elements folded into each kept element per box
+constexpr int BOX_FLOATS = 5760;  // BOX_C * BOX_D * BOX_H * BOX_W
+constexpr int NF = 720;  // kept elements per block
+constexpr int NR = 8;  // box elements folded into each kept element per box
 constexpr int LANES = 1;  // owner lanes per kept element
-constexpr int OWNER_ITERS = 29;  // (kept element, lane) pairs per thread
-constexpr int R_ITERS = 1;  // box elements per lane per box
+constexpr int OWNER_ITERS = 4;  // (kept element, lane) pairs per thread
+constexpr int R_ITERS = 8;  // box elements per lane per box
 
 // ---- op constants -------------------------------------------------------------------------------------
 // (none)
@@ -214,8 +212,8 @@ __device__ __forceinline__ void level0(
 
 }  // namespace
 
-// One block: one sample (blockIdx.y) x one tile of the kept axes (blockIdx.x / CLUSTER).
-extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CLUSTER, 1, 1) specgen_kb24_body(
+// One block: one sample (blockIdx.y) x one tile of the kept axes (blockIdx.x).
+extern "C" __global__ void __launch_bounds__(THREADS) specgen_kb24_body(
     const float* __restrict__ x,       // [batch, C_IN, IN_D, IN_H, IN_W]
     const float* __restrict__ weight,  // [C_OUT, C_IN_G, K_D, K_H, K_W]
     const float* __restrict__ bias,    // [C_OUT]
@@ -233,10 +231,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) __cluster_dims__(CLUSTER, 
   float* __restrict__ out_n = out + static_cast<size_t>(n) * OUT_PER_SAMPLE;
 
   // Origin of this block's tile along each kept axis (0 along the others).
-  cg::cluster_group cluster = cg::this_cluster();
-  constexpr int cluster_blocks = CLUSTER;
-  const int rank = blockIdx.x % CLUSTER;  // this block's place in its cluster
-  int tile = blockIdx.x / CLUSTER;
+  constexpr int cluster_blocks = 1;
+  const int rank = 0;
+  int tile = blockIdx.x;
   const int tile_w = tile % TILES_W; tile /= TILES_W;
   const int tile_h = tile % TILES_H; tile /= TILES_H;
   const int tile_d = tile % TILES_D;
@@ -352,27 +349,6 @@ int rem_f = f;
     }
     __syncthreads();
   }
-  // Join the cluster's blocks: block 0 folds the partials of blocks 1 .. cluster_blocks - 1, in rank order.
-  #pragma unroll
-  for (int k = 0; k < OWNER_ITERS; ++k) {
-    const int idx = k * THREADS + threadIdx.x, f = idx / LANES;
-    if (idx % LANES == 0 && f < NF) { red_s[f] = a1[k]; red_s[NF * LANES + f] = b1[k]; }
-  }
-  cluster.sync();
-  if (rank == 0) {
-    #pragma unroll
-    for (int k = 0; k < OWNER_ITERS; ++k) {
-      const int idx = k * THREADS + threadIdx.x, f = idx / LANES;
-      if (idx % LANES == 0 && f < NF) {
-        #pragma unroll
-        for (int other = 1; other < CLUSTER; ++other) {
-          const float* remote = cluster.map_shared_rank(red_s, other);
-          a1[k] = fminf(a1[k], remote[f]);
-        }
-      }
-    }
-  }
-  cluster.sync();  // block 0 is done reading the others' shared memory
   float v1[OWNER_ITERS];  // after amin
   #pragma unroll
   for (int k = 0; k < OWNER_ITERS; ++k) {

@@ -275,6 +275,8 @@ MMA_STAGE_BATCH = 8  # 16-byte input loads in flight per thread while staging th
 MMA_MAX_TILES = 8  # m-tiles x n-tiles per warp: 32 accumulators, so two blocks of 8 warps fit an SM's registers
 MMA_MIN_K = 64  # taps x input channels, for the planner to pick tensor cores by itself
 MMA_MIN_CHANNELS = 32  # output channels, likewise
+# The FFMA box of a reduction over depth that keeps the rows spans depths before rows (`_box_tiling`).
+DEPTH_REDUCTION_DEPTHS_FIRST = True
 
 
 def _warp_tiles(mt: int, nt: int, warps: int = MMA_WARPS) -> tuple[int, int, int] | None:
@@ -1217,12 +1219,16 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         rows = max(1, target_threads // per_row)
         if not reductions and not heavy:
             rows *= 4  # four register tiles per thread amortize the block's weight staging
-        if srole["h"] in ("F", "R1"):
-            box[2] = _balanced(t1[2], rows)
-            rows = max(1, rows // box[2])
-        if srole["d"] in ("F", "R1"):
-            box[1] = _balanced(t1[1], rows)
-            rows = max(1, rows // box[1])
+        # Rows along H, then D; but a reduction over depth that keeps the rows (a min over depth)
+        # takes its depths first: a box of few kept elements, each folding several depths, where
+        # rows first gave every thread about CT x PT kept elements' accumulators (and their
+        # indices) to hold in registers across the boxes (DEPTH_REDUCTION_DEPTHS_FIRST).
+        depths_first = DEPTH_REDUCTION_DEPTHS_FIRST and bool(reductions) and srole["d"] == "R1" and srole["h"] == "F"
+        for a in ("d", "h") if depths_first else ("h", "d"):
+            i = AXES.index(a)
+            if srole[a] in ("F", "R1"):
+                box[i] = _balanced(t1[i], rows)
+                rows = max(1, rows // box[i])
         if w_in_box and rows > 1:  # thin tensors (1D, or H and D small): widen the box along W
             box[3] = _balanced(t1[3], box[3] * rows, pt)
         if tile is not None and tile.box is not None:

@@ -106,6 +106,30 @@ def test_box_tiling_takes_a_cluster_for_a_full_reduction_and_memory_sizes_its_bu
     assert planner._box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, ampere).cluster == 1
 
 
+def test_a_reduction_over_depth_that_keeps_the_rows_boxes_depths_first(monkeypatch):
+    """KernelBench 24's shape (3 -> 24 channels, 3x3x3, a min over depth): rows first gave a box of
+    one depth and every thread 29 kept elements' accumulators; depths first, a few each."""
+    spec = validate({"name": "passes", "input": {"channels": 3, "size": [24, 32, 32]},
+                     "conv": {"out_channels": 24, "kernel": 3}, "epilogue": [{"amin": {"dims": [2]}}]})
+    levels, t1, role, srole, reductions, batched, in3, k3, s3, p3, d3, taps = _box_inputs(spec)
+    assert srole["d"] == "R1" and srole["h"] == "F"
+    target = planner.targets.DEFAULT
+    bt = planner._box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, target)
+    assert bt.box[1] > 1 and bt.box[2] == 1 and bt.nr == bt.box[1]  # several depths, one row
+    assert bt.owner_iters <= 4 and bt.nf == 24 * 30
+    monkeypatch.setattr(planner, "DEPTH_REDUCTION_DEPTHS_FIRST", False)
+    rows = planner._box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, target)
+    assert rows.box[1] == 1 and rows.box[2] > 1 and rows.owner_iters >= 16
+    # a reduction over the rows keeps its order: rows first, then depths
+    over_rows = validate({"name": "passes", "input": {"channels": 3, "size": [24, 32, 32]},
+                          "conv": {"out_channels": 24, "kernel": 3}, "epilogue": [{"amin": {"dims": [3]}}]})
+    args = _box_inputs(over_rows)
+    monkeypatch.setattr(planner, "DEPTH_REDUCTION_DEPTHS_FIRST", True)
+    on = planner._box_tiling(over_rows, *args[:5], *args[6:], target)
+    monkeypatch.setattr(planner, "DEPTH_REDUCTION_DEPTHS_FIRST", False)
+    assert on == planner._box_tiling(over_rows, *args[:5], *args[6:], target)
+
+
 def test_box_access_reads_aligned_rows_in_vectors_and_a_transposed_conv_one_at_a_time():
     spec = _spec(["relu"], size=(32, 32), channels=4, out=24, padding=0)
     levels, t1, role, srole, reductions, batched, in3, k3, s3, p3, d3, taps = _box_inputs(spec)
