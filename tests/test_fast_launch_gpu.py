@@ -205,6 +205,10 @@ SEQUENCES = {
     # a TMA body (tf32), a softmax over the channels, then a max pool over an identity conv
     "softmax_pool_tf32": {"input": {"channels": 64, "size": [16, 16]}, "conv": {"out_channels": 128, "kernel": 3, "padding": 1},
                           "epilogue": [{"softmax": 1}, {"max_pool": 2}], "precision": "tf32"},
+    # a mean over the length folded before the conv (specgen/tapsum.py): the input's sums per tap,
+    # then the conv of those as a GEMM on the implicit GEMM's split K (`torchop._SplitReplay`)
+    "folded_mean_split_tf32": {"input": {"channels": 128, "size": [1024]}, "conv": {"out_channels": 256, "kernel": 5, "padding": 2},
+                               "epilogue": [{"mean": {"dims": [2]}}, "sigmoid"], "precision": "tf32"},
     # a TMA body (tf32), then an instance norm's kernels
     "instance_norm_tf32": {"input": {"channels": 64, "size": [14, 14]}, "conv": {"out_channels": 64, "kernel": 3},
                            "epilogue": ["instance_norm", {"mul": 2.0}], "precision": "tf32"},
