@@ -293,13 +293,11 @@ class SequenceReplay:
     def __init__(self, steps: tuple, sizes: tuple, names: tuple, device: torch.device):
         self.steps, self.sizes, self.names, self.device = steps, sizes, names, device
         self.values = [0] * (len(names) + 2)
-        total = sum(numel * dtype.itemsize for _, numel, dtype in sizes)
-        self.workspaces: dict | None = {} if total <= torchop.KEPT_WORKSPACE_BYTES else None
+        self.workspaces = torchop.kept_workspaces(sum(numel * dtype.itemsize for _, numel, dtype in sizes))
 
     def launch(self, stream: int) -> None:
         # (a workspace made per call is held here until every launch that uses it is queued)
-        tensors, addresses = (self._workspaces() if self.workspaces is None
-                              else tmarun.per_stream(self.workspaces, stream, self._workspaces))
+        tensors, addresses = torchop.workspace(self.workspaces, stream, self._workspaces)
         values = self.values
         where = dict(addresses, x=values[0], out=values[-1])
         for i, name in enumerate(self.names):

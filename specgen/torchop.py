@@ -837,6 +837,19 @@ def _strides(t: torch.Tensor) -> tuple | None:
 KEPT_WORKSPACE_BYTES = 8 << 20
 
 
+def kept_workspaces(nbytes: int) -> dict | None:
+    """Where a recorded launch keeps a workspace of `nbytes` bytes, by stream (`workspace`): a dict,
+    or None where it is over KEPT_WORKSPACE_BYTES (made per call)."""
+    return {} if nbytes <= KEPT_WORKSPACE_BYTES else None
+
+
+def workspace(kept: dict | None, stream: int, make):
+    """A recorded launch's workspace on `stream`: the one `kept` holds for it (`tmarun.per_stream`),
+    or, where `kept` is None, a new one from `make()`, which the caller holds until its launches
+    are queued."""
+    return make() if kept is None else tmarun.per_stream(kept, stream, make)
+
+
 class _TmaReplay:
     """A TMA layer's recorded launches (`tmarun.Launches`) as `FastLaunch` repeats them: the
     addresses in `values` are the input's, the extra inputs' and the output's. Its workspace is
@@ -847,14 +860,11 @@ class _TmaReplay:
     def __init__(self, launches: tmarun.Launches, n_inputs: int, device: torch.device):
         self.launches, self.device = launches, device
         self.values = [0] * (n_inputs + 2)
-        self.workspaces: dict[int, torch.Tensor] | None = (
-            {} if 0 < launches.ws_bytes <= KEPT_WORKSPACE_BYTES else None)
+        self.workspaces = kept_workspaces(launches.ws_bytes) if launches.ws_bytes else None
 
     def launch(self, stream: int) -> None:
         values = self.values
-        ws = None
-        if self.workspaces is not None:
-            ws = tmarun.per_stream(self.workspaces, stream, self._workspace)
+        ws = workspace(self.workspaces, stream, self._workspace) if self.launches.ws_bytes else None
         self.launches.run(values[0], values[1:-1], values[-1], stream, self.device, ws)
 
     def _workspace(self) -> torch.Tensor:
@@ -874,20 +884,16 @@ class _SplitReplay:
                  device: torch.device):
         self.split, self.reduce, self.floats, self.device = split, reduce, floats, device
         self.values = list(pointers)
-        self.workspaces: dict[int, torch.Tensor] | None = {} if floats * 4 <= KEPT_WORKSPACE_BYTES else None
+        self.workspaces = kept_workspaces(floats * 4)
 
     def launch(self, stream: int) -> None:
         values = self.values
-        if self.workspaces is None:
-            partial = self._workspace()  # (held until both launches are queued)
-        else:
-            partial = tmarun.per_stream(self.workspaces, stream, self._workspace)
+        partial = workspace(self.workspaces, stream, self._workspace)  # (held until both launches are queued)
         address = partial.data_ptr()
         split, reduce = self.split.values, self.reduce.values
         split[0], split[2] = values[0], address
         reduce[0] = address
-        for i in range(2, len(values)):
-            reduce[i - 1] = values[i]
+        reduce[1:] = values[2:]  # bias, parameters, extra inputs, out
         self.split.launch(stream)
         self.reduce.launch(stream)
 
