@@ -71,12 +71,27 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: 128 x 40 + 256 x 232 <= 64
 # rise to 96 (128 x 40 + 256 x 96 <= 384 x 80), which hold at most 64 accumulators a thread, in
 # wgmma of at most n64 (ptxas cannot fit an m64n128 instruction's 64 operand registers under 80).
 REGS_TWO_BLOCKS = {"producer": 40, "consumer": 96, "max_acc": 64, "max_bn": 64}
-# Two blocks per SM over a deep K only with a pipeline of 3 stages or more: a 192 -> 64 3x3 conv
-# (54 K-block stages walked) ran 1.54x / 1.59x faster at batch 32 / 64 as one block of 4 stages
-# than as two blocks of 2 (benchmarks/two_blocks.py, H100, NOTES v50; `specgen tune` found 1.67x).
-# Shallower layers keep two blocks: the same A/B moved them 0.78x-1.15x, within its noise.
-TWO_BLOCK_DEEP_K_STAGES = 48
-TWO_BLOCK_DEEP_MIN_STAGES = 3
+# Two blocks per SM only with a pipeline of 3 stages or more each (a transposed conv's blocks, which
+# hold one tile each, excepted: TWO_BLOCK_TRANSPOSED_MIN_STAGES). Since every block walks tiles (its
+# producer loading the next tile's stages while the consumers run this one's epilogue), two blocks of
+# 2 stages lost to one block of 4 on every layer timed: `specgen tune` on an H100 at batch 64 (NOTES
+# v64), 256 x 64 tiles in tf32, 3x3 64 -> 64 at 56^2 1.15x, the UNet's 32 -> 64 and 64 -> 64 at 64^2
+# 1.14x, a 3-D 32 -> 64 1.09x, 192 -> 64 1.67x (v50); in bf16 two blocks of 128 x 64 and 4 stages
+# were fastest (1.07x / 1.08x on 256 -> 64 1x1 and 64 -> 64 3x3), in tf32 one block of 256 rows
+# (1.04x-1.11x over them).
+TWO_BLOCK_MIN_STAGES = 3
+TWO_BLOCK_TRANSPOSED_MIN_STAGES = 2
+# A tile's cost per multiply-add falls with its size faster than the waves of tiles over the SMs
+# grow: `cost` in `candidates` is waves x BM x BN x (1 + TILE_COST_N / BN + TILE_COST_M / BM), fitted
+# to `specgen tune` on 44 TMA layers on an H100 (NOTES v64: the former 32 / 32 took 128 x 64 tiles
+# for 256 channels at 14^2, 1.25x slower than 256 x 128 ones, which fill 98 of 132 SMs).
+TILE_COST_N, TILE_COST_M = 64, 96
+# The input rows the SMs' tiles read at once stay in L2 across a 3x3 conv's taps only while they
+# fit: BM x the input channels' bytes x the tiles in flight above this, and the 9 taps read them
+# from DRAM again. UNet's 384 -> 128 3x3 at 32^2 in tf32 (52 MB of rows at 256 x 128) ran 1.37x
+# faster on 128 x 128 tiles (26 MB), where 256 channels (35 MB at 98-132 tiles) kept 256 x 128 the
+# fastest (NOTES v64, an H100 and an H200 have 50 MB of L2). Such tiles are tried last.
+L2_WORKING_SET = 30 * 1024 * 1024
 SMEM_ALIGN = 1024  # a swizzle pattern repeats every 8 rows of up to 128 bytes
 MAX_ACC = 128  # accumulator registers per consumer thread
 MAX_REDUCED_CHANNELS = 256  # a reduction over the channels: one block's BN holds them all
@@ -583,12 +598,15 @@ def _kb_options(kb_total: int, row_bytes: int) -> list[int]:
 
 
 def candidates(cout: int, m_total: int, split: bool, sm_count: int, whole_n: bool = False,
-               pairs: bool = False, norm_rows: int = 0) -> list[tuple[int, int]]:
+               pairs: bool = False, norm_rows: int = 0, tap_row_bytes: int = 0) -> list[tuple[int, int]]:
     """(BM, BN) shapes worth trying, best guess first: the accumulators must fit (at most 128
-    floats per consumer thread, twice as many registers in 3xTF32: the stage's part and the sum),
-    and the fewest waves of tiles over the SMs, then the larger tile, win. `whole_n`: only tiles
-    holding every channel (a reduction over them). `norm_rows`: only tiles of whole groups of that
-    many rows, with at most ROW_NORM_MAX_ACC accumulators (a statistic stage over positions)."""
+    floats per consumer thread, twice as many registers in 3xTF32: the stage's part and the sum);
+    tiles whose input rows in flight fit L2_WORKING_SET first, then the lowest cost (waves of tiles
+    over the SMs times a tile's work, TILE_COST_N / TILE_COST_M). `whole_n`: only tiles holding
+    every channel (a reduction over them). `norm_rows`: only tiles of whole groups of that many
+    rows, with at most ROW_NORM_MAX_ACC accumulators (a statistic stage over positions).
+    `tap_row_bytes`: the bytes of one input position's channels (all planes) where several taps
+    read them, else 0."""
     n_pad = -(-cout // 8) * 8
     shapes = []
     widths = {n_pad} if whole_n else {min(256, n_pad), min(128, n_pad), min(64, n_pad)}
@@ -607,11 +625,20 @@ def candidates(cout: int, m_total: int, split: bool, sm_count: int, whole_n: boo
         tiles = -(-m_total // bm) * -(-cout // bn)
         waves = -(-tiles // sms)
         # a wave costs its tile's arithmetic; small tiles pay more per product (their A and B
-        # loads are amortized over fewer products)
-        eff = 1.0 + 32.0 / bn + 32.0 / bm
-        return waves * bm * bn * eff
+        # loads and the wgmma's operand reads are amortized over fewer products)
+        eff = 1.0 + TILE_COST_N / bn + TILE_COST_M / bm
+        spills_l2 = bm * tap_row_bytes * min(tiles, sms) > L2_WORKING_SET
+        return spills_l2, waves * bm * bn * eff
 
     return sorted(dict.fromkeys(shapes), key=cost)
+
+
+def _tap_row_bytes(spec: LayerSpec, cip: int, elem_bytes: int) -> int:
+    """`candidates`' `tap_row_bytes`: one input position's channels in the operand planes (two in
+    fp32 mode) where several taps read it; 0 for a 1x1 conv."""
+    if math.prod(spec.conv_geometry()["kernel"]) == 1:
+        return 0
+    return cip * elem_bytes * (2 if spec.precision == "fp32" else 1)
 
 
 # The planner's deepest pipeline: `specgen tune` measured 5-8 stages 4-41% slower than 4 on every
@@ -628,10 +655,11 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
     time, and the fastest TMA tile or within 1% of it at batch 128; 128 x N two-block tiles lost on
     light epilogues and 16 channels: NOTES v24) -- not with extra inputs, whose reads need more
     registers (a residual's add spilled 16 bytes under the cap), nor when `two_blocks` is False (the
-    pipeline's retry of a build that spilled), nor over a deep K where two blocks leave each fewer
-    than 3 stages (TWO_BLOCK_DEEP_K_STAGES). Otherwise the first tile shape (see `candidates`)
-    whose stages of about 128 bytes of K fit 4 deep (3 in fp32 mode, whose stages hold two planes),
-    else with fewer K-blocks per stage."""
+    pipeline's retry of a build that spilled), nor where two blocks would leave each fewer than
+    TWO_BLOCK_MIN_STAGES stages of a K that has more (in bf16 / fp16, 128 x N tiles are tried next:
+    their stages are half as large). Otherwise the first tile shape (see `candidates`) whose stages
+    of about 128 bytes of K fit 4 deep (3 in fp32 mode, whose stages hold two planes), else with
+    fewer K-blocks per stage."""
     eb = ELEM_BYTES[spec.precision]
     split = spec.precision == "fp32"
     cip, bkc = _channels(spec.input.channels, eb)
@@ -640,15 +668,21 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
     n_pad = -(-spec.conv.out_channels // 8) * 8
     pairs = w_pairs_possible(spec)
     rows = _norm_rows(spec, pairs)
-    bm_two = 128 if pairs else 256  # (a W pair holds two GEMMs' accumulators)
-    if two_blocks and not split and not spec.inputs() and not rows and two_blocks_fit(bm_two, n_pad, split, pairs):
-        for kps in _kb_options(kb_total, row):
-            stage = _smem(TmaConfig(bm_two, n_pad, 2, kps), row, 1)[2]
-            # (no deeper than the stages walked; a stride phase's block walks at least KB_TOTAL / KPS)
-            walked = kb_total // kps if not spec.conv.transposed else MAX_STAGES
-            stages = min(MAX_STAGES, walked, _two_block_stages(target, stage))
-            if stages >= 2 and not (stages < TWO_BLOCK_DEEP_MIN_STAGES and walked >= TWO_BLOCK_DEEP_K_STAGES):
-                return TmaConfig(bm_two, n_pad, stages, kps, blocks_per_sm=2)
+    transposed = spec.conv.transposed
+    if two_blocks and not split and not spec.inputs() and not rows:
+        # (a W pair holds two GEMMs' accumulators: 128 rows)
+        heights = (128,) if pairs else (256,) if transposed or spec.precision == "tf32" else (256, 128)
+        min_stages = TWO_BLOCK_TRANSPOSED_MIN_STAGES if transposed else TWO_BLOCK_MIN_STAGES
+        for bm in heights:
+            if not two_blocks_fit(bm, n_pad, split, pairs):
+                continue
+            for kps in _kb_options(kb_total, row):
+                stage = _smem(TmaConfig(bm, n_pad, 2, kps), row, 1)[2]
+                # (no deeper than the stages walked; a stride phase's block walks at least KB_TOTAL / KPS)
+                walked = kb_total // kps if not transposed else MAX_STAGES
+                stages = min(MAX_STAGES, walked, _two_block_stages(target, stage))
+                if stages >= max(2, min(min_stages, walked)):
+                    return TmaConfig(bm, n_pad, stages, kps, blocks_per_sm=2)
     if rows and spec.conv.transposed and two_blocks and not split:
         # A transposed conv's blocks hold one tile each (its phases are not walked): two blocks per
         # SM hide one's pipeline fill and epilogue behind the other's loads and products, on a tile
@@ -663,7 +697,8 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
             stages = _two_block_stages(target, stage, row_norm_smem(128, bn))  # (as deep as two blocks fit, as tuned)
             if stages >= 2:
                 return TmaConfig(128, bn, stages, kps, blocks_per_sm=2)
-    shapes = candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, one_n_tile(spec), pairs, rows)
+    shapes = candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, one_n_tile(spec), pairs, rows,
+                        _tap_row_bytes(spec, cip, eb))
     planes = 2 if split else 1
     want = 3 if split else 4
     fallback = None
@@ -695,7 +730,8 @@ def configs(spec: LayerSpec, target: targets.Target, batch: int = 64) -> list[Tm
     k_iters = kb_total // kps
     pairs = w_pairs_possible(spec)
     rows = _norm_rows(spec, pairs)
-    for bm, bn in candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, one_n_tile(spec), pairs, rows):
+    for bm, bn in candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, one_n_tile(spec), pairs, rows,
+                             _tap_row_bytes(spec, cip, eb)):
         stage = _smem(TmaConfig(bm, bn, 2, kps), row, planes)[2]
         deepest = min(8, (target.smem_per_block - SMEM_ALIGN - (row_norm_smem(bm, bn) if rows else 0)) // stage)
         options = [TmaConfig(bm, bn, stages, kps) for stages in sorted({deepest, min(4, deepest)}, reverse=True) if stages >= 2]

@@ -1114,13 +1114,55 @@ def test_the_layout_pass_writes_whole_16_byte_vectors(precision, cin):
     assert stores and set(stores) == {"st.global.v4.b32"}, stores
 
 
-@pytest.mark.parametrize("cin, blocks, stages", [(192, 1, 4), (64, 2, 2), (96, 2, 3)])
-def test_two_blocks_per_sm_only_where_a_deep_k_keeps_a_pipeline(cin, blocks, stages):
-    """Up to 64 output channels two 256 x N blocks share an SM; over a deep K (192 input channels
-    x 9 taps: 54 K-block stages) two blocks would each get 2 stages, and one block of 4 runs
-    instead (measured 1.54x-1.67x, NOTES v50); shallower layers keep two."""
+@pytest.mark.parametrize("cin, precision, bm, blocks, stages", [
+    (192, "tf32", 256, 1, 4),  # deep K: one block of 4 (two of 2 measured 1.54x-1.67x slower, NOTES v50)
+    (64, "tf32", 256, 1, 4),  # shallow K too (two of 2 measured 1.09x-1.15x slower, NOTES v64)
+    (96, "tf32", 256, 2, 3),  # 32 output channels: two blocks of 3 stages fit
+    (64, "bf16", 128, 2, 4),  # 16-bit: two blocks of 128 rows, 4 stages each (1.07x-1.08x, NOTES v64)
+])
+def test_two_blocks_per_sm_only_with_three_stages_each(cin, precision, bm, blocks, stages):
+    """Up to 64 output channels two blocks share an SM only where each keeps a pipeline of
+    TWO_BLOCK_MIN_STAGES stages: a 256 x 64 tile of 128-byte K stages gets 2, so tf32 runs one
+    block of 4 and bf16 / fp16 two blocks of 128 x 64 tiles."""
     spec = validate({"name": "t", "input": {"channels": cin, "size": [64, 64]},
                       "conv": {"out_channels": 64 if cin != 96 else 32, "kernel": 3, "padding": 1, "bias": False},
-                      "epilogue": ["batch_norm", "relu"], "precision": "tf32"})
+                      "epilogue": ["batch_norm", "relu"], "precision": precision})
     cfg = build_plan(spec)["tma"].config
-    assert (cfg.bm, cfg.blocks_per_sm, cfg.stages) == (256, blocks, stages)
+    assert (cfg.bm, cfg.blocks_per_sm, cfg.stages) == (bm, blocks, stages)
+    assert cfg.blocks_per_sm == 1 or cfg.stages >= tma.TWO_BLOCK_MIN_STAGES
+
+
+def test_a_transposed_convs_blocks_keep_two_blocks_of_two_stages():
+    """A strided transposed conv's blocks hold one tile each (its stride phases are not walked), so
+    two blocks per SM still hide one's fill and epilogue behind the other: 2 stages each stay."""
+    spec = validate({"name": "t", "input": {"channels": 64, "size": [32, 32]},
+                      "conv": {"out_channels": 64, "kernel": 4, "stride": 2, "padding": 1, "bias": False,
+                               "transposed": True},
+                      "epilogue": ["relu"], "precision": "tf32"})
+    plan = build_plan(spec, target=HOPPER)
+    assert plan["engine"] == "tma"
+    cfg = plan["tma"].config
+    assert cfg.blocks_per_sm == 2 and cfg.stages >= tma.TWO_BLOCK_TRANSPOSED_MIN_STAGES
+
+
+def test_tiles_whose_input_rows_overflow_l2_come_last():
+    """A 3x3 conv's taps re-read the input rows the SMs' tiles hold: 384 channels in tf32 on 256-row
+    tiles keep 52 MB in flight, past L2_WORKING_SET, so 128-row tiles win (UNet's up3_0, 1.37x
+    faster, NOTES v64); 128 channels keep 256 x 128. A 1x1 conv reads each row once: no limit."""
+    def cfg(cin, kernel):
+        spec = validate({"name": "t", "input": {"channels": cin, "size": [32, 32]},
+                          "conv": {"out_channels": 128, "kernel": kernel, "padding": kernel // 2, "bias": False},
+                          "epilogue": ["relu"], "precision": "tf32"})
+        return build_plan(spec, target=HOPPER)["tma"].config
+    assert (cfg(384, 3).bm, cfg(384, 3).bn) == (128, 128)
+    assert (cfg(128, 3).bm, cfg(128, 3).bn) == (256, 128)
+    shapes = tma.candidates(128, 64 * 1024, False, 132, tap_row_bytes=384 * 4)
+    over = [s for s in shapes if s[0] * 384 * 4 * min(-(-64 * 1024 // s[0]) * -(-128 // s[1]), 132) > tma.L2_WORKING_SET]
+    assert over and shapes[-len(over):] == over
+    assert tma.candidates(128, 64 * 1024, False, 132)[0] == (256, 128)
+
+
+def test_the_tile_cost_prefers_fewer_larger_tiles_over_full_waves_of_small_ones():
+    """256 channels at 14^2, batch 64 (M = 12544): 98 tiles of 256 x 128 fill 98 of 132 SMs once,
+    392 of 128 x 64 three waves; the larger tiles measured 1.25x faster (NOTES v64)."""
+    assert tma.candidates(256, 64 * 196, False, 132)[0] == (256, 128)
