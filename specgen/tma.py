@@ -243,6 +243,8 @@ class TmaPlan:
     # at stride 2) to a contiguous tensor, and the kernel is the stride-1 conv of that copy: no
     # layout pass over the whole input. The strides (D, H, W order, as the spec), or () at stride 1.
     subsample: tuple[int, ...] = ()
+    # Why the planner's tile has 128 rows where 256 fit (`L2_WORKING_SET`), for `describe`; "" else.
+    l2_note: str = ""
     # A 16-bit output: the epilogue transposes each thread's values across its group of four lanes
     # and stores four at once (`_stores_quads`): four neighbouring positions of one channel
     # (NC(D)HW), or eight neighbouring channels of one row (channels-last). A warp's stores then
@@ -641,6 +643,30 @@ def _tap_row_bytes(spec: LayerSpec, cip: int, elem_bytes: int) -> int:
     return cip * elem_bytes * (2 if spec.precision == "fp32" else 1)
 
 
+def _l2_note(spec: LayerSpec, cfg: TmaConfig, cip: int, elem_bytes: int, target: targets.Target,
+             batch: int = 64) -> str:
+    """Where `candidates` would have ranked a 256-row tile before the planner's but put it last for
+    keeping more input rows in flight than L2_WORKING_SET, that, in words; else "" (the layout
+    `default_config` plans for: `batch` samples)."""
+    row = _tap_row_bytes(spec, cip, elem_bytes)
+    if cfg.bm != 128 or not row or cfg.blocks_per_sm != 1:
+        return ""
+    m_total = batch * _kb_unit(spec, 1)[1]
+    pairs = w_pairs_possible(spec)
+    unlimited = candidates(spec.conv.out_channels, m_total, spec.precision == "fp32", target.sm_count,
+                           one_n_tile(spec), pairs, _norm_rows(spec, pairs))
+    if (cfg.bm, cfg.bn) not in unlimited:
+        return ""
+    for bm, bn in unlimited[:unlimited.index((cfg.bm, cfg.bn))]:
+        tiles = -(-m_total // bm) * -(-spec.conv.out_channels // bn)
+        in_flight = bm * row * min(tiles, target.sm_count or 132)
+        if bm == 256 and in_flight > L2_WORKING_SET:
+            return (f"{cfg.bm} x {cfg.bn} tiles, not {bm} x {bn}: those would keep {in_flight / 2**20:.0f} MB of "
+                    f"input rows in flight across the taps (at batch {batch}), past the "
+                    f"{L2_WORKING_SET / 2**20:.0f} MB kept for them in L2")
+    return ""
+
+
 # The planner's deepest pipeline: `specgen tune` measured 5-8 stages 4-41% slower than 4 on every
 # layer of benchmarks/tma_blocks.yaml but a 3-D one (1.07 against 1.02x: NOTES v24); 512 channels
 # prefer 4 too (v17).
@@ -884,6 +910,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         n_pad=n_tiles * cfg.bn, w_pairs=pairs, channels_last_out=cl_out,
         a_in_place=in_place,
         subsample=tuple(geo["stride"]) if in_place and any(st > 1 for st in geo["stride"]) else (),
+        l2_note=_l2_note(spec, cfg, cip, eb, target) if config is None else "",
         persistent=not phases and not whole_n,
         store_quads=_stores_quads(cl_out, eb, cfg.bn, cout, positions, whole_n or bool(norm_rows), bool(phases),
                                   bool(spec.inputs()) and acc >= 128),
@@ -942,4 +969,5 @@ def describe(tp: TmaPlan) -> str:
            if tp.row_norm else "")
         + ("; the reduction over the channels taken on the accumulators (shuffles among the 4 lanes of a row)"
            if tp.channel_reduction else "")
+        + (f"; {tp.l2_note}" if tp.l2_note else "")
     )

@@ -1156,6 +1156,17 @@ def test_tiles_whose_input_rows_overflow_l2_come_last():
         return build_plan(spec, target=HOPPER)["tma"].config
     assert (cfg(384, 3).bm, cfg(384, 3).bn) == (128, 128)
     assert (cfg(128, 3).bm, cfg(128, 3).bn) == (256, 128)
+    # `specgen show --plan` says why, only where the limit decided it
+    def note(cin):
+        spec = validate({"name": "t", "input": {"channels": cin, "size": [32, 32]},
+                          "conv": {"out_channels": 128, "kernel": 3, "padding": 1, "bias": False},
+                          "epilogue": ["relu"], "precision": "tf32"})
+        return tma.describe(build_plan(spec, target=HOPPER)["tma"])
+    assert "128 x 128 tiles, not 256 x 128: those would keep 50 MB of input rows in flight" in note(384)
+    assert "MB of input rows in flight" not in note(128)
+    spec512 = validate({"name": "t", "input": {"channels": 512, "size": [14, 14]},
+                        "conv": {"out_channels": 512, "kernel": 3, "padding": 1}, "epilogue": ["relu"], "precision": "tf32"})
+    assert "MB of input rows in flight" not in tma.describe(build_plan(spec512, target=HOPPER)["tma"])  # (fewer waves chose it)
     shapes = tma.candidates(128, 64 * 1024, False, 132, tap_row_bytes=384 * 4)
     over = [s for s in shapes if s[0] * 384 * 4 * min(-(-64 * 1024 // s[0]) * -(-128 // s[1]), 132) > tma.L2_WORKING_SET]
     assert over and shapes[-len(over):] == over
