@@ -89,9 +89,9 @@ TILE_COST_N, TILE_COST_M = 64, 96
 # The input rows the SMs' tiles read at once stay in L2 across a 3x3 conv's taps only while they
 # fit: BM x the input channels' bytes x the tiles in flight above this, and the 9 taps read them
 # from DRAM again. UNet's 384 -> 128 3x3 at 32^2 in tf32 (52 MB of rows at 256 x 128) ran 1.37x
-# faster on 128 x 128 tiles (26 MB), where 256 channels (35 MB at 98-132 tiles) kept 256 x 128 the
-# fastest (NOTES v64, an H100 and an H200 have 50 MB of L2). Such tiles are tried last.
-L2_WORKING_SET = 30 * 1024 * 1024
+# faster on 128 x 128 tiles (26 MB), where 256 channels (26-35 MB at 98-132 tiles) kept 256 x 128
+# the fastest (NOTES v64; an H100 and an H200 have 50 MB of L2). Such tiles are tried last.
+L2_WORKING_SET = 30_000_000  # bytes
 SMEM_ALIGN = 1024  # a swizzle pattern repeats every 8 rows of up to 128 bytes
 MAX_ACC = 128  # accumulator registers per consumer thread
 MAX_REDUCED_CHANNELS = 256  # a reduction over the channels: one block's BN holds them all
@@ -661,9 +661,9 @@ def _l2_note(spec: LayerSpec, cfg: TmaConfig, cip: int, elem_bytes: int, target:
         tiles = -(-m_total // bm) * -(-spec.conv.out_channels // bn)
         in_flight = bm * row * min(tiles, target.sm_count or 132)
         if bm == 256 and in_flight > L2_WORKING_SET:
-            return (f"{cfg.bm} x {cfg.bn} tiles, not {bm} x {bn}: those would keep {in_flight / 2**20:.0f} MB of "
+            return (f"{cfg.bm} x {cfg.bn} tiles, not {bm} x {bn}: those would keep {in_flight / 1e6:.0f} MB of "
                     f"input rows in flight across the taps (at batch {batch}), past the "
-                    f"{L2_WORKING_SET / 2**20:.0f} MB kept for them in L2")
+                    f"{L2_WORKING_SET / 1e6:.0f} MB kept for them in L2")
     return ""
 
 
