@@ -783,3 +783,23 @@ def test_a_sequences_gemm_body_is_tuned():
     folded = next(s for s in specgen.load_specs("examples/folds.yaml") if s.name == "head_3x3_256_512_14_bn_gap")
     assert tune.gemm_engine(tune.heuristic(folded)) is not None
     assert not tune.tunable(folded) and tune.candidates(folded) == []
+
+
+def test_the_tile_rules_figures_in_notes_come_from_the_committed_tune_records():
+    """benchmarks/tune_regret.py reads `specgen tune`'s output: NOTES v64's figures (the planner's
+    tile 1.065x the fastest before the tile rules, 1.019x after, the 22 changed layers 1.105x faster
+    in the second run) are what it computes from the two committed records."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("tune_regret", root / "benchmarks" / "tune_regret.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    before, after = (mod.parse((root / "benchmarks" / f"2026-12-07-h100-v64-tune-{w}.txt").read_text()) for w in ("before", "after"))
+    assert len(before) == len(after) == 47
+    assert round(mod.geomean(list(mod.regrets(before).values())), 3) == 1.065
+    assert round(mod.geomean(list(mod.regrets(after).values())), 3) == 1.019
+    moved = mod.changes(before, after)
+    assert len(moved) == 22 and round(mod.geomean([m[2] for m in moved.values()]), 3) == 1.105
+    assert moved["unet_up3_0_tf32"][:2] == ("tma 256x128 s4 kb1", "tma 128x128 s4 kb1")
