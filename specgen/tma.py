@@ -11,7 +11,9 @@ in hardware:
   whose channels need no padding is read as it is; so is the NC(D)HW input of a bf16 / fp16 1x1
   conv without padding (`reads_nchw_in_place`), whose A tiles are then tiled loads of 64 positions x
   BKC channels that wgmma reads as a transposed (MN-major) operand (a strided one reads the input's
-  subsampled copy, `TmaPlan.subsample`).
+  subsampled copy, `TmaPlan.subsample`); with `TAPS_IN_PLACE` on (off until timed), so does a 2-D
+  conv of several taps whose output rows are whole m64 tiles, one load per tap at the row and column
+  it shifts to (`reads_nchw_taps_in_place`).
 * A K-block is (one tap, BKC channels). Its A tile, BM consecutive output positions x BKC
   channels, is one TMA load in im2col mode: the hardware walks the positions (across rows and
   samples), adds the tap's offset, and fills zeros where a tap falls in the padding. Its B tile
@@ -245,6 +247,9 @@ class TmaPlan:
     subsample: tuple[int, ...] = ()
     # Why the planner's tile has 128 rows where 256 fit (`L2_WORKING_SET`), for `describe`; "" else.
     l2_note: str = ""
+    # A conv of several taps read in place (`reads_nchw_taps_in_place`): each m64 tile's A is a
+    # 4-D tiled load of 64 input positions of one row x BKC channels, shifted by the tap.
+    taps_in_place: bool = False
     # A 16-bit output: the epilogue transposes each thread's values across its group of four lanes
     # and stores four at once (`_stores_quads`): four neighbouring positions of one channel
     # (NC(D)HW), or eight neighbouring channels of one row (channels-last). A warp's stores then
@@ -561,6 +566,30 @@ def reads_nchw_in_place(spec: LayerSpec) -> bool:
         spec.precision in ("bf16", "fp16") and not spec.conv.transposed and spec.conv.groups == 1
         and all(k == 1 for k in geo["kernel"]) and all(p == 0 for p in geo["padding"])
         and math.prod(spec.conv_output().sizes[1:]) * ELEM_BYTES[spec.precision] % 16 == 0
+    ) or reads_nchw_taps_in_place(spec)
+
+
+# A 2-D conv of several taps reads its NCHW input in place too where TAPS_IN_PLACE is on
+# (`reads_nchw_taps_in_place`). Off until timed on a GPU: written and compiled, not yet measured
+# against the layout pass it saves (NOTES v64).
+TAPS_IN_PLACE = False
+
+
+def reads_nchw_taps_in_place(spec: LayerSpec) -> bool:
+    """Whether a bf16 / fp16 2-D conv of several taps can read its NCHW input where it lies
+    (with TAPS_IN_PLACE on): stride 1, no groups, and output rows of whole m64 tiles (W_OUT a
+    multiple of 64), so that each m64 tile is 64 consecutive positions of one output row. A K-block's
+    A tile is then, per m64 tile, one tiled 4-D load of 64 input positions of one row x BKC channels,
+    at the row and column the tap shifts it to: the tensor map's zero fill outside the input is the
+    conv's padding. The input's rows must be whole 16-byte units (the map's strides)."""
+    if not TAPS_IN_PLACE or spec.ndim != 2:
+        return False
+    geo = spec.conv_geometry()
+    return (
+        spec.precision in ("bf16", "fp16") and not spec.conv.transposed and spec.conv.groups == 1
+        and math.prod(geo["kernel"]) > 1 and all(st == 1 for st in geo["stride"])
+        and spec.conv_output().sizes[-1] % NCHW_CHUNK == 0
+        and spec.input.size[-1] * ELEM_BYTES[spec.precision] % 16 == 0
     )
 
 
@@ -911,6 +940,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         a_in_place=in_place,
         subsample=tuple(geo["stride"]) if in_place and any(st > 1 for st in geo["stride"]) else (),
         l2_note=_l2_note(spec, cfg, cip, eb, target) if config is None else "",
+        taps_in_place=in_place and taps > 1,
         persistent=not phases and not whole_n,
         store_quads=_stores_quads(cl_out, eb, cfg.bn, cout, positions, whole_n or bool(norm_rows), bool(phases),
                                   bool(spec.inputs()) and acc >= 128),
@@ -951,7 +981,9 @@ def describe(tp: TmaPlan) -> str:
         f"warpgroups{', two blocks per SM' if tp.blocks_per_sm == 2 else ''}"
         f"{', each block walking tiles (as many blocks as the SMs hold)' if tp.persistent else ''}; "
         + ("A read from the NC(D)HW input where it lies (tiled TMA loads of 64 positions x "
-           f"{tp.bkc} channels, positions contiguous: wgmma's A operand transposed), no layout pass"
+           f"{tp.bkc} channels, positions contiguous: wgmma's A operand transposed"
+           + ("; per tap, 64 positions of an input row shifted by the tap, zeros outside the input: the padding"
+              if tp.taps_in_place else "") + "), no layout pass"
            + (f" (the stride-{'x'.join(map(str, tp.subsample))} positions copied out first, a stride-1 conv of the copy)"
               if tp.subsample else "")
            + (f"; M padded to {tp.grid_positions} rows per sample (whole m64 tiles), the rows past the "

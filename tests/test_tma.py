@@ -1177,3 +1177,98 @@ def test_the_tile_cost_prefers_fewer_larger_tiles_over_full_waves_of_small_ones(
     """256 channels at 14^2, batch 64 (M = 12544): 98 tiles of 256 x 128 fill 98 of 132 SMs once,
     392 of 128 x 64 three waves; the larger tiles measured 1.25x faster (NOTES v64)."""
     assert tma.candidates(256, 64 * 196, False, 132)[0] == (256, 128)
+
+
+# -- a conv of several taps reading its NCHW input in place (tma.TAPS_IN_PLACE) -----------------------
+
+
+def _taps(precision="bf16", cin=64, size=(16, 64), **conv):
+    return validate({"name": "taps", "input": {"channels": cin, "size": list(size)},
+                     "conv": {"out_channels": 64, "kernel": 3, "padding": 1, **conv}, "epilogue": ["relu"],
+                     "precision": precision, "tile": {"engine": "tma"}})
+
+
+def test_a_conv_of_several_taps_keeps_the_layout_pass_while_the_switch_is_off():
+    assert not tma.TAPS_IN_PLACE  # (off until timed on a GPU)
+    tp = build_plan(_taps(), target=HOPPER)["tma"]
+    assert not tp.a_in_place and not tp.taps_in_place
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("size,conv", [
+    ((16, 64), {}), ((9, 128), {"kernel": [3, 5], "padding": [1, 2]}),
+    ((16, 64), {"kernel": 5, "padding": 4, "dilation": 2}), ((10, 64), {"kernel": [3, 1], "padding": 0}),
+])
+def test_a_16_bit_conv_of_several_taps_reads_its_nchw_input_in_place(monkeypatch, precision, size, conv):
+    """Switched on: per m64 tile and tap, a 4-D tiled load of 64 positions of one input row x BKC
+    channels at the row and column the tap shifts the tile's outputs to (the map's zero fill is the
+    padding); wgmma reads A transposed; no layout pass in the module."""
+    from specgen import tmarun
+
+    monkeypatch.setattr(tma, "TAPS_IN_PLACE", True)
+    plan = build_plan(_taps(precision, size=size, **conv), target=HOPPER)
+    tp = plan["tma"]
+    assert tp.a_in_place and tp.taps_in_place and tp.subsample == () and not tp.padded_rows
+    text = render_plan(plan)
+    assert "cp.async.bulk.tensor.4d.shared::cluster.global.tile" in text and "im2col" not in text
+    assert "chunk_h[q] = chunk_p[q] / OUT_W - P_H;" in text and "chunk_w[q] = chunk_p[q] % OUT_W - P_W;" in text
+    assert "tma_nchw_taps(a + q * A_CHUNK_BYTES, map_a_hi, full, chunk_w[q] + kw * DIL_W, chunk_h[q] + kh * DIL_H, c, chunk_n[q]);" in text
+    assert "const int kh = tap / K_W, kw = tap % K_W;" in text and "tma_tile(b, map_b_hi, full, tap * CIP + c, n0);" in text
+    assert "acc, 1, 1, 1, 0;" in text and "_prep(" not in text
+    assert not any(name.endswith(("_prep", "_prep_cl")) for name in tmarun.extra_functions(plan))
+    assert "per tap, 64 positions of an input row shifted by the tap" in describe(plan)
+
+
+@pytest.mark.parametrize("why,precision,size,conv", [
+    ("output rows not whole m64 tiles (56)", "bf16", (56, 56), {}),
+    ("stride 2", "bf16", (32, 128), {"stride": 2}),
+    ("tf32 operands must be K-major", "tf32", (16, 64), {}),
+    ("groups", "bf16", (16, 64), {"groups": 2}),
+    ("input rows not whole 16-byte units (66 x 2 bytes)", "bf16", (16, 66), {"padding": 0}),
+    ("a 1-D conv", "bf16", (128,), {}),
+    ("a 3-D conv", "bf16", (4, 4, 64), {}),
+])
+def test_other_convs_of_several_taps_keep_the_layout_pass(monkeypatch, why, precision, size, conv):
+    monkeypatch.setattr(tma, "TAPS_IN_PLACE", True)
+    try:
+        plan = build_plan(_taps(precision, size=size, **conv), target=HOPPER)
+    except PlanError:  # (no TMA engine for it at all: grouped convs)
+        assert conv.get("groups"), why
+        return
+    assert plan["engine"] == "tma" and not plan["tma"].a_in_place, why
+
+
+def test_the_input_map_of_a_conv_of_several_taps_is_4_d(monkeypatch):
+    """[batch][C_IN][H][W] as (W, H, C_IN, batch), a box of 64 positions of one row x BKC channels;
+    one launch, no layout pass."""
+    monkeypatch.setattr(tma, "TAPS_IN_PLACE", True)
+    stub = _StubbedDriver(monkeypatch)
+    data = dict(precision="bf16", input={"channels": 40, "size": [12, 128]},
+                conv={"out_channels": 64, "kernel": 3, "padding": 1}, tile={"engine": "tma"})
+    plan = stub.launch(data, batch=3)
+    tp = plan["tma"]
+    assert tp.taps_in_place and stub.queued == ["main"]
+    args = stub.tiled[-1]
+    assert args[1] == stub.x.data_ptr()
+    assert args[2] == (128, 12, 40, 3) and args[3] == (256, 12 * 256, 40 * 12 * 256)
+    assert args[4] == (64, 1, tp.bkc, 1) and args[-1] == 3 * 40 * 12 * 128 * 2
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("cin,cout,size,conv,epilogue", [
+    (128, 128, (16, 128), {}, ["relu"]),
+    (64, 64, (16, 64), {"kernel": 5, "padding": 4, "dilation": 2}, [{"add": {"input": "shortcut"}}, "relu"]),
+    (40, 100, (8, 64), {}, [{"amax": {"dims": [1]}}]),
+    (512, 256, (4, 64), {}, ["relu"]),  # a split kernel
+])
+def test_taps_in_place_kernels_compile_without_spills(monkeypatch, precision, cin, cout, size, conv, epilogue):
+    monkeypatch.setattr(tma, "TAPS_IN_PLACE", True)
+    spec = validate({"name": "taps_build", "input": {"channels": cin, "size": list(size)},
+                     "conv": {"out_channels": cout, "kernel": 3, "padding": 1, **conv}, "epilogue": epilogue,
+                     "precision": precision, "tile": {"engine": "tma"}})
+    pipeline.forget(spec)
+    sp = pipeline.specialize(spec, "sm_90")
+    assert sp.plan["tma"].taps_in_place and (cin != 512 or sp.plan["tma"].split_k > 1)
+    assert sp.build.spill_bytes == 0, f"{sp.build.spill_bytes} bytes spilled"
+    pipeline.forget(spec)
