@@ -27,8 +27,11 @@ from specgen.spec import validate  # noqa: E402
 
 REPS = 20
 CONV3 = {"kernel": 3, "padding": 1}
-# name: (input channels, size, conv, epilogue); every output row a whole number of m64 tiles
+# name: (input channels, size, conv, epilogue); output rows of whole m64 tiles, or padded to them
 LAYERS = {
+    "128->128 3x3 at 112^2 relu (rows padded)": (128, [112, 112], {"out_channels": 128, **CONV3}, ["relu"]),
+    "64->64 3x3 at 56^2 relu (rows padded)": (64, [56, 56], {"out_channels": 64, **CONV3}, ["relu"]),
+    "256->256 3x3 at 56^2 relu (rows padded)": (256, [56, 56], {"out_channels": 256, **CONV3}, ["relu"]),
     "64->64 3x3 at 64^2 relu": (64, [64, 64], {"out_channels": 64, **CONV3}, ["relu"]),
     "32->32 3x3 at 128^2 relu": (32, [128, 128], {"out_channels": 32, **CONV3}, ["relu"]),
     "128->128 3x3 at 128^2 relu": (128, [128, 128], {"out_channels": 128, **CONV3}, ["relu"]),
@@ -60,7 +63,7 @@ def main() -> int:
         return 2
     saved = tma.TAPS_IN_PLACE
     print(f"ms per call (median of {REPS}); pass = the layout pass (TAPS_IN_PLACE off), in place = on")
-    print(f"{'layer':34}{'dtype':>6}{'batch':>6}{'eager':>8}{'eager cl':>9}{'pass':>8}{'in place':>9}"
+    print(f"{'layer':42}{'dtype':>6}{'batch':>6}{'eager':>8}{'eager cl':>9}{'pass':>8}{'in place':>9}"
           f"{'x pass':>8}  plan (pass / in place)      rel L2 pass / in place")
     try:
         for precision in args.dtype:
@@ -97,7 +100,7 @@ def main() -> int:
                                 return fn(calls[0] % 2)
 
                             times.append(bench._time(step, REPS))
-                    print(f"{label:34}{precision:>6}{batch:>6}{times[0]:8.3f}{times[1]:9.3f}{times[2]:8.3f}{times[3]:9.3f}"
+                    print(f"{label:42}{precision:>6}{batch:>6}{times[0]:8.3f}{times[1]:9.3f}{times[2]:8.3f}{times[3]:9.3f}"
                           f"{times[2] / times[3]:8.2f}  {plan_off:>12} / {plan_on:<12} {rels[0]:.1e} / {rels[1]:.1e}",
                           flush=True)
     finally:

@@ -12,8 +12,8 @@ in hardware:
   conv without padding (`reads_nchw_in_place`), whose A tiles are then tiled loads of 64 positions x
   BKC channels that wgmma reads as a transposed (MN-major) operand (a strided one reads the input's
   subsampled copy, `TmaPlan.subsample`); with `TAPS_IN_PLACE` on (off until timed), so does a 2-D
-  conv of several taps whose output rows are whole m64 tiles, one load per tap at the row and column
-  it shifts to (`reads_nchw_taps_in_place`).
+  conv of several taps whose output rows are whole m64 tiles (or padded to them, `taps_row_pad`),
+  one load per tap at the row and column it shifts to (`reads_nchw_taps_in_place`).
 * A K-block is (one tap, BKC channels). Its A tile, BM consecutive output positions x BKC
   channels, is one TMA load in im2col mode: the hardware walks the positions (across rows and
   samples), adds the tap's offset, and fills zeros where a tap falls in the padding. Its B tile
@@ -250,6 +250,9 @@ class TmaPlan:
     # A conv of several taps read in place (`reads_nchw_taps_in_place`): each m64 tile's A is a
     # 4-D tiled load of 64 input positions of one row x BKC channels, shifted by the tap.
     taps_in_place: bool = False
+    # ... whose output rows are padded to whole m64 tiles (`taps_row_pad`): each row of M per sample
+    # is one of OUT_H rows of W_PAD positions, those past OUT_W computed and not stored; 0 else.
+    w_pad: int = 0
     # A 16-bit output: the epilogue transposes each thread's values across its group of four lanes
     # and stores four at once (`_stores_quads`): four neighbouring positions of one channel
     # (NC(D)HW), or eight neighbouring channels of one row (channels-last). A warp's stores then
@@ -578,7 +581,8 @@ TAPS_IN_PLACE = False
 def reads_nchw_taps_in_place(spec: LayerSpec) -> bool:
     """Whether a bf16 / fp16 2-D conv of several taps can read its NCHW input where it lies
     (with TAPS_IN_PLACE on): stride 1, no groups, and output rows of whole m64 tiles (W_OUT a
-    multiple of 64), so that each m64 tile is 64 consecutive positions of one output row. A K-block's
+    multiple of 64, or padded to one: `taps_row_pad`), so that each m64 tile is 64 consecutive
+    positions of one output row. A K-block's
     A tile is then, per m64 tile, one tiled 4-D load of 64 input positions of one row x BKC channels,
     at the row and column the tap shifts it to: the tensor map's zero fill outside the input is the
     conv's padding. The input's rows must be whole 16-byte units (the map's strides)."""
@@ -588,9 +592,26 @@ def reads_nchw_taps_in_place(spec: LayerSpec) -> bool:
     return (
         spec.precision in ("bf16", "fp16") and not spec.conv.transposed and spec.conv.groups == 1
         and math.prod(geo["kernel"]) > 1 and all(st == 1 for st in geo["stride"])
-        and spec.conv_output().sizes[-1] % NCHW_CHUNK == 0
+        and taps_row_pad(spec.conv_output().sizes[-1]) is not None
         and spec.input.size[-1] * ELEM_BYTES[spec.precision] % 16 == 0
     )
+
+
+# Output rows that are not whole m64 tiles are padded to them (M runs over OUT_H x W_PAD rows per
+# sample, the rows past OUT_W computed and not stored) where that adds at most this share of rows:
+# 56 -> 64 and 112 -> 128 (1.14x), not 28 -> 64.
+TAPS_ROW_PAD_MAX = 1.15
+
+
+def taps_row_pad(out_w: int) -> int | None:
+    """The padded output row (`TmaPlan.w_pad`) of a conv of several taps read in place: OUT_W itself
+    where it is a multiple of 64, else OUT_W rounded up to one (OUT_W a multiple of 4, so that the
+    epilogue's four-position stores never mix stored and padding rows) within TAPS_ROW_PAD_MAX; None
+    where neither holds."""
+    w_pad = -(-out_w // NCHW_CHUNK) * NCHW_CHUNK
+    if w_pad == out_w:
+        return w_pad
+    return w_pad if out_w % 4 == 0 and w_pad <= TAPS_ROW_PAD_MAX * out_w else None
 
 
 def has_tma_engine(target: targets.Target) -> bool:
@@ -911,9 +932,14 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     positions = math.prod(conv_out)
     split_parts = 1 if whole_n or phases or norm_rows else cfg.split_k or splitk.choose(
         positions, cout, cfg.bm, n_tiles, k_iters, (target.sm_count or 132) * cfg.blocks_per_sm)
+    w_pad = taps_row_pad(conv_out[-1]) if taps > 1 and reads_nchw_taps_in_place(spec) else 0
+    row_padded = bool(w_pad) and w_pad != conv_out[-1]
     in_place = not channels_last and reads_nchw_in_place(spec) and (positions % NCHW_CHUNK == 0 or split_parts == 1) \
-        and (not norm_rows or positions % NCHW_CHUNK == 0)  # (a group must not meet padding rows)
-    if in_place and positions % NCHW_CHUNK:  # M per sample padded to whole m64 tiles
+        and (not norm_rows or positions % NCHW_CHUNK == 0) \
+        and not (row_padded and (split_parts > 1 or norm_rows))  # (a group must not meet padding rows)
+    if in_place and row_padded:  # M per sample: OUT_H rows of W_PAD, the positions past OUT_W not stored
+        grid = (1, conv_out[-2], w_pad)
+    elif in_place and positions % NCHW_CHUNK:  # M per sample padded to whole m64 tiles
         grid = (1, 1, -(-positions // NCHW_CHUNK) * NCHW_CHUNK)
     if whole_n and cfg.split_k > 1:
         raise ValueError("split K with a reduction or softmax over the channels")
@@ -940,7 +966,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         a_in_place=in_place,
         subsample=tuple(geo["stride"]) if in_place and any(st > 1 for st in geo["stride"]) else (),
         l2_note=_l2_note(spec, cfg, cip, eb, target) if config is None else "",
-        taps_in_place=in_place and taps > 1,
+        taps_in_place=in_place and taps > 1, w_pad=w_pad if in_place and row_padded else 0,
         persistent=not phases and not whole_n,
         store_quads=_stores_quads(cl_out, eb, cfg.bn, cout, positions, whole_n or bool(norm_rows), bool(phases),
                                   bool(spec.inputs()) and acc >= 128),
@@ -986,7 +1012,9 @@ def describe(tp: TmaPlan) -> str:
               if tp.taps_in_place else "") + "), no layout pass"
            + (f" (the stride-{'x'.join(map(str, tp.subsample))} positions copied out first, a stride-1 conv of the copy)"
               if tp.subsample else "")
-           + (f"; M padded to {tp.grid_positions} rows per sample (whole m64 tiles), the rows past the "
+           + (f"; each output row padded to {tp.w_pad} rows of M (whole m64 tiles), those past its "
+              f"{tp.positions // tp.grid[1]} positions not stored" if tp.w_pad
+              else f"; M padded to {tp.grid_positions} rows per sample (whole m64 tiles), the rows past the "
               f"{tp.positions} positions not stored" if tp.padded_rows else "")
            if tp.a_in_place else f"a layout pass lays the input out channels-last ({tp.cip} channels)")
         + ("; the output channels-last, as the input" if tp.channels_last_out else "")

@@ -1219,8 +1219,33 @@ def test_a_16_bit_conv_of_several_taps_reads_its_nchw_input_in_place(monkeypatch
     assert "per tap, 64 positions of an input row shifted by the tap" in describe(plan)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("size,w_pad", [((56, 56), 64), ((20, 112), 128), ((8, 120), 128)])
+def test_output_rows_that_are_not_whole_m64_tiles_are_padded_to_them(monkeypatch, precision, size, w_pad):
+    """M per sample runs over OUT_H rows of W_PAD (OUT_W rounded up to whole m64 tiles, adding at
+    most TAPS_ROW_PAD_MAX): every A load lies in one output row; the rows past OUT_W are computed and
+    not stored, and map to positions q / W_PAD * OUT_W + q % W_PAD; no split kernel."""
+    monkeypatch.setattr(tma, "TAPS_IN_PLACE", True)
+    plan = build_plan(_taps(precision, size=size), target=HOPPER)
+    tp = plan["tma"]
+    assert tp.taps_in_place and tp.w_pad == w_pad and tp.padded_rows and tp.split_k == 1
+    assert tp.grid_positions == size[0] * w_pad
+    text = render_plan(plan)
+    assert f"constexpr int W_PAD = {w_pad};" in text and f"constexpr int M_POSITIONS = {size[0] * w_pad};" in text
+    assert "chunk_h[q] = chunk_p[q] / W_PAD - P_H;" in text and "chunk_w[q] = chunk_p[q] % W_PAD - P_W;" in text
+    assert "row_mine[i][h] = q % W_PAD < OUT_W;" in text
+    assert "row_p[i][h] = row_mine[i][h] ? q / W_PAD * OUT_W + q % W_PAD : POSITIONS - 1;" in text
+    assert tp.store_quads and "if (cq < C_OUT && mq < m_total && q_pad % W_PAD < OUT_W) {" in text
+    assert f"each output row padded to {w_pad} rows of M" in describe(plan)
+    norm = _taps(precision, size=size)
+    norm = validate({**norm.model_dump(mode="json", exclude_defaults=True), "epilogue": [{"softmax": 1}]})
+    text = render_plan(build_plan(norm, target=HOPPER))
+    assert "const bool mine = q_pad % W_PAD < OUT_W;" in text
+
+
 @pytest.mark.parametrize("why,precision,size,conv", [
-    ("output rows not whole m64 tiles (56)", "bf16", (56, 56), {}),
+    ("output rows that padding to whole m64 tiles would more than double (28 -> 64)", "bf16", (28, 28), {}),
+    ("output rows of 62 (64 wide, no padding along W): not a multiple of 4", "bf16", (16, 64), {"padding": [1, 0]}),
     ("stride 2", "bf16", (32, 128), {"stride": 2}),
     ("tf32 operands must be K-major", "tf32", (16, 64), {}),
     ("groups", "bf16", (16, 64), {"groups": 2}),
@@ -1261,6 +1286,10 @@ def test_the_input_map_of_a_conv_of_several_taps_is_4_d(monkeypatch):
     (64, 64, (16, 64), {"kernel": 5, "padding": 4, "dilation": 2}, [{"add": {"input": "shortcut"}}, "relu"]),
     (40, 100, (8, 64), {}, [{"amax": {"dims": [1]}}]),
     (512, 256, (4, 64), {}, ["relu"]),  # a split kernel
+    (128, 128, (16, 112), {}, ["relu"]),  # output rows padded (112 -> 128)
+    (64, 64, (8, 56), {}, [{"add": {"input": "shortcut"}}, "relu"]),  # ... (56 -> 64), an extra input
+    (40, 100, (8, 56), {}, [{"amax": {"dims": [1]}}]),
+    (32, 64, (8, 56), {}, [{"softmax": 1}]),
 ])
 def test_taps_in_place_kernels_compile_without_spills(monkeypatch, precision, cin, cout, size, conv, epilogue):
     monkeypatch.setattr(tma, "TAPS_IN_PLACE", True)

@@ -4,7 +4,8 @@ positions of one input row per tap, the padding from the map's zero fill) agains
 GPU (marker `gpu`; skipped without an sm_90 GPU): at the mode's bar (within 2x of PyTorch's own
 error in that dtype against float64), outputs poisoned, fresh inputs per check; batch 1 and odd
 batches, channels not a multiple of the K-block, dilation, padding on one side only and none,
-a reduction over the channels, an extra input, the split kernel; and next to the same layer through
+a reduction and a softmax over the channels, an extra input, the split kernel, output rows padded to
+whole m64 tiles (112 -> 128, 56 -> 64, 120 -> 128); and next to the same layer through
 the layout pass (the switch off), on the same input."""
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ CASES = {
     "c64_3x5_padding_hw": (64, [9, 64], {"out_channels": 72, "kernel": [3, 5], "padding": [1, 2]}, ["tanh"]),
     "c40_amax_channels": (40, [8, 64], {"out_channels": 100, "kernel": 3, "padding": 1}, [{"amax": {"dims": [1]}}]),
     "c512_split": (512, [4, 64], {"out_channels": 256, "kernel": 3, "padding": 1}, ["relu"]),  # split K at batch 1
+    # output rows padded to whole m64 tiles (OUT_H rows of W_PAD per sample; the rows past OUT_W not stored)
+    "c128_3x3_rows_112": (128, [112, 112], {"out_channels": 128, "kernel": 3, "padding": 1}, ["relu"]),
+    "c64_residual_rows_56": (64, [7, 56], {"out_channels": 72, "kernel": 3, "padding": 1},
+                             [{"add": {"input": "shortcut"}}, "relu"]),
+    "c40_amax_rows_56": (40, [5, 56], {"out_channels": 100, "kernel": 3, "padding": 1}, [{"amax": {"dims": [1]}}]),
+    "c32_softmax_rows_120": (32, [3, 120], {"out_channels": 64, "kernel": [1, 3], "padding": [0, 1]}, [{"softmax": 1}]),
 }
 
 
@@ -72,7 +79,7 @@ def test_a_conv_of_several_taps_reading_its_input_in_place_meets_the_modes_bar(n
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("name", ["c64_3x3", "c24_5x5_dilated", "c512_split"])
+@pytest.mark.parametrize("name", ["c64_3x3", "c24_5x5_dilated", "c512_split", "c64_residual_rows_56"])
 def test_it_agrees_with_the_layout_pass_on_the_same_input(name, precision):
     """Both walk K in the same order (tap-major, the same K-blocks) on the same wgmma shape: their
     outputs differ by no more than a few roundings of the output dtype."""
