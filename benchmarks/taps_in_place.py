@@ -1,4 +1,4 @@
-"""A 16-bit conv of several taps reading its NCHW input in place (`tma.TAPS_IN_PLACE` on) against
+"""A 16-bit conv of several taps reading its NC(H)W input in place (`tma.TAPS_IN_PLACE` on) against
 the same layer through the layout pass (off), in one run: what turning the switch on would buy.
 
     python benchmarks/taps_in_place.py [--batch 8 32] [--dtype bf16 fp16]
@@ -39,6 +39,7 @@ LAYERS = {
     "128->128 3x3 at 64^2 residual": (128, [64, 64], {"out_channels": 128, **CONV3},
                                       [{"add": {"input": "shortcut"}}, "relu"]),
     "320->320 3x3 at 64^2 silu": (320, [64, 64], {"out_channels": 320, **CONV3}, ["silu"]),
+    "256->256 conv1d k3 at 4096 gelu": (256, [4096], {"out_channels": 256, **CONV3}, [{"gelu": {"approximate": "none"}}]),
 }
 DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -73,7 +74,8 @@ def main() -> int:
                 on, plan_on, taps = _build("taps_in_place", cin, size, conv, epilogue, precision, True)
                 assert taps, f"{label}: not planned in place"
                 on.load_state_dict(off.state_dict())
-                eager = torch.nn.Conv2d(cin, conv["out_channels"], 3, padding=1).cuda().to(dtype)
+                conv_nd = torch.nn.Conv1d if len(size) == 1 else torch.nn.Conv2d
+                eager = conv_nd(cin, conv["out_channels"], 3, padding=1).cuda().to(dtype)
                 eager.weight.data.copy_(off.conv.weight)
                 eager.bias.data.copy_(off.conv.bias)
                 for batch in args.batch:
@@ -89,8 +91,10 @@ def main() -> int:
                             assert bool(torch.isfinite(got).all()), label
                             rels.append(((got - ref).norm() / ref.norm()).item())
                         times = []
-                        cl = [x.to(memory_format=torch.channels_last) for x in xs]
-                        eager_cl = copy.deepcopy(eager).to(memory_format=torch.channels_last)
+                        # (a 1-D conv has no channels-last format: its row times the same input)
+                        fmt = torch.channels_last if len(size) == 2 else torch.contiguous_format
+                        cl = [x.to(memory_format=fmt) for x in xs]
+                        eager_cl = copy.deepcopy(eager).to(memory_format=fmt)
                         for fn in (lambda i: eager(xs[i]), lambda i: eager_cl(cl[i]),
                                    lambda i: off(xs[i], *extras), lambda i: on(xs[i], *extras)):
                             calls = [0]

@@ -11,8 +11,8 @@ in hardware:
   whose channels need no padding is read as it is; so is the NC(D)HW input of a bf16 / fp16 1x1
   conv without padding (`reads_nchw_in_place`), whose A tiles are then tiled loads of 64 positions x
   BKC channels that wgmma reads as a transposed (MN-major) operand (a strided one reads the input's
-  subsampled copy, `TmaPlan.subsample`); with `TAPS_IN_PLACE` on (off until timed), so does a 2-D
-  conv of several taps whose output rows are whole m64 tiles (or padded to them, `taps_row_pad`),
+  subsampled copy, `TmaPlan.subsample`); with `TAPS_IN_PLACE` on (off until timed), so does a 1-D
+  or 2-D conv of several taps whose output rows are whole m64 tiles (or padded to them, `taps_row_pad`),
   one load per tap at the row and column it shifts to (`reads_nchw_taps_in_place`).
 * A K-block is (one tap, BKC channels). Its A tile, BM consecutive output positions x BKC
   channels, is one TMA load in im2col mode: the hardware walks the positions (across rows and
@@ -572,21 +572,21 @@ def reads_nchw_in_place(spec: LayerSpec) -> bool:
     ) or reads_nchw_taps_in_place(spec)
 
 
-# A 2-D conv of several taps reads its NCHW input in place too where TAPS_IN_PLACE is on
+# A 1-D or 2-D conv of several taps reads its NC(H)W input in place too where TAPS_IN_PLACE is on
 # (`reads_nchw_taps_in_place`). Off until timed on a GPU: written and compiled, not yet measured
 # against the layout pass it saves (NOTES v64).
 TAPS_IN_PLACE = False
 
 
 def reads_nchw_taps_in_place(spec: LayerSpec) -> bool:
-    """Whether a bf16 / fp16 2-D conv of several taps can read its NCHW input where it lies
+    """Whether a bf16 / fp16 1-D or 2-D conv of several taps can read its NC(H)W input where it lies
     (with TAPS_IN_PLACE on): stride 1, no groups, and output rows of whole m64 tiles (W_OUT a
     multiple of 64, or padded to one: `taps_row_pad`), so that each m64 tile is 64 consecutive
     positions of one output row. A K-block's
     A tile is then, per m64 tile, one tiled 4-D load of 64 input positions of one row x BKC channels,
     at the row and column the tap shifts it to: the tensor map's zero fill outside the input is the
     conv's padding. The input's rows must be whole 16-byte units (the map's strides)."""
-    if not TAPS_IN_PLACE or spec.ndim != 2:
+    if not TAPS_IN_PLACE or spec.ndim > 2:  # (a 1-D conv: one row per sample)
         return False
     geo = spec.conv_geometry()
     return (
@@ -938,7 +938,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         and (not norm_rows or positions % NCHW_CHUNK == 0) \
         and not (row_padded and (split_parts > 1 or norm_rows))  # (a group must not meet padding rows)
     if in_place and row_padded:  # M per sample: OUT_H rows of W_PAD, the positions past OUT_W not stored
-        grid = (1, conv_out[-2], w_pad)
+        grid = (1, conv_out[-2] if len(conv_out) > 1 else 1, w_pad)
     elif in_place and positions % NCHW_CHUNK:  # M per sample padded to whole m64 tiles
         grid = (1, 1, -(-positions // NCHW_CHUNK) * NCHW_CHUNK)
     if whole_n and cfg.split_k > 1:

@@ -1198,6 +1198,7 @@ def test_a_conv_of_several_taps_keeps_the_layout_pass_while_the_switch_is_off():
 @pytest.mark.parametrize("size,conv", [
     ((16, 64), {}), ((9, 128), {"kernel": [3, 5], "padding": [1, 2]}),
     ((16, 64), {"kernel": 5, "padding": 4, "dilation": 2}), ((10, 64), {"kernel": [3, 1], "padding": 0}),
+    ((4096,), {}),  # a 1-D conv: one row per sample
 ])
 def test_a_16_bit_conv_of_several_taps_reads_its_nchw_input_in_place(monkeypatch, precision, size, conv):
     """Switched on: per m64 tile and tap, a 4-D tiled load of 64 positions of one input row x BKC
@@ -1220,7 +1221,7 @@ def test_a_16_bit_conv_of_several_taps_reads_its_nchw_input_in_place(monkeypatch
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("size,w_pad", [((56, 56), 64), ((20, 112), 128), ((8, 120), 128)])
+@pytest.mark.parametrize("size,w_pad", [((56, 56), 64), ((20, 112), 128), ((8, 120), 128), ((120,), 128)])
 def test_output_rows_that_are_not_whole_m64_tiles_are_padded_to_them(monkeypatch, precision, size, w_pad):
     """M per sample runs over OUT_H rows of W_PAD (OUT_W rounded up to whole m64 tiles, adding at
     most TAPS_ROW_PAD_MAX): every A load lies in one output row; the rows past OUT_W are computed and
@@ -1229,9 +1230,10 @@ def test_output_rows_that_are_not_whole_m64_tiles_are_padded_to_them(monkeypatch
     plan = build_plan(_taps(precision, size=size), target=HOPPER)
     tp = plan["tma"]
     assert tp.taps_in_place and tp.w_pad == w_pad and tp.padded_rows and tp.split_k == 1
-    assert tp.grid_positions == size[0] * w_pad
+    rows = size[0] if len(size) == 2 else 1
+    assert tp.grid_positions == rows * w_pad
     text = render_plan(plan)
-    assert f"constexpr int W_PAD = {w_pad};" in text and f"constexpr int M_POSITIONS = {size[0] * w_pad};" in text
+    assert f"constexpr int W_PAD = {w_pad};" in text and f"constexpr int M_POSITIONS = {rows * w_pad};" in text
     assert "chunk_h[q] = chunk_p[q] / W_PAD - P_H;" in text and "chunk_w[q] = chunk_p[q] % W_PAD - P_W;" in text
     assert "row_mine[i][h] = q % W_PAD < OUT_W;" in text
     assert "row_p[i][h] = row_mine[i][h] ? q / W_PAD * OUT_W + q % W_PAD : POSITIONS - 1;" in text
@@ -1250,7 +1252,6 @@ def test_output_rows_that_are_not_whole_m64_tiles_are_padded_to_them(monkeypatch
     ("tf32 operands must be K-major", "tf32", (16, 64), {}),
     ("groups", "bf16", (16, 64), {"groups": 2}),
     ("input rows not whole 16-byte units (66 x 2 bytes)", "bf16", (16, 66), {"padding": 0}),
-    ("a 1-D conv", "bf16", (128,), {}),
     ("a 3-D conv", "bf16", (4, 4, 64), {}),
 ])
 def test_other_convs_of_several_taps_keep_the_layout_pass(monkeypatch, why, precision, size, conv):
@@ -1263,20 +1264,22 @@ def test_other_convs_of_several_taps_keep_the_layout_pass(monkeypatch, why, prec
     assert plan["engine"] == "tma" and not plan["tma"].a_in_place, why
 
 
-def test_the_input_map_of_a_conv_of_several_taps_is_4_d(monkeypatch):
-    """[batch][C_IN][H][W] as (W, H, C_IN, batch), a box of 64 positions of one row x BKC channels;
-    one launch, no layout pass."""
+@pytest.mark.parametrize("size", [(12, 128), (128,)])
+def test_the_input_map_of_a_conv_of_several_taps_is_4_d(monkeypatch, size):
+    """[batch][C_IN][H][W] as (W, H, C_IN, batch) (a 1-D conv's [batch][C_IN][W]: H = 1), a box of
+    64 positions of one row x BKC channels; one launch, no layout pass."""
     monkeypatch.setattr(tma, "TAPS_IN_PLACE", True)
     stub = _StubbedDriver(monkeypatch)
-    data = dict(precision="bf16", input={"channels": 40, "size": [12, 128]},
+    data = dict(precision="bf16", input={"channels": 40, "size": list(size)},
                 conv={"out_channels": 64, "kernel": 3, "padding": 1}, tile={"engine": "tma"})
     plan = stub.launch(data, batch=3)
     tp = plan["tma"]
     assert tp.taps_in_place and stub.queued == ["main"]
+    h, w = (1, *size) if len(size) == 1 else size
     args = stub.tiled[-1]
     assert args[1] == stub.x.data_ptr()
-    assert args[2] == (128, 12, 40, 3) and args[3] == (256, 12 * 256, 40 * 12 * 256)
-    assert args[4] == (64, 1, tp.bkc, 1) and args[-1] == 3 * 40 * 12 * 128 * 2
+    assert args[2] == (w, h, 40, 3) and args[3] == (w * 2, h * w * 2, 40 * h * w * 2)
+    assert args[4] == (64, 1, tp.bkc, 1) and args[-1] == 3 * 40 * h * w * 2
 
 
 @pytest.mark.nvcc
@@ -1290,6 +1293,7 @@ def test_the_input_map_of_a_conv_of_several_taps_is_4_d(monkeypatch):
     (64, 64, (8, 56), {}, [{"add": {"input": "shortcut"}}, "relu"]),  # ... (56 -> 64), an extra input
     (40, 100, (8, 56), {}, [{"amax": {"dims": [1]}}]),
     (32, 64, (8, 56), {}, [{"softmax": 1}]),
+    (256, 256, (4096,), {}, [{"gelu": {"approximate": "none"}}]),  # a 1-D conv
 ])
 def test_taps_in_place_kernels_compile_without_spills(monkeypatch, precision, cin, cout, size, conv, epilogue):
     monkeypatch.setattr(tma, "TAPS_IN_PLACE", True)

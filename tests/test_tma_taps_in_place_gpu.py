@@ -1,4 +1,4 @@
-"""A bf16 / fp16 2-D conv of several taps on the TMA engine reading its NCHW input where it lies
+"""A bf16 / fp16 1-D or 2-D conv of several taps on the TMA engine reading its NC(H)W input where it lies
 (`tma.TAPS_IN_PLACE` on: `TmaPlan.taps_in_place`, each m64 tile's A a 4-D tiled load of 64
 positions of one input row per tap, the padding from the map's zero fill) against PyTorch on the
 GPU (marker `gpu`; skipped without an sm_90 GPU): at the mode's bar (within 2x of PyTorch's own
@@ -45,6 +45,10 @@ CASES = {
                              [{"add": {"input": "shortcut"}}, "relu"]),
     "c40_amax_rows_56": (40, [5, 56], {"out_channels": 100, "kernel": 3, "padding": 1}, [{"amax": {"dims": [1]}}]),
     "c32_softmax_rows_120": (32, [3, 120], {"out_channels": 64, "kernel": [1, 3], "padding": [0, 1]}, [{"softmax": 1}]),
+    # 1-D convs: one row per sample
+    "c64_conv1d_1024": (64, [1024], {"out_channels": 96, "kernel": 3, "padding": 1}, [{"gelu": {"approximate": "none"}}]),
+    "c48_conv1d_rows_120": (48, [120], {"out_channels": 64, "kernel": 5, "padding": 2},
+                            [{"add": {"input": "shortcut"}}, "relu"]),
 }
 
 
