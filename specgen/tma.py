@@ -85,7 +85,7 @@ TWO_BLOCK_MIN_STAGES = 3
 TWO_BLOCK_TRANSPOSED_MIN_STAGES = 2
 # A tile's cost per multiply-add falls with its size faster than the waves of tiles over the SMs
 # grow: `cost` in `candidates` is waves x BM x BN x (1 + TILE_COST_N / BN + TILE_COST_M / BM), fitted
-# to `specgen tune` on 44 TMA layers on an H100 (NOTES v64: the former 32 / 32 took 128 x 64 tiles
+# to `specgen tune` on 47 TMA layers on an H100 (NOTES v64: the former 32 / 32 took 128 x 64 tiles
 # for 256 channels at 14^2, 1.25x slower than 256 x 128 ones, which fill 98 of 132 SMs).
 TILE_COST_N, TILE_COST_M = 64, 96
 # The input rows the SMs' tiles read at once stay in L2 across a 3x3 conv's taps only while they
