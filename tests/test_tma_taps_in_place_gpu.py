@@ -18,15 +18,14 @@ from specgen import pipeline, tma, tmarun  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 from specgen.spec import validate  # noqa: E402
 
-from gpu_helpers import compare, extra_inputs, random_input, randomize  # noqa: E402
+from gpu_helpers import compare, extra_inputs, random_input, randomize, skip_unless_engine_runs  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
 
 
 @pytest.fixture(autouse=True)
 def _hopper():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the TMA engine needs an sm_90 GPU")
+    skip_unless_engine_runs("tma")
 
 
 CASES = {
