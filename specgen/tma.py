@@ -679,10 +679,16 @@ def candidates(cout: int, m_total: int, split: bool, sm_count: int, whole_n: boo
         # a wave costs its tile's arithmetic; small tiles pay more per product (their A and B
         # loads and the wgmma's operand reads are amortized over fewer products)
         eff = 1.0 + TILE_COST_N / bn + TILE_COST_M / bm
-        spills_l2 = bm * tap_row_bytes * min(tiles, sms) > L2_WORKING_SET
+        spills_l2 = rows_in_flight(bm, bn, cout, m_total, tap_row_bytes, sms) > L2_WORKING_SET
         return spills_l2, waves * bm * bn * eff
 
     return sorted(dict.fromkeys(shapes), key=cost)
+
+
+def rows_in_flight(bm: int, bn: int, cout: int, m_total: int, tap_row_bytes: int, sms: int) -> int:
+    """Bytes of input rows the SMs' BM x BN tiles hold at once (one tile an SM, at most the
+    tiles there are): what `L2_WORKING_SET` bounds."""
+    return bm * tap_row_bytes * min(-(-m_total // bm) * -(-cout // bn), sms)
 
 
 def _tap_row_bytes(spec: LayerSpec, cip: int, elem_bytes: int) -> int:
@@ -708,8 +714,7 @@ def _l2_note(spec: LayerSpec, cfg: TmaConfig, cip: int, elem_bytes: int, target:
     if (cfg.bm, cfg.bn) not in unlimited:
         return ""
     for bm, bn in unlimited[:unlimited.index((cfg.bm, cfg.bn))]:
-        tiles = -(-m_total // bm) * -(-spec.conv.out_channels // bn)
-        in_flight = bm * row * min(tiles, target.sm_count or 132)
+        in_flight = rows_in_flight(bm, bn, spec.conv.out_channels, m_total, row, target.sm_count or 132)
         if bm == 256 and in_flight > L2_WORKING_SET:
             return (f"{cfg.bm} x {cfg.bn} tiles, not {bm} x {bn}: those would keep {in_flight / 1e6:.0f} MB of "
                     f"input rows in flight across the taps (at batch {batch}), past the "
@@ -932,7 +937,8 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     positions = math.prod(conv_out)
     split_parts = 1 if whole_n or phases or norm_rows else cfg.split_k or splitk.choose(
         positions, cout, cfg.bm, n_tiles, k_iters, (target.sm_count or 132) * cfg.blocks_per_sm)
-    w_pad = taps_row_pad(conv_out[-1]) if taps > 1 and reads_nchw_taps_in_place(spec) else 0
+    taps_read = reads_nchw_taps_in_place(spec)  # (else a 1x1 conv's read in place, or none)
+    w_pad = taps_row_pad(conv_out[-1]) if taps_read else 0
     row_padded = bool(w_pad) and w_pad != conv_out[-1]
     in_place = not channels_last and reads_nchw_in_place(spec) and (positions % NCHW_CHUNK == 0 or split_parts == 1) \
         and (not norm_rows or positions % NCHW_CHUNK == 0) \
@@ -966,7 +972,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         a_in_place=in_place,
         subsample=tuple(geo["stride"]) if in_place and any(st > 1 for st in geo["stride"]) else (),
         l2_note=_l2_note(spec, cfg, cip, eb, target) if config is None else "",
-        taps_in_place=in_place and taps > 1, w_pad=w_pad if in_place and row_padded else 0,
+        taps_in_place=in_place and taps_read, w_pad=w_pad if in_place and row_padded else 0,
         persistent=not phases and not whole_n,
         store_quads=_stores_quads(cl_out, eb, cfg.bn, cout, positions, whole_n or bool(norm_rows), bool(phases),
                                   bool(spec.inputs()) and acc >= 128),

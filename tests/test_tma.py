@@ -1235,14 +1235,17 @@ def test_output_rows_that_are_not_whole_m64_tiles_are_padded_to_them(monkeypatch
     text = render_plan(plan)
     assert f"constexpr int W_PAD = {w_pad};" in text and f"constexpr int M_POSITIONS = {rows * w_pad};" in text
     assert "chunk_h[q] = chunk_p[q] / W_PAD - P_H;" in text and "chunk_w[q] = chunk_p[q] % W_PAD - P_W;" in text
-    assert "row_mine[i][h] = q % W_PAD < OUT_W;" in text
-    assert "row_p[i][h] = row_mine[i][h] ? q / W_PAD * OUT_W + q % W_PAD : POSITIONS - 1;" in text
-    assert tp.store_quads and "if (cq < C_OUT && mq < m_total && q_pad % W_PAD < OUT_W) {" in text
+    assert "  mine = q % W_PAD < OUT_W;\n  return q / W_PAD * OUT_W + q % W_PAD;" in text  # (row_position)
+    assert "const int p = row_position(row % M_POSITIONS, row_mine[i][h]);" in text
+    assert "row_p[i][h] = row_mine[i][h] ? p : POSITIONS - 1;" in text
+    assert tp.store_quads and "p = row_position(mq % M_POSITIONS, stored);" in text
+    assert "if (cq < C_OUT && mq < m_total && stored) {" in text
     assert f"each output row padded to {w_pad} rows of M" in describe(plan)
     norm = _taps(precision, size=size)
     norm = validate({**norm.model_dump(mode="json", exclude_defaults=True), "epilogue": [{"softmax": 1}]})
     text = render_plan(build_plan(norm, target=HOPPER))
-    assert "const bool mine = q_pad % W_PAD < OUT_W;" in text
+    assert "const int p_row = row_position(m % M_POSITIONS, mine);" in text
+    assert "const int p_out = mine ? p_row : POSITIONS - 1;" in text
 
 
 @pytest.mark.parametrize("why,precision,size,conv", [
