@@ -11,9 +11,7 @@ in hardware:
   whose channels need no padding is read as it is; so is the NC(D)HW input of a bf16 / fp16 1x1
   conv without padding (`reads_nchw_in_place`), whose A tiles are then tiled loads of 64 positions x
   BKC channels that wgmma reads as a transposed (MN-major) operand (a strided one reads the input's
-  subsampled copy, `TmaPlan.subsample`); with `TAPS_IN_PLACE` on (off until timed), so does a 1-D
-  or 2-D conv of several taps whose output rows are whole m64 tiles (or padded to them, `taps_row_pad`),
-  one load per tap at the row and column it shifts to (`reads_nchw_taps_in_place`).
+  subsampled copy, `TmaPlan.subsample`).
 * A K-block is (one tap, BKC channels). Its A tile, BM consecutive output positions x BKC
   channels, is one TMA load in im2col mode: the hardware walks the positions (across rows and
   samples), adds the tap's offset, and fills zeros where a tap falls in the padding. Its B tile
@@ -247,12 +245,6 @@ class TmaPlan:
     subsample: tuple[int, ...] = ()
     # Why the planner's tile has 128 rows where 256 fit (`L2_WORKING_SET`), for `describe`; "" else.
     l2_note: str = ""
-    # A conv of several taps read in place (`reads_nchw_taps_in_place`): each m64 tile's A is a
-    # 4-D tiled load of 64 input positions of one row x BKC channels, shifted by the tap.
-    taps_in_place: bool = False
-    # ... whose output rows are padded to whole m64 tiles (`taps_row_pad`): each row of M per sample
-    # is one of OUT_H rows of W_PAD positions, those past OUT_W computed and not stored; 0 else.
-    w_pad: int = 0
     # A 16-bit output: the epilogue transposes each thread's values across its group of four lanes
     # and stores four at once (`_stores_quads`): four neighbouring positions of one channel
     # (NC(D)HW), or eight neighbouring channels of one row (channels-last). A warp's stores then
@@ -563,55 +555,19 @@ def reads_nchw_in_place(spec: LayerSpec) -> bool:
     positions contiguous (MN-major), the layout wgmma reads with its A operand transposed -- which it
     allows for 16-bit types only (a tf32 operand must be K-major, and so pays the pass). Measured on
     an H200 (benchmarks/NOTES.md v35): the bf16 1x1 conv 256 -> 64 at 56^2 spent more time in the
-    layout pass than in its GEMM."""
+    layout pass than in its GEMM.
+
+    A conv of several taps cannot read NC(H)W in place this way: a tap shifts its 64 positions by
+    an element or two along the row, the tiled load's innermost coordinate, and a tiled load whose
+    innermost coordinate is not a whole 16 bytes faults with an illegal instruction (measured on an
+    H100 by benchmarks/tma_inner_offset.cu: offsets 0 and 8 bf16 elements load, 1, 2, 3 and -1
+    fault, while any offset along an outer dimension, -1 included, loads and zero-fills; NOTES v65)."""
     geo = spec.conv_geometry()
     return (
         spec.precision in ("bf16", "fp16") and not spec.conv.transposed and spec.conv.groups == 1
         and all(k == 1 for k in geo["kernel"]) and all(p == 0 for p in geo["padding"])
         and math.prod(spec.conv_output().sizes[1:]) * ELEM_BYTES[spec.precision] % 16 == 0
-    ) or reads_nchw_taps_in_place(spec)
-
-
-# A 1-D or 2-D conv of several taps reads its NC(H)W input in place too where TAPS_IN_PLACE is on
-# (`reads_nchw_taps_in_place`). Off until timed on a GPU: written and compiled, not yet measured
-# against the layout pass it saves (NOTES v64).
-TAPS_IN_PLACE = False
-
-
-def reads_nchw_taps_in_place(spec: LayerSpec) -> bool:
-    """Whether a bf16 / fp16 1-D or 2-D conv of several taps can read its NC(H)W input where it lies
-    (with TAPS_IN_PLACE on): stride 1, no groups, and output rows of whole m64 tiles (W_OUT a
-    multiple of 64, or padded to one: `taps_row_pad`), so that each m64 tile is 64 consecutive
-    positions of one output row. A K-block's
-    A tile is then, per m64 tile, one tiled 4-D load of 64 input positions of one row x BKC channels,
-    at the row and column the tap shifts it to: the tensor map's zero fill outside the input is the
-    conv's padding. The input's rows must be whole 16-byte units (the map's strides)."""
-    if not TAPS_IN_PLACE or spec.ndim > 2:  # (a 1-D conv: one row per sample)
-        return False
-    geo = spec.conv_geometry()
-    return (
-        spec.precision in ("bf16", "fp16") and not spec.conv.transposed and spec.conv.groups == 1
-        and math.prod(geo["kernel"]) > 1 and all(st == 1 for st in geo["stride"])
-        and taps_row_pad(spec.conv_output().sizes[-1]) is not None
-        and spec.input.size[-1] * ELEM_BYTES[spec.precision] % 16 == 0
     )
-
-
-# Output rows that are not whole m64 tiles are padded to them (M runs over OUT_H x W_PAD rows per
-# sample, the rows past OUT_W computed and not stored) where that adds at most this share of rows:
-# 56 -> 64 and 112 -> 128 (1.14x), not 28 -> 64.
-TAPS_ROW_PAD_MAX = 1.15
-
-
-def taps_row_pad(out_w: int) -> int | None:
-    """The padded output row (`TmaPlan.w_pad`) of a conv of several taps read in place: OUT_W itself
-    where it is a multiple of 64, else OUT_W rounded up to one (OUT_W a multiple of 4, so that the
-    epilogue's four-position stores never mix stored and padding rows) within TAPS_ROW_PAD_MAX; None
-    where neither holds."""
-    w_pad = -(-out_w // NCHW_CHUNK) * NCHW_CHUNK
-    if w_pad == out_w:
-        return w_pad
-    return w_pad if out_w % 4 == 0 and w_pad <= TAPS_ROW_PAD_MAX * out_w else None
 
 
 def has_tma_engine(target: targets.Target) -> bool:
@@ -937,15 +893,9 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     positions = math.prod(conv_out)
     split_parts = 1 if whole_n or phases or norm_rows else cfg.split_k or splitk.choose(
         positions, cout, cfg.bm, n_tiles, k_iters, (target.sm_count or 132) * cfg.blocks_per_sm)
-    taps_read = reads_nchw_taps_in_place(spec)  # (else a 1x1 conv's read in place, or none)
-    w_pad = taps_row_pad(conv_out[-1]) if taps_read else 0
-    row_padded = bool(w_pad) and w_pad != conv_out[-1]
     in_place = not channels_last and reads_nchw_in_place(spec) and (positions % NCHW_CHUNK == 0 or split_parts == 1) \
-        and (not norm_rows or positions % NCHW_CHUNK == 0) \
-        and not (row_padded and (split_parts > 1 or norm_rows))  # (a group must not meet padding rows)
-    if in_place and row_padded:  # M per sample: OUT_H rows of W_PAD, the positions past OUT_W not stored
-        grid = (1, conv_out[-2] if len(conv_out) > 1 else 1, w_pad)
-    elif in_place and positions % NCHW_CHUNK:  # M per sample padded to whole m64 tiles
+        and (not norm_rows or positions % NCHW_CHUNK == 0)  # (a group must not meet padding rows)
+    if in_place and positions % NCHW_CHUNK:  # M per sample padded to whole m64 tiles
         grid = (1, 1, -(-positions // NCHW_CHUNK) * NCHW_CHUNK)
     if whole_n and cfg.split_k > 1:
         raise ValueError("split K with a reduction or softmax over the channels")
@@ -972,7 +922,6 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         a_in_place=in_place,
         subsample=tuple(geo["stride"]) if in_place and any(st > 1 for st in geo["stride"]) else (),
         l2_note=_l2_note(spec, cfg, cip, eb, target) if config is None else "",
-        taps_in_place=in_place and taps_read, w_pad=w_pad if in_place and row_padded else 0,
         persistent=not phases and not whole_n,
         store_quads=_stores_quads(cl_out, eb, cfg.bn, cout, positions, whole_n or bool(norm_rows), bool(phases),
                                   bool(spec.inputs()) and acc >= 128),
@@ -1013,14 +962,10 @@ def describe(tp: TmaPlan) -> str:
         f"warpgroups{', two blocks per SM' if tp.blocks_per_sm == 2 else ''}"
         f"{', each block walking tiles (as many blocks as the SMs hold)' if tp.persistent else ''}; "
         + ("A read from the NC(D)HW input where it lies (tiled TMA loads of 64 positions x "
-           f"{tp.bkc} channels, positions contiguous: wgmma's A operand transposed"
-           + ("; per tap, 64 positions of an input row shifted by the tap, zeros outside the input: the padding"
-              if tp.taps_in_place else "") + "), no layout pass"
+           f"{tp.bkc} channels, positions contiguous: wgmma's A operand transposed), no layout pass"
            + (f" (the stride-{'x'.join(map(str, tp.subsample))} positions copied out first, a stride-1 conv of the copy)"
               if tp.subsample else "")
-           + (f"; each output row padded to {tp.w_pad} rows of M (whole m64 tiles), those past its "
-              f"{tp.positions // tp.grid[1]} positions not stored" if tp.w_pad
-              else f"; M padded to {tp.grid_positions} rows per sample (whole m64 tiles), the rows past the "
+           + (f"; M padded to {tp.grid_positions} rows per sample (whole m64 tiles), the rows past the "
               f"{tp.positions} positions not stored" if tp.padded_rows else "")
            if tp.a_in_place else f"a layout pass lays the input out channels-last ({tp.cip} channels)")
         + ("; the output channels-last, as the input" if tp.channels_last_out else "")

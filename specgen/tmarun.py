@@ -2,8 +2,7 @@
 
 Per forward (on torch's current stream, so it also runs under CUDA-graph capture):
 
-1. A 16-bit 1x1 conv without padding (`TmaPlan.a_in_place`), or a 1-D / 2-D one of several taps whose output rows
-   are whole m64 tiles (`TmaPlan.taps_in_place`, while `tma.TAPS_IN_PLACE` is on), reads a contiguous input where it lies:
+1. A 16-bit 1x1 conv without padding (`TmaPlan.a_in_place`) reads a contiguous input where it lies:
    its A tiles are loaded from [batch][C_IN][positions] by a tiled tensor map (any other layout is
    made contiguous first; a strided conv's input positions, every stride-th, are copied out first,
    `TmaPlan.subsample`). Otherwise `<kernel>_prep` writes the input channels-last with its channels padded, [batch][positions][CIP]
@@ -217,18 +216,11 @@ def _input_map(address: int, nbytes: int, dtype: torch.dtype, tp: TmaPlan, spati
                                  (1, *elem_strides, 1), tp.swizzle_tma, nbytes)
 
 
-def _nchw_map(address: int, dtype: torch.dtype, cin: int, tp: TmaPlan, batch: int,
-              spatial: tuple[int, ...] = ()) -> runtime.TensorMap:
+def _nchw_map(address: int, dtype: torch.dtype, cin: int, tp: TmaPlan, batch: int) -> runtime.TensorMap:
     """The tiled map of a contiguous [batch][C_IN][positions] input at `address` whose A tiles are
     read in place (`TmaPlan.a_in_place`): a box of 64 positions x BKC channels of one sample,
-    128-byte-swizzled. A conv of several taps (`TmaPlan.taps_in_place`) reads [batch][C_IN][H][W]
-    (`spatial`: the input's H, W, or W alone: H = 1) through a 4-D map, a box of 64 positions of one
-    row x BKC channels."""
+    128-byte-swizzled."""
     e = tp.elem_bytes
-    if tp.taps_in_place:
-        h, w = (1, *spatial) if len(spatial) == 1 else spatial  # (a 1-D conv: one row per sample)
-        return runtime.encode_tiled(MAP_DTYPE[dtype], address, (w, h, cin, batch), (w * e, h * w * e, cin * h * w * e),
-                                    (NCHW_CHUNK, 1, tp.bkc, 1), SWIZZLE[128]["tma"], batch * cin * h * w * e)
     return runtime.encode_tiled(MAP_DTYPE[dtype], address, (tp.positions, cin, batch),
                                 (tp.positions * e, cin * tp.positions * e), (NCHW_CHUNK, tp.bkc, 1),
                                 SWIZZLE[128]["tma"], batch * cin * tp.positions * e)
@@ -401,7 +393,7 @@ class Launches:
         if maps is None:
             c, tp, batch = self.c, self.c.tp, self.batch
             if self.mode == "nchw":
-                maps = [_nchw_map(address, c.operand_dtype, c.cin, tp, batch, c.size)]
+                maps = [_nchw_map(address, c.operand_dtype, c.cin, tp, batch)]
             else:
                 planes = [address + o for o in self.plane_offsets] or [address]
                 phases = tp.phases or (None,)
