@@ -114,6 +114,10 @@ def cmd_show(args) -> int:
                 print(f"small batches: a call of up to {few} sample(s) on an NC(D)HW input runs the implicit GEMM's "
                       f"128 x 64 tile instead, unless a tuned choice for its batch bucket says otherwise "
                       f"(the opt-in rule SPECGEN_SMALL_BATCH=1)")
+            if not args.channels_last and (few := pipeline.small_batch_spread_largest(spec, plan, args.arch)):
+                print(f"small batches: a call of up to {few} sample(s) on an NC(D)HW input runs this box with one "
+                      f"register tile a thread instead of four (about four times the blocks), unless a tuned choice "
+                      f"for its batch bucket says otherwise")
             if "role" in describe(plan) or "axes:" in describe(plan):  # the slab and FFMA engines' axis roles
                 print(ROLE_LEGEND)
         else:

@@ -292,26 +292,71 @@ def _out_positions(spec: LayerSpec) -> int:
     return math.prod(spec.conv_output().sizes[1:])
 
 
+# The small-batch box: on the FFMA engine a depthwise conv's box (one input channel per group, a
+# conv and pointwise stages) stacks four register tiles on each thread, which suits batches of many
+# samples; a call whose batch bucket makes at most half as many blocks as the GPU has SMs runs one
+# tile a thread instead (`plan.Settings.stacked_tiles`), about four times the blocks. Measured
+# (benchmarks/depthwise_stacking.py, H100, NOTES v65), GPU time of MobileNetV2's depthwise shapes
+# and a 5x5: at batch 1 (9-56 stacked blocks) one tile a thread ran 1.44-2.24x faster on all 11;
+# at batch 8 (72-448 blocks) and 64 it was 0.55-1.18x, slower on most. False turns the rule off.
+SMALL_BATCH_SPREAD = True
+
+
+def small_batch_settings(spec: LayerSpec, plan: dict, arch: str | None, bucket: int) -> Settings | None:
+    """The planner settings of calls of `bucket` samples of the layer `spec` planned as `plan` for
+    `arch` (SMALL_BATCH_SPREAD), or None where `plan` serves them: a depthwise conv with pointwise
+    stages alone on the FFMA engine whose stacked box gives a call of `bucket` samples at most
+    half as many blocks as SMs, a tile in the spec excepted."""
+    if not SMALL_BATCH_SPREAD or plan.get("engine") != "ffma" or spec.tile is not None or spec.conv.transposed \
+            or spec.conv.groups == 1 or spec.input.channels != spec.conv.groups or spec.upsampled() \
+            or any(stage_kind(stage.op, stage.args) != "pointwise" for stage in spec.epilogue):
+        return None
+    sms = targets.resolve(arch).sm_count or 132
+    return Settings(stacked_tiles=False) if 2 * bucket * plan["blocks_per_sample"] <= sms else None
+
+
+def small_batch_spread_largest(spec: LayerSpec, plan: dict, arch: str | None) -> int:
+    """The largest batch bucket whose calls take the box of one tile a thread
+    (`small_batch_settings`; batches 1 to it), 0 where none does."""
+    bucket = 0
+    while small_batch_settings(spec, plan, arch, 2 * bucket or 1) is not None:
+        bucket = 2 * bucket or 1
+    return bucket
+
+
 def build_batch_variants(items: list[Specialized], batch: int) -> None:
-    """Build the small-batch kernels (`small_batch_config`) that calls of `batch` samples of
-    `items` will take, in one parallel build, so that their first calls find them (from_module:
-    the example's batch; a model's layers would otherwise compile one by one while being timed)."""
-    if not small_batch_on() or batch < 1:
+    """Build the small-batch kernels (`small_batch_config`, `small_batch_settings`) that calls of
+    `batch` samples of `items` will take, in one parallel build per kind, so that their first
+    calls find them (from_module: the example's batch; a model's layers would otherwise compile
+    one by one while being timed)."""
+    if batch < 1:
         return
     bucket = batch_bucket(batch)
     from specgen import tune
 
-    wanted: dict = {}  # (spec, arch) -> tile, per arch
+    wanted: dict = {}  # arch -> {spec: (spec, tile)}
+    spread: dict = {}  # arch -> {spec: (spec, settings)}
     for sp in items:
-        if sp.follows_tuning and (sp.key, sp.arch, bucket, True) not in _batch_variants \
-                and (config := small_batch_config(sp.spec, sp.plan, sp.arch, bucket)) is not None \
-                and tune.stored_choice(sp.spec, sp.arch, bucket) is None:
+        if not sp.follows_tuning or _variant_key(sp, bucket) in _batch_variants \
+                or tune.stored_choice(sp.spec, sp.arch, bucket) is not None:
+            continue
+        if (config := small_batch_config(sp.spec, sp.plan, sp.arch, bucket)) is not None:
             wanted.setdefault(sp.arch, {})[sp.spec.canonical_json()] = (sp.spec, config)
-    for arch, todo in wanted.items():
-        try:
+        elif (settings := small_batch_settings(sp.spec, sp.plan, sp.arch, bucket)) is not None:
+            spread.setdefault((sp.arch, settings), {})[sp.spec.canonical_json()] = sp.spec
+    try:
+        for arch, todo in wanted.items():
             specialize_many([spec for spec, _ in todo.values()], arch, igemm_configs=[c for _, c in todo.values()])
-        except Exception as error:  # noqa: BLE001  (each is then built, or given up, on its first call)
-            get_logger().warning("small-batch kernels not prebuilt (%s: %s)", type(error).__name__, error)
+        for (arch, settings), todo in spread.items():
+            specialize_many(list(todo.values()), arch, tuned=False, settings=settings)
+    except Exception as error:  # noqa: BLE001  (each is then built, or given up, on its first call)
+        get_logger().warning("small-batch kernels not prebuilt (%s: %s)", type(error).__name__, error)
+
+
+def _variant_key(sp: Specialized, bucket: int) -> tuple:
+    """`_batch_variants`' key: the layer's kernel, arch and batch bucket, and both small-batch rules'
+    switches as they stand (a switch turned reaches a layer already called)."""
+    return sp.key, sp.arch, bucket, small_batch_on(), SMALL_BATCH_SPREAD
 
 
 def batch_variant(sp: Specialized, batch: int) -> Specialized:
@@ -321,12 +366,14 @@ def batch_variant(sp: Specialized, batch: int) -> Specialized:
     `--batch 64` of a small-M layer: at batch 1 the implicit GEMM's mma.sync tile, at 64 the TMA
     engine's): that bucket's kernel; and, where its bucket has no tuned choice, a batch of few
     samples on a layer planned for the TMA engine (`small_batch_config`): the implicit GEMM's
-    kernel. Looked up (and built) on the first call per layer and bucket, then kept per
+    kernel, and on a depthwise conv's FFMA box too small a batch to fill the SMs
+    (`small_batch_settings`): its box of one tile a thread. Looked up (and built) on the first
+    call per layer and bucket, then kept per
     process; `sp` itself where it does not follow the tuned choices (a tile given, a candidate
     being tuned)."""
     if not sp.follows_tuning or batch < 1:
         return sp
-    key = (sp.key, sp.arch, batch_bucket(batch), small_batch_on())
+    key = _variant_key(sp, batch_bucket(batch))
     hit = _batch_variants.get(key)
     if hit is not None:
         return hit
@@ -336,10 +383,12 @@ def batch_variant(sp: Specialized, batch: int) -> Specialized:
     record = tune.stored_choice(sp.spec, sp.arch, key[2])
     # (a stored choice of None: the heuristic plan won at that bucket)
     config = record["config"] if record is not None else small_batch_config(sp.spec, sp.plan, sp.arch, key[2])
-    if record is not None or config is not None:
-        how = "the tuned choice" if record is not None else "the small-batch tile"
+    settings = small_batch_settings(sp.spec, sp.plan, sp.arch, key[2]) if record is None and config is None else None
+    if record is not None or config is not None or settings is not None:
+        how = "the tuned choice" if record is not None else "the small-batch tile" if config is not None \
+            else "the small-batch box"
         try:
-            variant = specialize(sp.spec, sp.arch, igemm_config=config, tuned=False)
+            variant = specialize(sp.spec, sp.arch, igemm_config=config, tuned=False, settings=settings)
         except Exception as error:  # noqa: BLE001  (the layer's own kernel serves every batch: never worse than before)
             get_logger().warning("%s: %s for batch bucket %d does not build (%s: %s); the layer's "
                                  "kernel serves it", sp.spec.name, how, key[2], type(error).__name__, error)

@@ -773,11 +773,17 @@ class Settings:
     # The FFMA engine's channels per thread, at most this (None: the planner's, up to 8): the spill
     # retry's smaller register tile (`pipeline._without_spills`). A tile's channels_per_thread wins.
     ffma_ct: int | None = None
+    # False: an FFMA box without a reduction keeps one register tile a thread instead of stacking
+    # four (which amortizes a block's weight staging), so a sample gets about four times the
+    # blocks: the kernel for a batch too small to fill the SMs with the stacked box
+    # (`pipeline.small_batch_settings`, depthwise convs).
+    stacked_tiles: bool = True
 
     def summary(self) -> str:
         parts = ([f"min_blocks {self.min_blocks}"] if self.min_blocks else []) + ([] if self.rewrites else ["no rewrites"])
         parts += [self.slab.label()] if self.slab is not None else []
         parts += [f"FFMA tiles of at most {self.ffma_ct} channels"] if self.ffma_ct else []
+        parts += [] if self.stacked_tiles else ["one FFMA tile a thread"]
         parts += ["exact sums"] if self.exact_sums else []
         parts += ["channels-last input and output"] if self.channels_last else []
         return ", ".join(parts)
@@ -1083,14 +1089,15 @@ class BoxMemory:
 def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dict, reductions: list,
                 in3: tuple, k3: tuple, s3: tuple, p3: tuple, d3: tuple, taps: int, target: Target,
                 slab: SlabConfig | None = None, exact_sums: bool = False, ffma_ct: int | None = None,
-                spread: bool = True) -> BoxTiling:
+                spread: bool = True, stacked: bool = True) -> BoxTiling:
     """Pass 5, the box engines' tiling (slab on tensor cores, else FFMA): the box of T1 a block
     owns, the register tile, the threads, the blocks per sample and their clusters, and the tail's
     owners (the kept elements of a box and the lanes each). A tile's fields in the spec decide where
     given; `slab`, a tuner's candidate, makes the slab engine run with its instruction and tile.
     `exact_sums`: the layer sums each k-step's products apart (`Settings.exact_sums`: a tf32 layer
     computed exactly), on either instruction. `ffma_ct`: the FFMA register tile's channels, at most
-    this (`Settings.ffma_ct`).
+    this (`Settings.ffma_ct`). `stacked`: whether a box without a reduction stacks four register
+    tiles on each thread (`Settings.stacked_tiles`).
     (The TMA and implicit-GEMM engines tile for themselves: `tma.plan_tma`, `igemm.plan_igemm`.)"""
     nd = spec.ndim
     cin, cout, groups = spec.input.channels, spec.conv.out_channels, spec.conv.groups
@@ -1217,7 +1224,7 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
             box[3] = _balanced(t1[3], 16 * pt, pt)
         per_row = (box[0] // ct) * _ceil_div(box[3], pt)
         rows = max(1, target_threads // per_row)
-        if not reductions and not heavy:
+        if not reductions and not heavy and stacked:
             rows *= 4  # four register tiles per thread amortize the block's weight staging
         # Rows along H, then D; but a reduction over depth that keeps the rows (a min over depth)
         # takes its depths first: a box of few kept elements, each folding several depths, where
@@ -1282,7 +1289,7 @@ def _box_tiling(spec: LayerSpec, levels: list, t1: tuple, role: dict, srole: dic
         # only lose register reuse (256 -> 8 channels 3x3 at 64^2, avg pool, fp32: 0.38 ms with 8 x 4
         # tiles, 0.56 with 4 x 4 on the same 256 threads; H100, NOTES v48)
         plain = _box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, target, slab,
-                            exact_sums, ffma_ct, spread=False)
+                            exact_sums, ffma_ct, spread=False, stacked=stacked)
         if threads * blocks_per_sample <= plain.threads * plain.blocks_per_sample:
             return plain
     return tiling
@@ -1506,7 +1513,7 @@ def plan_whole(spec: LayerSpec, igemm_config: "igemm_engine.IgemmConfig | None" 
     tile = spec.tile
     cout_g = cout // groups
     bt = _box_tiling(spec, levels, t1, role, srole, reductions, in3, k3, s3, p3, d3, taps, target, settings.slab,
-                     bool(settings.exact_sums), settings.ffma_ct)
+                     bool(settings.exact_sums), settings.ffma_ct, stacked=settings.stacked_tiles)
     mma, box, ct, pt, threads = bt.mma, bt.box, bt.ct, bt.pt, bt.threads
     thread_tiles, tile_iters, split_channels = bt.thread_tiles, bt.tile_iters, bt.split_channels
     f_axes, r1_axes, f1_axes, tiles, chunks = bt.f_axes, bt.r1_axes, bt.f1_axes, bt.tiles, bt.chunks

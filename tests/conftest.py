@@ -45,13 +45,16 @@ _CHECKS = {"gpu": gpu_missing, "nvcc": nvcc_missing}
 
 @pytest.fixture(autouse=True)
 def _small_batch_tile(request, monkeypatch):
-    """The small-batch rule (`pipeline.small_batch_config`, off unless SPECGEN_SMALL_BATCH=1) is
-    on for the tests marked `small_batch` (the rule's own) and off for every other test, whatever
-    the environment says: each engine's tests run it at the small batches they use."""
-    if request.node.get_closest_marker("small_batch") is None:
-        monkeypatch.setenv("SPECGEN_SMALL_BATCH", "0")
-    else:
-        monkeypatch.setenv("SPECGEN_SMALL_BATCH", "1")
+    """The small-batch rules (`pipeline.small_batch_config`, off unless SPECGEN_SMALL_BATCH=1, and
+    the depthwise box of one tile a thread, `pipeline.small_batch_settings`, on unless
+    SMALL_BATCH_SPREAD is false) are on for the tests marked `small_batch` (the rules' own) and off
+    for every other test, whatever the environment says: each engine's tests run the engine's
+    own plan at the small batches they use."""
+    from specgen import pipeline
+
+    marked = request.node.get_closest_marker("small_batch") is not None
+    monkeypatch.setenv("SPECGEN_SMALL_BATCH", "1" if marked else "0")
+    monkeypatch.setattr(pipeline, "SMALL_BATCH_SPREAD", marked)
 
 
 def pytest_collection_modifyitems(config, items):

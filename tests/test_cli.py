@@ -147,6 +147,20 @@ def test_show_plan_says_which_batches_take_the_small_batch_tile(tmp_path, monkey
     assert "small batches: a call" not in specgen("show", spec, "--plan", "--arch", "sm_90").stdout
 
 
+@pytest.mark.small_batch
+def test_show_plan_says_which_batches_take_the_spread_depthwise_box(tmp_path):
+    """A depthwise conv on the FFMA engine: `show --plan` names the batches whose calls run its box
+    with one register tile a thread (9 stacked blocks a sample: up to 4 samples); a dense conv
+    prints no such line."""
+    spec = tmp_path / "dw.yaml"
+    spec.write_text("name: dw\ninput: {channels: 576, size: [14, 14]}\n"
+                    "conv: {out_channels: 576, kernel: 3, stride: 2, padding: 1, groups: 576}\nepilogue: [relu]\n")
+    plan = specgen("show", spec, "--plan", "--arch", "sm_90")
+    assert plan.returncode == 0 and "small batches: a call of up to 4 sample(s) on an NC(D)HW input runs this box " \
+        "with one register tile a thread" in plan.stdout, plan.stdout
+    assert "one register tile a thread" not in specgen("show", "examples/kb65.yaml", "--plan").stdout
+
+
 def test_version_and_module_entry_point():
     result = specgen("--version")
     assert result.returncode == 0 and result.stdout.startswith("specgen ")

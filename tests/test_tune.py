@@ -553,6 +553,114 @@ def test_small_batch_kernels_are_prebuilt_in_one_build(fake_gpu, monkeypatch):
         pipeline.forget(spec)
 
 
+def _depthwise(channels: int, size: int, stride: int = 1, kernel: int = 3, **extra) -> dict:
+    """MobileNetV2's kind: a depthwise conv, batch norm and ReLU6, tf32 as a model runs it."""
+    return {"name": f"dw_{channels}_{size}_s{stride}_k{kernel}", "input": {"channels": channels, "size": [size, size]},
+            "conv": {"out_channels": channels, "kernel": kernel, "stride": stride, "padding": kernel // 2,
+                     "groups": channels, "bias": False},
+            "epilogue": [{"batch_norm": {}}, {"hardtanh": {"min_val": 0.0, "max_val": 6.0}}], "precision": "tf32", **extra}
+
+
+@pytest.mark.small_batch
+def test_a_depthwise_box_keeps_one_tile_a_thread_where_a_small_batch_leaves_sms_idle(monkeypatch):
+    """`small_batch_settings`: a depthwise conv on the FFMA engine whose stacked box gives a call at
+    most half as many blocks as SMs plans one register tile a thread (`Settings.stacked_tiles`
+    false): four times the blocks, a box of one output row; larger batches, dense and grouped convs,
+    a pool after the conv, a tile in the spec and SMALL_BATCH_SPREAD false keep the plan."""
+    from types import SimpleNamespace
+
+    from specgen.plan import Settings, build_plan
+
+    def sp(data, arch="sm_90"):
+        spec = validate(data)
+        return SimpleNamespace(spec=spec, plan=tune.heuristic(spec), arch=arch)
+
+    def settings(layer_, bucket):
+        return pipeline.small_batch_settings(layer_.spec, layer_.plan, layer_.arch, bucket)
+
+    dw = sp(_depthwise(144, 56))  # 42 stacked blocks a sample on 132 SMs
+    assert dw.plan["engine"] == "ffma" and dw.plan["blocks_per_sample"] == 42 and dw.plan["box"][2] == 4
+    assert settings(dw, 1) == Settings(stacked_tiles=False) and settings(dw, 2) is None
+    spread = build_plan(dw.spec, settings=Settings(stacked_tiles=False))
+    assert spread["blocks_per_sample"] == 4 * 42 and spread["box"][2] == 1 and spread["threads"] == dw.plan["threads"]
+    assert "one FFMA tile a thread" in Settings(stacked_tiles=False).summary()
+    deep = sp(_depthwise(576, 14, stride=2))  # 9 blocks a sample
+    assert [settings(deep, b) is not None for b in (1, 2, 4, 8)] == [True, True, True, False]
+    assert pipeline.small_batch_spread_largest(deep.spec, deep.plan, deep.arch) == 4
+    assert pipeline.small_batch_spread_largest(dw.spec, dw.plan, dw.arch) == 1
+    dense = sp({**_depthwise(32, 28), "conv": {"out_channels": 32, "kernel": 3, "padding": 1}})
+    grouped = sp({**_depthwise(64, 28), "conv": {"out_channels": 64, "kernel": 3, "padding": 1, "groups": 16}})
+    pooled = sp({**_depthwise(144, 56), "epilogue": ["relu", {"max_pool": 2}]})
+    tiled = sp({**_depthwise(144, 56), "tile": {"engine": "ffma"}})
+    for other in (dense, grouped, pooled, tiled):
+        assert settings(other, 1) is None, other.spec.name
+    monkeypatch.setattr(pipeline, "SMALL_BATCH_SPREAD", False)
+    assert settings(dw, 1) is None and pipeline.small_batch_spread_largest(dw.spec, dw.plan, dw.arch) == 0
+
+
+@pytest.mark.small_batch
+def test_a_small_batch_depthwise_call_takes_the_spread_box_and_a_tuned_choice_wins(fake_gpu, monkeypatch):
+    """batch_variant: a depthwise layer's call at batch 1 runs its box of one tile a thread (built
+    once, kept), batch 64 its own kernel; turning SMALL_BATCH_SPREAD off reaches a layer already
+    called; a choice stored for the bucket replaces the rule; `build_batch_variants` prebuilds
+    the spread kernels in one build."""
+    spec = validate(_depthwise(144, 56))
+
+    class Build(_FakeBuild):
+        def __init__(self, req):
+            self.key = hashlib.sha256(req.source.encode()).hexdigest()[:16]
+
+    monkeypatch.setattr(pipeline.cache, "get_or_build", Build)
+    pipeline.forget(spec)
+    sp = pipeline.specialize(spec)
+    assert sp.plan["engine"] == "ffma" and sp.follows_tuning
+    one = pipeline.batch_variant(sp, 1)
+    assert one.key != sp.key and one.plan["blocks_per_sample"] == 4 * sp.plan["blocks_per_sample"]
+    assert pipeline.batch_variant(sp, 1) is one and pipeline.batch_variant(sp, 64) is sp
+    monkeypatch.setattr(pipeline, "SMALL_BATCH_SPREAD", False)
+    assert pipeline.batch_variant(sp, 1) is sp
+    monkeypatch.setattr(pipeline, "SMALL_BATCH_SPREAD", True)
+    tune.store_choice(spec, fake_gpu, 1, None, [], batch=1)  # the stacked box measured fastest at batch 1
+    assert pipeline.batch_variant(pipeline.specialize(spec), 1).plan["blocks_per_sample"] == sp.plan["blocks_per_sample"]
+    pipeline.forget(spec)
+
+    specs = [validate(_depthwise(c, 14, stride=2)) for c in (576, 960)] + [validate(layer(channels=3, out=16))]
+    for s in specs:
+        pipeline.forget(s)
+    items = [pipeline.specialize(s) for s in specs]
+    batches = []
+    monkeypatch.setattr(pipeline.cache, "build_many", lambda reqs: batches.append(len(reqs)) or [Build(r) for r in reqs])
+    pipeline.build_batch_variants(items, 64)
+    assert batches == []
+    pipeline.build_batch_variants(items, 2)
+    assert batches == [2]  # the two depthwise layers, one build
+    monkeypatch.setattr(pipeline.cache, "get_or_build", lambda req: pytest.fail("built again on the first call"))
+    for item in items[:2]:
+        assert pipeline.batch_variant(item, 2).plan["blocks_per_sample"] == 4 * item.plan["blocks_per_sample"]
+    assert pipeline.batch_variant(items[2], 2) is items[2]
+    for s in specs:
+        pipeline.forget(s)
+
+
+@pytest.mark.nvcc
+@pytest.mark.small_batch
+@pytest.mark.parametrize("data", [_depthwise(144, 56), _depthwise(576, 14, stride=2), _depthwise(240, 28, kernel=5),
+                                  _depthwise(40, 33, stride=2)], ids=lambda d: d["name"])
+def test_the_spread_depthwise_box_builds_without_spills(data, tmp_path):
+    from specgen.plan import Settings
+
+    from build_helpers import spilled
+    from specgen import compile as nvcc
+
+    spec = validate(data)
+    _, source, request = pipeline.request(spec, "sm_90", settings=Settings(stacked_tiles=False))
+    assert source != pipeline.request(spec, "sm_90")[1]  # (a kernel of its own)
+    cu = tmp_path / f"{spec.name}.cu"
+    cu.write_text(source)
+    kernels = nvcc.compile_cubin(cu, tmp_path / f"{spec.name}.cubin", request.arch, compiler="nvcc").kernels
+    assert f"specgen_{spec.name}" in kernels and not spilled(kernels), spilled(kernels)
+
+
 class _FakeBuild:
     spill_bytes = 0
 
