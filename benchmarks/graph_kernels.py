@@ -5,9 +5,11 @@ The wall column is timed after the profiler ran (it can read high): compare the 
 
     python benchmarks/graph_kernels.py MODEL BATCH      (a class of examples/models.py)
 """
-import sys, statistics, collections, torch
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "examples"))
+import sys, collections, torch
+_here = __import__("pathlib").Path(__file__).resolve().parent
+sys.path.insert(0, str(_here.parent / "examples")); sys.path.insert(0, str(_here))
 import models
+from models_latency import latency
 from specgen.importer import from_module
 from torch.profiler import profile, ProfilerActivity
 
@@ -15,14 +17,6 @@ name, batch = sys.argv[1], int(sys.argv[2])
 cls = getattr(models, name)
 m = cls.make().cuda()
 xs = [cls.example_input(batch, device="cuda", seed=s) for s in (1, 2)]
-
-def wall(fn, reps=30):
-    for i in range(5): fn(xs[i % 2])
-    torch.cuda.synchronize(); ts = []
-    for i in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); fn(xs[i % 2]); e.record(); e.synchronize(); ts.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(ts)
 
 def kernels(fn, label, reps=10):
     for i in range(5): fn(xs[i % 2])
@@ -36,7 +30,7 @@ def kernels(fn, label, reps=10):
         agg[e.name][0] += 1; agg[e.name][1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
     total = sum(v[1] for v in agg.values()) / reps
     count = sum(v[0] for v in agg.values()) / reps
-    print(f"== {label}: wall {wall(fn):.1f} us/forward; {count:.0f} kernels, summed {total:.1f} us/forward")
+    print(f"== {label}: wall {latency(fn, xs):.1f} us/forward; {count:.0f} kernels, summed {total:.1f} us/forward")
     for k, (n, t) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:40]:
         print(f"  {t / reps:8.1f} us {n / reps:5.1f}x  {k[:110]}")
 

@@ -7,7 +7,8 @@ cProfile of the fused forwards. Needs a GPU.
     python benchmarks/models_latency.py [MODEL [BATCH,BATCH...]] [--compile] [--prof]
 """
 import sys, time, io, cProfile, pstats, statistics, torch
-sys.path.insert(0, "examples"); sys.path.insert(0, "benchmarks")
+_here = __import__("pathlib").Path(__file__).resolve().parent
+sys.path.insert(0, str(_here.parent / "examples")); sys.path.insert(0, str(_here))
 import models
 from host import kernels
 from specgen.importer import from_module
@@ -44,25 +45,30 @@ def prof(fn, x, n=20, top=30):
     pr.disable(); torch.cuda.synchronize()
     s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top); print(s.getvalue()[:6000])
 
-torch.backends.cudnn.benchmark = False
-name = sys.argv[1] if len(sys.argv) > 1 else "ResNet18"
-for batch in [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "8").split(",")]:
-    cls = getattr(models, name)
-    model = cls.make().cuda(); x = cls.example_input(batch=batch, device="cuda"); xs = [x, torch.randn_like(x)]
-    with torch.no_grad():
-        fused = from_module(model, x)
-        rows = {"eager": model, "fused": fused}
-        from specgen.replay import GraphReplay
-        print("graph:", isinstance(fused, GraphReplay), getattr(fused.specgen_report, "graph", None), "whole:", fused.specgen_report.whole_model)
-        if isinstance(fused, GraphReplay):
-            rows["fused no graph"] = fused.fallback
-        if "--compile" in sys.argv:
-            rows["compile(fused)"] = torch.compile(fused); rows["compile"] = torch.compile(model)
-        print(f"== {name} batch {batch}")
-        for k, fn in rows.items():
-            fn(x); torch.cuda.synchronize()
-            print(f"{k:16s} latency {latency(fn, xs):8.1f} us  throughput {throughput(fn, x):8.1f} us  host {hostonly(fn, x):8.1f} us  kernels {kernels(lambda: fn(x), n=20):8.1f} us", flush=True)
-        if "--prof" in sys.argv:
-            print("-- cProfile fused"); prof(fused, x)
+def main():
+    torch.backends.cudnn.benchmark = False
+    name = sys.argv[1] if len(sys.argv) > 1 else "ResNet18"
+    for batch in [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "8").split(",")]:
+        cls = getattr(models, name)
+        model = cls.make().cuda(); x = cls.example_input(batch=batch, device="cuda"); xs = [x, torch.randn_like(x)]
+        with torch.no_grad():
+            fused = from_module(model, x)
+            rows = {"eager": model, "fused": fused}
+            from specgen.replay import GraphReplay
+            print("graph:", isinstance(fused, GraphReplay), getattr(fused.specgen_report, "graph", None), "whole:", fused.specgen_report.whole_model)
+            if isinstance(fused, GraphReplay):
+                rows["fused no graph"] = fused.fallback
             if "--compile" in sys.argv:
-                print("-- cProfile compile(fused)"); prof(rows["compile(fused)"], x)
+                rows["compile(fused)"] = torch.compile(fused); rows["compile"] = torch.compile(model)
+            print(f"== {name} batch {batch}")
+            for k, fn in rows.items():
+                fn(x); torch.cuda.synchronize()
+                print(f"{k:16s} latency {latency(fn, xs):8.1f} us  throughput {throughput(fn, x):8.1f} us  host {hostonly(fn, x):8.1f} us  kernels {kernels(lambda: fn(x), n=20):8.1f} us", flush=True)
+            if "--prof" in sys.argv:
+                print("-- cProfile fused"); prof(fused, x)
+                if "--compile" in sys.argv:
+                    print("-- cProfile compile(fused)"); prof(rows["compile(fused)"], x)
+
+
+if __name__ == "__main__":
+    main()

@@ -6,9 +6,10 @@ from specgen import compile as nvcc
 from specgen import pipeline
 
 
-def build_report(spec, tmp_path, arch: str = "sm_90") -> dict:
-    """{kernel: ptxas's resources} of the spec's rendered source, built by nvcc for `arch`."""
-    _, source, request = pipeline.request(spec, arch)
+def build_report(spec, tmp_path, arch: str = "sm_90", settings=None) -> dict:
+    """{kernel: ptxas's resources} of the spec's rendered source, built by nvcc for `arch`
+    (`settings`: planner settings, `plan.Settings`)."""
+    _, source, request = pipeline.request(spec, arch, **({"settings": settings} if settings is not None else {}))
     cu = tmp_path / f"{spec.name}.cu"
     cu.write_text(source)
     return nvcc.compile_cubin(cu, tmp_path / f"{spec.name}.cubin", request.arch, compiler="nvcc").kernels

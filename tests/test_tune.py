@@ -424,11 +424,7 @@ def test_a_batch_whose_bucket_was_tuned_apart_takes_that_buckets_tile(fake_gpu, 
     follow the tuned choices, stay as they are."""
     spec = validate(layer())
 
-    class Build(_FakeBuild):  # (a key per source: the variant is told apart from the layer's kernel by it)
-        def __init__(self, req):
-            self.key = hashlib.sha256(req.source.encode()).hexdigest()[:16]
-
-    monkeypatch.setattr(pipeline.cache, "get_or_build", Build)
+    monkeypatch.setattr(pipeline.cache, "get_or_build", _SourceKeyedBuild)
     plan = tune.heuristic(spec)
     heuristic = plan[plan["engine"]].config
     small, large, other = [c for c in tune.candidates(spec) if c != heuristic][:3]
@@ -502,11 +498,7 @@ def test_a_small_batch_kernel_is_built_once_and_a_tuned_choice_wins(fake_gpu, mo
     turning the rule off reaches a layer already called."""
     spec = validate({**layer(channels=256, out=256, precision="tf32"), "input": {"channels": 256, "size": [14, 14]}})
 
-    class Build(_FakeBuild):
-        def __init__(self, req):
-            self.key = hashlib.sha256(req.source.encode()).hexdigest()[:16]
-
-    monkeypatch.setattr(pipeline.cache, "get_or_build", Build)
+    monkeypatch.setattr(pipeline.cache, "get_or_build", _SourceKeyedBuild)
     pipeline.forget(spec)
     sp = pipeline.specialize(spec)
     assert sp.plan["engine"] == "tma" and sp.follows_tuning
@@ -528,22 +520,7 @@ def test_small_batch_kernels_are_prebuilt_in_one_build(fake_gpu, monkeypatch):
     them; a batch past the rule builds nothing."""
     specs = [validate({**layer(channels=c, out=c, precision="tf32"), "name": f"pre_{c}", "input": {"channels": c, "size": [14, 14]}})
              for c in (128, 256)] + [validate(layer(channels=3, out=16))]
-
-    class Build(_FakeBuild):
-        def __init__(self, req):
-            self.key = hashlib.sha256(req.source.encode()).hexdigest()[:16]
-
-    monkeypatch.setattr(pipeline.cache, "get_or_build", Build)
-    for spec in specs:
-        pipeline.forget(spec)
-    items = [pipeline.specialize(spec) for spec in specs]
-    batches = []
-    monkeypatch.setattr(pipeline.cache, "build_many", lambda reqs: batches.append(len(reqs)) or [Build(r) for r in reqs])
-    pipeline.build_batch_variants(items, 64)
-    assert batches == []
-    pipeline.build_batch_variants(items, 2)
-    assert batches == [2]  # the two TMA layers, one build
-    monkeypatch.setattr(pipeline.cache, "get_or_build", lambda req: pytest.fail("built again on the first call"))
+    items, batches = _prebuilt_in_one_build(monkeypatch, specs, 2)  # the two TMA layers, one build
     for sp in items[:2]:
         assert pipeline.batch_variant(sp, 2).plan["engine"] == "igemm"
     assert pipeline.batch_variant(items[2], 2) is items[2]
@@ -605,12 +582,7 @@ def test_a_small_batch_depthwise_call_takes_the_spread_box_and_a_tuned_choice_wi
     called; a choice stored for the bucket replaces the rule; `build_batch_variants` prebuilds
     the spread kernels in one build."""
     spec = validate(_depthwise(144, 56))
-
-    class Build(_FakeBuild):
-        def __init__(self, req):
-            self.key = hashlib.sha256(req.source.encode()).hexdigest()[:16]
-
-    monkeypatch.setattr(pipeline.cache, "get_or_build", Build)
+    monkeypatch.setattr(pipeline.cache, "get_or_build", _SourceKeyedBuild)
     pipeline.forget(spec)
     sp = pipeline.specialize(spec)
     assert sp.plan["engine"] == "ffma" and sp.follows_tuning
@@ -625,19 +597,12 @@ def test_a_small_batch_depthwise_call_takes_the_spread_box_and_a_tuned_choice_wi
     pipeline.forget(spec)
 
     specs = [validate(_depthwise(c, 14, stride=2)) for c in (576, 960)] + [validate(layer(channels=3, out=16))]
-    for s in specs:
-        pipeline.forget(s)
-    items = [pipeline.specialize(s) for s in specs]
-    batches = []
-    monkeypatch.setattr(pipeline.cache, "build_many", lambda reqs: batches.append(len(reqs)) or [Build(r) for r in reqs])
-    pipeline.build_batch_variants(items, 64)
-    assert batches == []
-    pipeline.build_batch_variants(items, 2)
-    assert batches == [2]  # the two depthwise layers, one build
-    monkeypatch.setattr(pipeline.cache, "get_or_build", lambda req: pytest.fail("built again on the first call"))
+    items, batches = _prebuilt_in_one_build(monkeypatch, specs, 2)  # the two depthwise layers, one build
     for item in items[:2]:
         assert pipeline.batch_variant(item, 2).plan["blocks_per_sample"] == 4 * item.plan["blocks_per_sample"]
     assert pipeline.batch_variant(items[2], 2) is items[2]
+    pipeline.build_batch_variants(items, 2)
+    assert batches == [2]  # nothing left to build
     for s in specs:
         pipeline.forget(s)
 
@@ -649,15 +614,11 @@ def test_a_small_batch_depthwise_call_takes_the_spread_box_and_a_tuned_choice_wi
 def test_the_spread_depthwise_box_builds_without_spills(data, tmp_path):
     from specgen.plan import Settings
 
-    from build_helpers import spilled
-    from specgen import compile as nvcc
+    from build_helpers import build_report, spilled
 
-    spec = validate(data)
-    _, source, request = pipeline.request(spec, "sm_90", settings=Settings(stacked_tiles=False))
-    assert source != pipeline.request(spec, "sm_90")[1]  # (a kernel of its own)
-    cu = tmp_path / f"{spec.name}.cu"
-    cu.write_text(source)
-    kernels = nvcc.compile_cubin(cu, tmp_path / f"{spec.name}.cubin", request.arch, compiler="nvcc").kernels
+    spec, spread = validate(data), Settings(stacked_tiles=False)
+    assert pipeline.request(spec, "sm_90", settings=spread)[1] != pipeline.request(spec, "sm_90")[1]  # (a kernel of its own)
+    kernels = build_report(spec, tmp_path, settings=spread)
     assert f"specgen_{spec.name}" in kernels and not spilled(kernels), spilled(kernels)
 
 
@@ -666,6 +627,34 @@ class _FakeBuild:
 
     def __init__(self, req):
         self.key = req.source[:16]
+
+
+class _SourceKeyedBuild(_FakeBuild):
+    """A stub build keyed by its whole source: a small-batch variant is told apart from the layer's
+    kernel by it."""
+
+    def __init__(self, req):
+        self.key = hashlib.sha256(req.source.encode()).hexdigest()[:16]
+
+
+def _prebuilt_in_one_build(monkeypatch, specs: list, wanted: int) -> list:
+    """Specialize `specs` (builds stubbed), then `build_batch_variants`: nothing at batch 64, the
+    `wanted` small-batch kernels at batch 2 in one parallel build; a build after it fails the test
+    (the first calls must find them). The layers' kernels and the list of builds, for the caller's
+    checks."""
+    monkeypatch.setattr(pipeline.cache, "get_or_build", _SourceKeyedBuild)
+    for spec in specs:
+        pipeline.forget(spec)
+    items = [pipeline.specialize(spec) for spec in specs]
+    batches = []
+    monkeypatch.setattr(pipeline.cache, "build_many",
+                        lambda reqs: batches.append(len(reqs)) or [_SourceKeyedBuild(r) for r in reqs])
+    pipeline.build_batch_variants(items, 64)
+    assert batches == []
+    pipeline.build_batch_variants(items, 2)
+    assert batches == [wanted]
+    monkeypatch.setattr(pipeline.cache, "get_or_build", lambda req: pytest.fail("built again on the first call"))
+    return items, batches
 
 
 def test_show_plan_names_the_tuned_choice(fake_gpu, tmp_path, capsys):
