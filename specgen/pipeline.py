@@ -297,8 +297,8 @@ def _out_positions(spec: LayerSpec) -> int:
 # samples; a call whose batch bucket makes at most half as many blocks as the GPU has SMs runs one
 # tile a thread instead (`plan.Settings.stacked_tiles`), about four times the blocks. Measured
 # (benchmarks/depthwise_stacking.py, H100, NOTES v65), GPU time of MobileNetV2's depthwise shapes
-# and a 5x5: at batch 1 (9-56 stacked blocks) one tile a thread ran 1.44-2.24x faster on all 11;
-# at batch 8 (72-448 blocks) and 64 it was 0.55-1.18x, slower on most. False turns the rule off.
+# and a 5x5: at batch 1 (9-56 stacked blocks) one tile a thread ran 1.47-2.23x faster on all 11;
+# at batch 8 (72-448 blocks) and 64 it was 0.55-1.17x, slower on most. False turns the rule off.
 SMALL_BATCH_SPREAD = True
 
 
@@ -335,7 +335,7 @@ def build_batch_variants(items: list[Specialized], batch: int) -> None:
     from specgen import tune
 
     wanted: dict = {}  # arch -> {spec: (spec, tile)}
-    spread: dict = {}  # arch -> {spec: (spec, settings)}
+    spread: dict = {}  # (arch, settings) -> {spec: spec}
     for sp in items:
         if not sp.follows_tuning or _variant_key(sp, bucket) in _batch_variants \
                 or tune.stored_choice(sp.spec, sp.arch, bucket) is not None:
@@ -353,6 +353,13 @@ def build_batch_variants(items: list[Specialized], batch: int) -> None:
         get_logger().warning("small-batch kernels not prebuilt (%s: %s)", type(error).__name__, error)
 
 
+def small_batch_state(engine: str) -> bool | None:
+    """The switch a layer planned for `engine` picks its small-batch kernels by, as it stands:
+    the implicit GEMM's tile for the TMA engine (`small_batch_on`), the box of one tile a thread
+    for the FFMA engine (SMALL_BATCH_SPREAD); None for the others."""
+    return small_batch_on() if engine == "tma" else SMALL_BATCH_SPREAD if engine == "ffma" else None
+
+
 def _variant_key(sp: Specialized, bucket: int) -> tuple:
     """`_batch_variants`' key: the layer's kernel, arch and batch bucket, and both small-batch rules'
     switches as they stand (a switch turned reaches a layer already called)."""
@@ -366,10 +373,9 @@ def batch_variant(sp: Specialized, batch: int) -> Specialized:
     `--batch 64` of a small-M layer: at batch 1 the implicit GEMM's mma.sync tile, at 64 the TMA
     engine's): that bucket's kernel; and, where its bucket has no tuned choice, a batch of few
     samples on a layer planned for the TMA engine (`small_batch_config`): the implicit GEMM's
-    kernel, and on a depthwise conv's FFMA box too small a batch to fill the SMs
-    (`small_batch_settings`): its box of one tile a thread. Looked up (and built) on the first
-    call per layer and bucket, then kept per
-    process; `sp` itself where it does not follow the tuned choices (a tile given, a candidate
+    kernel; and for a depthwise conv on the FFMA engine at a batch too small to fill the SMs
+    (`small_batch_settings`), its box of one tile a thread. Looked up (and built) on the first
+    call per layer and bucket, then kept per process; `sp` itself where it does not follow the tuned choices (a tile given, a candidate
     being tuned)."""
     if not sp.follows_tuning or batch < 1:
         return sp

@@ -184,12 +184,30 @@ def test_a_tma_planned_launch_is_repeated_only_while_the_small_batch_rule_is_as_
     monkeypatch.setattr(torchop, "_current_stream", lambda index: 77)
     weight = torch.nn.Parameter(torch.randn(4, 3, 3, 3))
     f = torchop.FastLaunch(_Prepared(3), (weight,), torch.Size((2, 3, 8, 8)), OUT_SHAPE, torch.float32, -1, (), 2,
-                           small_batch=recorded_with).bind([({"weight": weight}, "weight", weight)])
+                           small_batch=("tma", recorded_with)).bind([({"weight": weight}, "weight", weight)])
     x = torch.randn(2, 3, 8, 8)
     for on, repeats in ((recorded_with, True), (not recorded_with, False), (recorded_with, True)):
         monkeypatch.setenv("SPECGEN_SMALL_BATCH", "1" if on else "0")
         assert (f.run(x, ()) is not None) == repeats, f"rule {'on' if on else 'off'}, recorded {recorded_with}"
     assert f.prepared.streams == [77, 77]
+
+
+@pytest.mark.parametrize("recorded_with", [False, True])
+def test_an_ffma_planned_launch_is_repeated_only_while_the_depthwise_rule_is_as_it_was(monkeypatch, recorded_with):
+    """The depthwise small-batch box (`pipeline.SMALL_BATCH_SPREAD`) picks the kernel an
+    FFMA-planned layer's small batch runs: as for the TMA engine's rule, a launch recorded under
+    one setting is handed back while it differs; the TMA engine's switch does not matter to it."""
+    monkeypatch.setattr(torchop, "_current_stream", lambda index: 77)
+    weight = torch.nn.Parameter(torch.randn(4, 3, 3, 3))
+    f = torchop.FastLaunch(_Prepared(3), (weight,), torch.Size((2, 3, 8, 8)), OUT_SHAPE, torch.float32, -1, (), 2,
+                           small_batch=("ffma", recorded_with)).bind([({"weight": weight}, "weight", weight)])
+    x = torch.randn(2, 3, 8, 8)
+    for on, repeats in ((recorded_with, True), (not recorded_with, False), (recorded_with, True)):
+        monkeypatch.setattr(torchop.pipeline, "SMALL_BATCH_SPREAD", on)
+        for env in ("0", "1"):
+            monkeypatch.setenv("SPECGEN_SMALL_BATCH", env)
+            assert (f.run(x, ()) is not None) == repeats, f"rule {'on' if on else 'off'}, recorded {recorded_with}"
+    assert f.prepared.streams == [77] * 4
 
 
 def test_a_launch_of_another_engine_ignores_the_small_batch_rule(fast, monkeypatch):
