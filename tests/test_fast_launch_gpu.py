@@ -192,8 +192,37 @@ def test_a_kept_tma_launch_follows_the_small_batch_rules_switch(monkeypatch):
             before = len(full)
             y = layer(x)
         assert (len(full) > before) == takes_full, f"call {step} (rule {rule}): full path {len(full) > before}"
-        assert layer._fast is not None and layer._fast.small_batch == (rule == "1"), f"call {step}: the kept launch"
+        assert layer._fast is not None and layer._fast.small_batch == ("tma", rule == "1"), f"call {step}: the kept launch"
         check_output(layer, x, {}, y, f"call {step} (rule {rule})")
+
+
+@pytest.mark.small_batch
+def test_a_kept_ffma_launch_follows_the_depthwise_rules_switch(monkeypatch):
+    """The depthwise small-batch box (`pipeline.SMALL_BATCH_SPREAD`) gives a depthwise layer's
+    batch-1 call its box of one tile a thread: switched after a first call, the next call takes
+    the full path on the other kernel (and keeps that launch), and switched back, the first again."""
+    spec = validate({"name": "fast_spread_switch", "input": {"channels": 144, "size": [56, 56]},
+                     "conv": {"out_channels": 144, "kernel": 3, "padding": 1, "groups": 144},
+                     "epilogue": [{"batch_norm": {}}, {"hardtanh": {"min_val": 0.0, "max_val": 6.0}}], "precision": "tf32"})
+    layer = FusedLayer(spec).cuda().eval()
+    sp = layer.specialize()
+    assert sp.plan["engine"] == "ffma"
+    gen = torch.Generator(device="cuda").manual_seed(22)
+    randomize(layer, gen)
+    full = []
+    real = torchop.launch
+    monkeypatch.setattr(torchop, "launch", lambda *a, **k: (full.append(1), real(*a, **k))[1])
+    for step, (on, takes_full) in enumerate([(True, True), (True, False), (False, True), (False, False), (True, True)]):
+        monkeypatch.setattr(torchop.pipeline, "SMALL_BATCH_SPREAD", on)
+        x = random_input(spec, 1, gen)
+        spread = torchop.kernel_for(sp, x).plan["blocks_per_sample"] > sp.plan["blocks_per_sample"]
+        assert spread == on, f"call {step}: the switch did not pick the {'spread' if on else 'stacked'} box"
+        with torch.no_grad():
+            before = len(full)
+            y = layer(x)
+        assert (len(full) > before) == takes_full, f"call {step} (switch {on}): full path {len(full) > before}"
+        assert layer._fast is not None and layer._fast.small_batch == ("ffma", on), f"call {step}: the kept launch"
+        check_output(layer, x, {}, y, f"call {step} (switch {on})")
 
 
 # Layers run as a sequence of kernels (`specgen.tailrun`): the body into a workspace, then the
