@@ -265,7 +265,7 @@ def _recorded(seq: _Sequence, kept: list, names: tuple, batch: int, x: torch.Ten
             slots = [(0, step.src), (launch.out_slot, step.dst),
                      *((slot, "i_" + n) for slot, n in zip(launch.input_slots, part_inputs))]
             held.append(launch.held)
-            rules.add(launch.small_batch)
+            rules.update(launch.small_batch or ())
             steps.append((launch.prepared, tuple(slots)))
         else:  # a tail kernel: its buffers' and extra inputs' pointer slots
             slots = [(i, name if source == "b" else "i_" + name)
@@ -273,11 +273,10 @@ def _recorded(seq: _Sequence, kept: list, names: tuple, batch: int, x: torch.Ten
             steps.append((launch, tuple(slots)))
     sizes = tuple((name, batch * size if kind == "sample" else size, seq.dtype if kind == "sample" else torch.float32)
                   for name, kind, size in seq.buffers)
-    rules.discard(None)
     replay = SequenceReplay(tuple(steps), sizes, names, x.device)
     n = len(names)
     return torchop.FastLaunch(replay, tuple(held), x.shape, out.shape, out.dtype, device_index, tuple(range(1, 1 + n)),
-                              1 + n, torchop._strides(x), torchop._strides(out), rules.pop() if rules else None)
+                              1 + n, torchop._strides(x), torchop._strides(out), tuple(sorted(rules)) or None)
 
 
 class SequenceReplay:

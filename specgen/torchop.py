@@ -679,7 +679,7 @@ def launch(sp: pipeline.Specialized, x: torch.Tensor, weight, bias, params: dict
     # (a TMA- or FFMA-planned layer's call is planned under its small-batch rule as it stands: its
     # kept launch is repeated only while the rule stays as it was, `FastLaunch.small_batch`)
     engine = sp.plan["engine"]
-    rule = (engine, pipeline.small_batch_state(engine)) if record is not None and engine in ("tma", "ffma") else None
+    rule = ((engine, pipeline.small_batch_state(engine)),) if record is not None and engine in ("tma", "ffma") else None
     sp = kernel_for(sp, x, out)
     if out is not None and not out.is_contiguous() and _writes_format(sp) is None and tmarun.channels_last(out):
         # A channels-last `out` for a kernel that writes NC(D)HW (the layer has no channels-last
@@ -915,9 +915,10 @@ class FastLaunch:
     (`bind`): the layer's own tensors the fixed pointers come from, checked on every call to be
     the same objects, unchanged (version counter) and at the same address. `in_strides` /
     `out_strides`: x's and the output's strides, None for contiguous (the extra inputs are laid
-    out as the output). `small_batch`: for a layer the planner put on the TMA or FFMA engine,
-    (engine, its small-batch switch when the call was planned: `pipeline.small_batch_state`), which
-    picks the kernel a small batch runs: a repeat needs it unchanged; None for other layers."""
+    out as the output). `small_batch`: for a layer the planner put on the TMA or FFMA engine (or a
+    sequence with such parts), (engine, its small-batch switch when the call was planned:
+    `pipeline.small_batch_state`) pairs, which pick the kernels a small batch runs: a repeat needs
+    them unchanged; None for other layers."""
 
     __slots__ = ("prepared", "held", "in_shape", "out_shape", "dtype", "device_index", "input_slots",
                  "out_slot", "thread", "sources", "in_strides", "out_strides", "small_batch")
@@ -957,7 +958,8 @@ class FastLaunch:
             or len(inputs) != len(self.input_slots)
             or threading.get_ident() != self.thread
             or tmarun.capturing(x)  # a capture remakes the derived weights inside the graph
-            or (self.small_batch is not None and pipeline.small_batch_state(self.small_batch[0]) != self.small_batch[1])
+            or (self.small_batch is not None
+                and any(pipeline.small_batch_state(engine) != state for engine, state in self.small_batch))
         ):
             return None
         for container, name, t, version, ptr in self.sources:  # (tmarun.state, inlined: every call runs this)

@@ -184,7 +184,7 @@ def test_a_tma_planned_launch_is_repeated_only_while_the_small_batch_rule_is_as_
     monkeypatch.setattr(torchop, "_current_stream", lambda index: 77)
     weight = torch.nn.Parameter(torch.randn(4, 3, 3, 3))
     f = torchop.FastLaunch(_Prepared(3), (weight,), torch.Size((2, 3, 8, 8)), OUT_SHAPE, torch.float32, -1, (), 2,
-                           small_batch=("tma", recorded_with)).bind([({"weight": weight}, "weight", weight)])
+                           small_batch=(("tma", recorded_with),)).bind([({"weight": weight}, "weight", weight)])
     x = torch.randn(2, 3, 8, 8)
     for on, repeats in ((recorded_with, True), (not recorded_with, False), (recorded_with, True)):
         monkeypatch.setenv("SPECGEN_SMALL_BATCH", "1" if on else "0")
@@ -200,7 +200,7 @@ def test_an_ffma_planned_launch_is_repeated_only_while_the_depthwise_rule_is_as_
     monkeypatch.setattr(torchop, "_current_stream", lambda index: 77)
     weight = torch.nn.Parameter(torch.randn(4, 3, 3, 3))
     f = torchop.FastLaunch(_Prepared(3), (weight,), torch.Size((2, 3, 8, 8)), OUT_SHAPE, torch.float32, -1, (), 2,
-                           small_batch=("ffma", recorded_with)).bind([({"weight": weight}, "weight", weight)])
+                           small_batch=(("ffma", recorded_with),)).bind([({"weight": weight}, "weight", weight)])
     x = torch.randn(2, 3, 8, 8)
     for on, repeats in ((recorded_with, True), (not recorded_with, False), (recorded_with, True)):
         monkeypatch.setattr(torchop.pipeline, "SMALL_BATCH_SPREAD", on)

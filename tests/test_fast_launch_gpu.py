@@ -192,7 +192,7 @@ def test_a_kept_tma_launch_follows_the_small_batch_rules_switch(monkeypatch):
             before = len(full)
             y = layer(x)
         assert (len(full) > before) == takes_full, f"call {step} (rule {rule}): full path {len(full) > before}"
-        assert layer._fast is not None and layer._fast.small_batch == ("tma", rule == "1"), f"call {step}: the kept launch"
+        assert layer._fast is not None and layer._fast.small_batch == (("tma", rule == "1"),), f"call {step}: the kept launch"
         check_output(layer, x, {}, y, f"call {step} (rule {rule})")
 
 
@@ -221,7 +221,7 @@ def test_a_kept_ffma_launch_follows_the_depthwise_rules_switch(monkeypatch):
             before = len(full)
             y = layer(x)
         assert (len(full) > before) == takes_full, f"call {step} (switch {on}): full path {len(full) > before}"
-        assert layer._fast is not None and layer._fast.small_batch == ("ffma", on), f"call {step}: the kept launch"
+        assert layer._fast is not None and layer._fast.small_batch == (("ffma", on),), f"call {step}: the kept launch"
         check_output(layer, x, {}, y, f"call {step} (switch {on})")
 
 
