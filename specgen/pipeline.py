@@ -337,12 +337,16 @@ def build_batch_variants(items: list[Specialized], batch: int) -> None:
     wanted: dict = {}  # arch -> {spec: (spec, tile)}
     spread: dict = {}  # (arch, settings) -> {spec: spec}
     for sp in items:
-        if not sp.follows_tuning or _variant_key(sp, bucket) in _batch_variants \
-                or tune.stored_choice(sp.spec, sp.arch, bucket) is not None:
+        if not sp.follows_tuning or _variant_key(sp, bucket) in _batch_variants:
             continue
-        if (config := small_batch_config(sp.spec, sp.plan, sp.arch, bucket)) is not None:
+        config = small_batch_config(sp.spec, sp.plan, sp.arch, bucket)
+        settings = small_batch_settings(sp.spec, sp.plan, sp.arch, bucket) if config is None else None
+        # (the tuning store is read only for a layer a rule applies to: a stored choice wins)
+        if (config is None and settings is None) or tune.stored_choice(sp.spec, sp.arch, bucket) is not None:
+            continue
+        if config is not None:
             wanted.setdefault(sp.arch, {})[sp.spec.canonical_json()] = (sp.spec, config)
-        elif (settings := small_batch_settings(sp.spec, sp.plan, sp.arch, bucket)) is not None:
+        else:
             spread.setdefault((sp.arch, settings), {})[sp.spec.canonical_json()] = sp.spec
     try:
         for arch, todo in wanted.items():

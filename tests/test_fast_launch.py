@@ -176,36 +176,32 @@ def test_a_strided_recorded_launch_hands_back_other_layouts(strided, what, x, sh
     assert strided.prepared.streams == [], what
 
 
-@pytest.mark.parametrize("recorded_with", [False, True])
-def test_a_tma_planned_launch_is_repeated_only_while_the_small_batch_rule_is_as_it_was(monkeypatch, recorded_with):
-    """The small-batch rule (`SPECGEN_SMALL_BATCH`) picks the engine a TMA-planned layer's small
-    batch runs on: a launch recorded under one setting is handed back once the setting changes
-    (the full path plans the call again), and repeated again when it changes back."""
-    monkeypatch.setattr(torchop, "_current_stream", lambda index: 77)
-    weight = torch.nn.Parameter(torch.randn(4, 3, 3, 3))
-    f = torchop.FastLaunch(_Prepared(3), (weight,), torch.Size((2, 3, 8, 8)), OUT_SHAPE, torch.float32, -1, (), 2,
-                           small_batch=(("tma", recorded_with),)).bind([({"weight": weight}, "weight", weight)])
-    x = torch.randn(2, 3, 8, 8)
-    for on, repeats in ((recorded_with, True), (not recorded_with, False), (recorded_with, True)):
+def _set_rule(monkeypatch, engine: str, on: bool) -> None:
+    """Turn `engine`'s small-batch switch (`pipeline.small_batch_state`) on or off."""
+    if engine == "tma":
         monkeypatch.setenv("SPECGEN_SMALL_BATCH", "1" if on else "0")
-        assert (f.run(x, ()) is not None) == repeats, f"rule {'on' if on else 'off'}, recorded {recorded_with}"
-    assert f.prepared.streams == [77, 77]
+    else:
+        monkeypatch.setattr(torchop.pipeline, "SMALL_BATCH_SPREAD", on)
 
 
+@pytest.mark.parametrize("engine, other", [("tma", "ffma"), ("ffma", "tma")])
 @pytest.mark.parametrize("recorded_with", [False, True])
-def test_an_ffma_planned_launch_is_repeated_only_while_the_depthwise_rule_is_as_it_was(monkeypatch, recorded_with):
-    """The depthwise small-batch box (`pipeline.SMALL_BATCH_SPREAD`) picks the kernel an
-    FFMA-planned layer's small batch runs: as for the TMA engine's rule, a launch recorded under
-    one setting is handed back while it differs; the TMA engine's switch does not matter to it."""
+def test_a_launch_is_repeated_only_while_its_engines_small_batch_rule_is_as_it_was(monkeypatch, engine, other,
+                                                                                    recorded_with):
+    """The small-batch rules pick the kernel a layer's small batch runs (`SPECGEN_SMALL_BATCH`: the
+    implicit GEMM for a TMA-planned layer; `pipeline.SMALL_BATCH_SPREAD`: the box of one tile a
+    thread for an FFMA-planned one): a launch recorded under one setting of its engine's switch is
+    handed back while it differs (the full path plans the call again) and repeated again when it
+    changes back; the other engine's switch does not matter to it."""
     monkeypatch.setattr(torchop, "_current_stream", lambda index: 77)
     weight = torch.nn.Parameter(torch.randn(4, 3, 3, 3))
     f = torchop.FastLaunch(_Prepared(3), (weight,), torch.Size((2, 3, 8, 8)), OUT_SHAPE, torch.float32, -1, (), 2,
-                           small_batch=(("ffma", recorded_with),)).bind([({"weight": weight}, "weight", weight)])
+                           small_batch=((engine, recorded_with),)).bind([({"weight": weight}, "weight", weight)])
     x = torch.randn(2, 3, 8, 8)
     for on, repeats in ((recorded_with, True), (not recorded_with, False), (recorded_with, True)):
-        monkeypatch.setattr(torchop.pipeline, "SMALL_BATCH_SPREAD", on)
-        for env in ("0", "1"):
-            monkeypatch.setenv("SPECGEN_SMALL_BATCH", env)
+        _set_rule(monkeypatch, engine, on)
+        for other_on in (False, True):
+            _set_rule(monkeypatch, other, other_on)
             assert (f.run(x, ()) is not None) == repeats, f"rule {'on' if on else 'off'}, recorded {recorded_with}"
     assert f.prepared.streams == [77] * 4
 

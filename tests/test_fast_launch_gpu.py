@@ -168,6 +168,32 @@ def test_an_imported_linear_over_tokens_repeats_its_launches(monkeypatch):
     assert len(full) == 1, f"{len(full)} calls took the full path (the first only expected)"
 
 
+def _kept_launch_follows_the_switch(monkeypatch, spec, engine: str, seed: int, start: bool, flip, picked) -> None:
+    """A batch-1 layer planned for `engine` across switch flips (`flip(on)`, starting at `start`):
+    each call's kernel is the one the switch picks (`picked(kernel, layer_kernel)` is the switch),
+    the first call after a flip takes the full path and keeps its launch (recorded with the
+    switch: `FastLaunch.small_batch`), the next repeats it, and every output meets the bar."""
+    layer = FusedLayer(spec).cuda().eval()
+    sp = layer.specialize()
+    assert sp.plan["engine"] == engine
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    randomize(layer, gen)
+    full = []
+    real = torchop.launch
+    monkeypatch.setattr(torchop, "launch", lambda *a, **k: (full.append(1), real(*a, **k))[1])
+    for step, (on, takes_full) in enumerate([(start, True), (start, False), (not start, True), (not start, False),
+                                             (start, True)]):
+        flip(on)
+        x = random_input(spec, 1, gen)
+        assert picked(torchop.kernel_for(sp, x), sp) == on, f"call {step}: the switch ({on}) did not pick its kernel"
+        with torch.no_grad():
+            before = len(full)
+            y = layer(x)
+        assert (len(full) > before) == takes_full, f"call {step} (switch {on}): full path {len(full) > before}"
+        assert layer._fast is not None and layer._fast.small_batch == ((engine, on),), f"call {step}: the kept launch"
+        check_output(layer, x, {}, y, f"call {step} (switch {on})")
+
+
 def test_a_kept_tma_launch_follows_the_small_batch_rules_switch(monkeypatch):
     """The small-batch rule (`SPECGEN_SMALL_BATCH`) moves a TMA-planned layer's small batch to the
     implicit GEMM: switched after a first call, the next call takes the full path on the rule's
@@ -175,25 +201,9 @@ def test_a_kept_tma_launch_follows_the_small_batch_rules_switch(monkeypatch):
     # (ResNet-18's 3x3 64 -> 64 at 56^2: at batch 1 the rule's tile is one launch, no split K, so kept too)
     spec = validate({"name": "fast_rule_switch", "input": {"channels": 64, "size": [56, 56]},
                      "conv": {"out_channels": 64, "kernel": 3, "padding": 1}, "epilogue": ["relu"], "precision": "tf32"})
-    layer = FusedLayer(spec).cuda().eval()
-    sp = layer.specialize()
-    assert sp.plan["engine"] == "tma"
-    gen = torch.Generator(device="cuda").manual_seed(21)
-    randomize(layer, gen)
-    full = []
-    real = torchop.launch
-    monkeypatch.setattr(torchop, "launch", lambda *a, **k: (full.append(1), real(*a, **k))[1])
-    for step, (rule, takes_full, engine) in enumerate([("0", True, "tma"), ("0", False, "tma"), ("1", True, "igemm"),
-                                                       ("1", False, "igemm"), ("0", True, "tma")]):
-        monkeypatch.setenv("SPECGEN_SMALL_BATCH", rule)
-        x = random_input(spec, 1, gen)
-        assert torchop.kernel_for(sp, x).plan["engine"] == engine, f"call {step}: the rule did not pick {engine}"
-        with torch.no_grad():
-            before = len(full)
-            y = layer(x)
-        assert (len(full) > before) == takes_full, f"call {step} (rule {rule}): full path {len(full) > before}"
-        assert layer._fast is not None and layer._fast.small_batch == (("tma", rule == "1"),), f"call {step}: the kept launch"
-        check_output(layer, x, {}, y, f"call {step} (rule {rule})")
+    _kept_launch_follows_the_switch(
+        monkeypatch, spec, "tma", 21, False, lambda on: monkeypatch.setenv("SPECGEN_SMALL_BATCH", "1" if on else "0"),
+        lambda kernel, _: kernel.plan["engine"] == "igemm")
 
 
 @pytest.mark.small_batch
@@ -204,25 +214,9 @@ def test_a_kept_ffma_launch_follows_the_depthwise_rules_switch(monkeypatch):
     spec = validate({"name": "fast_spread_switch", "input": {"channels": 144, "size": [56, 56]},
                      "conv": {"out_channels": 144, "kernel": 3, "padding": 1, "groups": 144},
                      "epilogue": [{"batch_norm": {}}, {"hardtanh": {"min_val": 0.0, "max_val": 6.0}}], "precision": "tf32"})
-    layer = FusedLayer(spec).cuda().eval()
-    sp = layer.specialize()
-    assert sp.plan["engine"] == "ffma"
-    gen = torch.Generator(device="cuda").manual_seed(22)
-    randomize(layer, gen)
-    full = []
-    real = torchop.launch
-    monkeypatch.setattr(torchop, "launch", lambda *a, **k: (full.append(1), real(*a, **k))[1])
-    for step, (on, takes_full) in enumerate([(True, True), (True, False), (False, True), (False, False), (True, True)]):
-        monkeypatch.setattr(torchop.pipeline, "SMALL_BATCH_SPREAD", on)
-        x = random_input(spec, 1, gen)
-        spread = torchop.kernel_for(sp, x).plan["blocks_per_sample"] > sp.plan["blocks_per_sample"]
-        assert spread == on, f"call {step}: the switch did not pick the {'spread' if on else 'stacked'} box"
-        with torch.no_grad():
-            before = len(full)
-            y = layer(x)
-        assert (len(full) > before) == takes_full, f"call {step} (switch {on}): full path {len(full) > before}"
-        assert layer._fast is not None and layer._fast.small_batch == (("ffma", on),), f"call {step}: the kept launch"
-        check_output(layer, x, {}, y, f"call {step} (switch {on})")
+    _kept_launch_follows_the_switch(
+        monkeypatch, spec, "ffma", 22, True, lambda on: monkeypatch.setattr(torchop.pipeline, "SMALL_BATCH_SPREAD", on),
+        lambda kernel, own: kernel.plan["blocks_per_sample"] > own.plan["blocks_per_sample"])
 
 
 # Layers run as a sequence of kernels (`specgen.tailrun`): the body into a workspace, then the
