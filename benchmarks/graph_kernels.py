@@ -3,7 +3,8 @@ takes it) and of torch.compile reduce-overhead, at one batch: where a small batc
 the host's is gone. Kernel durations from torch.profiler (10 forwards), grouped by kernel name.
 The wall column is timed after the profiler ran (it can read high): compare the kernel sums.
 
-    python benchmarks/graph_kernels.py MODEL BATCH      (a class of examples/models.py)
+    python benchmarks/graph_kernels.py MODEL BATCH [DTYPE]    (a class of examples/models.py;
+                                                              DTYPE fp32 (default), bf16 or fp16)
 """
 import sys, collections, torch
 _here = __import__("pathlib").Path(__file__).resolve().parent
@@ -14,9 +15,10 @@ from specgen.importer import from_module
 from torch.profiler import profile, ProfilerActivity
 
 name, batch = sys.argv[1], int(sys.argv[2])
+dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[sys.argv[3] if len(sys.argv) > 3 else "fp32"]
 cls = getattr(models, name)
-m = cls.make().cuda()
-xs = [cls.example_input(batch, device="cuda", seed=s) for s in (1, 2)]
+m = cls.make().cuda().to(dtype)
+xs = [cls.example_input(batch, device="cuda", seed=s).to(dtype) for s in (1, 2)]
 
 def kernels(fn, label, reps=10):
     for i in range(5): fn(xs[i % 2])
