@@ -636,6 +636,18 @@ def _aligned(t: torch.Tensor, memory_format: torch.memory_format | None = None) 
     return t.clone(memory_format=fmt)
 
 
+def reads_channels_last_in_place(sp: pipeline.Specialized) -> bool:
+    """Whether `sp`'s layer reads a channels-last input where it lies: the kernel such an input
+    takes (`kernel_for`) is the TMA engine's, with one operand plane (not fp32 mode's two), no
+    channels to pad and its A tiles not read from NC(D)HW in place (`tmarun.launch`'s "in_place"
+    mode). Elsewhere a channels-last input costs a layout pass, which a contiguous one may not."""
+    variant = pipeline.channels_last_variant(sp) or sp
+    if variant.plan["engine"] != "tma":
+        return False
+    tp = variant.plan["tma"]
+    return not tp.a_in_place and not tp.split and tp.cip == variant.spec.input.channels
+
+
 def _writes_format(sp: pipeline.Specialized) -> torch.memory_format | None:
     """The channels-last memory format `sp`'s kernel writes its output in, or None (NC(D)HW)."""
     if sp.plan["engine"] == "sequence":

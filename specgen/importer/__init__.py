@@ -85,7 +85,7 @@ from specgen.importer.chains import Analysis
 from specgen.importer.graph import SPEC_PREFIX
 from specgen.importer.recognize import supported_names
 from specgen.importer.report import Choice, Fallback, ImportReport, ModelImportError, spec_yaml_text
-from specgen.importer import rewrite
+from specgen.importer import joins, rewrite
 from specgen.importer.rewrite import ImportedLayer
 from specgen.log import get_logger
 
@@ -173,7 +173,7 @@ def _fused(imp: Analysis, keep_slower: bool, log) -> tuple:
     candidate of the same model)."""
     _specialize_all(imp)
     choices = _choices(imp, keep_slower)
-    report = imp.report(choices)
+    report = _report(imp, choices)
     if log is not None:
         by_name = {n.name: n for n in imp.nodes}
         for fb in report.fallbacks:
@@ -187,6 +187,18 @@ def _fused(imp: Analysis, keep_slower: bool, log) -> tuple:
     fused = rewrite.fused_graph(imp)
     fused.specgen_report = report
     return fused, choices, report
+
+
+def _report(imp: Analysis, choices: Optional[list[Choice]] = None) -> ImportReport:
+    """The analysis's report, with the concatenations a ConcatLayer runs (`joins`: where some
+    chain is fused, so the model is rewritten) among `.joins`, not among the fallbacks."""
+    report = imp.report(choices)
+    if any(c.fused for c in report.choices):
+        found = joins.find(imp)
+        names = {j.node.name for j in found} | {n.name for j in found for n in j.covers}
+        report.fallbacks = [fb for fb in report.fallbacks if fb.node not in names]
+        report.joins = [j.describe() for j in found]
+    return report
 
 
 def _choices(imp: Analysis, keep_slower: bool) -> list[Choice]:
@@ -226,9 +238,9 @@ def explain(model: nn.Module, *example_inputs, measure: bool = False, precision:
             report.choices += inner.choices
         return report
     if not measure:
-        return imp.report()
+        return _report(imp)
     _specialize_all(imp)
-    return imp.report(_choices(imp, keep_slower=False))
+    return _report(imp, _choices(imp, keep_slower=False))
 
 
 def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, precision: Optional[str] = None,

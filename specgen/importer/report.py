@@ -63,6 +63,8 @@ class ImportReport:
     memory_format: str = "as given"
     # from_module's memory-format check: (channels-last, as given) milliseconds of the fused model; None: not timed
     memory_formats: tuple | None = None
+    # The concatenations of an upsampled value that one specgen kernel runs (`specgen.concat`), described
+    joins: list[str] = field(default_factory=list)
 
     @property
     def fused_specs(self) -> list[LayerSpec]:
@@ -85,6 +87,8 @@ class ImportReport:
             if spec.name in in_graph and in_graph[spec.name].specgen_ms is not None:
                 line += f"  [in the CUDA graph: {in_graph[spec.name]}]"
             lines.append(line)
+        for join in self.joins:
+            lines.append(f"  joined by one kernel: {join}")
         for fb in self.fallbacks:
             lines.append(f"  not fused: {fb.node}: {fb.reason}")
         if self.memory_formats is not None:

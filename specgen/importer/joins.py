@@ -1,0 +1,143 @@
+"""Concatenations along the channels with an upsampled value among them (a UNet decoder's
+`torch.cat([up(x), skip], 1)`): run by one `specgen.concat.ConcatLayer` instead of PyTorch's
+upsample and cat, written channels-last where the fused layer that reads it takes such an input
+in place (no layout pass of its own)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.fx as fx
+from torch.fx import Node
+
+from specgen import concat
+from specgen.importer.chains import Analysis, _nearest_upsample
+from specgen.importer.graph import channels_last_of, dtype_of, shape_of, unique
+from specgen.log import get_logger
+
+_CAT = (torch.cat, torch.concat, torch.concatenate)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Join:
+    """One concatenation the kernel runs: the cat node, the values it reads (an upsample's source in
+    place of the upsample), their factors, and the upsample nodes it covers."""
+
+    node: Node
+    values: tuple
+    factors: tuple
+    covers: tuple  # the upsample nodes joined into it
+
+    def describe(self) -> str:
+        parts = [f"{v.name}" if all(f == 1 for f in fs) else f"upsample({v.name}, {list(fs)})"
+                 for v, fs in zip(self.values, self.factors)]
+        return f"{self.node.name}: cat([{', '.join(parts)}], 1)"
+
+
+def _join(imp: Analysis, node: Node) -> Optional[Join]:
+    """`node` as a Join, or None where it is not a torch.cat along dim 1 of 3-D to 5-D float values
+    of one dtype, at least one of them a nearest upsample (by integer factors) only the cat reads."""
+    if node.op != "call_function" or node.target not in _CAT or "out" in node.kwargs:
+        return None
+    args = dict(zip(("tensors", "dim"), node.args)) | dict(node.kwargs)
+    tensors, dim, shape = args.get("tensors"), args.get("dim", 0), shape_of(node)
+    if not isinstance(tensors, (list, tuple)) or not 1 <= len(tensors) <= concat.MAX_SOURCES or shape is None \
+            or not 3 <= len(shape) <= 5 or not isinstance(dim, int) or dim % len(shape) != 1 \
+            or dtype_of(node) not in _DTYPES:
+        return None
+    values, factors, covers = [], [], []
+    for t in tensors:
+        if not isinstance(t, Node) or shape_of(t) is None or len(shape_of(t)) != len(shape) or dtype_of(t) != dtype_of(node):
+            return None
+        up = _nearest_upsample(imp, t) if tensors.count(t) == 1 else None
+        if up is not None and shape_of(up[0]) is not None:
+            values.append(up[0])
+            factors.append(tuple(up[1]))
+            covers.append(t)
+        else:
+            values.append(t)
+            factors.append((1,) * (len(shape) - 2))
+    if not covers:
+        return None  # (a plain cat: PyTorch's one pass is what the kernel would do)
+    for v, fs in zip(values, factors):
+        if tuple(s * f for s, f in zip(shape_of(v)[2:], fs)) != tuple(shape[2:]) or shape_of(v)[0] != shape[0]:
+            return None
+    return Join(node, tuple(values), tuple(factors), tuple(covers))
+
+
+def find(imp: Analysis) -> list[Join]:
+    """The model's concatenations a ConcatLayer runs."""
+    return [j for j in (_join(imp, n) for n in imp.nodes) if j is not None]
+
+
+def _sole_reader(node: Node, layers: dict):
+    """The fused layer that alone reads `node`, as its input x (not an extra input), else None."""
+    users = list(node.users)
+    if len(users) != 1 or users[0].op != "call_module" or users[0].target not in layers:
+        return None
+    user = users[0]
+    if not user.args or user.args[0] is not node or node in user.args[1:] or node in user.kwargs.values():
+        return None
+    return layers[user.target]
+
+
+def _reads_in_place(layer) -> bool:
+    """Whether `layer` (a FusedLayer) reads a channels-last input where it lies; False where that
+    cannot be told here (no GPU: nothing is planned for one)."""
+    from specgen import torchop
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return torchop.reads_channels_last_in_place(layer.specialize())
+    except Exception as err:  # noqa: BLE001  (a plan that cannot be made: the cat writes NC(D)HW, as PyTorch's does)
+        get_logger().info("%s: channels-last input not planned (%s: %s)", layer.spec.name, type(err).__name__, err)
+        return False
+
+
+def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken: set, replaced: dict) -> None:
+    """Replace each of `joins` (found by `find` before the chains were) in `graph`, the fused graph
+    being written, by a ConcatLayer call: `layers` its modules so far by name, `replaced` what
+    computes each fused chain's output now."""
+    log = get_logger()
+    for join in joins:
+        node = join.node
+        shape = shape_of(node)
+        reader = _sole_reader(node, layers)
+        channels_last = len(shape) > 3 and reader is not None and _reads_in_place(reader)
+        plan = concat.ConcatPlan(
+            tuple(concat.Source(shape_of(v)[1], tuple(shape_of(v)[2:]), fs) for v, fs in zip(join.values, join.factors)),
+            tuple(shape[2:]), concat.dtype_name(dtype_of(node)), channels_last)
+        layer = concat.ConcatLayer(plan)
+        name = unique(f"{node.name}_join", taken | set(layers))
+        layers[name] = layer
+        imp.gm.add_submodule(name, layer)
+        with graph.inserting_before(node):
+            new = graph.call_module(name, tuple(replaced.get(v, v) for v in join.values))
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        for up in join.covers:
+            if not up.users:
+                graph.erase_node(up)
+        log.info("%s: %s runs as one specgen kernel%s", imp.name, join.describe(),
+                 ", written channels-last for the layer that reads it" if channels_last else "")
+
+
+def restore_output_format(graph: fx.Graph) -> None:
+    """Make the graph's 4-D and 5-D outputs contiguous where the original model's were (a
+    channels-last join's format can reach them through the layers after it, which keep their
+    input's format, as PyTorch's conv does): called on the traced graph, before it is rewritten."""
+    output = next(n for n in graph.nodes if n.op == "output")
+
+    def restore(value):
+        if isinstance(value, Node) and value.op != "placeholder":
+            shape = shape_of(value) if "specgen_tensor" in value.meta else None
+            if shape is not None and len(shape) in (4, 5) and not channels_last_of(value):
+                with graph.inserting_before(output):
+                    return graph.call_method("contiguous", (value,))
+        return value
+
+    output.args = tuple(fx.node.map_aggregate(a, restore) for a in output.args)
