@@ -10,6 +10,9 @@ else NC(D)HW. Every extent, channel count, offset and factor is a literal of the
 sources' layouts (a bit each) and the batch are read at run time. The values are copied exactly.
 
 On CPU tensors, and where autograd records the call, the layer runs PyTorch's own ops (`reference`).
+Under torch.compile it is the custom op `torch.ops.specgen.<kernel name>` (one per plan: a fake
+implementation gives the output's shape and layout, and its backward slices the gradient per source
+and sums each upsampled block), so `torch.compile(fullgraph=True)` traces a model that holds it.
 """
 
 from __future__ import annotations
@@ -175,6 +178,66 @@ def _layout_bit(t: torch.Tensor) -> int | None:
     return 1 if fmt is not None and t.is_contiguous(memory_format=fmt) else None
 
 
+def _source_grad(grad: torch.Tensor, first: int, source: Source) -> torch.Tensor:
+    """The gradient of one source of a concatenation: its channels of `grad`, each upsampled
+    block summed back to the value it copied."""
+    g = grad[:, first:first + source.channels]
+    if all(f == 1 for f in source.factors):
+        return g.contiguous()
+    split = [g.shape[0], source.channels]
+    for s, f in zip(source.size, source.factors):
+        split += [s, f]
+    return g.reshape(split).sum(dim=tuple(range(3, len(split), 2)))
+
+
+_ops: dict[str, object] = {}  # plan's kernel name -> its custom op
+_op_layers: dict[str, "ConcatLayer"] = {}  # ... and the layer its op launches with
+
+
+def custom_op(plan: ConcatPlan):
+    """The plan's custom op, `torch.ops.specgen.<kernel name>(values) -> Tensor`, registered once."""
+    name = plan.kernel_name
+    op = _ops.get(name)
+    if op is not None:
+        return op
+    fmt = _memory_format(plan)
+    dtype = DTYPES[plan.dtype][1]
+
+    def impl(values: list[torch.Tensor]) -> torch.Tensor:
+        layer = _op_layers.get(name)
+        if layer is None:
+            layer = _op_layers[name] = ConcatLayer(plan)
+        layer._check(values)
+        if values[0].device.type != "cuda":
+            return reference(values, layer._factors).contiguous(memory_format=fmt)
+        return layer._launch(values)
+
+    impl.__name__ = name
+    op = torch.library.custom_op(f"specgen::{name}", impl, mutates_args=(), schema="(Tensor[] values) -> Tensor")
+
+    def fake(values):
+        return torch.empty((values[0].shape[0], plan.channels, *plan.size), dtype=dtype, device=values[0].device,
+                           memory_format=fmt)
+
+    def setup_context(ctx, inputs, output):
+        pass
+
+    def backward(ctx, grad):
+        firsts = [sum(s.channels for s in plan.sources[:k]) for k in range(len(plan.sources))]
+        return [_source_grad(grad, first, src) for first, src in zip(firsts, plan.sources)]
+
+    op.register_fake(fake)
+    op.register_autograd(backward, setup_context=setup_context)
+    _ops[name] = op
+    return op
+
+
+def _memory_format(plan: ConcatPlan) -> torch.memory_format:
+    if not plan.channels_last:
+        return torch.contiguous_format
+    return {4: torch.channels_last, 5: torch.channels_last_3d}[2 + len(plan.size)]
+
+
 class ConcatLayer(nn.Module):
     """`torch.cat([upsample_nearest(x_k, factors[k]) ...], 1)` by one specialized kernel on CUDA
     tensors (built for the plan's extents; any batch), PyTorch's ops elsewhere."""
@@ -188,10 +251,20 @@ class ConcatLayer(nn.Module):
         self._dtype = DTYPES[plan.dtype][1]
         self._kernels: dict[int, object] = {}
         self._result = None
-        self._fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(2 + len(plan.size)) \
-            if plan.channels_last else torch.contiguous_format
+        self._fmt = _memory_format(plan)
+        self._op = custom_op(plan)  # (what torch.compile traces)
         if torch.cuda.is_available():
             self.build()  # compile at construction (never during a graph capture)
+
+    def __getstate__(self):
+        # (the custom op and the loaded kernels are bound to this process: bound again on unpickling)
+        state = dict(self.__dict__)
+        state["_op"], state["_kernels"] = None, {}
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._op = custom_op(self.plan)
 
     def extra_repr(self) -> str:
         return (f"sources={[list(s) for s in self._shapes]}, factors={[list(f) for f in self._factors]}, "
@@ -216,6 +289,14 @@ class ConcatLayer(nn.Module):
         return kernel
 
     def forward(self, *values: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._op(list(values))
+        self._check(values)
+        if values[0].device.type != "cuda" or (torch.is_grad_enabled() and any(v.requires_grad for v in values)):
+            return reference(values, self._factors).contiguous(memory_format=self._fmt)
+        return self._launch(values)
+
+    def _check(self, values) -> None:
         if len(values) != len(self._shapes):
             raise ValueError(f"{type(self).__name__}: expected {len(self._shapes)} tensors, got {len(values)}")
         batch = values[0].shape[0]
@@ -223,11 +304,8 @@ class ConcatLayer(nn.Module):
             if tuple(v.shape[1:]) != shape or v.shape[0] != batch or v.dtype != self._dtype:
                 raise ValueError(f"{type(self).__name__}: input {k}: expected [{batch}, {', '.join(map(str, shape))}] "
                                  f"of {self._dtype}, got {list(v.shape)} of {v.dtype}")
-        first = values[0]
-        if first.device.type != "cuda" or any(v.device != first.device for v in values) \
-                or (torch.is_grad_enabled() and any(v.requires_grad for v in values)):
-            return reference(values, self._factors).contiguous(memory_format=self._fmt)
-        return self._launch(values)
+        if any(v.device != values[0].device for v in values):
+            raise ValueError(f"{type(self).__name__}: inputs on several devices: {sorted({str(v.device) for v in values})}")
 
     def _launch(self, values) -> torch.Tensor:
         from specgen import runtime

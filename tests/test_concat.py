@@ -149,3 +149,39 @@ def test_the_unet_example_joins_its_three_decoder_steps(monkeypatch):
     report = explain(models.UNet.make().eval(), models.UNet.example_input(2, small=True))
     assert len(report.joins) == 3 and all("upsample(" in j for j in report.joins), str(report)
     assert all(not fb.node.startswith(("up", "cat")) for fb in report.fallbacks), str(report)
+
+
+def test_the_custom_op_passes_opcheck_and_its_gradient_is_pytorch_s(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    plan = ConcatPlan((Source(3, (2, 3), (2, 1)), Source(2, (4, 3), (1, 1)), Source(1, (1, 1), (4, 3))), (4, 3), "float32")
+    op = concat.custom_op(plan)
+    assert concat.custom_op(plan) is op  # (registered once per plan)
+    values = [torch.randn(2, 3, 2, 3, dtype=torch.float32), torch.randn(2, 2, 4, 3), torch.randn(2, 1, 1, 1)]
+    torch.library.opcheck(op, ([v.clone().requires_grad_() for v in values],))
+    factors = [s.factors for s in plan.sources]
+    mine = [v.clone().requires_grad_() for v in values]
+    theirs = [v.clone().requires_grad_() for v in values]
+    weights = torch.randn(2, 6, 4, 3)
+    (op(mine) * weights).sum().backward()
+    (concat.reference(theirs, factors) * weights).sum().backward()
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_torch_compile_traces_an_imported_join_whole(monkeypatch):
+    from specgen import from_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    torch.manual_seed(1)
+    model = _Decoder().eval()
+    x, low = torch.randn(2, 3, 12, 10), torch.randn(2, 16, 6, 5)
+    with torch.no_grad():
+        fused = from_module(copy.deepcopy(model), x, low, keep_slower=True)
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    low = low.clone().requires_grad_()
+    got = compiled(x, low)
+    torch.testing.assert_close(got, model(x, low), rtol=1e-5, atol=1e-5)
+    got.sum().backward()
+    want = low.detach().clone().requires_grad_()
+    model(x, want).sum().backward()
+    torch.testing.assert_close(low.grad, want.grad, rtol=1e-4, atol=1e-5)

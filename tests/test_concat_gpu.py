@@ -133,3 +133,17 @@ def test_a_unet_imported_whole_joins_its_decoder_and_matches(precision):
         assert rel_l2(got.float(), ref64) <= 2 * max(rel_l2(ref.float(), ref64), 2.0**-8)
     else:
         assert_model_bar(got, ref64, ref, precision)
+
+
+def test_torch_compile_of_an_imported_unet_traces_its_joins_whole():
+    import models
+
+    torch.manual_seed(0)
+    model = models.UNet.make().cuda().eval().bfloat16()
+    x = models.UNet.example_input(2, small=True, device="cuda", seed=3).bfloat16()
+    fused = from_module(copy.deepcopy(model), x, keep_slower=True, cuda_graph=False)
+    assert len([m for m in fused.modules() if isinstance(m, ConcatLayer)]) == 3
+    with torch.no_grad():
+        want = fused(x)
+        got = torch.compile(fused, fullgraph=True)(x)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
