@@ -32,12 +32,13 @@ MAX_SOURCES = 8  # values one concatenation joins (each a pointer argument and a
 _INT32_MAX = 2**31 - 1
 _THREADS = 256  # templates/concat.cu.j2: 32 lanes x 8 rows a block
 TILES = (32, 64)  # a block's tile sizes: channels x positions (each thread moves tile^2 / 256 values)
-_GRID_Y_MAX = 65535  # samples one launch covers (its grid's y extent)
+GRID_Y_MAX = 65535  # samples one launch covers (its grid's y extent)
 DTYPES = {"float32": ("float", torch.float32), "bfloat16": ("__nv_bfloat16", torch.bfloat16),
           "float16": ("__half", torch.float16)}
 
 
-def _count(value, what: str, low: int, high: int | None = None) -> int:
+def check_count(value, what: str, low: int, high: int | None = None) -> int:
+    """`value`, an int from `low` to `high`; ValueError naming `what` otherwise (a bool is not one)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         bound = f"from {low} to {high}" if high is not None else f"at least {low}"
         raise ValueError(f"{what}: expected an integer {bound}, got {value!r}")
@@ -70,7 +71,7 @@ class ConcatPlan:
         if not isinstance(self.size, tuple) or not 1 <= len(self.size) <= 3:
             raise ValueError(f"size: expected 1 to 3 spatial extents, got {self.size!r}")
         for i, s in enumerate(self.size):
-            _count(s, f"size[{i}]", 1)
+            check_count(s, f"size[{i}]", 1)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.tile not in TILES or isinstance(self.tile, bool):
@@ -85,14 +86,14 @@ class ConcatPlan:
             where = f"sources[{k}]"
             if not isinstance(src, Source):
                 raise ValueError(f"{where}: expected a Source, got {src!r}")
-            _count(src.channels, f"{where}.channels", 1)
+            check_count(src.channels, f"{where}.channels", 1)
             if not isinstance(src.size, tuple) or not isinstance(src.factors, tuple) \
                     or len(src.size) != len(self.size) or len(src.factors) != len(self.size):
                 raise ValueError(f"{where}: expected {len(self.size)} extents and factors, got size {src.size!r}, "
                                  f"factors {src.factors!r}")
             for d, (s, f, o) in enumerate(zip(src.size, src.factors, self.size)):
-                _count(s, f"{where}.size[{d}]", 1)
-                _count(f, f"{where}.factors[{d}]", 1, MAX_SCALE)
+                check_count(s, f"{where}.size[{d}]", 1)
+                check_count(f, f"{where}.factors[{d}]", 1, MAX_SCALE)
                 if s * f != o:
                     raise ValueError(f"{where}: extent {s} upsampled {f}x along spatial dim {d} is {s * f}, "
                                      f"but the output's is {o}")
@@ -323,8 +324,8 @@ class ConcatLayer(nn.Module):
         pack = runtime.arg_pack((kernel.function.value, "concat"), ("ptr",) * (n + 1) + ("int", "int"))
         stream = torch.cuda.current_stream(out.device).cuda_stream
         item = out.element_size()
-        for first in range(0, batch, _GRID_Y_MAX):  # (a launch covers at most _GRID_Y_MAX samples)
-            count = min(_GRID_Y_MAX, batch - first)
+        for first in range(0, batch, GRID_Y_MAX):  # (a launch covers at most GRID_Y_MAX samples)
+            count = min(GRID_Y_MAX, batch - first)
             for k, v in enumerate(values):
                 pack.put(k, v.data_ptr() + first * v[0].numel() * item)
             pack.put(n, out.data_ptr() + first * plan.channels * plan.positions * item)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import copy
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,10 +13,10 @@ torch = pytest.importorskip("torch")
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from example_models import example_models  # noqa: E402
 from specgen import concat  # noqa: E402
 from specgen.concat import ConcatLayer, ConcatPlan, Source  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 
 def _plan(**over) -> ConcatPlan:
@@ -142,7 +140,7 @@ def test_a_cat_without_an_upsample_stays_pytorch_s(monkeypatch):
 
 
 def test_the_unet_example_joins_its_three_decoder_steps(monkeypatch):
-    import models
+    models = example_models()
     from specgen import explain
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import copy
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from example_models import example_models  # noqa: E402
 from specgen import from_module  # noqa: E402
 from specgen.concat import ConcatLayer, ConcatPlan, Source, reference  # noqa: E402
 
 from gpu_helpers import assert_model_bar, tf32_allowed  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 pytestmark = [pytest.mark.gpu]
 
@@ -106,7 +104,7 @@ def test_it_replays_from_a_cuda_graph():
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_a_unet_imported_whole_joins_its_decoder_and_matches(precision):
-    import models
+    models = example_models()
 
     torch.manual_seed(0)
     model = models.UNet.make().cuda().eval()
@@ -136,7 +134,7 @@ def test_a_unet_imported_whole_joins_its_decoder_and_matches(precision):
 
 
 def test_torch_compile_of_an_imported_unet_traces_its_joins_whole():
-    import models
+    models = example_models()
 
     torch.manual_seed(0)
     model = models.UNet.make().cuda().eval().bfloat16()

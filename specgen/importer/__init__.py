@@ -85,7 +85,7 @@ from specgen.importer.chains import Analysis
 from specgen.importer.graph import SPEC_PREFIX
 from specgen.importer.recognize import supported_names
 from specgen.importer.report import Choice, Fallback, ImportReport, ModelImportError, spec_yaml_text
-from specgen.importer import joins, rewrite
+from specgen.importer import joins, pools, rewrite
 from specgen.importer.rewrite import ImportedLayer
 from specgen.log import get_logger
 
@@ -190,15 +190,28 @@ def _fused(imp: Analysis, keep_slower: bool, log) -> tuple:
 
 
 def _report(imp: Analysis, choices: Optional[list[Choice]] = None) -> ImportReport:
-    """The analysis's report, with the concatenations a ConcatLayer runs (`joins`: where some
-    chain is fused, so the model is rewritten) among `.joins`, not among the fallbacks."""
+    """The analysis's report, with the concatenations a ConcatLayer runs (`joins`) and the max
+    pools a MaxPoolLayer runs (`pools`) among `.joins` and `.pools`, not among the fallbacks: where
+    some chain is fused, so that the model is rewritten."""
     report = imp.report(choices)
     if any(c.fused for c in report.choices):
         found = joins.find(imp)
-        names = {j.node.name for j in found} | {n.name for j in found for n in j.covers}
+        pooled = pools.find(_fused_only(imp, report.choices)) if pools.ENABLED else []
+        names = {j.node.name for j in found} | {n.name for j in found for n in j.covers} | {p.node.name for p in pooled}
         report.fallbacks = [fb for fb in report.fallbacks if fb.node not in names]
         report.joins = [j.describe() for j in found]
+        report.pools = [p.describe() for p in pooled]
     return report
+
+
+class _fused_only:
+    """`imp` as `pools.find` sees it once the chains measured slower are dropped (`_fused` drops
+    them just after the report): a pool of such a chain runs as the kernel too."""
+
+    def __init__(self, imp: Analysis, choices: list[Choice]):
+        fused = {c.layer for c in choices if c.fused}
+        self.chains = [c for c in imp.chains if c.spec.name in fused]
+        self.nodes, self.fetch = imp.nodes, imp.fetch
 
 
 def _choices(imp: Analysis, keep_slower: bool) -> list[Choice]:

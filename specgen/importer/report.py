@@ -65,6 +65,8 @@ class ImportReport:
     memory_formats: tuple | None = None
     # The concatenations of an upsampled value that one specgen kernel runs (`specgen.concat`), described
     joins: list[str] = field(default_factory=list)
+    # The max pools no chain takes that one specgen kernel runs (`specgen.maxpool`), described
+    pools: list[str] = field(default_factory=list)
 
     @property
     def fused_specs(self) -> list[LayerSpec]:
@@ -89,6 +91,8 @@ class ImportReport:
             lines.append(line)
         for join in self.joins:
             lines.append(f"  joined by one kernel: {join}")
+        for pool in self.pools:
+            lines.append(f"  pooled by one kernel: {pool}")
         for fb in self.fallbacks:
             lines.append(f"  not fused: {fb.node}: {fb.reason}")
         if self.memory_formats is not None:

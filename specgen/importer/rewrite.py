@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.fx import Node
 
 from specgen import measured, pipeline, tmarun
-from specgen.importer import joins
+from specgen.importer import joins, pools
 from specgen.importer.chains import Analysis
 from specgen.importer.graph import META_METHODS, channels_last_of, shape_of, unique
 from specgen.importer.report import Choice
@@ -260,14 +260,16 @@ def run_channels_last(graph: fx.Graph) -> None:
 
 
 def fused_graph(imp: Analysis) -> fx.GraphModule:
-    """The traced graph with each chain replaced by one ImportedLayer call, and each concatenation
-    of an upsampled value by one ConcatLayer call (`joins`); where the analysis ran on
+    """The traced graph with each chain replaced by one ImportedLayer call, each concatenation of
+    an upsampled value by one ConcatLayer call (`joins`) and each max pool left to PyTorch by one
+    MaxPoolLayer call (`pools`); where the analysis ran on
     channels-last inputs, inputs are laid out channels-last on the way in (`run_channels_last`)."""
     graph = imp.graph
     layers: dict[str, nn.Module] = {}
     taken = {n.target.split(".")[0] for n in imp.nodes if n.op in ("call_module", "get_attr")} | set(dir(imp.gm))
     replaced: dict[Node, Node] = {}  # a fused chain's output -> what computes it now
     joined = joins.find(imp)  # (before the chains replace the values they read)
+    pooled = pools.find(imp) if pools.ENABLED else []
     if joined:
         joins.restore_output_format(graph)
     for chain in imp.chains:
@@ -302,6 +304,7 @@ def fused_graph(imp: Analysis) -> fx.GraphModule:
                     u.replace_input_with(node, ghost)
         _erase(graph, sorted(chain.nodes, key=imp.order.get, reverse=True), imp.regions.leaf_nodes | imp.size_nodes)
     joins.fuse(imp, graph, joined, layers, taken, replaced)
+    pools.fuse(imp, graph, pooled, layers, taken, replaced)
     capturable(graph)  # (constants the chains left to the model)
     if imp.channels_last:
         run_channels_last(graph)

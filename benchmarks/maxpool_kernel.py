@@ -1,0 +1,60 @@
+"""The max-pool kernel (`specgen.maxpool`) against PyTorch's max pool (which also writes each
+maximum's int64 index), on a UNet encoder's three 2x2 pools: GPU time per call from the profiler
+(as `concat_join.py`), in each layout, with the floor: the input read once and the output written
+once at the measured copy rate.
+
+    python benchmarks/maxpool_kernel.py [--batch 64] [--dtype bf16]
+
+Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from concat_join import CALLS, _gpu_ms  # noqa: E402
+from specgen.concat import dtype_name  # noqa: E402
+from specgen.maxpool import MaxPoolLayer, MaxPoolPlan  # noqa: E402
+
+POOLS = [(32, 128), (64, 64), (128, 32)]  # (channels, size): a UNet at 128^2 with base width 32
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    print(f"{torch.cuda.get_device_name()}, batch {args.batch}, {args.dtype}: GPU ms per call (profiler, mean of {CALLS})")
+    print(f"{'pool':18}{'MB':>7}{'floor':>8}{'PyTorch':>9}{'specgen':>9}{'PT cl':>9}{'sg cl':>9}  x PyTorch (as given / cl), % of floor")
+    for c, size in POOLS:
+        xs = [torch.randn(args.batch, c, size, size, device="cuda").to(dtype) for _ in range(4)]
+        xs_cl = [x.contiguous(memory_format=torch.channels_last) for x in xs]
+        item = xs[0].element_size()
+        moved = xs[0].numel() * item * 5 // 4
+        buffers = [(torch.empty(moved // 2, dtype=torch.uint8, device="cuda"), torch.empty(moved // 2, dtype=torch.uint8, device="cuda"))
+                   for _ in range(4)]
+        floor = _gpu_ms(lambda a, b: b.copy_(a), buffers)  # (a copy of half the bytes moves them all)
+        layer = MaxPoolLayer(MaxPoolPlan(c, (size, size), (2, 2), (2, 2), dtype_name(dtype)))
+        with torch.no_grad():
+            assert torch.equal(layer(xs[0]), F.max_pool2d(xs[0], 2)) and torch.equal(layer(xs_cl[0]), F.max_pool2d(xs_cl[0], 2))
+            times = [_gpu_ms(lambda x: F.max_pool2d(x, 2), [(x,) for x in xs]), _gpu_ms(layer, [(x,) for x in xs]),
+                     _gpu_ms(lambda x: F.max_pool2d(x, 2), [(x,) for x in xs_cl]), _gpu_ms(layer, [(x,) for x in xs_cl])]
+        print(f"{f'{c} ch @ {size}^2':18}{moved / 1e6:7.0f}{floor:8.4f}" + "".join(f"{t:9.4f}" for t in times)
+              + f"  {times[0] / times[1]:.2f}x / {times[2] / times[3]:.2f}x, {100 * floor / times[1]:.0f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

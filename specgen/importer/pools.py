@@ -1,0 +1,106 @@
+"""Max pools that no fused chain takes (a UNet encoder pools a value its skip also reads): run
+by one `specgen.maxpool.MaxPoolLayer` each instead of PyTorch's pool, which writes the index of
+each maximum besides its value."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.fx import Node
+
+from specgen import maxpool
+from specgen.concat import dtype_name
+from specgen.importer.chains import Analysis
+from specgen.importer.graph import dtype_of, shape_of, unique
+from specgen.log import get_logger
+
+ENABLED = True  # (off: the pools no chain takes stay PyTorch's)
+_MODULES = {nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3}
+_FUNCTIONS = {F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3, torch.max_pool1d: 1, torch.max_pool2d: 2,
+              torch.max_pool3d: 3}
+_ARGS = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One max pool the kernel runs: its node, the value it pools and the plan."""
+
+    node: Node
+    value: Node
+    plan: maxpool.MaxPoolPlan
+
+    def describe(self) -> str:
+        p = self.plan
+        return f"{self.node.name}: max_pool{len(p.size)}d({self.value.name}, kernel {list(p.kernel)}, stride {list(p.stride)})"
+
+
+def _per_dim(value, nd: int) -> Optional[tuple]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,) * nd
+    if isinstance(value, (tuple, list)) and len(value) == nd and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    return None
+
+
+def _pool(imp: Analysis, node: Node) -> Optional[Pool]:
+    """`node` as a Pool, or None where it is not a max pool without padding, dilation, ceil mode
+    or indices over a float value of known shape."""
+    if node.op == "call_module":
+        module = imp.fetch(node.target)
+        nd = _MODULES.get(type(module))
+        if nd is None or len(node.args) != 1 or node.kwargs:
+            return None
+        args = {"input": node.args[0], "kernel_size": module.kernel_size, "stride": module.stride,
+                "padding": module.padding, "dilation": module.dilation, "ceil_mode": module.ceil_mode,
+                "return_indices": module.return_indices}
+    elif node.op == "call_function" and node.target in _FUNCTIONS:
+        nd = _FUNCTIONS[node.target]
+        args = dict(zip(_ARGS, node.args)) | dict(node.kwargs)
+    else:
+        return None
+    value = args.get("input")
+    if not isinstance(value, Node) or shape_of(value) is None or len(shape_of(value)) != nd + 2 \
+            or dtype_of(value) not in _DTYPES or args.get("ceil_mode", False) or args.get("return_indices", False):
+        return None
+    kernel = _per_dim(args.get("kernel_size"), nd)
+    stride = kernel if args.get("stride") in (None, [], ()) else _per_dim(args.get("stride"), nd)
+    if kernel is None or stride is None or _per_dim(args.get("padding", 0), nd) != (0,) * nd \
+            or _per_dim(args.get("dilation", 1), nd) != (1,) * nd:
+        return None
+    shape = shape_of(value)
+    try:
+        plan = maxpool.MaxPoolPlan(shape[1], tuple(shape[2:]), kernel, stride, dtype_name(dtype_of(value)))
+    except ValueError:
+        return None
+    if shape_of(node) is None or tuple(shape_of(node)) != (shape[0], shape[1], *plan.out_size):
+        return None
+    return Pool(node, value, plan)
+
+
+def find(imp: Analysis) -> list[Pool]:
+    """The model's max pools a MaxPoolLayer runs: those no fused chain covers."""
+    covered = {n for chain in imp.chains for n in chain.nodes}
+    return [p for p in (_pool(imp, n) for n in imp.nodes if n not in covered) if p is not None]
+
+
+def fuse(imp: Analysis, graph: fx.Graph, pools: list[Pool], layers: dict, taken: set, replaced: dict) -> None:
+    """Replace each of `pools` (found by `find` before the chains were) in `graph` by a
+    MaxPoolLayer call: `layers` the graph's modules so far by name, `replaced` what computes each
+    fused chain's output now."""
+    log = get_logger()
+    for pool in pools:
+        layer = maxpool.MaxPoolLayer(pool.plan)
+        name = unique(f"{pool.node.name}_max", taken | set(layers))
+        layers[name] = layer
+        imp.gm.add_submodule(name, layer)
+        with graph.inserting_before(pool.node):
+            new = graph.call_module(name, (replaced.get(pool.value, pool.value),))
+        pool.node.replace_all_uses_with(new)
+        graph.erase_node(pool.node)
+        log.info("%s: %s runs as one specgen kernel", imp.name, pool.describe())

@@ -1,0 +1,227 @@
+"""A max pool without padding on its own (`nn.MaxPoolNd` / `F.max_poolNd` that no fused chain
+takes: a UNet encoder pools a value its skip connection also reads), in one generated kernel
+(templates/maxpool.cu.j2).
+
+PyTorch's CUDA max pool writes the index of each maximum (int64) besides the value, which an
+inference model never reads: for a 16-bit model four times the bytes of the values. This kernel
+writes the values alone, in the input's layout (NC(D)HW or channels-last, read at run time), every
+extent, window and stride a literal. On CPU tensors, and where autograd records the call, the
+layer runs PyTorch's own pool; under torch.compile it is the custom op
+`torch.ops.specgen.<kernel name>` (its backward recomputes PyTorch's pool and differentiates it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from specgen.concat import DTYPES, GRID_Y_MAX, check_count
+
+_INT32_MAX = 2**31 - 1
+_THREADS = 256
+_POOLS = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+
+
+@dataclass(frozen=True)
+class MaxPoolPlan:
+    """max_poolNd of a [batch, channels, *size] value of `dtype` with window `kernel` and `stride`
+    per spatial dim, no padding, dilation 1, floor mode. ValueError (naming the field) otherwise."""
+
+    channels: int
+    size: tuple[int, ...]
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self):
+        check_count(self.channels, "channels", 1)
+        for field in ("size", "kernel", "stride"):
+            value = getattr(self, field)
+            if not isinstance(value, tuple) or not 1 <= len(value) <= 3 or len(value) != len(self.size):
+                raise ValueError(f"{field}: expected 1 to 3 values, one per spatial dim of size, got {value!r}")
+            for d, v in enumerate(value):
+                check_count(v, f"{field}[{d}]", 1)
+        for d, (s, k) in enumerate(zip(self.size, self.kernel)):
+            if k > s:
+                raise ValueError(f"kernel[{d}]: a window of {k} is larger than the extent {s}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.channels * math.prod(self.size) > _INT32_MAX:
+            raise ValueError(f"size: {self.channels} channels x {math.prod(self.size)} positions is more values per "
+                             f"sample than the kernel indexes (2^31 - 1)")
+
+    @property
+    def out_size(self) -> tuple[int, ...]:
+        return tuple((s - k) // st + 1 for s, k, st in zip(self.size, self.kernel, self.stride))
+
+    def canonical_json(self) -> str:
+        return json.dumps({"max_pool": asdict(self)}, sort_keys=True, separators=(",", ":"))
+
+    @property
+    def kernel_name(self) -> str:
+        return "specgen_max_pool_" + hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+
+def render(plan: MaxPoolPlan) -> str:
+    """The plan's .cu (extents padded to D, H, W with leading 1s)."""
+    from specgen import __version__
+    from specgen.render import environment
+
+    pad = (1,) * (3 - len(plan.size))
+    return environment().get_template("maxpool.cu.j2").render(
+        version=__version__, kernel_name=plan.kernel_name, ctype=DTYPES[plan.dtype][0], channels=plan.channels,
+        dims=len(plan.size), size=plan.size, out_size=plan.out_size, kernel=plan.kernel, stride=plan.stride,
+        in3=pad + plan.size, out3=pad + plan.out_size, k3=pad + plan.kernel, s3=pad + plan.stride,
+        window=math.prod(plan.kernel), in_positions=math.prod(plan.size), out_positions=math.prod(plan.out_size))
+
+
+def build_request(plan: MaxPoolPlan, arch: str | None = None):
+    from specgen import cache
+
+    return cache.BuildRequest(plan.kernel_name, render(plan), plan.canonical_json(), arch)
+
+
+def reference(x: torch.Tensor, plan: MaxPoolPlan) -> torch.Tensor:
+    """PyTorch's own pool."""
+    return _POOLS[len(plan.size)](x, list(plan.kernel), list(plan.stride))
+
+
+def _channels_last(t: torch.Tensor) -> bool:
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
+    return fmt is not None and not t.is_contiguous() and t.is_contiguous(memory_format=fmt)
+
+
+_ops: dict[str, object] = {}
+_op_layers: dict[str, "MaxPoolLayer"] = {}
+
+
+def custom_op(plan: MaxPoolPlan):
+    """The plan's custom op, `torch.ops.specgen.<kernel name>(x) -> Tensor`, registered once."""
+    name = plan.kernel_name
+    op = _ops.get(name)
+    if op is not None:
+        return op
+    dtype = DTYPES[plan.dtype][1]
+
+    def impl(x: torch.Tensor) -> torch.Tensor:
+        layer = _op_layers.get(name)
+        if layer is None:
+            layer = _op_layers[name] = MaxPoolLayer(plan)
+        layer._check(x)
+        return layer._launch(x) if x.is_cuda else reference(x, plan)
+
+    impl.__name__ = name
+    op = torch.library.custom_op(f"specgen::{name}", impl, mutates_args=(), schema="(Tensor x) -> Tensor")
+
+    def fake(x):
+        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}[x.dim()] if _channels_last(x) else torch.contiguous_format
+        return torch.empty((x.shape[0], plan.channels, *plan.out_size), dtype=dtype, device=x.device, memory_format=fmt)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            (gx,) = torch.autograd.grad(reference(x, plan), x, grad)
+        return gx
+
+    op.register_fake(fake)
+    op.register_autograd(backward, setup_context=setup_context)
+    _ops[name] = op
+    return op
+
+
+class MaxPoolLayer(nn.Module):
+    """`max_poolNd(x, kernel, stride)` by one specialized kernel on CUDA tensors (built for the
+    plan's extents; any batch), PyTorch's pool elsewhere."""
+
+    def __init__(self, plan: MaxPoolPlan, arch: str | None = None):
+        super().__init__()
+        self.plan = plan
+        self.arch = arch
+        self._dtype = DTYPES[plan.dtype][1]
+        self._shape = (plan.channels, *plan.size)
+        self._kernels: dict[int, object] = {}
+        self._result = None
+        self._op = custom_op(plan)  # (what torch.compile traces)
+        if torch.cuda.is_available():
+            self.build()  # compile at construction (never during a graph capture)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_op"], state["_kernels"] = None, {}
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._op = custom_op(self.plan)
+
+    def extra_repr(self) -> str:
+        p = self.plan
+        return f"channels={p.channels}, size={list(p.size)}, kernel={list(p.kernel)}, stride={list(p.stride)}, dtype={p.dtype}"
+
+    def build(self):
+        """Compile (or find in the cache) the kernel; returns the build result."""
+        if self._result is None:
+            from specgen import cache
+
+            self._result = cache.get_or_build(build_request(self.plan, self.arch))
+        return self._result
+
+    def _kernel(self, device_index: int):
+        kernel = self._kernels.get(device_index)
+        if kernel is None:
+            from specgen import cache, runtime
+
+            result = self.build()
+            kernel = self._kernels[device_index] = runtime.load(
+                result.key, cache.load_cubin_bytes(result), self.plan.kernel_name, _THREADS, 0, device_index)
+        return kernel
+
+    def _check(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or tuple(x.shape[1:]) != self._shape or x.dtype != self._dtype:
+            got = f"{list(x.shape)} of {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{type(self).__name__}: expected [batch, {', '.join(map(str, self._shape))}] of "
+                             f"{self._dtype}, got {got}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._op(x)
+        self._check(x)
+        if not x.is_cuda or (torch.is_grad_enabled() and x.requires_grad):
+            return reference(x, self.plan)
+        return self._launch(x)
+
+    def _launch(self, x: torch.Tensor) -> torch.Tensor:
+        from specgen import runtime
+
+        plan = self.plan
+        cl = _channels_last(x)
+        if not cl and not x.is_contiguous():
+            x = x.contiguous()
+        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}[x.dim()] if cl else torch.contiguous_format
+        batch = x.shape[0]
+        out = torch.empty((batch, plan.channels, *plan.out_size), dtype=self._dtype, device=x.device, memory_format=fmt)
+        per_sample = plan.channels * math.prod(plan.out_size)
+        if batch == 0 or per_sample == 0:
+            return out
+        kernel = self._kernel(x.get_device())
+        pack = runtime.arg_pack((kernel.function.value, "max_pool"), ("ptr", "ptr", "int", "int"))
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        item, in_sample = x.element_size(), plan.channels * math.prod(plan.size)
+        for first in range(0, batch, GRID_Y_MAX):
+            count = min(GRID_Y_MAX, batch - first)
+            pack.put(0, x.data_ptr() + first * in_sample * item)
+            pack.put(1, out.data_ptr() + first * per_sample * item)
+            pack.put(2, int(cl))
+            pack.put(3, count)
+            runtime.launch_packed(kernel, kernel.function, -(-per_sample // _THREADS), _THREADS, 0, pack, stream, count)
+        return out

@@ -1,0 +1,133 @@
+"""The max-pool kernel without a GPU: its plan refuses what it cannot pool (naming the field),
+renders every extent as a literal, compiles with nvcc without spills, is PyTorch's pool on CPU
+(custom op checked, gradient PyTorch's), and from_module gives it the pools no chain takes."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from example_models import example_models  # noqa: E402
+from specgen import maxpool  # noqa: E402
+from specgen.maxpool import MaxPoolLayer, MaxPoolPlan  # noqa: E402
+
+
+
+def _plan(**over) -> MaxPoolPlan:
+    return MaxPoolPlan(**(dict(channels=32, size=(16, 12), kernel=(2, 2), stride=(2, 2), dtype="bfloat16") | over))
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"channels": 0}, "channels"),
+    ({"size": (16, 12, 4, 4), "kernel": (2,) * 4, "stride": (2,) * 4}, "size"),
+    ({"kernel": (2,)}, "kernel"),
+    ({"stride": (2, 0)}, "stride[1]"),
+    ({"kernel": (17, 2)}, "kernel[0]"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"channels": True}, "channels"),
+    ({"channels": 1 << 20, "size": (1 << 6, 1 << 6)}, "size"),
+])
+def test_the_plan_refuses_what_it_cannot_pool(over, field):
+    with pytest.raises(ValueError, match=re.escape(field) + ":"):
+        _plan(**over)
+
+
+def test_the_source_has_every_extent_window_and_stride_as_a_literal():
+    plan = _plan(kernel=(3, 2), stride=(2, 1))
+    source = maxpool.render(plan)
+    assert plan.out_size == (7, 11)
+    for line in ("constexpr int C = 32;", "constexpr int D = 1, H = 16, W = 12;", "constexpr int OD = 1, OH = 7, OW = 11;",
+                 "constexpr int KD = 1, KH = 3, KW = 2;", "constexpr int SD = 1, SH = 2, SW = 1;"):
+        assert line in source
+    assert f"void __launch_bounds__(256) {plan.kernel_name}(" in source and "#include <cuda_bf16.h>" in source
+    assert plan.kernel_name != _plan().kernel_name
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("plan", [_plan(), _plan(dtype="float32", kernel=(3, 3), stride=(1, 2)),
+                                  MaxPoolPlan(7, (5, 6, 7), (2, 3, 2), (2, 2, 2), "float16"),
+                                  MaxPoolPlan(3, (40,), (4,), (4,), "float32")], ids=["bf16_2d", "fp32_overlap", "fp16_3d", "fp32_1d"])
+def test_the_kernel_compiles_without_spills(plan, tmp_path, monkeypatch):
+    from specgen import cache
+
+    monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path))
+    result = cache.get_or_build(maxpool.build_request(plan))
+    assert result.spill_bytes == 0 and result.registers <= 64, result.log
+
+
+def test_on_cpu_it_is_pytorch_s_pool_and_its_op_checks(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    plan = _plan(dtype="float32", kernel=(3, 2), stride=(2, 2))
+    layer = MaxPoolLayer(plan)
+    x = torch.randn(3, 32, 16, 12)
+    assert torch.equal(layer(x), F.max_pool2d(x, (3, 2), (2, 2)))
+    with pytest.raises(ValueError, match=r"expected \[batch, 32, 16, 12\]"):
+        layer(x[:, :, :8])
+    op = maxpool.custom_op(plan)
+    assert maxpool.custom_op(plan) is op and copy.deepcopy(layer)._op is op
+    torch.library.opcheck(op, (x.clone().requires_grad_(),))
+    mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    w = torch.randn(3, 32, 7, 6)
+    (op(mine) * w).sum().backward()
+    (F.max_pool2d(theirs, (3, 2), (2, 2)) * w).sum().backward()
+    assert torch.equal(mine.grad, theirs.grad)
+
+
+class _Encoder(nn.Module):
+    """A UNet encoder step: conv + ReLU, its value pooled and also returned (the skip)."""
+
+    def __init__(self, padding: int = 0):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        self.pool = nn.MaxPool2d(2, padding=padding)
+        self.last = nn.Sequential(nn.Conv2d(8, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+
+    def forward(self, x):
+        skip = self.block(x)
+        return self.last(self.pool(skip)), skip
+
+
+def test_from_module_runs_the_pools_no_chain_takes(monkeypatch):
+    from specgen import from_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    x = torch.randn(2, 3, 16, 12)
+    with torch.no_grad():
+        fused = from_module(copy.deepcopy(model), x, keep_slower=True)
+    layers = [m for m in fused.modules() if isinstance(m, MaxPoolLayer)]
+    assert [m.plan for m in layers] == [MaxPoolPlan(8, (16, 12), (2, 2), (2, 2), "float32")]  # (the last pool is its chain's)
+    report = fused.specgen_report
+    assert report.pools == ["pool: max_pool2d(block_1, kernel [2, 2], stride [2, 2])"], str(report)
+    assert all(fb.node != "pool" for fb in report.fallbacks) and "pooled by one kernel: pool" in str(report)
+    with torch.no_grad():
+        for got, want in zip(fused(x), model(x)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x)[0], model(x)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_padded_pool_stays_pytorch_s(monkeypatch):
+    from specgen import from_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with torch.no_grad():
+        fused = from_module(_Encoder(padding=1).eval(), torch.randn(2, 3, 16, 12), keep_slower=True)
+    assert not [m for m in fused.modules() if isinstance(m, MaxPoolLayer)] and fused.specgen_report.pools == []
+
+
+def test_the_unet_example_pools_by_the_kernel(monkeypatch):
+    models = example_models()
+    from specgen import explain
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    report = explain(models.UNet.make().eval(), models.UNet.example_input(2, small=True))
+    assert len(report.pools) == 3 and not report.fallbacks, str(report)
