@@ -243,7 +243,8 @@ class ConcatLayer(nn.Module):
     """`torch.cat([upsample_nearest(x_k, factors[k]) ...], 1)` by one specialized kernel on CUDA
     tensors (built for the plan's extents; any batch), PyTorch's ops elsewhere."""
 
-    def __init__(self, plan: ConcatPlan, arch: str | None = None):
+    def __init__(self, plan: ConcatPlan, arch: str | None = None, built=None):
+        """`built`: the kernel's build result where the caller built it already (`cache.build_many`)."""
         super().__init__()
         self.plan = plan
         self.arch = arch
@@ -251,7 +252,7 @@ class ConcatLayer(nn.Module):
         self._shapes = [(s.channels, *s.size) for s in plan.sources]
         self._dtype = DTYPES[plan.dtype][1]
         self._kernels: dict[int, object] = {}
-        self._result = None
+        self._result = built
         self._fmt = _memory_format(plan)
         self._op = custom_op(plan)  # (what torch.compile traces)
         if torch.cuda.is_available():

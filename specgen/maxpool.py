@@ -143,14 +143,15 @@ class MaxPoolLayer(nn.Module):
     """`max_poolNd(x, kernel, stride)` by one specialized kernel on CUDA tensors (built for the
     plan's extents; any batch), PyTorch's pool elsewhere."""
 
-    def __init__(self, plan: MaxPoolPlan, arch: str | None = None):
+    def __init__(self, plan: MaxPoolPlan, arch: str | None = None, built=None):
+        """`built`: the kernel's build result where the caller built it already (`cache.build_many`)."""
         super().__init__()
         self.plan = plan
         self.arch = arch
         self._dtype = DTYPES[plan.dtype][1]
         self._shape = (plan.channels, *plan.size)
         self._kernels: dict[int, object] = {}
-        self._result = None
+        self._result = built
         self._op = custom_op(plan)  # (what torch.compile traces)
         if torch.cuda.is_available():
             self.build()  # compile at construction (never during a graph capture)

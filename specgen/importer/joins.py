@@ -103,15 +103,18 @@ def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken:
     being written, by a ConcatLayer call: `layers` its modules so far by name, `replaced` what
     computes each fused chain's output now."""
     log = get_logger()
+    plans = []
     for join in joins:
-        node = join.node
-        shape = shape_of(node)
-        reader = _sole_reader(node, layers)
+        shape = shape_of(join.node)
+        reader = _sole_reader(join.node, layers)
         channels_last = len(shape) > 3 and reader is not None and _reads_in_place(reader)
-        plan = concat.ConcatPlan(
+        plans.append(concat.ConcatPlan(
             tuple(concat.Source(shape_of(v)[1], tuple(shape_of(v)[2:]), fs) for v, fs in zip(join.values, join.factors)),
-            tuple(shape[2:]), concat.dtype_name(dtype_of(node)), channels_last)
-        layer = concat.ConcatLayer(plan)
+            tuple(shape[2:]), concat.dtype_name(dtype_of(join.node)), channels_last))
+    built = prebuild([concat.build_request(p) for p in plans])
+    for join, plan, result in zip(joins, plans, built):
+        node = join.node
+        layer = concat.ConcatLayer(plan, built=result)
         name = unique(f"{node.name}_join", taken | set(layers))
         layers[name] = layer
         imp.gm.add_submodule(name, layer)
@@ -124,6 +127,16 @@ def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken:
                 graph.erase_node(up)
         log.info("%s: %s runs as one specgen kernel%s", imp.name, join.describe(),
                  ", written channels-last for the layer that reads it" if channels_last else "")
+
+
+def prebuild(requests: list) -> list:
+    """The build results of `requests`, compiled in one parallel build where a GPU will run them
+    (the layers then load them); Nones without a GPU (nothing is built for CPU tensors)."""
+    if not requests or not torch.cuda.is_available():
+        return [None] * len(requests)
+    from specgen import cache
+
+    return cache.build_many(requests)
 
 
 def restore_output_format(graph: fx.Graph) -> None:

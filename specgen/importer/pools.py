@@ -17,6 +17,7 @@ from specgen import maxpool
 from specgen.concat import dtype_name
 from specgen.importer.chains import Analysis
 from specgen.importer.graph import dtype_of, shape_of, unique
+from specgen.importer.joins import prebuild
 from specgen.log import get_logger
 
 ENABLED = True  # (off: the pools no chain takes stay PyTorch's)
@@ -94,8 +95,9 @@ def fuse(imp: Analysis, graph: fx.Graph, pools: list[Pool], layers: dict, taken:
     MaxPoolLayer call: `layers` the graph's modules so far by name, `replaced` what computes each
     fused chain's output now."""
     log = get_logger()
-    for pool in pools:
-        layer = maxpool.MaxPoolLayer(pool.plan)
+    built = prebuild([maxpool.build_request(p.plan) for p in pools])
+    for pool, result in zip(pools, built):
+        layer = maxpool.MaxPoolLayer(pool.plan, built=result)
         name = unique(f"{pool.node.name}_max", taken | set(layers))
         layers[name] = layer
         imp.gm.add_submodule(name, layer)
