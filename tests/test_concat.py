@@ -183,3 +183,21 @@ def test_torch_compile_traces_an_imported_join_whole(monkeypatch):
     want = low.detach().clone().requires_grad_()
     model(x, want).sum().backward()
     torch.testing.assert_close(low.grad, want.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.nvcc
+def test_the_import_builds_its_kernels_in_one_build_and_the_layers_take_them(tmp_path, monkeypatch):
+    from specgen import maxpool
+    from specgen.importer.joins import prebuild
+
+    monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path))
+    plans = [_plan(), maxpool.MaxPoolPlan(8, (6, 6), (2, 2), (2, 2), "float16")]
+    requests = [concat.build_request(plans[0]), maxpool.build_request(plans[1])]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert prebuild(requests) == [None, None]  # (no GPU: nothing built)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    built = prebuild(requests)
+    assert [b.name for b in built] == [p.kernel_name for p in plans] and all(b.spill_bytes == 0 for b in built)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ConcatLayer(plans[0], built=built[0]).build() is built[0]
+    assert maxpool.MaxPoolLayer(plans[1], built=built[1]).build() is built[1]
