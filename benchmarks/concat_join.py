@@ -39,25 +39,34 @@ def _gpu_ms(fn, inputs) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / CALLS / 1000
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(doc: str):
+    """(--batch, the torch dtype of --dtype) of a standalone-kernel benchmark, after printing the
+    run's header; None without a GPU (said on stderr)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
-        return 2
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+        return None
     print(f"{torch.cuda.get_device_name()}, batch {args.batch}, {args.dtype}: GPU ms per call (profiler, mean of {CALLS})")
+    return args.batch, {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+
+
+def main() -> int:
+    parsed = arguments(__doc__)
+    if parsed is None:
+        return 2
+    batch, dtype = parsed
     print(f"{'join':26}{'MB':>7}{'floor':>8}{'PyTorch':>9}" + "".join(f"{f'{lay} t{t}':>11}" for lay in ("nchw", "cl") for t in TILES)
           + "  best x PyTorch, % of floor")
     for cu, su, cs in JOINS:
         size = 2 * su
-        inputs = [(torch.randn(args.batch, cu, su, su, device="cuda").to(dtype),
-                   torch.randn(args.batch, cs, size, size, device="cuda").to(dtype)) for _ in range(4)]
+        inputs = [(torch.randn(batch, cu, su, su, device="cuda").to(dtype),
+                   torch.randn(batch, cs, size, size, device="cuda").to(dtype)) for _ in range(4)]
         item = inputs[0][0].element_size()
-        moved = (inputs[0][0].numel() + inputs[0][1].numel() + args.batch * (cu + cs) * size * size) * item
-        out_bytes = args.batch * (cu + cs) * size * size * item
+        moved = (inputs[0][0].numel() + inputs[0][1].numel() + batch * (cu + cs) * size * size) * item
+        out_bytes = batch * (cu + cs) * size * size * item
         buffers = [(torch.empty(out_bytes, dtype=torch.uint8, device="cuda"), torch.empty(out_bytes, dtype=torch.uint8, device="cuda"))
                    for _ in range(4)]
         copy_ms = _gpu_ms(lambda a, b: b.copy_(a), buffers)

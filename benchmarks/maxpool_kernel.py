@@ -10,7 +10,6 @@ Needs a CUDA GPU.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from concat_join import CALLS, _gpu_ms  # noqa: E402
+from concat_join import _gpu_ms, arguments  # noqa: E402
 from specgen.concat import dtype_name  # noqa: E402
 from specgen.maxpool import MaxPoolLayer, MaxPoolPlan  # noqa: E402
 
@@ -28,18 +27,13 @@ POOLS = [(32, 128), (64, 64), (128, 32)]  # (channels, size): a UNet at 128^2 wi
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    parsed = arguments(__doc__)
+    if parsed is None:
         return 2
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    print(f"{torch.cuda.get_device_name()}, batch {args.batch}, {args.dtype}: GPU ms per call (profiler, mean of {CALLS})")
+    batch, dtype = parsed
     print(f"{'pool':18}{'MB':>7}{'floor':>8}{'PyTorch':>9}{'specgen':>9}{'PT cl':>9}{'sg cl':>9}  x PyTorch (as given / cl), % of floor")
     for c, size in POOLS:
-        xs = [torch.randn(args.batch, c, size, size, device="cuda").to(dtype) for _ in range(4)]
+        xs = [torch.randn(batch, c, size, size, device="cuda").to(dtype) for _ in range(4)]
         xs_cl = [x.contiguous(memory_format=torch.channels_last) for x in xs]
         item = xs[0].element_size()
         moved = xs[0].numel() * item * 5 // 4

@@ -23,14 +23,13 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
+from specgen.standalone import THREADS, StandaloneLayer
 from specgen.upsample import MAX_SCALE
 
 MAX_SOURCES = 8  # values one concatenation joins (each a pointer argument and a branch of the kernel)
 _INT32_MAX = 2**31 - 1
-_THREADS = 256  # templates/concat.cu.j2: 32 lanes x 8 rows a block
 TILES = (32, 64)  # a block's tile sizes: channels x positions (each thread moves tile^2 / 256 values)
 GRID_Y_MAX = 65535  # samples one launch covers (its grid's y extent)
 DTYPES = {"float32": ("float", torch.float32), "bfloat16": ("__nv_bfloat16", torch.bfloat16),
@@ -239,56 +238,24 @@ def _memory_format(plan: ConcatPlan) -> torch.memory_format:
     return {4: torch.channels_last, 5: torch.channels_last_3d}[2 + len(plan.size)]
 
 
-class ConcatLayer(nn.Module):
+class ConcatLayer(StandaloneLayer):
     """`torch.cat([upsample_nearest(x_k, factors[k]) ...], 1)` by one specialized kernel on CUDA
     tensors (built for the plan's extents; any batch), PyTorch's ops elsewhere."""
 
+    _request = staticmethod(build_request)
+    _custom_op = staticmethod(custom_op)
+
     def __init__(self, plan: ConcatPlan, arch: str | None = None, built=None):
         """`built`: the kernel's build result where the caller built it already (`cache.build_many`)."""
-        super().__init__()
-        self.plan = plan
-        self.arch = arch
+        super().__init__(plan, arch, built)
         self._factors = [s.factors for s in plan.sources]
         self._shapes = [(s.channels, *s.size) for s in plan.sources]
         self._dtype = DTYPES[plan.dtype][1]
-        self._kernels: dict[int, object] = {}
-        self._result = built
         self._fmt = _memory_format(plan)
-        self._op = custom_op(plan)  # (what torch.compile traces)
-        if torch.cuda.is_available():
-            self.build()  # compile at construction (never during a graph capture)
-
-    def __getstate__(self):
-        # (the custom op and the loaded kernels are bound to this process: bound again on unpickling)
-        state = dict(self.__dict__)
-        state["_op"], state["_kernels"] = None, {}
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._op = custom_op(self.plan)
 
     def extra_repr(self) -> str:
         return (f"sources={[list(s) for s in self._shapes]}, factors={[list(f) for f in self._factors]}, "
                 f"dtype={self.plan.dtype}, channels_last={self.plan.channels_last}")
-
-    def build(self):
-        """Compile (or find in the cache) the kernel; returns the build result."""
-        if self._result is None:
-            from specgen import cache
-
-            self._result = cache.get_or_build(build_request(self.plan, self.arch))
-        return self._result
-
-    def _kernel(self, device_index: int):
-        kernel = self._kernels.get(device_index)
-        if kernel is None:
-            from specgen import cache, runtime
-
-            result = self.build()
-            kernel = self._kernels[device_index] = runtime.load(
-                result.key, cache.load_cubin_bytes(result), self.plan.kernel_name, _THREADS, 0, device_index)
-        return kernel
 
     def forward(self, *values: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -332,5 +299,5 @@ class ConcatLayer(nn.Module):
             pack.put(n, out.data_ptr() + first * plan.channels * plan.positions * item)
             pack.put(n + 1, layouts)
             pack.put(n + 2, count)
-            runtime.launch_packed(kernel, kernel.function, plan.tiles, _THREADS, 0, pack, stream, count)
+            runtime.launch_packed(kernel, kernel.function, plan.tiles, THREADS, 0, pack, stream, count)
         return out

@@ -18,13 +18,12 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from specgen.concat import DTYPES, GRID_Y_MAX, check_count
+from specgen.standalone import THREADS, StandaloneLayer
 
 _INT32_MAX = 2**31 - 1
-_THREADS = 256
 _POOLS = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 
 
@@ -139,53 +138,22 @@ def custom_op(plan: MaxPoolPlan):
     return op
 
 
-class MaxPoolLayer(nn.Module):
+class MaxPoolLayer(StandaloneLayer):
     """`max_poolNd(x, kernel, stride)` by one specialized kernel on CUDA tensors (built for the
     plan's extents; any batch), PyTorch's pool elsewhere."""
 
+    _request = staticmethod(build_request)
+    _custom_op = staticmethod(custom_op)
+
     def __init__(self, plan: MaxPoolPlan, arch: str | None = None, built=None):
         """`built`: the kernel's build result where the caller built it already (`cache.build_many`)."""
-        super().__init__()
-        self.plan = plan
-        self.arch = arch
+        super().__init__(plan, arch, built)
         self._dtype = DTYPES[plan.dtype][1]
         self._shape = (plan.channels, *plan.size)
-        self._kernels: dict[int, object] = {}
-        self._result = built
-        self._op = custom_op(plan)  # (what torch.compile traces)
-        if torch.cuda.is_available():
-            self.build()  # compile at construction (never during a graph capture)
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state["_op"], state["_kernels"] = None, {}
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._op = custom_op(self.plan)
 
     def extra_repr(self) -> str:
         p = self.plan
         return f"channels={p.channels}, size={list(p.size)}, kernel={list(p.kernel)}, stride={list(p.stride)}, dtype={p.dtype}"
-
-    def build(self):
-        """Compile (or find in the cache) the kernel; returns the build result."""
-        if self._result is None:
-            from specgen import cache
-
-            self._result = cache.get_or_build(build_request(self.plan, self.arch))
-        return self._result
-
-    def _kernel(self, device_index: int):
-        kernel = self._kernels.get(device_index)
-        if kernel is None:
-            from specgen import cache, runtime
-
-            result = self.build()
-            kernel = self._kernels[device_index] = runtime.load(
-                result.key, cache.load_cubin_bytes(result), self.plan.kernel_name, _THREADS, 0, device_index)
-        return kernel
 
     def _check(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor) or tuple(x.shape[1:]) != self._shape or x.dtype != self._dtype:
@@ -224,5 +192,5 @@ class MaxPoolLayer(nn.Module):
             pack.put(1, out.data_ptr() + first * per_sample * item)
             pack.put(2, int(cl))
             pack.put(3, count)
-            runtime.launch_packed(kernel, kernel.function, -(-per_sample // _THREADS), _THREADS, 0, pack, stream, count)
+            runtime.launch_packed(kernel, kernel.function, -(-per_sample // THREADS), THREADS, 0, pack, stream, count)
         return out

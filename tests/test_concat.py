@@ -105,15 +105,21 @@ class _Decoder(nn.Module):
         return self.block(torch.cat([self.up(low), self.skip(x)], dim=1))
 
 
-def test_from_module_joins_an_upsample_and_its_cat(monkeypatch):
+def _imported_decoder(seed: int):
+    """(the decoder, from_module's model of it, its two inputs), without a GPU."""
     from specgen import from_module
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = _Decoder().eval()
     x, low = torch.randn(2, 3, 12, 10), torch.randn(2, 16, 6, 5)
     with torch.no_grad():
-        fused = from_module(copy.deepcopy(model), x, low, keep_slower=True)
+        return model, from_module(copy.deepcopy(model), x, low, keep_slower=True), x, low
+
+
+def test_from_module_joins_an_upsample_and_its_cat(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model, fused, x, low = _imported_decoder(0)
+    with torch.no_grad():
         joins = [m for m in fused.modules() if isinstance(m, ConcatLayer)]
         assert len(joins) == 1 and joins[0].plan.sources == (Source(16, (6, 5), (2, 2)), Source(8, (12, 10), (1, 1)))
         assert not joins[0].plan.channels_last  # (nothing planned without a GPU)
@@ -167,14 +173,8 @@ def test_the_custom_op_passes_opcheck_and_its_gradient_is_pytorch_s(monkeypatch)
 
 
 def test_torch_compile_traces_an_imported_join_whole(monkeypatch):
-    from specgen import from_module
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    torch.manual_seed(1)
-    model = _Decoder().eval()
-    x, low = torch.randn(2, 3, 12, 10), torch.randn(2, 16, 6, 5)
-    with torch.no_grad():
-        fused = from_module(copy.deepcopy(model), x, low, keep_slower=True)
+    model, fused, x, low = _imported_decoder(1)
     compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
     low = low.clone().requires_grad_()
     got = compiled(x, low)

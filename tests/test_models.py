@@ -7,25 +7,17 @@ within rel. L2 1e-5 with TF32 off (fp32 mode)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
+from example_models import example_models
 from specgen.importer import explain, from_module
 from specgen.module import FusedLayer
 
 
-def _load_models():
-    path = Path(__file__).resolve().parent.parent / "examples" / "models.py"
-    spec = importlib.util.spec_from_file_location("specgen_example_models", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-models = _load_models()
+models = example_models()
 
 # The chains each model's structure holds: conv (+ batch norm) (+ activation) (+ a pool that
 # follows directly); a residual add or a concatenation ends a chain. ViT-S/16 (fp32 mode, cuBLAS's

@@ -16,7 +16,7 @@ from torch.fx import Node
 from specgen import maxpool
 from specgen.concat import dtype_name
 from specgen.importer.chains import Analysis
-from specgen.importer.graph import dtype_of, shape_of, unique
+from specgen.importer.graph import _per_dim, dtype_of, shape_of, unique
 from specgen.importer.joins import prebuild
 from specgen.log import get_logger
 
@@ -39,14 +39,6 @@ class Pool:
     def describe(self) -> str:
         p = self.plan
         return f"{self.node.name}: max_pool{len(p.size)}d({self.value.name}, kernel {list(p.kernel)}, stride {list(p.stride)})"
-
-
-def _per_dim(value, nd: int) -> Optional[tuple]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,) * nd
-    if isinstance(value, (tuple, list)) and len(value) == nd and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return tuple(value)
-    return None
 
 
 def _pool(imp: Analysis, node: Node) -> Optional[Pool]:
