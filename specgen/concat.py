@@ -129,14 +129,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype}")
 
 
-def plan_for(values: list[torch.Tensor], factors: list[tuple[int, ...]], channels_last: bool = False) -> ConcatPlan:
-    """The plan joining `values` (each [N, C, *spatial]), value k upsampled by `factors[k]`."""
-    dtype = dtype_name(values[0].dtype)
-    size = tuple(s * f for s, f in zip(values[0].shape[2:], factors[0]))
-    sources = tuple(Source(int(v.shape[1]), tuple(int(s) for s in v.shape[2:]), tuple(f)) for v, f in zip(values, factors))
-    return ConcatPlan(sources, size, dtype, channels_last)
-
-
 def render(plan: ConcatPlan) -> str:
     """The plan's .cu (extents padded to D, H, W with leading 1s)."""
     from specgen import __version__

@@ -126,7 +126,7 @@ def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken:
             if not up.users:
                 graph.erase_node(up)
         log.info("%s: %s runs as one specgen kernel%s", imp.name, join.describe(),
-                 ", written channels-last for the layer that reads it" if channels_last else "")
+                 ", written channels-last for the layer that reads it" if plan.channels_last else "")
 
 
 def prebuild(requests: list) -> list:
