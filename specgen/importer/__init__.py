@@ -196,7 +196,7 @@ def _report(imp: Analysis, choices: Optional[list[Choice]] = None) -> ImportRepo
     report = imp.report(choices)
     if any(c.fused for c in report.choices):
         found = joins.find(imp)
-        pooled = pools.find(_fused_only(imp, report.choices)) if pools.ENABLED else []
+        pooled = pools.find(_FusedOnly(imp, report.choices)) if pools.ENABLED else []
         names = {j.node.name for j in found} | {n.name for j in found for n in j.covers} | {p.node.name for p in pooled}
         report.fallbacks = [fb for fb in report.fallbacks if fb.node not in names]
         report.joins = [j.describe() for j in found]
@@ -204,7 +204,7 @@ def _report(imp: Analysis, choices: Optional[list[Choice]] = None) -> ImportRepo
     return report
 
 
-class _fused_only:
+class _FusedOnly:
     """`imp` as `pools.find` sees it once the chains measured slower are dropped (`_fused` drops
     them just after the report): a pool of such a chain runs as the kernel too."""
 
