@@ -21,7 +21,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specgen.concat import TILES, ConcatLayer, ConcatPlan, Source, dtype_name  # noqa: E402
+from specgen.concat import TILES, ConcatLayer, ConcatPlan, Source  # noqa: E402
+from specgen.standalone import dtype_name  # noqa: E402
 
 CALLS = 20
 # (upsampled source channels, its size, skip channels): a UNet at 128^2 with base width 32

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from concat_join import _gpu_ms, arguments  # noqa: E402
-from specgen.concat import dtype_name  # noqa: E402
+from specgen.standalone import dtype_name  # noqa: E402
 from specgen.maxpool import MaxPoolLayer, MaxPoolPlan  # noqa: E402
 
 POOLS = [(32, 128), (64, 64), (128, 32)]  # (channels, size): a UNet at 128^2 with base width 32

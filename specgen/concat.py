@@ -17,31 +17,19 @@ and sums each upsampled block), so `torch.compile(fullgraph=True)` traces a mode
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from specgen.standalone import THREADS, StandaloneLayer
+from specgen import tmarun
+from specgen.standalone import DTYPES, StandalonePlan, StandaloneLayer, check_count, lies_channels_last, register_op
 from specgen.upsample import MAX_SCALE
 
 MAX_SOURCES = 8  # values one concatenation joins (each a pointer argument and a branch of the kernel)
 _INT32_MAX = 2**31 - 1
 TILES = (32, 64)  # a block's tile sizes: channels x positions (each thread moves tile^2 / 256 values)
-GRID_Y_MAX = 65535  # samples one launch covers (its grid's y extent)
-DTYPES = {"float32": ("float", torch.float32), "bfloat16": ("__nv_bfloat16", torch.bfloat16),
-          "float16": ("__half", torch.float16)}
-
-
-def check_count(value, what: str, low: int, high: int | None = None) -> int:
-    """`value`, an int from `low` to `high`; ValueError naming `what` otherwise (a bool is not one)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        bound = f"from {low} to {high}" if high is not None else f"at least {low}"
-        raise ValueError(f"{what}: expected an integer {bound}, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -55,10 +43,12 @@ class Source:
 
 
 @dataclass(frozen=True)
-class ConcatPlan:
+class ConcatPlan(StandalonePlan):
     """A concatenation along dim 1 of `sources` into [batch, sum of channels, *size] of `dtype`
     ("float32", "bfloat16" or "float16"), written channels-last where `channels_last`. ValueError
     (naming the field) where it is not one."""
+
+    KIND = "concat"
 
     sources: tuple[Source, ...]
     size: tuple[int, ...]
@@ -113,20 +103,6 @@ class ConcatPlan:
         """Blocks per sample: tiles of (positions, channels)."""
         return -(-self.positions // self.tile) * -(-self.channels // self.tile)
 
-    def canonical_json(self) -> str:
-        return json.dumps({"concat": asdict(self)}, sort_keys=True, separators=(",", ":"))
-
-    @property
-    def kernel_name(self) -> str:
-        return "specgen_concat_" + hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The plan's name of a torch dtype ("float32", "bfloat16", "float16"); ValueError for another."""
-    for name, (_, t) in DTYPES.items():
-        if t == dtype:
-            return name
-    raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype}")
 
 
 def render(plan: ConcatPlan) -> str:
@@ -162,14 +138,6 @@ def reference(values, factors) -> torch.Tensor:
     return torch.cat(parts, 1)
 
 
-def _layout_bit(t: torch.Tensor) -> int | None:
-    """0 where `t` lies [N][C][positions] contiguous, 1 where channels-last, None otherwise."""
-    if t.is_contiguous():
-        return 0
-    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
-    return 1 if fmt is not None and t.is_contiguous(memory_format=fmt) else None
-
-
 def _source_grad(grad: torch.Tensor, first: int, source: Source) -> torch.Tensor:
     """The gradient of one source of a concatenation: its channels of `grad`, each upsampled
     block summed back to the value it copied."""
@@ -182,30 +150,11 @@ def _source_grad(grad: torch.Tensor, first: int, source: Source) -> torch.Tensor
     return g.reshape(split).sum(dim=tuple(range(3, len(split), 2)))
 
 
-_ops: dict[str, object] = {}  # plan's kernel name -> its custom op
-_op_layers: dict[str, "ConcatLayer"] = {}  # ... and the layer its op launches with
-
-
 def custom_op(plan: ConcatPlan):
     """The plan's custom op, `torch.ops.specgen.<kernel name>(values) -> Tensor`, registered once."""
-    name = plan.kernel_name
-    op = _ops.get(name)
-    if op is not None:
-        return op
     fmt = _memory_format(plan)
     dtype = DTYPES[plan.dtype][1]
-
-    def impl(values: list[torch.Tensor]) -> torch.Tensor:
-        layer = _op_layers.get(name)
-        if layer is None:
-            layer = _op_layers[name] = ConcatLayer(plan)
-        layer._check(values)
-        if values[0].device.type != "cuda":
-            return reference(values, layer._factors).contiguous(memory_format=fmt)
-        return layer._launch(values)
-
-    impl.__name__ = name
-    op = torch.library.custom_op(f"specgen::{name}", impl, mutates_args=(), schema="(Tensor[] values) -> Tensor")
+    firsts = [sum(s.channels for s in plan.sources[:k]) for k in range(len(plan.sources))]
 
     def fake(values):
         return torch.empty((values[0].shape[0], plan.channels, *plan.size), dtype=dtype, device=values[0].device,
@@ -215,19 +164,13 @@ def custom_op(plan: ConcatPlan):
         pass
 
     def backward(ctx, grad):
-        firsts = [sum(s.channels for s in plan.sources[:k]) for k in range(len(plan.sources))]
         return [_source_grad(grad, first, src) for first, src in zip(firsts, plan.sources)]
 
-    op.register_fake(fake)
-    op.register_autograd(backward, setup_context=setup_context)
-    _ops[name] = op
-    return op
+    return register_op(ConcatLayer, plan, "(Tensor[] values) -> Tensor", fake, setup_context, backward)
 
 
 def _memory_format(plan: ConcatPlan) -> torch.memory_format:
-    if not plan.channels_last:
-        return torch.contiguous_format
-    return {4: torch.channels_last, 5: torch.channels_last_3d}[2 + len(plan.size)]
+    return tmarun.channels_last_format(2 + len(plan.size)) if plan.channels_last else torch.contiguous_format
 
 
 class ConcatLayer(StandaloneLayer):
@@ -244,6 +187,8 @@ class ConcatLayer(StandaloneLayer):
         self._shapes = [(s.channels, *s.size) for s in plan.sources]
         self._dtype = DTYPES[plan.dtype][1]
         self._fmt = _memory_format(plan)
+        # values per sample of each source, then of the output (how far each pointer moves a sample)
+        self._sample_values = [s.channels * math.prod(s.size) for s in plan.sources] + [plan.channels * plan.positions]
 
     def extra_repr(self) -> str:
         return (f"sources={[list(s) for s in self._shapes]}, factors={[list(f) for f in self._factors]}, "
@@ -252,10 +197,18 @@ class ConcatLayer(StandaloneLayer):
     def forward(self, *values: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return self._op(list(values))
+        if torch.is_grad_enabled() and any(v.requires_grad for v in values):
+            self._check(values)
+            return self._reference(values)  # (differentiable)
+        return self._run(values)
+
+    def _run(self, values) -> torch.Tensor:
+        """The kernel on CUDA tensors, PyTorch's ops elsewhere (what the custom op runs)."""
         self._check(values)
-        if values[0].device.type != "cuda" or (torch.is_grad_enabled() and any(v.requires_grad for v in values)):
-            return reference(values, self._factors).contiguous(memory_format=self._fmt)
-        return self._launch(values)
+        return self._launch(values) if values[0].is_cuda else self._reference(values)
+
+    def _reference(self, values) -> torch.Tensor:
+        return reference(values, self._factors).contiguous(memory_format=self._fmt)
 
     def _check(self, values) -> None:
         if len(values) != len(self._shapes):
@@ -269,27 +222,16 @@ class ConcatLayer(StandaloneLayer):
             raise ValueError(f"{type(self).__name__}: inputs on several devices: {sorted({str(v.device) for v in values})}")
 
     def _launch(self, values) -> torch.Tensor:
-        from specgen import runtime
-
         plan = self.plan
-        values = [v if _layout_bit(v) is not None else v.contiguous() for v in values]
-        layouts = sum(_layout_bit(v) << k for k, v in enumerate(values))
+        # each source as it lies (NC(D)HW or channels-last: a bit each), any other layout made contiguous
+        layouts = [lies_channels_last(v) for v in values]
+        values = [v if cl or v.is_contiguous() else v.contiguous() for v, cl in zip(values, layouts)]
         batch = values[0].shape[0]
         out = torch.empty((batch, plan.channels, *plan.size), dtype=self._dtype, device=values[0].device,
                           memory_format=self._fmt)
-        if batch == 0:
-            return out
-        kernel = self._kernel(out.get_device())
-        n = len(values)
-        pack = runtime.arg_pack((kernel.function.value, "concat"), ("ptr",) * (n + 1) + ("int", "int"))
-        stream = torch.cuda.current_stream(out.device).cuda_stream
-        item = out.element_size()
-        for first in range(0, batch, GRID_Y_MAX):  # (a launch covers at most GRID_Y_MAX samples)
-            count = min(GRID_Y_MAX, batch - first)
-            for k, v in enumerate(values):
-                pack.put(k, v.data_ptr() + first * v[0].numel() * item)
-            pack.put(n, out.data_ptr() + first * plan.channels * plan.positions * item)
-            pack.put(n + 1, layouts)
-            pack.put(n + 2, count)
-            runtime.launch_packed(kernel, kernel.function, plan.tiles, THREADS, 0, pack, stream, count)
+        if batch:
+            item = out.element_size()
+            self._queue(out.device, [v.data_ptr() for v in values] + [out.data_ptr()],
+                        [n * item for n in self._sample_values], (sum(cl << k for k, cl in enumerate(layouts)),),
+                        plan.tiles, batch)
         return out

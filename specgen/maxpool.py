@@ -12,25 +12,25 @@ layer runs PyTorch's own pool; under torch.compile it is the custom op
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from specgen.concat import DTYPES, GRID_Y_MAX, check_count
-from specgen.standalone import THREADS, StandaloneLayer
+from specgen import tmarun
+from specgen.standalone import DTYPES, StandalonePlan, THREADS, StandaloneLayer, check_count, lies_channels_last, register_op
 
 _INT32_MAX = 2**31 - 1
 _POOLS = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 
 
 @dataclass(frozen=True)
-class MaxPoolPlan:
+class MaxPoolPlan(StandalonePlan):
     """max_poolNd of a [batch, channels, *size] value of `dtype` with window `kernel` and `stride`
     per spatial dim, no padding, dilation 1, floor mode. ValueError (naming the field) otherwise."""
+
+    KIND = "max_pool"
 
     channels: int
     size: tuple[int, ...]
@@ -59,12 +59,6 @@ class MaxPoolPlan:
     def out_size(self) -> tuple[int, ...]:
         return tuple((s - k) // st + 1 for s, k, st in zip(self.size, self.kernel, self.stride))
 
-    def canonical_json(self) -> str:
-        return json.dumps({"max_pool": asdict(self)}, sort_keys=True, separators=(",", ":"))
-
-    @property
-    def kernel_name(self) -> str:
-        return "specgen_max_pool_" + hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
 
 
 def render(plan: MaxPoolPlan) -> str:
@@ -91,36 +85,18 @@ def reference(x: torch.Tensor, plan: MaxPoolPlan) -> torch.Tensor:
     return _POOLS[len(plan.size)](x, list(plan.kernel), list(plan.stride))
 
 
-def _channels_last(t: torch.Tensor) -> bool:
-    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
-    return fmt is not None and not t.is_contiguous() and t.is_contiguous(memory_format=fmt)
-
-
-_ops: dict[str, object] = {}
-_op_layers: dict[str, "MaxPoolLayer"] = {}
+def _format_of(x: torch.Tensor) -> torch.memory_format:
+    """The memory format the pool writes for input `x`: its own (channels-last, else contiguous)."""
+    return tmarun.channels_last_format(x.dim()) if lies_channels_last(x) else torch.contiguous_format
 
 
 def custom_op(plan: MaxPoolPlan):
     """The plan's custom op, `torch.ops.specgen.<kernel name>(x) -> Tensor`, registered once."""
-    name = plan.kernel_name
-    op = _ops.get(name)
-    if op is not None:
-        return op
     dtype = DTYPES[plan.dtype][1]
 
-    def impl(x: torch.Tensor) -> torch.Tensor:
-        layer = _op_layers.get(name)
-        if layer is None:
-            layer = _op_layers[name] = MaxPoolLayer(plan)
-        layer._check(x)
-        return layer._launch(x) if x.is_cuda else reference(x, plan)
-
-    impl.__name__ = name
-    op = torch.library.custom_op(f"specgen::{name}", impl, mutates_args=(), schema="(Tensor x) -> Tensor")
-
     def fake(x):
-        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}[x.dim()] if _channels_last(x) else torch.contiguous_format
-        return torch.empty((x.shape[0], plan.channels, *plan.out_size), dtype=dtype, device=x.device, memory_format=fmt)
+        return torch.empty((x.shape[0], plan.channels, *plan.out_size), dtype=dtype, device=x.device,
+                           memory_format=_format_of(x))
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(inputs[0])
@@ -132,10 +108,7 @@ def custom_op(plan: MaxPoolPlan):
             (gx,) = torch.autograd.grad(reference(x, plan), x, grad)
         return gx
 
-    op.register_fake(fake)
-    op.register_autograd(backward, setup_context=setup_context)
-    _ops[name] = op
-    return op
+    return register_op(MaxPoolLayer, plan, "(Tensor x) -> Tensor", fake, setup_context, backward)
 
 
 class MaxPoolLayer(StandaloneLayer):
@@ -150,6 +123,8 @@ class MaxPoolLayer(StandaloneLayer):
         super().__init__(plan, arch, built)
         self._dtype = DTYPES[plan.dtype][1]
         self._shape = (plan.channels, *plan.size)
+        self._in_values = plan.channels * math.prod(plan.size)  # values per sample
+        self._out_values = plan.channels * math.prod(plan.out_size)
 
     def extra_repr(self) -> str:
         p = self.plan
@@ -164,33 +139,26 @@ class MaxPoolLayer(StandaloneLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return self._op(x)
+        if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
+            self._check(x)
+            return reference(x, self.plan)  # (differentiable)
+        return self._run(x)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel on a CUDA tensor, PyTorch's pool elsewhere (what the custom op runs)."""
         self._check(x)
-        if not x.is_cuda or (torch.is_grad_enabled() and x.requires_grad):
-            return reference(x, self.plan)
-        return self._launch(x)
+        return self._launch(x) if x.is_cuda else reference(x, self.plan)
 
     def _launch(self, x: torch.Tensor) -> torch.Tensor:
-        from specgen import runtime
-
         plan = self.plan
-        cl = _channels_last(x)
+        cl = lies_channels_last(x)
         if not cl and not x.is_contiguous():
             x = x.contiguous()
-        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}[x.dim()] if cl else torch.contiguous_format
         batch = x.shape[0]
-        out = torch.empty((batch, plan.channels, *plan.out_size), dtype=self._dtype, device=x.device, memory_format=fmt)
-        per_sample = plan.channels * math.prod(plan.out_size)
-        if batch == 0 or per_sample == 0:
-            return out
-        kernel = self._kernel(x.get_device())
-        pack = runtime.arg_pack((kernel.function.value, "max_pool"), ("ptr", "ptr", "int", "int"))
-        stream = torch.cuda.current_stream(x.device).cuda_stream
-        item, in_sample = x.element_size(), plan.channels * math.prod(plan.size)
-        for first in range(0, batch, GRID_Y_MAX):
-            count = min(GRID_Y_MAX, batch - first)
-            pack.put(0, x.data_ptr() + first * in_sample * item)
-            pack.put(1, out.data_ptr() + first * per_sample * item)
-            pack.put(2, int(cl))
-            pack.put(3, count)
-            runtime.launch_packed(kernel, kernel.function, -(-per_sample // THREADS), THREADS, 0, pack, stream, count)
+        out = torch.empty((batch, plan.channels, *plan.out_size), dtype=self._dtype, device=x.device,
+                          memory_format=_format_of(x))
+        if batch:
+            item = x.element_size()
+            self._queue(x.device, [x.data_ptr(), out.data_ptr()], [self._in_values * item, self._out_values * item],
+                        (int(cl),), -(-self._out_values // THREADS), batch)
         return out

@@ -1,20 +1,102 @@
 """The base of the layers that run one generated kernel of their own, outside a fused layer's spec
 (`specgen.concat.ConcatLayer`, `specgen.maxpool.MaxPoolLayer`): a frozen plan, the kernel built
 once (at construction where CUDA is there: never during a graph capture) and loaded per device,
-and the plan's custom op (what torch.compile traces), bound again when the layer is unpickled or
-copied."""
+its launches over the batch, and the plan's custom op (what torch.compile traces), bound again
+when the layer is unpickled or copied."""
 
 from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
 
 import torch
 import torch.nn as nn
 
+from specgen import tmarun
+
 THREADS = 256  # every standalone kernel's block
+DTYPES = {"float32": ("float", torch.float32), "bfloat16": ("__nv_bfloat16", torch.bfloat16),
+          "float16": ("__half", torch.float16)}  # a plan's dtype -> (its C type, torch's)
+
+
+def check_count(value, what: str, low: int, high: int | None = None) -> int:
+    """`value`, an int from `low` to `high`; ValueError naming `what` otherwise (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"from {low} to {high}" if high is not None else f"at least {low}"
+        raise ValueError(f"{what}: expected an integer {bound}, got {value!r}")
+    return value
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A plan's name of a torch dtype ("float32", "bfloat16", "float16"); ValueError for another."""
+    for name, (_, t) in DTYPES.items():
+        if t == dtype:
+            return name
+    raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype}")
+
+
+class StandalonePlan:
+    """What names a standalone kernel's plan (a frozen dataclass): `KIND`, its fields as canonical
+    JSON (the cache key's spec) and the kernel name derived from them."""
+
+    KIND = ""
+
+    def canonical_json(self) -> str:
+        return json.dumps({self.KIND: asdict(self)}, sort_keys=True, separators=(",", ":"))
+
+    @property
+    def kernel_name(self) -> str:
+        return f"specgen_{self.KIND}_" + hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+
+def lies_channels_last(t: torch.Tensor) -> bool:
+    """Whether `t` is laid out channels-last in a torch memory format (4-D or 5-D, and not also
+    contiguous): the layout bit the kernels read."""
+    return tmarun.channels_last_format(t.dim()) is not None and tmarun.channels_last(t)
+
+
+def prebuild(requests: list) -> list:
+    """The build results of `requests`, compiled in one parallel build where a GPU will run them
+    (the layers then take them, `StandaloneLayer(built=...)`); Nones without a GPU."""
+    if not requests or not torch.cuda.is_available():
+        return [None] * len(requests)
+    from specgen import cache
+
+    return cache.build_many(requests)
+
+
+_ops: dict[str, object] = {}  # a plan's kernel name -> its custom op
+_op_layers: dict[str, "StandaloneLayer"] = {}  # ... and the layer the op runs
+
+
+def register_op(layer_class, plan, schema: str, fake, setup_context, backward):
+    """The custom op `torch.ops.specgen.<plan's kernel name>` of `schema`, registered once per plan:
+    it runs a `layer_class(plan)`'s `_run`, `fake` gives its output's metadata, `backward` (with
+    `setup_context`) its gradient."""
+    name = plan.kernel_name
+    op = _ops.get(name)
+    if op is not None:
+        return op
+
+    def impl(*args):
+        layer = _op_layers.get(name)
+        if layer is None:
+            layer = _op_layers[name] = layer_class(plan)
+        return layer._run(*args)
+
+    impl.__name__ = name
+    op = torch.library.custom_op(f"specgen::{name}", impl, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    op.register_autograd(backward, setup_context=setup_context)
+    _ops[name] = op
+    return op
 
 
 class StandaloneLayer(nn.Module):
-    """Subclasses give `_request(plan, arch)` (the plan's cache.BuildRequest) and
-    `_custom_op(plan)` (its custom op, registered once per plan)."""
+    """Subclasses give `_request(plan, arch)` (the plan's cache.BuildRequest), `_custom_op(plan)`
+    (`register_op` for the plan) and `_run(...)` (the op's work: the kernel on CUDA tensors,
+    PyTorch's ops elsewhere)."""
 
     @staticmethod
     def _request(plan, arch):
@@ -25,7 +107,7 @@ class StandaloneLayer(nn.Module):
         raise NotImplementedError
 
     def __init__(self, plan, arch: str | None = None, built=None):
-        """`built`: the kernel's build result where the caller built it already (`cache.build_many`)."""
+        """`built`: the kernel's build result where the caller built it already (`prebuild`)."""
         super().__init__()
         self.plan = plan
         self.arch = arch
@@ -63,3 +145,23 @@ class StandaloneLayer(nn.Module):
             kernel = self._kernels[device_index] = runtime.load(
                 result.key, cache.load_cubin_bytes(result), self.plan.kernel_name, THREADS, 0, device_index)
         return kernel
+
+    def _queue(self, device: torch.device, pointers: list[int], sample_bytes: list[int], ints: tuple, blocks: int,
+               batch: int) -> None:
+        """Launch the kernel on `device`'s current stream over `batch` samples, the most a launch covers at a time
+        (`runtime.GRID_Y_MAX`; grid: `blocks` per sample x samples): its arguments `pointers`, pointer k `sample_bytes[k]`
+        further on per sample, then `ints`, then the samples of the launch."""
+        from specgen import runtime
+
+        kernel = self._kernel(device.index)
+        n = len(pointers)
+        pack = runtime.arg_pack((kernel.function.value, "standalone"), ("ptr",) * n + ("int",) * (len(ints) + 1))
+        for i, value in enumerate(ints):
+            pack.put(n + i, value)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        for first in range(0, batch, runtime.GRID_Y_MAX):
+            count = min(runtime.GRID_Y_MAX, batch - first)
+            for k, (pointer, step) in enumerate(zip(pointers, sample_bytes)):
+                pack.put(k, pointer + first * step)
+            pack.put(n + len(ints), count)
+            runtime.launch_packed(kernel, kernel.function, blocks, THREADS, 0, pack, stream, count)

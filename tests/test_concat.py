@@ -188,7 +188,7 @@ def test_torch_compile_traces_an_imported_join_whole(monkeypatch):
 @pytest.mark.nvcc
 def test_the_import_builds_its_kernels_in_one_build_and_the_layers_take_them(tmp_path, monkeypatch):
     from specgen import maxpool
-    from specgen.importer.joins import prebuild
+    from specgen.standalone import prebuild
 
     monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path))
     plans = [_plan(), maxpool.MaxPoolPlan(8, (6, 6), (2, 2), (2, 2), "float16")]

@@ -131,3 +131,22 @@ def test_the_unet_example_pools_by_the_kernel(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     report = explain(models.UNet.make().eval(), models.UNet.example_input(2, small=True))
     assert len(report.pools) == 3 and not report.fallbacks, str(report)
+
+
+def test_a_batch_past_the_grid_limit_takes_several_launches_each_pointer_moved_on(monkeypatch):
+    import ctypes
+    import types
+
+    from specgen import runtime
+    from test_fast_launch import _Driver
+
+    driver = _Driver({7: 2})  # (x, out; then its first int, the layout bit, read as "batch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(runtime, "_libcuda", driver)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=5))
+    layer = MaxPoolLayer(_plan(channels=3, size=(4, 6)))
+    layer._kernels[0] = runtime.LoadedKernel(ctypes.c_void_p(7), ctypes.c_void_p(99), 256, 0, 0)
+    layer._queue(torch.device("cuda", 0), [4096, 8192], [48, 12], (1,), 1, runtime.GRID_Y_MAX + 2)
+    assert [(launch["grid"], launch["batch"]) for launch in driver.launches] == [((1, runtime.GRID_Y_MAX), 1), ((1, 2), 1)]
+    assert [launch["pointers"] for launch in driver.launches] == [
+        [4096, 8192], [4096 + 48 * runtime.GRID_Y_MAX, 8192 + 12 * runtime.GRID_Y_MAX]]

@@ -196,22 +196,13 @@ def _report(imp: Analysis, choices: Optional[list[Choice]] = None) -> ImportRepo
     report = imp.report(choices)
     if any(c.fused for c in report.choices):
         found = joins.find(imp)
-        pooled = pools.find(_FusedOnly(imp, report.choices)) if pools.ENABLED else []
+        fused = {c.layer for c in report.choices if c.fused}
+        pooled = pools.find(imp, [c for c in imp.chains if c.spec.name in fused])  # (`_fused` drops the others next)
         names = {j.node.name for j in found} | {n.name for j in found for n in j.covers} | {p.node.name for p in pooled}
         report.fallbacks = [fb for fb in report.fallbacks if fb.node not in names]
         report.joins = [j.describe() for j in found]
         report.pools = [p.describe() for p in pooled]
     return report
-
-
-class _FusedOnly:
-    """`imp` as `pools.find` sees it once the chains measured slower are dropped (`_fused` drops
-    them just after the report): a pool of such a chain runs as the kernel too."""
-
-    def __init__(self, imp: Analysis, choices: list[Choice]):
-        fused = {c.layer for c in choices if c.fused}
-        self.chains = [c for c in imp.chains if c.spec.name in fused]
-        self.nodes, self.fetch = imp.nodes, imp.fetch
 
 
 def _choices(imp: Analysis, keep_slower: bool) -> list[Choice]:

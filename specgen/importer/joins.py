@@ -13,6 +13,7 @@ import torch.fx as fx
 from torch.fx import Node
 
 from specgen import concat
+from specgen.standalone import dtype_name, prebuild
 from specgen.importer.chains import Analysis, _nearest_upsample
 from specgen.importer.graph import channels_last_of, dtype_of, shape_of, unique
 from specgen.log import get_logger
@@ -110,7 +111,7 @@ def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken:
         channels_last = len(shape) > 3 and reader is not None and _reads_in_place(reader)
         plans.append(concat.ConcatPlan(
             tuple(concat.Source(shape_of(v)[1], tuple(shape_of(v)[2:]), fs) for v, fs in zip(join.values, join.factors)),
-            tuple(shape[2:]), concat.dtype_name(dtype_of(join.node)), channels_last))
+            tuple(shape[2:]), dtype_name(dtype_of(join.node)), channels_last))
     built = prebuild([concat.build_request(p) for p in plans])
     for join, plan, result in zip(joins, plans, built):
         node = join.node
@@ -127,16 +128,6 @@ def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken:
                 graph.erase_node(up)
         log.info("%s: %s runs as one specgen kernel%s", imp.name, join.describe(),
                  ", written channels-last for the layer that reads it" if plan.channels_last else "")
-
-
-def prebuild(requests: list) -> list:
-    """The build results of `requests`, compiled in one parallel build where a GPU will run them
-    (the layers then load them); Nones without a GPU (nothing is built for CPU tensors)."""
-    if not requests or not torch.cuda.is_available():
-        return [None] * len(requests)
-    from specgen import cache
-
-    return cache.build_many(requests)
 
 
 def restore_output_format(graph: fx.Graph) -> None:

@@ -14,10 +14,9 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from specgen import maxpool
-from specgen.concat import dtype_name
+from specgen.standalone import dtype_name, prebuild
 from specgen.importer.chains import Analysis
 from specgen.importer.graph import _per_dim, dtype_of, shape_of, unique
-from specgen.importer.joins import prebuild
 from specgen.log import get_logger
 
 ENABLED = True  # (off: the pools no chain takes stay PyTorch's)
@@ -76,9 +75,12 @@ def _pool(imp: Analysis, node: Node) -> Optional[Pool]:
     return Pool(node, value, plan)
 
 
-def find(imp: Analysis) -> list[Pool]:
-    """The model's max pools a MaxPoolLayer runs: those no fused chain covers."""
-    covered = {n for chain in imp.chains for n in chain.nodes}
+def find(imp: Analysis, fused_chains: list) -> list[Pool]:
+    """The model's max pools a MaxPoolLayer runs: those none of `fused_chains` covers (a chain kept
+    as PyTorch's code leaves its pool to the kernel too); none while ENABLED is off."""
+    if not ENABLED:
+        return []
+    covered = {n for chain in fused_chains for n in chain.nodes}
     return [p for p in (_pool(imp, n) for n in imp.nodes if n not in covered) if p is not None]
 
 

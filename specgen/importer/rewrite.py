@@ -269,7 +269,7 @@ def fused_graph(imp: Analysis) -> fx.GraphModule:
     taken = {n.target.split(".")[0] for n in imp.nodes if n.op in ("call_module", "get_attr")} | set(dir(imp.gm))
     replaced: dict[Node, Node] = {}  # a fused chain's output -> what computes it now
     joined = joins.find(imp)  # (before the chains replace the values they read)
-    pooled = pools.find(imp) if pools.ENABLED else []
+    pooled = pools.find(imp, imp.chains)  # (the chains left are the fused ones)
     if joined:
         joins.restore_output_format(graph)
     for chain in imp.chains:
