@@ -131,6 +131,30 @@ def test_from_module_joins_an_upsample_and_its_cat(monkeypatch):
         torch.testing.assert_close(fused(x, low), model(x, low), rtol=1e-5, atol=1e-5)
 
 
+def test_a_join_of_a_join_reads_the_first_join_s_layer(monkeypatch):
+    """A cat whose value is another joined cat, upsampled: the second layer reads the first
+    one's output, not the cat node it replaced."""
+    from specgen import from_module
+
+    class Twice(_Decoder):
+        def __init__(self):
+            super().__init__()
+            self.last = nn.Sequential(nn.Conv2d(32, 8, 3, padding=1), nn.ReLU())
+
+        def forward(self, x, low):
+            first = torch.cat([self.up(low), self.skip(x)], dim=1)
+            return self.last(torch.cat([self.up(first), self.up(self.skip(x))], dim=1))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    torch.manual_seed(2)
+    model = Twice().eval()
+    x, low = torch.randn(2, 3, 12, 10), torch.randn(2, 16, 6, 5)
+    with torch.no_grad():
+        fused = from_module(copy.deepcopy(model), x, low, keep_slower=True)
+        assert len([m for m in fused.modules() if isinstance(m, ConcatLayer)]) == 2, str(fused.specgen_report)
+        torch.testing.assert_close(fused(x, low), model(x, low), rtol=1e-5, atol=1e-5)
+
+
 def test_a_cat_without_an_upsample_stays_pytorch_s(monkeypatch):
     from specgen import from_module
 

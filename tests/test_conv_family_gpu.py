@@ -111,7 +111,9 @@ def _kernelbench_fused():
 @pytest.mark.parametrize("path", _kernelbench_fused())
 def test_kernelbench_problems_fused_whole_match_float64(path):
     """Each public problem that imports into one spec, fused, against the model in float64
-    (batch 1 at the problem's own sizes; batch-norm statistics drawn at random)."""
+    (batch 1 at the problem's own sizes; batch-norm statistics drawn at random). Fused without
+    timing: whether the chain wins is the benchmark's question, and timings taken beside other
+    tests on the same GPU would decide it at random."""
     import kernelbench_problems as kb
 
     import specgen
@@ -119,7 +121,7 @@ def test_kernelbench_problems_fused_whole_match_float64(path):
     model, inputs = kb.load(path)
     model = kb.randomize_batch_norms(model).cuda()
     inputs = [t.cuda() if isinstance(t, torch.Tensor) else t for t in inputs]
-    fused = specgen.from_module(model, *inputs)
+    fused = specgen.from_module(model, *inputs, keep_slower=True)
     assert len(fused.specgen_report.specs) == 1 and not fused.specgen_report.fallbacks
     with torch.no_grad():
         got = fused(*inputs)

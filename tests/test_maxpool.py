@@ -115,6 +115,28 @@ def test_from_module_runs_the_pools_no_chain_takes(monkeypatch):
         torch.testing.assert_close(compiled(x)[0], model(x)[0], rtol=1e-5, atol=1e-5)
 
 
+def test_a_pool_of_a_pool_reads_the_first_pool_s_layer(monkeypatch):
+    """Two pools in a row, neither a chain's (KernelBench 6 pools a softmax twice): the second
+    layer reads the first one's output, not the pool node it replaced."""
+    from specgen import from_module
+
+    class Twice(_Encoder):
+        def forward(self, x):
+            skip = self.block(x)
+            return self.pool(self.pool(skip)), skip
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    torch.manual_seed(1)
+    model = Twice().eval()
+    x = torch.randn(2, 3, 16, 12)
+    with torch.no_grad():
+        fused = from_module(copy.deepcopy(model), x, keep_slower=True)
+        layers = [m for m in fused.modules() if isinstance(m, MaxPoolLayer)]
+        assert [m.plan.size for m in layers] == [(16, 12), (8, 6)], str(fused.specgen_report)
+        for got, want in zip(fused(x), model(x)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_padded_pool_stays_pytorch_s(monkeypatch):
     from specgen import from_module
 

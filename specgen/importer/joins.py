@@ -102,7 +102,8 @@ def _reads_in_place(layer) -> bool:
 def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken: set, replaced: dict) -> None:
     """Replace each of `joins` (found by `find` before the chains were) in `graph`, the fused graph
     being written, by a ConcatLayer call: `layers` its modules so far by name, `replaced` what
-    computes each fused chain's output now."""
+    computes each fused chain's or join's output now (a join of a join reads the first one's
+    layer)."""
     log = get_logger()
     plans = []
     for join in joins:
@@ -123,6 +124,7 @@ def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken:
             new = graph.call_module(name, tuple(replaced.get(v, v) for v in join.values))
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+        replaced[node] = new
         for up in join.covers:
             if not up.users:
                 graph.erase_node(up)

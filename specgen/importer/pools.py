@@ -87,7 +87,7 @@ def find(imp: Analysis, fused_chains: list) -> list[Pool]:
 def fuse(imp: Analysis, graph: fx.Graph, pools: list[Pool], layers: dict, taken: set, replaced: dict) -> None:
     """Replace each of `pools` (found by `find` before the chains were) in `graph` by a
     MaxPoolLayer call: `layers` the graph's modules so far by name, `replaced` what computes each
-    fused chain's output now."""
+    fused chain's output, join or pool now (a pool of a pool reads the first one's layer)."""
     log = get_logger()
     built = prebuild([maxpool.build_request(p.plan) for p in pools])
     for pool, result in zip(pools, built):
@@ -99,4 +99,5 @@ def fuse(imp: Analysis, graph: fx.Graph, pools: list[Pool], layers: dict, taken:
             new = graph.call_module(name, (replaced.get(pool.value, pool.value),))
         pool.node.replace_all_uses_with(new)
         graph.erase_node(pool.node)
+        replaced[pool.node] = new
         log.info("%s: %s runs as one specgen kernel", imp.name, pool.describe())
