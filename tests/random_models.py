@@ -1,0 +1,221 @@
+"""Random small conv nets for the importer's fuzz tests: a hypothesis strategy that draws a model
+from what users write around convolutions (1-3 D convs, transposed convs, norms, activations as
+modules and functions, constants, max and average pools, skips added back or joined after an
+upsample, softmax and reductions over the channels), with an input that fits it.
+
+Each draw keeps every shape valid as it goes (the steps know the running shape), so a failure is
+always the importer's, never the model's."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import strategies as st
+
+CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+CONV_T = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
+BATCH_NORM = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
+MAX_POOL = {1: nn.MaxPool1d, 2: nn.MaxPool2d, 3: nn.MaxPool3d}
+AVG_POOL = {1: nn.AvgPool1d, 2: nn.AvgPool2d, 3: nn.AvgPool3d}
+ACTIVATIONS = {
+    "ReLU": nn.ReLU, "GELU": nn.GELU, "SiLU": nn.SiLU, "Sigmoid": nn.Sigmoid, "Tanh": nn.Tanh,
+    "Hardswish": nn.Hardswish, "ReLU6": nn.ReLU6, "Mish": nn.Mish, "LeakyReLU": lambda: nn.LeakyReLU(0.1),
+}
+FUNCTIONS = {
+    "relu": torch.relu, "gelu": F.gelu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "silu": F.silu,
+    "hardtanh": lambda x: F.hardtanh(x, -0.5, 0.75), "leaky_relu": lambda x: F.leaky_relu(x, 0.2),
+}
+CONSTANTS = {
+    "mul": lambda x: x * 1.5, "add": lambda x: x + 0.25, "sub": lambda x: x - 0.5, "div": lambda x: x / 2.0,
+    "clamp": lambda x: torch.clamp(x, min=-0.5, max=0.75),
+}
+CAP = {1: 24, 2: 14, 3: 7}  # largest extent drawn per spatial dim
+
+
+class RandomNet(nn.Module):
+    """Runs `steps`, a list of (kind, argument) the strategy drew; modules live in `self.mods`."""
+
+    def __init__(self, steps: list, mods: list[nn.Module], params: list[torch.Tensor], outputs: int):
+        super().__init__()
+        self.steps = steps
+        self.mods = nn.ModuleList(mods)
+        self.params = nn.ParameterList([nn.Parameter(p) for p in params])
+        self.outputs = outputs
+
+    def forward(self, x):
+        saved = []
+        for kind, arg in self.steps:
+            if kind == "module":
+                x = self.mods[arg](x)
+            elif kind == "function":
+                x = FUNCTIONS[arg](x)
+            elif kind == "constant":
+                x = CONSTANTS[arg](x)
+            elif kind == "param":
+                x = x + self.params[arg]
+            elif kind == "save":
+                saved.append(x)
+            elif kind == "add":
+                x = x + saved[arg]
+            elif kind == "upcat":
+                x = torch.cat([F.interpolate(x, scale_factor=2.0, mode="nearest"), saved[arg]], dim=1)
+            elif kind == "softmax":
+                x = torch.softmax(x, dim=1)
+            elif kind == "reduce":
+                op, dims = arg
+                if op == "mean":
+                    x = torch.mean(x, dim=dims, keepdim=True)
+                elif op == "amax":
+                    x = torch.amax(x, dim=dims, keepdim=True)
+                elif op == "sum":
+                    x = torch.sum(x, dim=dims, keepdim=True)
+                else:
+                    x = torch.logsumexp(x, dim=dims, keepdim=True)
+        return (x, saved[0]) if self.outputs == 2 and saved else x
+
+    def describe(self) -> str:
+        return " -> ".join(f"{kind}:{arg}" if kind != "module" else repr(self.mods[arg]) for kind, arg in self.steps)
+
+
+def _conv_out(n: int, k: int, s: int, p: int, d: int) -> int:
+    return (n + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+@st.composite
+def random_nets(draw, max_steps: int = 7, max_channels: int = 12):
+    """(model in eval mode, its input): a conv first, then up to `max_steps` more steps."""
+    nd = draw(st.integers(1, 3))
+    batch = draw(st.integers(1, 3))
+    c = draw(st.integers(1, 6))
+    size = [2 * draw(st.integers(2, CAP[nd] // 2)) if draw(st.booleans()) else draw(st.integers(4, CAP[nd])) for _ in range(nd)]
+    shape = [c, *size]
+    steps, mods, params, saved = [], [], [], []
+
+    def add_module(m):
+        mods.append(m)
+        steps.append(("module", len(mods) - 1))
+
+    def conv(transposed: bool = False):
+        cin = shape[0]
+        groups = draw(st.sampled_from([1, 1, 1, cin] if cin > 1 else [1]))
+        cout = groups * draw(st.integers(1, max(1, max_channels // groups)))
+        k = draw(st.integers(1, 3) if not transposed else st.integers(2, 3))
+        s = draw(st.integers(1, 2))
+        if transposed:
+            p = draw(st.integers(0, k - 1))
+            out = [(n - 1) * s - 2 * p + k for n in shape[1:]]
+            if min(out) < 1 or max(out) > 2 * CAP[nd]:
+                return
+            add_module(CONV_T[nd](cin, cout, k, s, p, groups=groups, bias=draw(st.booleans())))
+        else:
+            d = draw(st.integers(1, 2)) if k > 1 else 1
+            p = draw(st.integers(0, d * (k - 1) // 2 + 1)) if k > 1 else 0
+            out = [_conv_out(n, k, s, p, d) for n in shape[1:]]
+            if min(out) < 1:
+                return
+            add_module(CONV[nd](cin, cout, k, s, p, d, groups=groups, bias=draw(st.booleans())))
+        shape[:] = [cout, *out]
+
+    conv()
+    if not steps:  # (the first conv must fit: a 1x1 always does)
+        add_module(CONV[nd](shape[0], 8, 1))
+        shape[0] = 8
+    first_unet = draw(st.booleans())
+    for i in range(draw(st.integers(1, max_steps))):
+        kind = "unet" if i == 0 and first_unet else draw(st.sampled_from(["conv", "conv", "convT", "bn", "gn", "act", "act", "function", "constant",
+                                     "param", "maxpool", "avgpool", "save", "add", "down", "upcat", "upcat",
+                                     "softmax", "reduce", "unet"]))
+        if kind == "unet":  # (a UNet level: keep, pool by 2, conv + ReLU, upsample and join what was kept)
+            if min(shape[1:]) < 2 or any(n % 2 for n in shape[1:]):
+                continue
+            saved.append(tuple(shape))
+            steps.append(("save", None))
+            add_module(MAX_POOL[nd](2))
+            add_module(CONV[nd](shape[0], draw(st.integers(1, max_channels)), 3, 1, 1))
+            add_module(nn.ReLU())
+            steps.append(("upcat", len(saved) - 1))
+            shape[0] = mods[-2].out_channels + shape[0]
+        elif kind == "down":  # (a UNet encoder step: the value kept for a later join, then pooled by 2)
+            if min(shape[1:]) < 2 or any(n % 2 for n in shape[1:]):
+                continue
+            saved.append(tuple(shape))
+            steps.append(("save", None))
+            add_module(MAX_POOL[nd](2))
+            shape[1:] = [n // 2 for n in shape[1:]]
+        elif kind == "conv":
+            conv()
+        elif kind == "convT":
+            conv(transposed=True)
+        elif kind == "bn":
+            add_module(BATCH_NORM[nd](shape[0]))
+        elif kind == "gn":
+            groups = draw(st.sampled_from([g for g in (1, 2, 3, 4) if shape[0] % g == 0]))
+            add_module(nn.GroupNorm(groups, shape[0]))
+        elif kind == "act":
+            add_module(ACTIVATIONS[draw(st.sampled_from(sorted(ACTIVATIONS)))]())
+        elif kind == "function":
+            steps.append(("function", draw(st.sampled_from(sorted(FUNCTIONS)))))
+        elif kind == "constant":
+            steps.append(("constant", draw(st.sampled_from(sorted(CONSTANTS)))))
+        elif kind == "param":
+            params.append(0.1 * torch.randn(shape[0], *([1] * nd)))
+            steps.append(("param", len(params) - 1))
+        elif kind in ("maxpool", "avgpool"):
+            k = draw(st.integers(2, 3)) if kind == "maxpool" else 2
+            if min(shape[1:]) < k:
+                continue
+            stride = draw(st.sampled_from([None, 1, 2]))
+            p = draw(st.integers(0, k // 2)) if kind == "maxpool" else 0
+            add_module((MAX_POOL if kind == "maxpool" else AVG_POOL)[nd](k, stride, p))
+            shape[1:] = [_conv_out(n, k, stride or k, p, 1) for n in shape[1:]]
+        elif kind == "save":
+            saved.append(tuple(shape))
+            steps.append(("save", None))
+        elif kind == "add":
+            match = [i for i, s in enumerate(saved) if s == tuple(shape)]
+            if match:
+                steps.append(("add", draw(st.sampled_from(match))))
+        elif kind == "upcat":
+            match = [i for i, s in enumerate(saved) if list(s[1:]) == [2 * n for n in shape[1:]]]
+            if match:
+                i = draw(st.sampled_from(match))
+                steps.append(("upcat", i))
+                shape[:] = [shape[0] + saved[i][0], *saved[i][1:]]
+        elif kind == "softmax":
+            steps.append(("softmax", None))
+        elif kind == "reduce":
+            op = draw(st.sampled_from(["mean", "amax", "sum", "logsumexp"]))
+            dims = [1] if draw(st.booleans()) else list(range(2, 2 + nd))
+            steps.append(("reduce", (op, dims)))
+            shape[:] = [1 if 1 in dims else shape[0], *([1] * nd if 1 not in dims else shape[1:])]
+            if 1 not in dims:
+                break  # (nothing spatial is left to convolve)
+    model = RandomNet(steps, mods, params, draw(st.sampled_from([1, 1, 1, 2])))
+    _randomize(model, draw(st.integers(0, 2**16)))
+    x = torch.randn(batch, c, *size, generator=torch.Generator().manual_seed(draw(st.integers(0, 2**16))))
+    return model.eval(), x
+
+
+def _randomize(model: nn.Module, seed: int) -> None:
+    """Weights at a scale that keeps values near 1 through a few layers; norms with random
+    statistics and affine parameters (the defaults would hide a wrong formula)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.modules.conv._ConvNd,)):
+                fan = m.weight[0].numel()
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g) / math.sqrt(fan))
+                if m.bias is not None:
+                    m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
+            elif isinstance(m, nn.modules.batchnorm._BatchNorm):
+                n = m.num_features
+                m.running_mean.copy_(0.2 * torch.randn(n, generator=g))
+                m.running_var.copy_(0.5 + torch.rand(n, generator=g))
+                m.weight.copy_(0.8 + 0.4 * torch.rand(n, generator=g))
+                m.bias.copy_(0.1 * torch.randn(n, generator=g))
+            elif isinstance(m, nn.GroupNorm):
+                m.weight.copy_(0.8 + 0.4 * torch.rand(m.num_channels, generator=g))
+                m.bias.copy_(0.1 * torch.randn(m.num_channels, generator=g))

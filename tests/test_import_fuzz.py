@@ -1,0 +1,53 @@
+"""Fuzz the importer with random small conv nets (`random_models`): `explain` and `from_module`
+never raise on a model that runs, and the rewritten model computes the original whichever chains
+a timing would keep as PyTorch (the choices drawn too). Without a GPU each fused layer runs its
+spec's PyTorch reference, so this checks what the importer reads from the graph: every op's
+meaning, its arguments and the rewiring around the chains, joins and pools."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import specgen.importer as importer  # noqa: E402
+from random_models import random_nets  # noqa: E402
+from specgen.importer import explain, from_module  # noqa: E402
+from specgen.importer.report import Choice  # noqa: E402
+
+FUZZ = settings(max_examples=200, deadline=None, database=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _outputs(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+@FUZZ
+@given(net=random_nets(max_steps=10), mask=st.lists(st.sampled_from([True, True, False]), min_size=8, max_size=8),
+       training=st.sampled_from([False, False, False, True]))
+def test_a_random_net_imports_and_computes_itself(net, mask, training):
+    """In eval mode, or in training mode (batch norms as their batch-statistic stage)."""
+    model, x = net
+    model.train(training)
+    with torch.no_grad():
+        want = copy.deepcopy(model)(x)
+    report = explain(model, x)  # (never raises on a model that runs)
+    assert len(report.specs) == len(report.choices) or not report.choices, str(report)
+
+    def choices(imp, keep_slower):
+        return [Choice(c.spec.name, mask[i % len(mask)], 1.0, 1.0, how="drawn by the test") for i, c in enumerate(imp.chains)]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        mp.setattr(importer, "_choices", choices)
+        with torch.no_grad():
+            fused = from_module(copy.deepcopy(model), x)
+            got = fused(x)
+    for g, w in zip(_outputs(got), _outputs(want), strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype, model.describe()
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m: f"{m}\n{model.describe()}\n{report}")
