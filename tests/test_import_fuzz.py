@@ -11,7 +11,7 @@ import copy
 import pytest
 
 torch = pytest.importorskip("torch")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import specgen.importer as importer  # noqa: E402
@@ -35,7 +35,10 @@ def test_a_random_net_imports_and_computes_itself(net, mask, training):
     model, x = net
     model.train(training)
     with torch.no_grad():
-        want = copy.deepcopy(model)(x)
+        try:
+            want = copy.deepcopy(model)(x)
+        except ValueError:  # (a batch norm in training mode over one value per channel: PyTorch refuses)
+            assume(False)
     report = explain(model, x)  # (never raises on a model that runs)
     assert len(report.specs) == len(report.choices) or not report.choices, str(report)
 
