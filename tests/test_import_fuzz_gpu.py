@@ -1,8 +1,9 @@
 """Random small conv nets (`random_models`) imported on the GPU (marker `gpu`; skipped without
-CUDA): every chain fused and run by its compiled kernel in fp32 mode, the joins and pools by
-theirs, on output memory poisoned first; the fp32 bars against the model in float64 and against
-PyTorch fp32 (TF32 off for PyTorch's own ops). Each of the four parts draws its own nets afresh
-(hypothesis prints the failing draw, with the blob that reproduces it)."""
+CUDA): every chain fused and run by its compiled kernel, the joins and pools by theirs, on output
+memory poisoned first. In fp32 mode at the fp32 bars against the model in float64 and against
+PyTorch fp32 (TF32 off for PyTorch's own ops); converted with `.bfloat16()`, within 2x PyTorch's
+own bf16 error. Each part draws its own nets afresh (hypothesis prints the failing draw, with the
+blob that reproduces it)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from gpu_helpers import assert_fp32, tf32_allowed  # noqa: E402
+from gpu_helpers import assert_fp32, rel_l2, tf32_allowed  # noqa: E402
 from random_models import random_nets  # noqa: E402
 from specgen.importer import from_module  # noqa: E402
 
@@ -38,3 +39,24 @@ def test_a_random_net_runs_fused_at_the_fp32_bars(part, net):
     outs = zip(*(v if isinstance(v, tuple) else (v,) for v in (got, want64, want32)))
     for i, (g, w64, w32) in enumerate(outs):
         assert_fp32(f"output {i} of {model.describe()}", g, w64, w32)
+
+
+@pytest.mark.parametrize("part", range(2))
+@GPU_FUZZ
+@given(net=random_nets(max_steps=8, max_channels=40))
+def test_a_random_bf16_net_runs_fused_within_twice_pytorch_s_error(part, net):
+    model, x = net
+    model, x = model.cuda(), x.cuda()
+    with torch.no_grad():
+        want64 = copy.deepcopy(model).double()(x.double())
+        half, x16 = copy.deepcopy(model).bfloat16(), x.bfloat16()
+        want16 = half(x16)
+        fused = from_module(half, x16, keep_slower=True)
+        torch.full((1 << 22,), float("nan"), device="cuda")
+        got = fused(x16)
+        torch.cuda.synchronize()
+    outs = zip(*(v if isinstance(v, tuple) else (v,) for v in (got, want64, want16)))
+    for i, (g, w64, w16) in enumerate(outs):
+        assert g.dtype == torch.bfloat16 and g.shape == w64.shape and bool(torch.isfinite(g).all())
+        rel, torch_rel = rel_l2(g, w64), rel_l2(w16, w64)
+        assert rel <= 2 * max(torch_rel, 2.0**-8), f"output {i}: rel L2 {rel:.3e}, PyTorch bf16 {torch_rel:.3e}: {model.describe()}"
