@@ -55,6 +55,9 @@ class ConcatPlan(StandalonePlan):
     dtype: str
     channels_last: bool = False
     tile: int = 32  # a block's tile: `tile` channels x `tile` positions (32, or 64: slower where measured, `benchmarks/concat_join.py`)
+    # 16-bit dtypes only: each lane moves two neighbouring values, one 32-bit access where the pair
+    # is whole and aligned. Off by default until timed on a GPU (`benchmarks/concat_join.py` times both)
+    pairs: bool = False
 
     def __post_init__(self):
         if not isinstance(self.size, tuple) or not 1 <= len(self.size) <= 3:
@@ -65,6 +68,10 @@ class ConcatPlan(StandalonePlan):
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.tile not in TILES or isinstance(self.tile, bool):
             raise ValueError(f"tile: expected one of {', '.join(map(str, TILES))}, got {self.tile!r}")
+        if not isinstance(self.pairs, bool):
+            raise ValueError(f"pairs: expected a bool, got {self.pairs!r}")
+        if self.pairs and self.dtype == "float32":
+            raise ValueError("pairs: moves 16-bit values two at a time; a float32 join moves one a lane")
         if not isinstance(self.channels_last, bool):
             raise ValueError(f"channels_last: expected a bool, got {self.channels_last!r}")
         if self.channels_last and len(self.size) == 1:
@@ -97,11 +104,6 @@ class ConcatPlan(StandalonePlan):
     @property
     def positions(self) -> int:
         return math.prod(self.size)
-
-    @property
-    def pairs(self) -> bool:
-        """Whether the kernel moves two 16-bit values at a time (bfloat16, float16)."""
-        return self.dtype != "float32"
 
     @property
     def tiles(self) -> int:

@@ -48,14 +48,15 @@ def _poison_allocator(nbytes: int) -> None:
     torch.full((nbytes // 2 + 64,), float("nan"), device="cuda", dtype=torch.float16)
 
 
-CASES = [(name, dtype, cl, tile) for name in SHAPES for dtype in DTYPES
-         for cl in ([False, True] if name != "conv1d" else [False]) for tile in (32, 64)]
+CASES = [(name, dtype, cl, tile, pairs) for name in SHAPES for dtype in DTYPES
+         for cl in ([False, True] if name != "conv1d" else [False]) for tile in (32, 64)
+         for pairs in ([False, True] if dtype != "float32" else [False])]
 
 
-@pytest.mark.parametrize("name, dtype, channels_last, tile", CASES)
-def test_the_kernel_is_pytorch_s_upsample_and_cat_exactly(name, dtype, channels_last, tile):
+@pytest.mark.parametrize("name, dtype, channels_last, tile, pairs", CASES)
+def test_the_kernel_is_pytorch_s_upsample_and_cat_exactly(name, dtype, channels_last, tile, pairs):
     shapes, size = SHAPES[name]
-    plan = ConcatPlan(tuple(Source(c, s, f) for c, s, f in shapes), size, dtype, channels_last, tile)
+    plan = ConcatPlan(tuple(Source(c, s, f) for c, s, f in shapes), size, dtype, channels_last, tile, pairs)
     layer = ConcatLayer(plan)
     gen = torch.Generator(device="cuda").manual_seed(len(CASES))
     nd = len(size)
@@ -86,9 +87,9 @@ def test_a_strided_source_is_made_contiguous_first_and_autograd_runs_pytorch_s()
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_a_16_bit_source_starting_at_an_odd_value_is_copied_first(dtype):
-    """The 16-bit kernel reads whole pairs as one 32-bit word: a view one value past an aligned
+    """With `pairs`, the kernel reads whole 16-bit pairs as one 32-bit word: a view one value past an aligned
     start is copied before the launch, and the result is still exact."""
-    plan = ConcatPlan((Source(4, (3, 4), (2, 2)), Source(6, (6, 8), (1, 1))), (6, 8), dtype)
+    plan = ConcatPlan((Source(4, (3, 4), (2, 2)), Source(6, (6, 8), (1, 1))), (6, 8), dtype, pairs=True)
     layer = ConcatLayer(plan)
     a = torch.randn(2, 4, 3, 4, device="cuda").to(DTYPES[dtype])
     b = torch.randn(1 + 2 * 6 * 48, device="cuda").to(DTYPES[dtype])[1:].view(2, 6, 6, 8)
