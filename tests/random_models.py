@@ -23,23 +23,41 @@ AVG_POOL = {1: nn.AvgPool1d, 2: nn.AvgPool2d, 3: nn.AvgPool3d}
 ACTIVATIONS = {
     "ReLU": nn.ReLU, "GELU": nn.GELU, "SiLU": nn.SiLU, "Sigmoid": nn.Sigmoid, "Tanh": nn.Tanh,
     "Hardswish": nn.Hardswish, "ReLU6": nn.ReLU6, "Mish": nn.Mish, "LeakyReLU": lambda: nn.LeakyReLU(0.1),
+    "ELU": nn.ELU, "CELU": lambda: nn.CELU(0.5), "SELU": nn.SELU, "Softplus": lambda: nn.Softplus(2.0, 5.0),
+    "Hardsigmoid": nn.Hardsigmoid, "LogSigmoid": nn.LogSigmoid, "Softsign": nn.Softsign, "Tanhshrink": nn.Tanhshrink,
+    "Softshrink": lambda: nn.Softshrink(0.3), "Hardshrink": lambda: nn.Hardshrink(0.3),
+    "Threshold": lambda: nn.Threshold(0.1, -1.0), "Hardtanh": lambda: nn.Hardtanh(-0.5, 0.5),
+    "GELU_tanh": lambda: nn.GELU(approximate="tanh"), "Identity": nn.Identity,
 }
 FUNCTIONS = {
     "relu": torch.relu, "gelu": F.gelu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "silu": F.silu,
     "hardtanh": lambda x: F.hardtanh(x, -0.5, 0.75), "leaky_relu": lambda x: F.leaky_relu(x, 0.2),
+    "elu": lambda x: F.elu(x, 0.7), "abs": torch.abs, "square": torch.square, "pow2": lambda x: x.pow(2),
+    "erf": torch.erf, "where": lambda x: torch.where(x > 0, x, 0.1 * x), "maximum": lambda x: torch.maximum(x, 0.2 * x),
+    "neg": lambda x: -x, "exp_scaled": lambda x: torch.exp(0.5 * x), "relu_method": lambda x: x.relu(),
+    "swish_by_hand": lambda x: x * torch.sigmoid(x), "hardswish_by_hand": lambda x: x * F.relu6(x + 3) / 6,
+    "log1p_abs": lambda x: torch.log1p(x.abs()), "clamp_min": lambda x: x.clamp_min(-0.25),
+    "log_softmax": lambda x: F.log_softmax(x, dim=1),
 }
 CONSTANTS = {
     "mul": lambda x: x * 1.5, "add": lambda x: x + 0.25, "sub": lambda x: x - 0.5, "div": lambda x: x / 2.0,
     "clamp": lambda x: torch.clamp(x, min=-0.5, max=0.75),
 }
+INSTANCE_NORM = {1: nn.InstanceNorm1d, 2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}
+ADAPTIVE_AVG = {1: nn.AdaptiveAvgPool1d, 2: nn.AdaptiveAvgPool2d, 3: nn.AdaptiveAvgPool3d}
+ADAPTIVE_MAX = {1: nn.AdaptiveMaxPool1d, 2: nn.AdaptiveMaxPool2d, 3: nn.AdaptiveMaxPool3d}
 CAP = {1: 24, 2: 14, 3: 7}  # largest extent drawn per spatial dim
+KINDS = ["conv", "conv", "convT", "bn", "gn", "act", "act", "function", "constant", "param", "maxpool", "avgpool",
+         "save", "add", "down", "upcat", "upcat", "softmax", "reduce", "unet", "fconv", "up", "pad", "se",
+         "channel_linear", "channel_layer_norm", "instance_norm", "adaptive", "head", "block"]
 
 
 class RandomNet(nn.Module):
     """Runs `steps`, a list of (kind, argument) the strategy drew; modules live in `self.mods`."""
 
-    def __init__(self, steps: list, mods: list[nn.Module], params: list[torch.Tensor], outputs: int):
+    def __init__(self, nd: int, steps: list, mods: list[nn.Module], params: list[torch.Tensor], outputs: int):
         super().__init__()
+        self.nd = nd  # spatial dims (a plain int: torch.fx traces the loop over the steps as constants)
         self.steps = steps
         self.mods = nn.ModuleList(mods)
         self.params = nn.ParameterList([nn.Parameter(p) for p in params])
@@ -64,6 +82,25 @@ class RandomNet(nn.Module):
                 x = torch.cat([F.interpolate(x, scale_factor=2.0, mode="nearest"), saved[arg]], dim=1)
             elif kind == "softmax":
                 x = torch.softmax(x, dim=1)
+            elif kind == "fconv":  # (a conv written as a function of the model's own weight and bias)
+                weight, bias, stride, padding = arg
+                conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[self.nd]
+                x = conv(x, self.params[weight], self.params[bias], stride, padding)
+            elif kind == "up":
+                x = F.interpolate(x, scale_factor=2.0, mode="nearest")
+            elif kind == "pad":
+                x = F.pad(x, [arg] * (2 * self.nd))
+            elif kind == "se":  # (squeeze and excite, without its two small layers)
+                x = x * torch.sigmoid(x.mean(dim=list(range(2, 2 + self.nd)), keepdim=True))
+            elif kind == "channel_linear":  # (a Linear over the channels of [N, C, H, W], ConvNeXt's way)
+                x = self.mods[arg](x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+            elif kind == "channel_layer_norm":
+                x = self.mods[arg](x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+            elif kind == "head":  # (the classifier: flattened, then a Linear)
+                x = self.mods[arg](torch.flatten(x, 1))
+            elif kind == "block":  # (a residual block: conv, norm, ReLU, conv, added to its input)
+                first, norm, second = arg
+                x = torch.relu(x + self.mods[second](torch.relu(self.mods[norm](self.mods[first](x)))))
             elif kind == "reduce":
                 op, dims = arg
                 if op == "mean":
@@ -82,6 +119,15 @@ class RandomNet(nn.Module):
 
 def _conv_out(n: int, k: int, s: int, p: int, d: int) -> int:
     return (n + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def _pool_out(n: int, k: int, s: int, p: int, ceil: bool) -> int:
+    """PyTorch's pooled extent (ceil mode: a last window may start in the padding on the right
+    only if it starts inside the input or the left padding)."""
+    if not ceil:
+        return (n + 2 * p - k) // s + 1
+    out = -(-(n + 2 * p - k) // s) + 1
+    return out - 1 if (out - 1) * s >= n + p else out
 
 
 @st.composite
@@ -125,10 +171,54 @@ def random_nets(draw, max_steps: int = 7, max_channels: int = 12):
         shape[0] = 8
     first_unet = draw(st.booleans())
     for i in range(draw(st.integers(1, max_steps))):
-        kind = "unet" if i == 0 and first_unet else draw(st.sampled_from(["conv", "conv", "convT", "bn", "gn", "act", "act", "function", "constant",
-                                     "param", "maxpool", "avgpool", "save", "add", "down", "upcat", "upcat",
-                                     "softmax", "reduce", "unet"]))
-        if kind == "unet":  # (a UNet level: keep, pool by 2, conv + ReLU, upsample and join what was kept)
+        kind = "unet" if i == 0 and first_unet else draw(st.sampled_from(KINDS))
+        if kind == "fconv":
+            cin, cout, k = shape[0], draw(st.integers(1, max_channels)), draw(st.integers(1, 3))
+            stride, padding = draw(st.integers(1, 2)), draw(st.integers(0, k // 2))
+            out = [_conv_out(n, k, stride, padding, 1) for n in shape[1:]]
+            if min(out) < 1:
+                continue
+            params.append(torch.randn(cout, cin, *([k] * nd)) / math.sqrt(cin * k**nd))
+            params.append(0.1 * torch.randn(cout))
+            steps.append(("fconv", (len(params) - 2, len(params) - 1, stride, padding)))
+            shape[:] = [cout, *out]
+        elif kind == "up":
+            if max(shape[1:]) * 2 > 2 * CAP[nd]:
+                continue
+            steps.append(("up", None))
+            shape[1:] = [2 * n for n in shape[1:]]
+        elif kind == "pad":
+            p = draw(st.integers(1, 2))
+            steps.append(("pad", p))
+            shape[1:] = [n + 2 * p for n in shape[1:]]
+        elif kind == "se":
+            steps.append(("se", None))
+        elif kind in ("channel_linear", "channel_layer_norm"):
+            if nd != 2:
+                continue
+            if kind == "channel_linear":
+                cout = draw(st.integers(1, max_channels))
+                mods.append(nn.Linear(shape[0], cout, bias=draw(st.booleans())))
+                shape[0] = cout
+            else:
+                mods.append(nn.LayerNorm(shape[0], eps=1e-6))
+            steps.append((kind, len(mods) - 1))
+        elif kind == "instance_norm":
+            add_module(INSTANCE_NORM[nd](shape[0], affine=draw(st.booleans())))
+        elif kind == "adaptive":
+            add_module((ADAPTIVE_AVG if draw(st.booleans()) else ADAPTIVE_MAX)[nd](1))
+            shape[1:] = [1] * nd
+        elif kind == "head":
+            cout = draw(st.integers(1, max_channels))
+            mods.append(nn.Linear(math.prod(shape), cout))
+            steps.append(("head", len(mods) - 1))
+            break  # (a [N, classes] output: nothing convolves after it)
+        elif kind == "block":
+            width = shape[0]
+            mods.extend([CONV[nd](width, width, 3, 1, 1, bias=False), BATCH_NORM[nd](width),
+                         CONV[nd](width, width, 3, 1, 1, bias=False)])
+            steps.append(("block", (len(mods) - 3, len(mods) - 2, len(mods) - 1)))
+        elif kind == "unet":  # (a UNet level: keep, pool by 2, conv + ReLU, upsample and join what was kept)
             if min(shape[1:]) < 2 or any(n % 2 for n in shape[1:]):
                 continue
             saved.append(tuple(shape))
@@ -169,8 +259,13 @@ def random_nets(draw, max_steps: int = 7, max_channels: int = 12):
                 continue
             stride = draw(st.sampled_from([None, 1, 2]))
             p = draw(st.integers(0, k // 2)) if kind == "maxpool" else 0
-            add_module((MAX_POOL if kind == "maxpool" else AVG_POOL)[nd](k, stride, p))
-            shape[1:] = [_conv_out(n, k, stride or k, p, 1) for n in shape[1:]]
+            ceil = draw(st.sampled_from([False, False, True]))
+            if kind == "maxpool":
+                add_module(MAX_POOL[nd](k, stride, p, ceil_mode=ceil))
+            else:
+                add_module(AVG_POOL[nd](k, stride, p, ceil_mode=ceil, count_include_pad=draw(st.booleans())))
+            pooled = [_pool_out(n, k, stride or k, p, ceil) for n in shape[1:]]
+            shape[1:] = pooled
         elif kind == "save":
             saved.append(tuple(shape))
             steps.append(("save", None))
@@ -193,7 +288,7 @@ def random_nets(draw, max_steps: int = 7, max_channels: int = 12):
             shape[:] = [1 if 1 in dims else shape[0], *([1] * nd if 1 not in dims else shape[1:])]
             if 1 not in dims:
                 break  # (nothing spatial is left to convolve)
-    model = RandomNet(steps, mods, params, draw(st.sampled_from([1, 1, 1, 2])))
+    model = RandomNet(nd, steps, mods, params, draw(st.sampled_from([1, 1, 1, 2])))
     _randomize(model, draw(st.integers(0, 2**16)))
     x = torch.randn(batch, c, *size, generator=torch.Generator().manual_seed(draw(st.integers(0, 2**16))))
     return model.eval(), x
