@@ -19,7 +19,7 @@ from random_models import random_nets  # noqa: E402
 from specgen.importer import from_module  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-GPU_FUZZ = settings(max_examples=12, deadline=None, database=None, print_blob=True,
+GPU_FUZZ = settings(max_examples=8, deadline=None, database=None, print_blob=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
