@@ -2,7 +2,8 @@
 never raise on a model that runs, and the rewritten model computes the original whichever chains
 a timing would keep as PyTorch (the choices drawn too). Without a GPU each fused layer runs its
 spec's PyTorch reference, so this checks what the importer reads from the graph: every op's
-meaning, its arguments and the rewiring around the chains, joins and pools."""
+meaning, its arguments and the rewiring around the chains, joins and pools; and the imported model
+traces whole under torch.compile."""
 
 from __future__ import annotations
 
@@ -54,3 +55,26 @@ def test_a_random_net_imports_and_computes_itself(net, mask, training):
     for g, w in zip(_outputs(got), _outputs(want), strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype, model.describe()
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m: f"{m}\n{model.describe()}\n{report}")
+
+
+@settings(max_examples=40, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(net=random_nets(max_steps=8))
+def test_a_random_net_s_import_traces_whole_under_torch_compile(net):
+    """torch.compile(fullgraph=True) of the imported model: every fused layer, join and pool is a
+    custom op the trace takes whole (aot_eager: the graph as traced, run on the CPU)."""
+    model, x = net
+    with torch.no_grad():
+        try:
+            want = model(x)
+        except ValueError:
+            assume(False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        with torch.no_grad():
+            fused = from_module(copy.deepcopy(model), x)
+            assume(hasattr(fused, "specgen_report") and fused.specgen_report.specs)
+            torch._dynamo.reset()
+            got = torch.compile(fused, fullgraph=True, backend="aot_eager")(x)
+    for g, w in zip(_outputs(got), _outputs(want), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m: f"{m}\n{model.describe()}")
