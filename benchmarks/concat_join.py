@@ -1,8 +1,9 @@
 """The concatenation kernel (`specgen.concat`) against PyTorch's upsample and cat, on a UNet
 decoder's three joins: GPU time per call from the profiler's kernel durations (mean of 20 calls
 over four inputs in turn, larger together than the L2 cache), for each tile size and output
-layout (16-bit: and with `pairs`, two values a lane), with the floor: the bytes the join must move (each source once, the output once) at the
-measured copy rate (a device-to-device copy of the output's size, timed the same way).
+layout (16-bit dtypes: also with `pairs`, two values a lane), with the floor: the bytes the join
+must move (each source once, the output once) at the measured copy rate (a device-to-device copy
+of the output's size, timed the same way).
 
     python benchmarks/concat_join.py [--batch 64] [--dtype bf16]
 
