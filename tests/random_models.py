@@ -15,6 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
+from kernelbench_problems import randomize_batch_norms
+
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 CONV_T = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
 BATCH_NORM = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
@@ -295,22 +297,33 @@ def random_nets(draw, max_steps: int = 7, max_channels: int = 12):
 
 
 def _randomize(model: nn.Module, seed: int) -> None:
-    """Weights at a scale that keeps values near 1 through a few layers; norms with random
-    statistics and affine parameters (the defaults would hide a wrong formula)."""
+    """Conv weights at a scale that keeps values near 1 through a few layers; norms with random
+    statistics and affine parameters (`randomize_batch_norms`: the defaults would hide a wrong formula)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, (nn.modules.conv._ConvNd,)):
+            if isinstance(m, nn.modules.conv._ConvNd):
                 fan = m.weight[0].numel()
                 m.weight.copy_(torch.randn(m.weight.shape, generator=g) / math.sqrt(fan))
                 if m.bias is not None:
                     m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
-            elif isinstance(m, nn.modules.batchnorm._BatchNorm):
-                n = m.num_features
-                m.running_mean.copy_(0.2 * torch.randn(n, generator=g))
-                m.running_var.copy_(0.5 + torch.rand(n, generator=g))
-                m.weight.copy_(0.8 + 0.4 * torch.rand(n, generator=g))
-                m.bias.copy_(0.1 * torch.randn(n, generator=g))
-            elif isinstance(m, nn.GroupNorm):
-                m.weight.copy_(0.8 + 0.4 * torch.rand(m.num_channels, generator=g))
-                m.bias.copy_(0.1 * torch.randn(m.num_channels, generator=g))
+    randomize_batch_norms(model)
+
+
+def outputs(value) -> tuple:
+    """A model's output as a tuple of tensors (one, or the several it returns)."""
+    return value if isinstance(value, tuple) else (value,)
+
+
+def force_choices(monkeypatch, fused_at) -> None:
+    """from_module's choices forced to `fused_at` (chain index -> fused), as a timing could make
+    them, with no GPU seen (the fused layers run their PyTorch references)."""
+    import specgen.importer as importer
+    from specgen.importer.report import Choice
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def choices(imp, keep_slower):
+        return [Choice(c.spec.name, fused_at(i), 1.0, 1.0, how="forced by the test") for i, c in enumerate(imp.chains)]
+
+    monkeypatch.setattr(importer, "_choices", choices)

@@ -15,17 +15,11 @@ torch = pytest.importorskip("torch")
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import specgen.importer as importer  # noqa: E402
-from random_models import random_nets  # noqa: E402
+from random_models import force_choices, outputs, random_nets  # noqa: E402
 from specgen.importer import explain, from_module  # noqa: E402
-from specgen.importer.report import Choice  # noqa: E402
 
 FUZZ = settings(max_examples=200, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-def _outputs(value) -> tuple:
-    return value if isinstance(value, tuple) else (value,)
 
 
 @FUZZ
@@ -43,16 +37,12 @@ def test_a_random_net_imports_and_computes_itself(net, mask, training):
     report = explain(model, x)  # (never raises on a model that runs)
     assert len(report.specs) == len(report.choices) or not report.choices, str(report)
 
-    def choices(imp, keep_slower):
-        return [Choice(c.spec.name, mask[i % len(mask)], 1.0, 1.0, how="drawn by the test") for i, c in enumerate(imp.chains)]
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.cuda, "is_available", lambda: False)
-        mp.setattr(importer, "_choices", choices)
+        force_choices(mp, lambda i: mask[i % len(mask)])
         with torch.no_grad():
             fused = from_module(copy.deepcopy(model), x)
             got = fused(x)
-    for g, w in zip(_outputs(got), _outputs(want), strict=True):
+    for g, w in zip(outputs(got), outputs(want), strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype, model.describe()
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m: f"{m}\n{model.describe()}\n{report}")
 
@@ -76,5 +66,5 @@ def test_a_random_net_s_import_traces_whole_under_torch_compile(net):
             assume(hasattr(fused, "specgen_report") and fused.specgen_report.specs)
             torch._dynamo.reset()
             got = torch.compile(fused, fullgraph=True, backend="aot_eager")(x)
-    for g, w in zip(_outputs(got), _outputs(want), strict=True):
+    for g, w in zip(outputs(got), outputs(want), strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m: f"{m}\n{model.describe()}")

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from gpu_helpers import assert_fp32, rel_l2, tf32_allowed  # noqa: E402
-from random_models import random_nets  # noqa: E402
+from random_models import outputs, random_nets  # noqa: E402
 from specgen.importer import from_module  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -36,8 +36,7 @@ def test_a_random_net_runs_fused_at_the_fp32_bars(part, net):
         torch.full((1 << 22,), float("nan"), device="cuda")  # (freed at once: the outputs' blocks hold NaN)
         got = fused(x)
         torch.cuda.synchronize()
-    outs = zip(*(v if isinstance(v, tuple) else (v,) for v in (got, want64, want32)))
-    for i, (g, w64, w32) in enumerate(outs):
+    for i, (g, w64, w32) in enumerate(zip(outputs(got), outputs(want64), outputs(want32), strict=True)):
         assert_fp32(f"output {i} of {model.describe()}", g, w64, w32)
 
 
@@ -55,8 +54,7 @@ def test_a_random_bf16_net_runs_fused_within_twice_pytorch_s_error(part, net):
         torch.full((1 << 22,), float("nan"), device="cuda")
         got = fused(x16)
         torch.cuda.synchronize()
-    outs = zip(*(v if isinstance(v, tuple) else (v,) for v in (got, want64, want16)))
-    for i, (g, w64, w16) in enumerate(outs):
+    for i, (g, w64, w16) in enumerate(zip(outputs(got), outputs(want64), outputs(want16), strict=True)):
         assert g.dtype == torch.bfloat16 and g.shape == w64.shape and bool(torch.isfinite(g).all())
         rel, torch_rel = rel_l2(g, w64), rel_l2(w16, w64)
         assert rel <= 2 * max(torch_rel, 2.0**-8), f"output {i}: rel L2 {rel:.3e}, PyTorch bf16 {torch_rel:.3e}: {model.describe()}"

@@ -16,9 +16,8 @@ torch = pytest.importorskip("torch")
 import kernelbench_problems as kb  # noqa: E402
 from example_models import example_models  # noqa: E402
 
-import specgen.importer as importer  # noqa: E402
+from random_models import force_choices, outputs  # noqa: E402
 from specgen.importer import from_module  # noqa: E402
-from specgen.importer.report import Choice  # noqa: E402
 
 PATTERNS = {
     "none_fused": lambda i: False,
@@ -28,22 +27,12 @@ PATTERNS = {
 MODELS = ["ResNet18", "MobileNetV2", "VGG11", "UNet", "Conv3dStack", "ConvNeXtT"]
 
 
-def _forced(monkeypatch, pattern):
-    """from_module's choices forced to `pattern` (chain index -> fused), as a timing could make them."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-    def choices(imp, keep_slower):
-        return [Choice(chain.spec.name, pattern(i), 1.0, 1.0, how="forced by the test") for i, chain in enumerate(imp.chains)]
-
-    monkeypatch.setattr(importer, "_choices", choices)
-
-
 def _check(model, inputs):
     with torch.no_grad():
         want = model(*inputs)
         fused = from_module(copy.deepcopy(model), *inputs)
         got = fused(*inputs)
-    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+    for g, w in zip(outputs(got), outputs(want), strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
     return fused
 
@@ -52,7 +41,7 @@ def _check(model, inputs):
 @pytest.mark.parametrize("name", MODELS)
 def test_an_example_model_computes_itself_whichever_chains_stay(monkeypatch, name, pattern):
     cls = getattr(example_models(), name)
-    _forced(monkeypatch, PATTERNS[pattern])
+    force_choices(monkeypatch, PATTERNS[pattern])
     fused = _check(cls.make(), [cls.example_input(2, small=True)])
     kept = [c for c in fused.specgen_report.choices if not c.fused]
     assert len(kept) == sum(not PATTERNS[pattern](i) for i in range(len(fused.specgen_report.choices)))
@@ -67,5 +56,5 @@ def _problems():
 @pytest.mark.parametrize("path", _problems())
 def test_a_public_problem_computes_itself_whichever_chains_stay(monkeypatch, path, pattern):
     model, inputs = kb.load(path)
-    _forced(monkeypatch, PATTERNS[pattern])
+    force_choices(monkeypatch, PATTERNS[pattern])
     _check(model, inputs)

@@ -93,23 +93,28 @@ class _Encoder(nn.Module):
         return self.last(self.pool(skip)), skip
 
 
-def test_from_module_runs_the_pools_no_chain_takes(monkeypatch):
+def _imported(model: nn.Module, seed: int):
+    """(the model, from_module's model of it without a GPU, its pool layers, an input), after
+    checking that both compute the same."""
     from specgen import from_module
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    torch.manual_seed(0)
-    model = _Encoder().eval()
+    torch.manual_seed(seed)
+    model = model.eval()
     x = torch.randn(2, 3, 16, 12)
     with torch.no_grad():
         fused = from_module(copy.deepcopy(model), x, keep_slower=True)
-    layers = [m for m in fused.modules() if isinstance(m, MaxPoolLayer)]
+        for got, want in zip(fused(x), model(x), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    return model, fused, [m for m in fused.modules() if isinstance(m, MaxPoolLayer)], x
+
+
+def test_from_module_runs_the_pools_no_chain_takes(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model, fused, layers, x = _imported(_Encoder(), 0)
     assert [m.plan for m in layers] == [MaxPoolPlan(8, (16, 12), (2, 2), (2, 2), "float32")]  # (the last pool is its chain's)
     report = fused.specgen_report
     assert report.pools == ["pool: max_pool2d(block_1, kernel [2, 2], stride [2, 2])"], str(report)
     assert all(fb.node != "pool" for fb in report.fallbacks) and "pooled by one kernel: pool" in str(report)
-    with torch.no_grad():
-        for got, want in zip(fused(x), model(x)):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         torch.testing.assert_close(compiled(x)[0], model(x)[0], rtol=1e-5, atol=1e-5)
@@ -118,23 +123,14 @@ def test_from_module_runs_the_pools_no_chain_takes(monkeypatch):
 def test_a_pool_of_a_pool_reads_the_first_pool_s_layer(monkeypatch):
     """Two pools in a row, neither a chain's (KernelBench 6 pools a softmax twice): the second
     layer reads the first one's output, not the pool node it replaced."""
-    from specgen import from_module
-
     class Twice(_Encoder):
         def forward(self, x):
             skip = self.block(x)
             return self.pool(self.pool(skip)), skip
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    torch.manual_seed(1)
-    model = Twice().eval()
-    x = torch.randn(2, 3, 16, 12)
-    with torch.no_grad():
-        fused = from_module(copy.deepcopy(model), x, keep_slower=True)
-        layers = [m for m in fused.modules() if isinstance(m, MaxPoolLayer)]
-        assert [m.plan.size for m in layers] == [(16, 12), (8, 6)], str(fused.specgen_report)
-        for got, want in zip(fused(x), model(x)):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    _, fused, layers, _ = _imported(Twice(), 1)
+    assert [m.plan.size for m in layers] == [(16, 12), (8, 6)], str(fused.specgen_report)
 
 
 def test_a_padded_pool_stays_pytorch_s(monkeypatch):
