@@ -57,12 +57,15 @@ The package, in the order data flows: `graph` (the trace and the shape-recording
 `recognize` (what each node computes, from the op table's spellings), `chains` (growing a chain
 from each convolution, and why the other nodes run as PyTorch) with `exprs` (pointwise regions:
 the named stages or the expr they become), `rewrite` (the fused layers, timing, the rewritten
-graph) and `report` (what explain tells, the specs as YAML).
+graph; `joins` and `pools`: the concatenations and max pools no chain takes, each run by one
+kernel) and `report` (what explain tells, the specs as YAML).
 
 Never slower: on a GPU, `from_module` compiles every chain's kernel in one parallel build, then
 times each chain as the original PyTorch code and as its fused layer (`specgen.measured`), and
 keeps the original code wherever the kernel is not faster. Each decision is cached per kernel,
 GPU and batch bucket, and shown with both times in the report (`report.choices`).
+The joins and pools are timed the same way, each kernel against PyTorch's code for it
+(`standalone_choice`), when the fused graph is written (`report.standalone_choices`).
 `keep_slower=True` fuses every chain unmeasured; without a GPU nothing is measured.
 
 CUDA graph: an eval-mode model on CUDA inputs is also captured whole in a CUDA graph
@@ -184,9 +187,24 @@ def _fused(imp: Analysis, keep_slower: bool, log) -> tuple:
     if not imp.chains:
         return None, choices, report
     imp.chains = [chain for chain, choice in zip(imp.chains, choices) if choice.fused]
-    fused = rewrite.fused_graph(imp)
+    fused = rewrite.fused_graph(imp, measure=not keep_slower and _unmeasurable(imp) is None)
+    _standalone_report(report, imp.standalone_choices)
     fused.specgen_report = report
     return fused, choices, report
+
+
+def _standalone_report(report: ImportReport, choices: list[Choice]) -> None:
+    """Put the joins' and pools' never-slower choices into `report`: their times beside them, and
+    the ones kept as PyTorch's code moved from `.joins` / `.pools` to the fallbacks."""
+    report.standalone_choices = list(choices)
+    kept = {c.layer: c for c in choices if not c.fused}
+    for attr in ("joins", "pools"):
+        described = getattr(report, attr)
+        for line in described:
+            name = line.split(": ", 1)[0]
+            if name in kept:
+                report.fallbacks.append(Fallback(name, f"{line.split(': ', 1)[1]}: kept as PyTorch: {kept[name]}"))
+        setattr(report, attr, [line for line in described if line.split(": ", 1)[0] not in kept])
 
 
 def _report(imp: Analysis, choices: Optional[list[Choice]] = None) -> ImportReport:
@@ -455,7 +473,7 @@ def _graph_fused(model: nn.Module, example_inputs: tuple, precision, fused: nn.M
     imp.chains = [chain for chain, choice in zip(imp.chains, gpu) if choice.fused]
     log.info("%s: inside the CUDA graph, %d chain(s) run as kernels: %s", imp.name, len(imp.chains),
              ", ".join(c.spec.name for c in imp.chains) or "none")
-    graph_fused = rewrite.fused_graph(imp)
+    graph_fused = rewrite.fused_graph(imp, measure=True)  # (the joins' and pools' decisions: cached by now)
     graph_fused.specgen_report = report
     return graph_fused
 

@@ -203,6 +203,7 @@ class Analysis(Capture):
         self.warn: set[Node] = set()  # fallbacks about a convolution chain (logged as warnings)
         self.spec_names: set[str] = set()
         self.layers: dict = {}  # id(chain) -> its fused layer, once built (measuring and rewriting share it)
+        self.standalone_choices: list = []  # the joins' and pools' Choices, once the fused graph is written
         # The example inputs arrive channels-last (from_module's channels-last candidate): each
         # chain is timed on channels-last inputs, as it will run.
         self.channels_last = any(isinstance(t, torch.Tensor) and tmarun.channels_last_format(t.dim()) is not None

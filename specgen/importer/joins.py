@@ -14,8 +14,10 @@ from torch.fx import Node
 
 from specgen import concat
 from specgen.standalone import dtype_name, prebuild
+from specgen.importer import standalone_choice
 from specgen.importer.chains import Analysis, _nearest_upsample
 from specgen.importer.graph import channels_last_of, dtype_of, shape_of, unique
+from specgen.importer.report import Choice
 from specgen.log import get_logger
 
 _CAT = (torch.cat, torch.concat, torch.concatenate)
@@ -99,11 +101,14 @@ def _reads_in_place(layer) -> bool:
         return False
 
 
-def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken: set, replaced: dict) -> None:
+def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken: set, replaced: dict,
+         measure: bool = False) -> list[Choice]:
     """Replace each of `joins` (found by `find` before the chains were) in `graph`, the fused graph
     being written, by a ConcatLayer call: `layers` its modules so far by name, `replaced` what
     computes each fused chain's or join's output now (a join of a join reads the first one's
-    layer)."""
+    layer). `measure`: each kernel timed first against PyTorch's upsample and cat
+    (`standalone_choice`), the join left as it is where the kernel is not faster. Returns one
+    Choice per join."""
     log = get_logger()
     plans = []
     for join in joins:
@@ -114,9 +119,19 @@ def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken:
             tuple(concat.Source(shape_of(v)[1], tuple(shape_of(v)[2:]), fs) for v, fs in zip(join.values, join.factors)),
             tuple(shape[2:]), dtype_name(dtype_of(join.node)), channels_last))
     built = prebuild([concat.build_request(p) for p in plans])
+    choices = []
     for join, plan, result in zip(joins, plans, built):
         node = join.node
         layer = concat.ConcatLayer(plan, built=result)
+        if measure:
+            choice = standalone_choice.measure(imp, node, layer, lambda *vs, fs=join.factors: concat.reference(vs, fs),
+                                               list(join.values))
+        else:
+            choice = Choice(node.name, True, how="not measured")
+        choices.append(choice)
+        if not choice.fused:
+            log.info("%s: %s kept as PyTorch (not faster as one kernel): %s", imp.name, join.describe(), choice)
+            continue
         name = unique(f"{node.name}_join", taken | set(layers))
         layers[name] = layer
         imp.gm.add_submodule(name, layer)
@@ -130,6 +145,7 @@ def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken:
                 graph.erase_node(up)
         log.info("%s: %s runs as one specgen kernel%s", imp.name, join.describe(),
                  ", written channels-last for the layer that reads it" if plan.channels_last else "")
+    return choices
 
 
 def restore_output_format(graph: fx.Graph) -> None:

@@ -15,8 +15,10 @@ from torch.fx import Node
 
 from specgen import maxpool
 from specgen.standalone import dtype_name, prebuild
+from specgen.importer import standalone_choice
 from specgen.importer.chains import Analysis
 from specgen.importer.graph import _per_dim, dtype_of, shape_of, unique
+from specgen.importer.report import Choice
 from specgen.log import get_logger
 
 ENABLED = True  # (off: the pools no chain takes stay PyTorch's)
@@ -84,14 +86,27 @@ def find(imp: Analysis, fused_chains: list) -> list[Pool]:
     return [p for p in (_pool(imp, n) for n in imp.nodes if n not in covered) if p is not None]
 
 
-def fuse(imp: Analysis, graph: fx.Graph, pools: list[Pool], layers: dict, taken: set, replaced: dict) -> None:
+def fuse(imp: Analysis, graph: fx.Graph, pools: list[Pool], layers: dict, taken: set, replaced: dict,
+         measure: bool = False) -> list[Choice]:
     """Replace each of `pools` (found by `find` before the chains were) in `graph` by a
     MaxPoolLayer call: `layers` the graph's modules so far by name, `replaced` what computes each
-    fused chain's output, join or pool now (a pool of a pool reads the first one's layer)."""
+    fused chain's output, join or pool now (a pool of a pool reads the first one's layer).
+    `measure`: each kernel timed first against PyTorch's pool (`standalone_choice`), the pool left
+    as it is where the kernel is not faster. Returns one Choice per pool."""
     log = get_logger()
     built = prebuild([maxpool.build_request(p.plan) for p in pools])
+    choices = []
     for pool, result in zip(pools, built):
         layer = maxpool.MaxPoolLayer(pool.plan, built=result)
+        if measure:
+            choice = standalone_choice.measure(imp, pool.node, layer, lambda x, plan=pool.plan: maxpool.reference(x, plan),
+                                               [pool.value])
+        else:
+            choice = Choice(pool.node.name, True, how="not measured")
+        choices.append(choice)
+        if not choice.fused:
+            log.info("%s: %s kept as PyTorch (not faster as one kernel): %s", imp.name, pool.describe(), choice)
+            continue
         name = unique(f"{pool.node.name}_max", taken | set(layers))
         layers[name] = layer
         imp.gm.add_submodule(name, layer)
@@ -101,3 +116,4 @@ def fuse(imp: Analysis, graph: fx.Graph, pools: list[Pool], layers: dict, taken:
         graph.erase_node(pool.node)
         replaced[pool.node] = new
         log.info("%s: %s runs as one specgen kernel", imp.name, pool.describe())
+    return choices

@@ -67,6 +67,9 @@ class ImportReport:
     joins: list[str] = field(default_factory=list)
     # The max pools no chain takes that one specgen kernel runs (`specgen.maxpool`), described
     pools: list[str] = field(default_factory=list)
+    # from_module's never-slower choices for the joins and pools (Choice.layer: the cat's or pool's
+    # node); those kept as PyTorch are among the fallbacks, not in `joins` / `pools`
+    standalone_choices: list[Choice] = field(default_factory=list)
 
     @property
     def fused_specs(self) -> list[LayerSpec]:
@@ -89,10 +92,11 @@ class ImportReport:
             if spec.name in in_graph and in_graph[spec.name].specgen_ms is not None:
                 line += f"  [in the CUDA graph: {in_graph[spec.name]}]"
             lines.append(line)
-        for join in self.joins:
-            lines.append(f"  joined by one kernel: {join}")
-        for pool in self.pools:
-            lines.append(f"  pooled by one kernel: {pool}")
+        timed = {c.layer: c for c in self.standalone_choices if c.specgen_ms is not None}
+        for what, described in (("joined", self.joins), ("pooled", self.pools)):
+            for line in described:
+                choice = timed.get(line.split(": ", 1)[0])
+                lines.append(f"  {what} by one kernel: {line}" + (f"  [{choice}]" if choice is not None else ""))
         for fb in self.fallbacks:
             lines.append(f"  not fused: {fb.node}: {fb.reason}")
         if self.memory_formats is not None:

@@ -1,0 +1,56 @@
+"""Never slower, for the joins and pools no chain takes: each `specgen.concat` / `specgen.maxpool`
+kernel is timed against the PyTorch code it would replace (an upsample and a cat; a max pool), as
+`rewrite.measure` times a chain, and PyTorch's code stays where the kernel is not faster.
+
+Both contenders run on fresh normal random inputs of the shapes, dtype and memory formats the
+model hands them (channels-last where the example run's value was, or where the model runs
+channels-last), timed by `measured.compare`; the decision is cached with the chains' decisions,
+keyed by the kernel's cache key, the GPU, the batch bucket, the torch settings and the formats."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.fx import Node
+
+from specgen import measured, tmarun
+from specgen.importer.chains import Analysis
+from specgen.importer.graph import channels_last_of, dtype_of, shape_of
+from specgen.importer.report import Choice
+
+
+def device_of(imp: Analysis):
+    """The CUDA device the model's first tensor input lies on, or None (nothing to time on)."""
+    first = next((t for t in imp.inputs if isinstance(t, torch.Tensor)), None)
+    return first.device if first is not None and first.is_cuda else None
+
+
+def measure(imp: Analysis, node: Node, layer, reference: Callable, values: list[Node]) -> Choice:
+    """Whether `layer` (a ConcatLayer or MaxPoolLayer replacing `node`, reading `values`) runs:
+    timed against `reference` (PyTorch's code, called the same way), or the cached decision."""
+    name = node.name
+    device = device_of(imp)
+    if device is None:
+        return Choice(name, True, how="not measured (the model is not on a GPU)")
+    formats = [bool(imp.channels_last or channels_last_of(v)) for v in values]
+    shapes = [shape_of(v) for v in values]
+    batch = shapes[0][0]
+    context = measured.torch_context() | {"standalone": True, "channels_last": formats}
+    key = measured.decision_key(layer.build().key, measured.gpu_identity(device), measured.batch_bucket(batch), context)
+    record = measured.load(key)
+    if record is not None:
+        ms, pt = record["specgen_ms"], record["pytorch_ms"]
+        return Choice(name, ms < pt, ms, pt, "cached")
+    generator = torch.Generator(device=device).manual_seed(0)
+    dtype = dtype_of(node)
+
+    def laid_out(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+        fmt = tmarun.channels_last_format(t.dim()) if channels_last else None
+        return t if fmt is None else t.contiguous(memory_format=fmt)
+
+    inputs = [tuple(laid_out(torch.randn(s, device=device, generator=generator).to(dtype), f)
+                    for s, f in zip(shapes, formats)) for _ in range(2)]
+    ms, pt = measured.compare(lambda a: layer(*a), lambda a: reference(*a), inputs)
+    measured.store(key, {"layer": name, "batch": batch, "specgen_ms": ms, "pytorch_ms": pt})
+    return Choice(name, ms < pt, ms, pt, "measured")

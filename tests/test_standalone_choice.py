@@ -1,0 +1,106 @@
+"""Never slower for the joins and pools no chain takes (`specgen.importer.standalone_choice`):
+without a GPU, with the timing's verdicts forced, a join or pool measured not faster stays
+PyTorch's code (the report says so among the fallbacks, with both times) and the model still
+computes the original; on the GPU (marker `gpu`), each is timed once, the decision cached."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from example_models import example_models  # noqa: E402
+from random_models import force_choices  # noqa: E402
+from specgen.concat import ConcatLayer  # noqa: E402
+from specgen.importer.report import Choice  # noqa: E402
+from specgen.maxpool import MaxPoolLayer  # noqa: E402
+
+
+def _fused_with_verdicts(monkeypatch, model, x, slower: set):
+    """(the fused graph module, its report, the nodes measured) of `model` on `x` with every chain
+    fused and each join and pool "timed" here: the kernel slower where its node is in `slower`.
+    Each timing also checks that the kernel and its reference agree on fresh inputs."""
+    import specgen.importer as importer
+    from specgen.importer import standalone_choice
+    from specgen.importer.graph import shape_of
+
+    force_choices(monkeypatch, lambda i: True)
+    monkeypatch.setattr(importer, "_unmeasurable", lambda imp: None)
+    timed = []
+
+    def measure(imp, node, layer, reference, values):
+        inputs = [torch.randn(shape_of(v)) for v in values]
+        torch.testing.assert_close(layer(*inputs), reference(*inputs), rtol=0, atol=0)
+        timed.append(node.name)
+        ms = 2.0 if node.name in slower else 0.5
+        return Choice(node.name, ms < 1.0, ms, 1.0, "measured")
+
+    monkeypatch.setattr(standalone_choice, "measure", measure)
+    imp = importer._importer(model, (x,), None)
+    fused, _, report = importer._fused(imp, keep_slower=False, log=None)
+    return fused, report, timed
+
+
+@pytest.mark.parametrize("slower", [set(), {"cat"}, {"pool_1"}, {"cat_2", "pool"}, "all"])
+def test_a_join_or_pool_measured_slower_stays_pytorch_s(monkeypatch, slower):
+    models = example_models()
+    torch.manual_seed(0)
+    model = models.UNet.make().eval()
+    x = models.UNet.example_input(2, small=True)
+    all_nodes = {n.name for n in torch.fx.symbolic_trace(model).graph.nodes if n.name.startswith(("cat", "pool"))}
+    slower = all_nodes if slower == "all" else slower
+    fused, report, timed = _fused_with_verdicts(monkeypatch, model, x, slower)
+    assert len(timed) == len(set(timed)) == 6, timed  # (three joins, three pools, each timed once)
+    assert slower <= set(timed), (slower, timed)
+    kept = [fb for fb in report.fallbacks if "kept as PyTorch" in fb.reason]
+    assert sorted(fb.node for fb in kept) == sorted(slower), str(report)
+    assert all("specgen 2.0000 ms, PyTorch 1.0000 ms" in fb.reason for fb in kept), str(report)
+    listed = [line.split(": ", 1)[0] for line in report.joins + report.pools]
+    assert sorted(listed) == sorted(set(timed) - slower), str(report)
+    layers = [m for m in fused.modules() if isinstance(m, (ConcatLayer, MaxPoolLayer))]
+    assert len(layers) == 6 - len(slower)
+    assert str(report).count("[fused: specgen 0.5000 ms") == 6 - len(slower), str(report)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_keep_slower_times_no_join_or_pool(monkeypatch):
+    import specgen.importer as importer
+    from specgen.importer import standalone_choice
+
+    models = example_models()
+    force_choices(monkeypatch, lambda i: True)
+    monkeypatch.setattr(importer, "_unmeasurable", lambda imp: None)
+    monkeypatch.setattr(standalone_choice, "measure", lambda *a: pytest.fail("timed under keep_slower=True"))
+    imp = importer._importer(models.UNet.make().eval(), (models.UNet.example_input(2, small=True),), None)
+    fused, _, report = importer._fused(imp, keep_slower=True, log=None)
+    assert len(report.joins) == 3 and len(report.pools) == 3 and not report.fallbacks, str(report)
+    assert [c.how for c in report.standalone_choices] == ["not measured"] * 6
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_each_join_and_pool_is_timed_once_then_cached(tmp_path, monkeypatch):
+    from specgen import from_module
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path))
+    models = example_models()
+    torch.manual_seed(0)
+    model = models.UNet.make().cuda().eval().bfloat16()
+    x = models.UNet.example_input(8, device="cuda", seed=2).bfloat16()
+    reports = []
+    for _ in range(2):
+        fused = from_module(copy.deepcopy(model), x, cuda_graph=False)
+        reports.append(fused.specgen_report)
+        choices = reports[-1].standalone_choices
+        assert len(choices) == 6 and all(c.specgen_ms > 0 and c.pytorch_ms > 0 for c in choices), str(reports[-1])
+        kept = {fb.node for fb in reports[-1].fallbacks if "kept as PyTorch" in fb.reason}
+        assert kept == {c.layer for c in choices if not c.fused}, str(reports[-1])
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x).float(), model(x).float(), rtol=3e-2, atol=3e-2)
+    assert [c.how for c in reports[0].standalone_choices] == ["measured"] * 6
+    assert [c.how for c in reports[1].standalone_choices] == ["cached"] * 6
+    assert [c.fused for c in reports[0].standalone_choices] == [c.fused for c in reports[1].standalone_choices]
