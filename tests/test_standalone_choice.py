@@ -91,6 +91,18 @@ def test_on_the_gpu_each_join_and_pool_is_timed_once_then_cached(tmp_path, monke
     torch.manual_seed(0)
     model = models.UNet.make().cuda().eval().bfloat16()
     x = models.UNet.example_input(8, device="cuda", seed=2).bfloat16()
+    from specgen import measured
+
+    compare, joined_inputs = measured.compare, []
+
+    def recording(first, second, inputs, *args, **kwargs):
+        a = inputs[0]
+        if isinstance(a, tuple) and len(a) >= 2 and a[0].shape == a[-1].shape and not a[0].is_contiguous() \
+                and a[-1].is_contiguous():
+            joined_inputs.append(a[0].shape)  # (a chain reading a channels-last join: the kernel's input, then PyTorch's)
+        return compare(first, second, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(measured, "compare", recording)
     reports = []
     for _ in range(2):
         fused = from_module(copy.deepcopy(model), x, cuda_graph=False)
@@ -103,4 +115,23 @@ def test_on_the_gpu_each_join_and_pool_is_timed_once_then_cached(tmp_path, monke
             torch.testing.assert_close(fused(x).float(), model(x).float(), rtol=3e-2, atol=3e-2)
     assert [c.how for c in reports[0].standalone_choices] == ["measured"] * 6
     assert [c.how for c in reports[1].standalone_choices] == ["cached"] * 6
+    # bf16's decoder convs (TMA engine) read channels-last in place: each timed on the join's format, once
+    assert len(joined_inputs) == 3, joined_inputs
     assert [c.fused for c in reports[0].standalone_choices] == [c.fused for c in reports[1].standalone_choices]
+
+
+def test_a_chain_reading_a_channels_last_join_is_timed_on_such_an_input(monkeypatch):
+    """The UNet's decoder convs each alone read a join; where their kernels read channels-last in
+    place, the join writes so, and their timing must run that kernel (not the NC(D)HW one)."""
+    import specgen.importer as importer
+    from specgen.importer import joins
+
+    models = example_models()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    imp = importer._importer(models.UNet.make().eval(), (models.UNet.example_input(2, small=True),), None)
+    readers = [c.spec.name for c in imp.chains if joins._join(imp, c.input_node) is not None]
+    assert len(readers) == 3, [c.spec.name for c in imp.chains]
+    for reads_in_place in (False, True):
+        monkeypatch.setattr(joins, "_reads_in_place", lambda layer, answer=reads_in_place: answer)
+        told = [c.spec.name for c in imp.chains if joins.writes_channels_last_for(imp, c, None)]
+        assert told == (readers if reads_in_place else []), told

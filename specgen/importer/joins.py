@@ -101,6 +101,20 @@ def _reads_in_place(layer) -> bool:
         return False
 
 
+def writes_channels_last_for(imp: Analysis, chain, layer) -> bool:
+    """Whether a join will write `chain`'s input channels-last for it, as `fuse` decides: the
+    chain's conv alone reads a join's output, as its input x, and its kernel (`layer`) reads
+    channels-last in place. The chain is then timed on such an input (`rewrite.measure`): the
+    kernel it will run."""
+    node = chain.input_node
+    if not isinstance(node, Node) or chain.read_steps() or node in chain.inputs.values():
+        return False
+    users = list(node.users)
+    if len(users) != 1 or users[0] not in chain.nodes or len(shape_of(node) or ()) <= 3 or _join(imp, node) is None:
+        return False
+    return _reads_in_place(layer)
+
+
 def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken: set, replaced: dict,
          measure: bool = False) -> list[Choice]:
     """Replace each of `joins` (found by `find` before the chains were) in `graph`, the fused graph

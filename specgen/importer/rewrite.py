@@ -157,13 +157,18 @@ def measure(imp: Analysis, chain, gpu_only: bool = False) -> Choice:
         context["graph"] = True
     # the input as the model hands it to the chain: channels-last where the model's input is (run
     # channels-last), or where the example run found this chain's input so (ConvNeXt's blocks); a
-    # Linear's [N, H, W, C] input, contiguous, is read permuted: [N, C, H, W] channels-last
+    # Linear's [N, H, W, C] input, contiguous, is read permuted: [N, C, H, W] channels-last; a
+    # join's output, where the join will write it channels-last for this chain (`joins`)
     inp = chain.input_node
-    first = chain.in_perm is None and (imp.channels_last or channels_last_of(inp))
+    joined = chain.in_perm is None and not imp.channels_last and not channels_last_of(inp) \
+        and joins.writes_channels_last_for(imp, chain, layer)
+    first = chain.in_perm is None and (imp.channels_last or channels_last_of(inp) or joined)
     formats = [first, *(imp.channels_last or channels_last_of(node) for node in chain.inputs.values())]
     channels_last = first or chain.in_perm is not None
     if channels_last:
         context["channels_last"] = True
+        if joined:  # (PyTorch's chain then reads the cat's own output, NC(D)HW)
+            context["joined"] = True
     else:  # (the kernel a call at this batch runs, where it is not the layer's own: a decision per kernel)
         ran = pipeline.batch_variant(layer.specialize(), chain.batch)
         if ran.key != layer.key:
@@ -183,7 +188,10 @@ def measure(imp: Analysis, chain, gpu_only: bool = False) -> Choice:
     # graph hands them: permuted views)
     steps = [chain.read_steps(), *(chain.input_steps.get(n, []) for n in chain.inputs.values())]
     with buffers_kept(imp.model, layer):  # a training-mode batch norm updates its running statistics on every call
-        if any(steps):
+        if joined and not any(steps):  # (the kernel reads the join's channels-last output; PyTorch's chain, the cat's NC(D)HW one)
+            given = [(*a, a[0].contiguous()) for a in inputs]
+            ms, pt = compare(lambda a: layer(*a[:-1]), lambda a: plain(a[-1], *a[1:-1]), given)
+        elif any(steps):
             ms, pt = compare(lambda a: layer(*(_read(t, s) for t, s in zip(a, steps))), lambda a: plain(*a),
                              [tuple(a) for a in inputs])
         elif chain.inputs:  # the extra inputs too, fresh random tensors of their shapes
