@@ -1,9 +1,8 @@
 """The concatenation kernel (`specgen.concat`) against PyTorch's upsample and cat, on a UNet
 decoder's three joins: GPU time per call from the profiler's kernel durations (mean of 20 calls
 over four inputs in turn, larger together than the L2 cache), for each tile size and output
-layout (16-bit dtypes: also with `pairs`, two values a lane), with the floor: the bytes the join
-must move (each source once, the output once) at the measured copy rate (a device-to-device copy
-of the output's size, timed the same way).
+layout, with the floor: the bytes the join must move (each source once, the output once) at the
+measured copy rate (a device-to-device copy of the output's size, timed the same way).
 
     python benchmarks/concat_join.py [--batch 64] [--dtype bf16]
 
@@ -60,10 +59,8 @@ def main() -> int:
     if parsed is None:
         return 2
     batch, dtype = parsed
-    variants = [(cl, tile, False) for cl in (False, True) for tile in TILES]
-    if dtype != torch.float32:  # (16-bit: also two values a lane, `ConcatPlan.pairs`, at the 32 tile)
-        variants += [(cl, 32, True) for cl in (False, True)]
-    labels = [("cl" if cl else "nchw") + f" t{t}" + (" pairs" if pairs else "") for cl, t, pairs in variants]
+    variants = [(cl, tile) for cl in (False, True) for tile in TILES]
+    labels = [("cl" if cl else "nchw") + f" t{t}" for cl, t in variants]
     print(f"{'join':26}{'MB':>7}{'floor':>8}{'PyTorch':>9}" + "".join(f"{label:>15}" for label in labels)
           + "  best x PyTorch, % of floor")
     for cu, su, cs in JOINS:
@@ -79,9 +76,9 @@ def main() -> int:
         floor = moved / (2 * out_bytes / copy_ms)  # (a copy moves its size twice)
         torch_ms = _gpu_ms(lambda a, b: torch.cat([F.interpolate(a, scale_factor=2.0), b], 1), inputs)
         times = []
-        for cl, tile, pairs in variants:
+        for cl, tile in variants:
             plan = ConcatPlan((Source(cu, (su, su), (2, 2)), Source(cs, (size, size), (1, 1))), (size, size),
-                              dtype_name(dtype), cl, tile, pairs)
+                              dtype_name(dtype), cl, tile)
             layer = ConcatLayer(plan)
             with torch.no_grad():
                 a, b = inputs[0]

@@ -55,9 +55,6 @@ class ConcatPlan(StandalonePlan):
     dtype: str
     channels_last: bool = False
     tile: int = 32  # a block's tile: `tile` channels x `tile` positions (32, or 64: slower where measured, `benchmarks/concat_join.py`)
-    # 16-bit dtypes only: each lane moves two neighbouring values, one 32-bit access where the pair
-    # is whole and aligned. Off by default until timed on a GPU (`benchmarks/concat_join.py` times both)
-    pairs: bool = False
 
     def __post_init__(self):
         if not isinstance(self.size, tuple) or not 1 <= len(self.size) <= 3:
@@ -68,10 +65,6 @@ class ConcatPlan(StandalonePlan):
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.tile not in TILES or isinstance(self.tile, bool):
             raise ValueError(f"tile: expected one of {', '.join(map(str, TILES))}, got {self.tile!r}")
-        if not isinstance(self.pairs, bool):
-            raise ValueError(f"pairs: expected a bool, got {self.pairs!r}")
-        if self.pairs and self.dtype == "float32":
-            raise ValueError("pairs: moves 16-bit values two at a time; a float32 join moves one a lane")
         if not isinstance(self.channels_last, bool):
             raise ValueError(f"channels_last: expected a bool, got {self.channels_last!r}")
         if self.channels_last and len(self.size) == 1:
@@ -123,25 +116,13 @@ def render(plan: ConcatPlan) -> str:
         up = [f for f in s.factors if f != 1]
         expr = f"x{k}" if not up else f"upsample_nearest(x{k}, {list(s.factors)})"
         sources.append({"channels": s.channels, "first": first, "size": pad + s.size, "factors": pad + s.factors,
-                        "shape": s.size, "expr": expr, "cl_pairs": s.channels % 2 == 0 and first % 2 == 0,
-                        "nchw_pairs": _nchw_pairs(s.factors[-1], plan.size[-1])})
+                        "shape": s.size, "expr": expr})
         first += s.channels
     text = environment().get_template("concat.cu.j2").render(
         version=__version__, kernel_name=plan.kernel_name, ctype=DTYPES[plan.dtype][0], channels=plan.channels,
         out_size=pad + plan.size, out_shape=plan.size, tile=plan.tile, dims=len(plan.size), positions=plan.positions, tiles=plan.tiles,
-        sources=sources, channels_last=plan.channels_last, pairs=plan.pairs,
-        out_pairs=(plan.channels if plan.channels_last else plan.positions) % 2 == 0)
+        sources=sources, channels_last=plan.channels_last)
     return text
-
-
-def _nchw_pairs(factor: int, width: int) -> str:
-    """How the 16-bit kernel reads output neighbours p, p + 1 (p even) from an NC(D)HW source
-    upsampled `factor` times along its last dim, the output's being `width`: "whole" (neighbours
-    in the source too, one aligned 32-bit load), "same" (the same value twice) or "two" (two loads:
-    an odd width lets a pair straddle rows, an odd factor its source's neighbours)."""
-    if width % 2:
-        return "two"
-    return "whole" if factor == 1 else ("same" if factor % 2 == 0 else "two")
 
 
 def build_request(plan: ConcatPlan, arch: str | None = None):
@@ -245,8 +226,6 @@ class ConcatLayer(StandaloneLayer):
         # each source as it lies (NC(D)HW or channels-last: a bit each), any other layout made contiguous
         layouts = [lies_channels_last(v) for v in values]
         values = [v if cl or v.is_contiguous() else v.contiguous() for v, cl in zip(values, layouts)]
-        if plan.pairs:  # (the kernel reads whole 16-bit pairs as one 32-bit word: a view starting at an odd value is copied)
-            values = [v if v.data_ptr() % 4 == 0 else v.clone() for v in values]
         batch = values[0].shape[0]
         out = torch.empty((batch, plan.channels, *plan.size), dtype=self._dtype, device=values[0].device,
                           memory_format=self._fmt)

@@ -206,6 +206,8 @@ def random_nets(draw, max_steps: int = 7, max_channels: int = 12):
                 mods.append(nn.LayerNorm(shape[0], eps=1e-6))
             steps.append((kind, len(mods) - 1))
         elif kind == "instance_norm":
+            if math.prod(shape[1:]) < 2:  # (PyTorch refuses to normalize over one position)
+                continue
             add_module(INSTANCE_NORM[nd](shape[0], affine=draw(st.booleans())))
         elif kind == "adaptive":
             add_module((ADAPTIVE_AVG if draw(st.booleans()) else ADAPTIVE_MAX)[nd](1))
@@ -244,7 +246,11 @@ def random_nets(draw, max_steps: int = 7, max_channels: int = 12):
         elif kind == "bn":
             add_module(BATCH_NORM[nd](shape[0]))
         elif kind == "gn":
-            groups = draw(st.sampled_from([g for g in (1, 2, 3, 4) if shape[0] % g == 0]))
+            # (PyTorch refuses a group of one value: a group norm after a pool to one position)
+            fits = [g for g in (1, 2, 3, 4) if shape[0] % g == 0 and shape[0] // g * math.prod(shape[1:]) > 1]
+            if not fits:
+                continue
+            groups = draw(st.sampled_from(fits))
             add_module(nn.GroupNorm(groups, shape[0]))
         elif kind == "act":
             add_module(ACTIVATIONS[draw(st.sampled_from(sorted(ACTIVATIONS)))]())

@@ -31,8 +31,6 @@ def _plan(**over) -> ConcatPlan:
     ({"dtype": "float64"}, "dtype"),
     ({"channels_last": 1}, "channels_last"),
     ({"tile": 48}, "tile"),
-    ({"pairs": 1}, "pairs"),
-    ({"pairs": True, "dtype": "float32"}, "pairs"),
     ({"sources": ()}, "sources"),
     ({"sources": (Source(0, (16, 16), (1, 1)),)}, "sources[0].channels"),
     ({"sources": (Source(4, (8, 8), (2, 9)),)}, "sources[0].factors[1]"),
@@ -56,26 +54,10 @@ def test_the_source_has_every_extent_and_factor_as_a_literal():
                  "constexpr int C1 = 32, FIRST1 = 64;", "constexpr int D1 = 1, H1 = 16, W1 = 16;"):
         assert line in source
     assert "torch.cat([upsample_nearest(x0, [2, 2]), x1], dim=1), written channels-last" in source
-    assert "y[static_cast<size_t>(p) * C_OUT + c]" in source and "_pair" not in source  # (channels-last stores, one value a lane)
+    assert "y[static_cast<size_t>(p) * C_OUT + c]" in source  # (channels-last stores)
     contiguous = concat.render(_plan(channels_last=False))
     assert "y[static_cast<size_t>(c) * POSITIONS + p]" in contiguous and "C_OUT + c]" not in contiguous
     assert _plan().kernel_name == plan.kernel_name != _plan(channels_last=False).kernel_name
-
-
-def test_16_bit_pairs_move_whole_aligned_neighbours_as_one_access():
-    """`pairs`: whole, aligned pairs (even channel counts and offsets, an even width) as one 32-bit
-    access; the neighbours an even upsampling factor repeats read one value; two accesses otherwise."""
-    source = concat.render(_plan(pairs=True))
-    assert "y + static_cast<size_t>(p) * C_OUT + c;" in source and "store_pair(at, tile[tc][tp], tile[tc + 1][tp]);" in source
-    assert source.count("load_pair(at, tile[tc][tp], tile[tc + 1][tp]);") == 2  # (channels-last sources)
-    assert "tile[tc][tp] = tile[tc][tp + 1] = widen(plane[" in source  # (x0, upsampled 2x along W)
-    assert "load_pair(plane + source_position<D1, H1, W1, SD1, SH1, SW1>(p)" in source  # (x1, as it is)
-    contiguous = concat.render(_plan(channels_last=False, pairs=True))
-    assert "y + static_cast<size_t>(c) * POSITIONS + p;" in contiguous and "C_OUT + c;" not in contiguous
-    odd = concat.render(ConcatPlan((Source(3, (5, 5), (3, 1)), Source(34, (15, 5), (1, 1))), (15, 5), "float16", True, pairs=True))
-    assert "load_pair" not in odd.split("__global__")[1] and "store_pair" not in odd.split("__global__")[1]  # (odd counts, odd widths)
-    assert "at[1] = narrow(tile[tc + 1][tp]);" in odd and "widen(at[1])" in odd
-    assert _plan(pairs=True).kernel_name != _plan().kernel_name
 
 
 @pytest.mark.nvcc
@@ -83,12 +65,11 @@ def test_16_bit_pairs_move_whole_aligned_neighbours_as_one_access():
     _plan(),
     _plan(dtype="float32", channels_last=False),
     _plan(tile=64),
-    _plan(pairs=True),
     ConcatPlan((Source(5, (3, 4, 6), (2, 1, 3)), Source(7, (6, 4, 18), (1, 1, 1)), Source(1, (1, 2, 9), (6, 2, 2))),
-               (6, 4, 18), "float16", True, pairs=True),
+               (6, 4, 18), "float16", True),
     ConcatPlan((Source(3, (10,), (4,)), Source(2, (40,), (1,))), (40,), "float32"),
-    ConcatPlan((Source(3, (5, 5), (3, 1)), Source(33, (15, 5), (1, 1))), (15, 5), "bfloat16", pairs=True),
-], ids=["bf16_2d_cl", "fp32_2d", "bf16_2d_cl_tile64", "bf16_2d_cl_pairs", "fp16_3d_cl_pairs", "fp32_1d", "bf16_odd_nchw_pairs"])
+    ConcatPlan((Source(3, (5, 5), (3, 1)), Source(33, (15, 5), (1, 1))), (15, 5), "bfloat16"),
+], ids=["bf16_2d_cl", "fp32_2d", "bf16_2d_cl_tile64", "fp16_3d_cl", "fp32_1d", "bf16_odd_nchw"])
 def test_the_kernel_compiles_without_spills(plan, tmp_path, monkeypatch):
     from specgen import cache
 

@@ -27,8 +27,8 @@ SHAPES = {
     "three_2d": ([(3, (5, 5), (3, 1)), (33, (15, 5), (1, 1)), (1, (3, 5), (5, 1))], (15, 5)),
     "up_3d": ([(9, (2, 3, 4), (2, 2, 2)), (5, (4, 6, 8), (1, 1, 1))], (4, 6, 8)),
     "conv1d": ([(6, (11,), (3,)), (35, (33,), (1,))], (33,)),
-    # 16-bit pairs: odd channel counts and offsets beside even ones, an odd factor along an even width
-    "mixed_pairs": ([(5, (6, 8), (1, 1)), (6, (3, 4), (2, 2)), (4, (6, 8), (1, 1)), (3, (6, 2), (1, 4))], (6, 8)),
+    # odd channel counts and offsets beside even ones, an odd factor along an even width
+    "mixed": ([(5, (6, 8), (1, 1)), (6, (3, 4), (2, 2)), (4, (6, 8), (1, 1)), (3, (6, 2), (1, 4))], (6, 8)),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CL = {4: torch.channels_last, 5: torch.channels_last_3d}
@@ -48,15 +48,14 @@ def _poison_allocator(nbytes: int) -> None:
     torch.full((nbytes // 2 + 64,), float("nan"), device="cuda", dtype=torch.float16)
 
 
-CASES = [(name, dtype, cl, tile, pairs) for name in SHAPES for dtype in DTYPES
-         for cl in ([False, True] if name != "conv1d" else [False]) for tile in (32, 64)
-         for pairs in ([False, True] if dtype != "float32" else [False])]
+CASES = [(name, dtype, cl, tile) for name in SHAPES for dtype in DTYPES
+         for cl in ([False, True] if name != "conv1d" else [False]) for tile in (32, 64)]
 
 
-@pytest.mark.parametrize("name, dtype, channels_last, tile, pairs", CASES)
-def test_the_kernel_is_pytorch_s_upsample_and_cat_exactly(name, dtype, channels_last, tile, pairs):
+@pytest.mark.parametrize("name, dtype, channels_last, tile", CASES)
+def test_the_kernel_is_pytorch_s_upsample_and_cat_exactly(name, dtype, channels_last, tile):
     shapes, size = SHAPES[name]
-    plan = ConcatPlan(tuple(Source(c, s, f) for c, s, f in shapes), size, dtype, channels_last, tile, pairs)
+    plan = ConcatPlan(tuple(Source(c, s, f) for c, s, f in shapes), size, dtype, channels_last, tile)
     layer = ConcatLayer(plan)
     gen = torch.Generator(device="cuda").manual_seed(len(CASES))
     nd = len(size)
@@ -83,19 +82,6 @@ def test_a_strided_source_is_made_contiguous_first_and_autograd_runs_pytorch_s()
     a = a.clone().requires_grad_()
     layer(a, b).sum().backward()
     assert torch.equal(a.grad, torch.full_like(a, 4.0))  # (each value read by a 2 x 2 block)
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_a_16_bit_source_starting_at_an_odd_value_is_copied_first(dtype):
-    """With `pairs`, the kernel reads whole 16-bit pairs as one 32-bit word: a view one value past an aligned
-    start is copied before the launch, and the result is still exact."""
-    plan = ConcatPlan((Source(4, (3, 4), (2, 2)), Source(6, (6, 8), (1, 1))), (6, 8), dtype, pairs=True)
-    layer = ConcatLayer(plan)
-    a = torch.randn(2, 4, 3, 4, device="cuda").to(DTYPES[dtype])
-    b = torch.randn(1 + 2 * 6 * 48, device="cuda").to(DTYPES[dtype])[1:].view(2, 6, 6, 8)
-    assert b.is_contiguous() and b.data_ptr() % 4 == 2
-    with torch.no_grad():
-        assert torch.equal(layer(a, b), reference([a, b], [(2, 2), (1, 1)]))
 
 
 def test_it_replays_from_a_cuda_graph():

@@ -2,7 +2,8 @@
 CUDA): every chain fused and run by its compiled kernel, the joins and pools by theirs, on output
 memory poisoned first. In fp32 mode at the fp32 bars against the model in float64 and against
 PyTorch fp32 (TF32 off for PyTorch's own ops); converted with `.bfloat16()`, within 2x PyTorch's
-own bf16 error. Each part draws its own nets afresh (hypothesis prints the failing draw, with the
+own bf16 error, or 2x the error the bf16 weights and inputs carry alone where that is larger (an
+output that cancels: PyTorch's roundings can happen to land nearer). Each part draws its own nets afresh (hypothesis prints the failing draw, with the
 blob that reproduces it)."""
 
 from __future__ import annotations
@@ -50,11 +51,15 @@ def test_a_random_bf16_net_runs_fused_within_twice_pytorch_s_error(part, net):
         want64 = copy.deepcopy(model).double()(x.double())
         half, x16 = copy.deepcopy(model).bfloat16(), x.bfloat16()
         want16 = half(x16)
+        # the error bf16 weights and inputs carry before any rounding of the compute: the model
+        # in float64 on them (where the output cancels, this alone exceeds PyTorch's error)
+        carried = copy.deepcopy(half).double()(x16.double())
         fused = from_module(half, x16, keep_slower=True)
         torch.full((1 << 22,), float("nan"), device="cuda")
         got = fused(x16)
         torch.cuda.synchronize()
-    for i, (g, w64, w16) in enumerate(zip(outputs(got), outputs(want64), outputs(want16), strict=True)):
+    for i, (g, w64, w16, c) in enumerate(zip(outputs(got), outputs(want64), outputs(want16), outputs(carried), strict=True)):
         assert g.dtype == torch.bfloat16 and g.shape == w64.shape and bool(torch.isfinite(g).all())
-        rel, torch_rel = rel_l2(g, w64), rel_l2(w16, w64)
-        assert rel <= 2 * max(torch_rel, 2.0**-8), f"output {i}: rel L2 {rel:.3e}, PyTorch bf16 {torch_rel:.3e}: {model.describe()}"
+        rel, torch_rel, carried_rel = rel_l2(g, w64), rel_l2(w16, w64), rel_l2(c, w64)
+        assert rel <= 2 * max(torch_rel, carried_rel, 2.0**-8), \
+            f"output {i}: rel L2 {rel:.3e}, PyTorch bf16 {torch_rel:.3e}, carried {carried_rel:.3e}: {model.describe()}"
