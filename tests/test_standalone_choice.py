@@ -30,7 +30,7 @@ def _fused_with_verdicts(monkeypatch, model, x, slower: set):
     monkeypatch.setattr(importer, "_unmeasurable", lambda imp: None)
     timed = []
 
-    def measure(imp, node, layer, reference, values):
+    def measure(imp, node, layer, reference, values, gpu_only=False):
         inputs = [torch.randn(shape_of(v)) for v in values]
         torch.testing.assert_close(layer(*inputs), reference(*inputs), rtol=0, atol=0)
         timed.append(node.name)
@@ -64,6 +64,42 @@ def test_a_join_or_pool_measured_slower_stays_pytorch_s(monkeypatch, slower):
     assert str(report).count("[fused: specgen 0.5000 ms") == 6 - len(slower), str(report)
     with torch.no_grad():
         torch.testing.assert_close(fused(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_inside_the_cuda_graph_joins_and_pools_are_decided_by_gpu_time(monkeypatch):
+    """At a small batch a join's or pool's kernel can lose on the host path (PyTorch's call
+    launches faster) and win inside a CUDA graph (GPU time alone): the graph's model is rewritten
+    with them, the host path's keeps PyTorch's code; where the decisions agree, one model serves."""
+    import specgen.importer as importer
+    from specgen.importer import rewrite, standalone_choice
+
+    models = example_models()
+    torch.manual_seed(0)
+    model = models.UNet.make().eval()
+    x = models.UNet.example_input(2, small=True)
+    force_choices(monkeypatch, lambda i: True)
+    monkeypatch.setattr(importer, "_unmeasurable", lambda imp: None)
+    for graph_wins in (True, False):
+        asked = []
+
+        def measure(imp, node, layer, reference, values, gpu_only=False):
+            asked.append(gpu_only)
+            ms = 0.5 if gpu_only and graph_wins else 2.0
+            return Choice(node.name, ms < 1.0, ms, 1.0, "graph measured" if gpu_only else "measured")
+
+        monkeypatch.setattr(standalone_choice, "measure", measure)
+        monkeypatch.setattr(rewrite, "measure", lambda imp, chain, gpu_only=False: Choice(chain.spec.name, True, 0.5, 1.0))
+        fused, _, report = importer._fused(importer._importer(model, (x,), None), keep_slower=False, log=None)
+        assert not [m for m in fused.modules() if isinstance(m, (ConcatLayer, MaxPoolLayer))]
+        graphed = importer._graph_fused(model, (x,), None, fused, report.choices, report)
+        assert asked == [False] * 6 + [True] * 6, asked
+        assert [c.fused for c in report.graph_standalone_choices] == [graph_wins] * 6, str(report)
+        layers = [m for m in graphed.modules() if isinstance(m, (ConcatLayer, MaxPoolLayer))]
+        assert (graphed is not fused and len(layers) == 6) if graph_wins else graphed is fused
+        if graph_wins:
+            assert str(report).count("[in the CUDA graph: fused: specgen 0.5000 ms, PyTorch 1.0000 ms (graph measured)]") == 6, str(report)
+            with torch.no_grad():
+                torch.testing.assert_close(graphed(x), model(x), rtol=1e-5, atol=1e-5)
 
 
 def test_keep_slower_times_no_join_or_pool(monkeypatch):
@@ -135,3 +171,22 @@ def test_a_chain_reading_a_channels_last_join_is_timed_on_such_an_input(monkeypa
         monkeypatch.setattr(joins, "_reads_in_place", lambda layer, answer=reads_in_place: answer)
         told = [c.spec.name for c in imp.chains if joins.writes_channels_last_for(imp, c, None)]
         assert told == (readers if reads_in_place else []), told
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_batch_1_graph_times_its_joins_and_pools_inside_graphs(tmp_path, monkeypatch):
+    from specgen import from_module
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path))
+    models = example_models()
+    torch.manual_seed(0)
+    model = models.UNet.make().cuda().eval().bfloat16()
+    x = models.UNet.example_input(1, device="cuda", seed=4).bfloat16()
+    fused = from_module(copy.deepcopy(model), x)
+    report = fused.specgen_report
+    graph = report.graph_standalone_choices
+    assert len(graph) == 6 and all(c.how == "graph measured" and c.specgen_ms > 0 for c in graph), str(report)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x).float(), model(x).float(), rtol=3e-2, atol=3e-2)

@@ -203,7 +203,7 @@ def _standalone_report(report: ImportReport, choices: list[Choice]) -> None:
         for line in described:
             name = line.split(": ", 1)[0]
             if name in kept:
-                report.fallbacks.append(Fallback(name, f"{line.split(': ', 1)[1]}: kept as PyTorch: {kept[name]}"))
+                report.fallbacks.append(Fallback(name, f"{line.split(': ', 1)[1]}: {kept[name]}"))
         setattr(report, attr, [line for line in described if line.split(": ", 1)[0] not in kept])
 
 
@@ -455,7 +455,8 @@ def _graph_fused(model: nn.Module, example_inputs: tuple, precision, fused: nn.M
     """The fused model a CUDA graph replays. Inside a graph a chain costs its GPU time alone, so
     each chain is decided again by that (`rewrite.measure(gpu_only=True)`, cached apart): a kernel
     that wins only by launching faster than PyTorch's several kernels loses there, and one that
-    loses only on the host wins. `fused` itself where the decisions agree (or cannot be made)."""
+    loses only on the host wins. The joins and pools likewise (`report.graph_standalone_choices`).
+    `fused` itself where the decisions agree (or cannot be made)."""
     log = get_logger()
     if channels_last:
         example_inputs = tuple(rewrite.to_channels_last(t) for t in example_inputs)
@@ -464,16 +465,19 @@ def _graph_fused(model: nn.Module, example_inputs: tuple, precision, fused: nn.M
         return fused
     try:
         gpu = [rewrite.measure(imp, chain, gpu_only=True) for chain in imp.chains]
+        imp.chains = [chain for chain, choice in zip(imp.chains, gpu) if choice.fused]
+        graph_fused = rewrite.fused_graph(imp, measure=True, gpu_only=True)
     except Exception as err:  # noqa: BLE001  (a chain that cannot be captured: keep the other decisions)
         log.info("%s: chains not timed inside a CUDA graph: %s: %s", imp.name, type(err).__name__, err)
         return fused
     report.graph_choices = gpu
-    if [c.fused for c in gpu] == [c.fused for c in choices]:
+    report.graph_standalone_choices = list(imp.standalone_choices)
+    if [c.fused for c in gpu] == [c.fused for c in choices] \
+            and [c.fused for c in imp.standalone_choices] == [c.fused for c in report.standalone_choices]:
         return fused
-    imp.chains = [chain for chain, choice in zip(imp.chains, gpu) if choice.fused]
-    log.info("%s: inside the CUDA graph, %d chain(s) run as kernels: %s", imp.name, len(imp.chains),
-             ", ".join(c.spec.name for c in imp.chains) or "none")
-    graph_fused = rewrite.fused_graph(imp, measure=True)  # (the joins' and pools' decisions: cached by now)
+    log.info("%s: inside the CUDA graph, %d chain(s) run as kernels: %s; joins and pools: %s", imp.name, len(imp.chains),
+             ", ".join(c.spec.name for c in imp.chains) or "none",
+             ", ".join(c.layer for c in imp.standalone_choices if c.fused) or "none")
     graph_fused.specgen_report = report
     return graph_fused
 

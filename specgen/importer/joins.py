@@ -116,13 +116,13 @@ def writes_channels_last_for(imp: Analysis, chain, layer) -> bool:
 
 
 def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken: set, replaced: dict,
-         measure: bool = False) -> list[Choice]:
+         measure: bool = False, gpu_only: bool = False) -> list[Choice]:
     """Replace each of `joins` (found by `find` before the chains were) in `graph`, the fused graph
     being written, by a ConcatLayer call: `layers` its modules so far by name, `replaced` what
     computes each fused chain's or join's output now (a join of a join reads the first one's
     layer). `measure`: each kernel timed first against PyTorch's upsample and cat
-    (`standalone_choice`), the join left as it is where the kernel is not faster. Returns one
-    Choice per join."""
+    (`standalone_choice`; `gpu_only`: inside CUDA graphs), the join left as it is where the kernel
+    is not faster. Returns one Choice per join."""
     log = get_logger()
     plans = []
     for join in joins:
@@ -139,7 +139,7 @@ def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken:
         layer = concat.ConcatLayer(plan, built=result)
         if measure:
             choice = standalone_choice.measure(imp, node, layer, lambda *vs, fs=join.factors: concat.reference(vs, fs),
-                                               list(join.values))
+                                               list(join.values), gpu_only)
         else:
             choice = Choice(node.name, True, how="not measured")
         choices.append(choice)

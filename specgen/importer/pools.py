@@ -87,12 +87,13 @@ def find(imp: Analysis, fused_chains: list) -> list[Pool]:
 
 
 def fuse(imp: Analysis, graph: fx.Graph, pools: list[Pool], layers: dict, taken: set, replaced: dict,
-         measure: bool = False) -> list[Choice]:
+         measure: bool = False, gpu_only: bool = False) -> list[Choice]:
     """Replace each of `pools` (found by `find` before the chains were) in `graph` by a
     MaxPoolLayer call: `layers` the graph's modules so far by name, `replaced` what computes each
     fused chain's output, join or pool now (a pool of a pool reads the first one's layer).
-    `measure`: each kernel timed first against PyTorch's pool (`standalone_choice`), the pool left
-    as it is where the kernel is not faster. Returns one Choice per pool."""
+    `measure`: each kernel timed first against PyTorch's pool (`standalone_choice`; `gpu_only`:
+    inside CUDA graphs), the pool left as it is where the kernel is not faster. Returns one Choice
+    per pool."""
     log = get_logger()
     built = prebuild([maxpool.build_request(p.plan) for p in pools])
     choices = []
@@ -100,7 +101,7 @@ def fuse(imp: Analysis, graph: fx.Graph, pools: list[Pool], layers: dict, taken:
         layer = maxpool.MaxPoolLayer(pool.plan, built=result)
         if measure:
             choice = standalone_choice.measure(imp, pool.node, layer, lambda x, plan=pool.plan: maxpool.reference(x, plan),
-                                               [pool.value])
+                                               [pool.value], gpu_only)
         else:
             choice = Choice(pool.node.name, True, how="not measured")
         choices.append(choice)

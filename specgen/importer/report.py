@@ -70,6 +70,8 @@ class ImportReport:
     # from_module's never-slower choices for the joins and pools (Choice.layer: the cat's or pool's
     # node); those kept as PyTorch are among the fallbacks, not in `joins` / `pools`
     standalone_choices: list[Choice] = field(default_factory=list)
+    # ... and inside the CUDA graph (timed there, as `graph_choices` are for the chains; empty: none made)
+    graph_standalone_choices: list[Choice] = field(default_factory=list)
 
     @property
     def fused_specs(self) -> list[LayerSpec]:
@@ -93,12 +95,19 @@ class ImportReport:
                 line += f"  [in the CUDA graph: {in_graph[spec.name]}]"
             lines.append(line)
         timed = {c.layer: c for c in self.standalone_choices if c.specgen_ms is not None}
+        timed_in_graph = {c.layer: c for c in self.graph_standalone_choices if c.specgen_ms is not None}
         for what, described in (("joined", self.joins), ("pooled", self.pools)):
             for line in described:
-                choice = timed.get(line.split(": ", 1)[0])
-                lines.append(f"  {what} by one kernel: {line}" + (f"  [{choice}]" if choice is not None else ""))
+                name = line.split(": ", 1)[0]
+                line = f"  {what} by one kernel: {line}"
+                if name in timed:
+                    line += f"  [{timed[name]}]"
+                if name in timed_in_graph:
+                    line += f"  [in the CUDA graph: {timed_in_graph[name]}]"
+                lines.append(line)
         for fb in self.fallbacks:
-            lines.append(f"  not fused: {fb.node}: {fb.reason}")
+            in_graph = timed_in_graph.get(fb.node)
+            lines.append(f"  not fused: {fb.node}: {fb.reason}" + (f"  [in the CUDA graph: {in_graph}]" if in_graph else ""))
         if self.memory_formats is not None:
             cl_ms, given_ms = self.memory_formats
             lines.append(f"  activations: channels-last {cl_ms:.3f} ms, as given {given_ms:.3f} ms: {self.memory_format}")

@@ -267,13 +267,14 @@ def run_channels_last(graph: fx.Graph) -> None:
             node.args = (restored,)
 
 
-def fused_graph(imp: Analysis, measure: bool = False) -> fx.GraphModule:
+def fused_graph(imp: Analysis, measure: bool = False, gpu_only: bool = False) -> fx.GraphModule:
     """The traced graph with each chain replaced by one ImportedLayer call, each concatenation of
     an upsampled value by one ConcatLayer call (`joins`) and each max pool left to PyTorch by one
     MaxPoolLayer call (`pools`); where the analysis ran on
     channels-last inputs, inputs are laid out channels-last on the way in (`run_channels_last`).
     `measure`: a join's or pool's kernel replaces PyTorch's code only where timed faster
-    (`standalone_choice`); the choices, one per join and pool, go to `imp.standalone_choices`."""
+    (`standalone_choice`; `gpu_only`: timed inside CUDA graphs, for the graph `specgen.replay`
+    captures); the choices, one per join and pool, go to `imp.standalone_choices`."""
     graph = imp.graph
     layers: dict[str, nn.Module] = {}
     taken = {n.target.split(".")[0] for n in imp.nodes if n.op in ("call_module", "get_attr")} | set(dir(imp.gm))
@@ -313,8 +314,8 @@ def fused_graph(imp: Analysis, measure: bool = False) -> fx.GraphModule:
                 for u in readers:
                     u.replace_input_with(node, ghost)
         _erase(graph, sorted(chain.nodes, key=imp.order.get, reverse=True), imp.regions.leaf_nodes | imp.size_nodes)
-    imp.standalone_choices = joins.fuse(imp, graph, joined, layers, taken, replaced, measure)
-    imp.standalone_choices += pools.fuse(imp, graph, pooled, layers, taken, replaced, measure)
+    imp.standalone_choices = joins.fuse(imp, graph, joined, layers, taken, replaced, measure, gpu_only)
+    imp.standalone_choices += pools.fuse(imp, graph, pooled, layers, taken, replaced, measure, gpu_only)
     capturable(graph)  # (constants the chains left to the model)
     if imp.channels_last:
         run_channels_last(graph)

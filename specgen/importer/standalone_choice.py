@@ -26,9 +26,11 @@ def device_of(imp: Analysis):
     return first.device if first is not None and first.is_cuda else None
 
 
-def measure(imp: Analysis, node: Node, layer, reference: Callable, values: list[Node]) -> Choice:
+def measure(imp: Analysis, node: Node, layer, reference: Callable, values: list[Node], gpu_only: bool = False) -> Choice:
     """Whether `layer` (a ConcatLayer or MaxPoolLayer replacing `node`, reading `values`) runs:
-    timed against `reference` (PyTorch's code, called the same way), or the cached decision."""
+    timed against `reference` (PyTorch's code, called the same way), or the cached decision.
+    `gpu_only`: each inside a CUDA graph (`measured.compare_graphed`: the GPU time alone, as in
+    `specgen.replay`'s graph, where a small batch's host time is gone), cached apart."""
     name = node.name
     device = device_of(imp)
     if device is None:
@@ -36,12 +38,13 @@ def measure(imp: Analysis, node: Node, layer, reference: Callable, values: list[
     formats = [bool(imp.channels_last or channels_last_of(v)) for v in values]
     shapes = [shape_of(v) for v in values]
     batch = shapes[0][0]
-    context = measured.torch_context() | {"standalone": True, "channels_last": formats}
+    context = measured.torch_context() | {"standalone": True, "channels_last": formats, "graph": gpu_only}
     key = measured.decision_key(layer.build().key, measured.gpu_identity(device), measured.batch_bucket(batch), context)
+    prefix = "graph " if gpu_only else ""
     record = measured.load(key)
     if record is not None:
         ms, pt = record["specgen_ms"], record["pytorch_ms"]
-        return Choice(name, ms < pt, ms, pt, "cached")
+        return Choice(name, ms < pt, ms, pt, prefix + "cached")
     generator = torch.Generator(device=device).manual_seed(0)
     dtype = dtype_of(node)
 
@@ -51,6 +54,7 @@ def measure(imp: Analysis, node: Node, layer, reference: Callable, values: list[
 
     inputs = [tuple(laid_out(torch.randn(s, device=device, generator=generator).to(dtype), f)
                     for s, f in zip(shapes, formats)) for _ in range(2)]
-    ms, pt = measured.compare(lambda a: layer(*a), lambda a: reference(*a), inputs)
+    compare = measured.compare_graphed if gpu_only else measured.compare
+    ms, pt = compare(lambda a: layer(*a), lambda a: reference(*a), inputs)
     measured.store(key, {"layer": name, "batch": batch, "specgen_ms": ms, "pytorch_ms": pt})
-    return Choice(name, ms < pt, ms, pt, "measured")
+    return Choice(name, ms < pt, ms, pt, prefix + "measured")
