@@ -156,7 +156,7 @@ class MaxPoolLayer(StandaloneLayer):
             x = x.contiguous()
         batch = x.shape[0]
         out = torch.empty((batch, plan.channels, *plan.out_size), dtype=self._dtype, device=x.device,
-                          memory_format=_format_of(x))
+                          memory_format=tmarun.channels_last_format(x.dim()) if cl else torch.contiguous_format)
         if batch:
             item = x.element_size()
             self._queue(x.device, [x.data_ptr(), out.data_ptr()], [self._in_values * item, self._out_values * item],

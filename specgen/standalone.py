@@ -13,7 +13,8 @@ from dataclasses import asdict
 import torch
 import torch.nn as nn
 
-from specgen import tmarun
+from specgen import runtime, tmarun
+from specgen.torchop import _current_stream
 
 THREADS = 256  # every standalone kernel's block
 DTYPES = {"float32": ("float", torch.float32), "bfloat16": ("__nv_bfloat16", torch.bfloat16),
@@ -139,7 +140,7 @@ class StandaloneLayer(nn.Module):
         """The kernel loaded on CUDA device `device_index`."""
         kernel = self._kernels.get(device_index)
         if kernel is None:
-            from specgen import cache, runtime
+            from specgen import cache
 
             result = self.build()
             kernel = self._kernels[device_index] = runtime.load(
@@ -151,14 +152,12 @@ class StandaloneLayer(nn.Module):
         """Launch the kernel on `device`'s current stream over `batch` samples, the most a launch covers at a time
         (`runtime.GRID_Y_MAX`; grid: `blocks` per sample x samples): its arguments `pointers`, pointer k `sample_bytes[k]`
         further on per sample, then `ints`, then the samples of the launch."""
-        from specgen import runtime
-
         kernel = self._kernel(device.index)
         n = len(pointers)
         pack = runtime.arg_pack((kernel.function.value, "standalone"), ("ptr",) * n + ("int",) * (len(ints) + 1))
         for i, value in enumerate(ints):
             pack.put(n + i, value)
-        stream = torch.cuda.current_stream(device).cuda_stream
+        stream = _current_stream(device.index)  # (the raw accessor: a Stream object costs microseconds a call)
         for first in range(0, batch, runtime.GRID_Y_MAX):
             count = min(runtime.GRID_Y_MAX, batch - first)
             for k, (pointer, step) in enumerate(zip(pointers, sample_bytes)):
