@@ -465,15 +465,17 @@ def _graph_fused(model: nn.Module, example_inputs: tuple, precision, fused: nn.M
         return fused
     try:
         gpu = [rewrite.measure(imp, chain, gpu_only=True) for chain in imp.chains]
+        report.graph_choices = gpu
+        same = [c.fused for c in gpu] == [c.fused for c in choices]
+        if same and not report.standalone_choices:
+            return fused  # (nothing else to decide: no model built again)
         imp.chains = [chain for chain, choice in zip(imp.chains, gpu) if choice.fused]
         graph_fused = rewrite.fused_graph(imp, measure=True, gpu_only=True)
     except Exception as err:  # noqa: BLE001  (a chain that cannot be captured: keep the other decisions)
         log.info("%s: chains not timed inside a CUDA graph: %s: %s", imp.name, type(err).__name__, err)
         return fused
-    report.graph_choices = gpu
     report.graph_standalone_choices = list(imp.standalone_choices)
-    if [c.fused for c in gpu] == [c.fused for c in choices] \
-            and [c.fused for c in imp.standalone_choices] == [c.fused for c in report.standalone_choices]:
+    if same and [c.fused for c in imp.standalone_choices] == [c.fused for c in report.standalone_choices]:
         return fused
     log.info("%s: inside the CUDA graph, %d chain(s) run as kernels: %s; joins and pools: %s", imp.name, len(imp.chains),
              ", ".join(c.spec.name for c in imp.chains) or "none",
