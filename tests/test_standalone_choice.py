@@ -116,18 +116,21 @@ def test_keep_slower_times_no_join_or_pool(monkeypatch):
     assert [c.how for c in report.standalone_choices] == ["not measured"] * 6
 
 
-@pytest.mark.gpu
-def test_on_the_gpu_each_join_and_pool_is_timed_once_then_cached(tmp_path, monkeypatch):
-    from specgen import from_module
-
+def _bf16_unet_on_the_gpu(tmp_path, monkeypatch, batch: int):
+    """(the UNet example in bf16 on the GPU, an input of `batch`), with a cache of its own."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path))
     models = example_models()
     torch.manual_seed(0)
-    model = models.UNet.make().cuda().eval().bfloat16()
-    x = models.UNet.example_input(8, device="cuda", seed=2).bfloat16()
-    from specgen import measured
+    return models.UNet.make().cuda().eval().bfloat16(), models.UNet.example_input(batch, device="cuda", seed=batch).bfloat16()
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_each_join_and_pool_is_timed_once_then_cached(tmp_path, monkeypatch):
+    from specgen import from_module, measured
+
+    model, x = _bf16_unet_on_the_gpu(tmp_path, monkeypatch, 8)
 
     compare, joined_inputs = measured.compare, []
 
@@ -177,13 +180,7 @@ def test_a_chain_reading_a_channels_last_join_is_timed_on_such_an_input(monkeypa
 def test_on_the_gpu_a_batch_1_graph_times_its_joins_and_pools_inside_graphs(tmp_path, monkeypatch):
     from specgen import from_module
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path))
-    models = example_models()
-    torch.manual_seed(0)
-    model = models.UNet.make().cuda().eval().bfloat16()
-    x = models.UNet.example_input(1, device="cuda", seed=4).bfloat16()
+    model, x = _bf16_unet_on_the_gpu(tmp_path, monkeypatch, 1)
     fused = from_module(copy.deepcopy(model), x)
     report = fused.specgen_report
     graph = report.graph_standalone_choices
