@@ -321,10 +321,14 @@ def outputs(value) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
 
-def force_choices(monkeypatch, fused_at) -> None:
+def force_choices(monkeypatch, fused_at, standalone_at=None) -> None:
     """from_module's choices forced to `fused_at` (chain index -> fused), as a timing could make
-    them, with no GPU seen (the fused layers run their PyTorch references)."""
+    them, with no GPU seen (the fused layers run their PyTorch references). `standalone_at`: the
+    joins' and pools' choices forced too (index in the order they are decided -> run by their
+    kernel), the whole-model check then "timed" in the fused model's favour; None: not decided."""
     import specgen.importer as importer
+    from specgen import measured
+    from specgen.importer import standalone_choice
     from specgen.importer.report import Choice
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -333,3 +337,14 @@ def force_choices(monkeypatch, fused_at) -> None:
         return [Choice(c.spec.name, fused_at(i), 1.0, 1.0, how="forced by the test") for i, c in enumerate(imp.chains)]
 
     monkeypatch.setattr(importer, "_choices", choices)
+    if standalone_at is not None:
+        decided = []
+
+        def measure(imp, node, layer, reference, values, gpu_only=False):
+            decided.append(node.name)
+            fused = standalone_at(len(decided) - 1)
+            return Choice(node.name, fused, 1.0 if fused else 2.0, 1.5, how="forced by the test")
+
+        monkeypatch.setattr(importer, "_unmeasurable", lambda imp: None)
+        monkeypatch.setattr(measured, "compare", lambda first, second, inputs, *a, **k: (1.0, 2.0))
+        monkeypatch.setattr(standalone_choice, "measure", measure)

@@ -24,9 +24,11 @@ FUZZ = settings(max_examples=200, deadline=None, database=None, derandomize=True
 
 @FUZZ
 @given(net=random_nets(max_steps=10), mask=st.lists(st.sampled_from([True, True, False]), min_size=8, max_size=8),
-       training=st.sampled_from([False, False, False, True]))
-def test_a_random_net_imports_and_computes_itself(net, mask, training):
-    """In eval mode, or in training mode (batch norms as their batch-statistic stage)."""
+       training=st.sampled_from([False, False, False, True]),
+       standalone=st.one_of(st.none(), st.lists(st.booleans(), min_size=6, max_size=6)))
+def test_a_random_net_imports_and_computes_itself(net, mask, training, standalone):
+    """In eval mode, or in training mode (batch norms as their batch-statistic stage); the joins'
+    and pools' choices drawn too, or left undecided (no GPU: all run by their kernels)."""
     model, x = net
     model.train(training)
     with torch.no_grad():
@@ -38,7 +40,7 @@ def test_a_random_net_imports_and_computes_itself(net, mask, training):
     assert len(report.specs) == len(report.choices) or not report.choices, str(report)
 
     with pytest.MonkeyPatch.context() as mp:
-        force_choices(mp, lambda i: mask[i % len(mask)])
+        force_choices(mp, lambda i: mask[i % len(mask)], None if standalone is None else lambda i: standalone[i % 6])
         with torch.no_grad():
             fused = from_module(copy.deepcopy(model), x)
             got = fused(x)

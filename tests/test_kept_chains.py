@@ -47,6 +47,21 @@ def test_an_example_model_computes_itself_whichever_chains_stay(monkeypatch, nam
     assert len(kept) == sum(not PATTERNS[pattern](i) for i in range(len(fused.specgen_report.choices)))
 
 
+@pytest.mark.parametrize("standalone", list(PATTERNS))
+@pytest.mark.parametrize("pattern", ["every_other_fused", "others_fused"])
+def test_the_unet_computes_itself_whichever_joins_and_pools_stay(monkeypatch, pattern, standalone):
+    """The joins and pools are timed too (`standalone_choice`): kept or not, each beside kept or
+    fused chains, the rewritten graph is whole and computes the model."""
+    cls = example_models().UNet
+    force_choices(monkeypatch, PATTERNS[pattern], PATTERNS[standalone])
+    fused = _check(cls.make(), [cls.example_input(2, small=True)])
+    report = fused.specgen_report
+    decided = report.standalone_choices
+    assert [c.fused for c in decided] == [PATTERNS[standalone](i) for i in range(len(decided))], str(report)
+    kept = {fb.node for fb in report.fallbacks if "kept as PyTorch" in fb.reason}
+    assert kept == {c.layer for c in decided if not c.fused}, str(report)
+
+
 def _problems():
     return [pytest.param(p, id=p.stem) for p in kb.problems() if p.stem in kb.FUSED or "Pool" in p.stem]
 
@@ -56,5 +71,5 @@ def _problems():
 @pytest.mark.parametrize("path", _problems())
 def test_a_public_problem_computes_itself_whichever_chains_stay(monkeypatch, path, pattern):
     model, inputs = kb.load(path)
-    force_choices(monkeypatch, PATTERNS[pattern])
+    force_choices(monkeypatch, PATTERNS[pattern], PATTERNS["others_fused"])  # (its pools: every other kept)
     _check(model, inputs)
