@@ -187,3 +187,15 @@ def test_on_the_gpu_a_batch_1_graph_times_its_joins_and_pools_inside_graphs(tmp_
     assert len(graph) == 6 and all(c.how == "graph measured" and c.specgen_ms > 0 for c in graph), str(report)
     with torch.no_grad():
         torch.testing.assert_close(fused(x).float(), model(x).float(), rtol=3e-2, atol=3e-2)
+
+
+def test_explain_with_measure_times_the_joins_and_pools_too(monkeypatch):
+    from specgen import explain
+
+    models = example_models()
+    force_choices(monkeypatch, lambda i: True, lambda i: i != 1)  # (the second decided, cat_1, kept)
+    report = explain(models.UNet.make().eval(), models.UNet.example_input(2, small=True), measure=True)
+    assert [c.fused for c in report.standalone_choices] == [True, False, True, True, True, True], str(report)
+    assert [fb.node for fb in report.fallbacks] == ["cat_1"] and len(report.joins) == 2, str(report)
+    plain = explain(models.UNet.make().eval(), models.UNet.example_input(2, small=True))
+    assert not plain.standalone_choices and len(plain.joins) == 3

@@ -246,7 +246,8 @@ def explain(model: nn.Module, *example_inputs, measure: bool = False, precision:
     PyTorch's default, else `fp32`), or in `precision` ("fp32" or "tf32") when given.
 
     With `measure=True` (and the model and inputs on a GPU) every chain is compiled and timed as
-    `from_module` does, and `.choices` says which ones would stay PyTorch, with both times.
+    `from_module` does, and `.choices` says which ones would stay PyTorch, with both times; the
+    joins and pools likewise (`.standalone_choices`, the kept ones among the fallbacks).
     The model is not changed (buffers such as batch norm statistics are restored after the
     shape-recording run). Raises ModelImportError when the model fails on the inputs."""
     imp = _importer(model, example_inputs, precision)
@@ -261,8 +262,8 @@ def explain(model: nn.Module, *example_inputs, measure: bool = False, precision:
         return report
     if not measure:
         return _report(imp)
-    _specialize_all(imp)
-    return _report(imp, _choices(imp, keep_slower=False))
+    _, _, report = _fused(imp, keep_slower=False, log=None)  # (the joins and pools are timed as the graph is written)
+    return report
 
 
 def from_module(model: nn.Module, *example_inputs, keep_slower: bool = False, precision: Optional[str] = None,
