@@ -151,6 +151,7 @@ def _specialize_all(imp: Analysis) -> None:
         else:  # (and at a small example batch, the implicit GEMM's kernels of its TMA layers)
             batch = next((t.shape[0] for t in imp.inputs if isinstance(t, torch.Tensor) and t.is_cuda and t.dim() > 0), 0)
             pipeline.build_batch_variants(items, batch)
+        joins.prebuild(imp)  # (a join's kernel is timed before the conv that reads it)
 
 
 def _unmeasurable(imp: Analysis) -> Optional[str]:

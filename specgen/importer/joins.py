@@ -12,8 +12,8 @@ import torch
 import torch.fx as fx
 from torch.fx import Node
 
-from specgen import concat
-from specgen.standalone import dtype_name, prebuild
+from specgen import concat, standalone
+from specgen.standalone import dtype_name
 from specgen.importer import standalone_choice
 from specgen.importer.chains import Analysis, _nearest_upsample
 from specgen.importer.graph import channels_last_of, dtype_of, shape_of, unique
@@ -68,7 +68,12 @@ def _join(imp: Analysis, node: Node) -> Optional[Join]:
     for v, fs in zip(values, factors):
         if tuple(s * f for s, f in zip(shape_of(v)[2:], fs)) != tuple(shape[2:]) or shape_of(v)[0] != shape[0]:
             return None
-    return Join(node, tuple(values), tuple(factors), tuple(covers))
+    join = Join(node, tuple(values), tuple(factors), tuple(covers))
+    try:
+        _plan(join, False)
+    except ValueError:  # (a join the kernel does not take: past its extents, say)
+        return None
+    return join
 
 
 def find(imp: Analysis) -> list[Join]:
@@ -101,18 +106,40 @@ def _reads_in_place(layer) -> bool:
         return False
 
 
-def writes_channels_last_for(imp: Analysis, chain, layer) -> bool:
+def writes_channels_last_for(imp: Analysis, chain, layer, measure: bool = False, gpu_only: bool = False) -> bool:
     """Whether a join will write `chain`'s input channels-last for it, as `fuse` decides: the
     chain's conv alone reads a join's output, as its input x, and its kernel (`layer`) reads
-    channels-last in place. The chain is then timed on such an input (`rewrite.measure`): the
-    kernel it will run."""
+    channels-last in place; with `measure`, also that the join's kernel wins its own timing
+    (`choose`: decided now, and found cached when `fuse` asks again). The chain is then timed on
+    such an input (`rewrite.measure`): the kernel it will run."""
     node = chain.input_node
     if not isinstance(node, Node) or chain.read_steps() or node in chain.inputs.values():
         return False
     users = list(node.users)
-    if len(users) != 1 or users[0] not in chain.nodes or len(shape_of(node) or ()) <= 3 or _join(imp, node) is None:
+    join = _join(imp, node) if len(users) == 1 and users[0] in chain.nodes and len(shape_of(node) or ()) > 3 else None
+    if join is None or not _reads_in_place(layer):
         return False
-    return _reads_in_place(layer)
+    return not measure or choose(imp, join, concat.ConcatLayer(_plan(join, True)), gpu_only).fused
+
+
+def prebuild(imp: Analysis) -> None:
+    """Compile the kernels of the model's joins in one parallel build, in both output layouts
+    where there are two (`fuse` picks one by the conv that reads the join)."""
+    plans = [_plan(j, cl) for j in find(imp) for cl in ((False, True) if len(shape_of(j.node)) > 3 else (False,))]
+    standalone.prebuild([concat.build_request(p) for p in plans])
+
+
+def _plan(join: Join, channels_last: bool) -> concat.ConcatPlan:
+    shape = shape_of(join.node)
+    return concat.ConcatPlan(
+        tuple(concat.Source(shape_of(v)[1], tuple(shape_of(v)[2:]), fs) for v, fs in zip(join.values, join.factors)),
+        tuple(shape[2:]), dtype_name(dtype_of(join.node)), channels_last)
+
+
+def choose(imp: Analysis, join: Join, layer, gpu_only: bool = False) -> Choice:
+    """Whether `join` runs as `layer` (its ConcatLayer): timed against PyTorch's upsample and cat."""
+    return standalone_choice.measure(imp, join.node, layer, lambda *vs, fs=join.factors: concat.reference(vs, fs),
+                                     list(join.values), gpu_only)
 
 
 def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken: set, replaced: dict,
@@ -126,20 +153,15 @@ def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken:
     log = get_logger()
     plans = []
     for join in joins:
-        shape = shape_of(join.node)
         reader = _sole_reader(join.node, layers)
-        channels_last = len(shape) > 3 and reader is not None and _reads_in_place(reader)
-        plans.append(concat.ConcatPlan(
-            tuple(concat.Source(shape_of(v)[1], tuple(shape_of(v)[2:]), fs) for v, fs in zip(join.values, join.factors)),
-            tuple(shape[2:]), dtype_name(dtype_of(join.node)), channels_last))
-    built = prebuild([concat.build_request(p) for p in plans])
+        plans.append(_plan(join, len(shape_of(join.node)) > 3 and reader is not None and _reads_in_place(reader)))
+    built = standalone.prebuild([concat.build_request(p) for p in plans])
     choices = []
     for join, plan, result in zip(joins, plans, built):
         node = join.node
         layer = concat.ConcatLayer(plan, built=result)
         if measure:
-            choice = standalone_choice.measure(imp, node, layer, lambda *vs, fs=join.factors: concat.reference(vs, fs),
-                                               list(join.values), gpu_only)
+            choice = choose(imp, join, layer, gpu_only)
         else:
             choice = Choice(node.name, True, how="not measured")
         choices.append(choice)

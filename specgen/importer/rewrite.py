@@ -158,10 +158,11 @@ def measure(imp: Analysis, chain, gpu_only: bool = False) -> Choice:
     # the input as the model hands it to the chain: channels-last where the model's input is (run
     # channels-last), or where the example run found this chain's input so (ConvNeXt's blocks); a
     # Linear's [N, H, W, C] input, contiguous, is read permuted: [N, C, H, W] channels-last; a
-    # join's output, where the join will write it channels-last for this chain (`joins`)
+    # join's output, where the join will write it channels-last for this chain (`joins`: the join's
+    # own timing decided first)
     inp = chain.input_node
     joined = chain.in_perm is None and not imp.channels_last and not channels_last_of(inp) \
-        and joins.writes_channels_last_for(imp, chain, layer)
+        and joins.writes_channels_last_for(imp, chain, layer, measure=True, gpu_only=gpu_only)
     first = chain.in_perm is None and (imp.channels_last or channels_last_of(inp) or joined)
     formats = [first, *(imp.channels_last or channels_last_of(node) for node in chain.inputs.values())]
     channels_last = first or chain.in_perm is not None
