@@ -80,6 +80,29 @@ def load(key: str) -> dict | None:
     return record
 
 
+def cached_or_timed(key: str, timed, record: dict) -> tuple[float, float, str]:
+    """(specgen ms, PyTorch ms, "cached" or "measured"): the stored decision for `key`, else
+    `timed()`'s two times, stored with `record` (what the decision is about)."""
+    found = load(key)
+    if found is not None:
+        return found["specgen_ms"], found["pytorch_ms"], "cached"
+    ms, pt = timed()
+    store(key, {**record, "specgen_ms": ms, "pytorch_ms": pt})
+    return ms, pt, "measured"
+
+
+def random_inputs(shapes: list, channels_last: list, dtype, device, count: int = 2) -> list[tuple]:
+    """`count` tuples of fresh normal random tensors of `shapes` (seeded: the same on every run),
+    each laid out channels-last where `channels_last` says (4-D and 5-D tensors)."""
+    import torch
+
+    from specgen import tmarun
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    return [tuple(tmarun.laid_out(torch.randn(s, device=device, generator=generator).to(dtype), cl)
+                  for s, cl in zip(shapes, channels_last)) for _ in range(count)]
+
+
 def store(key: str, record: dict, subdir: str = SUBDIR) -> bool:
     """Write the decision atomically (into `subdir` of the cache: other measured choices, such as
     tuned tiles, share this writer); False (and a log line) when the cache cannot be written."""

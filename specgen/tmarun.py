@@ -188,6 +188,12 @@ def channels_last_format(dims: int) -> torch.memory_format | None:
     return {4: torch.channels_last, 5: torch.channels_last_3d}.get(dims)
 
 
+def laid_out(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """`t` in channels-last memory order where asked and torch has the format (4-D and 5-D tensors)."""
+    fmt = channels_last_format(t.dim()) if channels_last else None
+    return t if fmt is None else t.contiguous(memory_format=fmt)
+
+
 def channels_last(x: torch.Tensor) -> bool:
     """Whether `x` has its channels innermost in memory ([N, spatial..., C]: channels_last(_3d))."""
     if x.is_contiguous():  # the common case, cheaply (a one-channel input is both: either layout reads it)

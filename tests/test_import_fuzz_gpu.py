@@ -24,6 +24,16 @@ GPU_FUZZ = settings(max_examples=8, deadline=None, database=None, print_blob=Tru
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+def _fused_run(model, x, **options):
+    """`from_module(model, x, keep_slower=True, **options)` (on a copy) run on `x`, its outputs
+    allocated over freed NaNs (the blocks of an output the kernels leave unwritten hold NaN)."""
+    fused = from_module(copy.deepcopy(model), x, keep_slower=True, **options)
+    torch.full((1 << 22,), float("nan"), device="cuda")
+    got = fused(x)
+    torch.cuda.synchronize()
+    return got
+
+
 @pytest.mark.parametrize("part", range(4))
 @GPU_FUZZ
 @given(net=random_nets(max_steps=8, max_channels=40))
@@ -33,10 +43,7 @@ def test_a_random_net_runs_fused_at_the_fp32_bars(part, net):
     with tf32_allowed(False), torch.no_grad():
         want32 = model(x)
         want64 = copy.deepcopy(model).double()(x.double())
-        fused = from_module(copy.deepcopy(model), x, keep_slower=True, precision="fp32")
-        torch.full((1 << 22,), float("nan"), device="cuda")  # (freed at once: the outputs' blocks hold NaN)
-        got = fused(x)
-        torch.cuda.synchronize()
+        got = _fused_run(model, x, precision="fp32")
     for i, (g, w64, w32) in enumerate(zip(outputs(got), outputs(want64), outputs(want32), strict=True)):
         assert_fp32(f"output {i} of {model.describe()}", g, w64, w32)
 
@@ -54,10 +61,7 @@ def test_a_random_bf16_net_runs_fused_within_twice_pytorch_s_error(part, net):
         # the error bf16 weights and inputs carry before any rounding of the compute: the model
         # in float64 on them (where the output cancels, this alone exceeds PyTorch's error)
         carried = copy.deepcopy(half).double()(x16.double())
-        fused = from_module(half, x16, keep_slower=True)
-        torch.full((1 << 22,), float("nan"), device="cuda")
-        got = fused(x16)
-        torch.cuda.synchronize()
+        got = _fused_run(half, x16)
     for i, (g, w64, w16, c) in enumerate(zip(outputs(got), outputs(want64), outputs(want16), outputs(carried), strict=True)):
         assert g.dtype == torch.bfloat16 and g.shape == w64.shape and bool(torch.isfinite(g).all())
         rel, torch_rel, carried_rel = rel_l2(g, w64), rel_l2(w16, w64), rel_l2(c, w64)

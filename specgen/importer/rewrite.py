@@ -175,32 +175,27 @@ def measure(imp: Analysis, chain, gpu_only: bool = False) -> Choice:
         if ran.key != layer.key:
             context["kernel_at_batch"] = ran.key
     key = measured.decision_key(layer.key, measured.gpu_identity(device), measured.batch_bucket(chain.batch), context)
-    prefix = "graph " if gpu_only else ""
-    record = measured.load(key)
-    if record is not None:
-        ms, pt = record["specgen_ms"], record["pytorch_ms"]
-        return Choice(name, ms < pt, ms, pt, prefix + "cached")
-    shapes = [shape_of(inp), *(shape_of(n) for n in chain.inputs.values())]
-    generator = torch.Generator(device=device).manual_seed(0)
-    inputs = [[_laid_out(torch.randn(s, device=device, generator=generator).to(chain.dtype), fmt)
-               for s, fmt in zip(shapes, formats)] for _ in range(2)]
-    compare = measured.compare_graphed if gpu_only else measured.compare
-    # (the layer reads a Linear's input, and any extra input the model holds permuted, as the fused
-    # graph hands them: permuted views)
-    steps = [chain.read_steps(), *(chain.input_steps.get(n, []) for n in chain.inputs.values())]
-    with buffers_kept(imp.model, layer):  # a training-mode batch norm updates its running statistics on every call
-        if joined and not any(steps):  # (the kernel reads the join's channels-last output; PyTorch's chain, the cat's NC(D)HW one)
-            given = [(*a, a[0].contiguous()) for a in inputs]
-            ms, pt = compare(lambda a: layer(*a[:-1]), lambda a: plain(a[-1], *a[1:-1]), given)
-        elif any(steps):
-            ms, pt = compare(lambda a: layer(*(_read(t, s) for t, s in zip(a, steps))), lambda a: plain(*a),
-                             [tuple(a) for a in inputs])
-        elif chain.inputs:  # the extra inputs too, fresh random tensors of their shapes
-            ms, pt = compare(lambda a: layer(*a), lambda a: plain(*a), [tuple(a) for a in inputs])
-        else:
-            ms, pt = compare(layer, plain, [a[0] for a in inputs])
-    measured.store(key, {"layer": name, "batch": chain.batch, "specgen_ms": ms, "pytorch_ms": pt})
-    return Choice(name, ms < pt, ms, pt, prefix + "measured")
+
+    def timed() -> tuple[float, float]:
+        shapes = [shape_of(inp), *(shape_of(n) for n in chain.inputs.values())]
+        inputs = [list(t) for t in measured.random_inputs(shapes, formats, chain.dtype, device)]
+        compare = measured.compare_graphed if gpu_only else measured.compare
+        # (the layer reads a Linear's input, and any extra input the model holds permuted, as the
+        # fused graph hands them: permuted views)
+        steps = [chain.read_steps(), *(chain.input_steps.get(n, []) for n in chain.inputs.values())]
+        with buffers_kept(imp.model, layer):  # a training-mode batch norm updates its running statistics on every call
+            if joined and not any(steps):  # (the kernel reads the join's channels-last output; PyTorch's chain, the cat's NC(D)HW one)
+                given = [(*a, a[0].contiguous()) for a in inputs]
+                return compare(lambda a: layer(*a[:-1]), lambda a: plain(a[-1], *a[1:-1]), given)
+            if any(steps):
+                return compare(lambda a: layer(*(_read(t, s) for t, s in zip(a, steps))), lambda a: plain(*a),
+                               [tuple(a) for a in inputs])
+            if chain.inputs:  # the extra inputs too, fresh random tensors of their shapes
+                return compare(lambda a: layer(*a), lambda a: plain(*a), [tuple(a) for a in inputs])
+            return compare(layer, plain, [a[0] for a in inputs])
+
+    ms, pt, how = measured.cached_or_timed(key, timed, {"layer": name, "batch": chain.batch})
+    return Choice(name, ms < pt, ms, pt, ("graph " if gpu_only else "") + how)
 
 
 def _graph_read(graph: fx.Graph, value: Node, steps: list) -> Node:
@@ -218,16 +213,10 @@ def _read(t: torch.Tensor, steps: list) -> torch.Tensor:
     return t
 
 
-def _laid_out(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    """`t` in channels-last memory order where asked and torch has the format (4-D and 5-D tensors)."""
-    fmt = tmarun.channels_last_format(t.dim()) if channels_last else None
-    return t if fmt is None else t.contiguous(memory_format=fmt)
-
-
 def to_channels_last(t):
     """A model input, channels-last where it is a 4-D or 5-D tensor (the fused graph's first step
     when its activations run channels-last)."""
-    return _laid_out(t, True) if isinstance(t, torch.Tensor) else t
+    return tmarun.laid_out(t, True) if isinstance(t, torch.Tensor) else t
 
 
 def as_channels_last(t: torch.Tensor) -> torch.Tensor:
@@ -235,7 +224,7 @@ def as_channels_last(t: torch.Tensor) -> torch.Tensor:
     was so (a permute back after a LayerNorm over the channels: ConvNeXt's stem), so that the
     model's later ops see the memory format they saw (its residual adds keep it, and the next
     chains then read it in place). No copy where the kernel wrote it so."""
-    return t if tmarun.channels_last(t) else _laid_out(t, True)
+    return t if tmarun.channels_last(t) else tmarun.laid_out(t, True)
 
 
 def to_contiguous(out, given=None):

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
-from specgen import measured, tmarun
+from specgen import measured
 from specgen.importer.chains import Analysis
 from specgen.importer.graph import channels_last_of, dtype_of, shape_of
 from specgen.importer.report import Choice
@@ -40,21 +40,11 @@ def measure(imp: Analysis, node: Node, layer, reference: Callable, values: list[
     batch = shapes[0][0]
     context = measured.torch_context() | {"standalone": True, "channels_last": formats, "graph": gpu_only}
     key = measured.decision_key(layer.build().key, measured.gpu_identity(device), measured.batch_bucket(batch), context)
-    prefix = "graph " if gpu_only else ""
-    record = measured.load(key)
-    if record is not None:
-        ms, pt = record["specgen_ms"], record["pytorch_ms"]
-        return Choice(name, ms < pt, ms, pt, prefix + "cached")
-    generator = torch.Generator(device=device).manual_seed(0)
-    dtype = dtype_of(node)
 
-    def laid_out(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
-        fmt = tmarun.channels_last_format(t.dim()) if channels_last else None
-        return t if fmt is None else t.contiguous(memory_format=fmt)
+    def timed() -> tuple[float, float]:
+        inputs = measured.random_inputs(shapes, formats, dtype_of(node), device)
+        compare = measured.compare_graphed if gpu_only else measured.compare
+        return compare(lambda a: layer(*a), lambda a: reference(*a), inputs)
 
-    inputs = [tuple(laid_out(torch.randn(s, device=device, generator=generator).to(dtype), f)
-                    for s, f in zip(shapes, formats)) for _ in range(2)]
-    compare = measured.compare_graphed if gpu_only else measured.compare
-    ms, pt = compare(lambda a: layer(*a), lambda a: reference(*a), inputs)
-    measured.store(key, {"layer": name, "batch": batch, "specgen_ms": ms, "pytorch_ms": pt})
-    return Choice(name, ms < pt, ms, pt, prefix + "measured")
+    ms, pt, how = measured.cached_or_timed(key, timed, {"layer": name, "batch": batch})
+    return Choice(name, ms < pt, ms, pt, ("graph " if gpu_only else "") + how)
