@@ -1,6 +1,6 @@
-"""A max pool without padding on its own (`nn.MaxPoolNd` / `F.max_poolNd` that no fused chain
-takes: a UNet encoder pools a value its skip connection also reads), in one generated kernel
-(templates/maxpool.cu.j2).
+"""A max pool on its own (`nn.MaxPoolNd` / `F.max_poolNd` that no fused chain takes: a UNet
+encoder pools a value its skip connection also reads), with PyTorch's padding, dilation and ceil
+mode, in one generated kernel (templates/maxpool.cu.j2).
 
 PyTorch's CUDA max pool writes the index of each maximum (int64) besides the value, which an
 inference model never reads: for a 16-bit model four times the bytes of the values. This kernel
@@ -27,8 +27,10 @@ _POOLS = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 
 @dataclass(frozen=True)
 class MaxPoolPlan(StandalonePlan):
-    """max_poolNd of a [batch, channels, *size] value of `dtype` with window `kernel` and `stride`
-    per spatial dim, no padding, dilation 1, floor mode. ValueError (naming the field) otherwise."""
+    """max_poolNd of a [batch, channels, *size] value of `dtype` with window `kernel`, `stride`,
+    `padding` (0 where None) and `dilation` (1 where None) per spatial dim, and `ceil_mode`, as
+    PyTorch pools (the padding reads as -inf; a window past the end in ceil mode reads what is
+    there). ValueError (naming the field) where PyTorch would refuse it or the kernel cannot."""
 
     KIND = "max_pool"
 
@@ -37,18 +39,31 @@ class MaxPoolPlan(StandalonePlan):
     kernel: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: str
+    padding: tuple[int, ...] | None = None
+    dilation: tuple[int, ...] | None = None
+    ceil_mode: bool = False
 
     def __post_init__(self):
+        nd = len(self.size) if isinstance(self.size, tuple) else 0
+        if self.padding is None:
+            object.__setattr__(self, "padding", (0,) * nd)
+        if self.dilation is None:
+            object.__setattr__(self, "dilation", (1,) * nd)
         check_count(self.channels, "channels", 1)
-        for field in ("size", "kernel", "stride"):
+        for field, low in (("size", 1), ("kernel", 1), ("stride", 1), ("padding", 0), ("dilation", 1)):
             value = getattr(self, field)
             if not isinstance(value, tuple) or not 1 <= len(value) <= 3 or len(value) != len(self.size):
                 raise ValueError(f"{field}: expected 1 to 3 values, one per spatial dim of size, got {value!r}")
             for d, v in enumerate(value):
-                check_count(v, f"{field}[{d}]", 1)
-        for d, (s, k) in enumerate(zip(self.size, self.kernel)):
-            if k > s:
-                raise ValueError(f"kernel[{d}]: a window of {k} is larger than the extent {s}")
+                check_count(v, f"{field}[{d}]", low)
+        if not isinstance(self.ceil_mode, bool):
+            raise ValueError(f"ceil_mode: expected true or false, got {self.ceil_mode!r}")
+        for d, (s, k, p, dl) in enumerate(zip(self.size, self.kernel, self.padding, self.dilation)):
+            if p > k // 2:  # (PyTorch's own rule)
+                raise ValueError(f"padding[{d}]: at most half the window ({k} // 2 = {k // 2}), as in PyTorch, got {p}")
+            if s + 2 * p < dl * (k - 1) + 1:
+                raise ValueError(f"kernel[{d}]: a window spanning {dl * (k - 1) + 1} is larger than the extent {s} "
+                                 f"with padding {p} on each side")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.channels * math.prod(self.size) > _INT32_MAX:
@@ -57,8 +72,26 @@ class MaxPoolPlan(StandalonePlan):
 
     @property
     def out_size(self) -> tuple[int, ...]:
-        return tuple((s - k) // st + 1 for s, k, st in zip(self.size, self.kernel, self.stride))
+        """Extents out, as PyTorch works them out (in ceil mode a last window starts inside the
+        input or its left padding)."""
+        out = []
+        for s, k, st, p, dl in zip(self.size, self.kernel, self.stride, self.padding, self.dilation):
+            n = (s + 2 * p - dl * (k - 1) - 1 + (st - 1 if self.ceil_mode else 0)) // st + 1
+            if self.ceil_mode and (n - 1) * st >= s + p:
+                n -= 1
+            out.append(n)
+        return tuple(out)
 
+    def describe(self) -> str:
+        """kernel, stride and what differs from PyTorch's defaults, as the report prints them."""
+        words = [f"kernel {list(self.kernel)}", f"stride {list(self.stride)}"]
+        if any(self.padding):
+            words.append(f"padding {list(self.padding)}")
+        if any(d != 1 for d in self.dilation):
+            words.append(f"dilation {list(self.dilation)}")
+        if self.ceil_mode:
+            words.append("ceil mode")
+        return ", ".join(words)
 
 
 def render(plan: MaxPoolPlan) -> str:
@@ -70,8 +103,9 @@ def render(plan: MaxPoolPlan) -> str:
     return environment().get_template("maxpool.cu.j2").render(
         version=__version__, kernel_name=plan.kernel_name, ctype=DTYPES[plan.dtype][0], channels=plan.channels,
         dims=len(plan.size), size=plan.size, out_size=plan.out_size, kernel=plan.kernel, stride=plan.stride,
+        padding=plan.padding, dilation=plan.dilation, ceil_mode=plan.ceil_mode,
         in3=pad + plan.size, out3=pad + plan.out_size, k3=pad + plan.kernel, s3=pad + plan.stride,
-        window=math.prod(plan.kernel), in_positions=math.prod(plan.size), out_positions=math.prod(plan.out_size))
+        p3=(0,) * len(pad) + plan.padding, d3=pad + plan.dilation, window=math.prod(plan.kernel), in_positions=math.prod(plan.size), out_positions=math.prod(plan.out_size))
 
 
 def build_request(plan: MaxPoolPlan, arch: str | None = None):
@@ -82,7 +116,8 @@ def build_request(plan: MaxPoolPlan, arch: str | None = None):
 
 def reference(x: torch.Tensor, plan: MaxPoolPlan) -> torch.Tensor:
     """PyTorch's own pool."""
-    return _POOLS[len(plan.size)](x, list(plan.kernel), list(plan.stride))
+    return _POOLS[len(plan.size)](x, list(plan.kernel), list(plan.stride), list(plan.padding), list(plan.dilation),
+                                  plan.ceil_mode)
 
 
 def _format_of(x: torch.Tensor) -> torch.memory_format:
@@ -128,7 +163,7 @@ class MaxPoolLayer(StandaloneLayer):
 
     def extra_repr(self) -> str:
         p = self.plan
-        return f"channels={p.channels}, size={list(p.size)}, kernel={list(p.kernel)}, stride={list(p.stride)}, dtype={p.dtype}"
+        return f"channels={p.channels}, size={list(p.size)}, {p.describe()}, dtype={p.dtype}"
 
     def _check(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor) or tuple(x.shape[1:]) != self._shape or x.dtype != self._dtype:

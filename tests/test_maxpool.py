@@ -29,6 +29,11 @@ def _plan(**over) -> MaxPoolPlan:
     ({"kernel": (2,)}, "kernel"),
     ({"stride": (2, 0)}, "stride[1]"),
     ({"kernel": (17, 2)}, "kernel[0]"),
+    ({"kernel": (3, 3), "dilation": (1, 6)}, "kernel[1]"),  # (a window spanning 13 > 12)
+    ({"padding": (1, 2)}, "padding[1]"),  # (more than half the window, which PyTorch refuses)
+    ({"padding": (-1, 0)}, "padding[0]"),
+    ({"dilation": (1,)}, "dilation"),
+    ({"ceil_mode": 1}, "ceil_mode"),
     ({"dtype": "int8"}, "dtype"),
     ({"channels": True}, "channels"),
     ({"channels": 1 << 20, "size": (1 << 6, 1 << 6)}, "size"),
@@ -36,6 +41,21 @@ def _plan(**over) -> MaxPoolPlan:
 def test_the_plan_refuses_what_it_cannot_pool(over, field):
     with pytest.raises(ValueError, match=re.escape(field) + ":"):
         _plan(**over)
+
+
+@pytest.mark.parametrize("size, kernel, stride, padding, dilation, ceil", [
+    (7, 2, 2, 0, 1, True), (8, 3, 2, 1, 1, True), (9, 3, 2, 1, 1, False), (10, 3, 3, 1, 2, True), (5, 2, 2, 1, 1, True),
+    (6, 3, 2, 0, 1, True), (13, 5, 4, 2, 1, True), (3, 3, 1, 1, 1, True), (1, 1, 2, 0, 1, True),
+])
+def test_the_output_extent_is_pytorch_s(size, kernel, stride, padding, dilation, ceil):
+    plan = MaxPoolPlan(2, (size,), (kernel,), (stride,), "float32", (padding,), (dilation,), ceil)
+    want = F.max_pool1d(torch.zeros(1, 2, size), kernel, stride, padding, dilation, ceil)
+    assert plan.out_size == tuple(want.shape[2:])
+
+
+def test_the_defaults_are_pytorch_s_and_name_one_kernel():
+    assert _plan() == _plan(padding=(0, 0), dilation=(1, 1), ceil_mode=False)
+    assert _plan().kernel_name == _plan(padding=(0, 0)).kernel_name != _plan(ceil_mode=True).kernel_name
 
 
 def test_the_source_has_every_extent_window_and_stride_as_a_literal():
@@ -47,12 +67,19 @@ def test_the_source_has_every_extent_window_and_stride_as_a_literal():
         assert line in source
     assert f"void __launch_bounds__(256) {plan.kernel_name}(" in source and "#include <cuda_bf16.h>" in source
     assert plan.kernel_name != _plan().kernel_name
+    assert "constexpr bool CHECK_D = PD > 0" in source and "constexpr int PD = 0, PH = 0, PW = 0;" in source
+    padded = maxpool.render(_plan(kernel=(3, 3), stride=(2, 2), padding=(1, 0), dilation=(1, 2), ceil_mode=True))
+    assert "constexpr int PD = 0, PH = 1, PW = 0;" in padded and "constexpr int LD = 1, LH = 1, LW = 2;" in padded
+    assert "ceil_mode=True" in padded
 
 
 @pytest.mark.nvcc
 @pytest.mark.parametrize("plan", [_plan(), _plan(dtype="float32", kernel=(3, 3), stride=(1, 2)),
                                   MaxPoolPlan(7, (5, 6, 7), (2, 3, 2), (2, 2, 2), "float16"),
-                                  MaxPoolPlan(3, (40,), (4,), (4,), "float32")], ids=["bf16_2d", "fp32_overlap", "fp16_3d", "fp32_1d"])
+                                  MaxPoolPlan(3, (40,), (4,), (4,), "float32"),
+                                  MaxPoolPlan(64, (112, 112), (3, 3), (2, 2), "bfloat16", (1, 1), None, True),
+                                  MaxPoolPlan(7, (5, 6, 7), (3, 3, 2), (2, 2, 2), "float32", (1, 1, 0), (1, 2, 1), True)],
+                         ids=["bf16_2d", "fp32_overlap", "fp16_3d", "fp32_1d", "bf16_padded_ceil", "fp32_3d_dilated_ceil"])
 def test_the_kernel_compiles_without_spills(plan, tmp_path, monkeypatch):
     from specgen import cache
 
@@ -133,12 +160,28 @@ def test_a_pool_of_a_pool_reads_the_first_pool_s_layer(monkeypatch):
     assert [m.plan.size for m in layers] == [(16, 12), (8, 6)], str(fused.specgen_report)
 
 
-def test_a_padded_pool_stays_pytorch_s(monkeypatch):
+def test_a_padded_pool_in_ceil_mode_runs_by_the_kernel(monkeypatch):
+    encoder = _Encoder(padding=1)
+    encoder.pool = nn.MaxPool2d(3, 2, padding=1, ceil_mode=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _, fused, layers, _ = _imported(encoder, 2)
+    assert [m.plan for m in layers] == [MaxPoolPlan(8, (16, 12), (3, 3), (2, 2), "float32", (1, 1), (1, 1), True)]
+    assert fused.specgen_report.pools == [
+        "pool: max_pool2d(block_1, kernel [3, 3], stride [2, 2], padding [1, 1], ceil mode)"], str(fused.specgen_report)
+
+
+def test_a_pool_returning_indices_stays_pytorch_s(monkeypatch):
+    class Indices(_Encoder):
+        def forward(self, x):
+            skip = self.block(x)
+            pooled, where = F.max_pool2d(skip, 2, return_indices=True)
+            return pooled, where, skip
+
     from specgen import from_module
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with torch.no_grad():
-        fused = from_module(_Encoder(padding=1).eval(), torch.randn(2, 3, 16, 12), keep_slower=True)
+        fused = from_module(Indices().eval(), torch.randn(2, 3, 16, 12), keep_slower=True)
     assert not [m for m in fused.modules() if isinstance(m, MaxPoolLayer)] and fused.specgen_report.pools == []
 
 

@@ -1,6 +1,6 @@
-"""Max pools that no fused chain takes (a UNet encoder pools a value its skip also reads): run
-by one `specgen.maxpool.MaxPoolLayer` each instead of PyTorch's pool, which writes the index of
-each maximum besides its value."""
+"""Max pools that no fused chain takes (a UNet encoder pools a value its skip also reads; a pool
+in ceil mode): run by one `specgen.maxpool.MaxPoolLayer` each instead of PyTorch's pool, which
+writes the index of each maximum besides its value."""
 
 from __future__ import annotations
 
@@ -39,12 +39,12 @@ class Pool:
 
     def describe(self) -> str:
         p = self.plan
-        return f"{self.node.name}: max_pool{len(p.size)}d({self.value.name}, kernel {list(p.kernel)}, stride {list(p.stride)})"
+        return f"{self.node.name}: max_pool{len(p.size)}d({self.value.name}, {p.describe()})"
 
 
 def _pool(imp: Analysis, node: Node) -> Optional[Pool]:
-    """`node` as a Pool, or None where it is not a max pool without padding, dilation, ceil mode
-    or indices over a float value of known shape."""
+    """`node` as a Pool, or None where it is not a max pool without indices over a float value of
+    known shape that the kernel takes."""
     if node.op == "call_module":
         module = imp.fetch(node.target)
         nd = _MODULES.get(type(module))
@@ -60,16 +60,18 @@ def _pool(imp: Analysis, node: Node) -> Optional[Pool]:
         return None
     value = args.get("input")
     if not isinstance(value, Node) or shape_of(value) is None or len(shape_of(value)) != nd + 2 \
-            or dtype_of(value) not in _DTYPES or args.get("ceil_mode", False) or args.get("return_indices", False):
+            or dtype_of(value) not in _DTYPES or args.get("return_indices", False) \
+            or not isinstance(args.get("ceil_mode", False), bool):
         return None
     kernel = _per_dim(args.get("kernel_size"), nd)
     stride = kernel if args.get("stride") in (None, [], ()) else _per_dim(args.get("stride"), nd)
-    if kernel is None or stride is None or _per_dim(args.get("padding", 0), nd) != (0,) * nd \
-            or _per_dim(args.get("dilation", 1), nd) != (1,) * nd:
+    padding, dilation = _per_dim(args.get("padding", 0), nd), _per_dim(args.get("dilation", 1), nd)
+    if kernel is None or stride is None or padding is None or dilation is None:
         return None
     shape = shape_of(value)
     try:
-        plan = maxpool.MaxPoolPlan(shape[1], tuple(shape[2:]), kernel, stride, dtype_name(dtype_of(value)))
+        plan = maxpool.MaxPoolPlan(shape[1], tuple(shape[2:]), kernel, stride, dtype_name(dtype_of(value)), padding,
+                                   dilation, args.get("ceil_mode", False))
     except ValueError:
         return None
     if shape_of(node) is None or tuple(shape_of(node)) != (shape[0], shape[1], *plan.out_size):
