@@ -181,11 +181,15 @@ class MaxPoolLayer(StandaloneLayer):
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel on a CUDA tensor, PyTorch's pool elsewhere (what the custom op runs)."""
+        out = self._replay((x,))  # (a call like the last one: its launch repeated)
+        if out is not None:
+            return out
         self._check(x)
         return self._launch(x) if x.is_cuda else reference(x, self.plan)
 
     def _launch(self, x: torch.Tensor) -> torch.Tensor:
         plan = self.plan
+        given = x
         cl = lies_channels_last(x)
         if not cl and not x.is_contiguous():
             x = x.contiguous()
@@ -194,6 +198,6 @@ class MaxPoolLayer(StandaloneLayer):
                           memory_format=tmarun.channels_last_format(x.dim()) if cl else torch.contiguous_format)
         if batch:
             item = x.element_size()
-            self._queue(x.device, [x.data_ptr(), out.data_ptr()], [self._in_values * item, self._out_values * item],
-                        (int(cl),), -(-self._out_values // THREADS), batch)
+            self._queue(x.get_device(), [x.data_ptr(), out.data_ptr()], [self._in_values * item, self._out_values * item],
+                        (int(cl),), -(-self._out_values // THREADS), batch, record=((x,), out) if x is given else None)
         return out

@@ -1,6 +1,7 @@
 """The concatenation kernel on the GPU (marker `gpu`; skipped without CUDA): exact against
 PyTorch's upsample and cat for each dtype, output layout and source layout, 1-D to 3-D, odd
-extents and channel counts, batches 1 and 3, on memory poisoned first; under CUDA-graph capture;
+extents and channel counts, batches 1 and 3, on memory poisoned first, each call twice (the
+second by the recorded launch, on new values); under CUDA-graph capture;
 and a UNet imported whole, its decoder's joins written channels-last for the convs after them."""
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def test_the_kernel_is_pytorch_s_upsample_and_cat_exactly(name, dtype, channels_
     gen = torch.Generator(device="cuda").manual_seed(len(CASES))
     nd = len(size)
     layout_choices = [(False,) * len(shapes)] + ([] if nd == 1 else [(True,) * len(shapes), (True,) + (False,) * (len(shapes) - 1)])
-    for batch, layouts in itertools.product((1, 3), layout_choices):
+    for batch, layouts, _ in itertools.product((1, 3), layout_choices, range(2)):  # (the second call alike: replayed)
         values = _values(shapes, batch, DTYPES[dtype], layouts, gen)
         want = reference(values, [f for _, _, f in shapes])
         _poison_allocator(want.numel() * want.element_size())

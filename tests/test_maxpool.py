@@ -207,7 +207,7 @@ def test_a_batch_past_the_grid_limit_takes_several_launches_each_pointer_moved_o
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=5))
     layer = MaxPoolLayer(_plan(channels=3, size=(4, 6)))
     layer._kernels[0] = runtime.LoadedKernel(ctypes.c_void_p(7), ctypes.c_void_p(99), 256, 0, 0)
-    layer._queue(torch.device("cuda", 0), [4096, 8192], [48, 12], (1,), 1, runtime.GRID_Y_MAX + 2)
+    layer._queue(0, [4096, 8192], [48, 12], (1,), 1, runtime.GRID_Y_MAX + 2)
     assert [(launch["grid"], launch["batch"]) for launch in driver.launches] == [((1, runtime.GRID_Y_MAX), 1), ((1, 2), 1)]
     assert [launch["pointers"] for launch in driver.launches] == [
         [4096, 8192], [4096 + 48 * runtime.GRID_Y_MAX, 8192 + 12 * runtime.GRID_Y_MAX]]

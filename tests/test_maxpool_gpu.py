@@ -1,7 +1,7 @@
 """The max-pool kernel on the GPU (marker `gpu`; skipped without CUDA): exact against PyTorch's
 pool for each dtype and layout, 1-D to 3-D, overlapping and uneven windows, padding, dilation and
 ceil mode, batches 1 and 3, on
-memory poisoned first; a NaN in a window is the result; torch.compile traces it whole."""
+memory poisoned first, each call twice (the second by the recorded launch, on a new input); a NaN in a window is the result; torch.compile traces it whole."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_the_kernel_is_pytorch_s_pool_exactly(name, dtype):
     plan = MaxPoolPlan(c, size, kernel, stride, dtype, *more)
     layer = MaxPoolLayer(plan)
     gen = torch.Generator(device="cuda").manual_seed(7)
-    for batch, cl in itertools.product((1, 3), (False, True) if len(size) > 1 else (False,)):
+    for batch, cl, _ in itertools.product((1, 3), (False, True) if len(size) > 1 else (False,), range(2)):  # (twice: replayed)
         x = torch.randn((batch, c, *size), generator=gen, device="cuda").to(DTYPES[dtype])
         if batch == 3:
             x.view(-1)[::97] = float("nan")  # (a NaN in some windows: the result there)
