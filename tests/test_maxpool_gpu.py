@@ -1,7 +1,7 @@
 """The max-pool kernel on the GPU (marker `gpu`; skipped without CUDA): exact against PyTorch's
 pool for each dtype and layout, 1-D to 3-D, overlapping and uneven windows, padding, dilation and
-ceil mode, batches 1 and 3, on
-memory poisoned first, each call twice (the second by the recorded launch, on a new input); a NaN in a window is the result; torch.compile traces it whole."""
+ceil mode, batches 1 and 3, on memory poisoned first, each call twice (the second by the recorded
+launch, on a new input); a NaN in a window is the result; torch.compile traces it whole."""
 
 from __future__ import annotations
 
