@@ -1066,10 +1066,12 @@ def _norms(name, make=None, call=None):
 
 
 class CeilModePool(nn.Module):
+    """An average pool in ceil mode (a max pool in ceil mode runs as specgen's pool kernel)."""
+
     def __init__(self):
         super().__init__()
         self.conv = conv2d()
-        self.pool = nn.MaxPool2d(4, ceil_mode=True)
+        self.pool = nn.AvgPool2d(4, ceil_mode=True)
 
     def forward(self, x):
         return self.pool(torch.relu(self.conv(x)))
