@@ -211,3 +211,78 @@ def test_a_batch_past_the_grid_limit_takes_several_launches_each_pointer_moved_o
     assert [(launch["grid"], launch["batch"]) for launch in driver.launches] == [((1, runtime.GRID_Y_MAX), 1), ((1, 2), 1)]
     assert [launch["pointers"] for launch in driver.launches] == [
         [4096, 8192], [4096 + 48 * runtime.GRID_Y_MAX, 8192 + 12 * runtime.GRID_Y_MAX]]
+
+
+# The kernel's own source, run on the host: the generated .cu compiled by the host's C++ compiler
+# with CUDA's few keywords defined away, its grid walked block by block and thread by thread
+# (the kernel has no shared memory and no synchronization, so the order does not matter).
+_HOST_PRELUDE = r"""
+#include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+struct Index3 { unsigned x, y, z; };
+static Index3 blockIdx, threadIdx;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(n)
+static inline float __int_as_float(unsigned u) { float f; std::memcpy(&f, &u, sizeof f); return f; }
+"""
+
+_HOST_MAIN = r"""
+int main(int argc, char** argv) {  // x.bin out.bin batch channels_last
+  const int batch = std::atoi(argv[3]), channels_last = std::atoi(argv[4]);
+  std::vector<float> x(static_cast<size_t>(batch) * C * IN_POS), out(static_cast<size_t>(batch) * PER_SAMPLE);
+  FILE* f = std::fopen(argv[1], "rb");
+  if (std::fread(x.data(), sizeof(float), x.size(), f) != x.size()) return 1;
+  std::fclose(f);
+  for (unsigned n = 0; n < static_cast<unsigned>(batch); ++n)
+    for (unsigned b = 0; b < (PER_SAMPLE + 255) / 256; ++b)
+      for (unsigned t = 0; t < 256; ++t) {
+        blockIdx = {b, n, 0};
+        threadIdx = {t, 0, 0};
+        KERNEL(x.data(), out.data(), channels_last, batch);
+      }
+  f = std::fopen(argv[2], "wb");
+  std::fwrite(out.data(), sizeof(float), out.size(), f);
+  std::fclose(f);
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs a host C++ compiler (g++)")
+@pytest.mark.parametrize("plan", [
+    MaxPoolPlan(5, (9, 10), (3, 3), (2, 2), "float32", (1, 1), None, True),
+    MaxPoolPlan(3, (7, 11), (2, 3), (2, 2), "float32", (0, 1), (1, 1), True),
+    MaxPoolPlan(4, (8, 9), (3, 2), (1, 2), "float32", (1, 0), (2, 1), False),
+    MaxPoolPlan(2, (5, 6, 7), (3, 3, 2), (2, 2, 2), "float32", (1, 1, 0), (1, 2, 1), True),
+    MaxPoolPlan(3, (21,), (3,), (2,), "float32", (1,), (3,), True),
+    MaxPoolPlan(6, (8, 8), (2, 2), (2, 2), "float32"),
+], ids=["stem_ceil", "uneven_ceil", "dilated", "3d_dilated_ceil", "1d", "plain"])
+def test_the_kernel_source_run_on_the_host_is_pytorch_s_pool(plan, tmp_path):
+    import subprocess
+
+    source = tmp_path / "pool.cpp"
+    source.write_text(_HOST_PRELUDE + maxpool.render(plan) + f"\n#define KERNEL {plan.kernel_name}\n" + _HOST_MAIN)
+    binary = tmp_path / "pool"
+    subprocess.run(["g++", "-std=c++17", "-O1", "-Wno-unknown-pragmas", "-x", "c++", str(source), "-o", str(binary)],
+                   check=True, capture_output=True)
+    torch.manual_seed(len(plan.size) * 7 + plan.channels)
+    pool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[len(plan.size)]
+    for batch, channels_last in ((1, False), (3, False), (2, True)):
+        if channels_last and len(plan.size) == 1:
+            continue
+        x = torch.randn(batch, plan.channels, *plan.size)
+        x.view(-1)[::13] = float("nan")  # (a NaN in some windows: the result there)
+        want = pool(x, list(plan.kernel), list(plan.stride), list(plan.padding), list(plan.dilation), plan.ceil_mode)
+        order = (0, *range(2, x.dim()), 1) if channels_last else tuple(range(x.dim()))
+        (tmp_path / "x.bin").write_bytes(x.permute(order).contiguous().numpy().tobytes())
+        subprocess.run([str(binary), str(tmp_path / "x.bin"), str(tmp_path / "out.bin"), str(batch), str(int(channels_last))],
+                       check=True)
+        got = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=torch.float32)
+        want = want.permute(order).contiguous().view(-1)
+        assert got.shape == want.shape and torch.equal(got.isnan(), want.isnan()), (batch, channels_last)
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()), (batch, channels_last)
