@@ -199,7 +199,9 @@ def test_on_the_gpu_a_batch_1_graph_times_its_joins_and_pools_inside_graphs(tmp_
     fused = from_module(copy.deepcopy(model), x)
     report = fused.specgen_report
     graph = report.graph_standalone_choices
-    assert len(graph) == 6 and all(c.how == "graph measured" and c.specgen_ms > 0 for c in graph), str(report)
+    # (a join is timed inside graphs before the conv that reads it, so the graph pass finds it cached)
+    assert len(graph) == 6 and all(c.how in ("graph measured", "graph cached") and c.specgen_ms > 0 for c in graph), str(report)
+    assert {c.layer for c in graph if c.how == "graph measured"} >= {"pool", "pool_1", "pool_2"}, str(report)
     with torch.no_grad():
         torch.testing.assert_close(fused(x).float(), model(x).float(), rtol=3e-2, atol=3e-2)
 
