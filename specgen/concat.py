@@ -216,6 +216,9 @@ class ConcatLayer(StandaloneLayer):
     def _check(self, values) -> None:
         if len(values) != len(self._shapes):
             raise ValueError(f"{type(self).__name__}: expected {len(self._shapes)} tensors, got {len(values)}")
+        for k, v in enumerate(values):
+            if not isinstance(v, torch.Tensor):
+                raise ValueError(f"{type(self).__name__}: input {k}: expected a tensor, got {type(v).__name__}")
         batch = values[0].shape[0]
         for k, (v, shape) in enumerate(zip(values, self._shapes)):
             if tuple(v.shape[1:]) != shape or v.shape[0] != batch or v.dtype != self._dtype:

@@ -105,7 +105,8 @@ def render(plan: MaxPoolPlan) -> str:
         dims=len(plan.size), size=plan.size, out_size=plan.out_size, kernel=plan.kernel, stride=plan.stride,
         padding=plan.padding, dilation=plan.dilation, ceil_mode=plan.ceil_mode,
         in3=pad + plan.size, out3=pad + plan.out_size, k3=pad + plan.kernel, s3=pad + plan.stride,
-        p3=(0,) * len(pad) + plan.padding, d3=pad + plan.dilation, window=math.prod(plan.kernel), in_positions=math.prod(plan.size), out_positions=math.prod(plan.out_size))
+        p3=(0,) * len(pad) + plan.padding, d3=pad + plan.dilation, window=math.prod(plan.kernel),
+        in_positions=math.prod(plan.size), out_positions=math.prod(plan.out_size))
 
 
 def build_request(plan: MaxPoolPlan, arch: str | None = None):

@@ -99,7 +99,7 @@ def register_op(layer_class, plan, schema: str, fake, setup_context, backward):
 
 class Recorded:
     """A standalone layer's last single launch, worked out once: the inputs' shapes, strides,
-    dtypes and device it was for, the output's shape and strides, and an argument array and launch
+    dtypes and device it was for (plain tensors), the output's shape and strides, and an argument array and launch
     configuration of its own (pointer slots, then the ints and the batch as they were). A call
     alike (every input as recorded, the same thread) allocates the output, writes the pointers and
     launches: the layer's checks, layout bits and argument packing already done. Owned by the
@@ -140,8 +140,9 @@ class Recorded:
 
 
 def signature(inputs) -> tuple:
-    """What a recorded launch repeats for: each input's type, shape, strides, dtype and device."""
-    return tuple((type(t), t.shape, t.stride(), t.dtype, t.get_device()) for t in inputs)
+    """What a recorded launch repeats for: each input's shape, strides, dtype and device (None for
+    anything but a plain tensor, which is never recorded: it takes the full path and its checks)."""
+    return tuple((t.shape, t.stride(), t.dtype, t.get_device()) if type(t) is torch.Tensor else None for t in inputs)
 
 
 class StandaloneLayer(nn.Module):
@@ -222,6 +223,7 @@ class StandaloneLayer(nn.Module):
                 pack.put(k, pointer + first * step)
             pack.put(n + len(ints), count)
             runtime.launch_packed(kernel, kernel.function, blocks, THREADS, 0, pack, stream, count)
-        if record is not None and RECORD and batch <= runtime.GRID_Y_MAX:
+        if record is not None and RECORD and batch <= runtime.GRID_Y_MAX \
+                and all(type(t) is torch.Tensor for t in record[0]):
             inputs, out = record
             self._recorded = Recorded(inputs, out, kernel, pointers, ints, batch, blocks)

@@ -130,3 +130,6 @@ def test_a_join_call_alike_repeats_its_launch_with_each_source_s_address(monkeyp
     assert got.shape == out.shape
     assert argv.arguments[1] == [a2.data_ptr(), b2.data_ptr(), got.data_ptr(), 0, 1]
     assert layer._replay([b2, a2]) is None  # (sources swapped: not alike)
+    assert layer._replay([a2, torch.nn.Parameter(b2)]) is None  # (a subclass: the full path)
+    with pytest.raises(ValueError, match="input 1"):
+        layer._run([a2, "b"])  # (not a tensor: the full path's error)
