@@ -1,6 +1,8 @@
-"""The max-pool kernel without a GPU: its plan refuses what it cannot pool (naming the field),
-renders every extent as a literal, compiles with nvcc without spills, is PyTorch's pool on CPU
-(custom op checked, gradient PyTorch's), and from_module gives it the pools no chain takes."""
+"""The max-pool kernel without a GPU: its plan refuses what it cannot pool (naming the field) and
+works out PyTorch's extents, renders every extent as a literal, compiles with nvcc without spills,
+computes PyTorch's pool when its own source runs on the host, is PyTorch's pool on CPU (custom op
+checked, gradient PyTorch's), and from_module gives it the pools no chain takes (padded and
+ceil-mode ones too; not those returning indices)."""
 
 from __future__ import annotations
 
