@@ -12,7 +12,6 @@ Needs a CUDA GPU.
 import cProfile
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -21,20 +20,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specgen import standalone  # noqa: E402
+from specgen.bench import host_us  # noqa: E402
 from specgen.concat import ConcatLayer, ConcatPlan, Source, reference  # noqa: E402
 from specgen.maxpool import MaxPoolLayer, MaxPoolPlan  # noqa: E402
 
 
 def per_call(fn, n=3000):
-    """Wall microseconds per call of `fn` over `n` calls after 200 (the GPU synchronized around)."""
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
+    """Wall microseconds per call of `fn` over `n` calls after 200."""
+    return host_us(fn, n, warmup=200)
 
 
 def main() -> int:

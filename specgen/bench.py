@@ -123,14 +123,21 @@ def host_overhead(calls: int = 1000) -> dict:
     )
     for name, mode, call in cases:
         with mode():
-            for _ in range(20):
-                call()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                call()
-            result[name] = (time.perf_counter() - start) / calls * 1e6
-            torch.cuda.synchronize()
+            result[name] = host_us(call, calls)
+    return result
+
+
+def host_us(call, calls: int = 1000, warmup: int = 20) -> float:
+    """Wall microseconds per call of `call()` over `calls` calls after `warmup`, the GPU
+    synchronized before (a loop of small calls: their host time, where the GPU keeps up)."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    result = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
     return result
 
 

@@ -87,7 +87,7 @@ from specgen import measured, pipeline
 from specgen.importer.chains import Analysis
 from specgen.importer.graph import SPEC_PREFIX
 from specgen.importer.recognize import supported_names
-from specgen.importer.report import Choice, Fallback, ImportReport, ModelImportError, spec_yaml_text
+from specgen.importer.report import Choice, Fallback, ImportReport, ModelImportError, described_node, spec_yaml_text
 from specgen.importer import joins, pools, rewrite
 from specgen.importer.rewrite import ImportedLayer
 from specgen.log import get_logger
@@ -200,12 +200,14 @@ def _standalone_report(report: ImportReport, choices: list[Choice]) -> None:
     report.standalone_choices = list(choices)
     kept = {c.layer: c for c in choices if not c.fused}
     for attr in ("joins", "pools"):
-        described = getattr(report, attr)
-        for line in described:
-            name = line.split(": ", 1)[0]
+        runs = []
+        for line in getattr(report, attr):
+            name, what = described_node(line)
             if name in kept:
-                report.fallbacks.append(Fallback(name, f"{line.split(': ', 1)[1]}: {kept[name]}"))
-        setattr(report, attr, [line for line in described if line.split(": ", 1)[0] not in kept])
+                report.fallbacks.append(Fallback(name, f"{what}: {kept[name]}"))
+            else:
+                runs.append(line)
+        setattr(report, attr, runs)
 
 
 def _report(imp: Analysis, choices: Optional[list[Choice]] = None) -> ImportReport:

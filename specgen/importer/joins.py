@@ -16,7 +16,7 @@ from specgen import concat, standalone
 from specgen.standalone import dtype_name
 from specgen.importer import standalone_choice
 from specgen.importer.chains import Analysis, _nearest_upsample
-from specgen.importer.graph import channels_last_of, dtype_of, shape_of, unique
+from specgen.importer.graph import channels_last_of, dtype_of, shape_of
 from specgen.importer.report import Choice
 from specgen.log import get_logger
 
@@ -136,10 +136,11 @@ def _plan(join: Join, channels_last: bool) -> concat.ConcatPlan:
         tuple(shape[2:]), dtype_name(dtype_of(join.node)), channels_last)
 
 
-def choose(imp: Analysis, join: Join, layer, gpu_only: bool = False) -> Choice:
-    """Whether `join` runs as `layer` (its ConcatLayer): timed against PyTorch's upsample and cat."""
-    return standalone_choice.measure(imp, join.node, layer, lambda *vs, fs=join.factors: concat.reference(vs, fs),
-                                     list(join.values), gpu_only)
+def choose(imp: Analysis, join: Join, layer, gpu_only: bool = False, timed: bool = True) -> Choice:
+    """Whether `join` runs as `layer` (its ConcatLayer): timed against PyTorch's upsample and cat
+    (unmeasured where not `timed`)."""
+    return standalone_choice.decide(imp, join.node, layer, lambda *vs, fs=join.factors: concat.reference(vs, fs),
+                                    list(join.values), timed, gpu_only)
 
 
 def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken: set, replaced: dict,
@@ -158,24 +159,13 @@ def fuse(imp: Analysis, graph: fx.Graph, joins: list[Join], layers: dict, taken:
     built = standalone.prebuild([concat.build_request(p) for p in plans])
     choices = []
     for join, plan, result in zip(joins, plans, built):
-        node = join.node
         layer = concat.ConcatLayer(plan, built=result)
-        if measure:
-            choice = choose(imp, join, layer, gpu_only)
-        else:
-            choice = Choice(node.name, True, how="not measured")
+        choice = choose(imp, join, layer, gpu_only, timed=measure)
         choices.append(choice)
         if not choice.fused:
             log.info("%s: %s kept as PyTorch (not faster as one kernel): %s", imp.name, join.describe(), choice)
             continue
-        name = unique(f"{node.name}_join", taken | set(layers))
-        layers[name] = layer
-        imp.gm.add_submodule(name, layer)
-        with graph.inserting_before(node):
-            new = graph.call_module(name, tuple(replaced.get(v, v) for v in join.values))
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        replaced[node] = new
+        standalone_choice.run_by_kernel(imp, graph, join.node, layer, join.values, "join", layers, taken, replaced)
         for up in join.covers:
             if not up.users:
                 graph.erase_node(up)

@@ -17,7 +17,7 @@ from specgen import maxpool
 from specgen.standalone import dtype_name, prebuild
 from specgen.importer import standalone_choice
 from specgen.importer.chains import Analysis
-from specgen.importer.graph import _per_dim, dtype_of, shape_of, unique
+from specgen.importer.graph import _per_dim, dtype_of, shape_of
 from specgen.importer.report import Choice
 from specgen.log import get_logger
 
@@ -101,22 +101,12 @@ def fuse(imp: Analysis, graph: fx.Graph, pools: list[Pool], layers: dict, taken:
     choices = []
     for pool, result in zip(pools, built):
         layer = maxpool.MaxPoolLayer(pool.plan, built=result)
-        if measure:
-            choice = standalone_choice.measure(imp, pool.node, layer, lambda x, plan=pool.plan: maxpool.reference(x, plan),
-                                               [pool.value], gpu_only)
-        else:
-            choice = Choice(pool.node.name, True, how="not measured")
+        choice = standalone_choice.decide(imp, pool.node, layer, lambda x, plan=pool.plan: maxpool.reference(x, plan),
+                                          [pool.value], measure, gpu_only)
         choices.append(choice)
         if not choice.fused:
             log.info("%s: %s kept as PyTorch (not faster as one kernel): %s", imp.name, pool.describe(), choice)
             continue
-        name = unique(f"{pool.node.name}_max", taken | set(layers))
-        layers[name] = layer
-        imp.gm.add_submodule(name, layer)
-        with graph.inserting_before(pool.node):
-            new = graph.call_module(name, (replaced.get(pool.value, pool.value),))
-        pool.node.replace_all_uses_with(new)
-        graph.erase_node(pool.node)
-        replaced[pool.node] = new
+        standalone_choice.run_by_kernel(imp, graph, pool.node, layer, (pool.value,), "max", layers, taken, replaced)
         log.info("%s: %s runs as one specgen kernel", imp.name, pool.describe())
     return choices

@@ -40,6 +40,12 @@ class Choice(NamedTuple):
         return f"{verdict}: specgen {self.specgen_ms:.4f} ms, PyTorch {self.pytorch_ms:.4f} ms ({self.how})"
 
 
+def described_node(line: str) -> tuple[str, str]:
+    """(the node, what it is) of a `joins` / `pools` line, "node: description"."""
+    node, _, what = line.partition(": ")
+    return node, what
+
+
 @dataclass
 class ImportReport:
     """What `explain` found: the specs (in model order) and the nodes that run as PyTorch.
@@ -98,7 +104,7 @@ class ImportReport:
         timed_in_graph = {c.layer: c for c in self.graph_standalone_choices if c.specgen_ms is not None}
         for what, described in (("joined", self.joins), ("pooled", self.pools)):
             for line in described:
-                name = line.split(": ", 1)[0]
+                name, _ = described_node(line)
                 line = f"  {what} by one kernel: {line}"
                 if name in timed:
                     line += f"  [{timed[name]}]"
