@@ -11,7 +11,8 @@ in hardware:
   whose channels need no padding is read as it is; so is the NC(D)HW input of a bf16 / fp16 1x1
   conv without padding (`reads_nchw_in_place`), whose A tiles are then tiled loads of 64 positions x
   BKC channels that wgmma reads as a transposed (MN-major) operand (a strided one reads the input's
-  subsampled copy, `TmaPlan.subsample`).
+  subsampled copy, `TmaPlan.subsample`); so is that of a tf32 / fp32 one, whose tiles the producer
+  warpgroup's idle warps transpose in shared memory (`TmaPlan.a_staged`).
 * A K-block is (one tap, BKC channels). Its A tile, BM consecutive output positions x BKC
   channels, is one TMA load in im2col mode: the hardware walks the positions (across rows and
   samples), adds the tap's offset, and fills zeros where a tap falls in the padding. Its B tile
@@ -238,6 +239,12 @@ class TmaPlan:
     # positions rounded up to them per sample (`padded_rows`), and rows past the positions are
     # computed on zeros and not stored.
     a_in_place: bool = False
+    # ... in tf32 and fp32 mode (`reads_nchw_staged`): the tiles land in a staging buffer at the end of
+    # each stage (boxes of STAGED_BOX positions x BKC channels, 128-byte-swizzled), and warps 1-3 of
+    # the producer warpgroup transpose them into the K-major A tile (fp32 mode: into its hi and lo
+    # planes) before the stage's "full" barrier lets the consumers in. `stage_tx` then counts the B
+    # tiles alone; the staging barrier counts the A boxes.
+    a_staged: bool = False
     # A strided 1x1 conv read in place: its output positions are the input's every stride-th
     # (no padding), so the launch first copies those (x[..., ::s_h, ::s_w], a quarter of the input
     # at stride 2) to a contiguous tensor, and the kernel is the stride-1 conv of that copy: no
@@ -540,11 +547,16 @@ def reads_in_place(spec: LayerSpec) -> bool:
 # A tile of A read from an NC(D)HW input where it lies is one TMA load per m64 tile: 64 positions of
 # one sample (a 128-byte row of 16-bit values per channel) x BKC channels.
 NCHW_CHUNK = 64
+# tf32 / fp32 1x1 convs read their NC(D)HW input in place through a staging buffer (`reads_nchw_staged`);
+# False: they pay the layout pass, as before (the A/B switch of benchmarks/staged_nchw.py).
+STAGED_NCHW = True
+# Staged A tiles land as boxes of 32 positions (128 bytes of fp32: the widest 128-byte-swizzled box).
+STAGED_BOX = 32
 
 
 def reads_nchw_in_place(spec: LayerSpec) -> bool:
-    """Whether the engine can read an NC(D)HW input where it lies, with no layout pass: a bf16 /
-    fp16 1x1 conv without padding (M is then the output's positions, and K the input channels) whose
+    """Whether the engine can read an NC(D)HW input where it lies, with no layout pass: a 1x1 conv
+    without padding (M is then the output's positions, and K the input channels) whose
     rows of output positions are whole 16-byte units (a tensor map's strides must be). A strided
     one reads the subsampled copy of its input the launch makes (`TmaPlan.subsample`), a stride-1
     conv over the output's positions.
@@ -553,9 +565,11 @@ def reads_nchw_in_place(spec: LayerSpec) -> bool:
 
     A K-block's A tile is then BKC channels x 64 positions, which land as BKC rows of 128 bytes:
     positions contiguous (MN-major), the layout wgmma reads with its A operand transposed -- which it
-    allows for 16-bit types only (a tf32 operand must be K-major, and so pays the pass). Measured on
-    an H200 (benchmarks/NOTES.md v35): the bf16 1x1 conv 256 -> 64 at 56^2 spent more time in the
-    layout pass than in its GEMM.
+    allows for 16-bit types only. A tf32 operand must be K-major: in tf32 and fp32 mode the tiles
+    land in a staging buffer and the producer warpgroup's three idle warps transpose them into the
+    K-major tile in shared memory (`reads_nchw_staged`; fp32 mode splits each value into its two
+    planes there). Measured on an H200 (benchmarks/NOTES.md v35): the bf16 1x1 conv 256 -> 64 at
+    56^2 spent more time in the layout pass than in its GEMM.
 
     A conv of several taps cannot read NC(H)W in place this way: a tap shifts its 64 positions by
     an element or two along the row, the tiled load's innermost coordinate, and a tiled load whose
@@ -564,10 +578,16 @@ def reads_nchw_in_place(spec: LayerSpec) -> bool:
     fault, while any offset along an outer dimension, -1 included, loads and zero-fills; NOTES v65)."""
     geo = spec.conv_geometry()
     return (
-        spec.precision in ("bf16", "fp16") and not spec.conv.transposed and spec.conv.groups == 1
+        (ELEM_BYTES[spec.precision] == 2 or STAGED_NCHW) and not spec.conv.transposed and spec.conv.groups == 1
         and all(k == 1 for k in geo["kernel"]) and all(p == 0 for p in geo["padding"])
         and math.prod(spec.conv_output().sizes[1:]) * ELEM_BYTES[spec.precision] % 16 == 0
     )
+
+
+def reads_nchw_staged(spec: LayerSpec) -> bool:
+    """Whether an NC(D)HW input read in place goes through a staging buffer (`TmaPlan.a_staged`):
+    32-bit operands (tf32 and fp32 mode), which wgmma reads K-major only."""
+    return ELEM_BYTES[spec.precision] == 4 and reads_nchw_in_place(spec)
 
 
 def has_tma_engine(target: targets.Target) -> bool:
@@ -591,10 +611,15 @@ def _align(nbytes: int, row_bytes: int) -> int:
     return -(-nbytes // unit) * unit
 
 
-def _smem(cfg: TmaConfig, row_bytes: int, planes: int) -> tuple[int, int, int]:
+def _smem(cfg: TmaConfig, row_bytes: int, planes: int, staged: bool = False) -> tuple[int, int, int]:
+    """(A tile, B tile, stage) bytes. A staged stage (`reads_nchw_staged`) ends, 1024-byte aligned,
+    with its A tiles' staging buffer (one plane, as loaded)."""
     a_bytes = _align(cfg.bm * row_bytes, row_bytes)
     b_bytes = _align(cfg.bn * row_bytes, row_bytes)
-    return a_bytes, b_bytes, planes * cfg.kb_per_stage * (a_bytes + b_bytes)
+    stage = planes * cfg.kb_per_stage * (a_bytes + b_bytes)
+    if staged:
+        stage = -(-stage // SMEM_ALIGN) * SMEM_ALIGN + cfg.kb_per_stage * a_bytes
+    return a_bytes, b_bytes, stage
 
 
 def _kb_options(kb_total: int, row_bytes: int) -> list[int]:
@@ -706,6 +731,7 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
     pairs = w_pairs_possible(spec)
     rows = _norm_rows(spec, pairs)
     transposed = spec.conv.transposed
+    staged = reads_nchw_staged(spec)  # (counted for a contiguous input: a channels-last one has room to spare)
     if two_blocks and not split and not spec.inputs() and not rows:
         # (a W pair holds two GEMMs' accumulators: 128 rows)
         heights = (128,) if pairs else (256,) if transposed or spec.precision == "tf32" else (256, 128)
@@ -714,7 +740,7 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
             if not two_blocks_fit(bm, n_pad, split, pairs):
                 continue
             for kps in _kb_options(kb_total, row):
-                stage = _smem(TmaConfig(bm, n_pad, 2, kps), row, 1)[2]
+                stage = _smem(TmaConfig(bm, n_pad, 2, kps), row, 1, staged)[2]
                 # (no deeper than the stages walked; a stride phase's block walks at least KB_TOTAL / KPS)
                 walked = kb_total // kps if not transposed else MAX_STAGES
                 stages = min(MAX_STAGES, walked, _two_block_stages(target, stage))
@@ -730,7 +756,7 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
         for bn in sorted({min(n_pad, 64), min(n_pad, 32)}, reverse=True):
             if 128 % rows or not two_blocks_fit(128, bn, split, pairs, rows):
                 continue
-            stage = _smem(TmaConfig(128, bn, 2, kps), row, 1)[2]
+            stage = _smem(TmaConfig(128, bn, 2, kps), row, 1, staged)[2]
             stages = _two_block_stages(target, stage, row_norm_smem(128, bn))  # (as deep as two blocks fit, as tuned)
             if stages >= 2:
                 return TmaConfig(128, bn, stages, kps, blocks_per_sm=2)
@@ -741,7 +767,7 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
     fallback = None
     for kps in _kb_options(kb_total, row):
         for bm, bn in shapes:
-            stage = _smem(TmaConfig(bm, bn, 2, kps), row, planes)[2]
+            stage = _smem(TmaConfig(bm, bn, 2, kps), row, planes, staged)[2]
             budget = target.smem_per_block - SMEM_ALIGN - (row_norm_smem(bm, bn) if rows else 0)
             stages = min(MAX_STAGES, budget // stage)
             if stages >= want:
@@ -767,9 +793,10 @@ def configs(spec: LayerSpec, target: targets.Target, batch: int = 64) -> list[Tm
     k_iters = kb_total // kps
     pairs = w_pairs_possible(spec)
     rows = _norm_rows(spec, pairs)
+    staged = reads_nchw_staged(spec)
     for bm, bn in candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, one_n_tile(spec), pairs, rows,
                              _tap_row_bytes(spec, cip, eb)):
-        stage = _smem(TmaConfig(bm, bn, 2, kps), row, planes)[2]
+        stage = _smem(TmaConfig(bm, bn, 2, kps), row, planes, staged)[2]
         deepest = min(8, (target.smem_per_block - SMEM_ALIGN - (row_norm_smem(bm, bn) if rows else 0)) // stage)
         options = [TmaConfig(bm, bn, stages, kps) for stages in sorted({deepest, min(4, deepest)}, reverse=True) if stages >= 2]
         two_stages = min(k_iters, _two_block_stages(target, stage, row_norm_smem(bm, bn) if rows else 0))
@@ -833,7 +860,21 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         raise ValueError(f"{cfg.kb_per_stage} K-blocks per stage do not divide the {kb_total} K-blocks")
     row = bkc * eb
     planes = 2 if split else 1
-    a_bytes, b_bytes, stage_bytes = _smem(cfg, row, planes)
+    conv_out = spec.conv_output().sizes[1:]
+    positions = math.prod(conv_out)
+    norm_at, reduces = channel_norm(spec), channel_reduction(spec)
+    whole_n = reduces or norm_at is not None
+    n_tiles = -(-cout // cfg.bn)
+    k_iters = kb_total // cfg.kb_per_stage
+    groups = _norm_rows(spec, False)  # (a stride phase's W pairs change it: a transposed conv has one kernel and no A in place)
+    # split K counts the blocks an SM holds at once; a reduction or softmax over the channels has
+    # none (the split kernel's parts would each hold part of K of every channel, to be added before it)
+    split_parts = 1 if whole_n or phases or groups else cfg.split_k or splitk.choose(
+        positions, cout, cfg.bm, n_tiles, k_iters, (target.sm_count or 132) * cfg.blocks_per_sm)
+    in_place = not channels_last and reads_nchw_in_place(spec) and (positions % NCHW_CHUNK == 0 or split_parts == 1) \
+        and (not groups or positions % NCHW_CHUNK == 0)  # (a group must not meet padding rows)
+    staged = in_place and eb == 4
+    a_bytes, b_bytes, stage_bytes = _smem(cfg, row, planes, staged)
     smem = cfg.stages * stage_bytes + SMEM_ALIGN
     if smem > target.smem_per_block:
         raise ValueError(f"{smem} bytes of shared memory exceed the {target.smem_per_block} of a block on {target.arch}")
@@ -859,19 +900,14 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
                          f"blocks per SM (at most {REGS_TWO_BLOCKS['max_acc']} in wgmma of n{REGS_TWO_BLOCKS['max_bn']})")
     if two and 2 * (smem + BLOCK_RESERVED_SMEM) > target.smem_per_sm:
         raise ValueError(f"two blocks of {smem} bytes of shared memory do not fit the {target.smem_per_sm} of an SM")
-    conv_out = spec.conv_output().sizes[1:]
     nd = spec.ndim
     rev = lambda t: tuple(reversed(t))  # noqa: E731  (W first, as the tensor map orders dims)
     lower = rev(tuple(-p for p in geo["padding"]))
     upper = rev(tuple(p - (k - 1) * d for k, p, d in zip(geo["kernel"], geo["padding"], geo["dilation"])))
     in_positions = math.prod(spec.input.size)
-    k_iters = kb_total // cfg.kb_per_stage
-    n_tiles = -(-cout // cfg.bn)
     grid = _grid(spec) if phases else (1,) * (3 - nd) + tuple(conv_out)
     if phases and cfg.split_k > 1:
         raise ValueError("a transposed conv's stride phases have no split kernel")
-    norm_at, reduces = channel_norm(spec), channel_reduction(spec)
-    whole_n = reduces or norm_at is not None
     if rows_at is not None:
         if not norm_rows:
             raise ValueError(f"epilogue[{rows_at}] {spec.epilogue[rows_at].op}: its group of {row_norm_group(spec)} positions "
@@ -888,13 +924,6 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     cl_out = channels_last and nd >= 2 and not reduces  # (`TmaPlan.channels_last_out`)
     if whole_n and n_tiles > 1:
         raise ValueError(f"BN {cfg.bn} does not hold the {cout} channels the epilogue reduces or normalizes over")
-    # split K counts the blocks an SM holds at once; a reduction or softmax over the channels has
-    # none (the split kernel's parts would each hold part of K of every channel, to be added before it)
-    positions = math.prod(conv_out)
-    split_parts = 1 if whole_n or phases or norm_rows else cfg.split_k or splitk.choose(
-        positions, cout, cfg.bm, n_tiles, k_iters, (target.sm_count or 132) * cfg.blocks_per_sm)
-    in_place = not channels_last and reads_nchw_in_place(spec) and (positions % NCHW_CHUNK == 0 or split_parts == 1) \
-        and (not norm_rows or positions % NCHW_CHUNK == 0)  # (a group must not meet padding rows)
     if in_place and positions % NCHW_CHUNK:  # M per sample padded to whole m64 tiles
         grid = (1, 1, -(-positions // NCHW_CHUNK) * NCHW_CHUNK)
     if whole_n and cfg.split_k > 1:
@@ -909,7 +938,8 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         kb_per_stage=cfg.kb_per_stage, cip=cip, bkc=bkc, cb=cb, kb_total=kb_total,
         k_iters=k_iters, k_total=taps * cip, row_bytes=row, ksteps=row // 32,
         swizzle_desc=SWIZZLE[row]["desc"], swizzle_tma=SWIZZLE[row]["tma"], a_bytes=a_bytes, b_bytes=b_bytes,
-        stage_bytes=stage_bytes, stage_tx=planes * cfg.kb_per_stage * (cfg.bm + cfg.bn) * row, smem_bytes=smem,
+        stage_bytes=stage_bytes, smem_bytes=smem,
+        stage_tx=planes * cfg.kb_per_stage * ((0 if staged else cfg.bm) + cfg.bn) * row,
         n_tiles=n_tiles, cout=cout, positions=positions, in_positions=in_positions, rank=nd + 2,
         lower=lower, upper=upper, elem_strides=rev(tuple(geo["stride"])), prep_tc=prep_tc, prep_tp=prep_tp,
         prep_tiles=-(-in_positions // prep_tp) * -(-cip // prep_tc), acc_regs=acc,
@@ -919,7 +949,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         norm_group=row_norm_group(spec) if norm_rows else 0,
         blocks_per_sm=cfg.blocks_per_sm, phases=phases, grid=grid, grid_positions=math.prod(grid),
         n_pad=n_tiles * cfg.bn, w_pairs=pairs, channels_last_out=cl_out,
-        a_in_place=in_place,
+        a_in_place=in_place, a_staged=staged,
         subsample=tuple(geo["stride"]) if in_place and any(st > 1 for st in geo["stride"]) else (),
         l2_note=_l2_note(spec, cfg, cip, eb, target) if config is None else "",
         persistent=not phases and not whole_n,
@@ -961,8 +991,11 @@ def describe(tp: TmaPlan) -> str:
         f"K-block(s) of {tp.bkc} channels, {tp.stages}-stage mbarrier pipeline, 1 producer warp + 2 consumer "
         f"warpgroups{', two blocks per SM' if tp.blocks_per_sm == 2 else ''}"
         f"{', each block walking tiles (as many blocks as the SMs hold)' if tp.persistent else ''}; "
-        + ("A read from the NC(D)HW input where it lies (tiled TMA loads of 64 positions x "
-           f"{tp.bkc} channels, positions contiguous: wgmma's A operand transposed), no layout pass"
+        + (("A read from the NC(D)HW input where it lies (tiled TMA loads of 32 positions x "
+            f"{tp.bkc} channels into a staging buffer, transposed there by 3 warps of the producer warpgroup"
+            f"{', split into hi and lo planes' if tp.split else ''}), no layout pass" if tp.a_staged else
+            "A read from the NC(D)HW input where it lies (tiled TMA loads of 64 positions x "
+            f"{tp.bkc} channels, positions contiguous: wgmma's A operand transposed), no layout pass")
            + (f" (the stride-{'x'.join(map(str, tp.subsample))} positions copied out first, a stride-1 conv of the copy)"
               if tp.subsample else "")
            + (f"; M padded to {tp.grid_positions} rows per sample (whole m64 tiles), the rows past the "

@@ -2,10 +2,11 @@
 
 Per forward (on torch's current stream, so it also runs under CUDA-graph capture):
 
-1. A 16-bit 1x1 conv without padding (`TmaPlan.a_in_place`) reads a contiguous input where it lies:
+1. A 1x1 conv without padding (`TmaPlan.a_in_place`) reads a contiguous input where it lies:
    its A tiles are loaded from [batch][C_IN][positions] by a tiled tensor map (any other layout is
    made contiguous first; a strided conv's input positions, every stride-th, are copied out first,
-   `TmaPlan.subsample`). Otherwise `<kernel>_prep` writes the input channels-last with its channels padded, [batch][positions][CIP]
+   `TmaPlan.subsample`; in tf32 and fp32 mode the tiles are transposed in shared memory,
+   `TmaPlan.a_staged`). Otherwise `<kernel>_prep` writes the input channels-last with its channels padded, [batch][positions][CIP]
    (split into hi and lo planes in fp32 mode), into a workspace from torch's allocator;
    `<kernel>_prep_cl` does the same from a channels-last input. A channels-last input whose
    channels need no padding is read in place (but in fp32 mode, which needs the planes). In tf32
@@ -41,7 +42,7 @@ import torch
 
 from specgen import runtime
 from specgen import splitk
-from specgen.tma import INT32_MAX, NCHW_CHUNK, SWIZZLE, TmaPlan
+from specgen.tma import INT32_MAX, NCHW_CHUNK, STAGED_BOX, SWIZZLE, TmaPlan
 
 OPERAND_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAP_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -225,10 +226,12 @@ def _input_map(address: int, nbytes: int, dtype: torch.dtype, tp: TmaPlan, spati
 def _nchw_map(address: int, dtype: torch.dtype, cin: int, tp: TmaPlan, batch: int) -> runtime.TensorMap:
     """The tiled map of a contiguous [batch][C_IN][positions] input at `address` whose A tiles are
     read in place (`TmaPlan.a_in_place`): a box of 64 positions x BKC channels of one sample,
-    128-byte-swizzled."""
+    128-byte-swizzled (of STAGED_BOX positions where the tiles are staged, `TmaPlan.a_staged`: 128
+    bytes of fp32; a TFLOAT32 map in tf32 mode rounds them as they land, fp32 mode splits them)."""
     e = tp.elem_bytes
-    return runtime.encode_tiled(MAP_DTYPE[dtype], address, (tp.positions, cin, batch),
-                                (tp.positions * e, cin * tp.positions * e), (NCHW_CHUNK, tp.bkc, 1),
+    box = STAGED_BOX if tp.a_staged else NCHW_CHUNK
+    return runtime.encode_tiled(map_dtype(tp.precision, dtype), address, (tp.positions, cin, batch),
+                                (tp.positions * e, cin * tp.positions * e), (box, tp.bkc, 1),
                                 SWIZZLE[128]["tma"], batch * cin * tp.positions * e)
 
 
@@ -296,7 +299,7 @@ def _call(sp) -> _Call:
             size=tuple(spec.input.size), cin=spec.input.channels, planes=planes, in_place_cl=tp.cip == spec.input.channels and not tp.split,
             operand_dtype=OPERAND_DTYPE[tp.precision], prep=f"{name}_prep", prep_cl=f"{name}_prep_cl",
             param_names=names, input_names=inputs, has_bias=spec.conv.bias,
-            main_kinds=("map",) * (planes * tp.gemms + planes) + ("ptr",) * n_ptrs + ("int",),
+            main_kinds=("map",) * ((1 if tp.a_in_place else planes * tp.gemms) + planes) + ("ptr",) * n_ptrs + ("int",),
             split=splitk.kernel_names(name) if tp.split_k > 1 else (),
             make_weights=functools.partial(_weights, tp=tp, cin=spec.input.channels, taps=plan["taps"],
                                            precision=tp.precision),

@@ -679,9 +679,52 @@ def test_a_16_bit_1x1_conv_reads_its_nchw_input_in_place(precision, cin, size):
     assert "no layout pass" in describe(plan)
 
 
+@pytest.mark.parametrize("precision", ["tf32", "fp32"])
+@pytest.mark.parametrize("cin,size", [(256, (56, 56)), (24, (8, 16)), (8, (192,)), (16, (4, 4, 8)), (64, (14, 14))])
+def test_a_32_bit_1x1_conv_reads_its_nchw_input_in_place_through_a_staging_buffer(precision, cin, size):
+    """tf32 and fp32 mode: wgmma reads a 32-bit A only K-major, so the tiled loads (32 positions x BKC
+    channels, 128-byte rows) land in a staging buffer at the end of each stage and warps 1-3 of the
+    producer warpgroup transpose them into the K-major A tile (fp32 mode: its hi and lo planes); the
+    consumers read A as the im2col path's. One map of the input (fp32 mode splits in shared memory)."""
+    from specgen import tmarun
+
+    spec = spec_of(cin=cin, cout=64, size=size, kernel=1, padding=0, precision=precision, tile={"engine": "tma"})
+    plan = build_plan(spec, target=HOPPER)
+    tp = plan["tma"]
+    assert tp.a_in_place and tp.a_staged
+    # the stage: its planes, 1024-byte aligned, then the staging buffer of KB_PER_STAGE A tiles
+    planes = 2 if tp.split else 1  # (a tf32 conv of few channels may run as fp32: the plan's mode)
+    body = planes * tp.kb_per_stage * (tp.a_bytes + tp.b_bytes)
+    assert tp.stage_bytes == -(-body // 1024) * 1024 + tp.kb_per_stage * tp.a_bytes
+    assert tp.stage_tx == planes * tp.kb_per_stage * tp.b_bytes  # (the A boxes count on the staging barrier)
+    text = render_plan(plan)
+    assert "cp.async.bulk.tensor.3d.shared::cluster.global.tile" in text and "im2col" not in text
+    assert "_prep(" not in text and "_prep_cl(" not in text
+    assert "descriptor_mn" not in text and "descriptor(rows)" in text
+    assert f"constexpr unsigned STAGING_AT = {-(-body // 1024) * 1024};" in text
+    assert "mbar_init(smem_u32(&full_bar[s]), 1 + TRANSPOSERS);" in text
+    assert "transpose_unit(stage + STAGING_AT + j * A_BYTES, stage + j * A_BYTES, u);" in text
+    assert "fence.proxy.async.shared::cta" in text
+    assert text.count("const __grid_constant__ TensorMap map_a_") == 1 + (tp.split_k > 1)
+    assert ("l[e] = x[e] - h[e];" in text) == tp.split
+    assert ("const int i = r % 8, j = i ^ (r / 8);" in text) == (tp.bkc == 32)
+    assert not any(name.endswith(("_prep", "_prep_cl")) for name in tmarun.extra_functions(plan))
+    assert "no layout pass" in describe(plan)
+
+
+def test_the_staging_switch_gives_back_the_layout_pass(monkeypatch):
+    spec = spec_of(cin=256, cout=64, size=(56, 56), kernel=1, padding=0, precision="tf32", tile={"engine": "tma"})
+    assert build_plan(spec, target=HOPPER)["tma"].a_staged
+    monkeypatch.setattr(tma, "STAGED_NCHW", False)
+    tp = build_plan(spec, target=HOPPER)["tma"]
+    assert not tp.a_in_place and not tp.a_staged
+    bf16 = spec_of(cin=256, cout=64, size=(56, 56), kernel=1, padding=0, precision="bf16", tile={"engine": "tma"})
+    assert build_plan(bf16, target=HOPPER)["tma"].a_in_place  # (16-bit operands need no staging)
+
+
 @pytest.mark.parametrize("why,data", [
-    ("tf32 operands must be K-major", dict(precision="tf32")),
-    ("fp32: hi and lo planes", dict(precision="fp32")),
+    ("tf32 rows of positions not whole 16-byte units (7 x 7 x 4 bytes)", dict(precision="tf32", size=(7, 7))),
+    ("fp32 with padding", dict(precision="fp32", padding=1)),
     ("a stride whose output rows are not whole 16-byte units (7 x 7 x 2 bytes)",
      dict(precision="bf16", conv={"stride": 2}, size=(14, 14))),
     ("padding", dict(precision="bf16", padding=1)),
@@ -733,7 +776,7 @@ def test_the_channels_last_plan_of_a_1x1_conv_reads_its_own_layout():
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "tf32", "fp32"])
 @pytest.mark.parametrize("cin,cout,size,epilogue", [
     (256, 64, (56, 56), ["relu"]),
     (64, 256, (56, 56), ["relu"]),
@@ -848,8 +891,10 @@ class _StubbedDriver:
     ("a channels-last input", dict(precision="fp32", input={"channels": 64, "size": [56, 56]},
      conv={"out_channels": 64, "kernel": 3, "padding": 1}, tile={"engine": "tma"}), 8, torch.channels_last,
      ["prep_cl", "main"]),
-    ("a channels-last tf32 input read in place", dict(precision="tf32", input={"channels": 64, "size": [14, 14]},
-     conv={"out_channels": 64, "kernel": 1}, tile={"engine": "tma"}), 8, torch.channels_last, ["main"]),
+    ("a channels-last tf32 input read in place", dict(precision="tf32", input={"channels": 64, "size": [56, 56]},
+     conv={"out_channels": 64, "kernel": 3, "padding": 1}, tile={"engine": "tma"}), 8, torch.channels_last, ["main"]),
+    ("a contiguous tf32 input read in place, staged", dict(precision="tf32", input={"channels": 64, "size": [16, 16]},
+     conv={"out_channels": 128, "kernel": 1}, tile={"engine": "tma"}), 2, torch.contiguous_format, ["main"]),
     ("split K at batch 1", dict(precision="fp32", input={"channels": 512, "size": [7, 7]},
      conv={"out_channels": 512, "kernel": 3, "padding": 1}, tile={"engine": "tma"}), 1, torch.contiguous_format,
      ["prep", "split", "reduce"]),
@@ -986,7 +1031,7 @@ def test_a_strided_1x1_conv_reads_its_subsampled_input_in_place(monkeypatch, siz
 
 
 @pytest.mark.parametrize("data", [
-    dict(precision="tf32", conv={"out_channels": 64, "kernel": 1, "stride": 2}),  # tf32: K-major A only
+    dict(precision="tf32", conv={"out_channels": 64, "kernel": 1, "stride": 4}),  # 7^2 out: 196-byte rows
     dict(precision="bf16", conv={"out_channels": 64, "kernel": 1, "stride": 2, "padding": 1}),  # padded
     dict(precision="bf16", conv={"out_channels": 64, "kernel": 1, "stride": 4}),  # 7^2 out: 98-byte rows
 ])

@@ -1,5 +1,6 @@
-"""A bf16 / fp16 1x1 conv on the TMA engine reading its NC(D)HW input where it lies (no layout pass;
-`TmaPlan.a_in_place`) against PyTorch on the GPU (marker `gpu`; skipped without an sm_90 GPU): at
+"""A 1x1 conv on the TMA engine reading its NC(D)HW input where it lies (no layout pass;
+`TmaPlan.a_in_place`; in tf32 and fp32 mode through the staging buffer the producer's warps
+transpose, `TmaPlan.a_staged`) against PyTorch on the GPU (marker `gpu`; skipped without an sm_90 GPU): at
 the mode's bar (within 2x of PyTorch's own error in that dtype against float64), outputs poisoned,
 fresh inputs per check; batches 1 and odd ones (a last M tile past the batch), channels not a
 multiple of the K-block, positions that are not whole m64 tiles (M padded per sample), strided
@@ -21,7 +22,8 @@ from gpu_helpers import as_channels_last, compare, randomize  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_reference")]
 
-DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32, "fp32": torch.float32}
+PRECISIONS = ["bf16", "fp16", "tf32", "fp32"]
 
 
 @pytest.fixture(autouse=True)
@@ -59,11 +61,12 @@ def _layer(name: str, precision: str) -> FusedLayer:
                      "conv": {"kernel": 1, **conv}, "epilogue": epilogue, "precision": precision,
                      "tile": {"engine": "tma"}})
     layer = FusedLayer(spec).cuda()
-    assert layer.specialize().plan["tma"].a_in_place
+    tp = layer.specialize().plan["tma"]
+    assert tp.a_in_place and tp.a_staged == (precision in ("tf32", "fp32"))
     return layer
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_1x1_conv_reading_its_input_in_place_meets_the_modes_bar(name, precision):
     layer = _layer(name, precision)
@@ -73,7 +76,7 @@ def test_a_1x1_conv_reading_its_input_in_place_meets_the_modes_bar(name, precisi
     compare(layer, 2, seed=4, channels_last=True)  # (the layer's channels-last kernel)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_the_split_kernel_reads_the_input_in_place_too(precision):
     spec = validate({"name": f"nchw_split_{precision}", "input": {"channels": 1024, "size": [8, 8]},
                      "conv": {"out_channels": 256, "kernel": 1}, "epilogue": [{"add": {"input": "shortcut"}}, "relu"],
@@ -89,7 +92,7 @@ def test_the_split_kernel_reads_the_input_in_place_too(precision):
     compare(layer, big, seed=5)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_inputs_the_map_cannot_read_in_place_are_copied_first(precision):
     """A channels-last input run by the contiguous kernel (the caller's output is contiguous) and a
     contiguous view that is not 16-byte aligned: both copied to a contiguous tensor first, the
