@@ -679,6 +679,13 @@ def test_a_16_bit_1x1_conv_reads_its_nchw_input_in_place(precision, cin, size):
     assert "no layout pass" in describe(plan)
 
 
+@pytest.fixture
+def staged(monkeypatch):
+    """The staging path on (`tma.STAGED_NCHW`: off by default until it has run on a GPU)."""
+    monkeypatch.setattr(tma, "STAGED_NCHW", True)
+
+
+@pytest.mark.usefixtures("staged")
 @pytest.mark.parametrize("precision", ["tf32", "fp32"])
 @pytest.mark.parametrize("cin,size", [(256, (56, 56)), (24, (8, 16)), (8, (192,)), (16, (4, 4, 8)), (64, (14, 14))])
 def test_a_32_bit_1x1_conv_reads_its_nchw_input_in_place_through_a_staging_buffer(precision, cin, size):
@@ -714,6 +721,7 @@ def test_a_32_bit_1x1_conv_reads_its_nchw_input_in_place_through_a_staging_buffe
 
 def test_the_staging_switch_gives_back_the_layout_pass(monkeypatch):
     spec = spec_of(cin=256, cout=64, size=(56, 56), kernel=1, padding=0, precision="tf32", tile={"engine": "tma"})
+    monkeypatch.setattr(tma, "STAGED_NCHW", True)
     assert build_plan(spec, target=HOPPER)["tma"].a_staged
     monkeypatch.setattr(tma, "STAGED_NCHW", False)
     tp = build_plan(spec, target=HOPPER)["tma"]
@@ -776,6 +784,7 @@ def test_the_channels_last_plan_of_a_1x1_conv_reads_its_own_layout():
 
 
 @pytest.mark.nvcc
+@pytest.mark.usefixtures("staged")
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "tf32", "fp32"])
 @pytest.mark.parametrize("cin,cout,size,epilogue", [
     (256, 64, (56, 56), ["relu"]),
@@ -907,6 +916,7 @@ def test_a_recorded_tma_launch_repeats_with_new_addresses(monkeypatch, what, dat
     arguments as set, and the input's maps made once per address. Driver calls stubbed out."""
     from specgen import tmarun
 
+    monkeypatch.setattr(tma, "STAGED_NCHW", True)  # (the staged tf32 case: off by default until run on a GPU)
     stub = _StubbedDriver(monkeypatch)
     record = []
     plan = stub.launch(data, batch, memory_format, record)

@@ -27,6 +27,14 @@ PRECISIONS = ["bf16", "fp16", "tf32", "fp32"]
 
 
 @pytest.fixture(autouse=True)
+def _staged(monkeypatch):
+    """tf32 and fp32 through the staging buffer (`tma.STAGED_NCHW`, off by default until measured on a GPU)."""
+    from specgen import tma
+
+    monkeypatch.setattr(tma, "STAGED_NCHW", True)
+
+
+@pytest.fixture(autouse=True)
 def _hopper():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the TMA engine needs an sm_90 GPU")
