@@ -245,6 +245,11 @@ class TmaPlan:
     # planes) before the stage's "full" barrier lets the consumers in. `stage_tx` then counts the B
     # tiles alone; the staging barrier counts the A boxes.
     a_staged: bool = False
+    # ... by a conv of several taps (`reads_nchw_staged_taps`): a K-block's box of each m64 chunk is
+    # STAGED_SPAN positions from its tap's shifted start rounded down to 16 bytes (unswizzled), and
+    # the transposers take each position's value at its shift, zero where the tap is in the padding.
+    a_shifted: bool = False
+    staging_row: int = 0  # a staged stage's bytes per channel of an m64 chunk (`staging_row_bytes`), else 0
     # A strided 1x1 conv read in place: its output positions are the input's every stride-th
     # (no padding), so the launch first copies those (x[..., ::s_h, ::s_w], a quarter of the input
     # at stride 2) to a contiguous tensor, and the kernel is the stride-1 conv of that copy: no
@@ -554,6 +559,14 @@ NCHW_CHUNK = 64
 STAGED_NCHW = False
 # Staged A tiles land as boxes of 32 positions (128 bytes of fp32: the widest 128-byte-swizzled box).
 STAGED_BOX = 32
+# A tf32 / fp32 conv of several taps (stride 1, its output the input's extents) reads its NC(D)HW
+# input in place through the staging buffer too where True (`reads_nchw_staged_taps`). Off by
+# default: built and checked on the CPU only (tests/test_staged_transpose.py walks its gather).
+STAGED_TAPS = False
+# Such a K-block's tap shifts its m64 chunk's 64 positions along the flattened positions; the box
+# starts at the shifted start rounded down to 16 bytes (a tiled load's innermost coordinate must be)
+# and so spans 64 + 4 positions, unswizzled.
+STAGED_SPAN = NCHW_CHUNK + 4
 
 
 def reads_nchw_in_place(spec: LayerSpec) -> bool:
@@ -586,10 +599,32 @@ def reads_nchw_in_place(spec: LayerSpec) -> bool:
     )
 
 
+def reads_nchw_staged_taps(spec: LayerSpec) -> bool:
+    """Whether a conv of several taps reads its NC(D)HW input in place through the staging buffer
+    (`TmaPlan.a_shifted`): tf32 / fp32, stride 1, its output the input's extents (a "same" conv:
+    then output position o reads input position o + the tap's shift along the flattened positions,
+    where the tap lies inside the input), groups 1, and the input's positions whole 16-byte units.
+    The launch's tiled boxes of STAGED_SPAN positions start on 16-byte boundaries; the transposers
+    pick each position's value at its shift and write zeros where the tap falls in the padding."""
+    geo = spec.conv_geometry()
+    return (
+        STAGED_TAPS and ELEM_BYTES[spec.precision] == 4 and not spec.conv.transposed and spec.conv.groups == 1
+        and math.prod(geo["kernel"]) > 1 and all(st == 1 for st in geo["stride"])
+        and tuple(spec.conv_output().sizes[1:]) == tuple(spec.input.size)
+        and math.prod(spec.input.size) * 4 % 16 == 0
+    )
+
+
 def reads_nchw_staged(spec: LayerSpec) -> bool:
     """Whether an NC(D)HW input read in place goes through a staging buffer (`TmaPlan.a_staged`):
     32-bit operands (tf32 and fp32 mode), which wgmma reads K-major only."""
-    return ELEM_BYTES[spec.precision] == 4 and reads_nchw_in_place(spec)
+    return ELEM_BYTES[spec.precision] == 4 and (reads_nchw_in_place(spec) or reads_nchw_staged_taps(spec))
+
+
+def staging_row_bytes(spec: LayerSpec) -> int:
+    """The staging buffer's bytes per channel of an m64 chunk: two boxes of 32 positions for a 1x1
+    conv, one of STAGED_SPAN for a conv of several taps."""
+    return (STAGED_SPAN if math.prod(spec.conv_geometry()["kernel"]) > 1 else NCHW_CHUNK) * 4
 
 
 def has_tma_engine(target: targets.Target) -> bool:
@@ -613,14 +648,15 @@ def _align(nbytes: int, row_bytes: int) -> int:
     return -(-nbytes // unit) * unit
 
 
-def _smem(cfg: TmaConfig, row_bytes: int, planes: int, staged: bool = False) -> tuple[int, int, int]:
-    """(A tile, B tile, stage) bytes. A staged stage (`reads_nchw_staged`) ends, 1024-byte aligned,
-    with its A tiles' staging buffer (one plane, as loaded)."""
+def _smem(cfg: TmaConfig, row_bytes: int, planes: int, staging_row: int = 0) -> tuple[int, int, int]:
+    """(A tile, B tile, stage) bytes. A staged stage (`reads_nchw_staged`; `staging_row`: its bytes
+    per channel of an m64 chunk, `staging_row_bytes`) ends, 1024-byte aligned, with its A tiles'
+    staging buffer (fp32 values as loaded, one plane)."""
     a_bytes = _align(cfg.bm * row_bytes, row_bytes)
     b_bytes = _align(cfg.bn * row_bytes, row_bytes)
     stage = planes * cfg.kb_per_stage * (a_bytes + b_bytes)
-    if staged:
-        stage = -(-stage // SMEM_ALIGN) * SMEM_ALIGN + cfg.kb_per_stage * a_bytes
+    if staging_row:
+        stage = -(-stage // SMEM_ALIGN) * SMEM_ALIGN + cfg.kb_per_stage * (cfg.bm // 64) * (row_bytes // 4) * staging_row
     return a_bytes, b_bytes, stage
 
 
@@ -733,7 +769,7 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
     pairs = w_pairs_possible(spec)
     rows = _norm_rows(spec, pairs)
     transposed = spec.conv.transposed
-    staged = reads_nchw_staged(spec)  # (counted for a contiguous input: a channels-last one has room to spare)
+    staged = staging_row_bytes(spec) if reads_nchw_staged(spec) else 0  # (counted for a contiguous input too)
     if two_blocks and not split and not spec.inputs() and not rows:
         # (a W pair holds two GEMMs' accumulators: 128 rows)
         heights = (128,) if pairs else (256,) if transposed or spec.precision == "tf32" else (256, 128)
@@ -795,7 +831,7 @@ def configs(spec: LayerSpec, target: targets.Target, batch: int = 64) -> list[Tm
     k_iters = kb_total // kps
     pairs = w_pairs_possible(spec)
     rows = _norm_rows(spec, pairs)
-    staged = reads_nchw_staged(spec)
+    staged = staging_row_bytes(spec) if reads_nchw_staged(spec) else 0
     for bm, bn in candidates(spec.conv.out_channels, batch * positions, split, target.sm_count, one_n_tile(spec), pairs, rows,
                              _tap_row_bytes(spec, cip, eb)):
         stage = _smem(TmaConfig(bm, bn, 2, kps), row, planes, staged)[2]
@@ -873,10 +909,11 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     # none (the split kernel's parts would each hold part of K of every channel, to be added before it)
     split_parts = 1 if whole_n or phases or groups else cfg.split_k or splitk.choose(
         positions, cout, cfg.bm, n_tiles, k_iters, (target.sm_count or 132) * cfg.blocks_per_sm)
-    in_place = not channels_last and reads_nchw_in_place(spec) and (positions % NCHW_CHUNK == 0 or split_parts == 1) \
+    in_place = not channels_last and (reads_nchw_in_place(spec) or reads_nchw_staged_taps(spec)) \
+        and (positions % NCHW_CHUNK == 0 or split_parts == 1) \
         and (not groups or positions % NCHW_CHUNK == 0)  # (a group must not meet padding rows)
     staged = in_place and eb == 4
-    a_bytes, b_bytes, stage_bytes = _smem(cfg, row, planes, staged)
+    a_bytes, b_bytes, stage_bytes = _smem(cfg, row, planes, staging_row_bytes(spec) if staged else 0)
     smem = cfg.stages * stage_bytes + SMEM_ALIGN
     if smem > target.smem_per_block:
         raise ValueError(f"{smem} bytes of shared memory exceed the {target.smem_per_block} of a block on {target.arch}")
@@ -951,7 +988,8 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         norm_group=row_norm_group(spec) if norm_rows else 0,
         blocks_per_sm=cfg.blocks_per_sm, phases=phases, grid=grid, grid_positions=math.prod(grid),
         n_pad=n_tiles * cfg.bn, w_pairs=pairs, channels_last_out=cl_out,
-        a_in_place=in_place, a_staged=staged,
+        a_in_place=in_place, a_staged=staged, a_shifted=staged and taps > 1,
+        staging_row=staging_row_bytes(spec) if staged else 0,
         subsample=tuple(geo["stride"]) if in_place and any(st > 1 for st in geo["stride"]) else (),
         l2_note=_l2_note(spec, cfg, cip, eb, target) if config is None else "",
         persistent=not phases and not whole_n,
@@ -993,7 +1031,11 @@ def describe(tp: TmaPlan) -> str:
         f"K-block(s) of {tp.bkc} channels, {tp.stages}-stage mbarrier pipeline, 1 producer warp + 2 consumer "
         f"warpgroups{', two blocks per SM' if tp.blocks_per_sm == 2 else ''}"
         f"{', each block walking tiles (as many blocks as the SMs hold)' if tp.persistent else ''}; "
-        + (("A read from the NC(D)HW input where it lies (tiled TMA loads of 32 positions x "
+        + (("A read from the NC(D)HW input where it lies (per tap, tiled TMA loads of "
+            f"{STAGED_SPAN} positions x {tp.bkc} channels from the tap-shifted positions into a staging buffer, "
+            "gathered from there by 3 warps of the producer warpgroup, zeros in the padding"
+            f"{', split into hi and lo planes' if tp.split else ''}), no layout pass" if tp.a_shifted else
+            "A read from the NC(D)HW input where it lies (tiled TMA loads of 32 positions x "
             f"{tp.bkc} channels into a staging buffer, transposed there by 3 warps of the producer warpgroup"
             f"{', split into hi and lo planes' if tp.split else ''}), no layout pass" if tp.a_staged else
             "A read from the NC(D)HW input where it lies (tiled TMA loads of 64 positions x "

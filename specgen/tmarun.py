@@ -42,7 +42,7 @@ import torch
 
 from specgen import runtime
 from specgen import splitk
-from specgen.tma import INT32_MAX, NCHW_CHUNK, STAGED_BOX, SWIZZLE, TmaPlan
+from specgen.tma import INT32_MAX, NCHW_CHUNK, STAGED_BOX, STAGED_SPAN, SWIZZLE, TmaPlan
 
 OPERAND_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAP_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -227,12 +227,16 @@ def _nchw_map(address: int, dtype: torch.dtype, cin: int, tp: TmaPlan, batch: in
     """The tiled map of a contiguous [batch][C_IN][positions] input at `address` whose A tiles are
     read in place (`TmaPlan.a_in_place`): a box of 64 positions x BKC channels of one sample,
     128-byte-swizzled (of STAGED_BOX positions where the tiles are staged, `TmaPlan.a_staged`: 128
-    bytes of fp32; a TFLOAT32 map in tf32 mode rounds them as they land, fp32 mode splits them)."""
+    bytes of fp32; a TFLOAT32 map in tf32 mode rounds them as they land, fp32 mode splits them; of
+    STAGED_SPAN unswizzled where the taps shift them, `TmaPlan.a_shifted`)."""
     e = tp.elem_bytes
-    box = STAGED_BOX if tp.a_staged else NCHW_CHUNK
+    if tp.a_shifted:  # a conv of several taps: boxes of STAGED_SPAN positions, unswizzled, from any 16-byte boundary
+        box, swizzle = STAGED_SPAN, 0
+    else:
+        box, swizzle = (STAGED_BOX if tp.a_staged else NCHW_CHUNK), SWIZZLE[128]["tma"]
     return runtime.encode_tiled(map_dtype(tp.precision, dtype), address, (tp.positions, cin, batch),
                                 (tp.positions * e, cin * tp.positions * e), (box, tp.bkc, 1),
-                                SWIZZLE[128]["tma"], batch * cin * tp.positions * e)
+                                swizzle, batch * cin * tp.positions * e)
 
 
 def extra_functions(plan: dict) -> tuple[str, ...]:

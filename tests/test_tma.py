@@ -719,6 +719,54 @@ def test_a_32_bit_1x1_conv_reads_its_nchw_input_in_place_through_a_staging_buffe
     assert "no layout pass" in describe(plan)
 
 
+@pytest.mark.parametrize("precision", ["tf32", "fp32"])
+@pytest.mark.parametrize("cin,size,kernel,padding,dilation", [
+    (64, (56, 56), 3, 1, 1), (16, (12, 20), 3, 1, 1), (32, (16, 32, 32), 3, 1, 1), (24, (256,), 7, 3, 1),
+    (40, (16, 12), 3, 2, 2),
+])
+def test_a_32_bit_conv_of_several_taps_reads_its_nchw_input_through_shifted_boxes(monkeypatch, precision, cin, size,
+                                                                                  kernel, padding, dilation):
+    """With `tma.STAGED_TAPS` on, a stride-1 conv that keeps the input's extents reads NC(D)HW in place:
+    a K-block's box per m64 chunk is STAGED_SPAN positions from the tap's shifted start rounded down
+    to 16 bytes, unswizzled (the map's box and swizzle say so), and the transposers gather from it."""
+    from specgen import tmarun
+
+    monkeypatch.setattr(tma, "STAGED_TAPS", True)
+    spec = spec_of(cin=cin, cout=64, size=size, kernel=kernel, padding=padding, precision=precision,
+                   tile={"engine": "tma"}, conv={"dilation": dilation})
+    plan = build_plan(spec, target=HOPPER)
+    tp = plan["tma"]
+    assert tp.a_in_place and tp.a_staged and tp.a_shifted and tp.staging_row == tma.STAGED_SPAN * 4
+    body = (2 if tp.split else 1) * tp.kb_per_stage * (tp.a_bytes + tp.b_bytes)
+    staging = tp.kb_per_stage * (tp.bm // 64) * tp.bkc * tma.STAGED_SPAN * 4
+    assert tp.stage_bytes == -(-body // 1024) * 1024 + staging
+    text = render_plan(plan)
+    assert "im2col" not in text and "_prep(" not in text
+    assert "tma_nchw(staging + q * A_CHUNK_BYTES, map_a_hi, staged, (chunk_p[q] + shift) & ~3, c, chunk_n[q]);" in text
+    assert "gather_unit(stage + STAGING_AT + j * STAGING_BYTES, stage + j * A_BYTES, u, chunk_p," in text
+    assert "transpose_unit(" not in text and f"constexpr int SPAN = {tma.STAGED_SPAN};" in text
+    assert not any(name.endswith(("_prep", "_prep_cl")) for name in tmarun.extra_functions(plan))
+    assert "shifted" in describe(plan)
+    # the tiled map: boxes of STAGED_SPAN positions x BKC channels, no swizzle
+    seen = {}
+    monkeypatch.setattr(tmarun.runtime, "encode_tiled", lambda *args: seen.setdefault("args", args))
+    tmarun._nchw_map(0, torch.float32, cin, tp, 2)
+    assert seen["args"][4] == (tma.STAGED_SPAN, tp.bkc, 1) and seen["args"][5] == 0
+
+
+@pytest.mark.parametrize("why,data", [
+    ("strided", dict(conv={"stride": 2})),
+    ("its output smaller than its input", dict(padding=0)),
+    ("16-bit: the pass stays", dict(precision="bf16")),
+    ("positions not whole 16-byte units (7 x 7 x 4 bytes)", dict(size=(7, 7))),
+])
+def test_convs_of_several_taps_the_shifted_boxes_cannot_read_keep_the_pass(monkeypatch, why, data):
+    monkeypatch.setattr(tma, "STAGED_TAPS", True)
+    extra = {"cin": 64, "cout": 64, "size": (32, 32), "kernel": 3, "padding": 1, "precision": "tf32", **data}
+    tp = build_plan(spec_of(tile={"engine": "tma"}, **extra), target=HOPPER)["tma"]
+    assert not tp.a_shifted and not tp.a_in_place, why
+
+
 def test_the_staging_switch_gives_back_the_layout_pass(monkeypatch):
     spec = spec_of(cin=256, cout=64, size=(56, 56), kernel=1, padding=0, precision="tf32", tile={"engine": "tma"})
     monkeypatch.setattr(tma, "STAGED_NCHW", True)
@@ -799,6 +847,24 @@ def test_nchw_in_place_kernels_compile_without_spills(precision, cin, cout, size
                    tile={"engine": "tma"})
     sp = pipeline.specialize(spec, "sm_90")
     assert sp.plan["engine"] == "tma" and sp.plan["tma"].a_in_place
+    assert sp.build.spill_bytes == 0, f"{sp.build.spill_bytes} bytes spilled"
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("precision", ["tf32", "fp32"])
+@pytest.mark.parametrize("cin,cout,size,kernel,epilogue", [
+    (128, 128, (112, 112), 3, ["relu"]),
+    (64, 64, (56, 56), 3, [{"add": {"input": "shortcut"}}, "relu"]),
+    (32, 64, (16, 32, 32), 3, ["relu"]),
+    (256, 256, (4096,), 3, [{"gelu": {"approximate": "none"}}]),
+    (16, 96, (12, 20), 5, [{"softmax": 1}]),  # M padded per sample, a softmax over the channels
+])
+def test_shifted_tap_kernels_compile_without_spills(monkeypatch, precision, cin, cout, size, kernel, epilogue):
+    monkeypatch.setattr(tma, "STAGED_TAPS", True)
+    spec = spec_of(cin=cin, cout=cout, size=size, kernel=kernel, padding=kernel // 2, precision=precision,
+                   epilogue=epilogue, tile={"engine": "tma"})
+    sp = pipeline.specialize(spec, "sm_90")
+    assert sp.plan["engine"] == "tma" and sp.plan["tma"].a_shifted
     assert sp.build.spill_bytes == 0, f"{sp.build.spill_bytes} bytes spilled"
 
 
