@@ -553,15 +553,18 @@ def reads_in_place(spec: LayerSpec) -> bool:
 # one sample (a 128-byte row of 16-bit values per channel) x BKC channels.
 NCHW_CHUNK = 64
 # tf32 / fp32 1x1 convs read their NC(D)HW input in place through a staging buffer (`reads_nchw_staged`)
-# where True. Off by default until it has run on a GPU: built and checked on the CPU only (plans,
-# nvcc builds, the transpose walked on the host: tests/test_staged_transpose.py). False: they pay
-# the layout pass. benchmarks/staged_nchw.py is its A/B; tests/test_tma_in_place_gpu.py turns it on.
-STAGED_NCHW = False
+# where True (the default; False: they pay the layout pass). Measured on an H100 (benchmarks/staged_nchw.py,
+# NOTES v70): GPU time 1.09-1.53x the pass's on the MobileNetV2 and ResNet-50 1x1 convs it takes.
+STAGED_NCHW = True
+# ... where M padded per sample to whole m64 tiles adds at most this share of rows (`_staged_rows_ok`).
+STAGED_MAX_PADDING = 0.125
 # Staged A tiles land as boxes of 32 positions (128 bytes of fp32: the widest 128-byte-swizzled box).
 STAGED_BOX = 32
 # A tf32 / fp32 conv of several taps (stride 1, its output the input's extents) reads its NC(D)HW
-# input in place through the staging buffer too where True (`reads_nchw_staged_taps`). Off by
-# default: built and checked on the CPU only (tests/test_staged_transpose.py walks its gather).
+# input in place through the staging buffer too where True (`reads_nchw_staged_taps`). Off: correct
+# on an H100 (tests/test_tma_in_place_gpu.py) but 0.28-0.55x the layout pass's GPU time on 3x3 and
+# 5x5 layers (NOTES v70): the three warps' gather, a position and four channels a thread with its
+# padding test, cannot keep up with wgmma.
 STAGED_TAPS = False
 # Such a K-block's tap shifts its m64 chunk's 64 positions along the flattened positions; the box
 # starts at the shifted start rounded down to 16 bytes (a tiled load's innermost coordinate must be)
@@ -592,11 +595,22 @@ def reads_nchw_in_place(spec: LayerSpec) -> bool:
     H100 by benchmarks/tma_inner_offset.cu: offsets 0 and 8 bf16 elements load, 1, 2, 3 and -1
     fault, while any offset along an outer dimension, -1 included, loads and zero-fills; NOTES v65)."""
     geo = spec.conv_geometry()
+    positions = math.prod(spec.conv_output().sizes[1:])
     return (
-        (ELEM_BYTES[spec.precision] == 2 or STAGED_NCHW) and not spec.conv.transposed and spec.conv.groups == 1
+        (ELEM_BYTES[spec.precision] == 2 or (STAGED_NCHW and _staged_rows_ok(positions)))
+        and not spec.conv.transposed and spec.conv.groups == 1
         and all(k == 1 for k in geo["kernel"]) and all(p == 0 for p in geo["padding"])
-        and math.prod(spec.conv_output().sizes[1:]) * ELEM_BYTES[spec.precision] % 16 == 0
+        and positions * ELEM_BYTES[spec.precision] % 16 == 0
     )
+
+
+def _staged_rows_ok(positions: int) -> bool:
+    """Whether a staged 1x1 conv's M, padded to whole m64 tiles per sample, stays within
+    STAGED_MAX_PADDING of its positions: measured on an H100 (NOTES v70), 14^2 (196 positions run as
+    256 rows) lost to the layout pass at batch 64 (0.86x and 0.95x), 56^2 and 112^2 (no padding) won
+    1.25-1.38x."""
+    rows = -(-positions // NCHW_CHUNK) * NCHW_CHUNK
+    return rows <= positions * (1 + STAGED_MAX_PADDING)
 
 
 def reads_nchw_staged_taps(spec: LayerSpec) -> bool:

@@ -28,7 +28,7 @@ PRECISIONS = ["bf16", "fp16", "tf32", "fp32"]
 
 @pytest.fixture(autouse=True)
 def _staged(monkeypatch):
-    """tf32 and fp32 through the staging buffer (`tma.STAGED_NCHW`, off by default until measured on a GPU)."""
+    """tf32 and fp32 through the staging buffer (`tma.STAGED_NCHW`, on by default: kept on whatever the default)."""
     from specgen import tma
 
     monkeypatch.setattr(tma, "STAGED_NCHW", True)
@@ -70,7 +70,9 @@ def _layer(name: str, precision: str) -> FusedLayer:
                      "tile": {"engine": "tma"}})
     layer = FusedLayer(spec).cuda()
     tp = layer.specialize().plan["tma"]
-    assert tp.a_in_place and tp.a_staged == (precision in ("tf32", "fp32"))
+    # (32-bit: staged, but not where padding M to whole m64 tiles adds many rows: the layout pass then)
+    assert tp.a_in_place or precision in ("tf32", "fp32")
+    assert tp.a_staged == (tp.a_in_place and precision in ("tf32", "fp32"))
     return layer
 
 
