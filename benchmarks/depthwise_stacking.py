@@ -21,12 +21,11 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specgen import pipeline, reference  # noqa: E402
+from specgen import bench, pipeline, reference  # noqa: E402
 from specgen.measured import batch_bucket  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 from specgen.plan import Settings  # noqa: E402
@@ -46,18 +45,6 @@ def _spec(name: str, c: int, size: int, k: int, stride: int):
                               "bias": False},
                      "epilogue": [{"batch_norm": {}}, {"hardtanh": {"min_val": 0.0, "max_val": 6.0}}],
                      "precision": "tf32"})
-
-
-def _gpu_ms(fn, xs) -> float:
-    """Mean summed kernel time per call, from the profiler."""
-    for i in range(5):
-        fn(xs[i % len(xs)])
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(CALLS):
-            fn(xs[i % len(xs)])
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / CALLS / 1000
 
 
 def main() -> int:
@@ -92,7 +79,7 @@ def main() -> int:
                 times, rels, blocks = [], [], []
                 with torch.no_grad():
                     ref = reference.forward64(layers[0].spec, xs[0], layers[0].conv.weight, None, layers[0].spec_params())
-                    times.append(_gpu_ms(eager, xs))
+                    times.append(bench.gpu_ms(eager, xs, CALLS))
                     for layer, spread in zip(layers, (False, True)):
                         # the spread box at every batch, the stacked one at none
                         pipeline.small_batch_settings = (lambda *a: Settings(stacked_tiles=False)) if spread \
@@ -100,7 +87,7 @@ def main() -> int:
                         kernel = pipeline.batch_variant(layer.specialize(), batch)
                         blocks.append(kernel.plan["blocks_per_sample"])
                         rels.append(((layer(xs[0]).double() - ref).norm() / ref.norm()).item())
-                        times.append(_gpu_ms(layer, xs))
+                        times.append(bench.gpu_ms(layer, xs, CALLS))
                         pipeline.small_batch_settings = rule
                 label = f"dw {c} ch {size}^2 k{k} s{stride}"
                 print(f"{label:28}{batch:>6}{times[0]:9.4f}{times[1]:9.4f}{times[2]:9.4f}{times[1] / times[2]:10.2f}"

@@ -23,12 +23,11 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specgen import reference, tma  # noqa: E402
+from specgen import bench, reference, tma  # noqa: E402
 from specgen.module import FusedLayer  # noqa: E402
 from specgen.spec import validate  # noqa: E402
 
@@ -48,18 +47,6 @@ def _spec(name: str, cin: int, cout: int, size: int, act: bool, precision: str, 
     return validate({"name": name, "input": {"channels": cin, "size": [size, size]},
                      "conv": {"out_channels": cout, "kernel": kernel, "padding": kernel // 2, "bias": False},
                      "epilogue": [{"batch_norm": {}}, *after], "precision": precision})
-
-
-def _gpu_ms(fn, xs) -> float:
-    """Mean summed kernel time per call, from the profiler."""
-    for i in range(5):
-        fn(xs[i % len(xs)])
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(CALLS):
-            fn(xs[i % len(xs)])
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / CALLS / 1000
 
 
 def main() -> int:
@@ -105,7 +92,7 @@ def main() -> int:
                     with torch.no_grad():
                         ref = reference.forward64(layers[0].spec, xs[0], layers[0].conv.weight, None, layers[0].spec_params())
                         rels = [((layer(xs[0]).double() - ref).norm() / ref.norm()).item() for layer in layers]
-                        times = [_gpu_ms(eager, xs)] + [_gpu_ms(layer, xs) for layer in layers]
+                        times = [bench.gpu_ms(eager, xs, CALLS)] + [bench.gpu_ms(layer, xs, CALLS) for layer in layers]
                     print(f"{label:34}{batch:>6}{times[0]:9.4f}{times[1]:9.4f}{times[2]:9.4f}{times[1] / times[2]:8.2f}"
                           f"{times[0] / times[2]:9.2f}  {rels[0]:.1e} / {rels[1]:.1e}", flush=True)
     finally:

@@ -141,6 +141,22 @@ def host_us(call, calls: int = 1000, warmup: int = 20) -> float:
     return result
 
 
+def gpu_ms(fn, inputs: list, calls: int = 20, warmup: int = 5) -> float:
+    """Mean summed kernel time of `fn(x)` per call in ms, from the profiler's kernel durations
+    (`calls` calls over `inputs` in turn, after `warmup`): what the call costs inside a CUDA graph,
+    where a small batch's host time is gone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i in range(warmup):
+        fn(inputs[i % len(inputs)])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            fn(inputs[i % len(inputs)])
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1000
+
+
 def _channels_last(t: torch.Tensor) -> torch.Tensor:
     """`t` with its channels innermost in memory (same values): channels_last(_3d), or for a 1-D conv
     the [N, W, C] order torch has no name for."""

@@ -66,9 +66,23 @@ static unsigned as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u;
 #define __float_as_uint as_uint
 """
 
-_MAIN = r"""
+_TILE_IO = r"""
 // The byte a swizzled tile keeps the value of unswizzled address a at (CuTe's Swizzle<B, 4, 3>).
 static unsigned place(unsigned a, unsigned mask) { return a ^ ((a >> 3) & mask); }
+
+// The A tile (and its lo plane) written to `path` in [plane][position][channel] order, as wgmma reads it.
+static void write_tile(const char* path, unsigned tile) {
+  const unsigned mask = ROW_BYTES == 128 ? 0x70 : ROW_BYTES == 64 ? 0x30 : 0x10;
+  FILE* f = std::fopen(path, "wb");
+  for (int plane = 0; plane < PLANES; ++plane)
+    for (int p = 0; p < BM; ++p)
+      for (int c = 0; c < BKC; ++c)
+        std::fwrite(smem + place(tile + plane * PLANE_BYTES + p * ROW_BYTES + 4 * c, mask), 4, 1, f);
+  std::fclose(f);
+}
+"""
+
+_MAIN = r"""
 
 int main(int argc, char** argv) {  // x.bin (BM x BKC floats, [position][channel]) tile.bin trace.txt
   std::vector<float> x(BM * BKC);
@@ -87,14 +101,7 @@ int main(int argc, char** argv) {  // x.bin (BM x BKC floats, [position][channel
     transpose_unit(staged, tile, u);
   }
   std::fclose(trace);
-  // the A tile (and its lo plane) read back in [plane][position][channel] order, as wgmma sees it
-  const unsigned mask = ROW_BYTES == 128 ? 0x70 : ROW_BYTES == 64 ? 0x30 : 0x10;
-  f = std::fopen(argv[2], "wb");
-  for (int plane = 0; plane < PLANES; ++plane)
-    for (int p = 0; p < BM; ++p)
-      for (int c = 0; c < BKC; ++c)
-        std::fwrite(smem + place(tile + plane * PLANE_BYTES + p * ROW_BYTES + 4 * c, mask), 4, 1, f);
-  std::fclose(f);
+  write_tile(argv[2], tile);
   return 0;
 }
 """
@@ -112,7 +119,7 @@ def _host_source(text: str, planes: int) -> str:
     body = re.sub(r"__device__ __forceinline__ float lds_f32\(.*?\n}\n", "", body, flags=re.S)
     assert "asm" not in body
     rounding = [line for line in text.splitlines() if "float tf32_round(float x)" in line]
-    return "\n".join([_PRELUDE, *consts, f"constexpr int PLANES = {planes};", *rounding, body, _MAIN])
+    return "\n".join([_PRELUDE, *consts, f"constexpr int PLANES = {planes};", *rounding, body, _TILE_IO, _MAIN])
 
 
 def _tf32(x: torch.Tensor) -> torch.Tensor:
@@ -169,8 +176,6 @@ def test_the_transpose_puts_every_value_where_wgmma_reads_it(monkeypatch, tmp_pa
 
 
 _GATHER_MAIN = r"""
-static unsigned place(unsigned a, unsigned mask) { return a ^ ((a >> 3) & mask); }
-
 // x.bin: one sample's BKC channels x IN_POSITIONS floats; m0: the tile's first row; off_d, off_h, off_w:
 // the tap's offsets. Stages each chunk's box as the TMA lands it (from the shifted start rounded down
 // to 16 bytes, zeros past the positions), gathers every unit and writes the A tile back.
@@ -200,13 +205,7 @@ int main(int argc, char** argv) {  // x.bin tile.bin trace.txt m0 off_d off_h of
     gather_unit(staged, tile, u, chunk_p, off_d, off_h, off_w);
   }
   std::fclose(trace);
-  const unsigned mask = ROW_BYTES == 128 ? 0x70 : ROW_BYTES == 64 ? 0x30 : 0x10;
-  f = std::fopen(argv[2], "wb");
-  for (int plane = 0; plane < PLANES; ++plane)
-    for (int p = 0; p < BM; ++p)
-      for (int c = 0; c < BKC; ++c)
-        std::fwrite(smem + place(tile + plane * PLANE_BYTES + p * ROW_BYTES + 4 * c, mask), 4, 1, f);
-  std::fclose(f);
+  write_tile(argv[2], tile);
   return 0;
 }
 """
