@@ -761,7 +761,8 @@ def _l2_note(spec: LayerSpec, cfg: TmaConfig, cip: int, elem_bytes: int, target:
 MAX_STAGES = 4
 
 
-def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two_blocks: bool = True) -> TmaConfig:
+def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two_blocks: bool = True,
+                   channels_last: bool = False) -> TmaConfig:
     """The planner's guess for `batch` samples (the grid depends on the batch; the tile is chosen
     for a typical one). Up to 64 channels outside fp32 mode: 256 x N tiles, two blocks per SM
     (`specgen tune` measured them 1.05-1.89x the former one-block 256 x N tiles of 5-8 stages on
@@ -783,7 +784,8 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
     pairs = w_pairs_possible(spec)
     rows = _norm_rows(spec, pairs)
     transposed = spec.conv.transposed
-    staged = staging_row_bytes(spec) if reads_nchw_staged(spec) else 0  # (counted for a contiguous input too)
+    # (a channels-last plan reads its input as it lies: no staging buffer)
+    staged = staging_row_bytes(spec) if reads_nchw_staged(spec) and not channels_last else 0
     if two_blocks and not split and not spec.inputs() and not rows:
         # (a W pair holds two GEMMs' accumulators: 128 rows)
         heights = (128,) if pairs else (256,) if transposed or spec.precision == "tf32" else (256, 128)
@@ -893,7 +895,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     precision = spec.precision
     eb = ELEM_BYTES[precision]
     split = precision == "fp32"
-    cfg = config or default_config(spec, target, two_blocks=two_blocks)
+    cfg = config or default_config(spec, target, two_blocks=two_blocks, channels_last=channels_last)
     cin, cout = spec.input.channels, spec.conv.out_channels
     cip, bkc = _channels(cin, eb)
     geo = spec.conv_geometry()
