@@ -780,6 +780,20 @@ def test_a_32_bit_1x1_conv_is_staged_only_where_padding_m_adds_few_rows(size, st
     assert bf16["tma"].a_in_place == (math.prod(size) * 2 % 16 == 0)  # (16-bit operands: no such rule)
 
 
+@pytest.mark.parametrize("precision", ["tf32", "fp32"])
+def test_a_channels_last_plan_chooses_its_tile_without_a_staging_buffer(monkeypatch, precision):
+    """The channels-last variant of a stageable 1x1 conv reads its input as it lies: its tile is the
+    one it had before staging existed (the switch off), while the contiguous plan pays for the buffer."""
+    spec = spec_of(cin=64, cout=256, size=(56, 56), kernel=1, padding=0, precision=precision, tile={"engine": "tma"})
+    plans = {}
+    for on in (False, True):
+        monkeypatch.setattr(tma, "STAGED_NCHW", on)
+        plans[on] = (build_plan(spec, None, HOPPER, None, pipeline._CHANNELS_LAST)["tma"],
+                     build_plan(spec, target=HOPPER)["tma"])
+    assert plans[True][0].config == plans[False][0].config and not plans[True][0].a_staged
+    assert plans[True][1].a_staged and plans[True][1].smem_bytes <= HOPPER.smem_per_block
+
+
 def test_the_staging_switch_gives_back_the_layout_pass(monkeypatch):
     spec = spec_of(cin=256, cout=64, size=(56, 56), kernel=1, padding=0, precision="tf32", tile={"engine": "tma"})
     monkeypatch.setattr(tma, "STAGED_NCHW", True)
