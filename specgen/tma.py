@@ -279,6 +279,11 @@ class TmaPlan:
         return self.a_in_place and self.grid_positions != self.positions
 
     @property
+    def staging_at(self) -> int:
+        """A staged stage's staging buffer offset (`_smem`): past its planes' A and B tiles."""
+        return _past_planes((2 if self.split else 1) * self.kb_per_stage * (self.a_bytes + self.b_bytes))
+
+    @property
     def grid_gemms(self) -> int:
         """What multiplies an M tile's blocks along N in the grid: the phases, or their W pairs."""
         return self.gemms // 2 if self.w_pairs else self.gemms
@@ -670,8 +675,13 @@ def _smem(cfg: TmaConfig, row_bytes: int, planes: int, staging_row: int = 0) -> 
     b_bytes = _align(cfg.bn * row_bytes, row_bytes)
     stage = planes * cfg.kb_per_stage * (a_bytes + b_bytes)
     if staging_row:
-        stage = -(-stage // SMEM_ALIGN) * SMEM_ALIGN + cfg.kb_per_stage * (cfg.bm // 64) * (row_bytes // 4) * staging_row
+        stage = _past_planes(stage) + cfg.kb_per_stage * (cfg.bm // 64) * (row_bytes // 4) * staging_row
     return a_bytes, b_bytes, stage
+
+
+def _past_planes(nbytes: int) -> int:
+    """Where a staged stage's staging buffer starts: its planes' `nbytes`, 1024-byte aligned."""
+    return -(-nbytes // SMEM_ALIGN) * SMEM_ALIGN
 
 
 def _kb_options(kb_total: int, row_bytes: int) -> list[int]:

@@ -710,7 +710,7 @@ def test_a_32_bit_1x1_conv_reads_its_nchw_input_in_place_through_a_staging_buffe
     assert "descriptor_mn" not in text and "descriptor(rows)" in text
     assert f"constexpr unsigned STAGING_AT = {-(-body // 1024) * 1024};" in text
     assert "mbar_init(smem_u32(&full_bar[s]), 1 + TRANSPOSERS);" in text
-    assert "transpose_unit(stage + STAGING_AT + j * A_BYTES, stage + j * A_BYTES, u);" in text
+    assert "transpose_unit(stage + STAGING_AT + j * STAGING_BYTES, stage + j * A_BYTES, u);" in text
     assert "fence.proxy.async.shared::cta" in text
     assert text.count("const __grid_constant__ TensorMap map_a_") == 1 + (tp.split_k > 1)
     assert ("l[e] = x[e] - h[e];" in text) == tp.split
