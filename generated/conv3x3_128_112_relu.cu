@@ -24,16 +24,25 @@
 // How this kernel works (the Hopper engine: TMA + wgmma)
 //   The conv is a GEMM: M = output positions of the whole batch (sample, d, h, w flattened; the
 //   batch is the only run-time value), N = the 128 output channels, K = 9 taps x 128 channels.
-//   * specgen_conv3x3_128_112_relu_prep lays the input out channels-last, [batch][d][h][w][CIP = 128] (zeros in the padded
-//     channels), split into a TF32 part and its remainder (two planes): the tensor memory
-//     accelerator (TMA) reads it in im2col mode. The weights arrive as [C_OUT][TAPS][CIP], prepared the same way.
+//   * A conv of stride 1 that keeps the input's extents: M is the input's own positions, and output
+//     position o reads input position o + the tap's shift along the flattened positions wherever the
+//     tap lies inside the input (zero where it falls in the padding). The tensor memory
+//     accelerator (TMA) reads A from the [batch][C_IN][positions] input where it lies (no layout
+//     pass): per K-block (a tap, BKC channels) and m64 tile, one tiled load of SPAN = 72 positions of one
+//     sample x BKC channels from the tile's shifted first
+//     position rounded down to 16 bytes (a tiled load's innermost coordinate must be), landing
+//     unswizzled in a staging buffer. Warps 1-3 of the producer warpgroup gather from it, a position x
+//     4 channels a thread, each value at its shift or a zero, into the A tile as wgmma reads it (K-major; fp32 mode: each value split there into its TF32 part and remainder, two planes),
+//     and then let the consumers in. The weights arrive as [C_OUT][TAPS][CIP] (zeros in the padded channels).
 //   * A block owns BM = 128 positions x BN = 128 channels. K is walked in K-blocks of one tap x BKC = 32
 //     channels (36 of them, 1 per pipeline stage, 36 stages walked).
-//     A K-block's A tile (BM positions x BKC channels) is one im2col TMA load: the hardware walks the
-//     positions across rows and samples, adds the tap's offset and fills zeros in the padding; its
-//     B tile is one TMA load of the weights. Both land 128-byte-swizzled, as wgmma reads them.
+//     A K-block's A tile (BM positions x BKC channels) is 2 tiled TMA loads, one per m64 tile (its 64
+//     positions lie in one sample: POSITIONS is a multiple of 64), each BKC rows
+//     of SPAN positions, unswizzled, into the staging buffer; channels past C_IN, positions past the
+//     sample's and samples past the batch load as zeros. Its B tile is one TMA load of the weights,
+//     128-byte-swizzled, as wgmma reads it; the transposers write the A tile the same way.
 //   * Warpgroup 0 is the producer: one thread issues the loads up to 3 stages ahead; a stage's
-//     "full" mbarrier counts its 65536 bytes in. Warpgroups 1 and 2 are the consumers: each multiplies
+//     "full" mbarrier counts its 51200 bytes in and the 96 transposers' arrivals (its "staged" mbarrier counts the A tiles' bytes into the staging buffer). Warpgroups 1 and 2 are the consumers: each multiplies
 //     its 64 positions by BN channels with wgmma.mma_async m64n128k8 (tf32, both operands from
 //     shared memory), keeps one stage's products in flight, and gives a stage back through its
 //     "empty" mbarrier.
@@ -46,18 +55,10 @@
 //   * Epilogue on the accumulators: bias, relu; each value is stored straight to
 //     the [batch][C_OUT][d][h][w] output.
 //   Grid: one block per (M tile, N tile), N tiles fastest (blocks that read the same input run
-//   together); 384 threads per block; 197632 bytes of dynamic shared memory.
+//   together); 384 threads per block; 154624 bytes of dynamic shared memory.
 // =====================================================================================================
 
 namespace {
-
-// 8- and 16-byte stores, written as PTX: the compiler otherwise split C++ vector stores (of 16-bit
-// pairs, and of float4s alike) into 4-byte ones, which fill only part of each sector. `p` is aligned
-// to the width. (The epilogue's four 16-bit values of a lane: four positions of a channel in
-// NC(D)HW, eight channels of a row channels-last; the layout pass's 16 bytes of channels.)
-__device__ __forceinline__ void store_v4(void* p, unsigned a, unsigned b, unsigned c, unsigned d) {
-  asm volatile("st.global.v4.b32 [%0], { %1, %2, %3, %4 };\n" :: "l"(__cvta_generic_to_global(p)), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
-}
 
 // ---- input, one sample ------------------------------------------------------------------------------
 constexpr int C_IN = 128;  // input channels
@@ -76,7 +77,7 @@ constexpr int POSITIONS = 12544;  // OUT_D * OUT_H * OUT_W: M per sample
 // The output, and each extra input of its shape, lie [batch][C_OUT][d][h][w].
 
 // ---- the GEMM's tiling ------------------------------------------------------------------------------
-constexpr int CIP = 128;  // input channels: one pixel of the channels-last input
+constexpr int CIP = 128;  // input channels: the K-blocks' span (the map loads zeros past C_IN)
 constexpr int BKC = 32;  // channels per K-block: one 128-byte row of an A or B tile
 constexpr int CB = 4;  // K-blocks per tap (CIP / BKC)
 constexpr int KB_PER_STAGE = 1;  // K-blocks per pipeline stage
@@ -88,13 +89,25 @@ constexpr int N_TILES = 1;  // blocks along N
 constexpr int STAGES = 3;  // shared-memory pipeline stages
 constexpr int ROW_BYTES = 128;  // bytes of K per tile row: the swizzle width
 constexpr int KSTEPS = 4;  // wgmma per row (each reads 32 bytes of K: 8 values)
-constexpr unsigned A_BYTES = 16384, B_BYTES = 16384;  // one K-block's A and B tiles in shared memory (1024-byte aligned)
+constexpr unsigned A_BYTES = 0, B_BYTES = 16384;  // one K-block's A and B tiles in shared memory (1024-byte aligned)
 constexpr unsigned PLANE_BYTES = KB_PER_STAGE * (A_BYTES + B_BYTES);  // one stage of one operand plane
-constexpr unsigned STAGE_BYTES = 65536;  // one stage (2 planes: hi, lo)
-constexpr unsigned STAGE_TX = 65536;  // bytes the TMA writes per stage
+constexpr unsigned STAGE_BYTES = 51200;  // one stage (2 planes: hi, lo)
+constexpr unsigned STAGE_TX = 51200;  // bytes the TMA writes per stage
 constexpr int THREADS = 384;  // warpgroup 0 produces, 1 and 2 consume
 constexpr int CONSUMER_THREADS = 256;  // the arrivals that free a stage
 constexpr int ACC = BN / 2;  // accumulator floats per thread per m64 tile
+// A read in place, its taps shifted: a K-block's tap shifts each m64 chunk's 64 positions by a
+// constant along the flattened positions (the conv keeps the input's extents; `tap_shift`); the chunk's
+// box, BKC rows (channels) of SPAN positions from the shifted start rounded down to 16 bytes, lands
+// unswizzled in the stage's staging buffer (at STAGING_AT, past the B tiles: there is no A tile), and
+// the consumers load their A registers from it (`a_fragments`), zeros where the tap is in the padding.
+constexpr int A_CHUNKS = BM / 64;
+constexpr int SPAN = 72;  // positions of a box: 64, shifted by up to 3 past a 16-byte boundary, and 4 more (bank spread)
+constexpr unsigned A_CHUNK_BYTES = BKC * SPAN * 4;  // one chunk's box
+constexpr unsigned STAGING_BYTES = A_CHUNKS * A_CHUNK_BYTES;  // one K-block's boxes
+constexpr unsigned STAGING_AT = 32768;  // the staging buffer's offset in a stage (past the B planes, 1024-byte aligned)
+static_assert(A_BYTES == 0, "no A tile: the consumers read the boxes");
+static_assert(POSITIONS % 64 == 0 && OUT_D == IN_D && OUT_H == IN_H && OUT_W == IN_W, "every m64 tile lies in one sample; the conv keeps the input's extents");
 
 // ---- op constants -----------------------------------------------------------------------------------
 // (none)
@@ -132,13 +145,11 @@ __device__ __forceinline__ void tma_tile(unsigned dst, const TensorMap& map, uns
   asm volatile(
 "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(k), "r"(n) : "memory");
 }
-// A: BM positions x BKC channels from channel c, starting at the input coordinates of the block's
-// first position (tap 0: may lie in the padding), each shifted by the tap's offset.
-__device__ __forceinline__ void tma_im2col(unsigned dst, const TensorMap& map, unsigned bar, int c, int w, int h, int d,
-                                           int n, int kw, int kh, int kd) {
+// A, read in place: a [BKC rows][SPAN positions] box of the input [batch][C_IN][POSITIONS] at
+// (position p, channel c, sample n); zeros past C_IN and past the batch.
+__device__ __forceinline__ void tma_nchw(unsigned dst, const TensorMap& map, unsigned bar, int p, int c, int n) {
   asm volatile(
-"cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2], {%7, %8};\n"      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(c), "r"(w), "r"(h), "r"(n),
-        "h"(static_cast<unsigned short>(kw * DIL_W)), "h"(static_cast<unsigned short>(kh * DIL_H)) : "memory");
+"cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n"      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(p), "r"(c), "r"(n) : "memory");
 }
 
 // ---- wgmma ------------------------------------------------------------------------------------------------
@@ -178,133 +189,97 @@ __device__ __forceinline__ void wgmma(float (&d)[ACC], unsigned long long a, uns
       : "l"(a), "l"(b), "r"(accumulate));
 }
 
+// ... with A from registers: the thread's fragment a0..a3 (`a_fragments`), B from shared memory.
+__device__ __forceinline__ void wgmma_rs(float (&d)[ACC], const float (&a)[4], unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred acc;\nsetp.ne.b32 acc, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, "
+      "%8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, "
+      "%40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, "
+      "%56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, acc, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(__float_as_uint(a[0])), "r"(__float_as_uint(a[1])), "r"(__float_as_uint(a[2])), "r"(__float_as_uint(a[3])),
+        "l"(b), "r"(accumulate));
+}
+
 // x rounded to TF32 (to nearest, ties away from zero): the tensor cores read the top 19 bits.
 __device__ __forceinline__ float tf32_round(float x) { return __uint_as_float((__float_as_uint(x) + 0x1000u) & 0xFFFFE000u); }
-}  // namespace
 
-// ---- the layout pass: [batch][C_IN][positions] -> [batch][positions][CIP] ----------------------------
-// One block transposes a tile of PREP_TC channels x PREP_TP positions of one sample through shared
-// memory: 16-byte reads along positions (PREP_VEC input elements), 16-byte writes along channels
-// (PREP_SV operand elements), so that every access moves whole sectors, and lanes mapped so that a
-// warp's shared-memory accesses fall in different banks (see PREP_RT, PREP_GW and PREP_ROW).
-namespace {
-constexpr int PREP_TC = 64, PREP_TP = 64;  // tile: channels, positions
-constexpr int PREP_P_TILES = 196, PREP_C_TILES = 2;  // tiles per sample
-using In = float;  // the layer's input element
-using Operand = float;  // what the tensor cores read
-constexpr int PREP_VEC = 16 / sizeof(In), PREP_SV = 16 / sizeof(Operand);  // elements per 16-byte read, write
-// Every channel's row of the input (50176 bytes) starts PREP_ALIGN-byte aligned (where x is 16-byte
-// aligned): a vector of PREP_VEC values is read in 16 / PREP_ALIGN loads of PREP_ALIGN bytes (from 4 bytes on).
-constexpr int PREP_ALIGN = 16;
-constexpr bool PREP_VEC_ROWS = PREP_ALIGN >= 4;
-static_assert(PREP_TP % PREP_VEC == 0 && PREP_TC % PREP_SV == 0 && CIP % PREP_TC == 0, "the tile is whole vectors");
-static_assert(PREP_TC * PREP_TP % (256 * PREP_VEC) == 0 && PREP_TC * PREP_TP % (256 * PREP_SV) == 0, "whole rounds of 256 threads");
-// Reads: a warp takes 32 / PREP_RT rows (channels) of PREP_RT vectors each. For 16-bit inputs that is
-// 8 rows of 64 bytes; in tiles of 32 channels or more (rows PREP_ROW = 1 mod 32 words apart) their 32
-// lanes' first words fall in 32 different banks. Float inputs take whole 128-byte row pieces.
-constexpr int PREP_RT = PREP_VEC == 8 ? 4 : (PREP_TP / PREP_VEC < 32 ? PREP_TP / PREP_VEC : 32);
-// Writes: the PREP_GW vectors of channels of one position lie in neighbouring lanes (a run of
-// 16 * PREP_GW bytes of the output row), and a warp takes 32 / PREP_GW positions.
-constexpr int PREP_GW = PREP_TC / PREP_SV < 4 ? PREP_TC / PREP_SV : 4;
-static_assert(PREP_TP / PREP_VEC % PREP_RT == 0 && PREP_TC % (32 / PREP_RT) == 0 && PREP_TP % (32 / PREP_GW) == 0, "a warp's reads and writes stay in one tile");
-// The tile's row stride in floats: the smallest above PREP_TP that puts the write's PREP_GW channel
-// vectors (PREP_SV rows apart) 32 / PREP_GW banks apart, so that a warp's 32 reads of one value each
-// (PREP_GW vectors x 32 / PREP_GW neighbouring positions) hit 32 different banks.
-constexpr int prep_row() {
-  int s = PREP_TP + 1;
-  while (PREP_GW > 1 && PREP_SV * s % 32 != 32 / PREP_GW) ++s;
-  return s;
-}
-constexpr int PREP_ROW = prep_row();
-
-__device__ __forceinline__ float to_float(In v) { return v; }
-
-// PREP_VEC consecutive input values (16 bytes) from a PREP_ALIGN-byte aligned address, as floats.
-__device__ __forceinline__ void load_row_vector(const In* __restrict__ src, float (&v)[PREP_VEC]) {
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
-  v[0] = __uint_as_float(raw.x); v[1] = __uint_as_float(raw.y); v[2] = __uint_as_float(raw.z); v[3] = __uint_as_float(raw.w);
+// ---- the consumers' A registers, read from the tap-shifted boxes ----------------------------------------
+__device__ __forceinline__ float lds_f32(unsigned a) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
+  return v;
 }
 
-// One input value as the tensor cores read it: split into hi and lo.
-__device__ __forceinline__ void store_operand(Operand* __restrict__ hi, Operand* __restrict__ lo, size_t i, float v) {
-  const float h = tf32_round(v);
-  hi[i] = h;
-  lo[i] = v - h;  // exact
+// Whether an output position at (od, oh, ow) reads a tap of offsets (off_d, off_h, off_w) inside the
+// input (else the tap is in the padding and reads zero; a row past the positions, never stored, too).
+// A tap's shift along the flattened positions: output position o reads input position o + the shift.
+__device__ __forceinline__ int tap_shift(int kd, int kh, int kw) {
+  return (kd * DIL_D - P_D) * (IN_H * IN_W) + (kh * DIL_H - P_H) * IN_W + (kw * DIL_W - P_W);
 }
 
-// PREP_SV consecutive operand values at element i (16-byte aligned), as the tensor cores read them:
-// split into hi and lo.
-__device__ __forceinline__ void store_operands(Operand* __restrict__ hi, Operand* __restrict__ lo, size_t i, const float (&v)[PREP_SV]) {
-  float h[4], l[4];
+__device__ __forceinline__ bool tap_inside(int od, int oh, int ow, int off_d, int off_h, int off_w) {
+  return static_cast<unsigned>(od + off_d) < static_cast<unsigned>(IN_D) &&
+         static_cast<unsigned>(oh + off_h) < static_cast<unsigned>(IN_H) &&
+         static_cast<unsigned>(ow + off_w) < static_cast<unsigned>(IN_W);
+}
+
+// The thread's first A row of an m64 tile (warp w, lane: gq = lane / 4, tq = lane % 4): r = 16 w + gq;
+// and where row r of channel tq lies in a box (bytes from its start).
+__device__ __forceinline__ int a_row(int warp, int lane) { return 16 * warp + lane / 4; }
+__device__ __forceinline__ unsigned a_word(int warp, int lane) { return (lane % 4 * SPAN + a_row(warp, lane)) * 4; }
+
+// The thread's rows r and r + 8 of an m64 tile whose first position in its sample is p: their output
+// coordinates (past POSITIONS in a padding row: outside every tap; such rows are not stored).
+struct TileRows {
+  int p, d[2], h[2], w[2];
+};
+__device__ __forceinline__ TileRows tile_rows(int p, int r) {
+  TileRows t;
+  t.p = p;
   #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    h[k] = tf32_round(v[k]);
-    l[k] = v[k] - h[k];  // exact
+  for (int h = 0; h < 2; ++h) {
+    const int o = p + r + 8 * h;
+    t.d[h] = o / (OUT_H * OUT_W), t.h[h] = o / OUT_W % OUT_H, t.w[h] = o % OUT_W;
   }
-  store_v4(hi + i, __float_as_uint(h[0]), __float_as_uint(h[1]), __float_as_uint(h[2]), __float_as_uint(h[3]));
-  store_v4(lo + i, __float_as_uint(l[0]), __float_as_uint(l[1]), __float_as_uint(l[2]), __float_as_uint(l[3]));
+  return t;
 }
-}  // namespace
 
-extern "C" __global__ void __launch_bounds__(256) specgen_conv3x3_128_112_relu_prep(
-    const In* __restrict__ x,  // [batch][C_IN][IN_D][IN_H][IN_W]
-    Operand* __restrict__ x_hi,  // [batch][IN_D][IN_H][IN_W][CIP]: its hi part
-    Operand* __restrict__ x_lo,  // [batch][IN_D][IN_H][IN_W][CIP]: its lo part
-    int batch)
-{
-  __shared__ float tile[PREP_TC][PREP_ROW];
-  const int c_tile = blockIdx.x % PREP_C_TILES, p_tile = blockIdx.x / PREP_C_TILES % PREP_P_TILES;
-  const int n = blockIdx.x / (PREP_C_TILES * PREP_P_TILES);
-  const int c0 = c_tile * PREP_TC, p0 = p_tile * PREP_TP;
-  const In* __restrict__ x_n = x + static_cast<size_t>(n) * C_IN * IN_POSITIONS;
-  const bool vector_rows = PREP_VEC_ROWS && reinterpret_cast<size_t>(x) % 16 == 0;
-  // Read: each thread PREP_VEC positions of one channel at a time (zeros past the channels and positions).
+// A K-block's A registers of one m64 tile, tap (kd, kh, kw): wgmma's tf32 register fragment of
+// k-step k holds a[k][0] = (row r, channel 8 k + tq), a[k][1] = (r + 8, 8 k + tq), a[k][2] = (r, 8 k + tq + 4),
+// a[k][3] = (r + 8, 8 k + tq + 4). `box`: the tile's box in the stage (BKC rows of SPAN positions from the
+// shifted start rounded down to 16 bytes); `word`: `a_word`. Row r reads input position o + the shift,
+// at (o + shift) & 3 past the box's start; zeros where the tap is in the padding. A warp's load reads 8
+// positions of 4 channels: rows SPAN words apart, so its 32 words fall in 32 different banks.
+__device__ __forceinline__ void a_fragments(float (&a)[KSTEPS][4], unsigned box, const TileRows& rows, unsigned word,
+                                            int kd, int kh, int kw) {
+  const int off_d = kd * DIL_D - P_D, off_h = kh * DIL_H - P_H, off_w = kw * DIL_W - P_W;
+  const bool in0 = tap_inside(rows.d[0], rows.h[0], rows.w[0], off_d, off_h, off_w);
+  const bool in1 = tap_inside(rows.d[1], rows.h[1], rows.w[1], off_d, off_h, off_w);
+  const unsigned from = box + ((rows.p + tap_shift(kd, kh, kw)) & 3) * 4 + word;
   #pragma unroll
-  for (int i = 0; i < PREP_TC * PREP_TP / (256 * PREP_VEC); ++i) {
-    const int e = i * 256 + threadIdx.x, warp_piece = e / 32;  // (the tile's pieces of 32 / PREP_RT rows x PREP_RT vectors)
-    constexpr int ROWS = 32 / PREP_RT, PIECES_PER_ROW = PREP_TP / PREP_VEC / PREP_RT;
-    const int tc = warp_piece / PIECES_PER_ROW * ROWS + e % 32 / PREP_RT;
-    const int tp = (warp_piece % PIECES_PER_ROW * PREP_RT + e % PREP_RT) * PREP_VEC;
-    const int c = c0 + tc, p = p0 + tp;
-    float v[PREP_VEC];
-    if (c < C_IN && vector_rows && p + PREP_VEC <= IN_POSITIONS) {
-      load_row_vector(x_n + static_cast<size_t>(c) * IN_POSITIONS + p, v);
-    } else {
-      #pragma unroll
-      for (int k = 0; k < PREP_VEC; ++k) v[k] = c < C_IN && p + k < IN_POSITIONS ? to_float(x_n[static_cast<size_t>(c) * IN_POSITIONS + p + k]) : 0.0f;
-    }
+  for (int k = 0; k < KSTEPS; ++k)
     #pragma unroll
-    for (int k = 0; k < PREP_VEC; ++k) tile[tc][tp + k] = v[k];
-  }
-  __syncthreads();
-  // Write: each thread PREP_SV channels of one position at a time.
-  const size_t base = static_cast<size_t>(n) * IN_POSITIONS * CIP;
-  #pragma unroll
-  for (int i = 0; i < PREP_TC * PREP_TP / (256 * PREP_SV); ++i) {
-    const int e = i * 256 + threadIdx.x;
-    const int tp = e / PREP_GW % PREP_TP, tc = (e / (PREP_GW * PREP_TP) * PREP_GW + e % PREP_GW) * PREP_SV;
-    if (p0 + tp < IN_POSITIONS) {
-      float v[PREP_SV];
-      #pragma unroll
-      for (int k = 0; k < PREP_SV; ++k) v[k] = tile[tc + k][tp];
-      store_operands(x_hi, x_lo, base + static_cast<size_t>(p0 + tp) * CIP + c0 + tc, v);
+    for (int e = 0; e < 4; ++e) {
+      const float v = lds_f32(from + ((8 * k + 4 * (e / 2)) * SPAN + 8 * (e % 2)) * 4);
+      a[k][e] = (e % 2 ? in1 : in0) ? v : 0.0f;
     }
-  }
 }
-
-// A channels-last input [batch][positions][C_IN]: the same values, padded to CIP channels.
-extern "C" __global__ void __launch_bounds__(256) specgen_conv3x3_128_112_relu_prep_cl(
-    const In* __restrict__ x,  // [batch][IN_D][IN_H][IN_W][C_IN]
-    Operand* __restrict__ x_hi,  // [batch][IN_D][IN_H][IN_W][CIP]
-    Operand* __restrict__ x_lo,  // [batch][IN_D][IN_H][IN_W][CIP]
-    int batch)
-{
-  const size_t i = static_cast<size_t>(blockIdx.x) * 256 + threadIdx.x;  // one output element per thread
-  if (i >= static_cast<size_t>(batch) * IN_POSITIONS * CIP) return;
-  const size_t pixel = i / CIP;
-  const int c = static_cast<int>(i % CIP);
-  store_operand(x_hi, x_lo, i, c < C_IN ? to_float(x[pixel * C_IN + c]) : 0.0f);
-}
+}  // namespace
 
 // ---- the conv --------------------------------------------------------------------------------------------
 // Tile t: M tile t / N_TILES, N tile t % N_TILES; a block walks tiles blockIdx.x, blockIdx.x + gridDim.x and so on.
@@ -313,7 +288,6 @@ namespace {
 template <int SPLIT>
 __device__ __forceinline__ void conv_block(
     const TensorMap& map_a_hi,
-    const TensorMap& map_a_lo,
     const TensorMap& map_b_hi,
     const TensorMap& map_b_lo,
     const float* __restrict__ bias,    // [C_OUT]
@@ -326,7 +300,7 @@ __device__ __forceinline__ void conv_block(
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
   // Stage s, plane q, K-block j: A tile at s * STAGE_BYTES + q * PLANE_BYTES + j * A_BYTES, its
-  // B tile KB_PER_STAGE * A_BYTES further on.
+  // B tile KB_PER_STAGE * A_BYTES further on; the stage's staging buffer at s * STAGE_BYTES + STAGING_AT.
   const unsigned tiles = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const int m_total = batch * POSITIONS;
   // The block's tiles: tile blockIdx.x, then every gridDim.x-th one after it. The main kernel is
@@ -355,9 +329,14 @@ __device__ __forceinline__ void conv_block(
       for (int tile = blockIdx.x; tile < tile_total; tile += gridDim.x, it0 += ITERS) {
         const int m0 = tile / N_TILES * BM, n0 = tile % N_TILES * BN;
         // The input coordinates of the tile's first position, tap 0 (the TMA walks on from there).
-        const int sample = m0 / POSITIONS, p = m0 % POSITIONS;
-        const int od = p / (OUT_H * OUT_W), oh = p / OUT_W % OUT_H, ow = p % OUT_W;
-        const int w0 = ow * S_W - P_W, h0 = oh * S_H - P_H, d0 = od * S_D - P_D;
+        // Each m64 tile's sample and first position (its 64 positions lie in that sample; a sample
+        // past the batch load as zeros).
+        int chunk_n[A_CHUNKS], chunk_p[A_CHUNKS];
+        #pragma unroll
+        for (int q = 0; q < A_CHUNKS; ++q) {
+          chunk_n[q] = (m0 + 64 * q) / POSITIONS;
+          chunk_p[q] = (m0 + 64 * q) % POSITIONS;
+        }
         #pragma unroll 1
         for (int kt = 0; kt < ITERS; ++kt) {
           const int it = it0 + kt, s = it % STAGES;  // (the stages go round across the block's tiles)
@@ -370,9 +349,14 @@ __device__ __forceinline__ void conv_block(
             const int tap = kb / CB, c = kb % CB * BKC;
             const int kd = tap / (K_H * K_W), kh = tap / K_W % K_H, kw = tap % K_W;
             const unsigned a = tiles + s * STAGE_BYTES + j * A_BYTES, b = tiles + s * STAGE_BYTES + KB_PER_STAGE * A_BYTES + j * B_BYTES;
-            tma_im2col(a + 0 * PLANE_BYTES, map_a_hi, full, c, w0, h0, d0, sample, kw, kh, kd);
+            // A into the staging buffer (the consumers read their registers there), B where wgmma reads it
+            const unsigned staging = tiles + s * STAGE_BYTES + STAGING_AT + j * STAGING_BYTES;
+            const int shift = tap_shift(kd, kh, kw);
+            #pragma unroll
+            for (int q = 0; q < A_CHUNKS; ++q)  // (from the shifted start rounded down to 16 bytes; past the positions: zeros)
+              tma_nchw(staging + q * A_CHUNK_BYTES, map_a_hi, full, (chunk_p[q] + shift) & ~3, c, chunk_n[q]);
+            (void)a;
             tma_tile(b + 0 * PLANE_BYTES, map_b_hi, full, tap * CIP + c, n0);
-            tma_im2col(a + 1 * PLANE_BYTES, map_a_lo, full, c, w0, h0, d0, sample, kw, kh, kd);
             tma_tile(b + 1 * PLANE_BYTES, map_b_lo, full, tap * CIP + c, n0);
           }
         }
@@ -393,33 +377,54 @@ __device__ __forceinline__ void conv_block(
     for (int i = 0; i < WM; ++i)
       #pragma unroll
       for (int e = 0; e < ACC; ++e) acc[i][e] = 0.0f;
+    // This thread's A rows of each of its m64 tiles (`tile_rows`), and where its words lie in a box.
+    const int a_warp = threadIdx.x / 32 % 4, a_lane = threadIdx.x % 32;
+    TileRows rows[WM];
+    #pragma unroll
+    for (int i = 0; i < WM; ++i) rows[i] = tile_rows((m0 + 64 * (wg * WM + i)) % POSITIONS, a_row(a_warp, a_lane));
+    const unsigned word = a_word(a_warp, a_lane);
 
     #pragma unroll 1
     for (int kt = 0; kt < ITERS; ++kt) {
       const int it = it0 + kt, s = it % STAGES;
-      mbar_wait(smem_u32(&full_bar[s]), (it / STAGES) & 1);  // the stage's bytes have landed
+      mbar_wait(smem_u32(&full_bar[s]), (it / STAGES) & 1);  // the stage's boxes and B tiles have landed
       const unsigned stage = tiles + s * STAGE_BYTES;
-      float part[WM][ACC];  // this stage's sums (the first product overwrites them)
-      wgmma_fence();
+      // The stage's A registers, every K-block's, read before its products are issued.
+      float a[KB_PER_STAGE][WM][KSTEPS][4];
       #pragma unroll
       for (int j = 0; j < KB_PER_STAGE; ++j) {
-        const unsigned a = stage + j * A_BYTES, b = stage + KB_PER_STAGE * A_BYTES + j * B_BYTES;
+        const int tap = ((k_first + kt) * KB_PER_STAGE + j) / CB;
+        #pragma unroll
+        for (int i = 0; i < WM; ++i)
+          a_fragments(a[j][i], stage + STAGING_AT + j * STAGING_BYTES + (wg * WM + i) * A_CHUNK_BYTES, rows[i], word,
+                      tap / (K_H * K_W), tap / K_W % K_H, tap % K_W);
+      }
+      float part[WM][ACC];  // this stage's sums (the first product overwrites them)
+      wgmma_fence();  // (the A registers written above, and the accumulators, before wgmma reads them)
+      #pragma unroll
+      for (int j = 0; j < KB_PER_STAGE; ++j) {
+        const unsigned b = stage + j * B_BYTES;
         #pragma unroll
         for (int k = 0; k < KSTEPS; ++k) {
           const unsigned long long b_hi = descriptor(b + 32 * k);
           const unsigned long long b_lo = descriptor(b + PLANE_BYTES + 32 * k);
           #pragma unroll
           for (int i = 0; i < WM; ++i) {
-            const unsigned rows = a + (wg * WM + i) * 64 * ROW_BYTES + 32 * k;  // this warpgroup's m64 tile i
+            float hi[4], lo[4];  // each value's TF32 part and the remainder
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              hi[e] = tf32_round(a[j][i][k][e]);
+              lo[e] = a[j][i][k][e] - hi[e];  // exact
+            }
             // small products first; the stage's first product starts its sums
-            wgmma(part[i], descriptor(rows + PLANE_BYTES), b_hi, j > 0 || k > 0);
-            wgmma(part[i], descriptor(rows), b_lo, 1);
-            wgmma(part[i], descriptor(rows), b_hi, 1);
+            wgmma_rs(part[i], lo, b_hi, j > 0 || k > 0);
+            wgmma_rs(part[i], hi, b_lo, 1);
+            wgmma_rs(part[i], hi, b_hi, 1);
           }
         }
       }
       wgmma_commit();
-      wgmma_wait<0>();
+      wgmma_wait<0>();  // (the A registers are read until the products are done: the next stage's go elsewhere only after)
       #pragma unroll
       for (int i = 0; i < WM; ++i)
         #pragma unroll
@@ -470,13 +475,12 @@ __device__ __forceinline__ void conv_block(
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) specgen_conv3x3_128_112_relu(
-    const __grid_constant__ TensorMap map_a_hi,  // im2col map of the channels-last input: its hi part
-    const __grid_constant__ TensorMap map_a_lo,  // im2col map of the channels-last input: its lo part
+    const __grid_constant__ TensorMap map_a_hi,  // tiled map of the input [batch][C_IN][POSITIONS], read in place
     const __grid_constant__ TensorMap map_b_hi,  // tiled map of the weights [C_OUT][K_TOTAL]: its hi part
     const __grid_constant__ TensorMap map_b_lo,  // tiled map of the weights [C_OUT][K_TOTAL]: its lo part
     const float* __restrict__ bias,    // [C_OUT]
     float* __restrict__ out,  // [batch, C_OUT, OUT_D, OUT_H, OUT_W]
     int batch)
 {
-  conv_block<1>(map_a_hi, map_a_lo, map_b_hi, map_b_lo, bias, out, nullptr, batch);
+  conv_block<1>(map_a_hi, map_b_hi, map_b_lo, bias, out, nullptr, batch);
 }

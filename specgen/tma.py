@@ -246,8 +246,10 @@ class TmaPlan:
     # tiles alone; the staging barrier counts the A boxes.
     a_staged: bool = False
     # ... by a conv of several taps (`reads_nchw_staged_taps`): a K-block's box of each m64 chunk is
-    # STAGED_SPAN positions from its tap's shifted start rounded down to 16 bytes (unswizzled), and
-    # the transposers take each position's value at its shift, zero where the tap is in the padding.
+    # STAGED_SPAN positions from its tap's shifted start rounded down to 16 bytes (unswizzled). No
+    # transposers and no A tile: the consumers load wgmma's A operand from the boxes into registers,
+    # each value at its shift or zero where the tap is in the padding, and `stage_tx` counts the
+    # boxes with the B tiles on the one "full" barrier.
     a_shifted: bool = False
     staging_row: int = 0  # a staged stage's bytes per channel of an m64 chunk (`staging_row_bytes`), else 0
     # A strided 1x1 conv read in place: its output positions are the input's every stride-th
@@ -566,15 +568,20 @@ STAGED_MAX_PADDING = 0.125
 # Staged A tiles land as boxes of 32 positions (128 bytes of fp32: the widest 128-byte-swizzled box).
 STAGED_BOX = 32
 # A tf32 / fp32 conv of several taps (stride 1, its output the input's extents) reads its NC(D)HW
-# input in place through the staging buffer too where True (`reads_nchw_staged_taps`). Off: correct
-# on an H100 (tests/test_tma_in_place_gpu.py) but 0.28-0.55x the layout pass's GPU time on 3x3 and
-# 5x5 layers (NOTES v70): the three warps' gather, a position and four channels a thread with its
-# padding test, cannot keep up with wgmma.
-STAGED_TAPS = False
+# input in place through the staging buffer too where True (`reads_nchw_staged_taps`): the consumers
+# load wgmma's A operand from the staged boxes into registers. Where its taps and input channels are
+# at most these: measured on an H100 (benchmarks/staged_nchw.py --taps, NOTES v71), GPU time
+# 1.02-1.53x the layout pass's on 3x3 convs of 64 and 128 channels in both modes, and 0.83-0.93x on a
+# 5x5 conv in tf32 and a 256-channel 3x3 in fp32 (each position is loaded once per tap, and a box
+# is 72 positions for 64 rows: 12.5% more bytes than the A tile the pass feeds).
+STAGED_TAPS = True
+STAGED_TAPS_MAX_TAPS = 9
+STAGED_TAPS_MAX_CIN = 128
 # Such a K-block's tap shifts its m64 chunk's 64 positions along the flattened positions; the box
 # starts at the shifted start rounded down to 16 bytes (a tiled load's innermost coordinate must be)
-# and so spans 64 + 4 positions, unswizzled.
-STAGED_SPAN = NCHW_CHUNK + 4
+# and spans 64 + 8 positions, unswizzled: rows 72 words apart put the four channels one register
+# load of a warp reads (8 positions each) in four different groups of 8 banks.
+STAGED_SPAN = NCHW_CHUNK + 8
 
 
 def reads_nchw_in_place(spec: LayerSpec) -> bool:
@@ -622,15 +629,21 @@ def reads_nchw_staged_taps(spec: LayerSpec) -> bool:
     """Whether a conv of several taps reads its NC(D)HW input in place through the staging buffer
     (`TmaPlan.a_shifted`): tf32 / fp32, stride 1, its output the input's extents (a "same" conv:
     then output position o reads input position o + the tap's shift along the flattened positions,
-    where the tap lies inside the input), groups 1, and the input's positions whole 16-byte units.
-    The launch's tiled boxes of STAGED_SPAN positions start on 16-byte boundaries; the transposers
-    pick each position's value at its shift and write zeros where the tap falls in the padding."""
+    where the tap lies inside the input), groups 1, at most STAGED_TAPS_MAX_TAPS taps and
+    STAGED_TAPS_MAX_CIN input channels, and the positions whole m64 tiles per sample. (With
+    M padded per sample, the plan reads in place only where it has no split kernel, which the tile
+    decides; a tile sized for the stage without an A tile then no longer fits the stage with one:
+    measured on an H100, 128 -> 128 at 28^2 in fp32 fell to the implicit GEMM at 0.41x.)
+    The launch's tiled boxes of STAGED_SPAN positions start on 16-byte boundaries; the consumers
+    read each position's value at its shift into their A registers, zero where the tap falls in the
+    padding."""
     geo = spec.conv_geometry()
     return (
         STAGED_TAPS and ELEM_BYTES[spec.precision] == 4 and not spec.conv.transposed and spec.conv.groups == 1
-        and math.prod(geo["kernel"]) > 1 and all(st == 1 for st in geo["stride"])
+        and 1 < math.prod(geo["kernel"]) <= STAGED_TAPS_MAX_TAPS and spec.input.channels <= STAGED_TAPS_MAX_CIN
+        and all(st == 1 for st in geo["stride"])
         and tuple(spec.conv_output().sizes[1:]) == tuple(spec.input.size)
-        and math.prod(spec.input.size) * 4 % 16 == 0
+        and math.prod(spec.input.size) % NCHW_CHUNK == 0
     )
 
 
@@ -670,13 +683,22 @@ def _align(nbytes: int, row_bytes: int) -> int:
 def _smem(cfg: TmaConfig, row_bytes: int, planes: int, staging_row: int = 0) -> tuple[int, int, int]:
     """(A tile, B tile, stage) bytes. A staged stage (`reads_nchw_staged`; `staging_row`: its bytes
     per channel of an m64 chunk, `staging_row_bytes`) ends, 1024-byte aligned, with its A tiles'
-    staging buffer (fp32 values as loaded, one plane)."""
-    a_bytes = _align(cfg.bm * row_bytes, row_bytes)
+    staging buffer (fp32 values as loaded, one plane). The tap-shifted boxes (`TmaPlan.a_shifted`)
+    are read from there into registers: no A tile."""
+    a_bytes = 0 if staging_row == STAGED_SPAN * 4 else _align(cfg.bm * row_bytes, row_bytes)
     b_bytes = _align(cfg.bn * row_bytes, row_bytes)
     stage = planes * cfg.kb_per_stage * (a_bytes + b_bytes)
     if staging_row:
         stage = _past_planes(stage) + cfg.kb_per_stage * (cfg.bm // 64) * (row_bytes // 4) * staging_row
     return a_bytes, b_bytes, stage
+
+
+def _sized(cfg: TmaConfig, row_bytes: int, planes: int, staging_row: int, shifted: bool) -> int:
+    """The stage bytes a tile is chosen by: its own (`_smem`), and for a conv reading its taps in
+    place at least those of the stage the layout pass would feed (with an A tile), so that its tile
+    and depth are the pass's wherever both fit."""
+    stage = _smem(cfg, row_bytes, planes, staging_row)[2]
+    return max(stage, _smem(cfg, row_bytes, planes)[2]) if shifted else stage
 
 
 def _past_planes(nbytes: int) -> int:
@@ -796,6 +818,11 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
     transposed = spec.conv.transposed
     # (a channels-last plan reads its input as it lies: no staging buffer)
     staged = staging_row_bytes(spec) if reads_nchw_staged(spec) and not channels_last else 0
+    # A conv reading its taps in place (`TmaPlan.a_shifted`) gets the tile the layout pass would get
+    # (`_sized`): the taller one its stage without an A tile fits ran at 0.54x at batch 1 on an H100
+    # (fp32 64 -> 64 at 56^2: 13 blocks of 256 x 64, NOTES v71). (Where that is two blocks per SM,
+    # the plan keeps the pass: see `plan`.)
+    shifted = staged == STAGED_SPAN * 4
     if two_blocks and not split and not spec.inputs() and not rows:
         # (a W pair holds two GEMMs' accumulators: 128 rows)
         heights = (128,) if pairs else (256,) if transposed or spec.precision == "tf32" else (256, 128)
@@ -804,7 +831,7 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
             if not two_blocks_fit(bm, n_pad, split, pairs):
                 continue
             for kps in _kb_options(kb_total, row):
-                stage = _smem(TmaConfig(bm, n_pad, 2, kps), row, 1, staged)[2]
+                stage = _sized(TmaConfig(bm, n_pad, 2, kps), row, 1, staged, shifted)
                 # (no deeper than the stages walked; a stride phase's block walks at least KB_TOTAL / KPS)
                 walked = kb_total // kps if not transposed else MAX_STAGES
                 stages = min(MAX_STAGES, walked, _two_block_stages(target, stage))
@@ -820,7 +847,7 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
         for bn in sorted({min(n_pad, 64), min(n_pad, 32)}, reverse=True):
             if 128 % rows or not two_blocks_fit(128, bn, split, pairs, rows):
                 continue
-            stage = _smem(TmaConfig(128, bn, 2, kps), row, 1, staged)[2]
+            stage = _sized(TmaConfig(128, bn, 2, kps), row, 1, staged, shifted)
             stages = _two_block_stages(target, stage, row_norm_smem(128, bn))  # (as deep as two blocks fit, as tuned)
             if stages >= 2:
                 return TmaConfig(128, bn, stages, kps, blocks_per_sm=2)
@@ -831,7 +858,7 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
     fallback = None
     for kps in _kb_options(kb_total, row):
         for bm, bn in shapes:
-            stage = _smem(TmaConfig(bm, bn, 2, kps), row, planes, staged)[2]
+            stage = _sized(TmaConfig(bm, bn, 2, kps), row, planes, staged, shifted)
             budget = target.smem_per_block - SMEM_ALIGN - (row_norm_smem(bm, bn) if rows else 0)
             stages = min(MAX_STAGES, budget // stage)
             if stages >= want:
@@ -935,7 +962,9 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
     # none (the split kernel's parts would each hold part of K of every channel, to be added before it)
     split_parts = 1 if whole_n or phases or groups else cfg.split_k or splitk.choose(
         positions, cout, cfg.bm, n_tiles, k_iters, (target.sm_count or 132) * cfg.blocks_per_sm)
-    in_place = not channels_last and (reads_nchw_in_place(spec) or reads_nchw_staged_taps(spec)) \
+    # (a conv reading its taps in place: not with two blocks per SM, whose register cap its A registers
+    # spill under -- 144 bytes in fp32 mode -- and which were measured behind the pass, NOTES v24)
+    in_place = not channels_last and (reads_nchw_in_place(spec) or (reads_nchw_staged_taps(spec) and cfg.blocks_per_sm == 1)) \
         and (positions % NCHW_CHUNK == 0 or split_parts == 1) \
         and (not groups or positions % NCHW_CHUNK == 0)  # (a group must not meet padding rows)
     staged = in_place and eb == 4
@@ -1004,7 +1033,8 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         k_iters=k_iters, k_total=taps * cip, row_bytes=row, ksteps=row // 32,
         swizzle_desc=SWIZZLE[row]["desc"], swizzle_tma=SWIZZLE[row]["tma"], a_bytes=a_bytes, b_bytes=b_bytes,
         stage_bytes=stage_bytes, smem_bytes=smem,
-        stage_tx=planes * cfg.kb_per_stage * ((0 if staged else cfg.bm) + cfg.bn) * row,
+        stage_tx=planes * cfg.kb_per_stage * ((0 if staged else cfg.bm) + cfg.bn) * row
+        + (cfg.kb_per_stage * (cfg.bm // 64) * bkc * STAGED_SPAN * 4 if staged and taps > 1 else 0),  # (its boxes)
         n_tiles=n_tiles, cout=cout, positions=positions, in_positions=in_positions, rank=nd + 2,
         lower=lower, upper=upper, elem_strides=rev(tuple(geo["stride"])), prep_tc=prep_tc, prep_tp=prep_tp,
         prep_tiles=-(-in_positions // prep_tp) * -(-cip // prep_tc), acc_regs=acc,

@@ -175,67 +175,86 @@ def test_the_transpose_puts_every_value_where_wgmma_reads_it(monkeypatch, tmp_pa
                 assert len(places) == 8, f"units {first}..{first + 7}, access {k}: a bank conflict"
 
 
-_GATHER_MAIN = r"""
-// x.bin: one sample's BKC channels x IN_POSITIONS floats; m0: the tile's first row; off_d, off_h, off_w:
-// the tap's offsets. Stages each chunk's box as the TMA lands it (from the shifted start rounded down
-// to 16 bytes, zeros past the positions), gathers every unit and writes the A tile back.
-int main(int argc, char** argv) {  // x.bin tile.bin trace.txt m0 off_d off_h off_w
+_FRAGMENTS_MAIN = r"""
+// x.bin: one sample's BKC channels x IN_POSITIONS floats; m0: the tile's first row; kd, kh, kw: the tap.
+// Stages each chunk's box as the TMA lands it (from the shifted start rounded down to 16 bytes, zeros
+// past the positions), has every thread of every m64 tile read its A registers, and writes the A tile
+// they hold back, [row][channel], as wgmma's register fragment places them.
+int main(int argc, char** argv) {  // x.bin tile.bin trace.txt m0 kd kh kw
   std::vector<float> x(BKC * IN_POSITIONS);
   FILE* f = std::fopen(argv[1], "rb");
   if (std::fread(x.data(), sizeof(float), x.size(), f) != x.size()) return 1;
   std::fclose(f);
   trace = std::fopen(argv[3], "w");
-  const int m0 = std::atoi(argv[4]), off_d = std::atoi(argv[5]), off_h = std::atoi(argv[6]), off_w = std::atoi(argv[7]);
-  const unsigned staged = STAGING_AT, tile = 0;
+  const int m0 = std::atoi(argv[4]), kd = std::atoi(argv[5]), kh = std::atoi(argv[6]), kw = std::atoi(argv[7]);
+  const unsigned staged = 0;
   std::memset(smem, 0xFF, sizeof smem);
-  int chunk_p[A_CHUNKS];
+  std::vector<float> tile(BM * BKC, -1.0f);
   for (int q = 0; q < A_CHUNKS; ++q) {
-    chunk_p[q] = (m0 + 64 * q) % M_PER;
-    const int shift = off_d * (IN_H * IN_W) + off_h * IN_W + off_w;
-    const int first = (chunk_p[q] + shift) & ~3;
+    const int p = (m0 + 64 * q) % M_PER, first = (p + tap_shift(kd, kh, kw)) & ~3;
     for (int c = 0; c < BKC; ++c)
       for (int t = 0; t < SPAN; ++t) {
         const int g = first + t;
         const float v = g >= 0 && g < IN_POSITIONS ? x[c * IN_POSITIONS + g] : 0.0f;
         std::memcpy(smem + staged + q * A_CHUNK_BYTES + (c * SPAN + t) * 4, &v, 4);
       }
-  }
-  for (int u = 0; u < TRANSPOSE_UNITS; ++u) {
-    unit_now = u;
-    gather_unit(staged, tile, u, chunk_p, off_d, off_h, off_w);
+    for (int warp = 0; warp < 4; ++warp)
+      for (int lane = 0; lane < 32; ++lane) {
+        unit_now = (q * 4 + warp) * 32 + lane;
+        float a[KSTEPS][4];
+        a_fragments(a, staged + q * A_CHUNK_BYTES, tile_rows(p, a_row(warp, lane)), a_word(warp, lane), kd, kh, kw);
+        const int r = 64 * q + 16 * warp + lane / 4, tq = lane % 4;
+        for (int k = 0; k < KSTEPS; ++k)
+          for (int e = 0; e < 4; ++e) tile[(r + 8 * (e % 2)) * BKC + 8 * k + tq + 4 * (e / 2)] = a[k][e];
+      }
   }
   std::fclose(trace);
-  write_tile(argv[2], tile);
+  f = std::fopen(argv[2], "wb");
+  std::fwrite(tile.data(), sizeof(float), tile.size(), f);
+  std::fclose(f);
   return 0;
 }
 """
 
+
+def _fragments_source(text: str) -> str:
+    """The prelude, the kernel's constants and its A-register helpers (`a_fragments`), and the harness."""
+    head = text[:text.index("struct alignas(64) TensorMap")]
+    consts = [line for line in head.splitlines() if re.match(r"(constexpr (int|unsigned) |static_assert\()", line)]
+    start = text.index("// ---- the consumers' A registers")
+    body = text[start:text.index("}  // namespace", start)]
+    body = re.sub(r"__device__ __forceinline__ float lds_f32\(.*?\n}\n", "", body, flags=re.S)
+    assert "asm" not in body
+    return "\n".join([_PRELUDE, *consts, body, _FRAGMENTS_MAIN])
+
+
 @pytest.mark.parametrize("precision,cin,size,kernel,padding,dilation", [
-    ("tf32", 16, (12, 20), 3, 1, 1),  # 240 positions: M padded to 256 per sample
+    ("tf32", 16, (16, 20), 3, 1, 1),  # rows of 20: an m64 tile starts mid-row
     ("tf32", 32, (16, 16), 5, 2, 1),
     ("fp32", 40, (16, 12), 3, 2, 2),  # dilated; 40 channels: the K-block's last 24 past C_IN
-    ("tf32", 16, (4, 6, 8), 3, 1, 1),  # 3-D
-    ("fp32", 24, (200,), 7, 3, 1),  # 1-D, M padded
+    ("tf32", 16, (4, 8, 8), 3, 1, 1),  # 3-D
+    ("fp32", 24, (192,), 7, 3, 1),  # 1-D
+    ("tf32", 128, (32, 32), 3, 1, 1),  # BKC 32: four k-steps
 ])
-def test_the_gather_takes_each_taps_shifted_values_and_zeros_in_the_padding(monkeypatch, tmp_path, precision, cin,
-                                                                            size, kernel, padding, dilation):
+def test_the_a_registers_take_each_taps_shifted_values_and_zeros_in_the_padding(monkeypatch, tmp_path, precision, cin,
+                                                                               size, kernel, padding, dilation):
     """A conv of several taps read in place (`TmaPlan.a_shifted`): for every tap and a few tiles, the
-    A tile holds at row m, channel k the input's value at output position m shifted by the tap, or
-    zero where the tap falls in the padding -- what the im2col load gives the other path."""
-    monkeypatch.setattr(tma, "STAGED_TAPS", True)
-    spec = validate({"name": "shifted", "input": {"channels": cin, "size": list(size)},
-                     "conv": {"out_channels": 64, "kernel": kernel, "padding": padding, "dilation": dilation},
+    A registers of the consumers' threads hold, as wgmma's register fragment places them, at row m and
+    channel k the input's value at output position m shifted by the tap, or zero where the tap falls
+    in the padding -- what the im2col load gives the other path. A warp's every load reads 32
+    different banks."""
+    monkeypatch.setattr(tma, "STAGED_TAPS_MAX_TAPS", 27)  # (the 5x5 and 3-D convs: off by default)
+    spec = validate({"name": "shifted", "input": {"channels": cin, "size": list(size)},  # (128 out: one block per SM)
+                     "conv": {"out_channels": 128, "kernel": kernel, "padding": padding, "dilation": dilation},
                      "epilogue": ["relu"], "precision": precision, "tile": {"engine": "tma"}})
     plan = build_plan(spec, target=HOPPER)
     tp = plan["tma"]
     assert tp.a_in_place and tp.a_staged and tp.a_shifted
-    planes = 2 if tp.split else 1
     text = render_plan(plan)
     m_per = tp.grid_positions if tp.padded_rows else tp.positions
-    source = tmp_path / "gather.cpp"
-    harness = _host_source(text, planes).replace(_MAIN, "")
-    source.write_text(harness + f"\nconstexpr int M_PER = {m_per};\n" + _GATHER_MAIN)
-    binary = tmp_path / "gather"
+    source = tmp_path / "fragments.cpp"
+    source.write_text(_fragments_source(text).replace("int main(", f"constexpr int M_PER = {m_per};\nint main(", 1))
+    binary = tmp_path / "fragments"
     subprocess.run(["g++", "-std=c++17", "-O1", "-Wno-unknown-pragmas", "-x", "c++", str(source), "-o", str(binary)],
                    check=True, capture_output=True)
     torch.manual_seed(cin + kernel)
@@ -249,11 +268,12 @@ def test_the_gather_takes_each_taps_shifted_values_and_zeros_in_the_padding(monk
     taps = list(itertools.product(*(range(kernel) for _ in range(nd))))
     for m0 in tiles:
         for tap in taps:
+            tap3 = (0,) * (3 - nd) + tuple(tap)
             offs = (0,) * (3 - nd) + tuple(t * dilation - padding for t in tap)
             subprocess.run([str(binary), str(tmp_path / "x.bin"), str(tmp_path / "tile.bin"), str(tmp_path / "trace.txt"),
-                            str(m0), *map(str, offs)], check=True)
+                            str(m0), *map(str, tap3)], check=True)
             got = torch.frombuffer(bytearray((tmp_path / "tile.bin").read_bytes()), dtype=torch.float32)
-            got = got.view(planes, tp.bm, tp.bkc)
+            got = got.view(tp.bm, tp.bkc)
             want = torch.zeros(tp.bm, tp.bkc)
             flat = x.reshape(tp.bkc, positions)
             for r in range(tp.bm):
@@ -265,19 +285,27 @@ def test_the_gather_takes_each_taps_shifted_values_and_zeros_in_the_padding(monk
                 if all(0 <= s < n for s, n in zip(src, sizes3)):
                     want[r] = flat[:, (src[0] * sizes3[1] + src[1]) * sizes3[2] + src[2]]
             rows = [r for r in range(tp.bm) if (m0 + r) % m_per < positions]
-            if tp.split:
-                assert torch.equal(got[0][rows] + got[1][rows], want[rows]), (m0, tap)
-                assert torch.equal(got[0][rows], _tf32(want[rows])), (m0, tap)
-            else:
-                assert torch.equal(got[0][rows], want[rows]), (m0, tap)
-    # the 32 lanes of a warp (32 consecutive units) load consecutive words of one row (the last tap's
-    # trace; a unit whose tap is in the padding loads nothing)
+            assert torch.equal(got[rows], want[rows]), (m0, tap)
+    # the 32 lanes of a warp: each of their loads (same index) reads 32 different banks (the last tap's trace)
     trace = [tuple(map(int, line.split())) for line in (tmp_path / "trace.txt").read_text().splitlines()]
     loads = {}
-    for unit, store, address in trace:
-        if not store:
-            loads.setdefault(unit, []).append(address)
-    assert loads
-    for first in range(0, tp.bm * tp.bkc // 4, 32):
-        for e in range(4):
-            assert len({loads[u][e] // 4 - u for u in range(first, first + 32) if u in loads}) <= 1, (first, e)
+    for thread, _, address in trace:
+        loads.setdefault(thread, []).append(address)
+    assert len(loads) == tp.bm // 64 * 128 and all(len(v) == 4 * tp.ksteps for v in loads.values())
+    for warp in range(0, len(loads), 32):
+        for n in range(4 * tp.ksteps):
+            assert len({loads[warp + lane][n] // 4 % 32 for lane in range(32)}) == 32, (warp, n)
+
+
+@pytest.mark.nvcc
+def test_the_register_fragment_probe_builds_for_hopper(tmp_path):
+    """benchmarks/wgmma_rs_fragment.cu, the GPU check of the fragment `a_fragments` fills (run on an
+    H100: 0 mismatches, NOTES v71), still assembles: wgmma with a tf32 A operand from registers."""
+    from pathlib import Path
+
+    from specgen import compile as compile_mod
+
+    probe = Path(__file__).resolve().parent.parent / "benchmarks" / "wgmma_rs_fragment.cu"
+    subprocess.run([compile_mod.find_nvcc(), "-gencode", "arch=compute_90a,code=sm_90a", "-cubin", str(probe),
+                    "-o", str(tmp_path / "probe.cubin")], check=True, capture_output=True)
+    assert (tmp_path / "probe.cubin").stat().st_size > 0

@@ -721,29 +721,35 @@ def test_a_32_bit_1x1_conv_reads_its_nchw_input_in_place_through_a_staging_buffe
 
 @pytest.mark.parametrize("precision", ["tf32", "fp32"])
 @pytest.mark.parametrize("cin,size,kernel,padding,dilation", [
-    (64, (56, 56), 3, 1, 1), (16, (12, 20), 3, 1, 1), (32, (16, 32, 32), 3, 1, 1), (24, (256,), 7, 3, 1),
+    (64, (56, 56), 3, 1, 1), (16, (16, 20), 3, 1, 1), (32, (16, 32, 32), 3, 1, 1), (24, (256,), 7, 3, 1),
     (40, (16, 12), 3, 2, 2),
 ])
 def test_a_32_bit_conv_of_several_taps_reads_its_nchw_input_through_shifted_boxes(monkeypatch, precision, cin, size,
                                                                                   kernel, padding, dilation):
     """With `tma.STAGED_TAPS` on, a stride-1 conv that keeps the input's extents reads NC(D)HW in place:
     a K-block's box per m64 chunk is STAGED_SPAN positions from the tap's shifted start rounded down
-    to 16 bytes, unswizzled (the map's box and swizzle say so), and the transposers gather from it."""
+    to 16 bytes, unswizzled (the map's box and swizzle say so), counted on the stage's one barrier with
+    the B tiles; the consumers read their A registers from it, and the stage has no A tile."""
     from specgen import tmarun
 
-    monkeypatch.setattr(tma, "STAGED_TAPS", True)
-    spec = spec_of(cin=cin, cout=64, size=size, kernel=kernel, padding=padding, precision=precision,
+    monkeypatch.setattr(tma, "STAGED_TAPS_MAX_TAPS", 27)  # (the 3-D conv's taps)
+    spec = spec_of(cin=cin, cout=128, size=size, kernel=kernel, padding=padding, precision=precision,
                    tile={"engine": "tma"}, conv={"dilation": dilation})
     plan = build_plan(spec, target=HOPPER)
     tp = plan["tma"]
     assert tp.a_in_place and tp.a_staged and tp.a_shifted and tp.staging_row == tma.STAGED_SPAN * 4
-    body = (2 if tp.split else 1) * tp.kb_per_stage * (tp.a_bytes + tp.b_bytes)
+    assert tp.a_bytes == 0
+    planes = 2 if tp.split else 1
+    body = planes * tp.kb_per_stage * tp.b_bytes
     staging = tp.kb_per_stage * (tp.bm // 64) * tp.bkc * tma.STAGED_SPAN * 4
     assert tp.stage_bytes == -(-body // 1024) * 1024 + staging
+    assert tp.stage_tx == body + staging  # (one barrier: the boxes and the B tiles)
     text = render_plan(plan)
     assert "im2col" not in text and "_prep(" not in text
-    assert "tma_nchw(staging + q * A_CHUNK_BYTES, map_a_hi, staged, (chunk_p[q] + shift) & ~3, c, chunk_n[q]);" in text
-    assert "gather_unit(stage + STAGING_AT + j * STAGING_BYTES, stage + j * A_BYTES, u, chunk_p," in text
+    assert "tma_nchw(staging + q * A_CHUNK_BYTES, map_a_hi, full, (chunk_p[q] + shift) & ~3, c, chunk_n[q]);" in text
+    assert "a_fragments(a[j][i], stage + STAGING_AT + j * STAGING_BYTES + (wg * WM + i) * A_CHUNK_BYTES, rows[i], word," in text
+    assert text.count("wgmma_rs(") == (4 if tp.split else 2)  # (the helper and its calls)
+    assert "staged_bar" not in text and "TRANSPOSERS" not in text
     assert "transpose_unit(" not in text and f"constexpr int SPAN = {tma.STAGED_SPAN};" in text
     assert not any(name.endswith(("_prep", "_prep_cl")) for name in tmarun.extra_functions(plan))
     assert "shifted" in describe(plan)
@@ -759,9 +765,15 @@ def test_a_32_bit_conv_of_several_taps_reads_its_nchw_input_through_shifted_boxe
     ("its output smaller than its input", dict(padding=0)),
     ("16-bit: the pass stays", dict(precision="bf16")),
     ("positions not whole 16-byte units (7 x 7 x 4 bytes)", dict(size=(7, 7))),
+    ("positions not whole m64 tiles (12 x 20)", dict(size=(12, 20))),
+    ("5x5: more taps than measured faster", dict(kernel=5, padding=2)),
+    ("3x3x3: more taps than measured faster", dict(size=(8, 16, 16))),
+    ("256 input channels: more than measured faster", dict(cin=256)),
+    ("the pass's plan runs two blocks per SM (16 -> 64 channels)", dict(cin=16)),
+    ("the switch off", dict(off=True)),
 ])
 def test_convs_of_several_taps_the_shifted_boxes_cannot_read_keep_the_pass(monkeypatch, why, data):
-    monkeypatch.setattr(tma, "STAGED_TAPS", True)
+    monkeypatch.setattr(tma, "STAGED_TAPS", not data.pop("off", False))
     extra = {"cin": 64, "cout": 64, "size": (32, 32), "kernel": 3, "padding": 1, "precision": "tf32", **data}
     tp = build_plan(spec_of(tile={"engine": "tma"}, **extra), target=HOPPER)["tma"]
     assert not tp.a_shifted and not tp.a_in_place, why
@@ -884,10 +896,11 @@ def test_nchw_in_place_kernels_compile_without_spills(precision, cin, cout, size
     (64, 64, (56, 56), 3, [{"add": {"input": "shortcut"}}, "relu"]),
     (32, 64, (16, 32, 32), 3, ["relu"]),
     (256, 256, (4096,), 3, [{"gelu": {"approximate": "none"}}]),
-    (16, 96, (12, 20), 5, [{"softmax": 1}]),  # M padded per sample, a softmax over the channels
+    (16, 96, (16, 20), 5, [{"softmax": 1}]),  # a softmax over the channels
 ])
 def test_shifted_tap_kernels_compile_without_spills(monkeypatch, precision, cin, cout, size, kernel, epilogue):
-    monkeypatch.setattr(tma, "STAGED_TAPS", True)
+    monkeypatch.setattr(tma, "STAGED_TAPS_MAX_TAPS", 27)
+    monkeypatch.setattr(tma, "STAGED_TAPS_MAX_CIN", 256)
     spec = spec_of(cin=cin, cout=cout, size=size, kernel=kernel, padding=kernel // 2, precision=precision,
                    epilogue=epilogue, tile={"engine": "tma"})
     sp = pipeline.specialize(spec, "sm_90")
@@ -1002,6 +1015,9 @@ class _StubbedDriver:
      ["prep", "split", "reduce"]),
     ("a contiguous 16-bit input read in place", dict(precision="bf16", input={"channels": 64, "size": [16, 16]},
      conv={"out_channels": 128, "kernel": 1}, tile={"engine": "tma"}), 2, torch.contiguous_format, ["main"]),
+    ("3xTF32 from a contiguous input read in place, taps shifted", dict(
+     precision="fp32", input={"channels": 64, "size": [56, 56]}, conv={"out_channels": 64, "kernel": 3, "padding": 1},
+     tile={"engine": "tma"}, shifted=True), 8, torch.contiguous_format, ["main"]),
 ])
 def test_a_recorded_tma_launch_repeats_with_new_addresses(monkeypatch, what, data, batch, memory_format, queued):
     """`tmarun.launch(record=...)` keeps the call's launches (`Launches`): repeated, they queue
@@ -1009,7 +1025,8 @@ def test_a_recorded_tma_launch_repeats_with_new_addresses(monkeypatch, what, dat
     arguments as set, and the input's maps made once per address. Driver calls stubbed out."""
     from specgen import tmarun
 
-    monkeypatch.setattr(tma, "STAGED_NCHW", True)  # (the staged tf32 case: off by default until run on a GPU)
+    data = dict(data)
+    monkeypatch.setattr(tma, "STAGED_TAPS", data.pop("shifted", False))  # (the 3x3 convs: the layout pass, but one)
     stub = _StubbedDriver(monkeypatch)
     record = []
     plan = stub.launch(data, batch, memory_format, record)
@@ -1268,10 +1285,12 @@ def test_the_layout_pass_writes_whole_16_byte_vectors(precision, cin):
     (96, "tf32", 256, 2, 3),  # 32 output channels: two blocks of 3 stages fit
     (64, "bf16", 128, 2, 4),  # 16-bit: two blocks of 128 rows, 4 stages each (1.07x-1.08x, NOTES v64)
 ])
-def test_two_blocks_per_sm_only_with_three_stages_each(cin, precision, bm, blocks, stages):
+def test_two_blocks_per_sm_only_with_three_stages_each(monkeypatch, cin, precision, bm, blocks, stages):
     """Up to 64 output channels two blocks share an SM only where each keeps a pipeline of
     TWO_BLOCK_MIN_STAGES stages: a 256 x 64 tile of 128-byte K stages gets 2, so tf32 runs one
-    block of 4 and bf16 / fp16 two blocks of 128 x 64 tiles."""
+    block of 4 and bf16 / fp16 two blocks of 128 x 64 tiles. (Behind the layout pass: the stages
+    of a conv reading its taps in place have no A tile.)"""
+    monkeypatch.setattr(tma, "STAGED_TAPS", False)
     spec = validate({"name": "t", "input": {"channels": cin, "size": [64, 64]},
                       "conv": {"out_channels": 64 if cin != 96 else 32, "kernel": 3, "padding": 1, "bias": False},
                       "epilogue": ["batch_norm", "relu"], "precision": precision})
