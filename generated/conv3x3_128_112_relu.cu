@@ -41,7 +41,7 @@
 //     of SPAN positions, unswizzled, into the staging buffer; channels past C_IN, positions past the
 //     sample's and samples past the batch load as zeros. Its B tile is one TMA load of the weights,
 //     128-byte-swizzled, as wgmma reads it; the transposers write the A tile the same way.
-//   * Warpgroup 0 is the producer: one thread issues the loads up to 3 stages ahead; a stage's
+//   * Warpgroup 0 is the producer: one thread issues the loads up to 4 stages ahead; a stage's
 //     "full" mbarrier counts its 51200 bytes in and the 96 transposers' arrivals (its "staged" mbarrier counts the A tiles' bytes into the staging buffer). Warpgroups 1 and 2 are the consumers: each multiplies
 //     its 64 positions by BN channels with wgmma.mma_async m64n128k8 (tf32, both operands from
 //     shared memory), keeps one stage's products in flight, and gives a stage back through its
@@ -55,7 +55,7 @@
 //   * Epilogue on the accumulators: bias, relu; each value is stored straight to
 //     the [batch][C_OUT][d][h][w] output.
 //   Grid: one block per (M tile, N tile), N tiles fastest (blocks that read the same input run
-//   together); 384 threads per block; 154624 bytes of dynamic shared memory.
+//   together); 384 threads per block; 205824 bytes of dynamic shared memory.
 // =====================================================================================================
 
 namespace {
@@ -86,7 +86,7 @@ constexpr int K_TOTAL = 1152;  // TAPS * CIP: a row of the permuted weights
 constexpr int BM = 128, BN = 128;  // block tile: positions, channels
 constexpr int WM = 1;  // m64 tiles per consumer warpgroup (BM / 128)
 constexpr int N_TILES = 1;  // blocks along N
-constexpr int STAGES = 3;  // shared-memory pipeline stages
+constexpr int STAGES = 4;  // shared-memory pipeline stages
 constexpr int ROW_BYTES = 128;  // bytes of K per tile row: the swizzle width
 constexpr int KSTEPS = 4;  // wgmma per row (each reads 32 bytes of K: 8 values)
 constexpr unsigned A_BYTES = 0, B_BYTES = 16384;  // one K-block's A and B tiles in shared memory (1024-byte aligned)

@@ -862,6 +862,8 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
             budget = target.smem_per_block - SMEM_ALIGN - (row_norm_smem(bm, bn) if rows else 0)
             stages = min(MAX_STAGES, budget // stage)
             if stages >= want:
+                if shifted:  # (the pass's tile, as deep as its own stages fit)
+                    stages = min(MAX_STAGES, budget // _smem(TmaConfig(bm, bn, 2, kps), row, planes, staged)[2])
                 return TmaConfig(bm, bn, stages, kps)
             if stages >= 2 and fallback is None:
                 fallback = TmaConfig(bm, bn, stages, kps)

@@ -1344,3 +1344,21 @@ def test_the_tile_cost_prefers_fewer_larger_tiles_over_full_waves_of_small_ones(
     """256 channels at 14^2, batch 64 (M = 12544): 98 tiles of 256 x 128 fill 98 of 132 SMs once,
     392 of 128 x 64 three waves; the larger tiles measured 1.25x faster (NOTES v64)."""
     assert tma.candidates(256, 64 * 196, False, 132)[0] == (256, 128)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "fp32"])
+@pytest.mark.parametrize("cin,cout,size", [(64, 64, (56, 56)), (128, 128, (112, 112)), (96, 128, (32, 32)),
+                                            (32, 128, (8, 16, 16))])
+def test_a_conv_reading_its_taps_in_place_gets_the_tile_the_pass_would_get(monkeypatch, precision, cin, cout, size):
+    """The stage of a conv reading its taps in place has no A tile, so a taller tile would fit; taken,
+    it ran at 0.54x at batch 1 (fp32 64 -> 64 at 56^2, 13 blocks of 256 x 64: NOTES v71). It gets
+    the pass's tile, as deep as its own stages fit."""
+    monkeypatch.setattr(tma, "STAGED_TAPS_MAX_TAPS", 27)
+    spec = spec_of(cin=cin, cout=cout, size=size, kernel=3, padding=1, precision=precision)
+    shifted = build_plan(spec, target=HOPPER)["tma"]
+    monkeypatch.setattr(tma, "STAGED_TAPS", False)
+    passed = build_plan(spec, target=HOPPER)["tma"]
+    assert shifted.a_shifted and not passed.a_in_place
+    assert (shifted.bm, shifted.bn, shifted.kb_per_stage, shifted.blocks_per_sm) == \
+        (passed.bm, passed.bn, passed.kb_per_stage, passed.blocks_per_sm)
+    assert shifted.stages >= passed.stages and shifted.smem_bytes <= HOPPER.smem_per_block
