@@ -1,10 +1,11 @@
 """A tf32 / fp32 conv on the TMA engine reading its NC(D)HW input in place through a staging
 buffer that the producer's warps transpose (1x1 convs: `tma.STAGED_NCHW`, `TmaPlan.a_staged`) or
-gather from tap-shifted boxes (`--taps`, stride-1 convs keeping the input's extents:
-`tma.STAGED_TAPS`, `TmaPlan.a_shifted`) against the same conv behind the layout pass (the switch
-off), in one run: GPU time per call at several batches.
+from tap-shifted boxes the consumers read their A registers from (`--taps`, stride-1 convs keeping
+the input's extents: `tma.STAGED_TAPS`, `TmaPlan.a_shifted`; `--everywhere`: past the rule's taps and
+channels too) against the same conv behind the layout pass (the switch off), in one run: GPU time
+per call at several batches.
 
-    python benchmarks/staged_nchw.py [--batch 1 8 64] [--precision tf32 fp32] [--taps]
+    python benchmarks/staged_nchw.py [--batch 1 8 64] [--precision tf32 fp32] [--taps [--everywhere]]
 
 The layers: the 1x1 convs of MobileNetV2 (+ batch norm, ReLU6 where the block has it) and of a
 ResNet-50 bottleneck (+ batch norm + ReLU), whose positions are whole 16-byte rows; with `--taps`,
@@ -54,13 +55,17 @@ def main() -> int:
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64])
     ap.add_argument("--precision", nargs="+", default=["tf32", "fp32"], choices=["tf32", "fp32"])
     ap.add_argument("--taps", action="store_true", help="the convs of several taps (tma.STAGED_TAPS)")
+    ap.add_argument("--everywhere", action="store_true",
+                    help="--taps: past the taps and channels the rule takes (tma.STAGED_TAPS_MAX_TAPS, _MAX_CIN)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    print(f"GPU ms per call (profiler, mean of {CALLS}); staged = read in place, transposed in shared memory; "
+    print(f"GPU ms per call (profiler, mean of {CALLS}); staged = read in place through the staging buffer; "
           f"pass = the layout pass, then the conv")
     print(f"{'layer':34}{'batch':>6}{'eager':>9}{'pass':>9}{'staged':>9}{'x pass':>8}{'x eager':>9}  rel L2 pass / staged")
+    if args.everywhere:
+        tma.STAGED_TAPS_MAX_TAPS, tma.STAGED_TAPS_MAX_CIN = 10**6, 10**6
     switch_name = "STAGED_TAPS" if args.taps else "STAGED_NCHW"
     switch = getattr(tma, switch_name)
     layers_of = [(cin, cout, size, k, True) for cin, cout, size, k in TAP_LAYERS] if args.taps else \
