@@ -892,7 +892,9 @@ def configs(spec: LayerSpec, target: targets.Target, batch: int = 64) -> list[Tm
         stage = _smem(TmaConfig(bm, bn, 2, kps), row, planes, staged)[2]
         deepest = min(8, (target.smem_per_block - SMEM_ALIGN - (row_norm_smem(bm, bn) if rows else 0)) // stage)
         options = [TmaConfig(bm, bn, stages, kps) for stages in sorted({deepest, min(4, deepest)}, reverse=True) if stages >= 2]
-        two_stages = min(k_iters, _two_block_stages(target, stage, row_norm_smem(bm, bn) if rows else 0))
+        # (two blocks of a conv that could read its taps in place keep the pass: `plan`, stages with an A tile)
+        two_stage = _sized(TmaConfig(bm, bn, 2, kps), row, planes, staged, staged == STAGED_SPAN * 4)
+        two_stages = min(k_iters, _two_block_stages(target, two_stage, row_norm_smem(bm, bn) if rows else 0))
         if two_blocks_fit(bm, bn, split, pairs, rows) and two_stages >= 2:
             options.append(TmaConfig(bm, bn, two_stages, kps, blocks_per_sm=2))
         out += [cfg for cfg in options if cfg not in out]

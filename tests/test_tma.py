@@ -1362,3 +1362,17 @@ def test_a_conv_reading_its_taps_in_place_gets_the_tile_the_pass_would_get(monke
     assert (shifted.bm, shifted.bn, shifted.kb_per_stage, shifted.blocks_per_sm) == \
         (passed.bm, passed.bn, passed.kb_per_stage, passed.blocks_per_sm)
     assert shifted.stages >= passed.stages and shifted.smem_bytes <= HOPPER.smem_per_block
+
+
+@pytest.mark.parametrize("precision", ["tf32", "fp32"])
+@pytest.mark.parametrize("cin,cout,size", [(16, 64, (40, 40)), (64, 64, (56, 56)), (96, 32, (64, 64)),
+                                           (128, 128, (112, 112))])
+def test_every_tuning_candidate_of_a_conv_reading_its_taps_in_place_plans(precision, cin, cout, size):
+    """`specgen tune`'s candidates (`tma.configs`) for a conv that can read its taps in place all plan:
+    a two-block one keeps the pass (`plan`), so its depth is counted on stages with an A tile (with
+    the stages without one, 7 of 56 such candidates here did not fit two blocks on an SM)."""
+    spec = spec_of(cin=cin, cout=cout, size=size, kernel=3, padding=1, precision=precision, tile={"engine": "tma"})
+    assert tma.reads_nchw_staged_taps(spec)
+    for cfg in tma.configs(spec, HOPPER):
+        tp = build_plan(spec, target=HOPPER, tma_config=cfg)["tma"]
+        assert tp.a_shifted == (cfg.blocks_per_sm == 1), cfg
