@@ -31,21 +31,22 @@
 //     pass): per K-block (a tap, BKC channels) and m64 tile, one tiled load of SPAN = 72 positions of one
 //     sample x BKC channels from the tile's shifted first
 //     position rounded down to 16 bytes (a tiled load's innermost coordinate must be), landing
-//     unswizzled in a staging buffer. Warps 1-3 of the producer warpgroup gather from it, a position x
-//     4 channels a thread, each value at its shift or a zero, into the A tile as wgmma reads it (K-major; fp32 mode: each value split there into its TF32 part and remainder, two planes),
-//     and then let the consumers in. The weights arrive as [C_OUT][TAPS][CIP] (zeros in the padded channels).
+//     unswizzled in a staging buffer. wgmma reads a 32-bit A operand from shared memory only K-major,
+//     but takes it from registers too: each consumer thread loads its own fragment from the box, each
+//     value at its shift or a zero where the tap is in the padding (fp32 mode: split there into its TF32 part and remainder).
+//     There is no A tile. The weights arrive as [C_OUT][TAPS][CIP] (zeros in the padded channels).
 //   * A block owns BM = 128 positions x BN = 64 channels. K is walked in K-blocks of one tap x BKC = 32
 //     channels (18 of them, 1 per pipeline stage, 18 stages walked).
 //     A K-block's A tile (BM positions x BKC channels) is 2 tiled TMA loads, one per m64 tile (its 64
 //     positions lie in one sample: POSITIONS is a multiple of 64), each BKC rows
 //     of SPAN positions, unswizzled, into the staging buffer; channels past C_IN, positions past the
 //     sample's and samples past the batch load as zeros. Its B tile is one TMA load of the weights,
-//     128-byte-swizzled, as wgmma reads it; the transposers write the A tile the same way.
+//     128-byte-swizzled, as wgmma reads it.
 //   * Warpgroup 0 is the producer: one thread issues the loads up to 4 stages ahead; a stage's
-//     "full" mbarrier counts its 34816 bytes in and the 96 transposers' arrivals (its "staged" mbarrier counts the A tiles' bytes into the staging buffer). Warpgroups 1 and 2 are the consumers: each multiplies
-//     its 64 positions by BN channels with wgmma.mma_async m64n64k8 (tf32, both operands from
-//     shared memory), keeps one stage's products in flight, and gives a stage back through its
-//     "empty" mbarrier.
+//     "full" mbarrier counts its 34816 bytes in. Warpgroups 1 and 2 are the consumers: each multiplies
+//     its 64 positions by BN channels with wgmma.mma_async m64n64k8 (tf32, A from registers, B from
+//     shared memory), waits for a stage's products before it loads the next stage's A registers, and
+//     gives a stage back through its "empty" mbarrier.
 //   * The kernel is launched with as many blocks as the SMs hold at once (or one per tile, if fewer):
 //     a block walks tiles blockIdx.x, + gridDim.x, ..., its stages going round across them, so the
 //     producer loads the next tile's first stages while the consumers run this tile's epilogue.

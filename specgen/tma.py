@@ -570,10 +570,11 @@ STAGED_BOX = 32
 # A tf32 / fp32 conv of several taps (stride 1, its output the input's extents) reads its NC(D)HW
 # input in place through the staging buffer too where True (`reads_nchw_staged_taps`): the consumers
 # load wgmma's A operand from the staged boxes into registers. Where its taps and input channels are
-# at most these: measured on an H100 (benchmarks/staged_nchw.py --taps, NOTES v71), GPU time
-# 1.02-1.53x the layout pass's on 3x3 convs of 64 and 128 channels in both modes, and 0.83-0.93x on a
-# 5x5 conv in tf32 and a 256-channel 3x3 in fp32 (each position is loaded once per tap, and a box
-# is 72 positions for 64 rows: 12.5% more bytes than the A tile the pass feeds).
+# at most these: measured on an H100 (benchmarks/staged_nchw.py --taps, NOTES v71), 1.06-1.53x faster
+# than the layout pass and its conv on 3x3 convs of 64 and 128 channels at batch 8 and 64 in both
+# modes, and 0.83-0.93x on a 5x5 conv in tf32 and a 256-channel 3x3 in fp32 (each position is loaded
+# once per tap, and a box is 72 positions for 64 rows: 12.5% more bytes than the A tile the pass
+# feeds). Such a conv takes the pass's tile (`_sized`: a taller one lost at batch 1).
 STAGED_TAPS = True
 STAGED_TAPS_MAX_TAPS = 9
 STAGED_TAPS_MAX_CIN = 128
@@ -1086,15 +1087,16 @@ def describe(tp: TmaPlan) -> str:
               f"{' x '.join(map(str, tp.grid[5 - tp.rank:]))} grid, side by side in the grid of blocks{pairs})"
               if tp.phases else "")
     return (
-        f"implicit GEMM on Hopper ({mode} wgmma m64n{tp.bn}k{tp.kstep}, both operands from shared memory, fed by TMA "
+        f"implicit GEMM on Hopper ({mode} wgmma m64n{tp.bn}k{tp.kstep}, "
+        f"{'A from registers, B' if tp.a_shifted else 'both operands'} from shared memory, fed by TMA "
         f"{'tiled' if tp.a_in_place else 'im2col'} loads){phases}: block tile {tp.bm} positions x {tp.bn} channels, {walked} stages of {tp.kb_per_stage} "
         f"K-block(s) of {tp.bkc} channels, {tp.stages}-stage mbarrier pipeline, 1 producer warp + 2 consumer "
         f"warpgroups{', two blocks per SM' if tp.blocks_per_sm == 2 else ''}"
         f"{', each block walking tiles (as many blocks as the SMs hold)' if tp.persistent else ''}; "
         + (("A read from the NC(D)HW input where it lies (per tap, tiled TMA loads of "
             f"{STAGED_SPAN} positions x {tp.bkc} channels from the tap-shifted positions into a staging buffer, "
-            "gathered from there by 3 warps of the producer warpgroup, zeros in the padding"
-            f"{', split into hi and lo planes' if tp.split else ''}), no layout pass" if tp.a_shifted else
+            "each consumer thread loading its A registers from there, zeros in the padding"
+            f"{', split into hi and lo parts' if tp.split else ''}), no layout pass" if tp.a_shifted else
             "A read from the NC(D)HW input where it lies (tiled TMA loads of 32 positions x "
             f"{tp.bkc} channels into a staging buffer, transposed there by 3 warps of the producer warpgroup"
             f"{', split into hi and lo planes' if tp.split else ''}), no layout pass" if tp.a_staged else
