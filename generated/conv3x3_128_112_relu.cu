@@ -400,8 +400,21 @@ __device__ __forceinline__ void conv_block(
           a_fragments(a[j][i], stage + STAGING_AT + j * STAGING_BYTES + (wg * WM + i) * A_CHUNK_BYTES, rows[i], word,
                       tap / (K_H * K_W), tap / K_W % K_H, tap % K_W);
       }
+      float lo[KB_PER_STAGE][WM][KSTEPS][4];  // each value's remainder past its TF32 part (a keeps the part)
+      #pragma unroll
+      for (int j = 0; j < KB_PER_STAGE; ++j)
+        #pragma unroll
+        for (int i = 0; i < WM; ++i)
+          #pragma unroll
+          for (int k = 0; k < KSTEPS; ++k)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float hi = tf32_round(a[j][i][k][e]);
+              lo[j][i][k][e] = a[j][i][k][e] - hi;  // exact
+              a[j][i][k][e] = hi;
+            }
       float part[WM][ACC];  // this stage's sums (the first product overwrites them)
-      wgmma_fence();  // (the A registers written above, and the accumulators, before wgmma reads them)
+      wgmma_fence();  // (every A register is written, and the accumulators, before wgmma reads them)
       #pragma unroll
       for (int j = 0; j < KB_PER_STAGE; ++j) {
         const unsigned b = stage + j * B_BYTES;
@@ -411,16 +424,10 @@ __device__ __forceinline__ void conv_block(
           const unsigned long long b_lo = descriptor(b + PLANE_BYTES + 32 * k);
           #pragma unroll
           for (int i = 0; i < WM; ++i) {
-            float hi[4], lo[4];  // each value's TF32 part and the remainder
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              hi[e] = tf32_round(a[j][i][k][e]);
-              lo[e] = a[j][i][k][e] - hi[e];  // exact
-            }
             // small products first; the stage's first product starts its sums
-            wgmma_rs(part[i], lo, b_hi, j > 0 || k > 0);
-            wgmma_rs(part[i], hi, b_lo, 1);
-            wgmma_rs(part[i], hi, b_hi, 1);
+            wgmma_rs(part[i], lo[j][i][k], b_hi, j > 0 || k > 0);
+            wgmma_rs(part[i], a[j][i][k], b_lo, 1);
+            wgmma_rs(part[i], a[j][i][k], b_hi, 1);
           }
         }
       }
