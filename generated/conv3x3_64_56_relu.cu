@@ -103,7 +103,7 @@ constexpr int ACC = BN / 2;  // accumulator floats per thread per m64 tile
 // unswizzled in the stage's staging buffer (at STAGING_AT, past the B tiles: there is no A tile), and
 // the consumers load their A registers from it (`a_fragments`), zeros where the tap is in the padding.
 constexpr int A_CHUNKS = BM / 64;
-constexpr int SPAN = 72;  // positions of a box: 64, shifted by up to 3 past a 16-byte boundary, and 4 more (bank spread)
+constexpr int SPAN = 72;  // positions of a box: 64 from up to 3 past a 16-byte boundary, padded to 72 (rows 72 words apart: a warp's loads in 32 banks)
 constexpr unsigned A_CHUNK_BYTES = BKC * SPAN * 4;  // one chunk's box
 constexpr unsigned STAGING_BYTES = A_CHUNKS * A_CHUNK_BYTES;  // one K-block's boxes
 constexpr unsigned STAGING_AT = 16384;  // the staging buffer's offset in a stage (past the B planes, 1024-byte aligned)
@@ -210,13 +210,13 @@ __device__ __forceinline__ float lds_f32(unsigned a) {
   return v;
 }
 
-// Whether an output position at (od, oh, ow) reads a tap of offsets (off_d, off_h, off_w) inside the
-// input (else the tap is in the padding and reads zero; a row past the positions, never stored, too).
 // A tap's shift along the flattened positions: output position o reads input position o + the shift.
 __device__ __forceinline__ int tap_shift(int kd, int kh, int kw) {
   return (kd * DIL_D - P_D) * (IN_H * IN_W) + (kh * DIL_H - P_H) * IN_W + (kw * DIL_W - P_W);
 }
 
+// Whether an output position at (od, oh, ow) reads a tap of offsets (off_d, off_h, off_w) inside the
+// input (else the tap is in the padding and reads zero; a row past the positions, never stored, too).
 __device__ __forceinline__ bool tap_inside(int od, int oh, int ow, int off_d, int off_h, int off_w) {
   return static_cast<unsigned>(od + off_d) < static_cast<unsigned>(IN_D) &&
          static_cast<unsigned>(oh + off_h) < static_cast<unsigned>(IN_H) &&
@@ -247,9 +247,10 @@ __device__ __forceinline__ TileRows tile_rows(int p, int r) {
 // A K-block's A registers of one m64 tile, tap (kd, kh, kw): wgmma's tf32 register fragment of
 // k-step k holds a[k][0] = (row r, channel 8 k + tq), a[k][1] = (r + 8, 8 k + tq), a[k][2] = (r, 8 k + tq + 4),
 // a[k][3] = (r + 8, 8 k + tq + 4). `box`: the tile's box in the stage (BKC rows of SPAN positions from the
-// shifted start rounded down to 16 bytes); `word`: `a_word`. Row r reads input position o + the shift,
-// at (o + shift) & 3 past the box's start; zeros where the tap is in the padding. A warp's load reads 8
-// positions of 4 channels: rows SPAN words apart, so its 32 words fall in 32 different banks.
+// shifted start rounded down to 16 bytes); `word`: `a_word`. Row r, output position o = p + r, reads
+// input position o + the shift: ((p + shift) & 3) + r past the box's start; zeros where the tap is in
+// the padding. A warp's load reads 8 positions of 4 channels: rows SPAN words apart, so its 32 words
+// fall in 32 different banks.
 __device__ __forceinline__ void a_fragments(float (&a)[KSTEPS][4], unsigned box, const TileRows& rows, unsigned word,
                                             int kd, int kh, int kw) {
   const int off_d = kd * DIL_D - P_D, off_h = kh * DIL_H - P_H, off_w = kw * DIL_W - P_W;
