@@ -39,7 +39,7 @@
 //     There is no A tile. The weights arrive as [C_OUT][TAPS][CIP] (zeros in the padded channels).
 //   * A block owns BM = 128 positions x BN = 64 channels. K is walked in K-blocks of one tap x BKC = 32
 //     channels (18 of them, 1 per pipeline stage, 18 stages walked).
-//     A K-block's A tile (BM positions x BKC channels) is 2 tiled TMA loads, one per m64 tile (its 64
+//     A K-block's A operand (BM positions x BKC channels) is 2 tiled TMA loads, one per m64 tile (its 64
 //     positions lie in one sample: POSITIONS is a multiple of 64), each BKC rows
 //     of SPAN positions, unswizzled, into the staging buffer; channels past C_IN, positions past the
 //     sample's and samples past the batch load as zeros. Its B tile is one TMA load of the weights,
