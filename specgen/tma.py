@@ -686,20 +686,31 @@ def _smem(cfg: TmaConfig, row_bytes: int, planes: int, staging_row: int = 0) -> 
     per channel of an m64 chunk, `staging_row_bytes`) ends, 1024-byte aligned, with its A tiles'
     staging buffer (fp32 values as loaded, one plane). The tap-shifted boxes (`TmaPlan.a_shifted`)
     are read from there into registers: no A tile."""
-    a_bytes = 0 if staging_row == STAGED_SPAN * 4 else _align(cfg.bm * row_bytes, row_bytes)
+    a_bytes = 0 if _shifted(staging_row) else _align(cfg.bm * row_bytes, row_bytes)
     b_bytes = _align(cfg.bn * row_bytes, row_bytes)
     stage = planes * cfg.kb_per_stage * (a_bytes + b_bytes)
     if staging_row:
-        stage = _past_planes(stage) + cfg.kb_per_stage * (cfg.bm // 64) * (row_bytes // 4) * staging_row
+        stage = _past_planes(stage) + _staging_bytes(cfg, row_bytes, staging_row)
     return a_bytes, b_bytes, stage
 
 
-def _sized(cfg: TmaConfig, row_bytes: int, planes: int, staging_row: int, shifted: bool) -> int:
+def _shifted(staging_row: int) -> bool:
+    """Whether a stage of staging rows of `staging_row` bytes (`staging_row_bytes`) holds tap-shifted
+    boxes (`TmaPlan.a_shifted`), read into registers, rather than a 1x1 conv's transposed tiles."""
+    return staging_row == STAGED_SPAN * 4
+
+
+def _staging_bytes(cfg: TmaConfig, row_bytes: int, staging_row: int) -> int:
+    """A stage's staging buffer: per K-block and m64 chunk, a staging row per channel (fp32)."""
+    return cfg.kb_per_stage * (cfg.bm // 64) * (row_bytes // 4) * staging_row
+
+
+def _sized(cfg: TmaConfig, row_bytes: int, planes: int, staging_row: int) -> int:
     """The stage bytes a tile is chosen by: its own (`_smem`), and for a conv reading its taps in
     place at least those of the stage the layout pass would feed (with an A tile), so that its tile
     and depth are the pass's wherever both fit."""
     stage = _smem(cfg, row_bytes, planes, staging_row)[2]
-    return max(stage, _smem(cfg, row_bytes, planes)[2]) if shifted else stage
+    return max(stage, _smem(cfg, row_bytes, planes)[2]) if _shifted(staging_row) else stage
 
 
 def _past_planes(nbytes: int) -> int:
@@ -823,7 +834,6 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
     # (`_sized`): the taller one its stage without an A tile fits ran at 0.54x at batch 1 on an H100
     # (fp32 64 -> 64 at 56^2: 13 blocks of 256 x 64, NOTES v71). (Where that is two blocks per SM,
     # the plan keeps the pass: see `plan`.)
-    shifted = staged == STAGED_SPAN * 4
     if two_blocks and not split and not spec.inputs() and not rows:
         # (a W pair holds two GEMMs' accumulators: 128 rows)
         heights = (128,) if pairs else (256,) if transposed or spec.precision == "tf32" else (256, 128)
@@ -832,7 +842,7 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
             if not two_blocks_fit(bm, n_pad, split, pairs):
                 continue
             for kps in _kb_options(kb_total, row):
-                stage = _sized(TmaConfig(bm, n_pad, 2, kps), row, 1, staged, shifted)
+                stage = _sized(TmaConfig(bm, n_pad, 2, kps), row, 1, staged)
                 # (no deeper than the stages walked; a stride phase's block walks at least KB_TOTAL / KPS)
                 walked = kb_total // kps if not transposed else MAX_STAGES
                 stages = min(MAX_STAGES, walked, _two_block_stages(target, stage))
@@ -848,7 +858,7 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
         for bn in sorted({min(n_pad, 64), min(n_pad, 32)}, reverse=True):
             if 128 % rows or not two_blocks_fit(128, bn, split, pairs, rows):
                 continue
-            stage = _sized(TmaConfig(128, bn, 2, kps), row, 1, staged, shifted)
+            stage = _sized(TmaConfig(128, bn, 2, kps), row, 1, staged)
             stages = _two_block_stages(target, stage, row_norm_smem(128, bn))  # (as deep as two blocks fit, as tuned)
             if stages >= 2:
                 return TmaConfig(128, bn, stages, kps, blocks_per_sm=2)
@@ -859,11 +869,11 @@ def default_config(spec: LayerSpec, target: targets.Target, batch: int = 64, two
     fallback = None
     for kps in _kb_options(kb_total, row):
         for bm, bn in shapes:
-            stage = _sized(TmaConfig(bm, bn, 2, kps), row, planes, staged, shifted)
+            stage = _sized(TmaConfig(bm, bn, 2, kps), row, planes, staged)
             budget = target.smem_per_block - SMEM_ALIGN - (row_norm_smem(bm, bn) if rows else 0)
             stages = min(MAX_STAGES, budget // stage)
             if stages >= want:
-                if shifted:  # (the pass's tile, as deep as its own stages fit)
+                if _shifted(staged):  # (the pass's tile, as deep as its own stages fit)
                     stages = min(MAX_STAGES, budget // _smem(TmaConfig(bm, bn, 2, kps), row, planes, staged)[2])
                 return TmaConfig(bm, bn, stages, kps)
             if stages >= 2 and fallback is None:
@@ -894,7 +904,7 @@ def configs(spec: LayerSpec, target: targets.Target, batch: int = 64) -> list[Tm
         deepest = min(8, (target.smem_per_block - SMEM_ALIGN - (row_norm_smem(bm, bn) if rows else 0)) // stage)
         options = [TmaConfig(bm, bn, stages, kps) for stages in sorted({deepest, min(4, deepest)}, reverse=True) if stages >= 2]
         # (two blocks of a conv that could read its taps in place keep the pass: `plan`, stages with an A tile)
-        two_stage = _sized(TmaConfig(bm, bn, 2, kps), row, planes, staged, staged == STAGED_SPAN * 4)
+        two_stage = _sized(TmaConfig(bm, bn, 2, kps), row, planes, staged)
         two_stages = min(k_iters, _two_block_stages(target, two_stage, row_norm_smem(bm, bn) if rows else 0))
         if two_blocks_fit(bm, bn, split, pairs, rows) and two_stages >= 2:
             options.append(TmaConfig(bm, bn, two_stages, kps, blocks_per_sm=2))
@@ -1039,7 +1049,7 @@ def plan_tma(spec: LayerSpec, target: targets.Target, config: TmaConfig | None =
         swizzle_desc=SWIZZLE[row]["desc"], swizzle_tma=SWIZZLE[row]["tma"], a_bytes=a_bytes, b_bytes=b_bytes,
         stage_bytes=stage_bytes, smem_bytes=smem,
         stage_tx=planes * cfg.kb_per_stage * ((0 if staged else cfg.bm) + cfg.bn) * row
-        + (cfg.kb_per_stage * (cfg.bm // 64) * bkc * STAGED_SPAN * 4 if staged and taps > 1 else 0),  # (its boxes)
+        + (_staging_bytes(cfg, row, staging_row_bytes(spec)) if staged and taps > 1 else 0),  # (its boxes)
         n_tiles=n_tiles, cout=cout, positions=positions, in_positions=in_positions, rank=nd + 2,
         lower=lower, upper=upper, elem_strides=rev(tuple(geo["stride"])), prep_tc=prep_tc, prep_tp=prep_tp,
         prep_tiles=-(-in_positions // prep_tp) * -(-cip // prep_tc), acc_regs=acc,

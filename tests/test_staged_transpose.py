@@ -107,17 +107,21 @@ int main(int argc, char** argv) {  // x.bin (BM x BKC floats, [position][channel
 """
 
 
-def _host_source(text: str, planes: int) -> str:
-    """The prelude, the kernel's constants, its tf32_round (fp32 mode) and transpose, and the harness."""
+def _kernel_part(text: str, section: str) -> tuple[list[str], str]:
+    """The kernel's constants and its helpers from the comment line `section` to the end of its
+    namespace, for the host: their shared-memory accesses are the prelude's (the kernel's are PTX)."""
     head = text[:text.index("struct alignas(64) TensorMap")]
     consts = [line for line in head.splitlines() if re.match(r"(constexpr (int|unsigned) |static_assert\()", line)]
-    start = text.index("// ---- the staged A tiles' transpose")
+    start = text.index(section)
     body = text[start:text.index("}  // namespace", start)]
-    # the shared-memory accesses are the prelude's (the kernel's are PTX)
-    body = re.sub(r"__device__ __forceinline__ float4 lds_v4\(.*?\n}\n", "", body, flags=re.S)
-    body = re.sub(r"__device__ __forceinline__ void sts_v4\(.*?\n}\n", "", body, flags=re.S)
-    body = re.sub(r"__device__ __forceinline__ float lds_f32\(.*?\n}\n", "", body, flags=re.S)
+    body = re.sub(r"__device__ __forceinline__ (float4 lds_v4|void sts_v4|float lds_f32)\(.*?\n}\n", "", body, flags=re.S)
     assert "asm" not in body
+    return consts, body
+
+
+def _host_source(text: str, planes: int) -> str:
+    """The prelude, the kernel's constants, its tf32_round (fp32 mode) and transpose, and the harness."""
+    consts, body = _kernel_part(text, "// ---- the staged A tiles' transpose")
     rounding = [line for line in text.splitlines() if "float tf32_round(float x)" in line]
     return "\n".join([_PRELUDE, *consts, f"constexpr int PLANES = {planes};", *rounding, body, _TILE_IO, _MAIN])
 
@@ -219,12 +223,7 @@ int main(int argc, char** argv) {  // x.bin tile.bin trace.txt m0 kd kh kw
 
 def _fragments_source(text: str) -> str:
     """The prelude, the kernel's constants and its A-register helpers (`a_fragments`), and the harness."""
-    head = text[:text.index("struct alignas(64) TensorMap")]
-    consts = [line for line in head.splitlines() if re.match(r"(constexpr (int|unsigned) |static_assert\()", line)]
-    start = text.index("// ---- the consumers' A registers")
-    body = text[start:text.index("}  // namespace", start)]
-    body = re.sub(r"__device__ __forceinline__ float lds_f32\(.*?\n}\n", "", body, flags=re.S)
-    assert "asm" not in body
+    consts, body = _kernel_part(text, "// ---- the consumers' A registers")
     return "\n".join([_PRELUDE, *consts, body, _FRAGMENTS_MAIN])
 
 
